@@ -1,0 +1,210 @@
+//! Hamming(7,4) packed at 7 bits per value: 8 codewords in 7 bytes.
+//!
+//! The codewords of values `8g..8g+8` are concatenated LSB first into the
+//! 56-bit little-endian word of bytes `7g..7g+7` (codeword j in bits 7j..7j+7,
+//! each codeword as in eq. 17: bits 0-3 the value, bits 4-6 the parity). A last
+//! group of m < 8 values takes `⌈7m/8⌉` bytes; its unused high bits are written
+//! as zero and ignored by the decoder. The code is perfect: every non-zero
+//! syndrome is "corrected", so double errors are miscorrected (section 5.1.4)
+//! and nothing is ever flagged as erased.
+
+use std::sync::OnceLock;
+
+use super::secded84::{FLAG_CORRECTED, FLAG_DETECTED, outcome_of};
+use super::{Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks};
+use crate::code::LinearCode;
+use crate::error::{Result, check_len};
+use crate::stats::{DecodeOutcome, DecodeStats};
+
+/// The Hamming(7,4) batch codec (7 bits per value).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Hamming74;
+
+/// Tables derived from the paper's matrices.
+pub(crate) struct Tables {
+    /// Codeword of each value.
+    pub(crate) encode: [u8; 16],
+    /// Per 7-bit received word: decoded value | FLAG_* bits.
+    pub(crate) decode: [u8; 128],
+    /// Per 7-bit received word: the corrected codeword.
+    pub(crate) scrub: [u8; 128],
+    /// Syndrome contributions of bits 0-3 and bits 4-6 of a codeword.
+    pub(crate) syndrome_lo: [u8; 16],
+    pub(crate) syndrome_hi: [u8; 16],
+    /// Per syndrome: data correction | FLAG_* bits.
+    pub(crate) action: [u8; 16],
+}
+
+pub(crate) fn code() -> &'static LinearCode {
+    static CODE: OnceLock<LinearCode> = OnceLock::new();
+    CODE.get_or_init(crate::standard::hamming74)
+}
+
+pub(crate) fn tables() -> &'static Tables {
+    static TABLES: OnceLock<Tables> = OnceLock::new();
+    TABLES.get_or_init(|| {
+        let code = code();
+        let mut t = Tables {
+            encode: [0; 16],
+            decode: [0; 128],
+            scrub: [0; 128],
+            syndrome_lo: [0; 16],
+            syndrome_hi: [0; 16],
+            action: [0; 16],
+        };
+        for v in 0..16u64 {
+            t.encode[v as usize] = code.encode(v).expect("4 data bits") as u8;
+        }
+        for r in 0..128u64 {
+            let d = code.decode_word(r).expect("7-bit word");
+            let flag = match d.outcome {
+                DecodeOutcome::Clean => 0,
+                DecodeOutcome::Corrected => FLAG_CORRECTED,
+                DecodeOutcome::Detected => FLAG_DETECTED,
+            };
+            t.decode[r as usize] = d.data as u8 | flag;
+            t.scrub[r as usize] = d.codeword as u8;
+            t.action[d.syndrome as usize] = (d.error_pattern & 0xF) as u8 | flag;
+        }
+        for nib in 0..16u64 {
+            t.syndrome_lo[nib as usize] = code.syndrome(nib).expect("7-bit word") as u8;
+            if nib < 8 {
+                t.syndrome_hi[nib as usize] = code.syndrome(nib << 4).expect("7-bit word") as u8;
+            }
+        }
+        t
+    })
+}
+
+/// Reads group `g`'s 56-bit word from up to 7 bytes (fewer at the end).
+#[inline(always)]
+fn load_group(bytes: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    let n = bytes.len().min(7);
+    w[..n].copy_from_slice(&bytes[..n]);
+    u64::from_le_bytes(w)
+}
+
+struct ScalarKernel<'a>(&'a Tables);
+
+impl ChunkKernel for ScalarKernel<'_> {
+    const CHUNK_BYTES: usize = 56;
+
+    #[inline(always)]
+    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
+        let (mut det, mut corr) = (0u64, 0u64);
+        for g in 0..8 {
+            let word = load_group(&encoded[7 * g..7 * g + 7]);
+            for j in 0..8 {
+                let i = 8 * g + j;
+                let e = self.0.decode[(word >> (7 * j) & 0x7F) as usize];
+                out[i] = e & 0x0F;
+                det |= u64::from(e >> 7) << i;
+                corr |= u64::from(e >> 6 & 1) << i;
+            }
+        }
+        (det, corr)
+    }
+}
+
+impl Hamming74 {
+    fn run(
+        self,
+        backend: Backend,
+        encoded: &[u8],
+        truth: Option<&[u8]>,
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        check_decode_shapes(
+            &self,
+            encoded.len(),
+            values.len(),
+            erasures.len(),
+            truth.map(<[u8]>::len),
+        )?;
+        backend.ensure_supported()?;
+        let t = tables();
+        Ok(match backend {
+            Backend::Scalar => drive_chunks(&ScalarKernel(t), encoded, values, truth, erasures),
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2 => {
+                // SAFETY: `ensure_supported` checked that this CPU has AVX2.
+                unsafe { super::x86::hamming_decode_avx2(t, encoded, values, truth, erasures) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Backend::Avx2 => unreachable!("ensure_supported rejects AVX2 off x86-64"),
+        })
+    }
+}
+
+impl Int4Codec for Hamming74 {
+    fn name(&self) -> &'static str {
+        "hamming74"
+    }
+
+    fn values_per_codeword(&self) -> usize {
+        1
+    }
+
+    fn bits_per_value(&self) -> u32 {
+        7
+    }
+
+    fn encoded_len(&self, values: usize) -> usize {
+        (7 * values).div_ceil(8)
+    }
+
+    fn encode_into(&self, values: &[u8], encoded: &mut [u8]) -> Result<()> {
+        check_len("encoded", self.encoded_len(values.len()), encoded.len())?;
+        check_nibbles(values)?;
+        let t = tables();
+        for (group, out) in values.chunks(8).zip(encoded.chunks_mut(7)) {
+            let word = group.iter().enumerate().fold(0u64, |w, (j, &v)| {
+                w | u64::from(t.encode[usize::from(v & 0xF)]) << (7 * j)
+            });
+            out.copy_from_slice(&word.to_le_bytes()[..out.len()]);
+        }
+        Ok(())
+    }
+
+    fn decode_into_with(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        self.run(backend, encoded, None, values, erasures)
+    }
+
+    fn decode_with_truth_into_with(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        truth: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        self.run(backend, encoded, Some(truth), values, erasures)
+    }
+
+    fn scrub(&self, encoded: &mut [u8], values: usize) -> Result<DecodeStats> {
+        check_len("encoded", self.encoded_len(values), encoded.len())?;
+        let t = tables();
+        let mut stats = DecodeStats::default();
+        for (g, out) in encoded.chunks_mut(7).enumerate() {
+            let in_group = (values - 8 * g).min(8);
+            let word = load_group(out);
+            let mut fixed = word;
+            for j in 0..in_group {
+                let cw = (word >> (7 * j) & 0x7F) as usize;
+                stats.record(outcome_of(t.decode[cw]));
+                fixed ^= u64::from(t.scrub[cw] ^ cw as u8) << (7 * j);
+            }
+            let n = out.len();
+            out.copy_from_slice(&fixed.to_le_bytes()[..n]);
+        }
+        Ok(stats)
+    }
+}

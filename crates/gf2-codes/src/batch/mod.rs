@@ -1,0 +1,399 @@
+//! Batch codecs for INT4 values: the byte layouts that `kv-quant` and the GPU
+//! kernels reuse byte for byte.
+//!
+//! Input and output values are one per `u8`, in the low nibble (`0..=15`).
+//! A value's bit `i` is data bit `dᵢ` of the paper, so the data word of
+//! Hamming/SECDED is the value itself, and codeword bit `i` is bit `i` of the
+//! stored word (LSB first).
+//!
+//! | code | layout | bits/value |
+//! |---|---|---|
+//! | [`Hamming74`] | the 7-bit codewords of values `8g..8g+8` form the 56-bit little-endian word of bytes `7g..7g+7`: codeword `j` in bits `7j..7j+7`; a final partial group uses `⌈7m/8⌉` bytes | 7 |
+//! | [`Secded84`] | one byte per value: bits 0-3 the value, 4-6 the Hamming parity, 7 the overall parity | 8 |
+//! | [`Golay24`] | values `3i, 3i+1, 3i+2` form data word `v₀ \| v₁<<4 \| v₂<<8`; the 24-bit codeword `d \| p<<12` is stored little-endian in bytes `3i..3i+3`; a final partial triple is padded with zero values | 8 |
+//!
+//! Every decode writes the decoded values, a bitmap of erased values (bit
+//! `i % 64` of word `i / 64` set when value `i` sits in a detected-uncorrectable
+//! codeword; such values are returned as received), and [`DecodeStats`]
+//! counted per codeword. Decoding tables are derived once from the paper's
+//! matrices through [`LinearCode`](crate::LinearCode), so the fast paths and the
+//! generic decoder cannot drift apart.
+
+mod golay24;
+mod hamming74;
+mod secded84;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::str::FromStr;
+
+use crate::error::{Gf2Error, Result, check_len};
+use crate::stats::DecodeStats;
+
+pub use golay24::Golay24;
+pub use hamming74::Hamming74;
+pub use secded84::Secded84;
+
+/// Which implementation of a batch kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// Portable table-driven code; always available.
+    Scalar,
+    /// x86-64 AVX2 byte shuffles (`vpshufb`).
+    Avx2,
+}
+
+impl Backend {
+    /// The fastest backend this CPU supports (checked at run time).
+    pub fn detect() -> Backend {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Backend::Avx2;
+        }
+        Backend::Scalar
+    }
+
+    /// Whether this CPU can run the backend.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Backend::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            #[cfg(not(target_arch = "x86_64"))]
+            Backend::Avx2 => false,
+        }
+    }
+
+    /// All backends this CPU supports (for tests and benchmarks).
+    pub fn available() -> Vec<Backend> {
+        [Backend::Scalar, Backend::Avx2]
+            .into_iter()
+            .filter(|b| b.is_supported())
+            .collect()
+    }
+
+    fn ensure_supported(self) -> Result<()> {
+        if self.is_supported() {
+            Ok(())
+        } else {
+            Err(Gf2Error::InvalidParameter {
+                name: "backend",
+                reason: format!("{self:?} is not supported by this CPU"),
+            })
+        }
+    }
+}
+
+/// Number of `u64` words of an erasure bitmap for `values` values.
+pub const fn erasure_words(values: usize) -> usize {
+    values.div_ceil(64)
+}
+
+/// The result of an owned-data decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decoded {
+    /// Decoded values, one per byte.
+    pub values: Vec<u8>,
+    /// Erasure bitmap (see the module docs).
+    pub erasures: Vec<u64>,
+    /// Outcome counts per codeword.
+    pub stats: DecodeStats,
+}
+
+impl Decoded {
+    /// Whether value `i` was flagged as erased.
+    ///
+    /// # Panics
+    /// If `i` is out of range.
+    pub fn is_erased(&self, i: usize) -> bool {
+        assert!(i < self.values.len(), "value index {i} out of range");
+        self.erasures[i / 64] >> (i % 64) & 1 == 1
+    }
+}
+
+/// A batch codec for INT4 values in one of the layouts of this module.
+///
+/// The `_into` calls work on caller-provided slices and never allocate; the
+/// others are conveniences over them. On error nothing useful is written.
+pub trait Int4Codec {
+    /// Short name, as used in cache-form spellings (`hamming74`, `secded84`, `golay24`).
+    fn name(&self) -> &'static str;
+
+    /// INT4 values held by one codeword.
+    fn values_per_codeword(&self) -> usize;
+
+    /// Stored bits per value (7 or 8).
+    fn bits_per_value(&self) -> u32;
+
+    /// Bytes of encoded storage for `values` values.
+    fn encoded_len(&self, values: usize) -> usize;
+
+    /// Codewords holding `values` values.
+    fn codewords(&self, values: usize) -> usize {
+        values.div_ceil(self.values_per_codeword())
+    }
+
+    /// Encodes `values` (each `<= 15`) into `encoded` (`encoded_len(values.len())` bytes).
+    fn encode_into(&self, values: &[u8], encoded: &mut [u8]) -> Result<()>;
+
+    /// Decodes `values.len()` values from `encoded` with the given backend.
+    fn decode_into_with(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats>;
+
+    /// As [`decode_into_with`](Self::decode_into_with), comparing each decoded
+    /// codeword's data with `truth` to count miscorrected and silent words.
+    fn decode_with_truth_into_with(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        truth: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats>;
+
+    /// Scrubbing: decodes every codeword of the `values` values held in
+    /// `encoded` and rewrites corrected codewords in place (detected ones are
+    /// left as they are).
+    fn scrub(&self, encoded: &mut [u8], values: usize) -> Result<DecodeStats>;
+
+    /// Decodes with the fastest backend of this CPU.
+    fn decode_into(
+        &self,
+        encoded: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        self.decode_into_with(Backend::detect(), encoded, values, erasures)
+    }
+
+    /// Truth-aware decode with the fastest backend of this CPU.
+    fn decode_with_truth_into(
+        &self,
+        encoded: &[u8],
+        truth: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        self.decode_with_truth_into_with(Backend::detect(), encoded, truth, values, erasures)
+    }
+
+    /// Encodes into a new buffer.
+    fn encode(&self, values: &[u8]) -> Result<Vec<u8>> {
+        let mut out = vec![0; self.encoded_len(values.len())];
+        self.encode_into(values, &mut out)?;
+        Ok(out)
+    }
+
+    /// Decodes `count` values into new buffers.
+    fn decode(&self, encoded: &[u8], count: usize) -> Result<Decoded> {
+        let mut values = vec![0; count];
+        let mut erasures = vec![0; erasure_words(count)];
+        let stats = self.decode_into(encoded, &mut values, &mut erasures)?;
+        Ok(Decoded {
+            values,
+            erasures,
+            stats,
+        })
+    }
+}
+
+/// The three codes of the paper, for choosing one at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Int4Code {
+    /// Hamming(7,4), 7 bits per value.
+    Hamming74,
+    /// Extended Hamming(8,4) SECDED, 8 bits per value.
+    Secded84,
+    /// Extended Golay(24,12), 24 bits per 3 values.
+    Golay24,
+}
+
+impl Int4Code {
+    /// All three, weakest first.
+    pub const ALL: [Int4Code; 3] = [Int4Code::Hamming74, Int4Code::Secded84, Int4Code::Golay24];
+
+    /// The codec as a trait object.
+    pub fn codec(self) -> &'static dyn Int4Codec {
+        match self {
+            Int4Code::Hamming74 => &Hamming74,
+            Int4Code::Secded84 => &Secded84,
+            Int4Code::Golay24 => &Golay24,
+        }
+    }
+
+    /// The generic [`LinearCode`](crate::LinearCode) with the paper's matrices.
+    pub fn linear_code(self) -> &'static crate::LinearCode {
+        match self {
+            Int4Code::Hamming74 => hamming74::code(),
+            Int4Code::Secded84 => secded84::code(),
+            Int4Code::Golay24 => golay24::code(),
+        }
+    }
+}
+
+impl std::fmt::Display for Int4Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.codec().name())
+    }
+}
+
+impl FromStr for Int4Code {
+    type Err = Gf2Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Int4Code::ALL
+            .into_iter()
+            .find(|c| c.codec().name() == s)
+            .ok_or_else(|| Gf2Error::InvalidParameter {
+                name: "code",
+                reason: format!("unknown code {s:?}; expected one of hamming74, secded84, golay24"),
+            })
+    }
+}
+
+/// Checks that every value fits in a nibble.
+pub(crate) fn check_nibbles(values: &[u8]) -> Result<()> {
+    // One branch-free pass (vectorised by the compiler) and a search only on failure.
+    if values.iter().fold(0u8, |acc, &v| acc | v) <= 15 {
+        return Ok(());
+    }
+    let index = values
+        .iter()
+        .position(|&v| v > 15)
+        .expect("some value is > 15");
+    Err(Gf2Error::NibbleOutOfRange {
+        index,
+        value: values[index],
+    })
+}
+
+/// Checks the slices of a decode call.
+pub(crate) fn check_decode_shapes(
+    codec: &dyn Int4Codec,
+    encoded: usize,
+    values: usize,
+    erasures: usize,
+    truth: Option<usize>,
+) -> Result<()> {
+    check_len("encoded", codec.encoded_len(values), encoded)?;
+    check_len("erasures", erasure_words(values), erasures)?;
+    if let Some(t) = truth {
+        check_len("truth", values, t)?;
+    }
+    Ok(())
+}
+
+/// Bit `i` set where `a[i] != b[i]` (slices of at most 64).
+#[inline]
+pub(crate) fn mismatch_mask(a: &[u8], b: &[u8]) -> u64 {
+    a.iter()
+        .zip(b)
+        .enumerate()
+        .fold(0u64, |m, (i, (x, y))| m | (u64::from(x != y) << i))
+}
+
+/// Decodes 64 values of a one-value-per-codeword layout from `encoded`
+/// (at least [`CHUNK_READ`] readable bytes) into `out`; returns the masks of
+/// detected and corrected values.
+pub(crate) trait ChunkKernel {
+    /// Encoded bytes per 64 values.
+    const CHUNK_BYTES: usize;
+    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64);
+}
+
+/// Bytes a chunk kernel may read from the start of its chunk.
+pub(crate) const CHUNK_READ: usize = 64;
+
+/// The shared loop of the one-value-per-codeword codes: full chunks straight
+/// from the input, the tail through a zero-padded stack buffer, then erasure
+/// words and statistics from the masks.
+#[inline(always)]
+pub(crate) fn drive_chunks<K: ChunkKernel>(
+    kernel: &K,
+    encoded: &[u8],
+    values: &mut [u8],
+    truth: Option<&[u8]>,
+    erasures: &mut [u64],
+) -> DecodeStats {
+    let n = values.len();
+    let mut stats = DecodeStats::default();
+    for (c, (out, erasure)) in values.chunks_mut(64).zip(erasures.iter_mut()).enumerate() {
+        let start = c * K::CHUNK_BYTES;
+        let count = out.len();
+        let (det, corr) = if let (Ok(out64), true) = (
+            <&mut [u8; 64]>::try_from(&mut *out),
+            encoded.len() - start >= CHUNK_READ,
+        ) {
+            kernel.decode_chunk(&encoded[start..], out64)
+        } else {
+            let mut buf = [0u8; CHUNK_READ];
+            let rest = &encoded[start..];
+            buf[..rest.len()].copy_from_slice(rest);
+            let mut tmp = [0u8; 64];
+            let masks = kernel.decode_chunk(&buf, &mut tmp);
+            out.copy_from_slice(&tmp[..count]);
+            masks
+        };
+        let valid = crate::bitvec::low_mask(count);
+        let (det, corr) = (det & valid, corr & valid);
+        *erasure = det;
+        let (det_n, corr_n) = (u64::from(det.count_ones()), u64::from(corr.count_ones()));
+        stats.words += count as u64;
+        stats.detected += det_n;
+        match truth {
+            None => {
+                stats.corrected += corr_n;
+                stats.clean += count as u64 - det_n - corr_n;
+            }
+            Some(t) => {
+                let wrong = mismatch_mask(out, &t[c * 64..c * 64 + count]) & !det;
+                let clean = valid & !det & !corr;
+                stats.corrected += u64::from((corr & !wrong).count_ones());
+                stats.miscorrected += u64::from((corr & wrong).count_ones());
+                stats.clean += u64::from((clean & !wrong).count_ones());
+                stats.silent += u64::from((clean & wrong).count_ones());
+            }
+        }
+    }
+    debug_assert_eq!(stats.words, n as u64);
+    stats
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for code in Int4Code::ALL {
+            assert_eq!(code.to_string().parse::<Int4Code>().unwrap(), code);
+        }
+        assert!(matches!(
+            "golay23".parse::<Int4Code>(),
+            Err(Gf2Error::InvalidParameter { .. })
+        ));
+    }
+
+    #[test]
+    fn nibble_check_finds_first_bad_value() {
+        assert!(check_nibbles(&[0, 15, 7]).is_ok());
+        assert_eq!(
+            check_nibbles(&[1, 2, 16, 200]).unwrap_err(),
+            Gf2Error::NibbleOutOfRange {
+                index: 2,
+                value: 16
+            }
+        );
+    }
+
+    #[test]
+    fn mismatch_mask_marks_differences() {
+        assert_eq!(mismatch_mask(&[1, 2, 3, 4], &[1, 0, 3, 0]), 0b1010);
+    }
+}
