@@ -22,11 +22,13 @@ pub struct Golay24;
 const CORRECTED: u32 = 1 << 24;
 const DETECTED: u32 = 1 << 25;
 
-struct Tables {
+pub(crate) struct Tables {
     /// `d·B` for each data word: the parity on encode, the data part of the syndrome on decode.
-    parity: Vec<u16>,
+    pub(crate) parity: Vec<u16>,
     /// Per syndrome: the 24-bit error pattern to remove | CORRECTED | DETECTED.
-    leader: Vec<u32>,
+    pub(crate) leader: Vec<u32>,
+    /// `vgf2p8affineqb` matrices: `[byte r of the codeword][syndrome byte h]`.
+    pub(crate) syndrome_affine: [[u64; 2]; 3],
 }
 
 pub(crate) fn code() -> &'static LinearCode {
@@ -34,7 +36,7 @@ pub(crate) fn code() -> &'static LinearCode {
     CODE.get_or_init(crate::standard::golay24)
 }
 
-fn tables() -> &'static Tables {
+pub(crate) fn tables() -> &'static Tables {
     static TABLES: OnceLock<Tables> = OnceLock::new();
     TABLES.get_or_init(|| {
         let code = code();
@@ -54,7 +56,17 @@ fn tables() -> &'static Tables {
                 }
             })
             .collect();
-        Tables { parity, leader }
+        let bit_syndrome = |bit: usize| code.syndrome(1 << bit).expect("bit < 24");
+        let syndrome_affine = std::array::from_fn(|r| {
+            std::array::from_fn(|h| {
+                super::affine_matrix(super::syndrome_rows(|j| bit_syndrome(8 * r + j), h as u32))
+            })
+        });
+        Tables {
+            parity,
+            leader,
+            syndrome_affine,
+        }
     })
 }
 
@@ -77,12 +89,36 @@ fn outcome(e: u32) -> DecodeOutcome {
     }
 }
 
+/// Applies leader-table entry `e` of codeword `i` of a buffer whose values
+/// were written uncorrected; counts it (for non-zero syndromes only).
+#[inline]
+pub(crate) fn apply_leader(
+    e: u32,
+    i: usize,
+    out: &mut [u8],
+    erasures: &mut [u64],
+    stats: &mut DecodeStats,
+) {
+    if e & DETECTED != 0 {
+        stats.detected += 1;
+        for v in 3 * i..3 * i + 3 {
+            erasures[v / 64] |= 1 << (v % 64);
+        }
+    } else if e & CORRECTED != 0 {
+        stats.corrected += 1;
+        for (j, v) in out[3 * i..3 * i + 3].iter_mut().enumerate() {
+            *v ^= (e >> (4 * j) & 0xF) as u8;
+        }
+    }
+}
+
 /// The whole decode loop; `truth` selects the truth-aware accounting.
 ///
-/// Scalar on purpose: two table loads per codeword keep it at about a
-/// nanosecond, and no byte shuffle reaches a 4096-entry table.
+/// Scalar: two table loads per codeword. The AVX-512 path computes syndromes
+/// for 64 words at a time and comes here only for its tail. Truth-aware
+/// decoding always runs here (an experiment path, not a hot one).
 #[inline(always)]
-fn decode_all(
+pub(crate) fn decode_all(
     t: &Tables,
     encoded: &[u8],
     values: &mut [u8],
@@ -187,7 +223,15 @@ impl Int4Codec for Golay24 {
     ) -> Result<DecodeStats> {
         check_decode_shapes(self, encoded.len(), values.len(), erasures.len(), None)?;
         backend.ensure_supported()?;
-        Ok(decode_all(tables(), encoded, values, None, erasures))
+        Ok(match backend {
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx512 => {
+                // SAFETY: `ensure_supported` checked the CPU features.
+                unsafe { super::avx512::golay_decode_avx512(tables(), encoded, values, erasures) }
+            }
+            // No byte shuffle reaches a 4096-entry table: AVX2 runs the scalar loop.
+            _ => decode_all(tables(), encoded, values, None, erasures),
+        })
     }
 
     fn decode_with_truth_into_with(

@@ -19,11 +19,13 @@
 //! matrices through [`LinearCode`](crate::LinearCode), so the fast paths and the
 //! generic decoder cannot drift apart.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod golay24;
 mod hamming74;
 mod secded84;
-#[cfg(target_arch = "x86_64")]
-mod x86;
 
 use std::str::FromStr;
 
@@ -40,34 +42,53 @@ pub use secded84::Secded84;
 pub enum Backend {
     /// Portable table-driven code; always available.
     Scalar,
-    /// x86-64 AVX2 byte shuffles (`vpshufb`).
+    /// x86-64 AVX2 (with POPCNT): 32-byte `vpshufb` nibble lookups.
     Avx2,
+    /// x86-64 AVX-512 F/BW/VBMI with GFNI (Ice Lake, Zen 4 and later):
+    /// syndromes by `vgf2p8affineqb`, bit-field unpacking by `vpmultishiftqb`,
+    /// 64 bytes per instruction.
+    Avx512,
 }
 
 impl Backend {
+    /// Every backend, slowest first.
+    pub const ALL: [Backend; 3] = [Backend::Scalar, Backend::Avx2, Backend::Avx512];
+
     /// The fastest backend this CPU supports (checked at run time).
     pub fn detect() -> Backend {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            return Backend::Avx2;
-        }
-        Backend::Scalar
+        Backend::ALL
+            .into_iter()
+            .rev()
+            .find(|b| b.is_supported())
+            .unwrap_or(Backend::Scalar)
     }
 
     /// Whether this CPU can run the backend.
     pub fn is_supported(self) -> bool {
-        match self {
-            Backend::Scalar => true,
-            #[cfg(target_arch = "x86_64")]
-            Backend::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
-            #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx2 => false,
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            match self {
+                Backend::Scalar => true,
+                Backend::Avx2 => has!("avx2") && has!("popcnt"),
+                Backend::Avx512 => {
+                    has!("avx512f")
+                        && has!("avx512bw")
+                        && has!("avx512vbmi")
+                        && has!("gfni")
+                        && has!("popcnt")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Backend::Scalar
         }
     }
 
     /// All backends this CPU supports (for tests and benchmarks).
     pub fn available() -> Vec<Backend> {
-        [Backend::Scalar, Backend::Avx2]
+        Backend::ALL
             .into_iter()
             .filter(|b| b.is_supported())
             .collect()
@@ -257,6 +278,26 @@ impl FromStr for Int4Code {
     }
 }
 
+/// The `vgf2p8affineqb` matrix operand computing, for every byte `x`, the byte
+/// whose bit `i` is `parity(rows[i] & x)`: row `i` goes in byte `7 − i`.
+pub(crate) fn affine_matrix(rows: [u8; 8]) -> u64 {
+    rows.iter()
+        .enumerate()
+        .fold(0, |m, (i, &r)| m | u64::from(r) << (8 * (7 - i)))
+}
+
+/// Rows of the byte map that takes 8 received bits (`bit_syndrome(j)` is the
+/// syndrome of bit j alone) to syndrome bits `8·half .. 8·half + 8`.
+pub(crate) fn syndrome_rows(bit_syndrome: impl Fn(usize) -> u64, half: u32) -> [u8; 8] {
+    let mut rows = [0u8; 8];
+    for (i, row) in rows.iter_mut().enumerate() {
+        for j in 0..8 {
+            *row |= ((bit_syndrome(j) >> (8 * half as usize + i) & 1) as u8) << j;
+        }
+    }
+    rows
+}
+
 /// Checks that every value fits in a nibble.
 pub(crate) fn check_nibbles(values: &[u8]) -> Result<()> {
     // One branch-free pass (vectorised by the compiler) and a search only on failure.
@@ -311,8 +352,8 @@ pub(crate) trait ChunkKernel {
 pub(crate) const CHUNK_READ: usize = 64;
 
 /// The shared loop of the one-value-per-codeword codes: full chunks straight
-/// from the input, the tail through a zero-padded stack buffer, then erasure
-/// words and statistics from the masks.
+/// from the input in a tight loop, then the tail (and every chunk, when the
+/// truth is known) through [`account_chunk`].
 #[inline(always)]
 pub(crate) fn drive_chunks<K: ChunkKernel>(
     kernel: &K,
@@ -323,45 +364,83 @@ pub(crate) fn drive_chunks<K: ChunkKernel>(
 ) -> DecodeStats {
     let n = values.len();
     let mut stats = DecodeStats::default();
-    for (c, (out, erasure)) in values.chunks_mut(64).zip(erasures.iter_mut()).enumerate() {
-        let start = c * K::CHUNK_BYTES;
-        let count = out.len();
-        let (det, corr) = if let (Ok(out64), true) = (
-            <&mut [u8; 64]>::try_from(&mut *out),
-            encoded.len() - start >= CHUNK_READ,
-        ) {
-            kernel.decode_chunk(&encoded[start..], out64)
-        } else {
-            let mut buf = [0u8; CHUNK_READ];
-            let rest = &encoded[start..];
-            buf[..rest.len()].copy_from_slice(rest);
-            let mut tmp = [0u8; 64];
-            let masks = kernel.decode_chunk(&buf, &mut tmp);
-            out.copy_from_slice(&tmp[..count]);
-            masks
-        };
-        let valid = crate::bitvec::low_mask(count);
-        let (det, corr) = (det & valid, corr & valid);
+    // Chunks with 64 values whose kernel read stays inside `encoded`.
+    let readable = (encoded.len() + K::CHUNK_BYTES).saturating_sub(CHUNK_READ) / K::CHUNK_BYTES;
+    let fast = if truth.is_none() {
+        (n / 64).min(readable)
+    } else {
+        0
+    };
+    let (mut detected, mut corrected) = (0u64, 0u64);
+    for (c, (out, erasure)) in values
+        .chunks_exact_mut(64)
+        .zip(erasures.iter_mut())
+        .take(fast)
+        .enumerate()
+    {
+        let out: &mut [u8; 64] = out.try_into().expect("chunks_exact gives 64");
+        let (det, corr) = kernel.decode_chunk(&encoded[c * K::CHUNK_BYTES..], out);
         *erasure = det;
-        let (det_n, corr_n) = (u64::from(det.count_ones()), u64::from(corr.count_ones()));
-        stats.words += count as u64;
-        stats.detected += det_n;
-        match truth {
-            None => {
-                stats.corrected += corr_n;
-                stats.clean += count as u64 - det_n - corr_n;
-            }
-            Some(t) => {
-                let wrong = mismatch_mask(out, &t[c * 64..c * 64 + count]) & !det;
-                let clean = valid & !det & !corr;
-                stats.corrected += u64::from((corr & !wrong).count_ones());
-                stats.miscorrected += u64::from((corr & wrong).count_ones());
-                stats.clean += u64::from((clean & !wrong).count_ones());
-                stats.silent += u64::from((clean & wrong).count_ones());
-            }
-        }
+        detected += u64::from(det.count_ones());
+        corrected += u64::from(corr.count_ones());
     }
-    debug_assert_eq!(stats.words, n as u64);
+    stats.words = 64 * fast as u64;
+    stats.detected = detected;
+    stats.corrected = corrected;
+    stats.clean = stats.words - detected - corrected;
+    for c in fast..n.div_ceil(64) {
+        let out = &mut values[64 * c..(64 * c + 64).min(n)];
+        let t = truth.map(|t| &t[64 * c..64 * c + out.len()]);
+        stats += account_chunk(
+            kernel,
+            &encoded[c * K::CHUNK_BYTES..],
+            out,
+            t,
+            &mut erasures[c],
+        );
+    }
+    stats
+}
+
+/// Decodes one chunk of up to 64 values (through a zero-padded buffer when the
+/// kernel could read past `encoded`) and counts it, with or without truth.
+#[inline(always)]
+fn account_chunk<K: ChunkKernel>(
+    kernel: &K,
+    encoded: &[u8],
+    out: &mut [u8],
+    truth: Option<&[u8]>,
+    erasure: &mut u64,
+) -> DecodeStats {
+    let count = out.len();
+    let (det, corr) = if let (Ok(out64), true) = (
+        <&mut [u8; 64]>::try_from(&mut *out),
+        encoded.len() >= CHUNK_READ,
+    ) {
+        kernel.decode_chunk(encoded, out64)
+    } else {
+        let mut buf = [0u8; CHUNK_READ];
+        let used = encoded.len().min(CHUNK_READ);
+        buf[..used].copy_from_slice(&encoded[..used]);
+        let mut tmp = [0u8; 64];
+        let masks = kernel.decode_chunk(&buf, &mut tmp);
+        out.copy_from_slice(&tmp[..count]);
+        masks
+    };
+    let valid = crate::bitvec::low_mask(count);
+    let (det, corr) = (det & valid, corr & valid);
+    *erasure = det;
+    let mut stats = DecodeStats {
+        words: count as u64,
+        detected: u64::from(det.count_ones()),
+        ..DecodeStats::default()
+    };
+    let clean = valid & !det & !corr;
+    let wrong = truth.map_or(0, |t| mismatch_mask(out, t)) & !det;
+    stats.corrected = u64::from((corr & !wrong).count_ones());
+    stats.miscorrected = u64::from((corr & wrong).count_ones());
+    stats.clean = u64::from((clean & !wrong).count_ones());
+    stats.silent = u64::from((clean & wrong).count_ones());
     stats
 }
 

@@ -37,6 +37,8 @@ pub(crate) struct Tables {
     pub(crate) syndrome_hi: [u8; 16],
     /// Per syndrome: data correction (bits 0-3) | FLAG_* bits.
     pub(crate) action: [u8; 16],
+    /// The `vgf2p8affineqb` matrix of the byte → syndrome map.
+    pub(crate) syndrome_affine: u64,
 }
 
 pub(crate) fn code() -> &'static LinearCode {
@@ -55,6 +57,7 @@ pub(crate) fn tables() -> &'static Tables {
             syndrome_lo: [0; 16],
             syndrome_hi: [0; 16],
             action: [0; 16],
+            syndrome_affine: 0,
         };
         for v in 0..16u64 {
             t.encode[v as usize] = code.encode(v).expect("4 data bits") as u8;
@@ -76,6 +79,17 @@ pub(crate) fn tables() -> &'static Tables {
             t.syndrome_lo[nib as usize] = code.syndrome(nib).expect("8-bit word") as u8;
             t.syndrome_hi[nib as usize] = code.syndrome(nib << 4).expect("8-bit word") as u8;
         }
+        let n = code.n();
+        t.syndrome_affine = super::affine_matrix(super::syndrome_rows(
+            |j| {
+                if j < n {
+                    code.syndrome(1 << j).expect("bit < n")
+                } else {
+                    0
+                }
+            },
+            0,
+        ));
         t
     })
 }
@@ -121,10 +135,17 @@ impl Secded84 {
             #[cfg(target_arch = "x86_64")]
             Backend::Avx2 => {
                 // SAFETY: `ensure_supported` checked that this CPU has AVX2.
-                unsafe { super::x86::secded_decode_avx2(t, encoded, values, truth, erasures) }
+                unsafe { super::avx2::secded_decode_avx2(t, encoded, values, truth, erasures) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx512 => {
+                // SAFETY: `ensure_supported` checked the CPU features.
+                unsafe { super::avx512::secded_decode_avx512(t, encoded, values, truth, erasures) }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx2 => unreachable!("ensure_supported rejects AVX2 off x86-64"),
+            Backend::Avx2 | Backend::Avx512 => {
+                unreachable!("ensure_supported rejects x86 backends elsewhere")
+            }
         })
     }
 }

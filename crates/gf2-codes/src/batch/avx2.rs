@@ -24,7 +24,7 @@ fn table(bytes: &[u8; 16]) -> __m256i {
 /// Syndrome lookup, correction and flag extraction for 32 received bytes whose
 /// low nibble is the data and high nibble the check bits; stores 32 values.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,popcnt")]
 fn correct32(
     received: __m256i,
     syn_lo: __m256i,
@@ -86,8 +86,8 @@ impl ChunkKernel for SecdedAvx2 {
 /// SECDED batch decode with AVX2.
 ///
 /// # Safety
-/// The CPU must support AVX2. Slice shapes must have been checked by the caller.
-#[target_feature(enable = "avx2")]
+/// The CPU must support AVX2 and POPCNT. Slice shapes must have been checked by the caller.
+#[target_feature(enable = "avx2,popcnt")]
 pub(crate) unsafe fn secded_decode_avx2(
     t: &SecdedTables,
     encoded: &[u8],
@@ -100,7 +100,11 @@ pub(crate) unsafe fn secded_decode_avx2(
         syn_hi: table(&t.syndrome_hi),
         action: table(&t.action),
     };
-    drive_chunks(&kernel, encoded, values, truth, erasures)
+    // Two call sites so that each inlined copy sees a constant `truth`.
+    match truth {
+        None => drive_chunks(&kernel, encoded, values, None, erasures),
+        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
+    }
 }
 
 struct HammingAvx2 {
@@ -121,7 +125,7 @@ impl HammingAvx2 {
     /// gathered with `vpshufb` (byte 0 into the high half for j = 0), multiplied
     /// by 2^j and its high byte kept: `(pair << j) >> 8 = pair >> (8 − j)`.
     #[inline]
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,popcnt")]
     fn unpack28(&self, src: *const u8) -> __m256i {
         // SAFETY: callers guarantee 30 readable bytes from `src` (14 + 16).
         let x = unsafe { _mm256_loadu2_m128i(src.add(14).cast(), src.cast()) };
@@ -168,8 +172,8 @@ impl ChunkKernel for HammingAvx2 {
 /// Hamming(7,4) batch decode with AVX2.
 ///
 /// # Safety
-/// The CPU must support AVX2. Slice shapes must have been checked by the caller.
-#[target_feature(enable = "avx2")]
+/// The CPU must support AVX2 and POPCNT. Slice shapes must have been checked by the caller.
+#[target_feature(enable = "avx2,popcnt")]
 pub(crate) unsafe fn hamming_decode_avx2(
     t: &HammingTables,
     encoded: &[u8],
@@ -197,5 +201,9 @@ pub(crate) unsafe fn hamming_decode_avx2(
         gather_b,
         shift,
     };
-    drive_chunks(&kernel, encoded, values, truth, erasures)
+    // Two call sites so that each inlined copy sees a constant `truth`.
+    match truth {
+        None => drive_chunks(&kernel, encoded, values, None, erasures),
+        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
+    }
 }
