@@ -184,10 +184,8 @@ impl BitVec {
     }
 
     fn clear_tail(&mut self) {
-        if self.len % 64 != 0 {
-            if let Some(last) = self.words.last_mut() {
-                *last &= low_mask(self.len % 64);
-            }
+        if let (false, Some(last)) = (self.len.is_multiple_of(64), self.words.last_mut()) {
+            *last &= low_mask(self.len % 64);
         }
     }
 }

@@ -137,14 +137,14 @@ impl Flips {
 
     /// Flips these bits in `data` (a second application undoes the first).
     pub fn apply(&self, data: &mut [u8]) -> Result<()> {
-        if let Some(&last) = self.positions.last() {
-            if last / 8 >= data.len() as u64 {
-                return Err(Gf2Error::LengthMismatch {
-                    what: "data for these flips",
-                    expected: (last / 8 + 1) as usize,
-                    found: data.len(),
-                });
-            }
+        if let Some(&last) = self.positions.last()
+            && last / 8 >= data.len() as u64
+        {
+            return Err(Gf2Error::LengthMismatch {
+                what: "data for these flips",
+                expected: (last / 8 + 1) as usize,
+                found: data.len(),
+            });
         }
         for &p in &self.positions {
             data[(p / 8) as usize] ^= 1 << (p % 8);

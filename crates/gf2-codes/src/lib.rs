@@ -41,3 +41,8 @@ pub use code::{CodeLimits, CosetLeader, LinearCode, WordDecode};
 pub use error::{Gf2Error, Result};
 pub use matrix::{BitMatrix, RowEchelon};
 pub use stats::{DecodeOutcome, DecodeStats};
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

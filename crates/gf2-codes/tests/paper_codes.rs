@@ -122,7 +122,7 @@ fn golay24_matrices_and_true_structure() {
     assert_eq!((code.n(), code.k(), code.min_distance()), (24, 12, 8));
     assert_eq!(code.correction_radius(), 3);
     assert_eq!(code.detection_capability(), 7);
-    let mut expected = vec![0u64; 25];
+    let mut expected = [0u64; 25];
     for (w, a) in [(0, 1), (8, 759), (12, 2576), (16, 759), (24, 1)] {
         expected[w] = a;
     }

@@ -176,7 +176,7 @@ pub(crate) unsafe fn golay_decode_avx512(
     let out_idx: [[u8; 64]; 3] = std::array::from_fn(|k| {
         std::array::from_fn(|b| {
             let v = 64 * k + b;
-            (v / 3 | if v % 3 == 1 { 64 } else { 0 }) as u8
+            ((v / 3) | if v % 3 == 1 { 64 } else { 0 }) as u8
         })
     });
     let out_role2: [u64; 3] = std::array::from_fn(|k| {
