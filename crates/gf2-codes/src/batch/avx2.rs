@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 
 use super::hamming74::Tables as HammingTables;
 use super::secded84::Tables as SecdedTables;
-use super::{CHUNK_READ, ChunkKernel, drive_chunks};
+use super::{ChunkKernel, drive_chunks};
 use crate::stats::DecodeStats;
 
 #[inline(always)]
@@ -23,9 +23,12 @@ fn table(bytes: &[u8; 16]) -> __m256i {
 
 /// Syndrome lookup, correction and flag extraction for 32 received bytes whose
 /// low nibble is the data and high nibble the check bits; stores 32 values.
+///
+/// # Safety
+/// `out` must have 32 writable bytes; the CPU features must be present.
 #[inline]
 #[target_feature(enable = "avx2,popcnt")]
-fn correct32(
+unsafe fn correct32(
     received: __m256i,
     syn_lo: __m256i,
     syn_hi: __m256i,
@@ -58,22 +61,14 @@ impl ChunkKernel for SecdedAvx2 {
     const CHUNK_BYTES: usize = 64;
 
     #[inline(always)]
-    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
-        assert!(encoded.len() >= CHUNK_READ);
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
         let mut masks = [(0u32, 0u32); 2];
         for (half, m) in masks.iter_mut().enumerate() {
-            // SAFETY: AVX2 is enabled in every caller (this is only inlined into
-            // `secded_decode_avx2`); `encoded` has 64 readable bytes (asserted)
-            // and `out` 64 writable ones, so both halves are in bounds.
+            // SAFETY: the caller guarantees AVX2, 64 readable bytes at `encoded`
+            // and 64 writable at `out` (trait contract), so both halves are in bounds.
             *m = unsafe {
-                let r = _mm256_loadu_si256(encoded.as_ptr().add(32 * half).cast());
-                correct32(
-                    r,
-                    self.syn_lo,
-                    self.syn_hi,
-                    self.action,
-                    out.as_mut_ptr().add(32 * half),
-                )
+                let r = _mm256_loadu_si256(encoded.add(32 * half).cast());
+                correct32(r, self.syn_lo, self.syn_hi, self.action, out.add(32 * half))
             };
         }
         (
@@ -145,20 +140,19 @@ impl ChunkKernel for HammingAvx2 {
     const CHUNK_BYTES: usize = 56;
 
     #[inline(always)]
-    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
-        assert!(encoded.len() >= CHUNK_READ);
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
         let mut masks = [(0u32, 0u32); 2];
         for (half, m) in masks.iter_mut().enumerate() {
-            // SAFETY: AVX2 is enabled in the only caller; the second half reads
-            // bytes 28..58 < CHUNK_READ = 64 (asserted), and writes out[32..64].
+            // SAFETY: AVX2 is guaranteed by the caller; the second half reads
+            // bytes 28..58 < CHUNK_READ = 64 and writes out[32..64] (trait contract).
             *m = unsafe {
-                let cw = self.unpack28(encoded.as_ptr().add(28 * half));
+                let cw = self.unpack28(encoded.add(28 * half));
                 correct32(
                     cw,
                     self.syn_lo,
                     self.syn_hi,
                     self.action,
-                    out.as_mut_ptr().add(32 * half),
+                    out.add(32 * half),
                 )
             };
         }

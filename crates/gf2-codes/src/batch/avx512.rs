@@ -26,20 +26,23 @@ fn table16(bytes: &[u8; 16]) -> __m512i {
 
 /// Syndrome, correction and flags for 64 received bytes whose low nibble is
 /// the data; stores 64 values and returns (detected, corrected) masks.
+///
+/// # Safety
+/// `out` must have 64 writable bytes; the CPU features must be present.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,gfni,popcnt")]
-fn correct64(
+unsafe fn correct64(
     received: __m512i,
     affine: __m512i,
     action: __m512i,
-    out: &mut [u8; 64],
+    out: *mut u8,
 ) -> (u64, u64) {
     let syndrome = _mm512_gf2p8affine_epi64_epi8::<0>(received, affine);
     let act = _mm512_shuffle_epi8(action, syndrome);
     // Corrections live in the action's low nibble, flags in bits 6 and 7.
     let value = _mm512_and_si512(_mm512_xor_si512(received, act), _mm512_set1_epi8(0x0F));
-    // SAFETY: `out` is 64 writable bytes; storeu is unaligned.
-    unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), value) };
+    // SAFETY: callers pass `out` with 64 writable bytes; storeu is unaligned.
+    unsafe { _mm512_storeu_si512(out.cast(), value) };
     (
         _mm512_movepi8_mask(act),
         _mm512_test_epi8_mask(act, _mm512_set1_epi8(FLAG_CORRECTED as i8)),
@@ -55,12 +58,11 @@ impl ChunkKernel for SecdedAvx512 {
     const CHUNK_BYTES: usize = 64;
 
     #[inline(always)]
-    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
-        assert!(encoded.len() >= 64);
-        // SAFETY: the features are enabled in the only caller
-        // (`secded_decode_avx512`), and 64 bytes are readable (asserted).
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
+        // SAFETY: the caller guarantees the features, 64 readable bytes at
+        // `encoded` and 64 writable at `out` (trait contract).
         unsafe {
-            let x = _mm512_loadu_si512(encoded.as_ptr().cast());
+            let x = _mm512_loadu_si512(encoded.cast());
             correct64(x, self.affine, self.action, out)
         }
     }
@@ -100,12 +102,11 @@ impl ChunkKernel for HammingAvx512 {
     const CHUNK_BYTES: usize = 56;
 
     #[inline(always)]
-    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
-        assert!(encoded.len() >= 64);
-        // SAFETY: the features are enabled in the only caller
-        // (`hamming_decode_avx512`), and 64 bytes are readable (asserted).
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
+        // SAFETY: the caller guarantees the features, 64 readable bytes at
+        // `encoded` and 64 writable at `out` (trait contract).
         unsafe {
-            let x = _mm512_loadu_si512(encoded.as_ptr().cast());
+            let x = _mm512_loadu_si512(encoded.cast());
             // Group g (bytes 7g..7g+7) into qword g, then byte j of each qword
             // takes the 8 bits starting at bit 7j: codeword j and one spare bit.
             let grouped = _mm512_permutexvar_epi8(self.group, x);

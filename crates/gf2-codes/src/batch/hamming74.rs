@@ -11,7 +11,10 @@
 use std::sync::OnceLock;
 
 use super::secded84::{FLAG_CORRECTED, FLAG_DETECTED, outcome_of};
-use super::{Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks};
+use super::{
+    Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks,
+    split_entries,
+};
 use crate::code::LinearCode;
 use crate::error::{Result, check_len};
 use crate::stats::{DecodeOutcome, DecodeStats};
@@ -105,17 +108,25 @@ impl ChunkKernel for ScalarKernel<'_> {
     const CHUNK_BYTES: usize = 56;
 
     #[inline(always)]
-    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
+        // SAFETY: the caller guarantees 64 readable bytes at `encoded` and 64
+        // writable at `out` (trait contract); the two do not overlap.
+        let (encoded, out) = unsafe {
+            (
+                std::slice::from_raw_parts(encoded, 64),
+                std::slice::from_raw_parts_mut(out, 64),
+            )
+        };
         let (mut det, mut corr) = (0u64, 0u64);
-        for g in 0..8 {
+        for (g, o) in out.chunks_exact_mut(8).enumerate() {
             let word = load_group(&encoded[7 * g..7 * g + 7]);
-            for j in 0..8 {
-                let i = 8 * g + j;
-                let e = self.0.decode[(word >> (7 * j) & 0x7F) as usize];
-                out[i] = e & 0x0F;
-                det |= u64::from(e >> 7) << i;
-                corr |= u64::from(e >> 6 & 1) << i;
-            }
+            let entries = (0..8).fold(0u64, |w, j| {
+                w | u64::from(self.0.decode[(word >> (7 * j) & 0x7F) as usize]) << (8 * j)
+            });
+            let (values, d, c) = split_entries(entries);
+            o.copy_from_slice(&values.to_le_bytes());
+            det |= d << (8 * g);
+            corr |= c << (8 * g);
         }
         (det, corr)
     }

@@ -298,6 +298,21 @@ pub(crate) fn syndrome_rows(bit_syndrome: impl Fn(usize) -> u64, half: u32) -> [
     rows
 }
 
+/// Splits eight decode-table entries packed in a `u64` (entry j in byte j:
+/// value in bits 0-3, flags in bits 6-7) into the eight values (one per byte)
+/// and 8-bit masks of detected and corrected entries. The multiply gathers bit
+/// 0 of byte k into bit 56 + k: the partial products `2^(8j + 56 − 7k)` are
+/// distinct powers, so nothing carries into the top byte.
+#[inline(always)]
+pub(crate) fn split_entries(entries: u64) -> (u64, u64, u64) {
+    const LSB_OF_EACH_BYTE: u64 = 0x0101_0101_0101_0101;
+    const GATHER: u64 = 0x0102_0408_1020_4080;
+    let values = entries & 0x0F0F_0F0F_0F0F_0F0F;
+    let det = ((entries >> 7) & LSB_OF_EACH_BYTE).wrapping_mul(GATHER) >> 56;
+    let corr = ((entries >> 6) & LSB_OF_EACH_BYTE).wrapping_mul(GATHER) >> 56;
+    (values, det, corr)
+}
+
 /// Checks that every value fits in a nibble.
 pub(crate) fn check_nibbles(values: &[u8]) -> Result<()> {
     // One branch-free pass (vectorised by the compiler) and a search only on failure.
@@ -345,7 +360,25 @@ pub(crate) fn mismatch_mask(a: &[u8], b: &[u8]) -> u64 {
 pub(crate) trait ChunkKernel {
     /// Encoded bytes per 64 values.
     const CHUNK_BYTES: usize;
-    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64);
+
+    /// The kernel proper, on raw pointers so the hot loop carries no bounds checks.
+    ///
+    /// # Safety
+    /// `encoded` must point to [`CHUNK_READ`] readable bytes and `out` to 64
+    /// writable bytes; the CPU features of the kernel's backend must be present.
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64);
+
+    /// Checked entry point for the tail and the truth-aware path.
+    #[inline(always)]
+    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
+        assert!(
+            encoded.len() >= CHUNK_READ,
+            "chunk kernels read {CHUNK_READ} bytes"
+        );
+        // SAFETY: lengths asserted above; backends are only constructed after
+        // `Backend::ensure_supported` (see each codec's `run`).
+        unsafe { self.decode_chunk_raw(encoded.as_ptr(), out.as_mut_ptr()) }
+    }
 }
 
 /// Bytes a chunk kernel may read from the start of its chunk.
@@ -372,14 +405,13 @@ pub(crate) fn drive_chunks<K: ChunkKernel>(
         0
     };
     let (mut detected, mut corrected) = (0u64, 0u64);
-    for (c, (out, erasure)) in values
-        .chunks_exact_mut(64)
-        .zip(erasures.iter_mut())
-        .take(fast)
-        .enumerate()
-    {
-        let out: &mut [u8; 64] = out.try_into().expect("chunks_exact gives 64");
-        let (det, corr) = kernel.decode_chunk(&encoded[c * K::CHUNK_BYTES..], out);
+    assert!(fast <= erasures.len() && 64 * fast <= n);
+    let (src, dst) = (encoded.as_ptr(), values.as_mut_ptr());
+    for (c, erasure) in erasures[..fast].iter_mut().enumerate() {
+        // SAFETY: for c < fast, chunk c has 64 values (64·fast <= n, asserted)
+        // and its kernel read ends inside `encoded` (definition of `readable`).
+        let (det, corr) =
+            unsafe { kernel.decode_chunk_raw(src.add(c * K::CHUNK_BYTES), dst.add(64 * c)) };
         *erasure = det;
         detected += u64::from(det.count_ones());
         corrected += u64::from(corr.count_ones());
@@ -469,6 +501,21 @@ mod tests {
                 value: 16
             }
         );
+    }
+
+    #[test]
+    fn split_entries_gathers_flags() {
+        for mask in 0u64..256 {
+            let det = mask;
+            let corr = mask.reverse_bits() >> 56;
+            let entries = (0..8).fold(0u64, |e, k| {
+                let byte = (k as u64 & 0xF) | (det >> k & 1) << 7 | (corr >> k & 1) << 6;
+                e | byte << (8 * k)
+            });
+            let (values, d, c) = split_entries(entries);
+            assert_eq!((d, c), (det, corr));
+            assert_eq!(values, 0x0706_0504_0302_0100);
+        }
     }
 
     #[test]

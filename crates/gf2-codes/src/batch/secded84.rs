@@ -10,7 +10,10 @@
 
 use std::sync::OnceLock;
 
-use super::{Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks};
+use super::{
+    Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks,
+    split_entries,
+};
 use crate::code::LinearCode;
 use crate::error::{Result, check_len};
 use crate::stats::{DecodeOutcome, DecodeStats};
@@ -100,13 +103,28 @@ impl ChunkKernel for ScalarKernel<'_> {
     const CHUNK_BYTES: usize = 64;
 
     #[inline(always)]
-    fn decode_chunk(&self, encoded: &[u8], out: &mut [u8; 64]) -> (u64, u64) {
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
+        // SAFETY: the caller guarantees 64 readable bytes at `encoded` and 64
+        // writable at `out` (trait contract); the two do not overlap.
+        let (encoded, out) = unsafe {
+            (
+                std::slice::from_raw_parts(encoded, 64),
+                std::slice::from_raw_parts_mut(out, 64),
+            )
+        };
         let (mut det, mut corr) = (0u64, 0u64);
-        for (i, (o, &b)) in out.iter_mut().zip(&encoded[..64]).enumerate() {
-            let e = self.0.decode[b as usize];
-            *o = e & 0x0F;
-            det |= u64::from(e >> 7) << i;
-            corr |= u64::from(e >> 6 & 1) << i;
+        for (g, (o, e)) in out
+            .chunks_exact_mut(8)
+            .zip(encoded.chunks_exact(8))
+            .enumerate()
+        {
+            let entries = e.iter().enumerate().fold(0u64, |w, (j, &b)| {
+                w | u64::from(self.0.decode[usize::from(b)]) << (8 * j)
+            });
+            let (values, d, c) = split_entries(entries);
+            o.copy_from_slice(&values.to_le_bytes());
+            det |= d << (8 * g);
+            corr |= c << (8 * g);
         }
         (det, corr)
     }
