@@ -257,3 +257,25 @@ pub(crate) unsafe fn golay_decode_avx512(
     );
     stats
 }
+
+/// SECDED encode with AVX-512: one byte shuffle per 64 values.
+///
+/// # Safety
+/// As [`secded_decode_avx512`]; `values` must hold nibbles and
+/// `encoded.len() == values.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,gfni,popcnt")]
+pub(crate) unsafe fn secded_encode_avx512(t: &SecdedTables, values: &[u8], encoded: &mut [u8]) {
+    let table = table16(&t.encode);
+    let full = values.len() / 64;
+    for c in 0..full {
+        // SAFETY: c < full, so bytes 64c..64c + 64 exist in both slices.
+        unsafe {
+            let v = _mm512_loadu_si512(values.as_ptr().add(64 * c).cast());
+            let e = _mm512_shuffle_epi8(table, v);
+            _mm512_storeu_si512(encoded.as_mut_ptr().add(64 * c).cast(), e);
+        }
+    }
+    for (e, &v) in encoded[64 * full..].iter_mut().zip(&values[64 * full..]) {
+        *e = t.encode[usize::from(v)];
+    }
+}
