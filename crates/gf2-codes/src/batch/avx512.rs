@@ -14,7 +14,8 @@ use std::arch::x86_64::*;
 
 use super::golay24::{self, Tables as GolayTables};
 use super::hamming74::Tables as HammingTables;
-use super::secded84::{FLAG_CORRECTED, Tables as SecdedTables};
+use super::nibble::FLAG_CORRECTED;
+use super::secded84::Tables as SecdedTables;
 use super::{ChunkKernel, drive_chunks};
 use crate::stats::DecodeStats;
 

@@ -10,35 +10,21 @@
 
 use std::sync::OnceLock;
 
-use super::secded84::{FLAG_CORRECTED, FLAG_DETECTED, outcome_of};
+use super::nibble::outcome_of;
 use super::{
     Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks,
     split_entries,
 };
 use crate::code::LinearCode;
 use crate::error::{Result, check_len};
-use crate::stats::{DecodeOutcome, DecodeStats};
+use crate::stats::DecodeStats;
 
 /// The Hamming(7,4) batch codec (7 bits per value).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Hamming74;
 
 /// Tables derived from the paper's matrices.
-pub(crate) struct Tables {
-    /// Codeword of each value.
-    pub(crate) encode: [u8; 16],
-    /// Per 7-bit received word: decoded value | FLAG_* bits.
-    pub(crate) decode: [u8; 128],
-    /// Per 7-bit received word: the corrected codeword.
-    pub(crate) scrub: [u8; 128],
-    /// Syndrome contributions of bits 0-3 and bits 4-6 of a codeword.
-    pub(crate) syndrome_lo: [u8; 16],
-    pub(crate) syndrome_hi: [u8; 16],
-    /// Per syndrome: data correction | FLAG_* bits.
-    pub(crate) action: [u8; 16],
-    /// The `vgf2p8affineqb` matrix of the byte → syndrome map (bit 7 ignored).
-    pub(crate) syndrome_affine: u64,
-}
+pub(crate) type Tables = super::nibble::NibbleTables;
 
 pub(crate) fn code() -> &'static LinearCode {
     static CODE: OnceLock<LinearCode> = OnceLock::new();
@@ -47,50 +33,7 @@ pub(crate) fn code() -> &'static LinearCode {
 
 pub(crate) fn tables() -> &'static Tables {
     static TABLES: OnceLock<Tables> = OnceLock::new();
-    TABLES.get_or_init(|| {
-        let code = code();
-        let mut t = Tables {
-            encode: [0; 16],
-            decode: [0; 128],
-            scrub: [0; 128],
-            syndrome_lo: [0; 16],
-            syndrome_hi: [0; 16],
-            action: [0; 16],
-            syndrome_affine: 0,
-        };
-        for v in 0..16u64 {
-            t.encode[v as usize] = code.encode(v).expect("4 data bits") as u8;
-        }
-        for r in 0..128u64 {
-            let d = code.decode_word(r).expect("7-bit word");
-            let flag = match d.outcome {
-                DecodeOutcome::Clean => 0,
-                DecodeOutcome::Corrected => FLAG_CORRECTED,
-                DecodeOutcome::Detected => FLAG_DETECTED,
-            };
-            t.decode[r as usize] = d.data as u8 | flag;
-            t.scrub[r as usize] = d.codeword as u8;
-            t.action[d.syndrome as usize] = (d.error_pattern & 0xF) as u8 | flag;
-        }
-        for nib in 0..16u64 {
-            t.syndrome_lo[nib as usize] = code.syndrome(nib).expect("7-bit word") as u8;
-            if nib < 8 {
-                t.syndrome_hi[nib as usize] = code.syndrome(nib << 4).expect("7-bit word") as u8;
-            }
-        }
-        let n = code.n();
-        t.syndrome_affine = super::affine_matrix(super::syndrome_rows(
-            |j| {
-                if j < n {
-                    code.syndrome(1 << j).expect("bit < n")
-                } else {
-                    0
-                }
-            },
-            0,
-        ));
-        t
-    })
+    TABLES.get_or_init(|| Tables::build(code()))
 }
 
 /// Reads group `g`'s 56-bit word from up to 7 bytes (fewer at the end).

@@ -25,6 +25,7 @@ mod avx2;
 mod avx512;
 mod golay24;
 mod hamming74;
+mod nibble;
 mod secded84;
 
 use std::str::FromStr;

@@ -10,39 +10,21 @@
 
 use std::sync::OnceLock;
 
+use super::nibble::outcome_of;
 use super::{
     Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks,
     split_entries,
 };
 use crate::code::LinearCode;
 use crate::error::{Result, check_len};
-use crate::stats::{DecodeOutcome, DecodeStats};
-
-/// Flag bit of a decode-table entry: the word was corrected.
-pub(crate) const FLAG_CORRECTED: u8 = 0x40;
-/// Flag bit of a decode-table entry: the word is detected-uncorrectable.
-pub(crate) const FLAG_DETECTED: u8 = 0x80;
+use crate::stats::DecodeStats;
 
 /// The SECDED(8,4) batch codec (8 bits per value).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Secded84;
 
 /// Tables derived from the paper's matrices.
-pub(crate) struct Tables {
-    /// Codeword of each value.
-    pub(crate) encode: [u8; 16],
-    /// Per received byte: decoded value | FLAG_* bits.
-    pub(crate) decode: [u8; 256],
-    /// Per received byte: the corrected codeword (the byte itself unless corrected).
-    pub(crate) scrub: [u8; 256],
-    /// Syndrome contribution of the low and high nibble of a received byte.
-    pub(crate) syndrome_lo: [u8; 16],
-    pub(crate) syndrome_hi: [u8; 16],
-    /// Per syndrome: data correction (bits 0-3) | FLAG_* bits.
-    pub(crate) action: [u8; 16],
-    /// The `vgf2p8affineqb` matrix of the byte → syndrome map.
-    pub(crate) syndrome_affine: u64,
-}
+pub(crate) type Tables = super::nibble::NibbleTables;
 
 pub(crate) fn code() -> &'static LinearCode {
     static CODE: OnceLock<LinearCode> = OnceLock::new();
@@ -51,50 +33,7 @@ pub(crate) fn code() -> &'static LinearCode {
 
 pub(crate) fn tables() -> &'static Tables {
     static TABLES: OnceLock<Tables> = OnceLock::new();
-    TABLES.get_or_init(|| {
-        let code = code();
-        let mut t = Tables {
-            encode: [0; 16],
-            decode: [0; 256],
-            scrub: [0; 256],
-            syndrome_lo: [0; 16],
-            syndrome_hi: [0; 16],
-            action: [0; 16],
-            syndrome_affine: 0,
-        };
-        for v in 0..16u64 {
-            t.encode[v as usize] = code.encode(v).expect("4 data bits") as u8;
-        }
-        for r in 0..256u64 {
-            let d = code.decode_word(r).expect("8-bit word");
-            let flag = match d.outcome {
-                DecodeOutcome::Clean => 0,
-                DecodeOutcome::Corrected => FLAG_CORRECTED,
-                DecodeOutcome::Detected => FLAG_DETECTED,
-            };
-            t.decode[r as usize] = d.data as u8 | flag;
-            t.scrub[r as usize] = d.codeword as u8;
-            // Syndromes are linear: each byte's is the XOR of its nibbles'.
-            let s = d.syndrome as usize;
-            t.action[s] = ((d.error_pattern & 0xF) as u8) | flag;
-        }
-        for nib in 0..16u64 {
-            t.syndrome_lo[nib as usize] = code.syndrome(nib).expect("8-bit word") as u8;
-            t.syndrome_hi[nib as usize] = code.syndrome(nib << 4).expect("8-bit word") as u8;
-        }
-        let n = code.n();
-        t.syndrome_affine = super::affine_matrix(super::syndrome_rows(
-            |j| {
-                if j < n {
-                    code.syndrome(1 << j).expect("bit < n")
-                } else {
-                    0
-                }
-            },
-            0,
-        ));
-        t
-    })
+    TABLES.get_or_init(|| Tables::build(code()))
 }
 
 struct ScalarKernel<'a>(&'a Tables);
@@ -236,18 +175,6 @@ impl Int4Codec for Secded84 {
 fn encode_scalar(t: &Tables, values: &[u8], encoded: &mut [u8]) {
     for (e, &v) in encoded.iter_mut().zip(values) {
         *e = t.encode[usize::from(v & 0xF)];
-    }
-}
-
-/// The outcome encoded in the flag bits of a table entry.
-#[inline]
-pub(crate) fn outcome_of(entry: u8) -> DecodeOutcome {
-    if entry & FLAG_DETECTED != 0 {
-        DecodeOutcome::Detected
-    } else if entry & FLAG_CORRECTED != 0 {
-        DecodeOutcome::Corrected
-    } else {
-        DecodeOutcome::Clean
     }
 }
 

@@ -1,0 +1,94 @@
+//! Decode tables shared by the one-value-per-codeword codes (Hamming(7,4) and
+//! SECDED(8,4)), derived from a [`LinearCode`] with n ≤ 8 and k = 4.
+
+use super::{affine_matrix, syndrome_rows};
+use crate::code::LinearCode;
+use crate::stats::DecodeOutcome;
+
+/// Flag bit of a decode-table entry: the word was corrected.
+pub(crate) const FLAG_CORRECTED: u8 = 0x40;
+/// Flag bit of a decode-table entry: the word is detected-uncorrectable.
+pub(crate) const FLAG_DETECTED: u8 = 0x80;
+/// The outcome encoded in the flag bits of a table entry.
+#[inline]
+pub(crate) fn outcome_of(entry: u8) -> DecodeOutcome {
+    if entry & FLAG_DETECTED != 0 {
+        DecodeOutcome::Detected
+    } else if entry & FLAG_CORRECTED != 0 {
+        DecodeOutcome::Corrected
+    } else {
+        DecodeOutcome::Clean
+    }
+}
+
+/// Lookup tables of a code whose codewords fit one byte and whose data word is
+/// the low nibble.
+pub(crate) struct NibbleTables {
+    /// Codeword of each value.
+    pub(crate) encode: [u8; 16],
+    /// Per received word (`0..2^n`): decoded value | FLAG_* bits.
+    pub(crate) decode: [u8; 256],
+    /// Per received word: the corrected codeword (the word itself unless corrected).
+    pub(crate) scrub: [u8; 256],
+    /// Syndrome contribution of the low and high nibble of a received byte
+    /// (syndromes are linear: a byte's is the XOR of its nibbles').
+    pub(crate) syndrome_lo: [u8; 16],
+    pub(crate) syndrome_hi: [u8; 16],
+    /// Per syndrome: data correction (bits 0-3) | FLAG_* bits.
+    pub(crate) action: [u8; 16],
+    /// The `vgf2p8affineqb` matrix of the byte → syndrome map (bits ≥ n ignored).
+    pub(crate) syndrome_affine: u64,
+}
+
+impl NibbleTables {
+    /// Builds every table from the generic decoder, so fast paths and
+    /// `LinearCode::decode_word` agree by construction.
+    pub(crate) fn build(code: &LinearCode) -> Self {
+        let n = code.n();
+        assert!(
+            n <= 8 && code.k() == 4 && n - 4 <= 4,
+            "a nibble code in one byte"
+        );
+        let mut t = NibbleTables {
+            encode: [0; 16],
+            decode: [0; 256],
+            scrub: [0; 256],
+            syndrome_lo: [0; 16],
+            syndrome_hi: [0; 16],
+            action: [0; 16],
+            syndrome_affine: 0,
+        };
+        for v in 0..16u64 {
+            t.encode[v as usize] = code.encode(v).expect("4 data bits") as u8;
+        }
+        for r in 0..1u64 << n {
+            let d = code.decode_word(r).expect("an n-bit word");
+            let flag = match d.outcome {
+                DecodeOutcome::Clean => 0,
+                DecodeOutcome::Corrected => FLAG_CORRECTED,
+                DecodeOutcome::Detected => FLAG_DETECTED,
+            };
+            t.decode[r as usize] = d.data as u8 | flag;
+            t.scrub[r as usize] = d.codeword as u8;
+            t.action[d.syndrome as usize] = (d.error_pattern & 0xF) as u8 | flag;
+        }
+        let bit_syndrome = |j: usize| {
+            if j < n {
+                code.syndrome(1 << j).expect("bit < n")
+            } else {
+                0
+            }
+        };
+        for nib in 0..16usize {
+            let of = |shift: usize| {
+                (0..4)
+                    .filter(|b| nib >> b & 1 == 1)
+                    .fold(0, |s, b| s ^ bit_syndrome(b + shift)) as u8
+            };
+            t.syndrome_lo[nib] = of(0);
+            t.syndrome_hi[nib] = of(4);
+        }
+        t.syndrome_affine = affine_matrix(syndrome_rows(bit_syndrome, 0));
+        t
+    }
+}
