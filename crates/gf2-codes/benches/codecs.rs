@@ -14,7 +14,7 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gf2_codes::batch::{Backend, Int4Codec, erasure_words};
 use gf2_codes::channel::{BinarySymmetric, FaultChannel, FaultRng};
-use gf2_codes::{Golay24, Hamming74, Int4Code, Secded84};
+use gf2_codes::{Golay24, Int4Code, Secded84};
 
 fn random_values(n: usize, seed: u64) -> Vec<u8> {
     let mut rng = FaultRng::new(seed);
@@ -120,7 +120,6 @@ fn batch_vs_generic(c: &mut Criterion) {
         });
         group.finish();
     }
-    let _ = Hamming74;
 }
 
 fn config() -> Criterion {

@@ -10,11 +10,8 @@
 
 use std::sync::OnceLock;
 
-use super::nibble::outcome_of;
-use super::{
-    Backend, ChunkKernel, Int4Codec, check_decode_shapes, check_nibbles, drive_chunks,
-    split_entries,
-};
+use super::nibble::{NibbleDecoders, outcome_of, run_decode};
+use super::{Backend, ChunkKernel, Int4Codec, check_nibbles, split_entries};
 use crate::code::LinearCode;
 use crate::error::{Result, check_len};
 use crate::stats::DecodeStats;
@@ -84,32 +81,17 @@ impl Hamming74 {
         values: &mut [u8],
         erasures: &mut [u64],
     ) -> Result<DecodeStats> {
-        check_decode_shapes(
-            &self,
-            encoded.len(),
-            values.len(),
-            erasures.len(),
-            truth.map(<[u8]>::len),
-        )?;
-        backend.ensure_supported()?;
         let t = tables();
-        Ok(match backend {
-            Backend::Scalar => drive_chunks(&ScalarKernel(t), encoded, values, truth, erasures),
+        let decoders = NibbleDecoders {
+            tables: t,
+            scalar: ScalarKernel(t),
             #[cfg(target_arch = "x86_64")]
-            Backend::Avx2 => {
-                // SAFETY: `ensure_supported` checked that this CPU has AVX2.
-                unsafe { super::avx2::hamming_decode_avx2(t, encoded, values, truth, erasures) }
-            }
-            #[cfg(target_arch = "x86_64")]
-            Backend::Avx512 => {
-                // SAFETY: `ensure_supported` checked the CPU features.
-                unsafe { super::avx512::hamming_decode_avx512(t, encoded, values, truth, erasures) }
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx2 | Backend::Avx512 => {
-                unreachable!("ensure_supported rejects x86 backends elsewhere")
-            }
-        })
+            simd: [
+                super::avx2::hamming_decode_avx2,
+                super::avx512::hamming_decode_avx512,
+            ],
+        };
+        run_decode(&self, decoders, backend, encoded, truth, values, erasures)
     }
 }
 

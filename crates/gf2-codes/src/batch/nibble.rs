@@ -1,9 +1,62 @@
 //! Decode tables shared by the one-value-per-codeword codes (Hamming(7,4) and
 //! SECDED(8,4)), derived from a [`LinearCode`] with n ≤ 8 and k = 4.
 
-use super::{affine_matrix, syndrome_rows};
+use super::{
+    Backend, ChunkKernel, Int4Codec, affine_matrix, check_decode_shapes, drive_chunks,
+    syndrome_rows,
+};
 use crate::code::LinearCode;
-use crate::stats::DecodeOutcome;
+use crate::error::Result;
+use crate::stats::{DecodeOutcome, DecodeStats};
+
+/// A SIMD decoder of a nibble code: `(tables, encoded, values, truth, erasures)`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type SimdDecode =
+    unsafe fn(&NibbleTables, &[u8], &mut [u8], Option<&[u8]>, &mut [u64]) -> DecodeStats;
+
+/// The implementations of one nibble code, one per backend.
+pub(crate) struct NibbleDecoders<'a, K> {
+    /// The code's tables.
+    pub(crate) tables: &'a NibbleTables,
+    /// The portable kernel.
+    pub(crate) scalar: K,
+    /// AVX2 and AVX-512 decoders.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) simd: [SimdDecode; 2],
+}
+
+/// Checks shapes and the backend, then runs the chosen decoder.
+pub(crate) fn run_decode<K: ChunkKernel>(
+    codec: &dyn Int4Codec,
+    decoders: NibbleDecoders<'_, K>,
+    backend: Backend,
+    encoded: &[u8],
+    truth: Option<&[u8]>,
+    values: &mut [u8],
+    erasures: &mut [u64],
+) -> Result<DecodeStats> {
+    check_decode_shapes(
+        codec,
+        encoded.len(),
+        values.len(),
+        erasures.len(),
+        truth.map(<[u8]>::len),
+    )?;
+    backend.ensure_supported()?;
+    Ok(match backend {
+        Backend::Scalar => drive_chunks(&decoders.scalar, encoded, values, truth, erasures),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 | Backend::Avx512 => {
+            let simd = decoders.simd[usize::from(backend == Backend::Avx512)];
+            // SAFETY: `ensure_supported` checked this CPU's features for the backend.
+            unsafe { simd(decoders.tables, encoded, values, truth, erasures) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Backend::Avx2 | Backend::Avx512 => {
+            unreachable!("ensure_supported rejects x86 backends elsewhere")
+        }
+    })
+}
 
 /// Flag bit of a decode-table entry: the word was corrected.
 pub(crate) const FLAG_CORRECTED: u8 = 0x40;
