@@ -158,6 +158,11 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
         );
     }
     let figures = pair_with_baselines(&measurements);
+    if figures.is_empty() {
+        bail!(
+            "no figure has a baseline measured in this run (does --filter exclude the baseline-* functions?)"
+        );
+    }
     print!("{}", table(&figures));
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&figures)? + "\n")
