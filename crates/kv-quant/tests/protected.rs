@@ -1,0 +1,412 @@
+//! ECC-protected stores: seeded injection, the accounting identity, every
+//! one- and two-flip pattern of a SECDED word, the erasure policies (the
+//! paper's midpoint and the distance-weighted extension), metadata
+//! protection, and tile decoding equal to whole decoding.
+
+use gf2_codes::channel::{BinarySymmetric, FaultChannel, FaultRng, Flips};
+use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvDecodeStats, KvStore};
+
+/// A channel that flips exactly the given bit positions.
+#[derive(Debug)]
+struct ExactFlips(Vec<u64>);
+
+impl FaultChannel for ExactFlips {
+    fn inject_with(&self, data: &mut [u8], _rng: &mut FaultRng) -> Flips {
+        let flips = Flips::from_events(
+            self.0
+                .iter()
+                .copied()
+                .filter(|&p| p / 8 < data.len() as u64)
+                .collect(),
+        );
+        flips.apply(data).unwrap();
+        flips
+    }
+}
+
+/// Flips the given positions in the buffer of the `call`-th call only (a
+/// metadata injection calls the channel for scales, offsets, checks in turn).
+#[derive(Debug)]
+struct FlipsInCall {
+    call: usize,
+    positions: Vec<u64>,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl FlipsInCall {
+    fn new(call: usize, positions: Vec<u64>) -> Self {
+        FlipsInCall {
+            call,
+            positions,
+            calls: Default::default(),
+        }
+    }
+}
+
+impl FaultChannel for FlipsInCall {
+    fn inject_with(&self, data: &mut [u8], rng: &mut FaultRng) -> Flips {
+        let call = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let positions = if call == self.call {
+            self.positions.clone()
+        } else {
+            Vec::new()
+        };
+        ExactFlips(positions).inject_with(data, rng)
+    }
+}
+
+/// A smooth `tokens × channels` matrix (slow drift along tokens, as the
+/// paper's smoothness assumption has it) with per-channel offsets.
+fn smooth(tokens: usize, channels: usize) -> Vec<f32> {
+    (0..tokens * channels)
+        .map(|i| {
+            let (t, c) = ((i / channels) as f32, (i % channels) as f32);
+            (0.05 * t + 0.7 * c).sin() * (1.0 + 0.1 * c) + 0.02 * c
+        })
+        .collect()
+}
+
+fn store(spelling: &str, tokens: usize, channels: usize) -> KvStore {
+    let form: CacheForm = spelling.parse().unwrap();
+    KvStore::quantize(form, &smooth(tokens, channels), tokens, channels).unwrap()
+}
+
+#[test]
+fn injection_is_reproducible_from_the_seed() {
+    let clean = store("int4+secded84+interp", 64, 64);
+    let channel = BinarySymmetric::new(1e-2).unwrap();
+    let (mut a, mut b, mut c) = (clean.clone(), clean.clone(), clean.clone());
+    let ia = a.inject(&channel, 7, FaultTarget::Everything);
+    let ib = b.inject(&channel, 7, FaultTarget::Everything);
+    assert_eq!(ia, ib);
+    assert_eq!(a, b);
+    assert_eq!(a.decode().unwrap(), b.decode().unwrap());
+    // Value flips do not depend on whether the metadata is hit too.
+    let ic = c.inject(&channel, 7, FaultTarget::Values);
+    assert_eq!(ic.values, ia.values);
+    assert_eq!(ic.metadata(), 0);
+    assert_eq!(c.injected_flips(), ic.total() as u64);
+    assert_eq!(a.decode().unwrap().injected_flips, ia.total() as u64);
+    let mut d = clean.clone();
+    assert_ne!(d.inject(&channel, 8, FaultTarget::Everything), ia);
+    // Metadata-only injection leaves the values alone.
+    let mut e = clean.clone();
+    let ie = e.inject(&channel, 7, FaultTarget::Metadata);
+    assert!(ie.values.is_empty());
+    assert_eq!(e.data(), clean.data());
+    assert_eq!(
+        (ie.scales.clone(), ie.checks.clone()),
+        (ia.scales, ia.checks)
+    );
+}
+
+/// Every word hit by a flip lands in exactly one of corrected, detected,
+/// miscorrected and silent; every word not hit is clean; flips in padding
+/// bits belong to no word. Per-weight outcomes follow each code's distance.
+#[test]
+fn every_flipped_word_is_accounted_for() {
+    for spelling in ["int4+hamming74", "int4+secded84", "int4+golay24", "int4"] {
+        for channels in [64, 30] {
+            for (seed, ber) in [(1, 1e-3), (2, 1e-2), (3, 5e-2)] {
+                let clean = store(spelling, 96, channels);
+                let mut faulty = clean.clone();
+                let injection = faulty.inject(
+                    &BinarySymmetric::new(ber).unwrap(),
+                    seed,
+                    FaultTarget::Values,
+                );
+                let mut weight = std::collections::BTreeMap::<usize, u32>::new();
+                let mut padding = 0;
+                for &bit in injection.values.positions() {
+                    match faulty.word_of_bit(bit) {
+                        Some(w) => *weight.entry(w).or_default() += 1,
+                        None => padding += 1,
+                    }
+                }
+                let decoded = faulty.decode_with_truth(&clean).unwrap();
+                let s = decoded.stats.values;
+                let label = format!("{spelling} ×{channels} ber {ber}");
+                assert_eq!(s.words as usize, 96 * faulty.words_per_row(), "{label}");
+                let touched = weight.len() as u64;
+                assert_eq!(s.clean, s.words - touched, "{label}");
+                assert_eq!(
+                    s.corrected + s.detected + s.miscorrected + s.silent,
+                    touched,
+                    "{label}"
+                );
+                let count = |w: u32| weight.values().filter(|&&x| x == w).count() as u64;
+                match spelling {
+                    "int4+hamming74" => {
+                        assert_eq!((s.corrected, s.detected), (count(1), 0), "{label}")
+                    }
+                    "int4+secded84" => {
+                        assert_eq!(s.corrected, count(1), "{label}");
+                        assert!(s.detected >= count(2), "{label}");
+                        assert_eq!(decoded.stats.erased_values, s.detected, "{label}");
+                    }
+                    "int4+golay24" => {
+                        assert_eq!(s.corrected, count(1) + count(2) + count(3), "{label}");
+                        assert!(s.detected >= count(4), "{label}");
+                    }
+                    _ => assert_eq!(
+                        s.silent, touched,
+                        "{label}: every flipped nibble changes its value"
+                    ),
+                }
+                if spelling == "int4+hamming74" && channels == 30 {
+                    // 30 values take 210 of the row's 216 bits.
+                    assert!(padding > 0 || ber < 1e-2, "{label}: padding bits exist");
+                } else if spelling != "int4" || channels != 30 {
+                    assert_eq!(padding, 0, "{label}");
+                }
+                assert_eq!(decoded.stats.metadata.words, 2 * 96, "{label}");
+                assert_eq!(decoded.stats.metadata.clean, 2 * 96, "{label}");
+            }
+        }
+    }
+}
+
+/// All 8 single and 28 double flips of every SECDED codeword of one token
+/// row: singles decode to the clean matrix, doubles erase exactly one value.
+#[test]
+fn every_one_and_two_flip_pattern_of_a_secded_word() {
+    let clean = store("int4+secded84+zero", 3, 16);
+    let reference = clean.decode().unwrap();
+    let row = clean.row_bytes() as u64;
+    for c in 0..16u64 {
+        let word = 8 * (row + c); // token 1, channel c
+        for a in 0..8 {
+            let mut one = clean.clone();
+            one.inject(&ExactFlips(vec![word + a]), 0, FaultTarget::Values);
+            let d = one.decode_with_truth(&clean).unwrap();
+            assert_eq!(d.values, reference.values, "bit {a} of word {c}");
+            assert_eq!((d.stats.values.corrected, d.stats.erased_values), (1, 0));
+            for b in a + 1..8 {
+                let mut two = clean.clone();
+                two.inject(
+                    &ExactFlips(vec![word + a, word + b]),
+                    0,
+                    FaultTarget::Values,
+                );
+                let d = two.decode_with_truth(&clean).unwrap();
+                assert_eq!(
+                    (d.stats.values.detected, d.stats.erased_values),
+                    (1, 1),
+                    "bits {a},{b}"
+                );
+                assert!(d.is_erased(1, c as usize));
+                assert_eq!(d.values[16 + c as usize], 0.0);
+                let others_equal = d
+                    .values
+                    .iter()
+                    .zip(&reference.values)
+                    .enumerate()
+                    .all(|(i, (x, y))| i == 16 + c as usize || x == y);
+                assert!(others_equal);
+            }
+        }
+    }
+}
+
+/// Flip two bits of the SECDED word of `(token, channel)` in every listed cell.
+fn erase(store: &mut KvStore, cells: &[(usize, usize)]) {
+    let positions = cells
+        .iter()
+        .flat_map(|&(t, c)| {
+            let base = 8 * (t * store.row_bytes() + c) as u64;
+            [base + 1, base + 5] // data bit 1 and Hamming parity bit p1: detected
+        })
+        .collect();
+    store.inject(&ExactFlips(positions), 0, FaultTarget::Values);
+}
+
+#[test]
+fn erasure_policies_do_what_they_say() {
+    let (tokens, channels) = (12, 8);
+    let mut results = Vec::new();
+    for policy in ["keep", "zero", "interp", "interp1"] {
+        let clean = store(&format!("int4+secded84+{policy}"), tokens, channels);
+        let v = clean.decode().unwrap().values;
+        let at = |t: usize, c: usize| v[t * channels + c];
+        let mut faulty = clean.clone();
+        // Isolated (5,2); boundaries (0,3) and (11,4); a run (7,6),(8,6); a run of three (2,1..=3 tokens).
+        let cells = [
+            (5, 2),
+            (0, 3),
+            (11, 4),
+            (7, 6),
+            (8, 6),
+            (1, 1),
+            (2, 1),
+            (3, 1),
+        ];
+        erase(&mut faulty, &cells);
+        let d = faulty.decode().unwrap();
+        assert_eq!(d.stats.erased_values, cells.len() as u64);
+        let got = |t: usize, c: usize| d.values[t * channels + c];
+        match policy {
+            "keep" => {
+                // The received data bits are used as they are: data bit 1 flipped.
+                let (s, o) = clean.group_params(5).unwrap();
+                let level = ((at(5, 2) - o) / s).round() as u8;
+                assert_eq!(got(5, 2), o + f32::from(level ^ 2) * s);
+            }
+            "zero" => assert!(cells.iter().all(|&(t, c)| got(t, c) == 0.0)),
+            "interp" => {
+                assert_eq!(
+                    got(5, 2),
+                    0.5 * (at(4, 2) + at(6, 2)),
+                    "the paper's midpoint (eq. 29)"
+                );
+                assert_eq!(
+                    got(0, 3),
+                    at(1, 3),
+                    "left boundary clamps to the right neighbour"
+                );
+                assert_eq!(
+                    got(11, 4),
+                    at(10, 4),
+                    "right boundary clamps to the left neighbour"
+                );
+                assert_eq!(
+                    got(7, 6),
+                    (2.0 * at(6, 6) + at(9, 6)) / 3.0,
+                    "distance-weighted"
+                );
+                assert_eq!(
+                    got(8, 6),
+                    (at(6, 6) + 2.0 * at(9, 6)) / 3.0,
+                    "distance-weighted"
+                );
+                assert_eq!(got(2, 1), 0.5 * (at(0, 1) + at(4, 1)));
+            }
+            _ => {
+                // Reach 1: the middle of the run of three has no valid neighbour.
+                assert_eq!(got(2, 1), 0.0);
+                assert_eq!(got(1, 1), at(0, 1));
+                assert_eq!(got(5, 2), 0.5 * (at(4, 2) + at(6, 2)));
+            }
+        }
+        let untouched = (0..tokens * channels)
+            .filter(|i| !cells.contains(&(i / channels, i % channels)))
+            .all(|i| d.values[i] == v[i]);
+        assert!(untouched, "{policy}");
+        results.push(d.values);
+    }
+    assert_ne!(results[0], results[2]);
+}
+
+#[test]
+fn metadata_faults_are_corrected_detected_or_counted() {
+    let (tokens, channels) = (6, 16);
+    let clean = store("int4-g8+secded84+interp", tokens, channels);
+    let reference = clean.decode().unwrap();
+    // One flip in scale 4 (token 2, channels 0..8): corrected, values intact.
+    let mut one = clean.clone();
+    let bit = 8 * 2 * 4 + 9;
+    one.inject(&FlipsInCall::new(0, vec![bit]), 0, FaultTarget::Metadata);
+    let d = one.decode_with_truth(&clean).unwrap();
+    assert_eq!(d.values, reference.values);
+    assert_eq!(
+        (d.stats.metadata.corrected, d.stats.metadata.detected),
+        (1, 0)
+    );
+    // Two flips in it: detected, the whole group erased and interpolated.
+    let mut two = clean.clone();
+    two.inject(
+        &FlipsInCall::new(0, vec![bit, bit + 2]),
+        0,
+        FaultTarget::Metadata,
+    );
+    let d = two.decode_with_truth(&clean).unwrap();
+    assert_eq!(d.stats.metadata.detected, 1);
+    assert_eq!(d.stats.erased_values, 8);
+    for c in 0..8 {
+        assert!(d.is_erased(2, c));
+        let expect = 0.5 * (reference.values[channels + c] + reference.values[3 * channels + c]);
+        assert_eq!(d.values[2 * channels + c], expect);
+    }
+    // Unprotected metadata: the same flip changes the group silently.
+    let clean_raw = store("int4-g8+secded84+interp+meta-none", tokens, channels);
+    let mut raw = clean_raw.clone();
+    raw.inject(&FlipsInCall::new(0, vec![bit]), 0, FaultTarget::Metadata);
+    let d = raw.decode_with_truth(&clean_raw).unwrap();
+    assert_eq!((d.stats.metadata.silent, d.stats.erased_values), (1, 0));
+    assert_ne!(d.values, reference.values);
+}
+
+/// Decoding in tiles of any sizes gives the bits and the statistics of one
+/// whole decode, with faults in values and metadata, for every kind of form.
+#[test]
+fn tiles_decode_exactly_like_the_whole_matrix() {
+    let channel = BinarySymmetric::new(2e-2).unwrap();
+    for (spelling, channels) in [
+        ("int4+secded84+interp", 64),
+        ("int4+secded84+interp", 30),
+        ("int4+hamming74+zero", 40),
+        ("int4-ch5+golay24+interp", 33),
+        ("int4-sym-g16+golay24+interp3", 64),
+        ("nf4-g16+secded84+interp", 64),
+        ("int4-t+secded84+keep", 16),
+        ("int4-g8", 64),
+        ("int3-ch", 24),
+        ("fp8-e4m3-h8", 32),
+        ("fp16", 8),
+    ] {
+        let tokens = 41;
+        let clean = store(spelling, tokens, channels);
+        for seed in 0..3 {
+            let mut faulty = clean.clone();
+            faulty.inject(&channel, seed, FaultTarget::Everything);
+            let whole = faulty.decode_with_truth(&clean).unwrap();
+            let mut rng = FaultRng::new(seed);
+            let mut scratch = DecodeScratch::new();
+            let (mut start, mut stats, mut values) = (0, KvDecodeStats::default(), Vec::new());
+            while start < tokens {
+                let count = (1 + rng.below(9) as usize).min(tokens - start);
+                let mut out = vec![f32::NAN; count * channels];
+                stats += faulty
+                    .decode_rows_with_truth_into(&clean, start, count, &mut out, &mut scratch)
+                    .unwrap();
+                values.extend(out);
+                start += count;
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&values), bits(&whole.values), "{spelling} seed {seed}");
+            assert_eq!(stats, whole.stats, "{spelling} seed {seed}");
+            // Without the truth the values are the same.
+            assert_eq!(bits(&faulty.decode().unwrap().values), bits(&whole.values));
+        }
+    }
+}
+
+/// The paper's effect in miniature: at BER 1e-2 SECDED with interpolation
+/// stays much closer to the clean cache than unprotected INT4.
+#[test]
+fn protection_reduces_the_damage_of_faults() {
+    let (tokens, channels) = (256, 64);
+    let channel = BinarySymmetric::new(1e-2).unwrap();
+    let error = |spelling: &str| {
+        let clean = store(spelling, tokens, channels);
+        let reference = clean.decode().unwrap().values;
+        let mut faulty = clean.clone();
+        faulty.inject(&channel, 11, FaultTarget::Everything);
+        let v = faulty.decode().unwrap().values;
+        v.iter()
+            .zip(&reference)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum::<f64>()
+    };
+    let (plain, hamming, secded, interp, golay) = (
+        error("int4"),
+        error("int4+hamming74"),
+        error("int4+secded84"),
+        error("int4+secded84+interp"),
+        error("int4+golay24"),
+    );
+    assert!(hamming < plain / 5.0, "hamming {hamming} vs plain {plain}");
+    assert!(interp < secded, "interp {interp} vs keep {secded}");
+    assert!(golay < hamming, "golay {golay} vs hamming {hamming}");
+}
