@@ -91,7 +91,9 @@ fn quantize(c: &mut Criterion) {
     let data = matrix();
     let mut group = c.benchmark_group("kv-quant/quantize");
     group.throughput(Throughput::Elements((TOKENS * CHANNELS) as u64));
-    group.bench_function("baseline-copy-f32", |b| b.iter(|| black_box(&data).to_vec()));
+    group.bench_function("baseline-copy-f32", |b| {
+        b.iter(|| black_box(&data).to_vec())
+    });
     for spelling in ["int4"].into_iter().chain(FORMS) {
         let form: CacheForm = spelling.parse().unwrap();
         group.bench_function(spelling, |b| {
