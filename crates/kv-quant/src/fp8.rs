@@ -16,6 +16,14 @@
 
 use std::sync::OnceLock;
 
+/// `2^e` for a normal f32 exponent (`-126 ≤ e ≤ 127`), built from its bits
+/// (`powi` is a library call; this is one shift).
+#[inline]
+fn pow2(e: i32) -> f32 {
+    debug_assert!((-126..=127).contains(&e));
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
 /// The two OCP FP8 formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8Format {
@@ -50,7 +58,7 @@ impl Fp8Format {
 
     /// Smallest positive (subnormal) magnitude.
     pub fn min_positive(self) -> f32 {
-        2f32.powi(1 - self.bias() - self.mantissa_bits() as i32)
+        pow2(1 - self.bias() - self.mantissa_bits() as i32)
     }
 
     /// Code of the largest finite positive value.
@@ -75,26 +83,26 @@ impl Fp8Format {
         let m = self.mantissa_bits() as i32;
         let emin = 1 - self.bias(); // exponent of the smallest normal
         // Quantum of the binade of `a` (or of the subnormal range), a power of two.
-        let exp = if a >= 2f32.powi(emin) {
+        let exp = if a >= pow2(emin) {
             // Unbiased exponent of a normal f32 (a >= 2^-14 here, always normal).
             ((a.to_bits() >> 23) as i32) - 127
         } else {
             emin
         };
-        let quantum = 2f32.powi(exp - m);
+        let quantum = pow2(exp - m);
         // a / quantum is an exact power-of-two scaling, so only the rounding rounds.
         let steps = (a / quantum).round_ties_even();
         let r = steps * quantum;
         if r > self.max_finite() {
             return sign | self.max_code();
         }
-        if r < 2f32.powi(emin) {
+        if r < pow2(emin) {
             // Subnormal (or zero): the mantissa field counts quanta of 2^(emin - m).
             return sign | steps as u8;
         }
         // Normal: recompute the exponent from r (rounding may have carried).
         let e = ((r.to_bits() >> 23) as i32) - 127;
-        let mant = (r / 2f32.powi(e - m)) as u32 - (1 << m);
+        let mant = (r / pow2(e - m)) as u32 - (1 << m);
         sign | (((e + self.bias()) as u32) << m | mant) as u8
     }
 
@@ -117,9 +125,9 @@ impl Fp8Format {
             _ => {}
         }
         let value = if field == 0 {
-            mant as f32 * 2f32.powi(1 - self.bias() - m as i32)
+            mant as f32 * pow2(1 - self.bias() - m as i32)
         } else {
-            ((1 << m) + mant) as f32 * 2f32.powi(field - self.bias() - m as i32)
+            ((1 << m) + mant) as f32 * pow2(field - self.bias() - m as i32)
         };
         sign * value
     }
@@ -205,12 +213,12 @@ mod tests {
         assert!(Fp8Format::E4M3.decode(0x7F).is_nan());
         assert!(Fp8Format::E4M3.decode(0xFF).is_nan());
         assert_eq!(Fp8Format::E4M3.decode(0x78), 256.0); // no infinity at S.1111.000
-        assert_eq!(Fp8Format::E4M3.min_positive(), 2f32.powi(-9));
+        assert_eq!(Fp8Format::E4M3.min_positive(), pow2(-9));
         assert_eq!(Fp8Format::E5M2.decode(0x7B), 57344.0);
         assert_eq!(Fp8Format::E5M2.decode(0x7C), f32::INFINITY);
         assert_eq!(Fp8Format::E5M2.decode(0xFC), f32::NEG_INFINITY);
         assert!((0x7D..=0x7F).all(|c| Fp8Format::E5M2.decode(c).is_nan()));
-        assert_eq!(Fp8Format::E5M2.min_positive(), 2f32.powi(-16));
+        assert_eq!(Fp8Format::E5M2.min_positive(), pow2(-16));
     }
 
     #[test]
