@@ -372,28 +372,27 @@ impl KvStore {
                     o.copy_from_slice(&sanitize(x).to_le_bytes());
                 }
             }
-            Kind::F16 => {
-                for (o, &x) in self.data.chunks_exact_mut(2).zip(data) {
-                    let mut h = f16::from_f32(sanitize(x));
-                    if h.is_infinite() {
-                        if !clamp {
-                            return Err(overflow(x, "f16", f16::MAX.to_f64()));
-                        }
-                        h = if x > 0.0 { f16::MAX } else { f16::MIN };
-                    }
-                    o.copy_from_slice(&h.to_le_bytes());
-                }
-            }
             _ => {
+                // The 16-bit format: conversion to (bits, is infinite), largest finite, name.
+                type Convert = fn(f32) -> (u16, bool);
+                let (convert, max, name): (Convert, f32, &'static str) = if kind == Kind::F16 {
+                    let c: Convert =
+                        |x| (f16::from_f32(x).to_bits(), f16::from_f32(x).is_infinite());
+                    (c, f16::MAX.to_f32(), "f16")
+                } else {
+                    let c: Convert =
+                        |x| (bf16::from_f32(x).to_bits(), bf16::from_f32(x).is_infinite());
+                    (c, bf16::MAX.to_f32(), "bf16")
+                };
                 for (o, &x) in self.data.chunks_exact_mut(2).zip(data) {
-                    let mut h = bf16::from_f32(sanitize(x));
-                    if h.is_infinite() {
+                    let (mut bits, infinite) = convert(sanitize(x));
+                    if infinite {
                         if !clamp {
-                            return Err(overflow(x, "bf16", bf16::MAX.to_f64()));
+                            return Err(overflow(x, name, f64::from(max)));
                         }
-                        h = if x > 0.0 { bf16::MAX } else { bf16::MIN };
+                        bits = convert(max.copysign(x)).0;
                     }
-                    o.copy_from_slice(&h.to_le_bytes());
+                    o.copy_from_slice(&bits.to_le_bytes());
                 }
             }
         }
@@ -795,7 +794,6 @@ impl KvStore {
         let n = groups.len();
         let ty = self.scale_type();
         let width = ty.bytes();
-        let code = self.meta_code();
         let total = layout.groups();
         let scale = grow(&mut scratch.scale, n);
         let offset = grow(&mut scratch.offset, n);
@@ -805,11 +803,7 @@ impl KvStore {
         for (i, g) in groups.enumerate() {
             let counted = (start..end).contains(&layout.first_token(g));
             let mut read = |buffer: &[u8], check_index: usize, truth_buffer: Option<&[u8]>| {
-                let raw = read_word(&buffer[g * width..][..width]);
-                let (word, outcome) = match code {
-                    Some(code) => code.decode(raw, self.checks[check_index]),
-                    None => (raw, gf2_codes::DecodeOutcome::Clean),
-                };
+                let (word, outcome) = self.meta_word(buffer, g, check_index);
                 if counted {
                     match truth_buffer {
                         Some(t) => stats.record_with_truth(
@@ -839,6 +833,23 @@ impl KvStore {
             erased[i] = s_bad || o_bad;
         }
         stats
+    }
+
+    /// Metadata word `g` of `buffer` (the scales or the offsets) after SECDED
+    /// decoding with check byte `check_index`, if the form has one.
+    #[inline]
+    fn meta_word(
+        &self,
+        buffer: &[u8],
+        g: usize,
+        check_index: usize,
+    ) -> (u32, gf2_codes::DecodeOutcome) {
+        let width = self.scale_type().bytes();
+        let raw = read_word(&buffer[g * width..][..width]);
+        match self.meta_code() {
+            Some(code) => code.decode(raw, self.checks[check_index]),
+            None => (raw, gf2_codes::DecodeOutcome::Clean),
+        }
     }
 
     /// Decodes (coded) or unpacks (plain) the levels of rows `start..end` into the scratch.
@@ -1110,20 +1121,12 @@ impl KvStore {
         let layout = self.layout.as_ref().expect("protected forms have groups");
         let g = layout.group(token, channel);
         let ty = self.scale_type();
-        let width = ty.bytes();
-        let code = self.meta_code();
         let read = |buffer: &[u8], check_index: usize| {
-            let raw = read_word(&buffer[g * width..][..width]);
-            match code {
-                Some(code) => {
-                    let (w, outcome) = code.decode(raw, self.checks[check_index]);
-                    (
-                        int::from_bits(ty, w),
-                        outcome == gf2_codes::DecodeOutcome::Detected,
-                    )
-                }
-                None => (int::from_bits(ty, raw), false),
-            }
+            let (word, outcome) = self.meta_word(buffer, g, check_index);
+            (
+                int::from_bits(ty, word),
+                outcome == gf2_codes::DecodeOutcome::Detected,
+            )
         };
         let (a, a_bad) = read(&self.scales, g);
         let (b, b_bad) = if self.offsets.is_empty() {
