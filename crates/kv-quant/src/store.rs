@@ -27,9 +27,9 @@
 //! Forms without a code protect nothing. Faults can be injected into the
 //! values and the metadata separately ([`FaultTarget`]).
 
-use gf2_codes::DecodeStats;
 use gf2_codes::batch::{Backend, erasure_words};
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
+use gf2_codes::{DecodeStats, Int4Code};
 use half::{bf16, f16};
 
 use crate::error::{KvQuantError, Result, check_len};
@@ -162,6 +162,7 @@ pub struct DecodeScratch {
     flat_levels: Vec<u8>,
     flat_erasures: Vec<u64>,
     truth_levels: Vec<u8>,
+    truth_erasures: Vec<u64>,
     erasures: Vec<u64>,
     scale: Vec<f32>,
     offset: Vec<f32>,
@@ -232,6 +233,7 @@ impl Kind {
         match self {
             Kind::Asym(_) => b + f32::from(level) * a,
             Kind::Sym(bits) => (f32::from(level) - f32::from(1u8 << (bits - 1))) * a,
+            Kind::Fp8(format) => format.table()[usize::from(level)] * a,
             _ => NF4_LEVELS[usize::from(level & 15)] * a,
         }
     }
@@ -609,9 +611,9 @@ impl KvStore {
         }
         let word_bits = match (self.form.protection(), Kind::of(self.form.quantizer())) {
             (Some(p), _) => match p.code {
-                gf2_codes::Int4Code::Hamming74 => 7,
-                gf2_codes::Int4Code::Secded84 => 8,
-                gf2_codes::Int4Code::Golay24 => 24,
+                Int4Code::Hamming74 => 7,
+                Int4Code::Secded84 => 8,
+                Int4Code::Golay24 => 24,
             },
             (None, kind) => match kind.raw_bytes() {
                 Some(bytes) => 8 * bytes as u64,
@@ -750,7 +752,8 @@ impl KvStore {
             stats.values = self.decode_raw(kind, start, end, out, scratch, truth);
         } else {
             stats.values = self.load_levels(start, end, scratch, truth)?;
-            self.dequantize_levels(kind, start, end, out, scratch);
+            let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
+            self.dequantize_levels(kind, start, end, out, &scratch.levels, params);
         }
         let erasures = &mut scratch.erasures[..count * ew];
         if let Some(layout) = &self.layout {
@@ -921,18 +924,9 @@ impl KvStore {
                 None => codec.decode_into_with(backend, row, lv, er)?,
                 Some(truth) => {
                     let tl = grow(&mut scratch.truth_levels, ch);
-                    let mut scratch_erasures = [0u64; 4];
                     let truth_row = &truth.data[(start + r) * rb..][..rb];
-                    if ew <= scratch_erasures.len() {
-                        codec.decode_into_with(
-                            backend,
-                            truth_row,
-                            tl,
-                            &mut scratch_erasures[..ew],
-                        )?;
-                    } else {
-                        codec.decode_into_with(backend, truth_row, tl, &mut vec![0; ew])?;
-                    }
+                    let te = grow(&mut scratch.truth_erasures, ew);
+                    codec.decode_into_with(backend, truth_row, tl, te)?;
                     codec.decode_with_truth_into_with(backend, row, tl, lv, er)?
                 }
             };
@@ -940,14 +934,17 @@ impl KvStore {
         Ok(stats)
     }
 
-    /// Turns the scratch levels of rows `start..end` into values.
+    /// Turns one level (or FP8 code) per value of rows `start..end`
+    /// (`levels`, row stride `channels`) into values, with the group
+    /// parameters `scale`/`offset` loaded for those rows.
     fn dequantize_levels(
         &self,
         kind: Kind,
         start: usize,
         end: usize,
         out: &mut [f32],
-        scratch: &DecodeScratch,
+        levels: &[u8],
+        (scale, offset): (&[f32], &[f32]),
     ) {
         let layout = self.layout.as_ref().expect("level forms have groups");
         let ch = self.channels;
@@ -955,12 +952,12 @@ impl KvStore {
         let cpg = layout.channels_per_group;
         for (r, (o, lv)) in out
             .chunks_exact_mut(ch)
-            .zip(scratch.levels.chunks_exact(ch))
+            .zip(levels.chunks_exact(ch))
             .enumerate()
         {
             let base = layout.group(start + r, 0) - g0;
-            let a = &scratch.scale[base..][..layout.groups_per_block];
-            let b = &scratch.offset[base..][..layout.groups_per_block];
+            let a = &scale[base..][..layout.groups_per_block];
+            let b = &offset[base..][..layout.groups_per_block];
             if cpg == 1 {
                 dequantize_columns(kind, o, lv, a, b);
             } else {
@@ -1012,28 +1009,10 @@ impl KvStore {
                     *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
                 }
             }
-            Kind::Fp8(format) => {
-                let layout = self.layout.as_ref().expect("fp8 forms have groups");
-                let table = format.table();
-                let g0 = layout.groups_of_rows(start, end).start;
-                let cpg = layout.channels_per_group;
-                for (r, (o, codes)) in out
-                    .chunks_exact_mut(self.channels)
-                    .zip(bytes.chunks_exact(rb))
-                    .enumerate()
-                {
-                    let base = layout.group(start + r, 0) - g0;
-                    for (gi, (o, codes)) in o
-                        .chunks_exact_mut(cpg)
-                        .zip(codes.chunks_exact(cpg))
-                        .enumerate()
-                    {
-                        let s = scratch.scale[base + gi];
-                        for (o, &c) in o.iter_mut().zip(codes) {
-                            *o = table[usize::from(c)] * s;
-                        }
-                    }
-                }
+            Kind::Fp8(_) => {
+                // One code byte per value: the level loop reads the row bytes directly.
+                let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
+                self.dequantize_levels(kind, start, end, out, bytes, params);
             }
             _ => unreachable!("raw forms only"),
         }
@@ -1064,10 +1043,11 @@ impl KvStore {
         out: &mut [f32],
         erasures: &[u64],
     ) -> Result<()> {
-        let policy = self
-            .form
-            .protection()
-            .map_or(ErasurePolicy::Keep, |p| p.policy);
+        // Only protected forms detect anything, so only they have erasures.
+        let Some(protection) = self.form.protection() else {
+            return Ok(());
+        };
+        let policy = protection.policy;
         let ch = self.channels;
         let ew = erasure_words(ch);
         let erased = |t: usize, c: usize| erasures[(t - start) * ew + c / 64] >> (c % 64) & 1 == 1;
@@ -1086,7 +1066,7 @@ impl KvStore {
                                 if (start..end).contains(&t2) {
                                     Ok((!erased(t2, c)).then(|| out[(t2 - start) * ch + c]))
                                 } else {
-                                    self.valid_value_at(t2, c)
+                                    self.valid_value_at(protection.code, t2, c)
                                 }
                             };
                             let reach = reach as usize;
@@ -1116,7 +1096,7 @@ impl KvStore {
     /// The value at `(token, channel)` if neither its codeword nor its
     /// group's metadata is detected as corrupted (used for interpolation
     /// across tile borders; decisions equal those of a tile decode).
-    fn valid_value_at(&self, token: usize, channel: usize) -> Result<Option<f32>> {
+    fn valid_value_at(&self, code: Int4Code, token: usize, channel: usize) -> Result<Option<f32>> {
         let kind = Kind::of(self.form.quantizer());
         let layout = self.layout.as_ref().expect("protected forms have groups");
         let g = layout.group(token, channel);
@@ -1138,37 +1118,28 @@ impl KvStore {
             return Ok(None);
         }
         let row = &self.data[token * self.row_bytes..][..self.row_bytes];
-        let level = match self.form.protection() {
-            Some(p) => {
-                let codec = p.code.codec();
-                let unit = match p.code {
-                    gf2_codes::Int4Code::Hamming74 => 8,
-                    gf2_codes::Int4Code::Secded84 => 1,
-                    gf2_codes::Int4Code::Golay24 => 3,
-                };
-                let u = channel / unit;
-                let n = unit.min(self.channels - u * unit);
-                let first = u * codec.encoded_len(unit);
-                let mut values = [0u8; 8];
-                let mut erased = [0u64; 1];
-                codec.decode_into_with(
-                    Backend::Scalar,
-                    &row[first..first + codec.encoded_len(n)],
-                    &mut values[..n],
-                    &mut erased,
-                )?;
-                if erased[0] >> (channel - u * unit) & 1 == 1 {
-                    return Ok(None);
-                }
-                values[channel - u * unit]
-            }
-            None => {
-                let bits = kind.level_bits().unwrap_or(8);
-                let mut levels = vec![0u8; self.channels];
-                int::unpack_row(bits, row, &mut levels);
-                levels[channel]
-            }
+        let codec = code.codec();
+        // The smallest byte-aligned run of codewords holding the value.
+        let unit = match code {
+            Int4Code::Hamming74 => 8,
+            Int4Code::Secded84 => 1,
+            Int4Code::Golay24 => 3,
         };
+        let u = channel / unit;
+        let n = unit.min(self.channels - u * unit);
+        let first = u * codec.encoded_len(unit);
+        let mut values = [0u8; 8];
+        let mut erased = [0u64; 1];
+        codec.decode_into_with(
+            Backend::Scalar,
+            &row[first..first + codec.encoded_len(n)],
+            &mut values[..n],
+            &mut erased,
+        )?;
+        if erased[0] >> (channel - u * unit) & 1 == 1 {
+            return Ok(None);
+        }
+        let level = values[channel - u * unit];
         Ok(Some(kind.dequant(level, a, b)))
     }
 }
@@ -1243,6 +1214,12 @@ fn dequantize_segment(kind: Kind, out: &mut [f32], levels: &[u8], a: f32, b: f32
             let mid = f32::from(1u8 << (bits - 1));
             for (o, &q) in out.iter_mut().zip(levels) {
                 *o = (f32::from(q) - mid) * a;
+            }
+        }
+        Kind::Fp8(format) => {
+            let table = format.table();
+            for (o, &q) in out.iter_mut().zip(levels) {
+                *o = table[usize::from(q)] * a;
             }
         }
         _ => {
