@@ -34,6 +34,7 @@ pub mod int;
 mod layout;
 pub mod meta;
 pub mod nf4;
+mod simd;
 pub mod spec;
 mod store;
 

@@ -751,9 +751,11 @@ impl KvStore {
         if kind.raw_bytes().is_some() {
             stats.values = self.decode_raw(kind, start, end, out, scratch, truth);
         } else {
-            stats.values = self.load_levels(start, end, scratch, truth)?;
+            stats.values = crate::simd::with_avx2(|| self.load_levels(start, end, scratch, truth))?;
             let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
-            self.dequantize_levels(kind, start, end, out, &scratch.levels, params);
+            crate::simd::with_avx2(|| {
+                self.dequantize_levels(kind, start, end, out, &scratch.levels, params);
+            });
         }
         let erasures = &mut scratch.erasures[..count * ew];
         if let Some(layout) = &self.layout {
@@ -991,19 +993,9 @@ impl KvStore {
                     *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
             }
-            Kind::F16 => match bytemuck::try_cast_slice::<u8, f16>(bytes) {
-                // Little-endian targets with an aligned buffer: the slice
-                // conversion uses F16C when the CPU has it (measured 5x faster).
-                Ok(halves) if cfg!(target_endian = "little") => {
-                    use half::slice::HalfFloatSliceExt;
-                    halves.convert_to_f32_slice(out);
-                }
-                _ => {
-                    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                        *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                    }
-                }
-            },
+            // F16C or AVX-512 conversion when the CPU has it (measured 5x
+            // faster than the scalar path).
+            Kind::F16 => crate::simd::f16_to_f32(bytes, out),
             Kind::Bf16 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                     *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();

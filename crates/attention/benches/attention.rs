@@ -1,0 +1,148 @@
+//! Single-query decode attention read straight from each stored KV form, on
+//! two threads, as effective bandwidth: stored K and V bytes read per second.
+//!
+//! Group naming for `cargo xtask bench`: each group is
+//! `attention/decode-<q>x<kv>x<d>-<context>`, for SmolLM2-135M's shape
+//! (9 query heads, 3 KV heads, head dim 64) and Llama-3-8B's (32/8/128) at
+//! 4K, 16K and 64K tokens. Its `baseline-stream-read` function sums a 256 MiB
+//! buffer (eight times this machine's L3) on the same two threads: the
+//! machine's streaming-read bandwidth, measured in the same run. Every other
+//! function is one stored form; its ratio is the fraction of streaming-read
+//! bandwidth that decode attention reaches on that form.
+//!
+//! Set `ATTENTION_BENCH_CONTEXTS` (for example `4096,65536`) to pick contexts.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use attention::{Attention, DenseKv, HeadShape, KvSource, Mask};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
+use kv_quant::{CacheForm, KvStore};
+use rayon::prelude::*;
+
+const THREADS: usize = 2;
+
+const FORMS: [&str; 9] = [
+    "fp16",
+    "fp8-e4m3",
+    "int8",
+    "int4",
+    "int4-ch",
+    "int4+secded84",
+    "int4+secded84+interp",
+    "int4+hamming74",
+    "int4+golay24",
+];
+
+const SHAPES: [(usize, usize, usize); 2] = [(9, 3, 64), (32, 8, 128)];
+
+fn contexts() -> Vec<usize> {
+    std::env::var("ATTENTION_BENCH_CONTEXTS")
+        .ok()
+        .map(|s| {
+            s.split(',')
+                .map(|c| c.trim().parse().expect("context"))
+                .collect()
+        })
+        .unwrap_or_else(|| vec![4096, 16384, 65536])
+}
+
+/// Smooth, token-correlated rows in [-1, 1] (like real K/V caches).
+fn matrix(tokens: usize, channels: usize, phase: f32) -> Vec<f32> {
+    (0..tokens * channels)
+        .into_par_iter()
+        .map(|i| {
+            let (t, c) = ((i / channels) as f32, (i % channels) as f32);
+            (0.013 * t + 0.37 * c + phase).sin() * (0.5 + 0.5 * (0.11 * c).cos())
+        })
+        .collect()
+}
+
+/// Streaming read: a wrapping sum over `buffer`, split over the pool's threads.
+fn stream_read(buffer: &[u64]) -> u64 {
+    buffer
+        .par_chunks(buffer.len().div_ceil(THREADS))
+        .map(|chunk| {
+            let (lanes, tail) = chunk.as_chunks::<8>();
+            let mut acc = [0u64; 8];
+            for l in lanes {
+                for i in 0..8 {
+                    acc[i] = acc[i].wrapping_add(l[i]);
+                }
+            }
+            acc.iter().chain(tail).fold(0u64, |a, &b| a.wrapping_add(b))
+        })
+        .reduce(|| 0, u64::wrapping_add)
+}
+
+/// Measures decode attention over one pair of sources as stored bytes per second.
+fn bench_form<K: KvSource, V: KvSource>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    pool: &rayon::ThreadPool,
+    name: &str,
+    (attn, q): (&Attention, &[f32]),
+    keys: &K,
+    values: &V,
+) {
+    let bytes = keys.stored_bytes() + values.stored_bytes();
+    let position = keys.tokens() - 1;
+    group.throughput(Throughput::Bytes(bytes as u64));
+    group.bench_function(name, |b| {
+        b.iter(|| {
+            pool.install(|| {
+                attn.decode(black_box(q), position, keys, values, &Mask::Causal)
+                    .expect("decode")
+                    .out[0]
+            })
+        })
+    });
+}
+
+fn decode(c: &mut Criterion) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(THREADS)
+        .build()
+        .expect("pool");
+    let stream: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
+    for &(q_heads, kv_heads, d) in &SHAPES {
+        let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
+        let ch = shape.kv_channels();
+        let attn = Attention::new(shape);
+        let q = matrix(1, shape.q_len(), 0.3);
+        for tokens in contexts() {
+            let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
+            let mut group = c.benchmark_group(format!(
+                "attention/decode-{q_heads}x{kv_heads}x{d}-{}k",
+                tokens / 1024
+            ));
+            group
+                .sample_size(10)
+                .warm_up_time(Duration::from_millis(500))
+                .measurement_time(Duration::from_secs(2));
+            group.throughput(Throughput::Bytes(
+                std::mem::size_of_val(stream.as_slice()) as u64
+            ));
+            group.bench_function("baseline-stream-read", |b| {
+                b.iter(|| pool.install(|| stream_read(black_box(&stream))))
+            });
+            let dense_k = DenseKv::new(&k, tokens, ch).expect("k");
+            let dense_v = DenseKv::new(&v, tokens, ch).expect("v");
+            bench_form(&mut group, &pool, "fp32", (&attn, &q), &dense_k, &dense_v);
+            for spelling in FORMS {
+                let form: CacheForm = spelling.parse().expect("form");
+                let (ks, vs) = pool.install(|| {
+                    (
+                        KvStore::quantize(form, &k, tokens, ch).expect("quantize k"),
+                        KvStore::quantize(form, &v, tokens, ch).expect("quantize v"),
+                    )
+                });
+                bench_form(&mut group, &pool, spelling, (&attn, &q), &ks, &vs);
+            }
+            group.finish();
+        }
+    }
+}
+
+criterion_group!(benches, decode);
+criterion_main!(benches);

@@ -1,0 +1,51 @@
+//! Times decode attention over one stored form at one shape and context
+//! (for profiling): `cargo run --release -p attention --example decode_profile -- int4 32 8 128 65536`.
+
+use std::time::Instant;
+
+use attention::{Attention, DenseKv, HeadShape, Mask};
+use kv_quant::KvStore;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let form = args.first().map_or("int4", String::as_str);
+    let num = |i: usize, default: usize| args.get(i).map_or(Ok(default), |s| s.parse());
+    let shape = HeadShape::new(num(1, 32)?, num(2, 8)?, num(3, 128)?)?;
+    let tokens = num(4, 65536)?;
+    let ch = shape.kv_channels();
+    let data = |phase: f32| -> Vec<f32> {
+        (0..tokens * ch)
+            .map(|i| ((i / ch) as f32 * 0.013 + (i % ch) as f32 * 0.37 + phase).sin())
+            .collect()
+    };
+    let (k, v) = (data(0.0), data(1.0));
+    let q: Vec<f32> = (0..shape.q_len()).map(|i| (i as f32 * 0.3).sin()).collect();
+    let attn = Attention::new(shape);
+    let spelling = if form == "dense" { "fp32" } else { form };
+    let (ks, vs) = (
+        KvStore::quantize(spelling.parse()?, &k, tokens, ch)?,
+        KvStore::quantize(spelling.parse()?, &v, tokens, ch)?,
+    );
+    let bytes = (ks.stored_bytes() + vs.stored_bytes()) as f64;
+    let dense = (DenseKv::new(&k, tokens, ch)?, DenseKv::new(&v, tokens, ch)?);
+    let reps: usize = std::env::var("REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    for _ in 0..reps {
+        let t = Instant::now();
+        let out = if form == "dense" {
+            attn.decode(&q, tokens - 1, &dense.0, &dense.1, &Mask::Causal)?
+        } else {
+            attn.decode(&q, tokens - 1, &ks, &vs, &Mask::Causal)?
+        };
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{form}: {:.2} ms, {:.2} GB/s (out[0] = {})",
+            s * 1e3,
+            bytes / s / 1e9,
+            out.out[0]
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,743 @@
+//! The inner loop of blockwise online-softmax attention: one query token's
+//! heads against one tile of f32 K/V rows ([`attend_tile`]), and the exact
+//! log-sum-exp merge of partial results ([`Partial`]), section 3.3 of
+//! `lowrank-kv-subspace-paper.md` ("blockwise softmax across chunks").
+//!
+//! Within a tile, scores, their maximum, `exp(s − m)` and the weighted value
+//! sum are f32 in 16-lane arrays with a fixed reduction tree, so every ISA
+//! variant (AVX-512, AVX2 with FMA) gives bit-identical results; the generic
+//! fallback (no FMA) rounds the multiply-adds separately. Tile results are
+//! folded into the running state in f64, so long contexts lose nothing to
+//! the running sums.
+
+const LANES: usize = 16;
+
+/// Running softmax state of a set of query heads: per head the running
+/// maximum score `m`, the sum `l = Σ exp(s − m)` and `acc = Σ exp(s − m)·v`.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Partial {
+    d: usize,
+    m: Vec<f32>,
+    l: Vec<f64>,
+    acc: Vec<f64>,
+}
+
+impl Partial {
+    /// The empty state (every key masked so far) of `heads` heads of `d` channels.
+    pub(crate) fn new(heads: usize, d: usize) -> Self {
+        Self {
+            d,
+            m: vec![f32::NEG_INFINITY; heads],
+            l: vec![0.0; heads],
+            acc: vec![0.0; heads * d],
+        }
+    }
+
+    /// Folds in one head's tile result: maximum `m`, `Σ exp(s − m)` and the weighted sum.
+    fn fold(&mut self, head: usize, m: f32, l: f32, acc: &[f32]) {
+        self.fold_f64(head, m, f64::from(l), acc.iter().map(|&a| f64::from(a)));
+    }
+
+    fn fold_f64(&mut self, head: usize, m: f32, l: f64, acc: impl Iterator<Item = f64>) {
+        if l == 0.0 {
+            return;
+        }
+        let acc_run = &mut self.acc[head * self.d..][..self.d];
+        let m_run = self.m[head];
+        if self.l[head] == 0.0 {
+            self.m[head] = m;
+            self.l[head] = l;
+            acc_run.iter_mut().zip(acc).for_each(|(r, a)| *r = a);
+            return;
+        }
+        let m_new = m_run.max(m);
+        let (a, b) = (
+            (f64::from(m_run) - f64::from(m_new)).exp(),
+            (f64::from(m) - f64::from(m_new)).exp(),
+        );
+        self.m[head] = m_new;
+        self.l[head] = self.l[head] * a + l * b;
+        acc_run
+            .iter_mut()
+            .zip(acc)
+            .for_each(|(r, x)| *r = *r * a + x * b);
+    }
+
+    /// Merges another partial over other keys (log-sum-exp merge; exact up
+    /// to the f64 rounding of the rescaling).
+    pub(crate) fn merge(&mut self, other: &Partial) {
+        for h in 0..self.m.len() {
+            let acc = other.acc[h * self.d..][..self.d].iter().copied();
+            self.fold_f64(h, other.m[h], other.l[h], acc);
+        }
+    }
+
+    /// Writes the normalised output (`acc / l`, zero where every key was
+    /// masked) and the log-sum-exp (`m + ln l`, `-inf` there).
+    pub(crate) fn finish(&self, out: &mut [f32], lse: &mut [f32]) {
+        for (h, (o, lse)) in out.chunks_exact_mut(self.d).zip(lse).enumerate() {
+            let l = self.l[h];
+            if l == 0.0 {
+                o.fill(0.0);
+                *lse = f32::NEG_INFINITY;
+            } else {
+                for (o, a) in o.iter_mut().zip(&self.acc[h * self.d..][..self.d]) {
+                    *o = (a / l) as f32;
+                }
+                *lse = (f64::from(self.m[h]) + l.ln()) as f32;
+            }
+        }
+    }
+}
+
+/// Per-thread buffers of [`attend_tile`].
+#[derive(Clone, Debug, Default)]
+pub(crate) struct KernelScratch {
+    /// Scores, then weights: `q_heads × rows`.
+    weights: Vec<f32>,
+    /// Weighted value sums: `q_heads × d`.
+    acc: Vec<f32>,
+    /// Per head: maximum score and sum of weights.
+    maxima: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+/// Geometry of one call of [`attend_tile`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TileGeometry {
+    /// Query heads per KV head.
+    pub(crate) group: usize,
+    /// KV heads.
+    pub(crate) kv_heads: usize,
+    /// Channels per head.
+    pub(crate) d: usize,
+}
+
+/// Folds the keys and values of `keys`/`values` (`rows × kv_heads·d`) into
+/// `partial` for the query heads `q` (`q_heads × d`, already multiplied by
+/// the softmax scale).
+pub(crate) fn attend_tile(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    geometry: TileGeometry,
+    scratch: &mut KernelScratch,
+    partial: &mut Partial,
+) {
+    let rows = keys.len() / (geometry.kv_heads * geometry.d);
+    if rows == 0 {
+        return;
+    }
+    let heads = geometry.kv_heads * geometry.group;
+    if scratch.maxima.len() < heads {
+        scratch.maxima.resize(heads, 0.0);
+        scratch.sums.resize(heads, 0.0);
+    }
+    if scratch.weights.len() < heads * rows {
+        scratch.weights.resize(heads * rows, 0.0);
+    }
+    if scratch.acc.len() < heads * geometry.d {
+        scratch.acc.resize(heads * geometry.d, 0.0);
+    }
+    let args = TileArgs {
+        q,
+        keys,
+        values,
+        geometry,
+        rows,
+    };
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            // SAFETY: `isa()` returned Avx512 only after detecting avx512f and fma.
+            unsafe { attend_tile_avx512(args, scratch, partial) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma.
+            unsafe { attend_tile_avx2(args, scratch, partial) }
+        }
+        Isa::Generic => attend_tile_body::<false, GENERIC>(args, scratch, partial),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct TileArgs<'a> {
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    geometry: TileGeometry,
+    rows: usize,
+}
+
+/// The instruction set the kernels run with, detected once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Generic,
+}
+
+pub(crate) fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Generic
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn attend_tile_avx512(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &mut Partial) {
+    attend_tile_body::<true, AVX512>(args, scratch, partial);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_tile_avx2(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &mut Partial) {
+    attend_tile_body::<true, AVX2>(args, scratch, partial);
+}
+
+/// Three passes over the tile: scores of every head (`q_heads × rows`),
+/// reading the key rows in memory order; per head the maximum and
+/// `exp(s − m)`; then per head the weighted sum of its value rows, with the
+/// sum held in registers across the rows ([`weighted_sum`]).
+#[inline(always)]
+fn attend_tile_body<const FMA: bool, const ISA: u8>(
+    args: TileArgs<'_>,
+    scratch: &mut KernelScratch,
+    partial: &mut Partial,
+) {
+    let TileArgs {
+        q,
+        keys,
+        values,
+        geometry,
+        rows,
+    } = args;
+    let TileGeometry { group, kv_heads, d } = geometry;
+    let (ch, heads) = (kv_heads * d, kv_heads * group);
+    let weights = &mut scratch.weights[..heads * rows];
+    // Four rows at a time: each query chunk loaded once feeds four FMAs.
+    let quads = rows / 4 * 4;
+    let rest = quads..rows;
+    for t in (0..quads).step_by(4) {
+        let k4 = &keys[t * ch..][..4 * ch];
+        for h in 0..heads {
+            let off = h / group * d;
+            let k = [0, 1, 2, 3].map(|r| &k4[r * ch + off..][..d]);
+            let s = dot4::<FMA>(&q[h * d..][..d], k);
+            weights[h * rows + t..][..4].copy_from_slice(&s);
+        }
+    }
+    for t in rest {
+        let k = &keys[t * ch..][..ch];
+        for h in 0..heads {
+            weights[h * rows + t] = dot::<FMA>(&q[h * d..][..d], &k[h / group * d..][..d]);
+        }
+    }
+    let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
+    for ((w, m), l) in weights
+        .chunks_exact_mut(rows)
+        .zip(m.iter_mut())
+        .zip(l.iter_mut())
+    {
+        *m = max(w);
+        *l = exp_sub_sum::<FMA>(w, *m);
+    }
+    let acc = &mut scratch.acc[..heads * d];
+    for kvh in 0..kv_heads {
+        // Up to four heads of the group per pass over the value rows.
+        let mut g = 0;
+        while g < group {
+            let n = (group - g).min(4);
+            let h = kvh * group + g;
+            let out = &mut acc[h * d..][..n * d];
+            let w = &weights[h * rows..][..n * rows];
+            match n {
+                1 => weighted_sum::<FMA, ISA, 1>(out, w, values, ch, kvh * d),
+                2 => weighted_sum::<FMA, ISA, 2>(out, w, values, ch, kvh * d),
+                3 => weighted_sum::<FMA, ISA, 3>(out, w, values, ch, kvh * d),
+                _ => weighted_sum::<FMA, ISA, 4>(out, w, values, ch, kvh * d),
+            }
+            g += n;
+        }
+    }
+    for h in 0..heads {
+        partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
+    }
+}
+
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
+}
+
+/// Sums 16 lanes with a fixed tree.
+#[inline(always)]
+fn reduce(mut lanes: [f32; LANES]) -> f32 {
+    let mut width = LANES / 2;
+    while width > 0 {
+        for i in 0..width {
+            lanes[i] += lanes[i + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
+}
+
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let (ac, at) = a.as_chunks::<LANES>();
+    let (bc, bt) = b.as_chunks::<LANES>();
+    let mut lanes = [0.0f32; LANES];
+    for (x, y) in ac.iter().zip(bc) {
+        for i in 0..LANES {
+            lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
+        }
+    }
+    for (i, (x, y)) in at.iter().zip(bt).enumerate() {
+        lanes[i] = madd::<FMA>(*x, *y, lanes[i]);
+    }
+    reduce(lanes)
+}
+
+/// Four dot products of `q` with rows of the same length, each with
+/// exactly [`dot`]'s lanes and reduction tree.
+#[inline(always)]
+fn dot4<const FMA: bool>(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let (qc, qt) = q.as_chunks::<LANES>();
+    let kc = k.map(|k| k.as_chunks::<LANES>());
+    let mut lanes = [[0.0f32; LANES]; 4];
+    for (j, x) in qc.iter().enumerate() {
+        for (r, l) in lanes.iter_mut().enumerate() {
+            let y = &kc[r].0[j];
+            for i in 0..LANES {
+                l[i] = madd::<FMA>(x[i], y[i], l[i]);
+            }
+        }
+    }
+    for (r, l) in lanes.iter_mut().enumerate() {
+        for (i, (x, y)) in qt.iter().zip(kc[r].1).enumerate() {
+            l[i] = madd::<FMA>(*x, *y, l[i]);
+        }
+    }
+    lanes.map(reduce)
+}
+
+/// Largest element, ignoring NaN (a NaN score still poisons the output
+/// through `exp`, which the caller then reports).
+#[inline(always)]
+fn max(x: &[f32]) -> f32 {
+    let (chunks, tail) = x.as_chunks::<LANES>();
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for c in chunks {
+        for i in 0..LANES {
+            lanes[i] = if c[i] > lanes[i] { c[i] } else { lanes[i] };
+        }
+    }
+    for (i, &v) in tail.iter().enumerate() {
+        lanes[i] = if v > lanes[i] { v } else { lanes[i] };
+    }
+    lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
+}
+
+/// `x ← exp(x − m)`, returning `Σ x`.
+#[inline(always)]
+fn exp_sub_sum<const FMA: bool>(x: &mut [f32], m: f32) -> f32 {
+    let (chunks, tail) = x.as_chunks_mut::<LANES>();
+    let mut lanes = [0.0f32; LANES];
+    for c in chunks {
+        for i in 0..LANES {
+            c[i] = exp::<FMA>(c[i] - m);
+            lanes[i] += c[i];
+        }
+    }
+    for (i, v) in tail.iter_mut().enumerate() {
+        *v = exp::<FMA>(*v - m);
+        lanes[i] += *v;
+    }
+    reduce(lanes)
+}
+
+/// For each of `H` heads `j` (sharing one KV head):
+/// `out[j·d + c] = Σ_t w[j·rows + t] · values[t·ch + offset + c]`, summed
+/// in row order. The head dimension is cut into blocks of 64, 32 and 16
+/// channels; each block's `H` sums stay in registers while its rows are
+/// loaded once and stream by.
+#[inline(always)]
+fn weighted_sum<const FMA: bool, const ISA: u8, const H: usize>(
+    out: &mut [f32],
+    w: &[f32],
+    values: &[f32],
+    ch: usize,
+    offset: usize,
+) {
+    let d = out.len() / H;
+    let rows = w.len() / H;
+    let mut c = 0;
+    while c + 64 <= d {
+        weighted_block::<FMA, ISA, H, 4>(out, w, rows, values, ch, offset, c);
+        c += 64;
+    }
+    if c + 32 <= d {
+        weighted_block::<FMA, ISA, H, 2>(out, w, rows, values, ch, offset, c);
+        c += 32;
+    }
+    if c + 16 <= d {
+        weighted_block::<FMA, ISA, H, 1>(out, w, rows, values, ch, offset, c);
+        c += 16;
+    }
+    for j in 0..H {
+        for c in c..d {
+            let mut sum = 0.0;
+            for t in 0..rows {
+                sum = madd::<FMA>(w[j * rows + t], values[t * ch + offset + c], sum);
+            }
+            out[j * d + c] = sum;
+        }
+    }
+}
+
+/// Instruction sets of [`weighted_block`].
+const GENERIC: u8 = 0;
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
+
+/// Channels `c..c + 16N` of [`weighted_sum`] for its `H` heads. Written
+/// with intrinsics on x86-64: from plain lane arrays LLVM vectorises across
+/// the rows instead, with gathers, and runs six times slower (measured).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn weighted_block<const FMA: bool, const ISA: u8, const H: usize, const N: usize>(
+    out: &mut [f32],
+    w: &[f32],
+    rows: usize,
+    values: &[f32],
+    ch: usize,
+    offset: usize,
+    c: usize,
+) {
+    let d = out.len() / H;
+    let block = Block {
+        w,
+        rows,
+        values,
+        ch,
+        offset: offset + c,
+    };
+    let mut acc = [[[0.0f32; LANES]; N]; H];
+    #[cfg(target_arch = "x86_64")]
+    match ISA {
+        // SAFETY: ISA is AVX512 only inside `attend_tile_avx512`, whose
+        // features `isa()` detected.
+        AVX512 => acc = unsafe { x86::weighted_block_avx512::<H, N>(block) },
+        // SAFETY: likewise for AVX2 inside `attend_tile_avx2`.
+        AVX2 => acc = unsafe { x86::weighted_block_avx2::<H, N>(block) },
+        _ => generic_block::<FMA, H, N>(block, &mut acc),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    generic_block::<FMA, H, N>(block, &mut acc);
+    for (j, a) in acc.iter().enumerate() {
+        for (o, a) in out[j * d + c..][..N * LANES].chunks_exact_mut(LANES).zip(a) {
+            o.copy_from_slice(a);
+        }
+    }
+}
+
+/// Inputs of one register block.
+#[derive(Clone, Copy)]
+struct Block<'a> {
+    w: &'a [f32],
+    rows: usize,
+    values: &'a [f32],
+    ch: usize,
+    offset: usize,
+}
+
+#[inline(always)]
+fn generic_block<const FMA: bool, const H: usize, const N: usize>(
+    b: Block<'_>,
+    acc: &mut [[[f32; LANES]; N]; H],
+) {
+    for t in 0..b.rows {
+        let v = b.values[t * b.ch + b.offset..][..N * LANES]
+            .as_chunks::<LANES>()
+            .0;
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let wt = b.w[j * b.rows + t];
+            for (a, v) in acc.iter_mut().zip(v) {
+                for i in 0..LANES {
+                    a[i] = madd::<FMA>(wt, v[i], a[i]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! Register blocks of [`weighted_block`](super::weighted_block): lane
+    //! `i` of block `k` of head `j` computes exactly the generic FMA path's
+    //! `acc[j][k][i]`, in the same row order.
+    use std::arch::x86_64::*;
+
+    use super::{Block, LANES};
+
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_block_avx512<const H: usize, const N: usize>(
+        b: Block<'_>,
+    ) -> [[[f32; LANES]; N]; H] {
+        let mut acc = [[_mm512_setzero_ps(); N]; H];
+        for t in 0..b.rows {
+            let v = &b.values[t * b.ch + b.offset..][..16 * N];
+            // SAFETY: `v` holds 16N floats, so every 16-lane load is in bounds.
+            let v: [__m512; N] =
+                std::array::from_fn(|k| unsafe { _mm512_loadu_ps(v.as_ptr().add(16 * k)) });
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let wt = _mm512_set1_ps(b.w[j * b.rows + t]);
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    *a = _mm512_fmadd_ps(wt, *v, *a);
+                }
+            }
+        }
+        let mut out = [[[0.0f32; LANES]; N]; H];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            for (o, a) in o.iter_mut().zip(a) {
+                // SAFETY: `o` holds 16 floats.
+                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+            }
+        }
+        out
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_block_avx2<const H: usize, const N: usize>(
+        b: Block<'_>,
+    ) -> [[[f32; LANES]; N]; H] {
+        let mut acc = [[[_mm256_setzero_ps(); 2]; N]; H];
+        for t in 0..b.rows {
+            let v = &b.values[t * b.ch + b.offset..][..16 * N];
+            let v: [[__m256; 2]; N] = std::array::from_fn(|k| {
+                std::array::from_fn(|h| {
+                    // SAFETY: `v` holds 16N floats, so every 8-lane load is in bounds.
+                    unsafe { _mm256_loadu_ps(v.as_ptr().add(16 * k + 8 * h)) }
+                })
+            });
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let wt = _mm256_set1_ps(b.w[j * b.rows + t]);
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    a[0] = _mm256_fmadd_ps(wt, v[0], a[0]);
+                    a[1] = _mm256_fmadd_ps(wt, v[1], a[1]);
+                }
+            }
+        }
+        let mut out = [[[0.0f32; LANES]; N]; H];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            for (o, a) in o.iter_mut().zip(a) {
+                // SAFETY: `o` holds 16 floats.
+                unsafe {
+                    _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+                    _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `e^x` for `x ≤ 0` (scores minus their maximum), branch-free so it
+/// vectorises: `x = n·ln2 + r` with `|r| ≤ ln2/2` (Cody–Waite, two-part
+/// ln 2), `e^r` by its degree-7 Taylor polynomial (truncation below
+/// 5e-9 relative), and `2^n` built in the exponent bits. Below −87 (where
+/// `2^n` would leave the normal range) it returns 0; those weights are
+/// under 1e-37 of the maximum's. Written here rather than calling `f32::exp`
+/// because libm's scalar call cannot vectorise and cost more than the dot
+/// products at 64K tokens.
+#[inline(always)]
+pub(crate) fn exp<const FMA: bool>(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split so that n·LN2_HI is exact for |n| < 2^10.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding 1.5·2^23 rounds to an integer held in the low mantissa bits.
+    const SHIFT: f32 = 12_582_912.0;
+    const C: [f32; 8] = [
+        1.0,
+        1.0,
+        0.5,
+        1.0 / 6.0,
+        1.0 / 24.0,
+        1.0 / 120.0,
+        1.0 / 720.0,
+        1.0 / 5040.0,
+    ];
+    let xc = if x < -87.0 { -87.0 } else { x };
+    let shifted = madd::<FMA>(xc, LOG2E, SHIFT);
+    let n = shifted - SHIFT;
+    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, xc));
+    let mut p = C[7];
+    for &c in C[..7].iter().rev() {
+        p = madd::<FMA>(p, r, c);
+    }
+    // The low bits of `shifted` hold n + 2^22; 2^n has exponent field n + 127.
+    let n_bits = shifted.to_bits().wrapping_sub(SHIFT.to_bits());
+    let two_n = f32::from_bits(n_bits.wrapping_add(127) << 23);
+    if x < -87.0 { 0.0 } else { p * two_n }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulps_of_libm_on_its_domain() {
+        for fma in [false, true] {
+            let mut worst = 0.0f64;
+            let mut x = 0.0f32;
+            while x > -87.0 {
+                let got = if fma { exp::<true>(x) } else { exp::<false>(x) };
+                let want = f64::from(x).exp();
+                let rel = ((f64::from(got) - want) / want).abs();
+                worst = worst.max(rel);
+                x -= 0.000_77;
+            }
+            assert!(worst < 2.5e-7, "fma={fma}: worst relative error {worst}");
+        }
+        assert_eq!(exp::<true>(0.0), 1.0);
+        assert_eq!(exp::<true>(-88.0), 0.0);
+        assert_eq!(exp::<false>(f32::NEG_INFINITY), 0.0);
+        assert!(exp::<true>(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn fixed_reductions_match_f64_sums() {
+        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.31).sin()).collect();
+        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.17).cos()).collect();
+        let want: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(&x, &y)| f64::from(x) * f64::from(y))
+            .sum();
+        assert!((f64::from(dot::<true>(&a, &b)) - want).abs() < 1e-5);
+        assert!((f64::from(dot::<false>(&a, &b)) - want).abs() < 1e-5);
+        assert_eq!(max(&a), a.iter().copied().fold(f32::MIN, f32::max));
+        assert_eq!(max(&[]), f32::NEG_INFINITY);
+    }
+
+    /// Runs one tile through one ISA variant and returns the finished output.
+    fn run(isa: Isa, geometry: TileGeometry, rows: usize) -> (Vec<f32>, Vec<f32>) {
+        let heads = geometry.kv_heads * geometry.group;
+        let (d, ch) = (geometry.d, geometry.kv_heads * geometry.d);
+        let wave =
+            |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
+        let (q, k, v) = (
+            wave(heads * d, 0.37),
+            wave(rows * ch, 0.11),
+            wave(rows * ch, 0.23),
+        );
+        let mut scratch = KernelScratch::default();
+        scratch.weights.resize(heads * rows, 0.0);
+        scratch.acc.resize(heads * d, 0.0);
+        scratch.maxima.resize(heads, 0.0);
+        scratch.sums.resize(heads, 0.0);
+        let mut partial = Partial::new(heads, d);
+        let args = TileArgs {
+            q: &q,
+            keys: &k,
+            values: &v,
+            geometry,
+            rows,
+        };
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller checked the features.
+            Isa::Avx512 => unsafe { attend_tile_avx512(args, &mut scratch, &mut partial) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller checked the features.
+            Isa::Avx2 => unsafe { attend_tile_avx2(args, &mut scratch, &mut partial) },
+            Isa::Generic => attend_tile_body::<false, GENERIC>(args, &mut scratch, &mut partial),
+        }
+        let (mut out, mut lse) = (vec![0.0; heads * d], vec![0.0; heads]);
+        partial.finish(&mut out, &mut lse);
+        (out, lse)
+    }
+
+    #[test]
+    fn every_isa_variant_agrees() {
+        // Head dims that use every register block (64, 32, 16) and the scalar tail.
+        for (group, kv_heads, d, rows) in [
+            (4, 2, 128, 37),
+            (3, 3, 64, 64),
+            (5, 1, 117, 9),
+            (1, 2, 3, 1),
+        ] {
+            let geometry = TileGeometry { group, kv_heads, d };
+            let generic = run(Isa::Generic, geometry, rows);
+            #[cfg(target_arch = "x86_64")]
+            {
+                let fma = is_x86_feature_detected!("fma");
+                let avx2 = (fma && is_x86_feature_detected!("avx2"))
+                    .then(|| run(Isa::Avx2, geometry, rows));
+                let avx512 = (fma && is_x86_feature_detected!("avx512f"))
+                    .then(|| run(Isa::Avx512, geometry, rows));
+                if let (Some(a), Some(b)) = (&avx2, &avx512) {
+                    assert_eq!(a, b, "AVX2 and AVX-512 must be bit-identical");
+                }
+                for fused in avx2.iter().chain(&avx512) {
+                    for (x, y) in fused.0.iter().zip(&generic.0) {
+                        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+                    }
+                }
+                if avx2.is_none() && avx512.is_none() {
+                    println!("no FMA on this CPU: only the generic path was run");
+                }
+            }
+            assert!(generic.0.iter().all(|x| x.is_finite()));
+        }
+    }
+
+    #[test]
+    fn merging_two_halves_equals_one_pass() {
+        let mut whole = Partial::new(1, 2);
+        whole.fold(0, 3.0, 2.0, &[1.0, 4.0]);
+        whole.fold(0, 1.0, 5.0, &[2.0, -1.0]);
+        let mut first = Partial::new(1, 2);
+        first.fold(0, 3.0, 2.0, &[1.0, 4.0]);
+        let mut second = Partial::new(1, 2);
+        second.fold(0, 1.0, 5.0, &[2.0, -1.0]);
+        let mut merged = Partial::new(1, 2);
+        merged.merge(&first);
+        merged.merge(&second);
+        assert_eq!(merged, whole);
+        // l = 2 + 5e^-2, acc = [1 + 2e^-2, 4 − e^-2], relative to m = 3.
+        let e = (-2f64).exp();
+        let (mut out, mut lse) = ([0.0f32; 2], [0.0f32]);
+        whole.finish(&mut out, &mut lse);
+        let l = 2.0 + 5.0 * e;
+        assert!((f64::from(out[0]) - (1.0 + 2.0 * e) / l).abs() < 1e-7);
+        assert!((f64::from(out[1]) - (4.0 - e) / l).abs() < 1e-7);
+        assert!((f64::from(lse[0]) - (3.0 + l.ln())).abs() < 1e-6);
+        // An empty state finishes as zeros and -inf.
+        Partial::new(1, 2).finish(&mut out, &mut lse);
+        assert_eq!((out, lse), ([0.0; 2], [f32::NEG_INFINITY]));
+    }
+}

@@ -1,0 +1,53 @@
+//! # attention
+//!
+//! Attention for KV-cache research, on the CPU:
+//!
+//! - [`Rope`]: rotary embedding in both pair layouts ([`RopeLayout`]), apply
+//!   and undo.
+//! - [`reference_attention`]: the f64 oracle (causal mask, `1/√d` scale,
+//!   GQA/MQA).
+//! - [`Attention`]: blockwise online-softmax attention in f32 for decode
+//!   (split-K across threads with an exact log-sum-exp merge) and prefill,
+//!   never materialising the score matrix.
+//! - [`KvSource`]: the one trait attention reads caches through, tile by
+//!   tile: plain f32 rows ([`DenseKv`]), every kv-quant form ([`kv_quant::KvStore`]:
+//!   FP16, FP8, INT8, INT4 at any granularity, ECC-protected INT4 with its
+//!   erasure policy), or a store checked against its truth ([`StoreWithTruth`]).
+//!   Decode statistics of protected forms come back with the output.
+//!
+//! ```
+//! use attention::{Attention, DenseKv, HeadShape, Mask};
+//! use kv_quant::{CacheForm, KvStore};
+//!
+//! let shape = HeadShape::new(4, 2, 64)?; // 4 query heads share 2 KV heads
+//! let tokens = 300;
+//! let k: Vec<f32> = (0..tokens * 128).map(|i| (i as f32 * 0.01).sin()).collect();
+//! let v: Vec<f32> = (0..tokens * 128).map(|i| (i as f32 * 0.02).cos()).collect();
+//! let q: Vec<f32> = (0..4 * 64).map(|i| (i as f32 * 0.05).sin()).collect();
+//!
+//! let attn = Attention::new(shape);
+//! let exact = attn.decode(&q, tokens - 1, &DenseKv::new(&k, tokens, 128)?, &DenseKv::new(&v, tokens, 128)?, &Mask::Causal)?;
+//!
+//! let form: CacheForm = "int4+secded84+interp".parse()?;
+//! let (ks, vs) = (KvStore::quantize(form, &k, tokens, 128)?, KvStore::quantize(form, &v, tokens, 128)?);
+//! let quantized = attn.decode(&q, tokens - 1, &ks, &vs, &Mask::Causal)?;
+//! assert_eq!(quantized.stats.keys.values.words, (tokens * 128) as u64); // one SECDED word per value
+//! let err = exact.out.iter().zip(&quantized.out).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+//! assert!(err < 0.05, "{err}");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod attend;
+mod error;
+mod kernel;
+mod reference;
+mod rope;
+mod shape;
+mod source;
+
+pub use attend::{Attention, AttentionConfig, AttentionOutput, AttentionStats, OnNonFinite};
+pub use error::{AttentionError, Result};
+pub use reference::{ReferenceOutput, reference_attention};
+pub use rope::{Rope, RopeLayout};
+pub use shape::{HeadShape, Mask};
+pub use source::{DenseKv, KvSource, StoreScratch, StoreWithTruth, Tile};

@@ -1,0 +1,221 @@
+//! Rotary position embedding ([`Rope`]): apply and exact undo, in both pair
+//! layouts ([`RopeLayout`]).
+//!
+//! Pair `i` of the first `rotary_dims` channels of a head is rotated by the
+//! angle `position · θ_i`, with `θ_i = base^(−2i/rotary_dims)` (RoFormer;
+//! section 9 of `shard-kv-compression-blog.md` writes the same rotation for
+//! rotate-half). The score of a rotated query at `p` and a rotated key at `s`
+//! then depends on `s − p` only. Angles, sines and cosines are computed in
+//! f64 and each rotated pair is rounded to f32 once.
+
+use crate::error::{AttentionError, Result};
+
+/// Which channels form the rotated pairs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeLayout {
+    /// Pairs `(x[2i], x[2i+1])`: the layout GGUF Llama files expect
+    /// (llama.cpp's "normal" RoPE).
+    Adjacent,
+    /// Pairs `(x[i], x[i + rotary_dims/2])`: Hugging Face's `rotate_half`
+    /// (and llama.cpp's NeoX mode).
+    RotateHalf,
+}
+
+/// A rotary embedding for heads of `head_dim` channels.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    layout: RopeLayout,
+    head_dim: usize,
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    /// RoPE over the first `rotary_dims` channels of each head (all of them
+    /// when `rotary_dims == head_dim`) with frequency base `base`
+    /// (10 000 in Llama 2, 500 000 in Llama 3, 100 000 in SmolLM2-135M).
+    pub fn new(layout: RopeLayout, head_dim: usize, rotary_dims: usize, base: f64) -> Result<Self> {
+        if !(base.is_finite() && base > 1.0) {
+            return Err(AttentionError::InvalidParameter {
+                name: "rope base",
+                reason: format!("{base} is not a finite number above 1"),
+            });
+        }
+        if rotary_dims == 0 || !rotary_dims.is_multiple_of(2) {
+            return Err(AttentionError::InvalidParameter {
+                name: "rotary dims",
+                reason: format!("{rotary_dims} is not a positive even number"),
+            });
+        }
+        let inv_freq = (0..rotary_dims / 2)
+            .map(|i| base.powf(-2.0 * i as f64 / rotary_dims as f64))
+            .collect();
+        Self::with_inv_freq(layout, head_dim, inv_freq)
+    }
+
+    /// RoPE with explicit per-pair frequencies `θ_i` (radians per position),
+    /// for scaled variants (Llama 3.1 rope scaling, NTK, YaRN) computed by
+    /// the caller. Rotates the first `2·inv_freq.len()` channels.
+    pub fn with_inv_freq(layout: RopeLayout, head_dim: usize, inv_freq: Vec<f64>) -> Result<Self> {
+        if inv_freq.is_empty() || 2 * inv_freq.len() > head_dim {
+            return Err(AttentionError::InvalidParameter {
+                name: "rotary dims",
+                reason: format!(
+                    "{} rotated channels do not fit a head of {head_dim}",
+                    2 * inv_freq.len()
+                ),
+            });
+        }
+        if let Some(f) = inv_freq.iter().find(|f| !(f.is_finite() && **f >= 0.0)) {
+            return Err(AttentionError::InvalidParameter {
+                name: "rope frequency",
+                reason: format!("{f} is not a finite non-negative number"),
+            });
+        }
+        Ok(Self {
+            layout,
+            head_dim,
+            inv_freq,
+        })
+    }
+
+    /// The pair layout.
+    pub fn layout(&self) -> RopeLayout {
+        self.layout
+    }
+
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Rotated channels per head.
+    pub fn rotary_dims(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+
+    /// Per-pair frequencies `θ_i`.
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
+    /// The two channels of pair `i` within a head.
+    pub fn pair(&self, i: usize) -> (usize, usize) {
+        match self.layout {
+            RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+            RopeLayout::RotateHalf => (i, i + self.inv_freq.len()),
+        }
+    }
+
+    /// Rotates every head of `x` (a whole number of heads) to `position`.
+    pub fn apply(&self, x: &mut [f32], position: usize) -> Result<()> {
+        self.rotate(x, position, 1.0)
+    }
+
+    /// Undoes [`apply`](Self::apply) at the same position (rotation by the
+    /// opposite angle), within f32 rounding of each pair.
+    pub fn undo(&self, x: &mut [f32], position: usize) -> Result<()> {
+        self.rotate(x, position, -1.0)
+    }
+
+    fn rotate(&self, x: &mut [f32], position: usize, sign: f64) -> Result<()> {
+        if !x.len().is_multiple_of(self.head_dim) {
+            return Err(AttentionError::ShapeMismatch {
+                what: "RoPE input (a whole number of heads)",
+                expected: x.len().div_ceil(self.head_dim) * self.head_dim,
+                got: x.len(),
+            });
+        }
+        let trig: Vec<(f64, f64)> = self
+            .inv_freq
+            .iter()
+            .map(|&f| (sign * position as f64 * f).sin_cos())
+            .collect();
+        for head in x.chunks_exact_mut(self.head_dim) {
+            for (i, &(sin, cos)) in trig.iter().enumerate() {
+                let (a, b) = self.pair(i);
+                let (x0, x1) = (f64::from(head[a]), f64::from(head[b]));
+                head[a] = (x0 * cos - x1 * sin) as f32;
+                head[b] = (x0 * sin + x1 * cos) as f32;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_follow_the_layout() {
+        let a = Rope::new(RopeLayout::Adjacent, 8, 8, 10_000.0).unwrap();
+        let h = Rope::new(RopeLayout::RotateHalf, 8, 8, 10_000.0).unwrap();
+        assert_eq!(
+            (0..4).map(|i| a.pair(i)).collect::<Vec<_>>(),
+            [(0, 1), (2, 3), (4, 5), (6, 7)]
+        );
+        assert_eq!(
+            (0..4).map(|i| h.pair(i)).collect::<Vec<_>>(),
+            [(0, 4), (1, 5), (2, 6), (3, 7)]
+        );
+        assert_eq!(a.inv_freq()[0], 1.0);
+        assert!((a.inv_freq()[1] - 0.1).abs() < 1e-15); // 10000^(-2/8)
+    }
+
+    #[test]
+    fn position_zero_is_the_identity_and_one_step_matches_a_hand_rotation() {
+        let rope = Rope::new(RopeLayout::RotateHalf, 4, 4, 100.0).unwrap();
+        let x = [1.0f32, 2.0, 3.0, 4.0];
+        let mut y = x;
+        rope.apply(&mut y, 0).unwrap();
+        assert_eq!(y, x);
+        rope.apply(&mut y, 1).unwrap();
+        // Pair 0 = (x0, x2) rotated by 1 rad, pair 1 = (x1, x3) by 0.1 rad.
+        let (s0, c0) = 1f64.sin_cos();
+        let (s1, c1) = 0.1f64.sin_cos();
+        let want = [
+            (1.0 * c0 - 3.0 * s0) as f32,
+            (2.0 * c1 - 4.0 * s1) as f32,
+            (1.0 * s0 + 3.0 * c0) as f32,
+            (2.0 * s1 + 4.0 * c1) as f32,
+        ];
+        assert_eq!(y, want);
+    }
+
+    #[test]
+    fn partial_rotary_leaves_the_tail_alone() {
+        let rope = Rope::new(RopeLayout::Adjacent, 6, 4, 10_000.0).unwrap();
+        let mut x = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        rope.apply(&mut x, 7).unwrap();
+        assert_eq!(&x[4..], &[5.0, 6.0]);
+        assert_ne!(&x[..2], &[1.0, 2.0]);
+    }
+
+    #[test]
+    fn bad_parameters_are_typed_errors() {
+        let bad = [
+            Rope::new(RopeLayout::Adjacent, 8, 8, 1.0),
+            Rope::new(RopeLayout::Adjacent, 8, 8, f64::NAN),
+            Rope::new(RopeLayout::Adjacent, 8, 7, 10_000.0),
+            Rope::new(RopeLayout::Adjacent, 8, 0, 10_000.0),
+            Rope::new(RopeLayout::Adjacent, 8, 10, 10_000.0),
+            Rope::with_inv_freq(RopeLayout::Adjacent, 8, vec![1.0, f64::INFINITY]),
+            Rope::with_inv_freq(RopeLayout::Adjacent, 8, vec![-1.0]),
+        ];
+        for b in bad {
+            assert!(
+                matches!(b, Err(AttentionError::InvalidParameter { .. })),
+                "{b:?}"
+            );
+        }
+        let rope = Rope::new(RopeLayout::Adjacent, 8, 8, 10_000.0).unwrap();
+        assert!(matches!(
+            rope.apply(&mut [0.0; 12], 1),
+            Err(AttentionError::ShapeMismatch {
+                expected: 16,
+                got: 12,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,63 @@
+//! Shared helpers of the integration tests: seeded inputs and the
+//! comparison against the f64 oracle.
+
+#![allow(dead_code, unreachable_pub)]
+
+use attention::{AttentionOutput, HeadShape, Mask, ReferenceOutput, reference_attention};
+use rand_chacha::ChaCha8Rng;
+use rand_core::{Rng, SeedableRng};
+
+/// `n` values uniform in `[-amp, amp)` from `seed`.
+pub fn uniform(seed: u64, n: usize, amp: f32) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let u = (rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32;
+            (2.0 * u - 1.0) * amp
+        })
+        .collect()
+}
+
+/// Largest absolute difference from the oracle's output, divided by the
+/// largest |value| in the cache (the output is a convex combination of
+/// values, so this is the error relative to its scale), and the largest
+/// log-sum-exp difference.
+pub fn error_against(got: &AttentionOutput, want: &ReferenceOutput, values: &[f32]) -> (f64, f64) {
+    let vmax = values
+        .iter()
+        .fold(0.0f64, |m, v| m.max(f64::from(v.abs())))
+        .max(1e-30);
+    let out = got
+        .out
+        .iter()
+        .zip(&want.out)
+        .map(|(&a, &b)| (f64::from(a) - b).abs())
+        .fold(0.0, f64::max)
+        / vmax;
+    let lse = got
+        .lse
+        .iter()
+        .zip(&want.lse)
+        .map(|(&a, &b)| {
+            if a == f32::NEG_INFINITY && b == f64::NEG_INFINITY {
+                0.0
+            } else {
+                (f64::from(a) - b).abs() / b.abs().max(1.0)
+            }
+        })
+        .fold(0.0, f64::max);
+    (out, lse)
+}
+
+/// The oracle for a call.
+pub fn oracle(
+    q: &[f32],
+    positions: &[usize],
+    k: &[f32],
+    v: &[f32],
+    tokens: usize,
+    shape: &HeadShape,
+    mask: &Mask<'_>,
+) -> ReferenceOutput {
+    reference_attention(q, positions, k, v, tokens, shape, mask).expect("valid oracle call")
+}
