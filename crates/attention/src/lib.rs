@@ -51,3 +51,8 @@ pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};
 pub use source::{DenseKv, KvSource, StoreScratch, StoreWithTruth, Tile};
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

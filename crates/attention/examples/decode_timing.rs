@@ -1,5 +1,9 @@
-//! Times decode attention over one stored form at one shape and context
-//! (for profiling): `cargo run --release -p attention --example decode_profile -- int4 32 8 128 65536`.
+//! Times single-query decode attention over one stored form (or `dense`
+//! f32 rows) at one shape and context, printing milliseconds and stored
+//! bytes read per second; `REPS` sets the repetitions (default 20). Threads
+//! follow `RAYON_NUM_THREADS`.
+//!
+//! `cargo run --release -p attention --example decode_timing -- int4+secded84 32 8 128 65536`
 
 use std::time::Instant;
 
