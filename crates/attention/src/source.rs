@@ -183,21 +183,7 @@ pub struct StoreWithTruth<'a> {
 impl<'a> StoreWithTruth<'a> {
     /// Pairs a (possibly faulted) store with its fault-free original.
     pub fn new(store: &'a KvStore, truth: &'a KvStore) -> Result<Self> {
-        if store.form() != truth.form()
-            || store.tokens() != truth.tokens()
-            || store.channels() != truth.channels()
-        {
-            return Err(kv_quant::KvQuantError::StoreMismatch(format!(
-                "{} {}×{} against truth {} {}×{}",
-                store.form(),
-                store.tokens(),
-                store.channels(),
-                truth.form(),
-                truth.tokens(),
-                truth.channels()
-            ))
-            .into());
-        }
+        store.check_truth(truth)?;
         Ok(Self { store, truth })
     }
 }

@@ -680,7 +680,9 @@ impl KvStore {
         })
     }
 
-    fn check_truth(&self, truth: &KvStore) -> Result<()> {
+    /// Checks that `truth` can be this store's fault-free original: same
+    /// form and shape ([`KvQuantError::StoreMismatch`] otherwise).
+    pub fn check_truth(&self, truth: &KvStore) -> Result<()> {
         if truth.form != self.form || truth.tokens != self.tokens || truth.channels != self.channels
         {
             return Err(KvQuantError::StoreMismatch(format!(
