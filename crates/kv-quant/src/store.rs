@@ -995,8 +995,9 @@ impl KvStore {
                     *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
             }
-            // F16C or AVX-512 conversion when the CPU has it (measured 5x
-            // faster than the scalar path).
+            // AVX-512 or F16C conversion when the CPU has it (replacing
+            // `half`'s 4-wide slice conversion took fp16 decode attention at
+            // 32/8/128, 64K tokens from 39 to 29 ms on this project's machine).
             Kind::F16 => crate::simd::f16_to_f32(bytes, out),
             Kind::Bf16 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
