@@ -29,7 +29,8 @@ pub enum OnNonFinite {
     Error,
     /// Return the output and count the values in
     /// [`AttentionOutput::non_finite`] (for fault-injection experiments on
-    /// unprotected float caches).
+    /// unprotected float caches). Non-finite queries are then accepted too:
+    /// their heads' outputs come out NaN and are counted.
     Report,
 }
 
@@ -247,7 +248,8 @@ impl Attention {
         if keys.tokens() == 0 {
             return Err(AttentionError::EmptyCache);
         }
-        if let Some(i) = queries.iter().position(|x| !x.is_finite()) {
+        let refuse = self.config.on_non_finite == OnNonFinite::Error;
+        if let Some(i) = queries.iter().position(|x| refuse && !x.is_finite()) {
             return Err(AttentionError::NonFiniteQuery {
                 query: i / s.q_len(),
                 head: i % s.q_len() / s.head_dim(),

@@ -50,7 +50,7 @@ pub enum AttentionError {
     /// The cache holds no token.
     #[error("the KV cache is empty")]
     EmptyCache,
-    /// A query holds NaN or an infinity.
+    /// A query holds NaN or an infinity (under [`OnNonFinite::Error`](crate::OnNonFinite::Error)).
     #[error("query {query}, head {head}, channel {channel} is not finite ({value})")]
     NonFiniteQuery {
         /// Index of the query in the call.

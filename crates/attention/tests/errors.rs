@@ -230,6 +230,17 @@ fn non_finite_queries_and_outputs() {
         attn.decode(&q, 9, &inf, &good, &Mask::Causal),
         Err(AttentionError::NonFiniteOutput { .. })
     ));
+    // Under Report a NaN query is no error either: its head's outputs are
+    // NaN and counted (a fault upstream of attention), the other heads exact.
+    q[13] = f32::NAN;
+    let out = report.decode(&q, 9, &good, &good, &Mask::Causal).unwrap();
+    assert_eq!(out.non_finite, 8);
+    assert!(out.out[8..16].iter().all(|x| x.is_nan()));
+    let mut q_clean = q.clone();
+    q_clean[13] = 0.25;
+    let exact = report.decode(&q_clean, 9, &good, &good, &Mask::Causal).unwrap();
+    assert_eq!(out.out[..8], exact.out[..8]);
+    assert_eq!(out.out[16..], exact.out[16..]);
 }
 
 #[test]

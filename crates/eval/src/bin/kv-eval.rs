@@ -1,0 +1,460 @@
+//! `kv-eval`: perplexity of one cache configuration (`ppl`), the BER sweep
+//! (`sweep`), and the next-token top-k of a prompt (`top`).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
+use kv_eval::gguf::GgufFile;
+use kv_eval::metrics::{PplMethod, RunConfig, RunMetrics, evaluate};
+use kv_eval::model::LlamaModel;
+use kv_eval::paths;
+use kv_eval::sweep::{SweepPoint, SweepReport};
+use kv_eval::tokenizer::TextTokenizer;
+use kv_quant::{CacheForm, FaultTarget};
+
+/// Real-model fault-injection evaluation of KV-cache forms.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// What the model reads and how the corpus is cut.
+#[derive(clap::Args, Clone)]
+struct Source {
+    /// GGUF model file [default: the one `cargo xtask fetch-model` put in the cache folder].
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// UTF-8 corpus [default: the fetched Python 3.11 tutorial].
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// Context length of each window.
+    #[arg(long, default_value_t = 256)]
+    ctx: usize,
+    /// Perplexity method: llama.cpp's chunks (score the second half of each
+    /// chunk) or the paper's sliding window.
+    #[arg(long, value_enum, default_value_t = Method::Llamacpp)]
+    method: Method,
+    /// Window step of the sliding method.
+    #[arg(long, default_value_t = 128)]
+    stride: usize,
+    /// Use only the first N tokens of the corpus.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Worker threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Method {
+    Llamacpp,
+    Sliding,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Target {
+    Values,
+    Metadata,
+    Everything,
+}
+
+impl From<Target> for FaultTarget {
+    fn from(t: Target) -> Self {
+        match t {
+            Target::Values => FaultTarget::Values,
+            Target::Metadata => FaultTarget::Metadata,
+            Target::Everything => FaultTarget::Everything,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Perplexity, KL from the clean run, top-k and codec statistics of one configuration.
+    Ppl {
+        #[command(flatten)]
+        source: Source,
+        /// Cache form (kv-quant spelling: fp32, fp16, int8, int4,
+        /// int4+hamming74, int4+secded84, int4+secded84+interp,
+        /// int4+golay24, ...) or `plain` for the unstored f32 pass.
+        #[arg(long, default_value = "plain")]
+        form: String,
+        /// Bit error rate of the fault channel.
+        #[arg(long, default_value_t = 0.0)]
+        ber: f64,
+        /// Fault channel: bsc (independent flips), burst, mbu, stuck0, stuck1.
+        #[arg(long, default_value = "bsc")]
+        channel: String,
+        /// Which stored bits are exposed.
+        #[arg(long, value_enum, default_value_t = Target::Values)]
+        target: Target,
+        /// Fault seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Also write the result as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Forms × bit error rates × seeds: the paper's Tables 5 and 7-10, as
+    /// Markdown, JSON and an SVG plot in --out.
+    Sweep {
+        #[command(flatten)]
+        source: Source,
+        /// Comma-separated cache forms.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "fp16,int4,int4+hamming74,int4+secded84,int4+secded84+interp,int4+golay24"
+        )]
+        forms: Vec<String>,
+        /// Comma-separated bit error rates.
+        #[arg(long, value_delimiter = ',', default_value = "0,1e-4,1e-3,1e-2")]
+        bers: Vec<f64>,
+        /// Comma-separated fault seeds (each BER > 0 runs every seed).
+        #[arg(long, value_delimiter = ',', default_value = "0")]
+        seeds: Vec<u64>,
+        /// Fault channel: bsc, burst, mbu, stuck0, stuck1.
+        #[arg(long, default_value = "bsc")]
+        channel: String,
+        /// Which stored bits are exposed.
+        #[arg(long, value_enum, default_value_t = Target::Values)]
+        target: Target,
+        /// Output folder for sweep.md, sweep.json and sweep.svg.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// The top-k next tokens of a prompt with their logits and probabilities.
+    Top {
+        /// GGUF model file [default: the fetched one].
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// The prompt.
+        #[arg(long, default_value = "The capital of France is")]
+        prompt: String,
+        /// How many tokens to list.
+        #[arg(short, default_value_t = 8)]
+        k: usize,
+    },
+}
+
+type Error = Box<dyn std::error::Error>;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn model_path(p: &Option<PathBuf>) -> Result<PathBuf, Error> {
+    let path = p.clone().unwrap_or_else(paths::default_model);
+    if !path.is_file() {
+        return Err(format!(
+            "model {} not found (run `cargo xtask fetch-model`, or pass --model FILE)",
+            path.display()
+        )
+        .into());
+    }
+    Ok(path)
+}
+
+fn load_model(path: &Path) -> Result<(LlamaModel, TextTokenizer), Error> {
+    let started = Instant::now();
+    let file = GgufFile::open(path)?;
+    let model = LlamaModel::from_gguf(&file)?;
+    let tokenizer = TextTokenizer::from_gguf(&file)?;
+    eprintln!(
+        "loaded {} ({} layers, {} heads / {} KV heads × {}) in {:.1} s",
+        path.display(),
+        model.config().layers,
+        model.config().q_heads,
+        model.config().kv_heads,
+        model.config().head_dim,
+        started.elapsed().as_secs_f64()
+    );
+    Ok((model, tokenizer))
+}
+
+/// Loads model and corpus and tokenizes the corpus.
+fn prepare(source: &Source) -> Result<(LlamaModel, Vec<u32>, String, String), Error> {
+    if source.threads > 0 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(source.threads)
+            .build_global()?;
+    }
+    let model_file = model_path(&source.model)?;
+    let text_file = source.text.clone().unwrap_or_else(paths::default_text);
+    let text = std::fs::read_to_string(&text_file).map_err(|e| {
+        let hint = if source.text.is_none() {
+            " (run `cargo xtask fetch-model`, or pass --text FILE)"
+        } else {
+            ""
+        };
+        format!("cannot read text {}: {e}{hint}", text_file.display())
+    })?;
+    let (model, tokenizer) = load_model(&model_file)?;
+    let mut tokens = tokenizer.encode(&text)?;
+    eprintln!("{} tokens in {}", tokens.len(), text_file.display());
+    if let Some(n) = source.max_tokens {
+        tokens.truncate(n);
+    }
+    Ok((
+        model,
+        tokens,
+        model_file.display().to_string(),
+        text_file.display().to_string(),
+    ))
+}
+
+fn method(source: &Source) -> PplMethod {
+    match source.method {
+        Method::Llamacpp => PplMethod::LlamaCpp,
+        Method::Sliding => PplMethod::Sliding {
+            stride: source.stride,
+        },
+    }
+}
+
+fn method_name(source: &Source) -> String {
+    match source.method {
+        Method::Llamacpp => "llamacpp".into(),
+        Method::Sliding => format!("sliding/{}", source.stride),
+    }
+}
+
+fn mode_of(form: &str) -> Result<CacheMode, Error> {
+    if form == "plain" {
+        Ok(CacheMode::Plain)
+    } else {
+        Ok(CacheMode::Form(form.parse::<CacheForm>()?))
+    }
+}
+
+fn check_ber(ber: f64) -> Result<(), Error> {
+    if !(0.0..=1.0).contains(&ber) {
+        return Err(format!("bit error rate {ber} is not in [0, 1]").into());
+    }
+    Ok(())
+}
+
+fn progress_bar(what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{elapsed_precise}] {wide_bar} {pos}/{len} windows, ETA {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+fn run(cli: Cli) -> Result<(), Error> {
+    match cli.command {
+        Command::Ppl {
+            source,
+            form,
+            ber,
+            channel,
+            target,
+            seed,
+            json,
+        } => {
+            check_ber(ber)?;
+            let mode = mode_of(&form)?;
+            let channel: ChannelKind = channel.parse()?;
+            if ber > 0.0 && mode == CacheMode::Plain {
+                return Err(
+                    "faults need a stored form: pass --form (fp32, int4+secded84, ...)".into(),
+                );
+            }
+            let (model, tokens, model_file, text_file) = prepare(&source)?;
+            let run = RunConfig {
+                mode,
+                faults: Some(FaultSpec {
+                    channel,
+                    ber,
+                    seed,
+                    target: target.into(),
+                }),
+            };
+            let bar = progress_bar(&form);
+            let m = evaluate(
+                &model,
+                &tokens,
+                source.ctx,
+                method(&source),
+                &[run],
+                |d, n| {
+                    bar.set_length(n as u64);
+                    bar.set_position(d as u64);
+                },
+            )?
+            .remove(0);
+            bar.finish_and_clear();
+            print_metrics(&form, ber, &m);
+            if let Some(path) = json {
+                let value = serde_json::json!({
+                    "model": model_file, "text": text_file, "ctx": source.ctx,
+                    "method": method_name(&source), "form": form, "ber": ber,
+                    "channel": channel.name(), "seed": seed,
+                    "ppl": m.ppl, "nll_mean": m.nll_mean, "tokens_scored": m.tokens_scored,
+                    "tokens_per_second": m.tokens_per_second, "metrics": m,
+                });
+                std::fs::write(&path, serde_json::to_string_pretty(&value)?)
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                println!("wrote {}", path.display());
+            }
+        }
+        Command::Sweep {
+            source,
+            forms,
+            bers,
+            seeds,
+            channel,
+            target,
+            out,
+        } => {
+            for &b in &bers {
+                check_ber(b)?;
+            }
+            if seeds.is_empty() || forms.is_empty() || bers.is_empty() {
+                return Err("--forms, --bers and --seeds each need at least one entry".into());
+            }
+            let channel: ChannelKind = channel.parse()?;
+            let mut modes = Vec::new();
+            for f in &forms {
+                modes.push(mode_of(f)?);
+            }
+            let (model, tokens, model_file, text_file) = prepare(&source)?;
+            // The oracle first, then every (form, BER, seed); BER 0 needs one seed.
+            let mut runs = vec![RunConfig {
+                mode: CacheMode::Plain,
+                faults: None,
+            }];
+            let mut keys = Vec::new();
+            for (form, mode) in forms.iter().zip(&modes) {
+                for &ber in &bers {
+                    let used: &[u64] = if ber == 0.0 { &seeds[..1] } else { &seeds };
+                    for &seed in used {
+                        runs.push(RunConfig {
+                            mode: mode.clone(),
+                            faults: Some(FaultSpec {
+                                channel,
+                                ber,
+                                seed,
+                                target: target.into(),
+                            }),
+                        });
+                        keys.push((form.clone(), ber, seed));
+                    }
+                }
+            }
+            eprintln!("{} configurations over {} tokens", runs.len(), tokens.len());
+            let bar = progress_bar("sweep");
+            let started = Instant::now();
+            let mut metrics = evaluate(
+                &model,
+                &tokens,
+                source.ctx,
+                method(&source),
+                &runs,
+                |d, n| {
+                    bar.set_length(n as u64);
+                    bar.set_position(d as u64);
+                },
+            )?;
+            bar.finish_and_clear();
+            let oracle = metrics.remove(0);
+            let report = SweepReport {
+                model: model_file,
+                text: text_file,
+                ctx: source.ctx,
+                method: method_name(&source),
+                channel: channel.name().into(),
+                forms,
+                bers,
+                seeds,
+                oracle,
+                points: keys
+                    .into_iter()
+                    .zip(metrics)
+                    .map(|((form, ber, seed), metrics)| SweepPoint {
+                        form,
+                        ber,
+                        seed,
+                        metrics,
+                    })
+                    .collect(),
+            };
+            println!("{}", report.markdown());
+            let files = report.write(&out)?;
+            println!(
+                "sweep of {} configurations took {:.0} s; wrote:",
+                runs.len(),
+                started.elapsed().as_secs_f64()
+            );
+            for f in files {
+                println!("  {}", f.display());
+            }
+        }
+        Command::Top { model, prompt, k } => {
+            let (model, tokenizer) = load_model(&model_path(&model)?)?;
+            let ids = tokenizer.encode(&prompt)?;
+            println!("{prompt:?} -> {ids:?}");
+            let mut cache = KvCache::new(CacheMode::Plain, None, 0)?;
+            let logits = model.forward(&ids, &mut cache, ids.len() - 1)?;
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let z: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+            let mut order: Vec<usize> = (0..logits.len()).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+            for &i in order.iter().take(k) {
+                println!(
+                    "{i:6} {:12?} logit {:8.3} p {:.4}",
+                    tokenizer.decode(&[i as u32])?,
+                    logits[i],
+                    f64::from(logits[i] - max).exp() / z
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_metrics(form: &str, ber: f64, m: &RunMetrics) {
+    println!(
+        "form {form}, BER {ber}: PPL {:.4} (mean NLL {:.5}) over {} predictions; {:.1} tokens/s",
+        m.ppl, m.nll_mean, m.tokens_scored, m.tokens_per_second
+    );
+    println!(
+        "  KL from clean {:.5} nats; top-1 acc {:.2}%, top-5 acc {:.2}%; top-1 agreement {:.2}%, top-5 agreement {:.2}%",
+        m.kl_mean,
+        100.0 * m.top1_accuracy,
+        100.0 * m.top5_accuracy,
+        100.0 * m.top1_agreement,
+        100.0 * m.top5_agreement
+    );
+    let s = &m.stats;
+    println!(
+        "  {} flips injected; {} words: {} corrected, {} detected, {} miscorrected, {} silent; {} values erased; {:.3} bits/value",
+        s.injected_flips,
+        s.words,
+        s.corrected,
+        s.detected,
+        s.miscorrected,
+        s.silent,
+        s.erased_values,
+        s.bits_per_value
+    );
+}

@@ -1,0 +1,75 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+/// Errors of model loading, evaluation and the command line.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    /// A file could not be opened or read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A GGUF file is malformed (the reason says where and how).
+    #[error("malformed GGUF: {0}")]
+    Gguf(String),
+    /// A GGUF file uses a version this reader does not know.
+    #[error("unsupported GGUF version {0} (versions 2 and 3 are read)")]
+    GgufVersion(u32),
+    /// A tensor's element type is not one this crate can dequantise.
+    #[error(
+        "tensor {name}: type {ty} cannot be dequantised (F32, F16, BF16, Q8_0, Q4_0, Q4_1 can)"
+    )]
+    UnsupportedType {
+        /// Tensor name.
+        name: String,
+        /// The ggml type name.
+        ty: String,
+    },
+    /// A metadata key or tensor the model needs is missing or has the wrong type.
+    #[error("model file: {0}")]
+    Model(String),
+    /// The tokenizer could not be built or failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Lengths or shapes do not fit.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    /// A parameter is out of its domain.
+    #[error("invalid {name}: {reason}")]
+    InvalidParameter {
+        /// The parameter.
+        name: &'static str,
+        /// Why it is invalid.
+        reason: String,
+    },
+    /// A token id is past the vocabulary.
+    #[error("token id {id} is past the vocabulary of {vocab}")]
+    TokenId {
+        /// The id.
+        id: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A cache form or fault channel failed.
+    #[error(transparent)]
+    Quant(#[from] kv_quant::KvQuantError),
+    /// The attention kernel refused its input.
+    #[error(transparent)]
+    Attention(#[from] attention::AttentionError),
+    /// A fault channel could not be built.
+    #[error(transparent)]
+    Channel(#[from] gf2_codes::Gf2Error),
+    /// A safetensors checkpoint is malformed.
+    #[error("safetensors: {0}")]
+    Safetensors(String),
+    /// Writing a report failed.
+    #[error("report: {0}")]
+    Report(String),
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, EvalError>;

