@@ -238,7 +238,9 @@ fn non_finite_queries_and_outputs() {
     assert!(out.out[8..16].iter().all(|x| x.is_nan()));
     let mut q_clean = q.clone();
     q_clean[13] = 0.25;
-    let exact = report.decode(&q_clean, 9, &good, &good, &Mask::Causal).unwrap();
+    let exact = report
+        .decode(&q_clean, 9, &good, &good, &Mask::Causal)
+        .unwrap();
     assert_eq!(out.out[..8], exact.out[..8]);
     assert_eq!(out.out[16..], exact.out[16..]);
 }

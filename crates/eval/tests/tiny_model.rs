@@ -1,0 +1,349 @@
+//! A small random Llama written as GGUF by the test (F32, Q8_0 and Q4_1
+//! tensors), loaded back, and run: incremental = batched, the clean `fp32`
+//! form = the plain pass bit for bit, seeded faults reproducible and
+//! accounted for, perplexity = an f64 recomputation, and typed errors.
+
+use half::f16;
+use kv_eval::EvalError;
+use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
+use kv_eval::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
+use kv_eval::model::LlamaModel;
+use kv_quant::FaultTarget;
+
+const VOCAB: usize = 64;
+const DIM: usize = 32;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const FFN: usize = 48;
+const LAYERS: usize = 2;
+
+/// xorshift64*: deterministic weights without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+/// Q8_0 blocks of `x` (ggml's layout: f16 scale, 32 signed bytes).
+fn q8_0(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for b in x.chunks(32) {
+        let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        for &v in b {
+            let q = if d == 0.0 { 0.0 } else { (v / d).round() };
+            out.push(q as i8 as u8);
+        }
+    }
+    out
+}
+
+/// Q4_1 blocks of `x` (f16 scale and minimum, 16 bytes of nibbles).
+fn q4_1(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for b in x.chunks(32) {
+        let min = b.iter().copied().fold(f32::INFINITY, f32::min);
+        let max = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let d = (max - min) / 15.0;
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+        let q = |v: f32| ((v - min) / d).round().clamp(0.0, 15.0) as u8;
+        for j in 0..16 {
+            out.push(q(b[j]) | (q(b[j + 16]) << 4));
+        }
+    }
+    out
+}
+
+fn tiny_gguf() -> Vec<u8> {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let kvc = KV_HEADS * DIM / HEADS;
+    let mut w = GgufWriter::new();
+    w.meta("general.architecture", MetaValue::String("llama".into()))
+        .meta("llama.embedding_length", MetaValue::U32(DIM as u32))
+        .meta("llama.block_count", MetaValue::U32(LAYERS as u32))
+        .meta("llama.feed_forward_length", MetaValue::U32(FFN as u32))
+        .meta("llama.attention.head_count", MetaValue::U32(HEADS as u32))
+        .meta(
+            "llama.attention.head_count_kv",
+            MetaValue::U32(KV_HEADS as u32),
+        )
+        .meta("llama.rope.freq_base", MetaValue::F32(10_000.0))
+        .meta(
+            "llama.attention.layer_norm_rms_epsilon",
+            MetaValue::F32(1e-5),
+        )
+        .meta("llama.context_length", MetaValue::U32(512))
+        .meta("llama.vocab_size", MetaValue::U32(VOCAB as u32));
+    let embed = rng.vec(VOCAB * DIM, 1.0);
+    w.tensor(
+        "token_embd.weight",
+        &[DIM as u64, VOCAB as u64],
+        GgmlType::from_name("Q8_0").unwrap(),
+        q8_0(&embed),
+    );
+    let s = 1.0 / (DIM as f32).sqrt();
+    for l in 0..LAYERS {
+        let n = |x: &str| format!("blk.{l}.{x}.weight");
+        let norm: Vec<f32> = (0..DIM).map(|_| 1.0 + 0.1 * rng.uniform()).collect();
+        w.tensor_f32(&n("attn_norm"), &[DIM as u64], &norm);
+        w.tensor_f32(
+            &n("attn_q"),
+            &[DIM as u64, DIM as u64],
+            &rng.vec(DIM * DIM, 2.0 * s),
+        );
+        w.tensor_f32(
+            &n("attn_k"),
+            &[DIM as u64, kvc as u64],
+            &rng.vec(kvc * DIM, 2.0 * s),
+        );
+        w.tensor_f32(
+            &n("attn_v"),
+            &[DIM as u64, kvc as u64],
+            &rng.vec(kvc * DIM, s),
+        );
+        w.tensor_f32(
+            &n("attn_output"),
+            &[DIM as u64, DIM as u64],
+            &rng.vec(DIM * DIM, s),
+        );
+        w.tensor_f32(&n("ffn_norm"), &[DIM as u64], &norm);
+        w.tensor(
+            &n("ffn_gate"),
+            &[DIM as u64, FFN as u64],
+            GgmlType::from_name("Q4_1").unwrap(),
+            q4_1(&rng.vec(FFN * DIM, s)),
+        );
+        w.tensor_f32(
+            &n("ffn_up"),
+            &[DIM as u64, FFN as u64],
+            &rng.vec(FFN * DIM, s),
+        );
+        let down_s = 1.0 / (FFN as f32).sqrt();
+        w.tensor_f32(
+            &n("ffn_down"),
+            &[FFN as u64, DIM as u64],
+            &rng.vec(DIM * FFN, down_s),
+        );
+    }
+    w.tensor_f32("output_norm.weight", &[DIM as u64], &vec![1.0; DIM]);
+    w.to_bytes()
+}
+
+fn model() -> LlamaModel {
+    let file = GgufFile::from_bytes(tiny_gguf()).unwrap();
+    LlamaModel::from_gguf(&file).unwrap()
+}
+
+fn tokens(n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 37 + 11) % VOCAB) as u32).collect()
+}
+
+fn form(spec: &str) -> CacheMode {
+    CacheMode::Form(spec.parse().unwrap())
+}
+
+fn faults(ber: f64, seed: u64) -> Option<FaultSpec> {
+    Some(FaultSpec {
+        channel: ChannelKind::Bsc,
+        ber,
+        seed,
+        target: FaultTarget::Values,
+    })
+}
+
+fn run(
+    model: &LlamaModel,
+    toks: &[u32],
+    mode: CacheMode,
+    f: Option<FaultSpec>,
+) -> (Vec<f32>, KvCache) {
+    let mut cache = KvCache::new(mode, f, 0).unwrap();
+    let logits = model.forward(toks, &mut cache, 0).unwrap();
+    (logits, cache)
+}
+
+#[test]
+fn loads_every_tensor_type_and_reads_the_config() {
+    let m = model();
+    let c = m.config();
+    assert_eq!((c.vocab, c.dim, c.layers, c.ffn), (VOCAB, DIM, LAYERS, FFN));
+    assert_eq!(
+        (c.q_heads, c.kv_heads, c.head_dim),
+        (HEADS, KV_HEADS, DIM / HEADS)
+    );
+}
+
+#[test]
+fn incremental_decoding_equals_the_batched_pass() {
+    let m = model();
+    let toks = tokens(70);
+    for mode in [CacheMode::Plain, form("int4+secded84"), form("fp16")] {
+        let (batched, _) = run(&m, &toks, mode.clone(), None);
+        let mut cache = KvCache::new(mode.clone(), None, 0).unwrap();
+        let mut worst = 0f32;
+        for (i, &t) in toks.iter().enumerate() {
+            let step = m.forward(&[t], &mut cache, 0).unwrap();
+            let row = &batched[i * VOCAB..(i + 1) * VOCAB];
+            for (a, b) in step.iter().zip(row) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+        assert_eq!(cache.tokens(), toks.len());
+        assert!(
+            worst <= 1e-4,
+            "{mode:?}: max |incremental − batched| = {worst}"
+        );
+    }
+}
+
+#[test]
+fn clean_fp32_form_is_the_plain_pass_bit_for_bit() {
+    let m = model();
+    let toks = tokens(150);
+    let (plain, _) = run(&m, &toks, CacheMode::Plain, None);
+    let (stored, cache) = run(&m, &toks, form("fp32"), faults(0.0, 3));
+    assert_eq!(plain, stored);
+    assert_eq!(cache.stats().injected_flips, 0);
+    assert_eq!(cache.stats().stored_values as usize, 2 * LAYERS * 150 * 16);
+    // And a quantized form is not (the comparison can fail).
+    let (int4, _) = run(&m, &toks, form("int4"), None);
+    assert_ne!(plain, int4);
+}
+
+#[test]
+fn seeded_faults_are_reproducible_and_accounted_for() {
+    let m = model();
+    let toks = tokens(128);
+    let (a, ca) = run(&m, &toks, form("int4+secded84"), faults(1e-2, 7));
+    let (b, cb) = run(&m, &toks, form("int4+secded84"), faults(1e-2, 7));
+    assert_eq!(a, b);
+    assert_eq!(ca.stats(), cb.stats());
+    let (_, cc) = run(&m, &toks, form("int4+secded84"), faults(1e-2, 8));
+    assert_ne!(ca.stats(), cc.stats());
+    let s = ca.stats();
+    let words = s.keys.values.words + s.values.values.words;
+    assert_eq!(words as usize, 2 * LAYERS * 128 * 16);
+    let hit = s.keys.values.corrected
+        + s.keys.values.detected
+        + s.keys.values.miscorrected
+        + s.keys.values.silent
+        + s.values.values.corrected
+        + s.values.values.detected
+        + s.values.values.miscorrected
+        + s.values.values.silent;
+    // Every flip lands in some word; each hit word is counted once as
+    // corrected, detected, miscorrected or silent, so 0 < hit ≤ flips.
+    assert!(
+        s.injected_flips > 0 && hit > 0 && hit <= s.injected_flips,
+        "{s:?}"
+    );
+    // 8-bit codewords at p = 1e-2: about 7.7% are hit, most with one flip.
+    let rate = hit as f64 / words as f64;
+    assert!((0.05..0.11).contains(&rate), "{rate}");
+    // Unprotected INT4 counts its changed values as silent.
+    let (_, u) = run(&m, &toks, form("int4"), faults(1e-2, 7));
+    let us = u.stats();
+    assert!(us.keys.values.silent + us.values.values.silent > 0);
+    assert_eq!(us.keys.values.corrected + us.keys.values.detected, 0);
+}
+
+#[test]
+fn perplexity_matches_an_f64_recomputation() {
+    let m = model();
+    let toks = tokens(300);
+    let got = evaluate(
+        &m,
+        &toks,
+        64,
+        PplMethod::LlamaCpp,
+        &[RunConfig {
+            mode: CacheMode::Plain,
+            faults: None,
+        }],
+        |_, _| {},
+    )
+    .unwrap()
+    .remove(0);
+    let mut nll = 0.0f64;
+    let mut n = 0;
+    for chunk in 0..300 / 64 {
+        let w = &toks[chunk * 64..(chunk + 1) * 64];
+        let (logits, _) = run(&m, w, CacheMode::Plain, None);
+        for j in 32..63 {
+            let row: Vec<f64> = logits[j * VOCAB..(j + 1) * VOCAB]
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+            nll += lse - row[w[j + 1] as usize];
+            n += 1;
+        }
+    }
+    assert_eq!(got.tokens_scored, n);
+    assert!(
+        (got.nll_mean - nll / n as f64).abs() < 1e-6,
+        "{} vs {}",
+        got.nll_mean,
+        nll / n as f64
+    );
+    assert!((got.ppl - (nll / n as f64).exp()).abs() < 1e-5 * got.ppl);
+    assert_eq!((got.kl_mean, got.top1_agreement), (0.0, 1.0));
+}
+
+#[test]
+fn bad_input_gets_typed_errors() {
+    let m = model();
+    let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
+    assert!(matches!(
+        m.forward(&[VOCAB as u32], &mut cache, 0),
+        Err(EvalError::TokenId { id, vocab: VOCAB }) if id == VOCAB as u32
+    ));
+    assert!(matches!(
+        m.forward(&[], &mut cache, 0),
+        Err(EvalError::Shape(_))
+    ));
+    assert!(matches!(
+        m.forward(&[1, 2], &mut cache, 3),
+        Err(EvalError::Shape(_))
+    ));
+    assert!(matches!(
+        KvCache::new(CacheMode::Plain, faults(1e-3, 0), 0),
+        Err(EvalError::InvalidParameter { name: "faults", .. })
+    ));
+    assert!(matches!(
+        KvCache::new(form("int4"), faults(f64::NAN, 0), 0),
+        Err(EvalError::InvalidParameter { name: "ber", .. })
+    ));
+    assert!(matches!(
+        KvCache::new(form("int4"), faults(1.5, 0), 0),
+        Err(EvalError::Channel(_))
+    ));
+    assert!("bsc2".parse::<ChannelKind>().is_err());
+    // No window fits in fewer tokens than the context.
+    assert!(matches!(
+        evaluate(&m, &tokens(10), 64, PplMethod::LlamaCpp, &[], |_, _| {}),
+        Err(EvalError::InvalidParameter { name: "tokens", .. })
+    ));
+    // A file that is not a Llama.
+    let mut w = GgufWriter::new();
+    w.meta("general.architecture", MetaValue::String("gpt2".into()));
+    let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
+    assert!(matches!(
+        LlamaModel::from_gguf(&f),
+        Err(EvalError::Model(_))
+    ));
+}
