@@ -138,7 +138,7 @@ fn tiny_gguf() -> Vec<u8> {
             &rng.vec(DIM * FFN, down_s),
         );
     }
-    w.tensor_f32("output_norm.weight", &[DIM as u64], &vec![1.0; DIM]);
+    w.tensor_f32("output_norm.weight", &[DIM as u64], &[1.0; DIM]);
     w.to_bytes()
 }
 
