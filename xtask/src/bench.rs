@@ -280,12 +280,28 @@ fn table(figures: &[Figure]) -> String {
     s += &format!("{}\n", "-".repeat(width + bwidth + 45));
     for f in figures {
         s += &format!(
-            "{:<width$}  {:>8.3} {:<7}  {:<bwidth$}  {:>8.3} {:<7}  {:>7.3}\n",
-            f.bench, f.value, f.unit, f.baseline, f.baseline_value, f.unit, f.ratio
+            "{:<width$}  {:>8} {:<7}  {:<bwidth$}  {:>8} {:<7}  {:>7.3}\n",
+            f.bench,
+            number(f.value),
+            f.unit,
+            f.baseline,
+            number(f.baseline_value),
+            f.unit,
+            f.ratio
         );
     }
     s += "(ratio = value / baseline, both in the same unit; higher is better)\n";
     s
+}
+
+/// Three decimals, or three significant digits in scientific notation for
+/// rates below 0.01 (model throughput in Gelem/s).
+fn number(v: f64) -> String {
+    if v == 0.0 || v.abs() >= 0.01 {
+        format!("{v:.3}")
+    } else {
+        format!("{v:.2e}")
+    }
 }
 
 #[cfg(test)]
@@ -332,6 +348,13 @@ mod tests {
                 "value"
             ]
         );
+    }
+
+    #[test]
+    fn small_rates_keep_their_digits() {
+        assert_eq!(number(12.5), "12.500");
+        assert_eq!(number(4.81e-7), "4.81e-7");
+        assert_eq!(number(0.0), "0.000");
     }
 
     #[test]
