@@ -18,7 +18,6 @@ use gf2_codes::channel::{
 use kv_quant::{CacheForm, FaultTarget, KvDecodeStats, KvStore, NonFinite, QuantizeOptions};
 
 use crate::error::{EvalError, Result};
-use crate::model::LlamaConfig;
 
 /// Where attention reads K and V from.
 #[derive(Clone, Debug, PartialEq)]
@@ -213,19 +212,17 @@ impl KvCache {
         &self.mode
     }
 
-    /// Sizes the cache for `config` on first use; refuses another model's shape.
-    pub(crate) fn check_fits(&mut self, config: &LlamaConfig) -> Result<()> {
+    /// Sizes the cache for a model on first use; refuses another model's shape.
+    pub(crate) fn check_fits(&mut self, layers: usize, channels: usize) -> Result<()> {
         if self.layers.is_empty() {
-            self.layers = vec![(Vec::new(), Vec::new()); config.layers];
-            self.channels = config.kv_channels();
+            self.layers = vec![(Vec::new(), Vec::new()); layers];
+            self.channels = channels;
         }
-        if self.layers.len() != config.layers || self.channels != config.kv_channels() {
+        if self.layers.len() != layers || self.channels != channels {
             return Err(EvalError::Shape(format!(
-                "cache of {} layers × {} channels used with a model of {} × {}",
+                "cache of {} layers × {} channels used with a model of {layers} × {channels}",
                 self.layers.len(),
                 self.channels,
-                config.layers,
-                config.kv_channels()
             )));
         }
         Ok(())

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::cache::{CacheMode, CacheStats, FaultSpec, KvCache};
 use crate::error::{EvalError, Result};
-use crate::model::LlamaModel;
+use crate::model::CausalLm;
 
 /// How the token stream is cut into windows and which predictions count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -268,7 +268,7 @@ fn kl(p: &[f32], lp: f64, probs: &[f32], q: &[f32], lq: f64) -> f64 {
 /// Evaluates every configuration over the windows of `tokens`, calling
 /// `progress(windows_done, windows_total)` after each window.
 pub fn evaluate(
-    model: &LlamaModel,
+    model: &dyn CausalLm,
     tokens: &[u32],
     ctx: usize,
     method: PplMethod,
@@ -282,7 +282,7 @@ pub fn evaluate(
             reason: format!("{} tokens make no window of {ctx}", tokens.len()),
         });
     }
-    let vocab = model.config().vocab;
+    let vocab = model.vocab();
     let mut sums = vec![Sums::default(); runs.len()];
     let need_clean = runs.iter().any(|r| !r.is_clean_plain());
     for (w, win) in wins.iter().enumerate() {

@@ -16,6 +16,22 @@ use crate::cache::KvCache;
 use crate::error::{EvalError, Result};
 use crate::gguf::GgufFile;
 
+/// A causal language model whose K and V go through a [`KvCache`].
+pub trait CausalLm: Send + Sync {
+    /// Vocabulary size (logits per token).
+    fn vocab(&self) -> usize;
+    /// Transformer blocks.
+    fn layers(&self) -> usize;
+    /// K (or V) channels per token and layer.
+    fn kv_channels(&self) -> usize;
+    /// A one-line description (architecture and shape).
+    fn describe(&self) -> String;
+    /// Runs `tokens` after what `cache` already holds (their positions
+    /// follow the cache's), appends their K and V to it, and returns the
+    /// logits (`vocab` per token) of the tokens from index `logits_from` on.
+    fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits_from: usize) -> Result<Vec<f32>>;
+}
+
 /// Architecture hyper-parameters of a Llama-family model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
@@ -120,7 +136,7 @@ impl Matrix {
     }
 
     /// Stacks matrices with the same input count (fused projections).
-    fn stack(parts: &[Matrix]) -> Result<Self> {
+    pub fn stack(parts: &[Matrix]) -> Result<Self> {
         let cols = parts[0].cols;
         if parts.iter().any(|p| p.cols != cols) {
             return Err(EvalError::Shape(
@@ -131,13 +147,31 @@ impl Matrix {
         Self::new(parts.iter().map(|p| p.rows).sum(), cols, data)
     }
 
+    /// The transpose of a row-major `rows × cols` matrix (Hugging Face's
+    /// GPT-2 `Conv1D` weights are stored `inputs × outputs`).
+    pub fn transposed(rows: usize, cols: usize, data: &[f32]) -> Result<Self> {
+        if data.len() != rows * cols {
+            return Err(EvalError::Shape(format!(
+                "{} values for a {rows}×{cols} matrix",
+                data.len()
+            )));
+        }
+        let mut t = vec![0.0; data.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * rows + r] = data[r * cols + c];
+            }
+        }
+        Self::new(cols, rows, t)
+    }
+
     fn view(&self) -> MatRef<'_, f32> {
         MatRef::from_row_major_slice(&self.data, self.rows, self.cols)
     }
 }
 
 /// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`.
-fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) {
+pub(crate) fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) {
     let t = x.len() / w.cols;
     let dst = MatMut::from_row_major_slice_mut(out, t, w.rows);
     let lhs = MatRef::from_row_major_slice(x, t, w.cols);
@@ -304,9 +338,7 @@ impl LlamaModel {
         &self.config
     }
 
-    /// Runs `tokens` after what `cache` already holds (their positions
-    /// follow the cache's), appends their K and V to it, and returns the
-    /// logits (`vocab` per token) of the tokens from index `logits_from` on.
+    /// See [`CausalLm::forward`].
     pub fn forward(
         &self,
         tokens: &[u32],
@@ -320,7 +352,7 @@ impl LlamaModel {
                 "{t} tokens with logits from {logits_from}"
             )));
         }
-        cache.check_fits(c)?;
+        cache.check_fits(c.layers, c.kv_channels())?;
         let start = cache.tokens();
         let kvc = c.kv_channels();
         let mut b = Buffers {
@@ -394,6 +426,32 @@ impl LlamaModel {
             false,
         );
         Ok(logits)
+    }
+}
+
+impl CausalLm for LlamaModel {
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+
+    fn layers(&self) -> usize {
+        self.config.layers
+    }
+
+    fn kv_channels(&self) -> usize {
+        self.config.kv_channels()
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.config;
+        format!(
+            "llama: {} layers, {} heads / {} KV heads × {}, RoPE {:?} base {}",
+            c.layers, c.q_heads, c.kv_heads, c.head_dim, c.rope_layout, c.rope_base
+        )
+    }
+
+    fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits_from: usize) -> Result<Vec<f32>> {
+        LlamaModel::forward(self, tokens, cache, logits_from)
     }
 }
 

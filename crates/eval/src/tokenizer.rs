@@ -26,6 +26,9 @@ pub struct TextTokenizer {
     vocab: usize,
     bos: Option<u32>,
     add_bos: bool,
+    /// Let the tokenizer's own post-processor add special tokens (Hugging
+    /// Face `tokenizer.json` files) instead of `add_bos`.
+    post_process: bool,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -113,18 +116,23 @@ impl TextTokenizer {
             vocab: tokens.len(),
             bos,
             add_bos,
+            post_process: false,
         })
     }
 
-    /// Wraps a `tokenizers` tokenizer (for Hugging Face `tokenizer.json` files).
-    pub fn from_tokenizers(inner: tokenizers::Tokenizer, bos: Option<u32>, add_bos: bool) -> Self {
+    /// Reads a Hugging Face `tokenizer.json`; its post-processor decides
+    /// which special tokens `encode` adds.
+    pub fn from_file(path: &std::path::Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| EvalError::Tokenizer(format!("{}: {e}", path.display())))?;
         let vocab = inner.get_vocab_size(true);
-        Self {
+        Ok(Self {
             inner,
             vocab,
-            bos,
-            add_bos,
-        }
+            bos: None,
+            add_bos: false,
+            post_process: true,
+        })
     }
 
     /// Vocabulary size.
@@ -144,7 +152,10 @@ impl TextTokenizer {
 
     /// Token ids of `text`, with the BOS token first when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+        let enc = self
+            .inner
+            .encode_fast(text, self.post_process)
+            .map_err(tok_err)?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos
             && let Some(b) = self.bos

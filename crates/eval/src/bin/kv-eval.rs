@@ -8,9 +8,9 @@ use std::time::Instant;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
-use kv_eval::gguf::GgufFile;
+use kv_eval::hf::load_model as open_model;
 use kv_eval::metrics::{PplMethod, RunConfig, RunMetrics, evaluate};
-use kv_eval::model::LlamaModel;
+use kv_eval::model::CausalLm;
 use kv_eval::paths;
 use kv_eval::sweep::{SweepPoint, SweepReport};
 use kv_eval::tokenizer::TextTokenizer;
@@ -27,7 +27,8 @@ struct Cli {
 /// What the model reads and how the corpus is cut.
 #[derive(clap::Args, Clone)]
 struct Source {
-    /// GGUF model file [default: the one `cargo xtask fetch-model` put in the cache folder].
+    /// GGUF model file or Hugging Face folder (config.json, model.safetensors,
+    /// tokenizer.json) [default: the GGUF `cargo xtask fetch-model` put in the cache folder].
     #[arg(long)]
     model: Option<PathBuf>,
     /// UTF-8 corpus [default: the fetched Python 3.11 tutorial].
@@ -131,7 +132,7 @@ enum Command {
     },
     /// The top-k next tokens of a prompt with their logits and probabilities.
     Top {
-        /// GGUF model file [default: the fetched one].
+        /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
         #[arg(long)]
         model: Option<PathBuf>,
         /// The prompt.
@@ -168,25 +169,28 @@ fn model_path(p: &Option<PathBuf>) -> Result<PathBuf, Error> {
     Ok(path)
 }
 
-fn load_model(path: &Path) -> Result<(LlamaModel, TextTokenizer), Error> {
+fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer), Error> {
     let started = Instant::now();
-    let file = GgufFile::open(path)?;
-    let model = LlamaModel::from_gguf(&file)?;
-    let tokenizer = TextTokenizer::from_gguf(&file)?;
+    let (model, tokenizer) = open_model(path)?;
     eprintln!(
-        "loaded {} ({} layers, {} heads / {} KV heads × {}) in {:.1} s",
+        "loaded {} ({}) in {:.1} s",
         path.display(),
-        model.config().layers,
-        model.config().q_heads,
-        model.config().kv_heads,
-        model.config().head_dim,
+        model.describe(),
         started.elapsed().as_secs_f64()
     );
     Ok((model, tokenizer))
 }
 
+/// A loaded model, the corpus tokens, and the two file names.
+struct Prepared {
+    model: Box<dyn CausalLm>,
+    tokens: Vec<u32>,
+    model_file: String,
+    text_file: String,
+}
+
 /// Loads model and corpus and tokenizes the corpus.
-fn prepare(source: &Source) -> Result<(LlamaModel, Vec<u32>, String, String), Error> {
+fn prepare(source: &Source) -> Result<Prepared, Error> {
     if source.threads > 0 {
         rayon::ThreadPoolBuilder::new()
             .num_threads(source.threads)
@@ -208,12 +212,12 @@ fn prepare(source: &Source) -> Result<(LlamaModel, Vec<u32>, String, String), Er
     if let Some(n) = source.max_tokens {
         tokens.truncate(n);
     }
-    Ok((
+    Ok(Prepared {
         model,
         tokens,
-        model_file.display().to_string(),
-        text_file.display().to_string(),
-    ))
+        model_file: model_file.display().to_string(),
+        text_file: text_file.display().to_string(),
+    })
 }
 
 fn method(source: &Source) -> PplMethod {
@@ -279,7 +283,12 @@ fn run(cli: Cli) -> Result<(), Error> {
                     "faults need a stored form: pass --form (fp32, int4+secded84, ...)".into(),
                 );
             }
-            let (model, tokens, model_file, text_file) = prepare(&source)?;
+            let Prepared {
+                model,
+                tokens,
+                model_file,
+                text_file,
+            } = prepare(&source)?;
             let run = RunConfig {
                 mode,
                 faults: Some(FaultSpec {
@@ -291,7 +300,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             };
             let bar = progress_bar(&form);
             let m = evaluate(
-                &model,
+                model.as_ref(),
                 &tokens,
                 source.ctx,
                 method(&source),
@@ -337,7 +346,12 @@ fn run(cli: Cli) -> Result<(), Error> {
             for f in &forms {
                 modes.push(mode_of(f)?);
             }
-            let (model, tokens, model_file, text_file) = prepare(&source)?;
+            let Prepared {
+                model,
+                tokens,
+                model_file,
+                text_file,
+            } = prepare(&source)?;
             // The oracle first, then every (form, BER, seed); BER 0 needs one seed.
             let mut runs = vec![RunConfig {
                 mode: CacheMode::Plain,
@@ -365,7 +379,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             let bar = progress_bar("sweep");
             let started = Instant::now();
             let mut metrics = evaluate(
-                &model,
+                model.as_ref(),
                 &tokens,
                 source.ctx,
                 method(&source),
