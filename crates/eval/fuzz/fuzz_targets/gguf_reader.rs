@@ -1,6 +1,7 @@
 //! Fuzzes the GGUF reader: any bytes parse to a file or a typed error, and
 //! every tensor of a parsed file dequantises or errors, without panicking.
-//! Run with `cargo +nightly fuzz run gguf_reader` from `crates/eval`.
+//! Run with `cargo +nightly fuzz run gguf_reader` from `crates/eval`, or on a
+//! stable toolchain with `RUSTC_BOOTSTRAP=1 cargo fuzz run gguf_reader`.
 
 #![no_main]
 
