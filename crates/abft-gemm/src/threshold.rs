@@ -1,0 +1,362 @@
+//! Checksum thresholds: V-ABFT (design §3, both variance estimators of §2.1
+//! and optional sampling of §3.1), A-ABFT (design §4, its four terms), and a
+//! fixed relative threshold (the SEA-style baseline).
+//!
+//! Every threshold gives one bound per row check; the column bounds are the
+//! row bounds of the transposed product `Cᵀ = Bᵀ·Aᵀ`, computed from column
+//! statistics without transposing anything.
+
+use rayon::prelude::*;
+
+use crate::matrix::Matrix;
+use crate::precision::Precision;
+
+/// Statistics of one row (or column) of a matrix.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stats {
+    /// Values counted.
+    pub n: usize,
+    /// Mean.
+    pub mean: f64,
+    /// Largest value.
+    pub max: f64,
+    /// Smallest value.
+    pub min: f64,
+    /// Largest magnitude.
+    pub max_abs: f64,
+    /// Sum of magnitudes.
+    pub sum_abs: f64,
+    /// Population variance (exact, for the `Exact` estimator and tests).
+    pub var: f64,
+}
+
+impl Stats {
+    /// Statistics of `xs` (two passes, f64).
+    pub fn of(xs: impl Iterator<Item = f32> + Clone) -> Stats {
+        let (mut n, mut sum, mut max, mut min, mut max_abs, mut sum_abs) = (
+            0usize,
+            0.0f64,
+            f64::NEG_INFINITY,
+            f64::INFINITY,
+            0.0f64,
+            0.0f64,
+        );
+        for x in xs.clone() {
+            let x = f64::from(x);
+            n += 1;
+            sum += x;
+            max = max.max(x);
+            min = min.min(x);
+            max_abs = max_abs.max(x.abs());
+            sum_abs += x.abs();
+        }
+        let mean = sum / n.max(1) as f64;
+        let var = xs.map(|x| (f64::from(x) - mean).powi(2)).sum::<f64>() / n.max(1) as f64;
+        Stats {
+            n,
+            mean,
+            max,
+            min,
+            max_abs,
+            sum_abs,
+            var,
+        }
+    }
+}
+
+/// Row statistics (`sample`: only indices `i mod period < keep`).
+fn row_stats(m: &Matrix, sample: Option<Sampling>) -> Vec<Stats> {
+    m.data
+        .par_chunks(m.cols)
+        .map(|r| match sample {
+            None => Stats::of(r.iter().copied()),
+            Some(s) => Stats::of(
+                r.iter()
+                    .enumerate()
+                    .filter(move |(i, _)| i % s.period < s.keep)
+                    .map(|(_, &x)| x),
+            ),
+        })
+        .collect()
+}
+
+/// Column statistics.
+fn col_stats(m: &Matrix) -> Vec<Stats> {
+    (0..m.cols)
+        .into_par_iter()
+        .map(|c| Stats::of((0..m.rows).map(move |r| m.data[r * m.cols + c])))
+        .collect()
+}
+
+/// How V-ABFT estimates a standard deviation from a row's statistics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum VarianceEstimator {
+    /// Extreme-value theory (§2.1.1): `σ ≈ (max − mean)/√(2 ln n)`.
+    ExtremeValue,
+    /// The distribution-free bound (§2.1.2): `σ² ≤ (max − mean)(mean − min)`.
+    MaxMinBound,
+    /// The exact standard deviation (a reference, not part of the design).
+    Exact,
+}
+
+impl VarianceEstimator {
+    /// The estimated standard deviation.
+    pub fn sigma(self, s: &Stats) -> f64 {
+        match self {
+            Self::ExtremeValue => {
+                if s.n < 2 {
+                    0.0
+                } else {
+                    (s.max - s.mean) / (2.0 * (s.n as f64).ln()).sqrt()
+                }
+            }
+            Self::MaxMinBound => ((s.max - s.mean) * (s.mean - s.min)).max(0.0).sqrt(),
+            Self::Exact => s.var.sqrt(),
+        }
+    }
+}
+
+/// Strided sampling of A's rows (§3.1): indices with `i mod period < keep`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Sampling {
+    /// Stride period (32 in the design).
+    pub period: usize,
+    /// Indices kept per period (16 in the design).
+    pub keep: usize,
+}
+
+/// A threshold rule for row and column checks.
+pub trait Threshold: Sync {
+    /// Name for reports.
+    fn name(&self) -> String;
+    /// One bound per row of C.
+    fn rows(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> Vec<f64>;
+    /// One bound per column of C.
+    fn cols(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> Vec<f64>;
+}
+
+/// V-ABFT (design §3):
+///
+/// `T_m = e_max·( N|μ_Am|·Σₖ|μ_Bk| + c·√(N·μ_Am²·Σₖσ_Bk² + N²·σ_Am²·Σₖμ_Bk²) + c·√N·σ_Am·√(Σₖσ_Bk²) )`
+///
+/// with `μ`, `σ` the mean and estimated standard deviation of row m of A
+/// and of row k of B, and `c` the variance coefficient (4 in the formula,
+/// 2.5 in the design's experiments).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct VAbft {
+    /// Error-factor bound e_max.
+    pub e_max: f64,
+    /// Variance coefficient `c`.
+    pub coefficient: f64,
+    /// Standard-deviation estimator.
+    pub estimator: VarianceEstimator,
+    /// Sample A's rows for μ_Am and σ_Am.
+    pub sampling: Option<Sampling>,
+}
+
+impl VAbft {
+    /// The design's experimental setting: e_max for `precision`, c = 2.5,
+    /// the max/min bound, no sampling.
+    pub fn design(e_max: f64) -> Self {
+        Self {
+            e_max,
+            coefficient: 2.5,
+            estimator: VarianceEstimator::MaxMinBound,
+            sampling: None,
+        }
+    }
+
+    /// The bound for one check from the statistics of its A-side vector
+    /// (`sa`, length K) and of every B-side vector (`sb`, K of them, each of
+    /// length `n`).
+    fn bound(&self, sa: &Stats, sb: &BSums, n: usize) -> f64 {
+        let n = n as f64;
+        let mu_a = sa.mean;
+        let sigma_a = self.estimator.sigma(sa);
+        let c = self.coefficient;
+        self.e_max
+            * (n * mu_a.abs() * sb.sum_abs_mu
+                + c * (n * mu_a * mu_a * sb.sum_sigma2 + n * n * sigma_a * sigma_a * sb.sum_mu2)
+                    .sqrt()
+                + c * n.sqrt() * sigma_a * sb.sum_sigma2.sqrt())
+    }
+
+    fn b_sums(&self, stats: &[Stats]) -> BSums {
+        let mut s = BSums::default();
+        for st in stats {
+            let sigma = self.estimator.sigma(st);
+            s.sum_abs_mu += st.mean.abs();
+            s.sum_sigma2 += sigma * sigma;
+            s.sum_mu2 += st.mean * st.mean;
+        }
+        s
+    }
+}
+
+/// `Σₖ|μ_Bk|`, `Σₖσ_Bk²`, `Σₖμ_Bk²`.
+#[derive(Clone, Copy, Debug, Default)]
+struct BSums {
+    sum_abs_mu: f64,
+    sum_sigma2: f64,
+    sum_mu2: f64,
+}
+
+impl Threshold for VAbft {
+    fn name(&self) -> String {
+        format!(
+            "V-ABFT(e_max {:.3e}, c {}, {:?}{})",
+            self.e_max,
+            self.coefficient,
+            self.estimator,
+            if self.sampling.is_some() {
+                ", sampled"
+            } else {
+                ""
+            }
+        )
+    }
+
+    fn rows(&self, a: &Matrix, b: &Matrix, _c: &Matrix) -> Vec<f64> {
+        let sb = self.b_sums(&row_stats(b, None));
+        row_stats(a, self.sampling)
+            .iter()
+            .map(|sa| self.bound(sa, &sb, b.cols))
+            .collect()
+    }
+
+    fn cols(&self, a: &Matrix, b: &Matrix, _c: &Matrix) -> Vec<f64> {
+        // Cᵀ = Bᵀ·Aᵀ: the A-side vectors are B's columns, the B-side ones A's columns.
+        let sb = self.b_sums(&col_stats(a));
+        col_stats(b)
+            .iter()
+            .map(|sa| self.bound(sa, &sb, a.rows))
+            .collect()
+    }
+}
+
+/// A-ABFT (design §4): `E = E_sum-C + E_ele-round + E_check1 + E_check2` with
+///
+/// - `E_sum-C = √(⅛·Σᵢ₌₁ᴺ i²)·max|C_m·|·ε_high`
+/// - `E_ele-round = ε_low·√N·max|C_m·|`
+/// - `E_check1 = Σₖ |A_mk|·δ₁ₖ`, `δ₁ₖ = ε_high·√(⅛·Σᵢ₌₁ᴺ i²)·max|B_k·|`
+/// - `E_check2 = ε_high·√(⅛·Σₖ₌₁ᴷ k² + K/12)·max|B|·max|A_m·|`
+///
+/// with `ε_high = 2⁻²³` and `ε_low` the storage format's unit roundoff
+/// (the design's 2⁻⁸ for BF16).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AAbft {
+    /// ε of the verification arithmetic (FP32: 2⁻²³).
+    pub eps_high: f64,
+    /// ε of the storage format.
+    pub eps_low: f64,
+}
+
+impl AAbft {
+    /// A-ABFT verifying a product stored in `precision` with FP32 checks.
+    pub fn for_precision(precision: Precision) -> Self {
+        Self {
+            eps_high: 2f64.powi(-23),
+            eps_low: precision.unit_roundoff(),
+        }
+    }
+
+    /// `√(⅛·Σᵢ₌₁ⁿ i²)`.
+    pub fn sum_factor(n: usize) -> f64 {
+        let n = n as f64;
+        (n * (n + 1.0) * (2.0 * n + 1.0) / 6.0 / 8.0).sqrt()
+    }
+
+    /// The four terms for one check: `max_c = max|C_m·|`, `sa` the A-side
+    /// statistics, `check1 = Σₖ|A_mk|·max|B_k·|`, `max_b = max|B|`.
+    pub fn terms(
+        &self,
+        n: usize,
+        k: usize,
+        max_c: f64,
+        check1: f64,
+        max_a: f64,
+        max_b: f64,
+    ) -> [f64; 4] {
+        let fac_n = Self::sum_factor(n);
+        [
+            fac_n * max_c * self.eps_high,
+            self.eps_low * (n as f64).sqrt() * max_c,
+            self.eps_high * fac_n * check1,
+            self.eps_high * (Self::sum_factor(k).powi(2) + k as f64 / 12.0).sqrt() * max_b * max_a,
+        ]
+    }
+}
+
+impl Threshold for AAbft {
+    fn name(&self) -> String {
+        format!("A-ABFT(eps_low {:.3e})", self.eps_low)
+    }
+
+    fn rows(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> Vec<f64> {
+        let b_max: Vec<f64> = row_stats(b, None).iter().map(|s| s.max_abs).collect();
+        let max_b = b_max.iter().copied().fold(0.0, f64::max);
+        let c_max: Vec<f64> = row_stats(c, None).iter().map(|s| s.max_abs).collect();
+        a.data
+            .par_chunks(a.cols)
+            .zip(c_max.par_iter())
+            .map(|(r, &mc)| {
+                let check1: f64 = r
+                    .iter()
+                    .zip(&b_max)
+                    .map(|(&x, m)| f64::from(x).abs() * m)
+                    .sum();
+                let max_a = r.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+                self.terms(b.cols, a.cols, mc, check1, max_a, max_b)
+                    .iter()
+                    .sum()
+            })
+            .collect()
+    }
+
+    fn cols(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> Vec<f64> {
+        // Cᵀ = Bᵀ·Aᵀ: "rows of B" become columns of A, and so on.
+        let a_cols = col_stats(a);
+        let a_max: Vec<f64> = a_cols.iter().map(|s| s.max_abs).collect();
+        let max_a_all = a_max.iter().copied().fold(0.0, f64::max);
+        let c_cols = col_stats(c);
+        (0..b.cols)
+            .into_par_iter()
+            .map(|n| {
+                let (mut check1, mut max_b) = (0.0f64, 0.0f64);
+                for (k, am) in a_max.iter().enumerate() {
+                    let x = f64::from(b.data[k * b.cols + n]).abs();
+                    check1 += x * am;
+                    max_b = max_b.max(x);
+                }
+                self.terms(a.rows, b.rows, c_cols[n].max_abs, check1, max_b, max_a_all)
+                    .iter()
+                    .sum()
+            })
+            .collect()
+    }
+}
+
+/// The fixed-threshold baseline: `T_m = τ·Σₙ|C_mn|`, one relative
+/// tolerance for every size, distribution and precision (SEA-style).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FixedThreshold {
+    /// Relative tolerance τ.
+    pub tau: f64,
+}
+
+impl Threshold for FixedThreshold {
+    fn name(&self) -> String {
+        format!("fixed(τ {:.1e})", self.tau)
+    }
+
+    fn rows(&self, _a: &Matrix, _b: &Matrix, c: &Matrix) -> Vec<f64> {
+        row_stats(c, None)
+            .iter()
+            .map(|s| self.tau * s.sum_abs)
+            .collect()
+    }
+
+    fn cols(&self, _a: &Matrix, _b: &Matrix, c: &Matrix) -> Vec<f64> {
+        col_stats(c).iter().map(|s| self.tau * s.sum_abs).collect()
+    }
+}
