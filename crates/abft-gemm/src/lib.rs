@@ -22,6 +22,7 @@ pub mod error;
 pub mod gemm;
 pub mod matrix;
 pub mod precision;
+pub mod study;
 pub mod threshold;
 
 pub use check::{

@@ -1,0 +1,268 @@
+//! The experiments of the design's §5: e_max calibration (§3 note),
+//! false-positive rates over clean products, and detection rates per bit
+//! and flip direction for single-bit upsets in C, in the f32 accumulator,
+//! and in A or B, for each threshold rule.
+//!
+//! One GEMM serves every bit and direction of a trial: a flip changes one
+//! element of C (or one row or column of it), so only the affected
+//! checksums are recomputed, exactly as a full re-verification would.
+
+use rand_chacha::ChaCha12Rng;
+use rand_core::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::error::Result;
+use crate::gemm::{gemm, row_checksums};
+use crate::matrix::{Distribution, Matrix};
+use crate::precision::{FlipDirection, Precision, flip_bit};
+use crate::threshold::{AAbft, Threshold};
+
+/// `(M, K, N)`.
+pub type Dims = (usize, usize, usize);
+
+fn inputs(p: Precision, d: Distribution, dims: Dims, scale: f32, seed: u64) -> (Matrix, Matrix) {
+    let (m, k, n) = dims;
+    (
+        Matrix::random(m, k, d, scale, p, 2 * seed),
+        Matrix::random(k, n, d, scale, p, 2 * seed + 1),
+    )
+}
+
+/// The input scale used for a precision: FP16 by 1e-2 as in the design
+/// (§5.1.2 note 2), FP8 by 1/16 so that C stays in E4M3's range.
+pub fn input_scale(p: Precision) -> f32 {
+    match p {
+        Precision::Fp16 => 1e-2,
+        Precision::Fp8E4M3 | Precision::Fp8E5M2 => 1.0 / 16.0,
+        _ => 1.0,
+    }
+}
+
+/// e_max by the design's procedure: N(1,1) inputs, the largest relative
+/// checksum error `|Σₙ C_mn − Σₖ A_mk Σₙ B_kn| / |Σₖ A_mk Σₙ B_kn|` over
+/// every row of `trials` products.
+pub fn calibrate_e_max(p: Precision, dims: Dims, trials: u64, seed: u64) -> Result<f64> {
+    let mut worst = 0.0f64;
+    for t in 0..trials {
+        let (a, b) = inputs(
+            p,
+            Distribution::NormalMeanOne,
+            dims,
+            input_scale(p),
+            seed + t,
+        );
+        let c = gemm(&a, &b, p)?.c;
+        let s = row_checksums(&a, &b, &c);
+        for (o, e) in s.observed.iter().zip(&s.expected) {
+            worst = worst.max((o - e).abs() / e.abs());
+        }
+    }
+    Ok(worst)
+}
+
+/// Whether a residual exceeds its bound (NaN and infinity always do).
+fn exceeds(residual: f64, bound: f64) -> bool {
+    !matches!(
+        residual.partial_cmp(&bound),
+        Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+    )
+}
+
+/// Clean trials in which any row check fired, per threshold (one GEMM per
+/// trial serves them all).
+pub fn false_positives(
+    p: Precision,
+    d: Distribution,
+    dims: Dims,
+    thresholds: &[&dyn Threshold],
+    trials: u64,
+    seed: u64,
+) -> Result<Vec<u64>> {
+    let mut fired = vec![0; thresholds.len()];
+    for t in 0..trials {
+        let (a, b) = inputs(p, d, dims, input_scale(p), seed + t);
+        let c = gemm(&a, &b, p)?.c;
+        let res = row_checksums(&a, &b, &c).residuals();
+        for (f, th) in fired.iter_mut().zip(thresholds) {
+            if res
+                .iter()
+                .zip(th.rows(&a, &b, &c))
+                .any(|(&r, t)| exceeds(r, t))
+            {
+                *f += 1;
+            }
+        }
+    }
+    Ok(fired)
+}
+
+/// Where a single bit flips.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum FlipSite {
+    /// An element of C, in its storage format.
+    C,
+    /// An element of the f32 accumulator before C is rounded.
+    Accumulator,
+    /// An element of A (after its checksum was taken).
+    A,
+    /// An element of B (after its checksum was taken).
+    B,
+}
+
+/// Detection counts of one bit and direction.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Detection {
+    /// Trials in which the flip could be injected (the bit held the
+    /// direction's starting value).
+    pub injected: u64,
+    /// Of those, trials in which a row check fired.
+    pub detected: u64,
+}
+
+impl Detection {
+    /// `detected / injected` in percent, `None` when nothing was injected.
+    pub fn percent(&self) -> Option<f64> {
+        (self.injected > 0).then(|| 100.0 * self.detected as f64 / self.injected as f64)
+    }
+}
+
+/// Detection counts per threshold, bit and direction (0 = 0→1, 1 = 1→0).
+pub type DetectionTable = Vec<Vec<[Detection; 2]>>;
+
+/// Per trial, one random element of the site is hit at each bit in `bits`
+/// and each direction, and every threshold judges the result; returns
+/// counts indexed `[threshold][bit][direction]`. A-ABFT's bounds depend on
+/// C, so they are recomputed for the flipped row.
+#[allow(clippy::too_many_arguments)]
+pub fn detection(
+    p: Precision,
+    d: Distribution,
+    dims: Dims,
+    site: FlipSite,
+    bits: &[u32],
+    thresholds: &[&dyn Threshold],
+    trials: u64,
+    seed: u64,
+) -> Result<DetectionTable> {
+    let mut out = vec![vec![[Detection::default(); 2]; bits.len()]; thresholds.len()];
+    let (m, k, n) = dims;
+    let site_bits = if site == FlipSite::Accumulator {
+        Precision::Fp32
+    } else {
+        p
+    };
+    for t in 0..trials {
+        let (a, b) = inputs(p, d, dims, input_scale(p), seed + t);
+        let prod = gemm(&a, &b, p)?;
+        let c = &prod.c;
+        let sums = row_checksums(&a, &b, c);
+        // V-ABFT's bounds depend on A and B only; A-ABFT's on C too, which
+        // the flip changes, so those are recomputed per flip below.
+        let base: Vec<Vec<f64>> = thresholds.iter().map(|t| t.rows(&a, &b, c)).collect();
+        let mut rng = ChaCha12Rng::seed_from_u64(seed ^ 0x5eed_0000 ^ t);
+        let (r, q) = match site {
+            FlipSite::C | FlipSite::Accumulator => (
+                (rng.next_u64() % m as u64) as usize,
+                (rng.next_u64() % n as u64) as usize,
+            ),
+            FlipSite::A => (
+                (rng.next_u64() % m as u64) as usize,
+                (rng.next_u64() % k as u64) as usize,
+            ),
+            FlipSite::B => (
+                (rng.next_u64() % k as u64) as usize,
+                (rng.next_u64() % n as u64) as usize,
+            ),
+        };
+        let x = match site {
+            FlipSite::C => c.at(r, q),
+            FlipSite::Accumulator => prod.acc.at(r, q),
+            FlipSite::A => a.at(r, q),
+            FlipSite::B => b.at(r, q),
+        };
+        for (bi, &bit) in bits.iter().enumerate() {
+            for (di, dir) in [FlipDirection::ZeroToOne, FlipDirection::OneToZero]
+                .into_iter()
+                .enumerate()
+            {
+                let Some(bad) = flip_bit(x, site_bits, bit, dir) else {
+                    continue;
+                };
+                // (row, new element values of that row) for every row the flip touches.
+                let changed: Vec<(usize, Vec<(usize, f32)>)> = match site {
+                    FlipSite::C => vec![(r, vec![(q, bad)])],
+                    FlipSite::Accumulator => vec![(r, vec![(q, p.round(bad))])],
+                    FlipSite::A => {
+                        // Row r of C recomputed with A[r,q] = bad.
+                        let delta = f64::from(bad) - f64::from(x);
+                        let row = (0..n)
+                            .map(|j| {
+                                let v =
+                                    f64::from(prod.acc.at(r, j)) + delta * f64::from(b.at(q, j));
+                                (j, p.round(v as f32))
+                            })
+                            .collect();
+                        vec![(r, row)]
+                    }
+                    FlipSite::B => {
+                        // Column q of C recomputed with B[r,q] = bad.
+                        let delta = f64::from(bad) - f64::from(x);
+                        (0..m)
+                            .map(|i| {
+                                let v =
+                                    f64::from(prod.acc.at(i, q)) + delta * f64::from(a.at(i, r));
+                                (i, vec![(q, p.round(v as f32))])
+                            })
+                            .collect()
+                    }
+                };
+                for (ti, th) in thresholds.iter().enumerate() {
+                    let depends_on_c = th.name().starts_with("A-ABFT");
+                    let fired = changed.iter().any(|(row, elems)| {
+                        let mut obs = sums.observed[*row];
+                        for &(j, v) in elems {
+                            obs += f64::from(v) - f64::from(c.at(*row, j));
+                        }
+                        let resid = (obs - sums.expected[*row]).abs();
+                        let bound = if depends_on_c {
+                            let mut cr = c.row(*row).to_vec();
+                            for &(j, v) in elems {
+                                cr[j] = v;
+                            }
+                            aabft_row(&a, &b, *row, &cr, p)
+                        } else {
+                            base[ti][*row]
+                        };
+                        exceeds(resid, bound)
+                    });
+                    out[ti][bi][di].injected += 1;
+                    out[ti][bi][di].detected += u64::from(fired);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A-ABFT's bound (FP32 checks, the storage format's ε_low) for one row
+/// whose C values are `c_row`.
+fn aabft_row(a: &Matrix, b: &Matrix, row: usize, c_row: &[f32], p: Precision) -> f64 {
+    let t = AAbft::for_precision(p);
+    let b_max: Vec<f64> = b
+        .data
+        .chunks(b.cols)
+        .map(|r| r.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs())))
+        .collect();
+    let max_b = b_max.iter().copied().fold(0.0, f64::max);
+    let ar = a.row(row);
+    let check1: f64 = ar
+        .iter()
+        .zip(&b_max)
+        .map(|(&x, m)| f64::from(x).abs() * m)
+        .sum();
+    let max_a = ar.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+    let max_c = c_row.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+    t.terms(b.cols, a.cols, max_c, check1, max_a, max_b)
+        .iter()
+        .sum()
+}
