@@ -33,3 +33,8 @@ pub use gemm::{Checksums, Product, col_checksums, gemm, row_checksums};
 pub use matrix::{Distribution, Matrix};
 pub use precision::{FlipDirection, Precision, flip_bit};
 pub use threshold::{AAbft, FixedThreshold, Sampling, Stats, Threshold, VAbft, VarianceEstimator};
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
