@@ -118,23 +118,48 @@ impl Checksums {
     }
 }
 
+/// `Σ xs` in f64 over 8 lanes (vectorised; the order is fixed, so the
+/// result is reproducible).
+pub fn sum_f64(xs: &[f32]) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            lanes[l] += f64::from(c[l]);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&x| f64::from(x)).sum();
+    lanes.iter().sum::<f64>() + tail
+}
+
+/// `Σ xs·ys` in f64 over 8 lanes.
+fn dot_f64(xs: &[f32], ys: &[f64]) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let mut cx = xs.chunks_exact(8);
+    let mut cy = ys.chunks_exact(8);
+    for (x, y) in (&mut cx).zip(&mut cy) {
+        for l in 0..8 {
+            lanes[l] += f64::from(x[l]) * y[l];
+        }
+    }
+    let tail: f64 = cx
+        .remainder()
+        .iter()
+        .zip(cy.remainder())
+        .map(|(&x, y)| f64::from(x) * y)
+        .sum();
+    lanes.iter().sum::<f64>() + tail
+}
+
 /// Row checksums of `C ≟ A·B`.
 pub fn row_checksums(a: &Matrix, b: &Matrix, c: &Matrix) -> Checksums {
-    let b_rows: Vec<f64> = b
-        .data
-        .par_chunks(b.cols)
-        .map(|r| r.iter().map(|&x| f64::from(x)).sum())
-        .collect();
+    let b_rows: Vec<f64> = b.data.par_chunks(b.cols).map(sum_f64).collect();
     let expected = a
         .data
         .par_chunks(a.cols)
-        .map(|r| r.iter().zip(&b_rows).map(|(&x, s)| f64::from(x) * s).sum())
+        .map(|r| dot_f64(r, &b_rows))
         .collect();
-    let observed = c
-        .data
-        .par_chunks(c.cols)
-        .map(|r| r.iter().map(|&x| f64::from(x)).sum())
-        .collect();
+    let observed = c.data.par_chunks(c.cols).map(sum_f64).collect();
     Checksums { observed, expected }
 }
 
