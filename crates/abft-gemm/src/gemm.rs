@@ -124,8 +124,8 @@ pub fn sum_f64(xs: &[f32]) -> f64 {
     let mut lanes = [0.0f64; 8];
     let mut chunks = xs.chunks_exact(8);
     for c in &mut chunks {
-        for l in 0..8 {
-            lanes[l] += f64::from(c[l]);
+        for (lane, &x) in lanes.iter_mut().zip(c) {
+            *lane += f64::from(x);
         }
     }
     let tail: f64 = chunks.remainder().iter().map(|&x| f64::from(x)).sum();
@@ -138,8 +138,8 @@ fn dot_f64(xs: &[f32], ys: &[f64]) -> f64 {
     let mut cx = xs.chunks_exact(8);
     let mut cy = ys.chunks_exact(8);
     for (x, y) in (&mut cx).zip(&mut cy) {
-        for l in 0..8 {
-            lanes[l] += f64::from(x[l]) * y[l];
+        for ((lane, &x), y) in lanes.iter_mut().zip(x).zip(y) {
+            *lane += f64::from(x) * y;
         }
     }
     let tail: f64 = cx

@@ -80,8 +80,7 @@ impl Accumulator {
         self.n += xs.len();
         let mut chunks = xs.chunks_exact(8);
         for c in &mut chunks {
-            for l in 0..8 {
-                let x = c[l];
+            for (l, &x) in c.iter().enumerate() {
                 let d = f64::from(x);
                 self.sum[l] += d;
                 self.sumsq[l] += d * d;
