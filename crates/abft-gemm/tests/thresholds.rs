@@ -231,3 +231,29 @@ fn bad_input_gets_typed_errors() {
         Err(AbftError::Shape(_))
     ));
 }
+
+#[test]
+fn fitted_e_max_bounds_its_own_calibration_products() {
+    use abft_gemm::study::{fit_e_max, input_scale};
+    let p = Precision::Bf16;
+    let dims = (16, 256, 32);
+    let e = fit_e_max(p, dims, 5, 40, 1.0).unwrap();
+    assert!(e > 0.0 && e < p.e_max_ascend(), "{e}");
+    let v = VAbft::design(e);
+    // The same products (seeds 40..45, inputs drawn as the study draws them)
+    // never exceed the fitted bound, and at least one row comes within 1%.
+    let mut closest = 0.0f64;
+    for d in Distribution::ALL {
+        for t in 40..45u64 {
+            let a = Matrix::random(16, 256, d, input_scale(p), p, 2 * t);
+            let b = Matrix::random(256, 32, d, input_scale(p), p, 2 * t + 1);
+            let c = gemm(&a, &b, p).unwrap().c;
+            let r = verify_rows(&a, &b, &c, &v);
+            assert!(!r.fired());
+            for (x, y) in r.residuals.iter().zip(&r.thresholds) {
+                closest = closest.max(x / y);
+            }
+        }
+    }
+    assert!(closest > 0.99, "{closest}");
+}
