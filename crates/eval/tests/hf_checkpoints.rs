@@ -4,6 +4,9 @@
 //! converter does; a random GPT-2 must match an f64 reference forward pass;
 //! broken folders get typed errors.
 
+mod common;
+
+use common::Rng;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -14,23 +17,6 @@ use kv_eval::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
 use kv_eval::hf::load_hf;
 use kv_eval::model::{CausalLm, LlamaModel};
 use safetensors::{Dtype, tensor::TensorView};
-
-/// xorshift64*: deterministic weights without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                self.0 ^= self.0 >> 12;
-                self.0 ^= self.0 << 25;
-                self.0 ^= self.0 >> 27;
-                let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
-                ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
-}
 
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kv-eval-hf-{name}-{}", std::process::id()));

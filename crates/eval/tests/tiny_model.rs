@@ -3,6 +3,9 @@
 //! form = the plain pass bit for bit, seeded faults reproducible and
 //! accounted for, perplexity = an f64 recomputation, and typed errors.
 
+mod common;
+
+use common::Rng;
 use half::f16;
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
@@ -17,23 +20,6 @@ const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
 const FFN: usize = 48;
 const LAYERS: usize = 2;
-
-/// xorshift64*: deterministic weights without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-}
 
 /// Q8_0 blocks of `x` (ggml's layout: f16 scale, 32 signed bytes).
 fn q8_0(x: &[f32]) -> Vec<u8> {
