@@ -123,6 +123,17 @@ const DESIGN_AABFT: [[Option<f64>; 4]; 9] = [
     [Some(93.1479), None, Some(92.0962), Some(91.1012)],
 ];
 
+/// A section title and the header of a table with one column per distribution.
+fn table_head(md: &mut String, title: &str, first: &str) -> std::fmt::Result {
+    writeln!(md, "\n## {title}\n")?;
+    writeln!(
+        md,
+        "| {first} | {} |",
+        Distribution::ALL.map(|d| d.label()).join(" | ")
+    )?;
+    writeln!(md, "|---|---|---|---|---|")
+}
+
 fn cell(ours: Option<f64>, design: Option<Option<f64>>) -> String {
     let o = ours.map_or("-".to_string(), |v| format!("{v:.2}"));
     match design {
@@ -208,16 +219,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 }
             )?;
             // False positives.
-            writeln!(
-                md,
-                "## False-positive rate (%), {dims:?}, {fp_trials} clean products per cell (design: 100,000)\n"
+            table_head(
+                &mut md,
+                &format!(
+                    "False-positive rate (%), {dims:?}, {fp_trials} clean products per cell (design: 100,000)"
+                ),
+                "algorithm",
             )?;
-            writeln!(
-                md,
-                "| algorithm | {} |",
-                Distribution::ALL.map(|d| d.label()).join(" | ")
-            )?;
-            writeln!(md, "|---|---|---|---|---|")?;
             let mut fp_rows = Vec::new();
             let rows: [(Precision, Option<usize>); 5] = [
                 (Precision::Bf16, Some(0)),
@@ -286,17 +294,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 }
                 for (ti, name) in ["V-ABFT", "A-ABFT"].iter().enumerate().take(ths.len()) {
                     for (dir, dir_name) in ["0→1", "1→0"].iter().enumerate() {
-                        writeln!(
-                            md,
-                            "\n## {name} ({}) detection rate (%) of {dir_name} flips in C, {dims:?}, {det_trials} products per cell\n",
-                            p.name()
+                        table_head(
+                            &mut md,
+                            &format!(
+                                "{name} ({}) detection rate (%) of {dir_name} flips in C, {dims:?}, {det_trials} products per cell",
+                                p.name()
+                            ),
+                            "bit",
                         )?;
-                        writeln!(
-                            md,
-                            "| bit | {} |",
-                            Distribution::ALL.map(|d| d.label()).join(" | ")
-                        )?;
-                        writeln!(md, "|---|---|---|---|---|")?;
                         let design_table = match (ti, dir) {
                             (0, 0) => design,
                             (1, 0) => Some(&DESIGN_AABFT[..]),
@@ -388,16 +393,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 ((128, 4096, 256), (det_trials / 4).max(1)),
                 ((4096, 4096, 4096), if full { 5_000 } else { 4 }),
             ] {
-                writeln!(
-                    md,
-                    "\n## V-ABFT (bf16) detection rate (%) of 0→1 flips, {big:?}, {trials} products per cell (design: >5,000)\n"
+                table_head(
+                    &mut md,
+                    &format!(
+                        "V-ABFT (bf16) detection rate (%) of 0→1 flips, {big:?}, {trials} products per cell (design: >5,000)"
+                    ),
+                    "bit",
                 )?;
-                writeln!(
-                    md,
-                    "| bit | {} |",
-                    Distribution::ALL.map(|d| d.label()).join(" | ")
-                )?;
-                writeln!(md, "|---|---|---|---|---|")?;
                 let per: Vec<_> = Distribution::ALL
                     .into_iter()
                     .map(|d| detection(p, d, big, FlipSite::C, &bits, &[&v], trials, seed))
