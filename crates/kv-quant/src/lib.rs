@@ -49,7 +49,7 @@ pub use spec::{
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, NonFinite,
-    QuantizeOptions,
+    QuantizeOptions, ScrubStats,
 };
 
 /// The README's example, compiled and run as a doctest.

@@ -15,7 +15,7 @@ use crate::error::{KvQuantError, Result};
 use crate::fp8::Fp8Format;
 
 /// Every valid spelling, for error messages and `--help` texts.
-pub const GRAMMAR: &str = "fp32 | fp16 | bf16 | fp8-e4m3[-h<N>] | fp8-e5m2[-h<N>] | \
+pub const GRAMMAR: &str = "fp32 | fp16 | bf16 | fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | \
 int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | nf4[-g<N>][-sf32]; \
 int4 and nf4 forms may add +hamming74 | +secded84 | +golay24, then +keep | +zero | +interp[<reach>] \
 and +meta-none (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+secded84+interp, int4+golay24)";
@@ -96,8 +96,13 @@ impl IntSpec {
 pub struct Fp8Spec {
     /// E4M3 or E5M2.
     pub format: Fp8Format,
-    /// One f32 scale per head of this many channels, or one per tensor when `None`.
+    /// One f32 scale per head of this many channels, or one across all
+    /// channels when `None`.
     pub head_dim: Option<usize>,
+    /// Scales per token (`-tok`) rather than across all tokens: each token's
+    /// bytes then depend on that token alone, so rows can be written one at a
+    /// time (what a paged cache needs).
+    pub per_token: bool,
 }
 
 /// An NF4 quantizer: 16-level normal-float codebook with per-group absmax.
@@ -247,6 +252,23 @@ impl CacheForm {
         Self::new(self.quantizer, self.protection)
     }
 
+    /// Whether each token's stored bytes depend on that token alone (no
+    /// scale or offset shared across tokens): fp32/fp16/bf16, FP8 with
+    /// `-tok`, per-token integer and NF4 forms, per-channel forms over
+    /// blocks of one token. Only these forms support
+    /// [`KvStore::write_rows`](crate::KvStore::write_rows).
+    pub fn is_row_local(&self) -> bool {
+        match self.quantizer {
+            Quantizer::Fp32 | Quantizer::Fp16 | Quantizer::Bf16 | Quantizer::Nf4(_) => true,
+            Quantizer::Fp8(s) => s.per_token,
+            Quantizer::Int(s) => match s.granularity {
+                Granularity::PerToken { .. } => true,
+                Granularity::PerChannel { tokens } => tokens == Some(1),
+                Granularity::PerTensor => false,
+            },
+        }
+    }
+
     fn validate(&self) -> std::result::Result<(), String> {
         let positive = |what: &str, n: usize| {
             if n == 0 {
@@ -313,10 +335,13 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
                 Fp8Format::E4M3 => "fp8-e4m3",
                 Fp8Format::E5M2 => "fp8-e5m2",
             })?;
-            match s.head_dim {
-                Some(h) => write!(f, "-h{h}"),
-                None => Ok(()),
+            if let Some(h) = s.head_dim {
+                write!(f, "-h{h}")?;
             }
+            if s.per_token {
+                f.write_str("-tok")?;
+            }
+            Ok(())
         }
         Quantizer::Int(s) => {
             write!(f, "int{}", s.bits)?;
@@ -427,14 +452,22 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
             } else {
                 Fp8Format::E5M2
             };
-            let mut head_dim = None;
+            let (mut head_dim, mut per_token) = (None, false);
             for o in options {
+                if o == "tok" {
+                    per_token = true;
+                    continue;
+                }
                 match number_after(o, "h") {
                     Some(h) => head_dim = Some(h?),
-                    None => return Err(format!("unknown FP8 option -{o} (only -h<N>)")),
+                    None => return Err(format!("unknown FP8 option -{o} (-h<N>, -tok)")),
                 }
             }
-            Ok(Quantizer::Fp8(Fp8Spec { format, head_dim }))
+            Ok(Quantizer::Fp8(Fp8Spec {
+                format,
+                head_dim,
+                per_token,
+            }))
         }
         "nf4" => {
             let mut spec = Nf4Spec {
@@ -583,6 +616,8 @@ mod tests {
             "bf16",
             "fp8-e4m3",
             "fp8-e5m2-h64",
+            "fp8-e4m3-tok",
+            "fp8-e5m2-h64-tok",
             "int8",
             "int4",
             "int4-g64",
@@ -665,12 +700,18 @@ mod tests {
             Just(Quantizer::Fp32),
             Just(Quantizer::Fp16),
             Just(Quantizer::Bf16),
-            (any::<bool>(), proptest::option::of(1usize..300)).prop_map(|(e4, head_dim)| {
-                Quantizer::Fp8(Fp8Spec {
-                    format: if e4 { Fp8Format::E4M3 } else { Fp8Format::E5M2 },
-                    head_dim,
-                })
-            }),
+            (
+                any::<bool>(),
+                proptest::option::of(1usize..300),
+                any::<bool>()
+            )
+                .prop_map(|(e4, head_dim, per_token)| {
+                    Quantizer::Fp8(Fp8Spec {
+                        format: if e4 { Fp8Format::E4M3 } else { Fp8Format::E5M2 },
+                        head_dim,
+                        per_token,
+                    })
+                }),
             int,
             (1usize..300, scale)
                 .prop_map(|(group, scale)| Quantizer::Nf4(Nf4Spec { group, scale })),

@@ -27,6 +27,10 @@
 //! Forms without a code protect nothing. Faults can be injected into the
 //! values and the metadata separately ([`FaultTarget`]).
 
+mod rows;
+
+pub use rows::ScrubStats;
+
 use gf2_codes::batch::{Backend, erasure_words};
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
 use gf2_codes::{DecodeStats, Int4Code};
@@ -331,7 +335,10 @@ impl KvStore {
     fn layout_of(q: &Quantizer, tokens: usize, channels: usize) -> Result<Option<GroupLayout>> {
         let (tpb, cpg) = match *q {
             Quantizer::Fp32 | Quantizer::Fp16 | Quantizer::Bf16 => return Ok(None),
-            Quantizer::Fp8(s) => (tokens, s.head_dim.unwrap_or(channels)),
+            Quantizer::Fp8(s) => (
+                if s.per_token { 1 } else { tokens },
+                s.head_dim.unwrap_or(channels),
+            ),
             Quantizer::Nf4(s) => (1, s.group),
             Quantizer::Int(s) => match s.granularity {
                 Granularity::PerToken { group } => (1, group.unwrap_or(channels)),
