@@ -1,0 +1,328 @@
+//! [`BlockStorage`]: the bytes behind the blocks. Each block holds, for every
+//! layer, its K rows and its V rows as two kv-quant [`KvStore`]s of
+//! `block_size` tokens in the layer's [`CacheForm`] (kv-quant owns the
+//! byte layout; nothing here re-encodes anything), so a layer can keep FP16,
+//! FP8, INT8, INT4 or ECC-protected INT4 and the pool reports the true bytes
+//! each form takes. Blocks sit behind their own mutex so a background
+//! scrubber ([`crate::Scrubber`]) can work beside the cache.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use gf2_codes::channel::FaultChannel;
+use kv_quant::{
+    CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, QuantizeOptions,
+    ScrubStats,
+};
+
+use crate::error::{PagedCacheError, Result};
+use crate::pool::BlockId;
+
+/// The stored form and width of one layer's K and V rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LayerSpec {
+    /// Form of both K and V rows (must be [row-local](CacheForm::is_row_local)).
+    pub form: CacheForm,
+    /// Channels per token (`kv_heads × head_dim`).
+    pub channels: usize,
+}
+
+/// K or V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvPart {
+    /// Key rows.
+    Keys,
+    /// Value rows.
+    Values,
+}
+
+/// The contents of one block: `[K, V]` stores per layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockData {
+    layers: Vec<[KvStore; 2]>,
+}
+
+impl BlockData {
+    /// The K or V store of `layer`.
+    pub fn store(&self, layer: usize, part: KvPart) -> Option<&KvStore> {
+        self.layers.get(layer).map(|kv| &kv[part as usize])
+    }
+
+    /// Bytes held, counted from the stores' buffers.
+    pub fn stored_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(KvStore::stored_bytes)
+            .sum()
+    }
+}
+
+/// Block contents for a pool of `num_blocks` blocks.
+#[derive(Debug)]
+pub struct BlockStorage {
+    block_size: usize,
+    layers: Vec<LayerSpec>,
+    blocks: Vec<Mutex<BlockData>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a block leaves plain bytes behind, never a
+    // broken invariant of this type, so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl BlockStorage {
+    /// Zeroed storage for `num_blocks` blocks of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize, layers: &[LayerSpec]) -> Result<Self> {
+        if layers.is_empty() {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "layers",
+                reason: "block storage needs at least one layer".into(),
+            });
+        }
+        if let Some(l) = layers.iter().find(|l| !l.form.is_row_local()) {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "form",
+                reason: format!(
+                    "{} shares scales across tokens; paged blocks are written one token at a \
+                     time and need a per-token form (fp16, fp8-e4m3-tok, int8, int4-g64, \
+                     int4+secded84, …)",
+                    l.form
+                ),
+            });
+        }
+        let template = BlockData {
+            layers: layers
+                .iter()
+                .map(|l| {
+                    let store = KvStore::zeroed(l.form, block_size, l.channels)?;
+                    Ok([store.clone(), store])
+                })
+                .collect::<Result<_>>()?,
+        };
+        Ok(Self {
+            block_size,
+            layers: layers.to_vec(),
+            blocks: (0..num_blocks)
+                .map(|_| Mutex::new(template.clone()))
+                .collect(),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The layers' forms and widths.
+    pub fn layers(&self) -> &[LayerSpec] {
+        &self.layers
+    }
+
+    /// Blocks held.
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn block(&self, block: BlockId) -> Result<MutexGuard<'_, BlockData>> {
+        self.blocks
+            .get(block.index())
+            .map(lock)
+            .ok_or(PagedCacheError::BlockOutOfRange {
+                block: block.0,
+                blocks: self.blocks.len(),
+            })
+    }
+
+    fn layer(&self, layer: usize) -> Result<&LayerSpec> {
+        self.layers
+            .get(layer)
+            .ok_or_else(|| PagedCacheError::InvalidParameter {
+                name: "layer",
+                reason: format!("layer {layer} of {}", self.layers.len()),
+            })
+    }
+
+    /// Writes one token's K and V rows of `layer` at slot `offset` of `block`.
+    pub fn write(
+        &self,
+        block: BlockId,
+        offset: usize,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<()> {
+        let channels = self.layer(layer)?.channels;
+        for (what, row) in [("key row", keys), ("value row", values)] {
+            if row.len() != channels {
+                return Err(PagedCacheError::ShapeMismatch {
+                    what,
+                    found: row.len(),
+                    expected: channels,
+                });
+            }
+        }
+        if offset >= self.block_size {
+            return Err(PagedCacheError::PositionOutOfRange {
+                position: offset,
+                tokens: self.block_size,
+            });
+        }
+        let mut data = self.block(block)?;
+        let [k, v] = &mut data.layers[layer];
+        let options = QuantizeOptions::default();
+        // Quantize both before storing either, so a refused row changes nothing.
+        let mut k_new = k.clone();
+        k_new.write_rows(offset, keys, options)?;
+        v.write_rows(offset, values, options)?;
+        *k = k_new;
+        Ok(())
+    }
+
+    /// Decodes rows `offset..offset + out.len() / channels` of one store of
+    /// `block` into `out`.
+    pub fn read(
+        &self,
+        block: BlockId,
+        layer: usize,
+        part: KvPart,
+        offset: usize,
+        out: &mut [f32],
+        scratch: &mut DecodeScratch,
+    ) -> Result<KvDecodeStats> {
+        let channels = self.layer(layer)?.channels;
+        let data = self.block(block)?;
+        let store = &data.layers[layer][part as usize];
+        Ok(store.decode_rows_into(offset, out.len() / channels, out, scratch)?)
+    }
+
+    /// A copy of `block`'s contents.
+    pub fn snapshot(&self, block: BlockId) -> Result<BlockData> {
+        Ok(self.block(block)?.clone())
+    }
+
+    /// Replaces `block`'s contents (from [`snapshot`](Self::snapshot) of
+    /// storage with the same layers).
+    pub fn restore(&self, block: BlockId, data: BlockData) -> Result<()> {
+        let mut slot = self.block(block)?;
+        if data.layers.len() != slot.layers.len()
+            || data
+                .layers
+                .iter()
+                .zip(&slot.layers)
+                .any(|(a, b)| a[0].form() != b[0].form() || a[0].channels() != b[0].channels())
+        {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "block data",
+                reason: "its layers differ from this storage's".into(),
+            });
+        }
+        *slot = data;
+        Ok(())
+    }
+
+    /// Copies `src`'s contents into `dst` (copy-on-write).
+    pub fn copy(&self, src: BlockId, dst: BlockId) -> Result<()> {
+        let data = self.snapshot(src)?;
+        let mut slot = self.block(dst)?;
+        slot.clone_from(&data);
+        Ok(())
+    }
+
+    /// Scrubs every store of `block` (see [`KvStore::scrub`]).
+    pub fn scrub(&self, block: BlockId) -> Result<ScrubStats> {
+        let mut data = self.block(block)?;
+        let mut stats = ScrubStats::default();
+        for store in data.layers.iter_mut().flatten() {
+            stats += store.scrub()?;
+        }
+        Ok(stats)
+    }
+
+    /// Injects faults from `channel` with `seed` into one store of `block`.
+    pub fn inject(
+        &self,
+        block: BlockId,
+        layer: usize,
+        part: KvPart,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        self.layer(layer)?;
+        let mut data = self.block(block)?;
+        Ok(data.layers[layer][part as usize].inject(channel, seed, target))
+    }
+
+    /// Applies `f` to one store of `block` (reading bytes, flips, words).
+    pub fn with_store<R>(
+        &self,
+        block: BlockId,
+        layer: usize,
+        part: KvPart,
+        f: impl FnOnce(&KvStore) -> R,
+    ) -> Result<R> {
+        self.layer(layer)?;
+        let data = self.block(block)?;
+        Ok(f(&data.layers[layer][part as usize]))
+    }
+
+    /// Bytes one block holds in `layer` (K and V), counted from its buffers.
+    pub fn layer_block_bytes(&self, layer: usize) -> Result<usize> {
+        self.layer(layer)?;
+        let Some(first) = self.blocks.first() else {
+            return Ok(0);
+        };
+        let data = lock(first);
+        Ok(data.layers[layer].iter().map(KvStore::stored_bytes).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_scale_forms_and_bad_rows_are_refused() {
+        let spec = |s: &str| LayerSpec {
+            form: s.parse().unwrap(),
+            channels: 8,
+        };
+        assert!(matches!(
+            BlockStorage::new(2, 4, &[spec("fp8-e4m3")]),
+            Err(PagedCacheError::InvalidParameter { name: "form", .. })
+        ));
+        assert!(BlockStorage::new(2, 4, &[]).is_err());
+        let storage = BlockStorage::new(2, 4, &[spec("int4+secded84")]).unwrap();
+        let row = [0.25f32; 8];
+        assert!(matches!(
+            storage.write(BlockId(0), 0, 0, &row[..7], &row),
+            Err(PagedCacheError::ShapeMismatch { .. })
+        ));
+        assert!(storage.write(BlockId(0), 4, 0, &row, &row).is_err());
+        assert!(storage.write(BlockId(2), 0, 0, &row, &row).is_err());
+        assert!(storage.write(BlockId(0), 0, 1, &row, &row).is_err());
+        // A NaN value row leaves the key row untouched too.
+        let before = storage.snapshot(BlockId(0)).unwrap();
+        let mut bad = row;
+        bad[3] = f32::NAN;
+        assert!(matches!(
+            storage.write(BlockId(0), 1, 0, &row, &bad),
+            Err(PagedCacheError::Quant(_))
+        ));
+        assert_eq!(storage.snapshot(BlockId(0)).unwrap(), before);
+        storage.write(BlockId(0), 1, 0, &row, &row).unwrap();
+        let mut out = [0.0; 8];
+        storage
+            .read(
+                BlockId(0),
+                0,
+                KvPart::Values,
+                1,
+                &mut out,
+                &mut DecodeScratch::new(),
+            )
+            .unwrap();
+        assert!(out.iter().all(|&x| (x - 0.25).abs() < 1e-6), "{out:?}");
+    }
+}
