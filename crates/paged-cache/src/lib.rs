@@ -53,7 +53,7 @@ pub use hash::{BlockHash, HashPrefixCache};
 pub use manager::{CacheConfig, KvCacheManager, ManagerStats, SeqId};
 pub use page_table::{PageTable, PagedKv, PagedScratch, paged_decode};
 pub use pool::{Allocated, BlockId, BlockPool, FreeList};
-pub use prefix::{PrefixCache, PrefixHit, PrefixLock};
+pub use prefix::{NoPrefixCache, PrefixCache, PrefixHit, PrefixLock};
 pub use radix::RadixPrefixCache;
 pub use scrub::{ScrubTotals, Scrubber};
 pub use storage::{BlockData, BlockStorage, KvPart, LayerSpec};

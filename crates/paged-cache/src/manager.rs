@@ -164,6 +164,12 @@ impl<P: PrefixCache> KvCacheManager<P> {
         self.pool.block_size()
     }
 
+    /// Blocks a call could get: free ones plus those evicting unused cached
+    /// prefixes would free.
+    pub fn available_blocks(&self) -> usize {
+        self.pool.num_free() + self.prefix.evictable_blocks(&self.pool)
+    }
+
     /// Free host-tier blocks.
     pub fn host_free(&self) -> usize {
         self.host.free.len()

@@ -60,6 +60,13 @@ pub trait PrefixCache {
     /// returns how many were made reusable.
     fn evict(&mut self, pool: &mut BlockPool, blocks: usize) -> Result<usize>;
 
+    /// Blocks that [`evict`](Self::evict) could make reusable now (beyond
+    /// the pool's free blocks): what admission may count on.
+    fn evictable_blocks(&self, pool: &BlockPool) -> usize {
+        let _ = pool;
+        0
+    }
+
     /// Calls `f` once per block reference the cache itself holds.
     fn for_each_held(&self, f: &mut dyn FnMut(BlockId));
 
@@ -68,4 +75,40 @@ pub trait PrefixCache {
 
     /// Checks the cache's invariants against the pool.
     fn check_invariants(&self, pool: &BlockPool) -> std::result::Result<(), String>;
+}
+
+/// No prefix caching: every lookup misses (the baseline of reports).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoPrefixCache;
+
+impl PrefixCache for NoPrefixCache {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+
+    fn lookup(&mut self, _: &mut BlockPool, _: &[u32], _: u64) -> Result<PrefixHit> {
+        Ok(PrefixHit::default())
+    }
+
+    fn insert(&mut self, _: &mut BlockPool, _: &[u32], _: &[BlockId], _: u64) -> Result<()> {
+        Ok(())
+    }
+
+    fn release(&mut self, _: PrefixLock) {}
+
+    fn forget(&mut self, _: BlockId, _: BlockHash) {}
+
+    fn evict(&mut self, _: &mut BlockPool, _: usize) -> Result<usize> {
+        Ok(0)
+    }
+
+    fn for_each_held(&self, _: &mut dyn FnMut(BlockId)) {}
+
+    fn cached_blocks(&self) -> usize {
+        0
+    }
+
+    fn check_invariants(&self, _: &BlockPool) -> std::result::Result<(), String> {
+        Ok(())
+    }
 }

@@ -311,6 +311,23 @@ impl PrefixCache for RadixPrefixCache {
         Ok(freed)
     }
 
+    fn evictable_blocks(&self, pool: &BlockPool) -> usize {
+        // Lock counts are path counts, so an unlocked node has no locked
+        // descendant and all unlocked nodes can go, leaves first. A block is
+        // freed when every reference to it is an unlocked node's.
+        let mut refs: HashMap<BlockId, u32> = HashMap::new();
+        for node in self.nodes.iter().flatten() {
+            if node.parent != NIL && node.lock == 0 {
+                for &b in &node.blocks {
+                    *refs.entry(b).or_default() += 1;
+                }
+            }
+        }
+        refs.into_iter()
+            .filter(|&(b, n)| pool.ref_count(b).is_ok_and(|c| c == n))
+            .count()
+    }
+
     fn for_each_held(&self, f: &mut dyn FnMut(BlockId)) {
         for node in self.nodes.iter().flatten() {
             node.blocks.iter().copied().for_each(&mut *f);

@@ -1,1 +1,473 @@
-//! placeholder
+//! A continuous-batching scheduler over a simulated workload (Orca's
+//! iteration-level scheduling with vLLM's admission watermark and
+//! preemption), driving a metadata-only [`KvCacheManager`].
+//!
+//! Each step:
+//! 1. requests that have arrived join the waiting queue (first come, first served);
+//! 2. swapped-out requests come back first, while the free blocks left
+//!    stay above the watermark;
+//! 3. waiting requests are admitted in order while free blocks stay above
+//!    the watermark and the step's prefill token budget lasts: their prompt
+//!    is looked up in the prefix cache and the rest is prefilled (a request
+//!    preempted by recompute comes back with the tokens it had generated);
+//! 4. every running request grows by one token; when blocks run out, the
+//!    lowest-priority request (the newest among equals) is preempted, by
+//!    recompute (its blocks freed, lazily cached) or by swap (moved to the
+//!    host tier; recompute when the host tier is full);
+//! 5. finished requests enter the prefix cache and are freed.
+//!
+//! [`Workload::generate`] draws requests from a seed with a stable
+//! generator (gf2-codes' ChaCha8-based `FaultRng`), so a seed gives the
+//! same workload and the same report on every machine.
+
+use std::collections::VecDeque;
+
+use gf2_codes::channel::FaultRng;
+use serde::Serialize;
+
+use crate::error::{PagedCacheError, Result};
+use crate::manager::{CacheConfig, KvCacheManager, SeqId};
+use crate::prefix::PrefixCache;
+
+/// Parameters of a simulated workload.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct WorkloadConfig {
+    /// Seed of every random draw.
+    pub seed: u64,
+    /// Requests in all.
+    pub requests: usize,
+    /// Mean arrivals per step (Poisson).
+    pub arrivals_per_step: f64,
+    /// Prompt lengths, uniform in `min..=max` (shared prefix included).
+    pub prompt_len: (usize, usize),
+    /// Output lengths, uniform in `min..=max`.
+    pub output_len: (usize, usize),
+    /// Distinct shared prefixes (system prompts, few-shot headers); 0 for none.
+    pub shared_prefixes: usize,
+    /// Tokens of each shared prefix.
+    pub shared_prefix_len: usize,
+    /// Fraction of requests that start with a shared prefix.
+    pub shared_fraction: f64,
+    /// Priority levels (0 is the lowest); drawn uniformly.
+    pub priorities: u32,
+    /// Token ids are drawn below this.
+    pub vocab: u32,
+}
+
+impl Default for WorkloadConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            requests: 400,
+            arrivals_per_step: 2.0,
+            prompt_len: (64, 512),
+            output_len: (16, 256),
+            shared_prefixes: 4,
+            shared_prefix_len: 192,
+            shared_fraction: 0.6,
+            priorities: 3,
+            vocab: 49_152,
+        }
+    }
+}
+
+/// One simulated request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Index in the workload.
+    pub id: usize,
+    /// Step at which it arrives.
+    pub arrival: u64,
+    /// Priority (higher is more important).
+    pub priority: u32,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub output_len: usize,
+}
+
+/// A generated list of requests, in arrival order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload {
+    /// The requests.
+    pub requests: Vec<Request>,
+}
+
+fn uniform(rng: &mut FaultRng, (lo, hi): (usize, usize)) -> usize {
+    lo + rng.below((hi - lo + 1) as u64) as usize
+}
+
+impl Workload {
+    /// Draws a workload.
+    pub fn generate(config: &WorkloadConfig) -> Result<Self> {
+        let bad = |name, reason: &str| {
+            Err(PagedCacheError::InvalidParameter {
+                name,
+                reason: reason.into(),
+            })
+        };
+        if config.prompt_len.0 == 0 || config.prompt_len.0 > config.prompt_len.1 {
+            return bad("prompt_len", "needs 1 <= min <= max");
+        }
+        if config.output_len.0 == 0 || config.output_len.0 > config.output_len.1 {
+            return bad("output_len", "needs 1 <= min <= max");
+        }
+        if !(config.arrivals_per_step.is_finite() && config.arrivals_per_step > 0.0) {
+            return bad("arrivals_per_step", "needs a positive rate");
+        }
+        if !(0.0..=1.0).contains(&config.shared_fraction) {
+            return bad("shared_fraction", "needs a fraction in [0, 1]");
+        }
+        if config.vocab == 0 || config.priorities == 0 {
+            return bad("vocab/priorities", "need at least one");
+        }
+        let mut rng = FaultRng::with_stream(config.seed, 0);
+        let prefixes: Vec<Vec<u32>> = (0..config.shared_prefixes)
+            .map(|_| {
+                (0..config.shared_prefix_len)
+                    .map(|_| rng.below(u64::from(config.vocab)) as u32)
+                    .collect()
+            })
+            .collect();
+        let mut requests = Vec::with_capacity(config.requests);
+        let mut clock = 0.0f64;
+        for id in 0..config.requests {
+            // Exponential gaps: Poisson arrivals.
+            clock += -(1.0 - rng.next_f64()).ln() / config.arrivals_per_step;
+            let len = uniform(&mut rng, config.prompt_len);
+            let mut prompt = Vec::with_capacity(len);
+            if !prefixes.is_empty() && rng.next_f64() < config.shared_fraction {
+                let p = &prefixes[rng.below(prefixes.len() as u64) as usize];
+                prompt.extend_from_slice(&p[..p.len().min(len - 1)]);
+            }
+            while prompt.len() < len {
+                prompt.push(rng.below(u64::from(config.vocab)) as u32);
+            }
+            requests.push(Request {
+                id,
+                arrival: clock as u64,
+                priority: rng.below(u64::from(config.priorities)) as u32,
+                prompt,
+                output_len: uniform(&mut rng, config.output_len),
+            });
+        }
+        Ok(Self { requests })
+    }
+}
+
+/// How a request is preempted when blocks run out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Preemption {
+    /// Free its blocks and prefill it again later.
+    Recompute,
+    /// Move its blocks to the host tier and back later.
+    Swap,
+}
+
+/// Scheduler settings.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SchedulerConfig {
+    /// Device blocks, block size and host blocks.
+    #[serde(skip)]
+    pub cache: CacheConfig,
+    /// Fraction of blocks that admission keeps free (vLLM's watermark).
+    pub watermark: f64,
+    /// Prompt tokens prefilled per step (at least one request is always admitted).
+    pub max_prefill_tokens: usize,
+    /// Requests running at once.
+    pub max_running: usize,
+    /// Preemption mode.
+    pub preemption: Preemption,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            cache: CacheConfig {
+                num_blocks: 2048,
+                block_size: 16,
+                host_blocks: 4096,
+            },
+            watermark: 0.01,
+            max_prefill_tokens: 4096,
+            max_running: 256,
+            preemption: Preemption::Recompute,
+        }
+    }
+}
+
+/// What a simulation measured.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Report {
+    /// Prefix cache (`hash`, `radix`, `none`).
+    pub prefix_cache: String,
+    /// Preemption mode.
+    pub preemption: String,
+    /// Steps until every request finished.
+    pub steps: u64,
+    /// Requests finished.
+    pub finished: usize,
+    /// Tokens processed per step (prefilled + decoded), mean.
+    pub tokens_per_step: f64,
+    /// Tokens decoded (generated).
+    pub decoded_tokens: u64,
+    /// Prompt tokens prefilled (not found cached).
+    pub prefilled_tokens: u64,
+    /// Preemptions by recompute.
+    pub preempted_recompute: u64,
+    /// Preemptions by swap.
+    pub preempted_swap: u64,
+    /// Prompt tokens found in the prefix cache over prompt tokens looked up.
+    pub prefix_hit_rate: f64,
+    /// Blocks in use over all blocks, mean over steps.
+    pub mean_utilisation: f64,
+    /// Highest utilisation of any step.
+    pub peak_utilisation: f64,
+    /// Allocated but unused slots per running request, mean over steps.
+    pub mean_waste_per_seq: f64,
+    /// Largest unused slots of any one request at any step (always below the block size).
+    pub max_waste_per_seq: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks copied on write.
+    pub cow_copies: u64,
+    /// Mean running requests per step.
+    pub mean_running: f64,
+}
+
+struct Running {
+    request: usize,
+    seq: SeqId,
+    generated: usize,
+}
+
+/// Token `i` generated by request `r` (a fixed function, so recomputed
+/// requests regenerate the same tokens).
+fn generated_token(r: usize, i: usize, vocab: u32) -> u32 {
+    let mut x = (r as u64) << 32 ^ i as u64 ^ 0x9E37_79B9_7F4A_7C15;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+    x ^= x >> 33;
+    (x % u64::from(vocab)) as u32
+}
+
+/// Runs `workload` to completion and reports.
+pub fn simulate<P: PrefixCache>(
+    workload: &Workload,
+    vocab: u32,
+    config: &SchedulerConfig,
+    prefix: P,
+) -> Result<Report> {
+    let bs = config.cache.block_size;
+    let mut cache = KvCacheManager::new(config.cache, prefix)?;
+    let total = config.cache.num_blocks;
+    let watermark = (config.watermark * total as f64).ceil() as usize;
+    let reqs = &workload.requests;
+    if let Some(q) = reqs
+        .iter()
+        .find(|q| (q.prompt.len() + q.output_len).div_ceil(bs) > total)
+    {
+        return Err(PagedCacheError::InvalidParameter {
+            name: "workload",
+            reason: format!(
+                "request {} grows to {} tokens, more than the pool's {} blocks of {bs} hold",
+                q.id,
+                q.prompt.len() + q.output_len,
+                total
+            ),
+        });
+    }
+    // Tokens each request has generated so far (kept across recompute).
+    let mut generated = vec![0usize; reqs.len()];
+    let mut waiting: VecDeque<usize> = VecDeque::new();
+    let mut swapped: Vec<(usize, SeqId)> = Vec::new();
+    let mut running: Vec<Running> = Vec::new();
+    let mut next_arrival = 0;
+    let mut report = Report {
+        prefix_cache: cache.prefix_cache().name().into(),
+        preemption: format!("{:?}", config.preemption).to_lowercase(),
+        block_size: bs,
+        ..Report::default()
+    };
+    let (mut tokens_sum, mut util_sum, mut waste_sum, mut waste_n, mut running_sum) =
+        (0u64, 0.0, 0.0, 0u64, 0u64);
+    let mut step = 0u64;
+    while report.finished < reqs.len() {
+        while next_arrival < reqs.len() && reqs[next_arrival].arrival <= step {
+            waiting.push_back(next_arrival);
+            next_arrival += 1;
+        }
+        let mut step_tokens = 0u64;
+        // Swapped-out requests first: highest priority, then oldest.
+        swapped.sort_by_key(|&(r, _)| (std::cmp::Reverse(reqs[r].priority), r));
+        while let Some(&(r, seq)) = swapped.first() {
+            let blocks = cache.tokens(seq)?.len().div_ceil(bs);
+            if cache.available_blocks() < blocks + watermark || running.len() >= config.max_running
+            {
+                break;
+            }
+            cache.swap_in(seq)?;
+            swapped.remove(0);
+            running.push(Running {
+                request: r,
+                seq,
+                generated: generated[r],
+            });
+        }
+        // Admission.
+        let mut budget = config.max_prefill_tokens;
+        let mut admitted = 0;
+        while let Some(&r) = waiting.front() {
+            if running.len() >= config.max_running || !swapped.is_empty() {
+                break;
+            }
+            let mut tokens = reqs[r].prompt.clone();
+            tokens.extend((0..generated[r]).map(|i| generated_token(r, i, vocab)));
+            let blocks = tokens.len().div_ceil(bs) + 1;
+            if blocks > total {
+                return Err(PagedCacheError::InvalidParameter {
+                    name: "workload",
+                    reason: format!("request {r} needs {blocks} blocks, the pool has {total}"),
+                });
+            }
+            let fits = cache.available_blocks() >= blocks + watermark || running.is_empty();
+            if !fits || (admitted > 0 && tokens.len() > budget) {
+                break;
+            }
+            let (seq, hit) = match cache.add_sequence(&tokens, 0) {
+                Ok(x) => x,
+                Err(PagedCacheError::PoolExhausted { .. }) => break,
+                Err(e) => return Err(e),
+            };
+            waiting.pop_front();
+            // Prefilled and written: full prompt blocks become findable now.
+            cache.cache_prefix(seq, tokens.len() / bs * bs)?;
+            let computed = (tokens.len() - hit) as u64;
+            report.prefilled_tokens += computed;
+            step_tokens += computed;
+            budget = budget.saturating_sub(tokens.len() - hit);
+            admitted += 1;
+            running.push(Running {
+                request: r,
+                seq,
+                generated: generated[r],
+            });
+        }
+        // Decode: one token per running request, preempting when short.
+        let mut i = 0;
+        while i < running.len() {
+            let (r, seq) = (running[i].request, running[i].seq);
+            let token = generated_token(r, running[i].generated, vocab);
+            match cache.append(seq, &[token]) {
+                Ok(()) => {
+                    running[i].generated += 1;
+                    generated[r] = running[i].generated;
+                    report.decoded_tokens += 1;
+                    step_tokens += 1;
+                    i += 1;
+                }
+                Err(PagedCacheError::PoolExhausted { .. }) => {
+                    let victim = (0..running.len())
+                        .min_by_key(|&j| {
+                            let q = &reqs[running[j].request];
+                            (
+                                q.priority,
+                                std::cmp::Reverse(q.arrival),
+                                std::cmp::Reverse(q.id),
+                            )
+                        })
+                        .expect("running is not empty");
+                    let v = running.remove(victim);
+                    let swap = config.preemption == Preemption::Swap
+                        && cache.host_free() >= cache.block_table(v.seq)?.len();
+                    if swap {
+                        cache.swap_out(v.seq)?;
+                        swapped.push((v.request, v.seq));
+                        report.preempted_swap += 1;
+                    } else {
+                        cache.free(v.seq)?;
+                        waiting.push_front(v.request);
+                        report.preempted_recompute += 1;
+                    }
+                    if victim < i {
+                        i -= 1;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // Finish.
+        let mut j = 0;
+        while j < running.len() {
+            let r = running[j].request;
+            if running[j].generated >= reqs[r].output_len {
+                let seq = running.remove(j).seq;
+                let len = cache.tokens(seq)?.len();
+                cache.cache_prefix(seq, len)?;
+                cache.free(seq)?;
+                report.finished += 1;
+            } else {
+                j += 1;
+            }
+        }
+        // Measure.
+        for run in &running {
+            let waste = cache.block_table(run.seq)?.len() * bs - cache.tokens(run.seq)?.len();
+            report.max_waste_per_seq = report.max_waste_per_seq.max(waste);
+            waste_sum += waste as f64;
+            waste_n += 1;
+        }
+        running_sum += running.len() as u64;
+        tokens_sum += step_tokens;
+        util_sum += cache.pool().num_used() as f64 / total as f64;
+        report.peak_utilisation = report
+            .peak_utilisation
+            .max(cache.pool().num_used() as f64 / total as f64);
+        step += 1;
+        if step > 100_000_000 {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "workload",
+                reason: "the simulation made no progress".into(),
+            });
+        }
+    }
+    let stats = cache.stats();
+    report.steps = step;
+    report.tokens_per_step = tokens_sum as f64 / step.max(1) as f64;
+    report.mean_utilisation = util_sum / step.max(1) as f64;
+    report.mean_waste_per_seq = waste_sum / waste_n.max(1) as f64;
+    report.mean_running = running_sum as f64 / step.max(1) as f64;
+    report.prefix_hit_rate = stats.hit_tokens as f64 / stats.lookup_tokens.max(1) as f64;
+    report.cow_copies = stats.cow_copies;
+    Ok(report)
+}
+
+/// The reports as a Markdown table.
+pub fn markdown(reports: &[Report]) -> String {
+    let mut s = String::from(
+        "| prefix cache | preemption | steps | tokens/step | running | decoded | prefilled | \
+         preempted (recompute/swap) | prefix hit rate | utilisation mean/peak | waste/seq mean/max (slots) |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in reports {
+        s += &format!(
+            "| {} | {} | {} | {:.1} | {:.1} | {} | {} | {}/{} | {:.1}% | {:.1}%/{:.1}% | {:.2}/{} (block {}) |\n",
+            r.prefix_cache,
+            r.preemption,
+            r.steps,
+            r.tokens_per_step,
+            r.mean_running,
+            r.decoded_tokens,
+            r.prefilled_tokens,
+            r.preempted_recompute,
+            r.preempted_swap,
+            100.0 * r.prefix_hit_rate,
+            100.0 * r.mean_utilisation,
+            100.0 * r.peak_utilisation,
+            r.mean_waste_per_seq,
+            r.max_waste_per_seq,
+            r.block_size,
+        );
+    }
+    s
+}
