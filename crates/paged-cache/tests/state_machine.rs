@@ -1,0 +1,402 @@
+//! A proptest state machine over random operation sequences (add with
+//! prefix lookup, append, fork, write, free, truncate, cache a prefix,
+//! evict, swap out, swap in, inject a flip, scrub) on a cache with real
+//! two-layer block storage, for both prefix caches. After every step:
+//! [`KvCacheManager::check_invariants`] (free + used = total, the free list
+//! is exactly the blocks with count zero, hash index and block hashes agree
+//! both ways, counts equal users so nothing is freed twice or leaked, every
+//! sequence's slots hold its tokens) and every resident sequence's K/V,
+//! decoded from its blocks, equals what the model says it wrote, so a
+//! shared block written in place would show up in a sibling.
+//!
+//! K/V rows are a fixed function of the token prefix, as in a real model,
+//! except after a `Write` op, which perturbs a row and marks the sequence
+//! (and its forks) dirty: dirty sequences are never put in the prefix cache,
+//! so every prefix hit must return exactly the canonical rows.
+
+use std::sync::Arc;
+
+use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
+use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvStore};
+use paged_cache::{
+    BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, KvPart, LayerSpec, PagedCacheError,
+    PrefixCache, RadixPrefixCache, SeqId,
+};
+use proptest::prelude::*;
+
+const BS: usize = 4;
+const CH: usize = 8;
+const BLOCKS: usize = 24;
+const HOST: usize = 12;
+const LAYER0_FORMS: [&str; 5] = ["fp16", "int8", "fp8-e4m3-tok", "int4-g4+golay24", "nf4-g8"];
+const PROTECTED: &str = "int4-g4+secded84";
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add { base: usize, len: usize, salt: u64 },
+    Append { seq: usize, tokens: Vec<u32> },
+    Fork { seq: usize },
+    Write { seq: usize, pos: usize },
+    Free { seq: usize },
+    Truncate { seq: usize, n: usize },
+    Cache { seq: usize },
+    Evict { n: usize },
+    SwapOut { seq: usize },
+    SwapIn { seq: usize },
+    Inject { seq: usize, bit: u64 },
+    Scrub,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3usize, 1..=14usize, 0..2u64).prop_map(|(base, len, salt)| Op::Add { base, len, salt }),
+        4 => (any::<usize>(), proptest::collection::vec(0..3u32, 1..6)).prop_map(|(seq, tokens)| Op::Append { seq, tokens }),
+        2 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
+        2 => (any::<usize>(), any::<usize>()).prop_map(|(seq, pos)| Op::Write { seq, pos }),
+        2 => any::<usize>().prop_map(|seq| Op::Free { seq }),
+        2 => (any::<usize>(), 0..6usize).prop_map(|(seq, n)| Op::Truncate { seq, n }),
+        2 => any::<usize>().prop_map(|seq| Op::Cache { seq }),
+        1 => (0..6usize).prop_map(|n| Op::Evict { n }),
+        1 => any::<usize>().prop_map(|seq| Op::SwapOut { seq }),
+        1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
+        1 => (any::<usize>(), any::<u64>()).prop_map(|(seq, bit)| Op::Inject { seq, bit }),
+        1 => Just(Op::Scrub),
+    ]
+}
+
+/// Flips exactly one chosen bit.
+#[derive(Debug)]
+struct OneBit(u64);
+
+impl FaultChannel for OneBit {
+    fn inject_with(&self, data: &mut [u8], _: &mut FaultRng) -> Flips {
+        if data.is_empty() {
+            return Flips::from_events(Vec::new());
+        }
+        let bit = self.0 % (8 * data.len() as u64);
+        data[(bit / 8) as usize] ^= 1 << (bit % 8);
+        Flips::from_events(vec![bit])
+    }
+}
+
+fn bases() -> [Vec<u32>; 3] {
+    // Small alphabet, so appends and prompts share prefixes often.
+    [
+        (0..16).map(|i| i % 3).collect(),
+        (0..16).map(|i| (i * 7 + 1) % 3).collect(),
+        (0..16).map(|i| u32::from(i % 5 == 0)).collect(),
+    ]
+}
+
+/// The canonical row of `layer`/`part` at the end of `prefix`.
+fn canonical(prefix: &[u32], layer: usize, part: usize, version: u32) -> Vec<f32> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ (layer as u64) << 8 ^ part as u64;
+    for &t in prefix {
+        h = (h ^ u64::from(t) ^ (prefix.len() as u64) << 40).wrapping_mul(0x1000_0000_01b3);
+    }
+    h ^= u64::from(version) << 32;
+    (0..CH)
+        .map(|c| {
+            let x = h.wrapping_mul(2 * c as u64 + 1).rotate_left(17) >> 40;
+            (x as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+struct Harness<P: PrefixCache> {
+    cache: KvCacheManager<P>,
+    storage: Arc<BlockStorage>,
+    forms: [CacheForm; 2],
+    /// Per live sequence: expected decoded rows `[position][layer][part]`, dirty flag.
+    model: std::collections::BTreeMap<SeqId, (Vec<[[Vec<f32>; 2]; 2]>, bool)>,
+    pending_flip: bool,
+}
+
+impl<P: PrefixCache> Harness<P> {
+    fn new(prefix: P, layer0: &str) -> Self {
+        let forms = [layer0.parse().unwrap(), PROTECTED.parse().unwrap()];
+        let layers = forms.map(|form| LayerSpec { form, channels: CH });
+        let storage = Arc::new(BlockStorage::new(BLOCKS, BS, &layers).unwrap());
+        let config = CacheConfig {
+            num_blocks: BLOCKS,
+            block_size: BS,
+            host_blocks: HOST,
+        };
+        Self {
+            cache: KvCacheManager::with_storage(config, prefix, storage.clone()).unwrap(),
+            storage,
+            forms,
+            model: Default::default(),
+            pending_flip: false,
+        }
+    }
+
+    fn expected(&self, row: &[f32], layer: usize) -> Vec<f32> {
+        KvStore::quantize(self.forms[layer], row, 1, CH)
+            .unwrap()
+            .decode()
+            .unwrap()
+            .values
+    }
+
+    /// Writes canonical (or perturbed) rows for positions `from..` of `id`.
+    fn write_rows(&mut self, id: SeqId, from: usize, version: u32) -> Result<(), PagedCacheError> {
+        let tokens = self.cache.tokens(id)?.to_vec();
+        for pos in from..tokens.len() {
+            let mut rows: [[Vec<f32>; 2]; 2] = Default::default();
+            for layer in 0..2 {
+                let k = canonical(&tokens[..=pos], layer, 0, version);
+                let v = canonical(&tokens[..=pos], layer, 1, version);
+                self.cache.write_kv(id, pos, layer, &k, &v)?;
+                rows[layer] = [self.expected(&k, layer), self.expected(&v, layer)];
+            }
+            let entry = self.model.get_mut(&id).expect("modelled");
+            if pos < entry.0.len() {
+                entry.0[pos] = rows;
+            } else {
+                entry.0.push(rows);
+            }
+        }
+        Ok(())
+    }
+
+    fn live(&self, i: usize) -> Option<SeqId> {
+        let ids: Vec<SeqId> = self.model.keys().copied().collect();
+        (!ids.is_empty()).then(|| ids[i % ids.len()])
+    }
+
+    fn apply(&mut self, op: &Op) -> Result<(), PagedCacheError> {
+        match *op {
+            Op::Add { base, len, salt } => {
+                let prompt = bases()[base][..len].to_vec();
+                let (id, hit) = match self.cache.add_sequence(&prompt, salt) {
+                    Err(PagedCacheError::PoolExhausted { .. }) => return Ok(()),
+                    other => other?,
+                };
+                // Positions before the hit hold canonical rows already.
+                let mut rows = Vec::new();
+                for pos in 0..hit {
+                    let mut r: [[Vec<f32>; 2]; 2] = Default::default();
+                    for (layer, r) in r.iter_mut().enumerate() {
+                        for part in 0..2 {
+                            r[part] =
+                                self.expected(&canonical(&prompt[..=pos], layer, part, 0), layer);
+                        }
+                    }
+                    rows.push(r);
+                }
+                self.model.insert(id, (rows, false));
+                self.write_rows(id, hit, 0)
+            }
+            Op::Append { seq, ref tokens } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                if self.cache.is_swapped(id)? {
+                    return Ok(());
+                }
+                let from = self.cache.tokens(id)?.len();
+                match self.cache.append(id, tokens) {
+                    Err(PagedCacheError::PoolExhausted { .. }) => return Ok(()),
+                    other => other?,
+                }
+                let dirty = self.model[&id].1;
+                self.write_rows(id, from, u32::from(dirty) * 7)
+            }
+            Op::Fork { seq } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                if self.cache.is_swapped(id)? {
+                    return Ok(());
+                }
+                let child = self.cache.fork(id)?;
+                let m = self.model[&id].clone();
+                self.model.insert(child, m);
+                Ok(())
+            }
+            Op::Write { seq, pos } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                let len = self.cache.tokens(id)?.len();
+                if self.cache.is_swapped(id)? || len == 0 {
+                    return Ok(());
+                }
+                let pos = pos % len;
+                let tokens = self.cache.tokens(id)?[..=pos].to_vec();
+                let mut rows: [[Vec<f32>; 2]; 2] = Default::default();
+                for layer in 0..2 {
+                    let k = canonical(&tokens, layer, 0, 3);
+                    let v = canonical(&tokens, layer, 1, 3);
+                    match self.cache.write_kv(id, pos, layer, &k, &v) {
+                        // Only the first layer can run out (copy-on-write);
+                        // then nothing was written.
+                        Err(PagedCacheError::PoolExhausted { .. }) if layer == 0 => return Ok(()),
+                        other => other?,
+                    }
+                    rows[layer] = [self.expected(&k, layer), self.expected(&v, layer)];
+                }
+                let entry = self.model.get_mut(&id).expect("modelled");
+                entry.0[pos] = rows;
+                entry.1 = true;
+                Ok(())
+            }
+            Op::Free { seq } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                self.cache.free(id)?;
+                self.model.remove(&id);
+                Ok(())
+            }
+            Op::Truncate { seq, n } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                if self.cache.is_swapped(id)? {
+                    return Ok(());
+                }
+                let n = n.min(self.cache.tokens(id)?.len());
+                self.cache.truncate(id, n)?;
+                let rows = &mut self.model.get_mut(&id).expect("modelled").0;
+                rows.truncate(rows.len() - n);
+                Ok(())
+            }
+            Op::Cache { seq } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                if self.cache.is_swapped(id)? || self.model[&id].1 {
+                    return Ok(());
+                }
+                let len = self.cache.tokens(id)?.len();
+                self.cache.cache_prefix(id, len)
+            }
+            Op::Evict { n } => self.cache.evict(n).map(|_| ()),
+            Op::SwapOut { seq } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                match self.cache.swap_out(id) {
+                    Err(PagedCacheError::HostTierFull { .. } | PagedCacheError::SwappedOut(_)) => {
+                        Ok(())
+                    }
+                    other => other,
+                }
+            }
+            Op::SwapIn { seq } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                match self.cache.swap_in(id) {
+                    Err(PagedCacheError::PoolExhausted { .. } | PagedCacheError::NotSwapped(_)) => {
+                        Ok(())
+                    }
+                    other => other,
+                }
+            }
+            Op::Inject { seq, bit } => {
+                if self.pending_flip {
+                    return self.apply(&Op::Scrub);
+                }
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                if self.cache.is_swapped(id)? || self.cache.tokens(id)?.is_empty() {
+                    return Ok(());
+                }
+                let table = self.cache.block_table(id)?;
+                let block = table[(bit as usize) % table.len()];
+                let flips = self.storage.inject(
+                    block,
+                    1,
+                    KvPart::Keys,
+                    &OneBit(bit >> 8),
+                    0,
+                    FaultTarget::Values,
+                )?;
+                assert_eq!(flips.total(), 1);
+                self.pending_flip = true;
+                Ok(())
+            }
+            Op::Scrub => {
+                self.cache.scrub()?;
+                let again = self.cache.scrub()?;
+                assert_eq!(
+                    again.values.corrected + again.metadata.corrected,
+                    0,
+                    "a second pass finds nothing"
+                );
+                assert_eq!(
+                    again.values.detected + again.metadata.detected,
+                    0,
+                    "single flips only"
+                );
+                self.pending_flip = false;
+                Ok(())
+            }
+        }
+    }
+
+    fn verify(&self) {
+        self.cache.check_invariants().unwrap();
+        let mut scratch = DecodeScratch::new();
+        let mut out = vec![0.0; CH];
+        for (&id, (rows, _)) in &self.model {
+            assert_eq!(self.cache.tokens(id).unwrap().len(), rows.len(), "{id}");
+            if self.cache.is_swapped(id).unwrap() {
+                continue;
+            }
+            let table = self.cache.block_table(id).unwrap();
+            for (pos, want) in rows.iter().enumerate() {
+                for (layer, want) in want.iter().enumerate() {
+                    for (part, want) in [KvPart::Keys, KvPart::Values].into_iter().zip(want) {
+                        self.storage
+                            .read(
+                                table[pos / BS],
+                                layer,
+                                part,
+                                pos % BS,
+                                &mut out,
+                                &mut scratch,
+                            )
+                            .unwrap();
+                        assert_eq!(&out, want, "{id} position {pos} layer {layer} {part:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn run<P: PrefixCache>(prefix: P, layer0: &str, ops: &[Op]) {
+    let mut h = Harness::new(prefix, layer0);
+    for op in ops {
+        h.apply(op).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+        h.verify();
+    }
+    // Freeing everything and evicting every cached prefix gives back every block.
+    let ids: Vec<SeqId> = h.model.keys().copied().collect();
+    for id in ids {
+        h.cache.free(id).unwrap();
+    }
+    h.cache.evict(usize::MAX).unwrap();
+    h.cache.check_invariants().unwrap();
+    assert_eq!(h.cache.pool().num_free(), BLOCKS);
+    assert_eq!(h.cache.host_free(), HOST);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(debug_assertions) { 48 } else { 256 }))]
+
+    #[test]
+    fn hash_cache_state_machine(form in 0..LAYER0_FORMS.len(), ops in proptest::collection::vec(op(), 1..60)) {
+        run(HashPrefixCache::new(BS), LAYER0_FORMS[form], &ops);
+    }
+
+    #[test]
+    fn radix_cache_state_machine(form in 0..LAYER0_FORMS.len(), ops in proptest::collection::vec(op(), 1..60)) {
+        run(RadixPrefixCache::new(BS), LAYER0_FORMS[form], &ops);
+    }
+}
