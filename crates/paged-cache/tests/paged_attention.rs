@@ -1,0 +1,158 @@
+//! Paged decode attention equals attention over the same data stored
+//! contiguously: random block tables (physical blocks in random order),
+//! block sizes, lengths and forms, bit for bit (row-local forms decode each
+//! row the same wherever it is stored, and the kernel sees the same tiles).
+//! Malformed page tables get typed errors.
+
+use std::sync::Arc;
+
+use attention::{Attention, AttentionConfig, HeadShape, Mask};
+use kv_quant::{CacheForm, KvStore};
+use paged_cache::{
+    BlockId, BlockStorage, KvPart, LayerSpec, PageTable, PagedCacheError, PagedKv, paged_decode,
+};
+use proptest::prelude::*;
+
+const FORMS: [&str; 7] = [
+    "fp32",
+    "fp16",
+    "int8",
+    "fp8-e4m3-tok",
+    "int4-g32",
+    "int4+secded84+interp",
+    "int4-g16+golay24",
+];
+
+fn rows(tokens: usize, channels: usize, seed: u64) -> Vec<f32> {
+    (0..tokens * channels)
+        .map(|i| {
+            let x = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+            (x as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Writes `lens.len()` sequences into blocks in a shuffled order; returns
+/// the storage, the page table and each sequence's K and V rows.
+fn build(
+    form: CacheForm,
+    bs: usize,
+    channels: usize,
+    lens: &[usize],
+    shuffle: u64,
+) -> (Arc<BlockStorage>, PageTable, Vec<(Vec<f32>, Vec<f32>)>) {
+    let total: usize = lens.iter().map(|l| l.div_ceil(bs)).sum();
+    let mut order: Vec<u32> = (0..total as u32 + 3).collect();
+    let mut s = shuffle | 1;
+    for i in (1..order.len()).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        order.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    let storage =
+        Arc::new(BlockStorage::new(order.len(), bs, &[LayerSpec { form, channels }]).unwrap());
+    let mut next = 0;
+    let mut tables = Vec::new();
+    let mut data = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let (k, v) = (
+            rows(len, channels, 2 * i as u64),
+            rows(len, channels, 2 * i as u64 + 1),
+        );
+        let blocks: Vec<BlockId> = (0..len.div_ceil(bs))
+            .map(|_| {
+                next += 1;
+                BlockId(order[next - 1])
+            })
+            .collect();
+        for t in 0..len {
+            let r = t * channels..(t + 1) * channels;
+            storage
+                .write(blocks[t / bs], t % bs, 0, &k[r.clone()], &v[r])
+                .unwrap();
+        }
+        tables.push(blocks);
+        data.push((k, v));
+    }
+    let refs: Vec<(&[BlockId], usize)> = tables
+        .iter()
+        .map(|t| t.as_slice())
+        .zip(lens.iter().copied())
+        .collect();
+    let table = PageTable::from_tables(&refs, bs).unwrap();
+    (storage, table, data)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(debug_assertions) { 24 } else { 96 }))]
+
+    #[test]
+    fn paged_decode_equals_contiguous_decode(
+        form in 0..FORMS.len(),
+        bs in prop_oneof![Just(1usize), Just(3), Just(16), Just(32), Just(64)],
+        lens in proptest::collection::vec(1usize..300, 1..4),
+        tile in prop_oneof![Just(16usize), Just(64)],
+        shuffle in any::<u64>(),
+    ) {
+        let form: CacheForm = FORMS[form].parse().unwrap();
+        let shape = HeadShape::new(4, 2, 32).unwrap();
+        let ch = shape.kv_channels();
+        let config = AttentionConfig { tile_tokens: tile, split_tokens: 4 * tile, ..AttentionConfig::default() };
+        let attn = Attention::with_config(shape, config).unwrap();
+        let (storage, table, data) = build(form, bs, ch, &lens, shuffle);
+        let queries = rows(lens.len(), shape.q_len(), 99);
+        let paged = paged_decode(&attn, &storage, &table, 0, &queries).unwrap();
+        for (i, ((k, v), out)) in data.iter().zip(&paged).enumerate() {
+            let len = lens[i];
+            let ks = KvStore::quantize(form, k, len, ch).unwrap();
+            let vs = KvStore::quantize(form, v, len, ch).unwrap();
+            let q = &queries[i * shape.q_len()..][..shape.q_len()];
+            let contiguous = attn.decode(q, len - 1, &ks, &vs, &Mask::Causal).unwrap();
+            prop_assert_eq!(&out.out, &contiguous.out, "sequence {} of {} tokens", i, len);
+            prop_assert_eq!(&out.lse, &contiguous.lse);
+            prop_assert_eq!(out.stats, contiguous.stats);
+            // And the paged source reports the blocks' true bytes.
+            let src = PagedKv::new(&storage, &table, i, 0, KvPart::Keys).unwrap();
+            let per_block = KvStore::zeroed(form, bs, ch).unwrap().stored_bytes();
+            prop_assert_eq!(attention::KvSource::stored_bytes(&src), len.div_ceil(bs) * per_block);
+        }
+    }
+}
+
+#[test]
+fn malformed_page_tables_are_errors() {
+    let form: CacheForm = "fp16".parse().unwrap();
+    let (storage, table, _) = build(form, 4, 16, &[9, 4], 5);
+    let shape = HeadShape::new(2, 2, 8).unwrap();
+    let attn = Attention::new(shape);
+    let q = vec![0.5; 2 * shape.q_len()];
+    assert_eq!(table.indptr, [0, 3, 4]);
+    assert_eq!(table.last_page_len, [1, 4]);
+    assert_eq!((table.tokens(0), table.tokens(1)), (9, 4));
+    paged_decode(&attn, &storage, &table, 0, &q).unwrap();
+    let bad = |f: fn(&mut PageTable)| {
+        let mut t = table.clone();
+        f(&mut t);
+        paged_decode(&attn, &storage, &t, 0, &q)
+    };
+    for f in [
+        (|t: &mut PageTable| t.indptr[1] = 5) as fn(&mut PageTable),
+        |t| t.indptr.pop().map(drop).unwrap_or(()),
+        |t| t.indices[0] = 1_000,
+        |t| t.last_page_len[0] = 0,
+        |t| t.last_page_len[1] = 5,
+        |t| t.block_size = 0,
+    ] {
+        assert!(matches!(bad(f), Err(PagedCacheError::PageTable(_))));
+    }
+    assert!(matches!(
+        paged_decode(&attn, &storage, &table, 0, &q[1..]),
+        Err(PagedCacheError::ShapeMismatch { .. })
+    ));
+    assert!(
+        paged_decode(&attn, &storage, &table, 1, &q).is_err(),
+        "no layer 1"
+    );
+    assert!(PageTable::from_tables(&[(&[BlockId(0)], 9)], 4).is_err());
+}
