@@ -32,15 +32,12 @@ fn rows(tokens: usize, channels: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Storage, page table, and each sequence's K and V rows.
+type Built = (Arc<BlockStorage>, PageTable, Vec<(Vec<f32>, Vec<f32>)>);
+
 /// Writes `lens.len()` sequences into blocks in a shuffled order; returns
 /// the storage, the page table and each sequence's K and V rows.
-fn build(
-    form: CacheForm,
-    bs: usize,
-    channels: usize,
-    lens: &[usize],
-    shuffle: u64,
-) -> (Arc<BlockStorage>, PageTable, Vec<(Vec<f32>, Vec<f32>)>) {
+fn build(form: CacheForm, bs: usize, channels: usize, lens: &[usize], shuffle: u64) -> Built {
     let total: usize = lens.iter().map(|l| l.div_ceil(bs)).sum();
     let mut order: Vec<u32> = (0..total as u32 + 3).collect();
     let mut s = shuffle | 1;

@@ -103,12 +103,15 @@ fn canonical(prefix: &[u32], layer: usize, part: usize, version: u32) -> Vec<f32
         .collect()
 }
 
+/// Expected decoded rows of one position: `[layer][K, V]`.
+type Rows = [[Vec<f32>; 2]; 2];
+
 struct Harness<P: PrefixCache> {
     cache: KvCacheManager<P>,
     storage: Arc<BlockStorage>,
     forms: [CacheForm; 2],
     /// Per live sequence: expected decoded rows `[position][layer][part]`, dirty flag.
-    model: std::collections::BTreeMap<SeqId, (Vec<[[Vec<f32>; 2]; 2]>, bool)>,
+    model: std::collections::BTreeMap<SeqId, (Vec<Rows>, bool)>,
     pending_flip: bool,
 }
 
@@ -143,12 +146,12 @@ impl<P: PrefixCache> Harness<P> {
     fn write_rows(&mut self, id: SeqId, from: usize, version: u32) -> Result<(), PagedCacheError> {
         let tokens = self.cache.tokens(id)?.to_vec();
         for pos in from..tokens.len() {
-            let mut rows: [[Vec<f32>; 2]; 2] = Default::default();
-            for layer in 0..2 {
+            let mut rows: Rows = Default::default();
+            for (layer, row) in rows.iter_mut().enumerate() {
                 let k = canonical(&tokens[..=pos], layer, 0, version);
                 let v = canonical(&tokens[..=pos], layer, 1, version);
                 self.cache.write_kv(id, pos, layer, &k, &v)?;
-                rows[layer] = [self.expected(&k, layer), self.expected(&v, layer)];
+                *row = [self.expected(&k, layer), self.expected(&v, layer)];
             }
             let entry = self.model.get_mut(&id).expect("modelled");
             if pos < entry.0.len() {
@@ -176,11 +179,10 @@ impl<P: PrefixCache> Harness<P> {
                 // Positions before the hit hold canonical rows already.
                 let mut rows = Vec::new();
                 for pos in 0..hit {
-                    let mut r: [[Vec<f32>; 2]; 2] = Default::default();
+                    let mut r: Rows = Default::default();
                     for (layer, r) in r.iter_mut().enumerate() {
-                        for part in 0..2 {
-                            r[part] =
-                                self.expected(&canonical(&prompt[..=pos], layer, part, 0), layer);
+                        for (part, r) in r.iter_mut().enumerate() {
+                            *r = self.expected(&canonical(&prompt[..=pos], layer, part, 0), layer);
                         }
                     }
                     rows.push(r);
@@ -225,8 +227,8 @@ impl<P: PrefixCache> Harness<P> {
                 }
                 let pos = pos % len;
                 let tokens = self.cache.tokens(id)?[..=pos].to_vec();
-                let mut rows: [[Vec<f32>; 2]; 2] = Default::default();
-                for layer in 0..2 {
+                let mut rows: Rows = Default::default();
+                for (layer, row) in rows.iter_mut().enumerate() {
                     let k = canonical(&tokens, layer, 0, 3);
                     let v = canonical(&tokens, layer, 1, 3);
                     match self.cache.write_kv(id, pos, layer, &k, &v) {
@@ -235,7 +237,7 @@ impl<P: PrefixCache> Harness<P> {
                         Err(PagedCacheError::PoolExhausted { .. }) if layer == 0 => return Ok(()),
                         other => other?,
                     }
-                    rows[layer] = [self.expected(&k, layer), self.expected(&v, layer)];
+                    *row = [self.expected(&k, layer), self.expected(&v, layer)];
                 }
                 let entry = self.model.get_mut(&id).expect("modelled");
                 entry.0[pos] = rows;
