@@ -521,13 +521,17 @@ impl<P: PrefixCache> KvCacheManager<P> {
     }
 
     /// Bytes the blocks in use hold, per layer form (K and V together),
-    /// counted from the stores' buffers.
+    /// summed over those blocks from their stores' buffers.
     pub fn bytes_used(&self) -> Result<Vec<(kv_quant::CacheForm, usize)>> {
         let storage = self.storage.as_ref().ok_or(PagedCacheError::NoStorage)?;
-        let used = self.pool.num_used();
         let mut per_form: Vec<(kv_quant::CacheForm, usize)> = Vec::new();
         for (layer, spec) in storage.layers().iter().enumerate() {
-            let bytes = used * storage.layer_block_bytes(layer)?;
+            let mut bytes = 0;
+            for b in (0..self.pool.num_blocks() as u32).map(BlockId) {
+                if self.pool.ref_count(b)? > 0 {
+                    bytes += storage.block_layer_bytes(b, layer)?;
+                }
+            }
             match per_form.iter_mut().find(|(f, _)| *f == spec.form) {
                 Some((_, b)) => *b += bytes,
                 None => per_form.push((spec.form, bytes)),

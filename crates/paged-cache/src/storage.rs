@@ -267,7 +267,15 @@ impl BlockStorage {
         Ok(f(&data.layers[layer][part as usize]))
     }
 
-    /// Bytes one block holds in `layer` (K and V), counted from its buffers.
+    /// Bytes `block` holds in `layer` (K and V), counted from its buffers.
+    pub fn block_layer_bytes(&self, block: BlockId, layer: usize) -> Result<usize> {
+        self.layer(layer)?;
+        let data = self.block(block)?;
+        Ok(data.layers[layer].iter().map(KvStore::stored_bytes).sum())
+    }
+
+    /// Bytes one block holds in `layer` (K and V), counted from the first
+    /// block's buffers (every block of a layer has the same layout).
     pub fn layer_block_bytes(&self, layer: usize) -> Result<usize> {
         self.layer(layer)?;
         let Some(first) = self.blocks.first() else {

@@ -177,3 +177,20 @@ fn the_background_scrubber_cleans_words_between_rounds() {
     assert!(corrected(&storage, &truth, &words).iter().all(|&c| c));
     assert!(Scrubber::start(storage, 0.0).is_err());
 }
+
+#[test]
+fn bytes_used_are_counted_from_the_blocks_buffers() {
+    let (mut cache, _) = filled();
+    // Per store of 16 tokens × 64 channels in int4-g32+secded84: one SECDED
+    // byte per value (1,024), an f16 scale and offset per group of 32
+    // (2 groups × 16 tokens × 2 bytes each = 64 + 64), and one check byte
+    // per scale and per offset (64): 1,216 bytes; K and V: 2,432 per block.
+    let form = "int4-g32+secded84".parse().unwrap();
+    assert_eq!(cache.bytes_used().unwrap(), vec![(form, BLOCKS * 2_432)]);
+    let id = cache.sequences().next().unwrap();
+    cache.truncate(id, 3 * BS).unwrap();
+    assert_eq!(
+        cache.bytes_used().unwrap(),
+        vec![(form, (BLOCKS - 3) * 2_432)]
+    );
+}
