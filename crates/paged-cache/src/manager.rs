@@ -312,9 +312,7 @@ impl<P: PrefixCache> KvCacheManager<P> {
         let block = self.seqs[&id].table[index];
         if self.pool.ref_count(block)? > 1 {
             let copy = self.take_block()?;
-            let bs = self.block_size();
-            let content = self.pool.tokens(block).to_vec();
-            self.pool.tokens_mut(copy).copy_from_slice(&content[..bs]);
+            self.pool.copy_tokens(block, copy);
             if let Some(storage) = &self.storage {
                 storage.copy(block, copy)?;
             }
@@ -424,8 +422,12 @@ impl<P: PrefixCache> KvCacheManager<P> {
                 tokens: s.tokens.len(),
             });
         }
-        let (t, table, salt) = (s.tokens[..tokens].to_vec(), s.table.clone(), s.salt);
-        self.prefix.insert(&mut self.pool, &t, &table, salt)
+        let s = self.seqs.remove(&id).expect("live");
+        let result = self
+            .prefix
+            .insert(&mut self.pool, &s.tokens[..tokens], &s.table, s.salt);
+        self.seqs.insert(id, s);
+        result
     }
 
     /// Evicts cached prefixes no sequence uses until `blocks` are reusable.

@@ -251,6 +251,13 @@ impl BlockPool {
         }
     }
 
+    /// Copies `src`'s token slots into `dst`'s (copy-on-write).
+    pub(crate) fn copy_tokens(&mut self, src: BlockId, dst: BlockId) {
+        let bs = self.block_size;
+        self.tokens
+            .copy_within(src.index() * bs..(src.index() + 1) * bs, dst.index() * bs);
+    }
+
     /// Sets (or with `None` clears) `block`'s content hash, returning the old one.
     pub(crate) fn set_hash(
         &mut self,

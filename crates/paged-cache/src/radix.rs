@@ -102,37 +102,46 @@ impl RadixPrefixCache {
 
     /// Splits `child` after `m` of its tokens; returns the new upper node.
     fn split(&mut self, pool: &mut BlockPool, child: u32, m: usize) -> Result<u32> {
-        let c = self.node(child).clone();
-        let upper_range = self.block_range(c.start, m);
-        let first = c.start / self.block_size;
-        let upper_blocks: Vec<BlockId> = upper_range.map(|k| c.blocks[k - first]).collect();
+        let (parent, start, lock, last_used) = {
+            let c = self.node(child);
+            (c.parent, c.start, c.lock, c.last_used)
+        };
+        let first = start / self.block_size;
+        let upper_range = self.block_range(start, m);
+        let upper_blocks: Vec<BlockId> = self.node(child).blocks
+            [upper_range.start() - first..=upper_range.end() - first]
+            .to_vec();
         for &b in &upper_blocks {
             pool.acquire(b)?;
         }
         self.held += upper_blocks.len();
-        let upper = self.add(Node {
-            parent: c.parent,
-            key: c.key[..m].to_vec(),
-            start: c.start,
-            children: HashMap::from([(c.key[m], child)]),
-            blocks: upper_blocks,
-            lock: c.lock,
-            last_used: c.last_used,
-        });
-        let new_start = c.start + m;
+        let new_start = start + m;
         let drop = new_start / self.block_size - first;
-        let dropped: Vec<BlockId> = {
+        // The lower part keeps its id (locks taken through it stay valid);
+        // the upper part starts with the same lock count, as every lock
+        // through the lower part passes through it.
+        let (head, dropped, split_token) = {
             let n = self.node_mut(child);
-            n.key.drain(..m);
+            let head: Vec<u32> = n.key.drain(..m).collect();
             n.start = new_start;
-            n.parent = upper;
-            n.blocks.drain(..drop).collect()
+            (head, n.blocks.drain(..drop).collect::<Vec<_>>(), n.key[0])
         };
+        let head_token = head[0];
+        let upper = self.add(Node {
+            parent,
+            key: head,
+            start,
+            children: HashMap::from([(split_token, child)]),
+            blocks: upper_blocks,
+            lock,
+            last_used,
+        });
+        self.node_mut(child).parent = upper;
         for b in dropped {
             pool.release(b)?;
         }
         self.held -= drop;
-        self.node_mut(c.parent).children.insert(c.key[0], upper);
+        self.node_mut(parent).children.insert(head_token, upper);
         Ok(upper)
     }
 }

@@ -168,14 +168,16 @@ impl BlockStorage {
                 tokens: self.block_size,
             });
         }
+        // Quantize both rows before storing either, so a refused row
+        // changes nothing, and outside the block's lock.
+        let form = self.layers[layer].form;
+        let options = QuantizeOptions::default();
+        let k_row = KvStore::quantize_with(form, keys, 1, channels, options)?;
+        let v_row = KvStore::quantize_with(form, values, 1, channels, options)?;
         let mut data = self.block(block)?;
         let [k, v] = &mut data.layers[layer];
-        let options = QuantizeOptions::default();
-        // Quantize both before storing either, so a refused row changes nothing.
-        let mut k_new = k.clone();
-        k_new.write_rows(offset, keys, options)?;
-        v.write_rows(offset, values, options)?;
-        *k = k_new;
+        k.copy_rows_from(offset, &k_row)?;
+        v.copy_rows_from(offset, &v_row)?;
         Ok(())
     }
 

@@ -54,6 +54,31 @@ impl KvStore {
             });
         }
         let n = rows.len() / ch;
+        // Range errors before the work of quantizing.
+        if start.checked_add(n).is_none_or(|e| e > self.tokens) || n == 0 {
+            return Err(KvQuantError::RowRange {
+                start,
+                end: start.saturating_add(n),
+                tokens: self.tokens,
+            });
+        }
+        let fresh = KvStore::quantize_with(self.form, rows, n, ch, options)?;
+        self.copy_rows_from(start, &fresh)
+    }
+
+    /// Copies every row of `src` (a store of the same row-local form and
+    /// width, typically just quantized) into tokens `start..start +
+    /// src.tokens()`: [`write_rows`](Self::write_rows) split in its fallible
+    /// half (quantizing) and this infallible-once-checked half, so a caller
+    /// can quantize several rows before changing any store.
+    pub fn copy_rows_from(&mut self, start: usize, src: &KvStore) -> Result<()> {
+        if src.form != self.form || src.channels != self.channels || !self.form.is_row_local() {
+            return Err(KvQuantError::StoreMismatch(format!(
+                "rows of {} ×{} into {} ×{} (row-local forms only)",
+                src.form, src.channels, self.form, self.channels
+            )));
+        }
+        let n = src.tokens;
         let end = start.checked_add(n).filter(|&e| e <= self.tokens && n > 0);
         let Some(end) = end else {
             return Err(KvQuantError::RowRange {
@@ -62,25 +87,24 @@ impl KvStore {
                 tokens: self.tokens,
             });
         };
-        let fresh = KvStore::quantize_with(self.form, rows, n, ch, options)?;
         let rb = self.row_bytes;
-        self.data[start * rb..end * rb].copy_from_slice(&fresh.data);
+        self.data[start * rb..end * rb].copy_from_slice(&src.data);
         if let Some(layout) = &self.layout {
             // Row-local: the groups of these rows are contiguous and are
-            // exactly the fresh store's groups, in order.
+            // exactly the source's groups, in order.
             let groups = layout.groups_of_rows(start, end);
             let width = self.scale_type().bytes();
             let bytes = groups.start * width..groups.end * width;
-            self.scales[bytes.clone()].copy_from_slice(&fresh.scales);
+            self.scales[bytes.clone()].copy_from_slice(&src.scales);
             if !self.offsets.is_empty() {
-                self.offsets[bytes].copy_from_slice(&fresh.offsets);
+                self.offsets[bytes].copy_from_slice(&src.offsets);
             }
             if !self.checks.is_empty() {
                 let (total, g) = (layout.groups(), groups.len());
-                self.checks[groups.clone()].copy_from_slice(&fresh.checks[..g]);
+                self.checks[groups.clone()].copy_from_slice(&src.checks[..g]);
                 if !self.offsets.is_empty() {
                     self.checks[total + groups.start..total + groups.end]
-                        .copy_from_slice(&fresh.checks[g..]);
+                        .copy_from_slice(&src.checks[g..]);
                 }
             }
         }
@@ -216,6 +240,13 @@ mod tests {
             store.write_rows(0, &[f32::NAN; 32], opts),
             Err(KvQuantError::NonFinite { .. })
         ));
+        let other = KvStore::quantize("int4-g32".parse().unwrap(), &row, 1, 32).unwrap();
+        assert!(matches!(
+            store.copy_rows_from(0, &other),
+            Err(KvQuantError::StoreMismatch(_))
+        ));
+        let wide = KvStore::quantize(form, &[0.5; 48], 1, 48).unwrap();
+        assert!(store.copy_rows_from(0, &wide).is_err());
         for shared in ["fp8-e4m3", "int4-ch", "int4-t", "int8-ch4"] {
             let form: CacheForm = shared.parse().unwrap();
             assert!(!form.is_row_local());
