@@ -90,11 +90,7 @@ pub fn round_to(acc: &Matrix, precision: Precision) -> Matrix {
     if precision == Precision::Fp32 {
         return acc.clone();
     }
-    Matrix {
-        rows: acc.rows,
-        cols: acc.cols,
-        data: acc.data.par_iter().map(|&x| precision.round(x)).collect(),
-    }
+    acc.rounded(precision)
 }
 
 /// Row checksums: `observed[m] = Σₙ C[m,n]` and

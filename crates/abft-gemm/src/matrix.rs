@@ -2,7 +2,7 @@
 //! design's §5.1: N(1e-6, 1), N(1, 1), U(-1, 1) and N(0, 1) truncated to
 //! [-1, 1], each rounded to a storage precision.
 
-use rand_chacha::ChaCha12Rng;
+use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 use rayon::prelude::*;
 
@@ -59,10 +59,13 @@ impl Matrix {
 
     /// Every element rounded to `p`.
     pub fn rounded(&self, p: Precision) -> Matrix {
+        let mut data = self.data.clone();
+        data.par_chunks_mut(1 << 14)
+            .for_each(|chunk| p.round_slice(chunk));
         Matrix {
             rows: self.rows,
             cols: self.cols,
-            data: self.data.iter().map(|&x| p.round(x)).collect(),
+            data,
         }
     }
 
@@ -82,12 +85,13 @@ impl Matrix {
         data.par_chunks_mut(cols.max(1))
             .enumerate()
             .for_each(|(r, row)| {
-                let mut rng = ChaCha12Rng::seed_from_u64(seed);
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
                 rng.set_stream(r as u64);
                 dist.fill(&mut rng, row);
-                for x in row {
-                    *x = p.round(*x * scale);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|x| *x *= scale);
                 }
+                p.round_slice(row);
             });
         Matrix { rows, cols, data }
     }
@@ -125,52 +129,27 @@ impl Distribution {
         }
     }
 
-    fn uniform01(rng: &mut ChaCha12Rng) -> f64 {
+    fn uniform01(rng: &mut ChaCha8Rng) -> f64 {
         // 53 random bits in [0, 1).
         (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    fn normal(rng: &mut ChaCha12Rng) -> f64 {
-        // Box–Muller; 1 − u keeps the logarithm finite.
-        let u = 1.0 - Self::uniform01(rng);
-        let v = Self::uniform01(rng);
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    fn normal(rng: &mut ChaCha8Rng) -> f64 {
+        // The ziggurat of `rand_distr` (pinned by Cargo.lock, so a seed
+        // gives the same draws); it replaced Box–Muller, whose logarithm and
+        // sine/cosine made input generation most of the study's time.
+        rand_distr::Distribution::<f64>::sample(&rand_distr::StandardNormal, rng)
     }
 
-    /// Fills `out` with draws. Normal draws come two per Box–Muller step
-    /// (cosine and sine), which halves the cost of the study's inputs.
-    pub fn fill(self, rng: &mut ChaCha12Rng, out: &mut [f32]) {
-        let mut i = 0;
-        while i < out.len() {
-            match self {
-                Self::NormalNearZero | Self::NormalMeanOne | Self::TruncatedNormal => {
-                    let u = 1.0 - Self::uniform01(rng);
-                    let v = Self::uniform01(rng);
-                    let radius = (-2.0 * u.ln()).sqrt();
-                    let (sin, cos) = (std::f64::consts::TAU * v).sin_cos();
-                    for z in [radius * cos, radius * sin] {
-                        let x = match self {
-                            Self::NormalNearZero => 1e-6 + z,
-                            Self::NormalMeanOne => 1.0 + z,
-                            _ if z.abs() <= 1.0 => z,
-                            _ => continue,
-                        };
-                        if i < out.len() {
-                            out[i] = x as f32;
-                            i += 1;
-                        }
-                    }
-                }
-                Self::Uniform => {
-                    out[i] = (2.0 * Self::uniform01(rng) - 1.0) as f32;
-                    i += 1;
-                }
-            }
+    /// Fills `out` with draws.
+    pub fn fill(self, rng: &mut ChaCha8Rng, out: &mut [f32]) {
+        for o in out.iter_mut() {
+            *o = self.sample(rng) as f32;
         }
     }
 
     /// One draw.
-    pub fn sample(self, rng: &mut ChaCha12Rng) -> f64 {
+    pub fn sample(self, rng: &mut ChaCha8Rng) -> f64 {
         match self {
             Self::NormalNearZero => 1e-6 + Self::normal(rng),
             Self::NormalMeanOne => 1.0 + Self::normal(rng),

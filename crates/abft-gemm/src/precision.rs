@@ -94,6 +94,42 @@ impl Precision {
         }
     }
 
+    /// [`round`](Self::round) of every element, in place: bf16 by the
+    /// round-to-nearest-even bit trick (what `half` does per element, here
+    /// in a loop the compiler vectorises), fp16 through `half`'s slice
+    /// conversion (F16C/AVX-512 when the CPU has them), FP8 per element.
+    /// Equal to `round` element by element (tested).
+    pub fn round_slice(self, xs: &mut [f32]) {
+        match self {
+            Self::Fp32 => {}
+            Self::Bf16 => {
+                for x in xs.iter_mut() {
+                    let b = x.to_bits();
+                    *x = if x.is_nan() {
+                        f32::from_bits((b | 0x0040_0000) & 0xFFFF_0000)
+                    } else {
+                        f32::from_bits((b.wrapping_add(0x7FFF + ((b >> 16) & 1))) & 0xFFFF_0000)
+                    };
+                }
+            }
+            Self::Fp16 => {
+                use half::slice::HalfFloatSliceExt;
+                let mut h = vec![f16::ZERO; xs.len()];
+                h.convert_from_f32_slice(xs);
+                h.convert_to_f32_slice(xs);
+            }
+            // FP8 by scaling to the value's unit in the last place (a power
+            // of two, so exact) and rounding ties to even: the format's
+            // round-to-nearest-even with satfinite, without a table.
+            Self::Fp8E4M3 => xs
+                .iter_mut()
+                .for_each(|x| *x = round_minifloat(*x, 3, -6, 448.0)),
+            Self::Fp8E5M2 => xs
+                .iter_mut()
+                .for_each(|x| *x = round_minifloat(*x, 2, -14, 57_344.0)),
+        }
+    }
+
     /// The format's bits of `x` (which should be representable).
     pub fn to_bits(self, x: f32) -> u32 {
         match self {
@@ -115,6 +151,27 @@ impl Precision {
             Self::Fp8E5M2 => float8::F8E5M2::from_bits(bits as u8).to_f32(),
         }
     }
+}
+
+/// `x` rounded to nearest-even in a binary format with `mantissa` stored
+/// bits, smallest normal exponent `min_exp` (subnormals below it) and
+/// largest finite value `max`, saturating beyond it; NaN stays NaN.
+#[inline]
+fn round_minifloat(x: f32, mantissa: i32, min_exp: i32, max: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let c = x.clamp(-max, max);
+    let exp = ((c.to_bits() >> 23) & 0xff) as i32 - 127;
+    // Unit in the last place: 2^ulp; `scale` = 2^-ulp, exact in f32.
+    let ulp = exp.max(min_exp) - mantissa;
+    let scale = f32::from_bits(((127 - ulp) as u32) << 23);
+    // Round to an integer, ties to even, by adding and removing 1.5·2^23
+    // (|y| ≤ 2^(mantissa+1), far below 2^22): `round_ties_even` would call
+    // libm's `rintf` on a baseline x86-64 build, 4x slower here.
+    const MAGIC: f32 = 12_582_912.0;
+    let y = c * scale;
+    (((y + MAGIC) - MAGIC) / scale).copysign(y)
 }
 
 impl std::str::FromStr for Precision {
@@ -158,6 +215,40 @@ pub fn flip_bit(x: f32, precision: Precision, bit: u32, direction: FlipDirection
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn round_slice_equals_round_on_a_sweep_of_bit_patterns() {
+        let mut xs: Vec<f32> = (0..=u32::MAX / 40_009)
+            .map(|i| f32::from_bits(i.wrapping_mul(40_009) ^ (i >> 3)))
+            .collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-45,
+            65_504.0,
+            65_520.0,
+            // bf16 ties: 1 + 2^-8 rounds to even (1.0), 1 + 3·2^-8 up.
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+        ]);
+        for p in Precision::ALL {
+            let mut rounded = xs.clone();
+            p.round_slice(&mut rounded);
+            for (&x, &r) in xs.iter().zip(&rounded) {
+                let want = p.round(x);
+                assert!(
+                    want.to_bits() == r.to_bits() || (want.is_nan() && r.is_nan()),
+                    "{p:?} {x:e} ({:#x}): {r:e} vs {want:e}",
+                    x.to_bits()
+                );
+            }
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -9,6 +9,7 @@
 
 use rand_chacha::ChaCha12Rng;
 use rand_core::{Rng, SeedableRng};
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::Result;
@@ -99,22 +100,29 @@ pub fn false_positives(
     trials: u64,
     seed: u64,
 ) -> Result<Vec<u64>> {
-    let mut fired = vec![0; thresholds.len()];
-    for t in 0..trials {
-        let (a, b) = inputs(p, d, dims, input_scale(p), seed + t);
-        let c = gemm(&a, &b, p)?.c;
-        let res = row_checksums(&a, &b, &c).residuals();
-        for (f, th) in fired.iter_mut().zip(thresholds) {
-            if res
+    // Trials run in parallel (each is independent and seeded by its index),
+    // and counts add up, so the result does not depend on the thread count.
+    (0..trials)
+        .into_par_iter()
+        .map(|t| {
+            let (a, b) = inputs(p, d, dims, input_scale(p), seed + t);
+            let c = gemm(&a, &b, p)?.c;
+            let res = row_checksums(&a, &b, &c).residuals();
+            Ok(thresholds
                 .iter()
-                .zip(th.rows(&a, &b, &c))
-                .any(|(&r, t)| exceeds(r, t))
-            {
-                *f += 1;
-            }
-        }
-    }
-    Ok(fired)
+                .map(|th| {
+                    let fired = res
+                        .iter()
+                        .zip(th.rows(&a, &b, &c))
+                        .any(|(&r, t)| exceeds(r, t));
+                    u64::from(fired)
+                })
+                .collect::<Vec<u64>>())
+        })
+        .try_reduce(
+            || vec![0; thresholds.len()],
+            |x, y| Ok(x.iter().zip(&y).map(|(a, b)| a + b).collect()),
+        )
 }
 
 /// Where a single bit flips.

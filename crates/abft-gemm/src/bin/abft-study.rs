@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use abft_gemm::study::{Dims, FlipSite, calibrate_e_max, detection, false_positives, fit_e_max};
-use abft_gemm::{AAbft, Distribution, Precision, Threshold, VAbft};
+use abft_gemm::{AAbft, Distribution, FixedThreshold, Precision, Threshold, VAbft};
 use clap::{Parser, Subcommand};
 
 /// The design's detection/false-positive study.
@@ -59,6 +59,13 @@ enum Command {
         /// Folder for study.md and study.json.
         #[arg(long, default_value = "target/abft-study")]
         out: PathBuf,
+        /// Which tables: `fp` (false positives), `detection`, or `all`.
+        #[arg(long, default_value = "all")]
+        tables: String,
+        /// Precisions of the false-positive table (comma-separated names;
+        /// all five when not given).
+        #[arg(long, value_delimiter = ',')]
+        fp_precisions: Vec<String>,
     },
 }
 
@@ -70,6 +77,10 @@ type DetectionSpec = (
     Option<&'static [[Option<f64>; 4]]>,
     bool,
 );
+
+/// τ of the fixed-threshold (SEA-style) baseline row: one relative
+/// tolerance, `T_m = τ·Σₙ|C_mn|`, for every precision and size.
+const SEA_TAU: f64 = 1e-3;
 
 /// The design's §5.1.1 false-positive rates (%): V-ABFT BF16, FP32, FP16, A-ABFT BF16.
 const DESIGN_FP: [[f64; 4]; 4] = [
@@ -187,7 +198,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             e_max: e_max_mode,
             seed,
             out,
+            tables,
+            fp_precisions,
         } => {
+            let (run_fp, run_det) = match tables.as_str() {
+                "fp" => (true, false),
+                "detection" => (false, true),
+                "all" => (true, true),
+                other => {
+                    return Err(format!("--tables {other:?} is not fp, detection or all").into());
+                }
+            };
             let fp_trials = fp_trials.unwrap_or(if full { 100_000 } else { 500 });
             let det_trials = det_trials.unwrap_or(if full { 10_000 } else { 300 });
             let started = Instant::now();
@@ -218,200 +239,203 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     _ => "as the design (Ascend 910B; 3u for FP8)",
                 }
             )?;
-            // False positives.
-            table_head(
-                &mut md,
-                &format!(
-                    "False-positive rate (%), {dims:?}, {fp_trials} clean products per cell (design: 100,000)"
-                ),
-                "algorithm",
-            )?;
-            let mut fp_rows = Vec::new();
-            let rows: [(Precision, Option<usize>); 5] = [
-                (Precision::Bf16, Some(0)),
-                (Precision::Fp32, Some(1)),
-                (Precision::Fp16, Some(2)),
-                (Precision::Fp8E4M3, None),
-                (Precision::Fp8E5M2, None),
-            ];
-            for (p, design_row) in rows {
-                let v = VAbft::design(e_max(p)?);
-                let a = AAbft::for_precision(p);
-                let mut cells = Vec::new();
-                let mut a_cells = Vec::new();
-                for (di, d) in Distribution::ALL.into_iter().enumerate() {
-                    let ths: Vec<&dyn Threshold> = if p == Precision::Bf16 {
-                        vec![&v, &a]
-                    } else {
-                        vec![&v]
-                    };
-                    let f = false_positives(p, d, dims, &ths, fp_trials, seed)?;
-                    let pct = |x: u64| 100.0 * x as f64 / fp_trials as f64;
-                    cells.push(cell(
-                        Some(pct(f[0])),
-                        design_row.map(|r| Some(DESIGN_FP[r][di])),
-                    ));
-                    if p == Precision::Bf16 {
-                        a_cells.push(cell(Some(pct(f[1])), Some(Some(DESIGN_FP[3][di]))));
+            if run_fp {
+                // False positives.
+                table_head(
+                    &mut md,
+                    &format!(
+                        "False-positive rate (%), {dims:?}, {fp_trials} clean products per cell (design: 100,000)"
+                    ),
+                    "algorithm",
+                )?;
+                let mut fp_rows = Vec::new();
+                let rows: [(Precision, Option<usize>); 5] = [
+                    (Precision::Bf16, Some(0)),
+                    (Precision::Fp32, Some(1)),
+                    (Precision::Fp16, Some(2)),
+                    (Precision::Fp8E4M3, None),
+                    (Precision::Fp8E5M2, None),
+                ];
+                for (p, design_row) in rows {
+                    if !fp_precisions.is_empty() && !fp_precisions.iter().any(|n| n == p.name()) {
+                        continue;
                     }
-                    fp_rows.push(serde_json::json!({"algorithm": "V-ABFT", "precision": p.name(), "distribution": d.label(), "trials": fp_trials, "false_positives": f[0]}));
+                    let v = VAbft::design(e_max(p)?);
+                    let a = AAbft::for_precision(p);
+                    let fixed = FixedThreshold { tau: SEA_TAU };
+                    // Rows of the table: (label, threshold, design's row).
+                    let mut algos: Vec<(&str, &dyn Threshold, Option<usize>)> =
+                        vec![("V-ABFT", &v, design_row)];
                     if p == Precision::Bf16 {
-                        fp_rows.push(serde_json::json!({"algorithm": "A-ABFT", "precision": p.name(), "distribution": d.label(), "trials": fp_trials, "false_positives": f[1]}));
+                        algos.push(("A-ABFT", &a, Some(3)));
+                    }
+                    algos.push(("fixed", &fixed, None));
+                    let ths: Vec<&dyn Threshold> = algos.iter().map(|x| x.1).collect();
+                    let mut cells = vec![Vec::new(); algos.len()];
+                    for (di, d) in Distribution::ALL.into_iter().enumerate() {
+                        let f = false_positives(p, d, dims, &ths, fp_trials, seed)?;
+                        let pct = |x: u64| 100.0 * x as f64 / fp_trials as f64;
+                        for (i, &(label, _, design)) in algos.iter().enumerate() {
+                            let published = design.map(|r| Some(DESIGN_FP[r][di]));
+                            cells[i].push(cell(Some(pct(f[i])), published));
+                            fp_rows.push(serde_json::json!({"algorithm": label, "precision": p.name(), "distribution": d.label(), "trials": fp_trials, "false_positives": f[i]}));
+                        }
+                    }
+                    for ((label, _, _), cells) in algos.iter().zip(&cells) {
+                        writeln!(md, "| {label} ({}) | {} |", p.name(), cells.join(" | "))?;
                     }
                 }
-                writeln!(md, "| V-ABFT ({}) | {} |", p.name(), cells.join(" | "))?;
-                if !a_cells.is_empty() {
-                    writeln!(md, "| A-ABFT ({}) | {} |", p.name(), a_cells.join(" | "))?;
-                }
+                json.insert("false_positives".into(), fp_rows.into());
             }
-            json.insert("false_positives".into(), fp_rows.into());
-            // Detection per bit.
-            let mut det_json = Vec::new();
-            let tables: [DetectionSpec; 5] = [
-                (Precision::Bf16, 7..16, Some(&DESIGN_BF16), true),
-                (Precision::Fp32, 23..32, Some(&DESIGN_FP32), false),
-                (Precision::Fp16, 10..16, Some(&DESIGN_FP16), false),
-                (Precision::Fp8E4M3, 3..8, None, false),
-                (Precision::Fp8E5M2, 2..8, None, false),
-            ];
-            for (p, bits, design, with_aabft) in tables {
-                let bits: Vec<u32> = bits.collect();
-                let v = VAbft::design(e_max(p)?);
-                let a = AAbft::for_precision(p);
-                let ths: Vec<&dyn Threshold> = if with_aabft { vec![&v, &a] } else { vec![&v] };
-                let mut per_dist = Vec::new();
-                for d in Distribution::ALL {
-                    per_dist.push(detection(
-                        p,
-                        d,
-                        dims,
-                        FlipSite::C,
-                        &bits,
-                        &ths,
-                        det_trials,
-                        seed,
-                    )?);
-                }
-                for (ti, name) in ["V-ABFT", "A-ABFT"].iter().enumerate().take(ths.len()) {
-                    for (dir, dir_name) in ["0→1", "1→0"].iter().enumerate() {
-                        table_head(
-                            &mut md,
-                            &format!(
-                                "{name} ({}) detection rate (%) of {dir_name} flips in C, {dims:?}, {det_trials} products per cell",
-                                p.name()
-                            ),
-                            "bit",
-                        )?;
-                        let design_table = match (ti, dir) {
-                            (0, 0) => design,
-                            (1, 0) => Some(&DESIGN_AABFT[..]),
-                            _ => None,
-                        };
-                        for (bi, bit) in bits.iter().enumerate() {
-                            let cells: Vec<String> = (0..4)
+            if run_det {
+                // Detection per bit.
+                let mut det_json = Vec::new();
+                let tables: [DetectionSpec; 5] = [
+                    (Precision::Bf16, 7..16, Some(&DESIGN_BF16), true),
+                    (Precision::Fp32, 23..32, Some(&DESIGN_FP32), false),
+                    (Precision::Fp16, 10..16, Some(&DESIGN_FP16), false),
+                    (Precision::Fp8E4M3, 3..8, None, false),
+                    (Precision::Fp8E5M2, 2..8, None, false),
+                ];
+                for (p, bits, design, with_aabft) in tables {
+                    let bits: Vec<u32> = bits.collect();
+                    let v = VAbft::design(e_max(p)?);
+                    let a = AAbft::for_precision(p);
+                    let ths: Vec<&dyn Threshold> = if with_aabft { vec![&v, &a] } else { vec![&v] };
+                    let mut per_dist = Vec::new();
+                    for d in Distribution::ALL {
+                        per_dist.push(detection(
+                            p,
+                            d,
+                            dims,
+                            FlipSite::C,
+                            &bits,
+                            &ths,
+                            det_trials,
+                            seed,
+                        )?);
+                    }
+                    for (ti, name) in ["V-ABFT", "A-ABFT"].iter().enumerate().take(ths.len()) {
+                        for (dir, dir_name) in ["0→1", "1→0"].iter().enumerate() {
+                            table_head(
+                                &mut md,
+                                &format!(
+                                    "{name} ({}) detection rate (%) of {dir_name} flips in C, {dims:?}, {det_trials} products per cell",
+                                    p.name()
+                                ),
+                                "bit",
+                            )?;
+                            let design_table = match (ti, dir) {
+                                (0, 0) => design,
+                                (1, 0) => Some(&DESIGN_AABFT[..]),
+                                _ => None,
+                            };
+                            for (bi, bit) in bits.iter().enumerate() {
+                                let cells: Vec<String> = (0..4)
                                 .map(|di| {
                                     let det = per_dist[di][ti][bi][dir];
                                     det_json.push(serde_json::json!({"algorithm": name, "precision": p.name(), "distribution": Distribution::ALL[di].label(), "bit": bit, "direction": dir_name, "injected": det.injected, "detected": det.detected}));
                                     cell(det.percent(), design_table.map(|t| t[bi][di]))
                                 })
                                 .collect();
-                            writeln!(md, "| {bit} | {} |", cells.join(" | "))?;
+                                writeln!(md, "| {bit} | {} |", cells.join(" | "))?;
+                            }
                         }
                     }
                 }
-            }
-            // Other flip sites, BF16 V-ABFT, uniform inputs.
-            let p = Precision::Bf16;
-            let v = VAbft::design(e_max(p)?);
-            writeln!(
-                md,
-                "\n## V-ABFT (bf16), 0→1 flips elsewhere, U(-1,1), {dims:?}, {det_trials} products per cell\n"
-            )?;
-            writeln!(
-                md,
-                "| bit | C | f32 accumulator (bits 23-31) | A | B |\n|---|---|---|---|---|"
-            )?;
-            let bits: Vec<u32> = (7..16).collect();
-            let acc_bits: Vec<u32> = (23..32).collect();
-            let c_site = detection(
-                p,
-                Distribution::Uniform,
-                dims,
-                FlipSite::C,
-                &bits,
-                &[&v],
-                det_trials,
-                seed,
-            )?;
-            let acc = detection(
-                p,
-                Distribution::Uniform,
-                dims,
-                FlipSite::Accumulator,
-                &acc_bits,
-                &[&v],
-                det_trials,
-                seed,
-            )?;
-            let a_site = detection(
-                p,
-                Distribution::Uniform,
-                dims,
-                FlipSite::A,
-                &bits,
-                &[&v],
-                det_trials,
-                seed,
-            )?;
-            let b_site = detection(
-                p,
-                Distribution::Uniform,
-                dims,
-                FlipSite::B,
-                &bits,
-                &[&v],
-                det_trials,
-                seed,
-            )?;
-            for i in 0..bits.len() {
-                let f = |t: &Vec<Vec<[abft_gemm::study::Detection; 2]>>| {
-                    cell(t[0][i][0].percent(), None)
-                };
+                // Other flip sites, BF16 V-ABFT, uniform inputs.
+                let p = Precision::Bf16;
+                let v = VAbft::design(e_max(p)?);
                 writeln!(
                     md,
-                    "| {} / {} | {} | {} | {} | {} |",
-                    bits[i],
-                    acc_bits[i],
-                    f(&c_site),
-                    f(&acc),
-                    f(&a_site),
-                    f(&b_site)
+                    "\n## V-ABFT (bf16), 0→1 flips elsewhere, U(-1,1), {dims:?}, {det_trials} products per cell\n"
                 )?;
-            }
-            // Larger sizes, BF16 V-ABFT.
-            for (big, trials) in [
-                ((128, 4096, 256), (det_trials / 4).max(1)),
-                ((4096, 4096, 4096), if full { 5_000 } else { 4 }),
-            ] {
-                table_head(
-                    &mut md,
-                    &format!(
-                        "V-ABFT (bf16) detection rate (%) of 0→1 flips, {big:?}, {trials} products per cell (design: >5,000)"
-                    ),
-                    "bit",
+                writeln!(
+                    md,
+                    "| bit | C | f32 accumulator (bits 23-31) | A | B |\n|---|---|---|---|---|"
                 )?;
-                let per: Vec<_> = Distribution::ALL
-                    .into_iter()
-                    .map(|d| detection(p, d, big, FlipSite::C, &bits, &[&v], trials, seed))
-                    .collect::<Result<_, _>>()?;
-                for (bi, bit) in bits.iter().enumerate() {
-                    let cells: Vec<String> = (0..4)
-                        .map(|di| cell(per[di][0][bi][0].percent(), None))
-                        .collect();
-                    writeln!(md, "| {bit} | {} |", cells.join(" | "))?;
+                let bits: Vec<u32> = (7..16).collect();
+                let acc_bits: Vec<u32> = (23..32).collect();
+                let c_site = detection(
+                    p,
+                    Distribution::Uniform,
+                    dims,
+                    FlipSite::C,
+                    &bits,
+                    &[&v],
+                    det_trials,
+                    seed,
+                )?;
+                let acc = detection(
+                    p,
+                    Distribution::Uniform,
+                    dims,
+                    FlipSite::Accumulator,
+                    &acc_bits,
+                    &[&v],
+                    det_trials,
+                    seed,
+                )?;
+                let a_site = detection(
+                    p,
+                    Distribution::Uniform,
+                    dims,
+                    FlipSite::A,
+                    &bits,
+                    &[&v],
+                    det_trials,
+                    seed,
+                )?;
+                let b_site = detection(
+                    p,
+                    Distribution::Uniform,
+                    dims,
+                    FlipSite::B,
+                    &bits,
+                    &[&v],
+                    det_trials,
+                    seed,
+                )?;
+                for i in 0..bits.len() {
+                    let f = |t: &Vec<Vec<[abft_gemm::study::Detection; 2]>>| {
+                        cell(t[0][i][0].percent(), None)
+                    };
+                    writeln!(
+                        md,
+                        "| {} / {} | {} | {} | {} | {} |",
+                        bits[i],
+                        acc_bits[i],
+                        f(&c_site),
+                        f(&acc),
+                        f(&a_site),
+                        f(&b_site)
+                    )?;
                 }
+                // Larger sizes, BF16 V-ABFT.
+                for (big, trials) in [
+                    ((128, 4096, 256), (det_trials / 4).max(1)),
+                    ((4096, 4096, 4096), if full { 5_000 } else { 4 }),
+                ] {
+                    table_head(
+                        &mut md,
+                        &format!(
+                            "V-ABFT (bf16) detection rate (%) of 0→1 flips, {big:?}, {trials} products per cell (design: >5,000)"
+                        ),
+                        "bit",
+                    )?;
+                    let per: Vec<_> = Distribution::ALL
+                        .into_iter()
+                        .map(|d| detection(p, d, big, FlipSite::C, &bits, &[&v], trials, seed))
+                        .collect::<Result<_, _>>()?;
+                    for (bi, bit) in bits.iter().enumerate() {
+                        let cells: Vec<String> = (0..4)
+                            .map(|di| cell(per[di][0][bi][0].percent(), None))
+                            .collect();
+                        writeln!(md, "| {bit} | {} |", cells.join(" | "))?;
+                    }
+                }
+                json.insert("detection".into(), det_json.into());
             }
-            json.insert("detection".into(), det_json.into());
             writeln!(md, "\nTook {:.0} s.", started.elapsed().as_secs_f64())?;
             print!("{md}");
             std::fs::create_dir_all(&out)?;
