@@ -47,7 +47,8 @@ impl Verdict {
 
 /// Row checks of `C ≟ A·B` under `threshold`.
 pub fn verify_rows(a: &Matrix, b: &Matrix, c: &Matrix, threshold: &dyn Threshold) -> Verdict {
-    Verdict::new(row_checksums(a, b, c).residuals(), threshold.rows(a, b, c))
+    let (sums, bounds) = threshold.rows_with_checksums(a, b, c);
+    Verdict::new(sums.residuals(), bounds)
 }
 
 /// Column checks of `C ≟ A·B` under `threshold`.

@@ -129,7 +129,7 @@ pub fn sum_f64(xs: &[f32]) -> f64 {
 }
 
 /// `Σ xs·ys` in f64 over 8 lanes.
-fn dot_f64(xs: &[f32], ys: &[f64]) -> f64 {
+pub(crate) fn dot_f64(xs: &[f32], ys: &[f64]) -> f64 {
     let mut lanes = [0.0f64; 8];
     let mut cx = xs.chunks_exact(8);
     let mut cy = ys.chunks_exact(8);

@@ -8,6 +8,7 @@
 
 use rayon::prelude::*;
 
+use crate::gemm::{Checksums, dot_f64, row_checksums, sum_f64};
 use crate::matrix::Matrix;
 use crate::precision::Precision;
 
@@ -120,17 +121,22 @@ impl Accumulator {
 fn row_stats(m: &Matrix, sample: Option<Sampling>) -> Vec<Stats> {
     m.data
         .par_chunks(m.cols)
-        .map(|r| match sample {
-            None => Stats::of_slice(r),
-            Some(s) => {
-                let mut acc = Accumulator::default();
-                for c in r.chunks(s.period) {
-                    acc.add_slice(&c[..s.keep.min(c.len())]);
-                }
-                acc.finish()
-            }
-        })
+        .map(|r| stats_of_row(r, sample))
         .collect()
+}
+
+/// Statistics of one row, every element or a strided sample.
+fn stats_of_row(r: &[f32], sample: Option<Sampling>) -> Stats {
+    match sample {
+        None => Stats::of_slice(r),
+        Some(s) => {
+            let mut acc = Accumulator::default();
+            for c in r.chunks(s.period) {
+                acc.add_slice(&c[..s.keep.min(c.len())]);
+            }
+            acc.finish()
+        }
+    }
 }
 
 /// Column statistics, one pass over the rows per block of 64 columns.
@@ -198,6 +204,12 @@ pub trait Threshold: Sync {
     fn rows(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> Vec<f64>;
     /// One bound per column of C.
     fn cols(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> Vec<f64>;
+    /// The row checksums and the row bounds together; rules whose bounds
+    /// read the same rows as the checksums override this to read each row
+    /// once (same values as the separate calls).
+    fn rows_with_checksums(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> (Checksums, Vec<f64>) {
+        (row_checksums(a, b, c), self.rows(a, b, c))
+    }
 }
 
 /// V-ABFT (design §3):
@@ -287,6 +299,29 @@ impl Threshold for VAbft {
             .iter()
             .map(|sa| self.bound(sa, &sb, b.cols))
             .collect()
+    }
+
+    fn rows_with_checksums(&self, a: &Matrix, b: &Matrix, c: &Matrix) -> (Checksums, Vec<f64>) {
+        // One pass over each row of B (its sum for the checksum, its
+        // statistics for the bound) and of A (its dot product with B's row
+        // sums, its statistics): the row is still in L1 for the second loop,
+        // so A and B stream from memory once instead of twice.
+        let (b_rows, b_stats): (Vec<f64>, Vec<Stats>) = b
+            .data
+            .par_chunks(b.cols)
+            .map(|r| (sum_f64(r), Stats::of_slice(r)))
+            .unzip();
+        let sb = self.b_sums(&b_stats);
+        let (expected, bounds): (Vec<f64>, Vec<f64>) = a
+            .data
+            .par_chunks(a.cols)
+            .map(|r| {
+                let bound = self.bound(&stats_of_row(r, self.sampling), &sb, b.cols);
+                (dot_f64(r, &b_rows), bound)
+            })
+            .unzip();
+        let observed = c.data.par_chunks(c.cols).map(sum_f64).collect();
+        (Checksums { observed, expected }, bounds)
     }
 
     fn cols(&self, a: &Matrix, b: &Matrix, _c: &Matrix) -> Vec<f64> {
@@ -430,6 +465,25 @@ impl Threshold for FixedThreshold {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn fused_row_checks_equal_the_separate_ones() {
+        use crate::matrix::Distribution;
+        for (m, k, n) in [(3, 5, 7), (17, 64, 9), (40, 100, 33)] {
+            let a = Matrix::random(m, k, Distribution::NormalMeanOne, 1.0, Precision::Bf16, 1);
+            let b = Matrix::random(k, n, Distribution::Uniform, 1.0, Precision::Bf16, 2);
+            let c = crate::gemm::gemm(&a, &b, Precision::Bf16).unwrap().c;
+            for sampling in [None, Some(Sampling { period: 4, keep: 2 })] {
+                let v = VAbft {
+                    sampling,
+                    ..VAbft::design(Precision::Bf16.e_max_ascend())
+                };
+                let (sums, bounds) = v.rows_with_checksums(&a, &b, &c);
+                assert_eq!(sums, row_checksums(&a, &b, &c));
+                assert_eq!(bounds, v.rows(&a, &b, &c));
+            }
+        }
+    }
 
     proptest! {
         /// The one-pass lane statistics equal the two-pass f64 reference.
