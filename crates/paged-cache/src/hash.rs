@@ -140,6 +140,14 @@ impl PrefixCache for HashPrefixCache {
         blocks: &[BlockId],
         salt: u64,
     ) -> Result<()> {
+        let needed = tokens.len() / self.block_size;
+        if blocks.len() < needed {
+            return Err(crate::PagedCacheError::ShapeMismatch {
+                what: "blocks of the inserted tokens",
+                found: blocks.len(),
+                expected: needed,
+            });
+        }
         let mut parent = None;
         for (block_tokens, &block) in tokens.chunks_exact(self.block_size).zip(blocks) {
             let hash = BlockHash::chain(parent.as_ref(), salt, block_tokens);

@@ -205,3 +205,17 @@ fn radix_locks_keep_used_prefixes_from_eviction() {
     assert_eq!(c.pool().num_free(), 8);
     c.check_invariants().unwrap();
 }
+
+fn too_few_blocks_are_refused<P: PrefixCache>(make: fn(usize) -> P, _: bool) {
+    let mut pool = paged_cache::BlockPool::new(8, BS).unwrap();
+    let mut prefix = make(BS);
+    let blocks = [pool.allocate().unwrap().block];
+    let tokens = prompt(7, 2 * BS);
+    assert!(matches!(
+        prefix.insert(&mut pool, &tokens, &blocks, 0),
+        Err(PagedCacheError::ShapeMismatch { .. })
+    ));
+    prefix.check_invariants(&pool).unwrap();
+    assert_eq!(prefix.cached_blocks(), 0);
+}
+both!(short_insert, too_few_blocks_are_refused);
