@@ -300,6 +300,11 @@ impl Attention {
         while start < span.end {
             let end = (start / tile * tile + tile).min(span.end);
             if ranges.iter().any(|r| r.start < end && start < r.end) {
+                // The next tile's stored rows, fetched while this one is worked on.
+                let next = (end < span.end).then(|| {
+                    let n = (end + tile).min(span.end) - end;
+                    [keys.row_addresses(end, n), values.row_addresses(end, n)]
+                });
                 let k = keys.read_tile(start, end - start, &mut scratch.keys)?;
                 let v = values.read_tile(start, end - start, &mut scratch.values)?;
                 tiles.push((start, k.stats, v.stats));
@@ -309,9 +314,10 @@ impl Attention {
                         let rows = (lo - start) * ch..(hi - start) * ch;
                         attend_tile(
                             &q[i * ql..][..ql],
-                            &k.rows[rows.clone()],
-                            &v.rows[rows],
+                            k.rows.slice(rows.clone(), ch),
+                            v.rows.slice(rows, ch),
                             geometry,
+                            next.as_ref().filter(|_| i == 0),
                             &mut scratch.kernel,
                             &mut partials[i],
                         );

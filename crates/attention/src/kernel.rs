@@ -10,6 +10,11 @@
 //! folded into the running state in f64, so long contexts lose nothing to
 //! the running sums.
 
+#[cfg(target_arch = "x86_64")]
+mod fused;
+
+use crate::source::TileRows;
+
 const LANES: usize = 16;
 
 /// Running softmax state of a set of query heads: per head the running
@@ -100,6 +105,8 @@ pub(crate) struct KernelScratch {
     /// Per head: maximum score and sum of weights.
     maxima: Vec<f32>,
     sums: Vec<f32>,
+    /// Widened half-float tiles (non-AVX-512 kernels only).
+    wide: WideScratch,
 }
 
 /// Geometry of one call of [`attend_tile`].
@@ -115,12 +122,14 @@ pub(crate) struct TileGeometry {
 
 /// Folds the keys and values of `keys`/`values` (`rows × kv_heads·d`) into
 /// `partial` for the query heads `q` (`q_heads × d`, already multiplied by
-/// the softmax scale).
+/// the softmax scale). With AVX-512 both are read as stored (f32 or f16,
+/// [`fused`]); otherwise half floats are first widened into the scratch.
 pub(crate) fn attend_tile(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: TileRows<'_>,
+    values: TileRows<'_>,
     geometry: TileGeometry,
+    upcoming: Option<&Upcoming>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
 ) {
@@ -139,6 +148,23 @@ pub(crate) fn attend_tile(
     if scratch.acc.len() < heads * geometry.d {
         scratch.acc.resize(heads * geometry.d, 0.0);
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: `isa()` returned Avx512 only after detecting avx512f/bw/vl
+        // and fma, and the scratch was sized above.
+        unsafe {
+            let tile = fused::Tile {
+                q,
+                geometry,
+                rows,
+                upcoming,
+            };
+            fused::attend_tile_avx512(tile, keys, values, scratch, partial);
+        }
+        return;
+    }
+    let mut wide = std::mem::take(&mut scratch.wide);
+    let (keys, values) = wide.widen(keys, values);
     let args = TileArgs {
         q,
         keys,
@@ -148,16 +174,103 @@ pub(crate) fn attend_tile(
     };
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            // SAFETY: `isa()` returned Avx512 only after detecting avx512f and fma.
-            unsafe { attend_tile_avx512(args, scratch, partial) }
-        }
-        #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma.
             unsafe { attend_tile_avx2(args, scratch, partial) }
         }
-        Isa::Generic => attend_tile_body::<false, GENERIC>(args, scratch, partial),
+        _ => attend_tile_body::<false, GENERIC>(args, scratch, partial),
+    }
+    scratch.wide = wide;
+}
+
+/// Address ranges of the next tile's stored keys and values (either unknown),
+/// to prefetch while the current tile is worked on.
+pub(crate) type Upcoming = [Option<std::ops::Range<usize>>; 2];
+
+/// Walks the cache lines of an [`Upcoming`] a few at a time, asking the
+/// CPU to bring each into its L2 cache, so that the next tile's rows
+/// arrive while this tile's arithmetic runs (the hardware prefetcher alone
+/// left the AVX-512 kernel waiting on memory for most of its time at 64K
+/// tokens, measured with `perf annotate`).
+#[derive(Clone, Debug)]
+pub(crate) struct Prefetcher {
+    ranges: [std::ops::Range<usize>; 2],
+    per_step: usize,
+}
+
+impl Prefetcher {
+    const LINE: usize = 64;
+
+    /// Spreads the lines of `upcoming` over `steps` calls of [`step`](Self::step).
+    pub(crate) fn new(upcoming: Option<&Upcoming>, steps: usize) -> Self {
+        let ranges = upcoming.map_or([0..0, 0..0], |[k, v]| {
+            [k.clone().unwrap_or(0..0), v.clone().unwrap_or(0..0)]
+        });
+        let lines: usize = ranges.iter().map(|r| r.len().div_ceil(Self::LINE)).sum();
+        Self {
+            ranges,
+            per_step: lines.div_ceil(steps.max(1)),
+        }
+    }
+
+    /// Prefetches the next few lines.
+    #[inline(always)]
+    pub(crate) fn step(&mut self) {
+        for _ in 0..self.per_step {
+            let Some(r) = self.ranges.iter_mut().find(|r| r.start < r.end) else {
+                return;
+            };
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a prefetch never faults, whatever the address; nothing is read.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    r.start as *const i8,
+                );
+            }
+            r.start = (r.start + Self::LINE).min(r.end);
+        }
+    }
+}
+
+/// `rows` as f32: borrowed, or widened/dequantized into `buffer`.
+pub(crate) fn widen_rows<'a>(rows: TileRows<'a>, buffer: &'a mut Vec<f32>) -> &'a [f32] {
+    match rows {
+        TileRows::F32(v) => v,
+        TileRows::F16(halves) => {
+            buffer.resize(halves.len() / 2, 0.0);
+            kv_quant::widen_f16(halves, buffer);
+            buffer
+        }
+        TileRows::Levels(levels) => {
+            buffer.resize(levels.levels.len(), 0.0);
+            levels.dequantize_into(buffer);
+            buffer
+        }
+    }
+}
+
+/// f32 copies of half-float and level tiles, for the kernels that read f32 only.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WideScratch {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl WideScratch {
+    /// The key and the value buffers.
+    pub(crate) fn buffers(&mut self) -> (&mut Vec<f32>, &mut Vec<f32>) {
+        (&mut self.keys, &mut self.values)
+    }
+
+    pub(crate) fn widen<'a>(
+        &'a mut self,
+        keys: TileRows<'a>,
+        values: TileRows<'a>,
+    ) -> (&'a [f32], &'a [f32]) {
+        (
+            widen_rows(keys, &mut self.keys),
+            widen_rows(values, &mut self.values),
+        )
     }
 }
 
@@ -185,7 +298,11 @@ pub(crate) fn isa() -> Isa {
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("fma")
+            {
                 return Isa::Avx512;
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -194,12 +311,6 @@ pub(crate) fn isa() -> Isa {
         }
         Isa::Generic
     })
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn attend_tile_avx512(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &mut Partial) {
-    attend_tile_body::<true, AVX512>(args, scratch, partial);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -414,7 +525,6 @@ fn weighted_sum<const FMA: bool, const ISA: u8, const H: usize>(
 /// Instruction sets of [`weighted_block`].
 const GENERIC: u8 = 0;
 const AVX2: u8 = 1;
-const AVX512: u8 = 2;
 
 /// Channels `c..c + 16N` of [`weighted_sum`] for its `H` heads. Written
 /// with intrinsics on x86-64: from plain lane arrays LLVM vectorises across
@@ -441,10 +551,8 @@ fn weighted_block<const FMA: bool, const ISA: u8, const H: usize, const N: usize
     let mut acc = [[[0.0f32; LANES]; N]; H];
     #[cfg(target_arch = "x86_64")]
     match ISA {
-        // SAFETY: ISA is AVX512 only inside `attend_tile_avx512`, whose
+        // SAFETY: ISA is AVX2 only inside `attend_tile_avx2`, whose
         // features `isa()` detected.
-        AVX512 => acc = unsafe { x86::weighted_block_avx512::<H, N>(block) },
-        // SAFETY: likewise for AVX2 inside `attend_tile_avx2`.
         AVX2 => acc = unsafe { x86::weighted_block_avx2::<H, N>(block) },
         _ => generic_block::<FMA, H, N>(block, &mut acc),
     }
@@ -495,36 +603,6 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Block, LANES};
-
-    /// # Safety
-    /// The CPU must have AVX-512F.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn weighted_block_avx512<const H: usize, const N: usize>(
-        b: Block<'_>,
-    ) -> [[[f32; LANES]; N]; H] {
-        let mut acc = [[_mm512_setzero_ps(); N]; H];
-        for t in 0..b.rows {
-            let v = &b.values[t * b.ch + b.offset..][..16 * N];
-            // SAFETY: `v` holds 16N floats, so every 16-lane load is in bounds.
-            let v: [__m512; N] =
-                std::array::from_fn(|k| unsafe { _mm512_loadu_ps(v.as_ptr().add(16 * k)) });
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let wt = _mm512_set1_ps(b.w[j * b.rows + t]);
-                for (a, v) in acc.iter_mut().zip(&v) {
-                    *a = _mm512_fmadd_ps(wt, *v, *a);
-                }
-            }
-        }
-        let mut out = [[[0.0f32; LANES]; N]; H];
-        for (o, a) in out.iter_mut().zip(&acc) {
-            for (o, a) in o.iter_mut().zip(a) {
-                // SAFETY: `o` holds 16 floats.
-                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
-            }
-        }
-        out
-    }
 
     /// # Safety
     /// The CPU must have AVX2 and FMA.
@@ -643,34 +721,67 @@ mod tests {
         assert_eq!(max(&[]), f32::NEG_INFINITY);
     }
 
-    /// Runs one tile through one ISA variant and returns the finished output.
-    fn run(isa: Isa, geometry: TileGeometry, rows: usize) -> (Vec<f32>, Vec<f32>) {
+    /// Runs one tile through one ISA variant, with the keys and the values
+    /// given as f32 or as half floats (`halves`), and returns the finished
+    /// output. The inputs are f16 values, so both spellings hold the same.
+    fn run(
+        isa: Isa,
+        geometry: TileGeometry,
+        rows: usize,
+        halves: (bool, bool),
+    ) -> (Vec<f32>, Vec<f32>) {
         let heads = geometry.kv_heads * geometry.group;
         let (d, ch) = (geometry.d, geometry.kv_heads * geometry.d);
-        let wave =
-            |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
+        let wave = |n: usize, f: f32| -> Vec<f32> {
+            (0..n).map(|i| half_round((i as f32 * f).sin())).collect()
+        };
         let (q, k, v) = (
             wave(heads * d, 0.37),
             wave(rows * ch, 0.11),
             wave(rows * ch, 0.23),
         );
+        let (kh, vh) = (to_halves(&k), to_halves(&v));
+        let keys = if halves.0 {
+            TileRows::F16(&kh)
+        } else {
+            TileRows::F32(&k)
+        };
+        let values = if halves.1 {
+            TileRows::F16(&vh)
+        } else {
+            TileRows::F32(&v)
+        };
         let mut scratch = KernelScratch::default();
         scratch.weights.resize(heads * rows, 0.0);
         scratch.acc.resize(heads * d, 0.0);
         scratch.maxima.resize(heads, 0.0);
         scratch.sums.resize(heads, 0.0);
         let mut partial = Partial::new(heads, d);
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 {
+            // SAFETY: the caller checked the features; the scratch is sized.
+            unsafe {
+                let tile = fused::Tile {
+                    q: &q,
+                    geometry,
+                    rows,
+                    upcoming: None,
+                };
+                fused::attend_tile_avx512(tile, keys, values, &mut scratch, &mut partial)
+            };
+        }
+        let mut wide = WideScratch::default();
+        let (keys, values) = wide.widen(keys, values);
         let args = TileArgs {
             q: &q,
-            keys: &k,
-            values: &v,
+            keys,
+            values,
             geometry,
             rows,
         };
         match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the caller checked the features.
-            Isa::Avx512 => unsafe { attend_tile_avx512(args, &mut scratch, &mut partial) },
+            Isa::Avx512 => {}
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the caller checked the features.
             Isa::Avx2 => unsafe { attend_tile_avx2(args, &mut scratch, &mut partial) },
@@ -681,26 +792,55 @@ mod tests {
         (out, lse)
     }
 
+    fn half_round(x: f32) -> f32 {
+        let mut out = [0.0];
+        kv_quant::widen_f16(&to_halves(&[x]), &mut out);
+        out[0]
+    }
+
+    /// Little-endian IEEE halves of `x` (round to nearest even).
+    fn to_halves(x: &[f32]) -> Vec<u8> {
+        let store = kv_quant::KvStore::quantize("fp16".parse().unwrap(), x, 1, x.len()).unwrap();
+        store.data().to_vec()
+    }
+
     #[test]
     fn every_isa_variant_agrees() {
-        // Head dims that use every register block (64, 32, 16) and the scalar tail.
+        // Head dims that use every register block (64, 32, 16) and the masked tail.
         for (group, kv_heads, d, rows) in [
             (4, 2, 128, 37),
             (3, 3, 64, 64),
             (5, 1, 117, 9),
             (1, 2, 3, 1),
+            (7, 1, 80, 66),
         ] {
             let geometry = TileGeometry { group, kv_heads, d };
-            let generic = run(Isa::Generic, geometry, rows);
+            let generic = run(Isa::Generic, geometry, rows, (false, false));
+            assert_eq!(generic, run(Isa::Generic, geometry, rows, (true, true)));
             #[cfg(target_arch = "x86_64")]
             {
                 let fma = is_x86_feature_detected!("fma");
                 let avx2 = (fma && is_x86_feature_detected!("avx2"))
-                    .then(|| run(Isa::Avx2, geometry, rows));
-                let avx512 = (fma && is_x86_feature_detected!("avx512f"))
-                    .then(|| run(Isa::Avx512, geometry, rows));
+                    .then(|| run(Isa::Avx2, geometry, rows, (false, false)));
+                if let Some(a) = &avx2 {
+                    assert_eq!(a, &run(Isa::Avx2, geometry, rows, (true, false)));
+                }
+                let avx512 = (isa() == Isa::Avx512).then(|| {
+                    let f32_rows = run(Isa::Avx512, geometry, rows, (false, false));
+                    for halves in [(true, true), (true, false), (false, true)] {
+                        assert_eq!(
+                            f32_rows,
+                            run(Isa::Avx512, geometry, rows, halves),
+                            "AVX-512 reading halves {halves:?} at {geometry:?}"
+                        );
+                    }
+                    f32_rows
+                });
                 if let (Some(a), Some(b)) = (&avx2, &avx512) {
-                    assert_eq!(a, b, "AVX2 and AVX-512 must be bit-identical");
+                    assert_eq!(
+                        a, b,
+                        "AVX2 and AVX-512 must be bit-identical at {geometry:?}"
+                    );
                 }
                 for fused in avx2.iter().chain(&avx512) {
                     for (x, y) in fused.0.iter().zip(&generic.0) {

@@ -50,7 +50,7 @@ pub use error::{AttentionError, Result};
 pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};
-pub use source::{DenseKv, KvSource, StoreScratch, StoreWithTruth, Tile};
+pub use source::{DenseKv, KvSource, StoreScratch, StoreWithTruth, Tile, TileRows};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

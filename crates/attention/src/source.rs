@@ -2,16 +2,64 @@
 //! "give me rows `start..start+count` as f32", and its implementations for
 //! plain f32 rows ([`DenseKv`]), every kv-quant stored form ([`KvStore`]),
 //! and a stored form decoded against its fault-free truth ([`StoreWithTruth`]).
+//!
+//! A tile is f32 rows, or, for plain FP16 stores, the stored half floats
+//! themselves ([`TileRows::F16`]), which the AVX-512 kernel widens in
+//! registers: decoding FP16 into a buffer first took more time than the
+//! attention arithmetic (measured at 32/8/128, 64K tokens).
 
-use kv_quant::{DecodeScratch, KvDecodeStats, KvStore};
+use std::ops::Range;
+
+use kv_quant::{DecodeScratch, KvDecodeStats, KvStore, LevelRows, RowsView};
 
 use crate::error::{AttentionError, Result, check_len};
 
-/// One tile of cache rows as f32, with the statistics of decoding it.
+/// The values of a tile as the attention kernel reads them: `count × channels`
+/// values, row-major.
+#[derive(Clone, Copy, Debug)]
+pub enum TileRows<'s> {
+    /// f32 values.
+    F32(&'s [f32]),
+    /// Little-endian IEEE half floats, two bytes per value (kv-quant's FP16
+    /// row bytes); read exactly as [`kv_quant::widen_f16`] would widen them.
+    F16(&'s [u8]),
+    /// Integer levels and their group parameters, dequantized in the kernel
+    /// exactly as [`LevelRows::dequantize_into`] would.
+    Levels(LevelRows<'s>),
+}
+
+impl TileRows<'_> {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(b) => b.len() / 2,
+            Self::Levels(l) => l.levels.len(),
+        }
+    }
+
+    /// Whether no values are held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values `range` (element indices; whole rows of `channels`).
+    pub(crate) fn slice(&self, range: Range<usize>, channels: usize) -> Self {
+        match *self {
+            Self::F32(v) => Self::F32(&v[range]),
+            Self::F16(b) => Self::F16(&b[2 * range.start..2 * range.end]),
+            Self::Levels(l) => {
+                Self::Levels(l.sub_rows(range.start / channels, range.len() / channels))
+            }
+        }
+    }
+}
+
+/// One tile of cache rows, with the statistics of decoding it.
 #[derive(Debug)]
 pub struct Tile<'s> {
     /// `count × channels` values, row-major.
-    pub rows: &'s [f32],
+    pub rows: TileRows<'s>,
     /// Decode statistics of these rows (all zero for plain f32 rows).
     pub stats: KvDecodeStats,
 }
@@ -42,6 +90,21 @@ pub trait KvSource: Sync {
         count: usize,
         scratch: &'s mut Self::Scratch,
     ) -> Result<Tile<'s>>;
+
+    /// The memory addresses of the stored bytes of rows `start..start +
+    /// count` when they are one contiguous range, `None` otherwise (the
+    /// default). Attention prefetches the next tile's range while it works
+    /// on the current one; nothing is read through it.
+    fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
+        let _ = (start, count);
+        None
+    }
+}
+
+/// The address range of `items` (for [`KvSource::row_addresses`]).
+fn addresses<T>(items: &[T]) -> Range<usize> {
+    let range = items.as_ptr_range();
+    range.start as usize..range.end as usize
 }
 
 impl<S: KvSource + ?Sized> KvSource for &S {
@@ -66,6 +129,10 @@ impl<S: KvSource + ?Sized> KvSource for &S {
         scratch: &'s mut Self::Scratch,
     ) -> Result<Tile<'s>> {
         (**self).read_tile(start, count, scratch)
+    }
+
+    fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
+        (**self).row_addresses(start, count)
     }
 }
 
@@ -118,10 +185,25 @@ impl KvSource for DenseKv<'_> {
 
     fn read_tile<'s>(&'s self, start: usize, count: usize, _: &'s mut ()) -> Result<Tile<'s>> {
         Ok(Tile {
-            rows: &self.data[start * self.channels..(start + count) * self.channels],
+            rows: TileRows::F32(&self.data[start * self.channels..(start + count) * self.channels]),
             stats: KvDecodeStats::default(),
         })
     }
+
+    fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
+        let rows = self
+            .data
+            .get(start * self.channels..(start + count) * self.channels)?;
+        Some(addresses(rows))
+    }
+}
+
+/// The address range of rows `start..start + count` of a store's value buffer.
+fn store_rows(store: &KvStore, start: usize, count: usize) -> Option<Range<usize>> {
+    let rb = store.row_bytes();
+    Some(addresses(
+        store.data().get(start * rb..(start + count) * rb)?,
+    ))
 }
 
 /// Scratch of the stored-form sources: kv-quant's decode buffers and the f32 tile.
@@ -143,7 +225,10 @@ impl StoreScratch {
 /// Any kv-quant form: each tile is dequantized (and, for protected forms,
 /// ECC-decoded with the form's erasure policy) by
 /// [`KvStore::decode_rows_into`], so values and statistics equal those of
-/// the same rows of a whole [`KvStore::decode`].
+/// the same rows of a whole [`KvStore::decode`]. Plain FP16 tiles are the
+/// stored halves ([`KvStore::fp16_rows`]) and integer tiles with no erased
+/// value are levels ([`KvStore::decode_rows_view`]): the same values,
+/// produced later, in the kernel.
 impl KvSource for KvStore {
     type Scratch = StoreScratch;
 
@@ -165,9 +250,22 @@ impl KvSource for KvStore {
         count: usize,
         scratch: &'s mut StoreScratch,
     ) -> Result<Tile<'s>> {
-        let (rows, decode) = scratch.tile(count * KvStore::channels(self));
-        let stats = self.decode_rows_into(start, count, rows, decode)?;
+        if let Some((halves, stats)) = self.fp16_rows(start, count)? {
+            return Ok(Tile {
+                rows: TileRows::F16(halves),
+                stats,
+            });
+        }
+        let (view, stats) = self.decode_rows_view(start, count, &mut scratch.decode)?;
+        let rows = match view {
+            RowsView::Levels(levels) => TileRows::Levels(levels),
+            RowsView::Values(values) => TileRows::F32(values),
+        };
         Ok(Tile { rows, stats })
+    }
+
+    fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
+        store_rows(self, start, count)
     }
 }
 
@@ -213,6 +311,13 @@ impl KvSource for StoreWithTruth<'_> {
         let stats = self
             .store
             .decode_rows_with_truth_into(self.truth, start, count, rows, decode)?;
-        Ok(Tile { rows, stats })
+        Ok(Tile {
+            rows: TileRows::F32(rows),
+            stats,
+        })
+    }
+
+    fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
+        store_rows(self.store, start, count)
     }
 }

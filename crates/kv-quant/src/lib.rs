@@ -43,13 +43,14 @@ pub use fp8::Fp8Format;
 pub use layout::GroupLayout;
 pub use meta::MetaCode;
 pub use nf4::NF4_LEVELS;
+pub use simd::f16_to_f32 as widen_f16;
 pub use spec::{
     CacheForm, ErasurePolicy, Fp8Spec, Granularity, IntSpec, MetaProtection, Nf4Spec, Protection,
     Quantizer, ScaleType,
 };
 pub use store::{
-    DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, NonFinite,
-    QuantizeOptions, ScrubStats,
+    DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, LevelMap,
+    LevelRows, NonFinite, QuantizeOptions, RowsView, ScrubStats,
 };
 
 /// The README's example, compiled and run as a doctest.

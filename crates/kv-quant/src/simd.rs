@@ -4,9 +4,14 @@
 //! values as the scalar code (no fused multiply-add is introduced: Rust
 //! never contracts `a * b + c`).
 
-/// Converts little-endian f16 values (`2·out.len()` bytes) to f32.
-pub(crate) fn f16_to_f32(src: &[u8], out: &mut [f32]) {
-    debug_assert_eq!(src.len(), 2 * out.len());
+/// Converts little-endian IEEE half floats (`2·out.len()` bytes, the
+/// FP16 form's row bytes) to f32, exactly, with AVX-512 or F16C when the
+/// CPU has them.
+///
+/// # Panics
+/// If `src` does not hold exactly `2·out.len()` bytes.
+pub fn f16_to_f32(src: &[u8], out: &mut [f32]) {
+    assert_eq!(src.len(), 2 * out.len(), "f16_to_f32: byte count");
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {

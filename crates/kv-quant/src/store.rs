@@ -28,8 +28,10 @@
 //! values and the metadata separately ([`FaultTarget`]).
 
 mod rows;
+mod view;
 
 pub use rows::ScrubStats;
+pub use view::{LevelMap, LevelRows, RowsView};
 
 use gf2_codes::batch::{Backend, erasure_words};
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
@@ -171,6 +173,8 @@ pub struct DecodeScratch {
     scale: Vec<f32>,
     offset: Vec<f32>,
     meta_erased: Vec<bool>,
+    /// Decoded values of [`KvStore::decode_rows_view`] when it cannot return levels.
+    values: Vec<f32>,
 }
 
 impl DecodeScratch {
@@ -716,6 +720,29 @@ impl KvStore {
         self.decode_rows_impl(start, count, out, scratch, None)
     }
 
+    /// The stored bytes of rows `start..start + count` when the form is
+    /// plain FP16 (little-endian IEEE half floats, row-major, `2·channels`
+    /// bytes per row), with the statistics
+    /// [`decode_rows_into`](Self::decode_rows_into) returns for the same rows;
+    /// `None` for every other form. A reader can widen the halves in registers
+    /// (see [`widen_f16`](crate::widen_f16)) instead of decoding into a buffer:
+    /// the values are the same.
+    ///
+    /// [`decode_rows_view`](Self::decode_rows_view) does the same for the
+    /// integer forms.
+    pub fn fp16_rows(&self, start: usize, count: usize) -> Result<Option<(&[u8], KvDecodeStats)>> {
+        if Kind::of(self.form.quantizer()) != Kind::F16 || self.form.protection().is_some() {
+            return Ok(None);
+        }
+        let end = self.row_end(start, count)?;
+        let words = (count * self.channels) as u64;
+        let mut stats = KvDecodeStats::default();
+        stats.values.words = words;
+        stats.values.clean = words;
+        let rb = self.row_bytes;
+        Ok(Some((&self.data[start * rb..end * rb], stats)))
+    }
+
     /// [`decode_rows_into`](Self::decode_rows_into) with the truth known.
     pub fn decode_rows_with_truth_into(
         &self,
@@ -737,34 +764,63 @@ impl KvStore {
         scratch: &mut DecodeScratch,
         truth: Option<&KvStore>,
     ) -> Result<KvDecodeStats> {
-        let end = start
+        let end = self.row_end(start, count)?;
+        check_len("output tile", count * self.channels, out.len())?;
+        let kind = Kind::of(self.form.quantizer());
+        let mut stats = self.decode_codes(start, end, kind, scratch, truth)?;
+        if kind.raw_bytes().is_some() {
+            stats.values = self.decode_raw(kind, start, end, out, scratch, truth);
+        } else {
+            let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
+            crate::simd::with_avx2(|| {
+                self.dequantize_levels(kind, start, end, out, &scratch.levels, params);
+            });
+        }
+        if stats.erased_values > 0 {
+            let ew = erasure_words(self.channels);
+            self.apply_policy(start, end, out, &scratch.erasures[..count * ew])?;
+        }
+        Ok(stats)
+    }
+
+    /// `start + count`, or [`KvQuantError::RowRange`] unless `0 < count` and
+    /// the rows are inside the store.
+    fn row_end(&self, start: usize, count: usize) -> Result<usize> {
+        start
             .checked_add(count)
-            .filter(|&e| e <= self.tokens && count > 0);
-        let Some(end) = end else {
-            return Err(KvQuantError::RowRange {
+            .filter(|&e| e <= self.tokens && count > 0)
+            .ok_or(KvQuantError::RowRange {
                 start,
                 end: start.saturating_add(count),
                 tokens: self.tokens,
-            });
-        };
-        check_len("output tile", count * self.channels, out.len())?;
+            })
+    }
+
+    /// Everything of decoding rows `start..end` but turning codes into
+    /// values: the group parameters (SECDED-decoded where protected) into
+    /// `scratch.scale`/`scratch.offset`, the levels of level forms (ECC-decoded
+    /// where protected) into `scratch.levels`, and the erasure bit of every
+    /// value into `scratch.erasures`. The returned statistics lack
+    /// `values` for the raw forms, which [`decode_raw`](Self::decode_raw) counts.
+    fn decode_codes(
+        &self,
+        start: usize,
+        end: usize,
+        kind: Kind,
+        scratch: &mut DecodeScratch,
+        truth: Option<&KvStore>,
+    ) -> Result<KvDecodeStats> {
+        let count = end - start;
         let ch = self.channels;
         let ew = erasure_words(ch);
         let erasures = grow(&mut scratch.erasures, count * ew);
         erasures.fill(0);
         let mut stats = KvDecodeStats::default();
-        let kind = Kind::of(self.form.quantizer());
         if let Some(layout) = &self.layout {
             stats.metadata = self.load_params(layout, start, end, scratch, truth);
         }
-        if kind.raw_bytes().is_some() {
-            stats.values = self.decode_raw(kind, start, end, out, scratch, truth);
-        } else {
+        if kind.raw_bytes().is_none() {
             stats.values = crate::simd::with_avx2(|| self.load_levels(start, end, scratch, truth))?;
-            let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
-            crate::simd::with_avx2(|| {
-                self.dequantize_levels(kind, start, end, out, &scratch.levels, params);
-            });
         }
         let erasures = &mut scratch.erasures[..count * ew];
         if let Some(layout) = &self.layout {
@@ -788,9 +844,6 @@ impl KvStore {
             }
         }
         stats.erased_values = erasures.iter().map(|w| u64::from(w.count_ones())).sum();
-        if stats.erased_values > 0 {
-            self.apply_policy(start, end, out, erasures)?;
-        }
         Ok(stats)
     }
 

@@ -4,7 +4,7 @@
 //! protection, and tile decoding equal to whole decoding.
 
 use gf2_codes::channel::{BinarySymmetric, FaultChannel, FaultRng, Flips};
-use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvDecodeStats, KvStore};
+use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvDecodeStats, KvStore, RowsView};
 
 /// A channel that flips exactly the given bit positions.
 #[derive(Debug)]
@@ -417,4 +417,80 @@ fn protection_reduces_the_damage_of_faults() {
     assert!(hamming < plain / 5.0, "hamming {hamming} vs plain {plain}");
     assert!(interp < secded, "interp {interp} vs keep {secded}");
     assert!(golay < hamming, "golay {golay} vs hamming {hamming}");
+}
+
+/// `decode_rows_view` gives the values and statistics of `decode_rows_into`
+/// for every form, clean and faulted: levels where no value is erased,
+/// values otherwise.
+#[test]
+fn row_views_equal_decoded_rows() {
+    let channel = BinarySymmetric::new(3e-3).unwrap();
+    for spelling in [
+        "int4",
+        "int4-ch",
+        "int4-g16",
+        "int8",
+        "int4-sym-g32",
+        "int8-sym-t",
+        "int2",
+        "int4+secded84",
+        "int4+secded84+interp",
+        "int4+hamming74+zero",
+        "int4+golay24",
+        "fp8-e4m3",
+        "nf4",
+        "fp16",
+    ] {
+        let (tokens, channels) = (70, 64);
+        let clean = store(spelling, tokens, channels);
+        let mut faulted = clean.clone();
+        faulted.inject(&channel, 11, FaultTarget::Everything);
+        let (mut levels_seen, mut erased_seen) = (false, false);
+        for s in [&clean, &faulted] {
+            let (mut a, mut b) = (DecodeScratch::default(), DecodeScratch::default());
+            for (start, count) in [(0, 64), (64, 6), (5, 33)] {
+                let mut want = vec![0.0; count * channels];
+                let want_stats = s.decode_rows_into(start, count, &mut want, &mut a).unwrap();
+                let (view, stats) = s.decode_rows_view(start, count, &mut b).unwrap();
+                assert_eq!(stats, want_stats, "{spelling} {start}+{count}");
+                erased_seen |= stats.erased_values > 0;
+                let got = match view {
+                    RowsView::Values(v) => v.to_vec(),
+                    RowsView::Levels(l) => {
+                        levels_seen = true;
+                        assert_eq!(l.rows(), count);
+                        let mut out = vec![f32::NAN; count * channels];
+                        l.dequantize_into(&mut out);
+                        for (i, &x) in out.iter().enumerate() {
+                            let v = l.value(i / channels, i % channels);
+                            assert_eq!(v.to_bits(), x.to_bits(), "{spelling} value {i}");
+                        }
+                        // A sub-view holds the same values.
+                        let (first, n) = (count / 3, count - count / 3);
+                        let mut part = vec![f32::NAN; n * channels];
+                        l.sub_rows(first, n).dequantize_into(&mut part);
+                        assert_eq!(part[..], out[first * channels..]);
+                        out
+                    }
+                };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{spelling} {start}+{count}");
+            }
+        }
+        let integer = spelling.starts_with("int");
+        assert_eq!(levels_seen, integer, "{spelling}: levels returned");
+        // The detecting codes met erasures, so their value path ran too.
+        if spelling.contains("secded") {
+            assert!(erased_seen, "{spelling}: no erasure at this error rate");
+        }
+    }
+    let s = store("int4", 8, 16);
+    assert!(
+        s.decode_rows_view(4, 5, &mut DecodeScratch::default())
+            .is_err()
+    );
+    assert!(
+        s.decode_rows_view(0, 0, &mut DecodeScratch::default())
+            .is_err()
+    );
 }

@@ -3,8 +3,8 @@
 //! shapes, and the packing density of every form.
 
 use kv_quant::{
-    CacheForm, Fp8Format, Granularity, IntSpec, KvQuantError, KvStore, NF4_LEVELS, NonFinite,
-    QuantizeOptions, Quantizer, ScaleType,
+    CacheForm, DecodeScratch, Fp8Format, Granularity, IntSpec, KvQuantError, KvStore, NF4_LEVELS,
+    NonFinite, QuantizeOptions, Quantizer, ScaleType,
 };
 use proptest::prelude::*;
 
@@ -395,5 +395,35 @@ fn stored_bytes_of_every_form() {
         let store = KvStore::quantize(form, &data, t, c).unwrap();
         assert_eq!(store.stored_bytes(), expected, "{spelling}");
         assert_eq!(store.bits_per_value(), 8.0 * expected as f64 / n as f64);
+    }
+}
+
+#[test]
+fn fp16_rows_are_the_stored_halves_with_the_decode_statistics() {
+    let (tokens, channels) = (37, 19);
+    let data: Vec<f32> = (0..tokens * channels)
+        .map(|i| (i as f32 * 0.37).sin() * 3.0)
+        .collect();
+    let store = KvStore::quantize("fp16".parse().unwrap(), &data, tokens, channels).unwrap();
+    let mut scratch = DecodeScratch::default();
+    for (start, count) in [(0, 1), (5, 17), (0, 37), (36, 1)] {
+        let (bytes, stats) = store.fp16_rows(start, count).unwrap().unwrap();
+        let mut want = vec![0.0; count * channels];
+        let want_stats = store
+            .decode_rows_into(start, count, &mut want, &mut scratch)
+            .unwrap();
+        assert_eq!(stats, want_stats);
+        let mut got = vec![f32::NAN; count * channels];
+        kv_quant::widen_f16(bytes, &mut got);
+        assert_eq!(got, want);
+    }
+    assert!(matches!(
+        store.fp16_rows(30, 8),
+        Err(KvQuantError::RowRange { .. })
+    ));
+    assert!(store.fp16_rows(3, 0).is_err());
+    for form in ["fp32", "bf16", "int4", "fp8-e4m3"] {
+        let other = KvStore::quantize(form.parse().unwrap(), &data, tokens, channels).unwrap();
+        assert!(other.fp16_rows(0, 1).unwrap().is_none(), "{form}");
     }
 }

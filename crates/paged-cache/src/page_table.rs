@@ -4,7 +4,7 @@
 //! or V rows page by page from [`BlockStorage`] ([`PagedKv`]), and
 //! [`paged_decode`], the attention crate's decode over those sources.
 
-use attention::{Attention, AttentionOutput, KvSource, Mask, Tile};
+use attention::{Attention, AttentionOutput, KvSource, Mask, Tile, TileRows};
 use kv_quant::{DecodeScratch, KvDecodeStats};
 
 use crate::error::{PagedCacheError, Result};
@@ -229,7 +229,10 @@ impl KvSource for PagedKv<'_> {
                 })?;
             t += n;
         }
-        Ok(Tile { rows, stats })
+        Ok(Tile {
+            rows: TileRows::F32(rows),
+            stats,
+        })
     }
 }
 

@@ -1,0 +1,653 @@
+//! The AVX-512 tile kernel: [`attend_tile`](super::attend_tile) reading keys
+//! and values as stored, f32 or half floats widened in registers
+//! (`vcvtph2ps`), so an FP16 cache is never copied into an f32 buffer.
+//!
+//! Integer tiles arrive as levels with their group parameters and are
+//! dequantized in registers too ([`Levels`]).
+//!
+//! It computes exactly what the AVX2 and generic kernels compute from the
+//! same values widened to f32, bit for bit:
+//! - a score is a 16-lane multiply-add over the head dimension (the tail
+//!   with masked lanes) folded by the tree `+8, +4, +2, +1`; here sixteen
+//!   scores are folded at once by shuffles ([`reduce16`]) with the same
+//!   additions;
+//! - softmax is the shared [`max`](super::max) and
+//!   [`exp_sub_sum`](super::exp_sub_sum);
+//! - a weighted value sum runs over the rows in order, per channel.
+//!
+//! Written with intrinsics because LLVM does not find the batched
+//! reduction, and its own vectorisation of the value sums across rows uses
+//! gathers (six times slower, measured). Loops fill the register arrays
+//! rather than `std::array::from_fn`: its closures were left out of line,
+//! where the intrinsics are calls (ten times slower on level tiles, seen
+//! with `perf`).
+
+use std::arch::x86_64::*;
+
+use kv_quant::{LevelMap, LevelRows};
+
+use super::{
+    KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming, exp_sub_sum, max, widen_rows,
+};
+use crate::source::TileRows;
+
+/// Values of a tile (`rows × ch`) read 16 lanes at a time as f32.
+///
+/// # Safety
+/// The loads are only called from functions compiled with the features of
+/// [`attend_tile_avx512`], with a [`Row`](Self::Row) of a row `< rows` and
+/// `col + 16 <= ch` (`col + n <= ch` for partial loads).
+trait Load: Copy {
+    /// Where a row starts, computed once per row and pass ([`row`](Self::row)).
+    type Row: Copy;
+
+    /// Channels per row.
+    fn ch(self) -> usize;
+
+    /// Values held.
+    fn len(self) -> usize;
+
+    /// The start of `row`.
+    fn row(self, row: usize) -> Self::Row;
+
+    /// Channels `col..col + 16` of a row as f32.
+    unsafe fn load(self, row: Self::Row, col: usize) -> __m512;
+
+    /// Channels `col..col + n` of a row as f32 (`n < 16`), zero above.
+    unsafe fn load_partial(self, row: Self::Row, col: usize, n: usize) -> __m512;
+}
+
+/// f32 rows.
+#[derive(Clone, Copy)]
+struct Floats<'a>(&'a [f32], usize);
+
+impl Load for Floats<'_> {
+    type Row = usize;
+
+    fn ch(self) -> usize {
+        self.1
+    }
+
+    fn len(self) -> usize {
+        self.0.len()
+    }
+
+    #[inline(always)]
+    fn row(self, row: usize) -> usize {
+        row * self.1
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, row: usize, col: usize) -> __m512 {
+        debug_assert!(row + col + 16 <= self.0.len());
+        // SAFETY: the caller keeps the 16 values inside the slice.
+        unsafe { _mm512_loadu_ps(self.0.as_ptr().add(row + col)) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_partial(self, row: usize, col: usize, n: usize) -> __m512 {
+        debug_assert!(row + col + n <= self.0.len() && n < 16);
+        // SAFETY: masked lanes are not read; the others are inside the slice.
+        unsafe { _mm512_maskz_loadu_ps(mask(n), self.0.as_ptr().add(row + col)) }
+    }
+}
+
+/// Little-endian IEEE half floats, two bytes per value.
+#[derive(Clone, Copy)]
+struct Halves<'a>(&'a [u8], usize);
+
+impl Load for Halves<'_> {
+    type Row = usize;
+
+    fn ch(self) -> usize {
+        self.1
+    }
+
+    fn len(self) -> usize {
+        self.0.len() / 2
+    }
+
+    #[inline(always)]
+    fn row(self, row: usize) -> usize {
+        row * self.1
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, row: usize, col: usize) -> __m512 {
+        let i = row + col;
+        debug_assert!(2 * (i + 16) <= self.0.len());
+        // SAFETY: bytes `2i..2i + 32` are inside the slice; x86 is little-endian.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(self.0.as_ptr().add(2 * i).cast())) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_partial(self, row: usize, col: usize, n: usize) -> __m512 {
+        let i = row + col;
+        debug_assert!(2 * (i + n) <= self.0.len() && n < 16);
+        // SAFETY: masked 16-bit lanes are not read; the others are inside the slice.
+        unsafe {
+            let h = _mm256_maskz_loadu_epi16(mask(n), self.0.as_ptr().add(2 * i).cast());
+            _mm512_cvtph_ps(h)
+        }
+    }
+}
+
+/// Integer levels with their group parameters ([`LevelRows`]), dequantized
+/// in registers as kv-quant does it: `b + level·a` (product, then sum) or
+/// `(level − mid)·a`. Only for layouts where 16 consecutive channels of a
+/// row share one group (`channels_per_group` a power of two, at least 16)
+/// or each have their own (`channels_per_group == 1`).
+#[derive(Clone, Copy)]
+struct Levels<'a> {
+    rows: LevelRows<'a>,
+    ch: usize,
+    /// `log2(channels_per_group)` for shared groups; `None` for one group per channel.
+    shared: Option<u32>,
+    /// `Some(mid)` for symmetric levels.
+    mid: Option<f32>,
+    /// Groups per row when every row has its own (per-token groups): row
+    /// `t` starts at group `t·per_row`, found without a division.
+    per_row: Option<usize>,
+}
+
+impl<'a> Levels<'a> {
+    fn new(rows: LevelRows<'a>) -> Option<Self> {
+        let cpg = rows.channels_per_group();
+        let shared = match cpg {
+            1 => None,
+            n if n >= 16 && n.is_power_of_two() => Some(n.trailing_zeros()),
+            _ => return None,
+        };
+        let mid = match rows.map {
+            LevelMap::Affine => None,
+            LevelMap::Centered { mid } => Some(mid),
+        };
+        let per_row = (rows.tokens_per_group() == 1).then(|| rows.channels() / cpg);
+        Some(Self {
+            ch: rows.channels(),
+            rows,
+            shared,
+            mid,
+            per_row,
+        })
+    }
+
+    /// Dequantizes 16 levels (as i32 lanes) of the row whose first group
+    /// is `g`, starting at `col`, where lanes at or above `n` are zero.
+    #[inline(always)]
+    unsafe fn dequantize(self, g: usize, col: usize, levels: __m512i, n: usize) -> __m512 {
+        // SAFETY: the caller has the kernel's features; group `g + col / cpg`
+        // (or `g + col + 15` for one group per channel, masked above `n`)
+        // exists, as `LevelRows::value` would read it.
+        unsafe {
+            let (a, b) = if let Some(shift) = self.shared {
+                let i = g + (col >> shift);
+                (
+                    _mm512_set1_ps(*self.rows.scale.get_unchecked(i)),
+                    _mm512_set1_ps(*self.rows.offset.get_unchecked(i)),
+                )
+            } else {
+                let (s, o) = (self.rows.scale.as_ptr(), self.rows.offset.as_ptr());
+                (
+                    _mm512_maskz_loadu_ps(mask(n), s.add(g + col)),
+                    _mm512_maskz_loadu_ps(mask(n), o.add(g + col)),
+                )
+            };
+            let level = _mm512_cvtepi32_ps(levels);
+            match self.mid {
+                None => _mm512_add_ps(b, _mm512_mul_ps(level, a)),
+                Some(mid) => _mm512_mul_ps(_mm512_sub_ps(level, _mm512_set1_ps(mid)), a),
+            }
+        }
+    }
+}
+
+impl Load for Levels<'_> {
+    /// The row's first level and its first group.
+    type Row = (usize, usize);
+
+    fn ch(self) -> usize {
+        self.ch
+    }
+
+    fn len(self) -> usize {
+        self.rows.levels.len()
+    }
+
+    #[inline(always)]
+    fn row(self, row: usize) -> (usize, usize) {
+        let g = match self.per_row {
+            Some(n) => row * n,
+            None => self.rows.group_index(row, 0),
+        };
+        (row * self.ch, g)
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, (row, g): (usize, usize), col: usize) -> __m512 {
+        let i = row + col;
+        debug_assert!(i + 16 <= self.rows.levels.len());
+        // SAFETY: bytes `i..i + 16` are inside the slice.
+        unsafe {
+            let bytes = _mm_loadu_si128(self.rows.levels.as_ptr().add(i).cast());
+            self.dequantize(g, col, _mm512_cvtepu8_epi32(bytes), 16)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load_partial(self, (row, g): (usize, usize), col: usize, n: usize) -> __m512 {
+        let i = row + col;
+        debug_assert!(i + n <= self.rows.levels.len() && n < 16);
+        // SAFETY: masked bytes are not read; the others are inside the slice.
+        unsafe {
+            let bytes = _mm_maskz_loadu_epi8(mask(n), self.rows.levels.as_ptr().add(i).cast());
+            self.dequantize(g, col, _mm512_cvtepu8_epi32(bytes), n)
+        }
+    }
+}
+
+/// The mask of the lowest `n < 16` lanes (all 16 for `n = 16`).
+#[inline(always)]
+fn mask(n: usize) -> u16 {
+    ((1u32 << n) - 1) as u16
+}
+
+/// [`attend_tile`](super::attend_tile) with AVX-512, dispatching on how
+/// the keys and the values are stored. Levels in a grouping the loader
+/// does not handle are dequantized into the scratch first.
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW/VL and FMA; the scratch must be sized for
+/// `tile.rows` rows of `tile.geometry` (as `attend_tile` does).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn attend_tile_avx512(
+    tile: Tile<'_>,
+    keys: TileRows<'_>,
+    values: TileRows<'_>,
+    scratch: &mut KernelScratch,
+    partial: &mut Partial,
+) {
+    let mut wide = std::mem::take(&mut scratch.wide);
+    let ch = tile.geometry.kv_heads * tile.geometry.d;
+    let (kb, vb) = wide.buffers();
+    let (k, v) = (Side::new(keys, ch, kb), Side::new(values, ch, vb));
+    macro_rules! dispatch {
+        ($($k:ident, $v:ident);*) => {
+            match (k, v) {
+                $((Side::$k(k), Side::$v(v)) => body(tile, k, v, scratch, partial),)*
+            }
+        };
+    }
+    dispatch!(
+        F32, F32; F32, F16; F32, Levels;
+        F16, F32; F16, F16; F16, Levels;
+        Levels, F32; Levels, F16; Levels, Levels
+    );
+    scratch.wide = wide;
+}
+
+/// One side (keys or values) of a tile, as a loader.
+enum Side<'a> {
+    F32(Floats<'a>),
+    F16(Halves<'a>),
+    Levels(Levels<'a>),
+}
+
+impl<'a> Side<'a> {
+    fn new(rows: TileRows<'a>, ch: usize, buffer: &'a mut Vec<f32>) -> Self {
+        match rows {
+            TileRows::F32(v) => Self::F32(Floats(v, ch)),
+            TileRows::F16(h) => Self::F16(Halves(h, ch)),
+            TileRows::Levels(l) => match Levels::new(l) {
+                Some(levels) => Self::Levels(levels),
+                None => Self::F32(Floats(widen_rows(rows, buffer), ch)),
+            },
+        }
+    }
+}
+
+/// What one tile call works with, besides its keys and values.
+#[derive(Clone, Copy)]
+pub(in crate::kernel) struct Tile<'a> {
+    pub(in crate::kernel) q: &'a [f32],
+    pub(in crate::kernel) geometry: TileGeometry,
+    pub(in crate::kernel) rows: usize,
+    pub(in crate::kernel) upcoming: Option<&'a Upcoming>,
+}
+
+/// Scores, softmax and the weighted value sums of one tile, as
+/// `attend_tile_body` in the parent module computes them.
+#[inline(always)]
+fn body<K: Load, V: Load>(
+    tile: Tile<'_>,
+    keys: K,
+    values: V,
+    scratch: &mut KernelScratch,
+    partial: &mut Partial,
+) {
+    let Tile {
+        q,
+        geometry,
+        rows,
+        upcoming,
+    } = tile;
+    let TileGeometry { group, kv_heads, d } = geometry;
+    let (ch, heads) = (kv_heads * d, kv_heads * group);
+    // Every load below stays inside these lengths.
+    assert!(
+        keys.len() == rows * ch
+            && values.len() == rows * ch
+            && keys.ch() == ch
+            && values.ch() == ch
+            && q.len() == heads * d
+    );
+    let weights = &mut scratch.weights[..heads * rows];
+    // The next tile's lines are requested during the score passes.
+    let mut prefetch = Prefetcher::new(upcoming, kv_heads * group.div_ceil(4) * rows.div_ceil(4));
+    for kvh in 0..kv_heads {
+        let mut g = 0;
+        while g < group {
+            let n = (group - g).min(4);
+            let h = kvh * group + g;
+            let block = ScoreBlock {
+                q: &q[h * d..][..n * d],
+                keys,
+                offset: kvh * d,
+                d,
+                rows,
+            };
+            let w = &mut weights[h * rows..][..n * rows];
+            match n {
+                1 => scores::<K, 1>(block, w, &mut prefetch),
+                2 => scores::<K, 2>(block, w, &mut prefetch),
+                3 => scores::<K, 3>(block, w, &mut prefetch),
+                _ => scores::<K, 4>(block, w, &mut prefetch),
+            }
+            g += n;
+        }
+    }
+    let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
+    for ((w, m), l) in weights
+        .chunks_exact_mut(rows)
+        .zip(m.iter_mut())
+        .zip(l.iter_mut())
+    {
+        *m = max(w);
+        *l = exp_sub_sum::<true>(w, *m);
+    }
+    let acc = &mut scratch.acc[..heads * d];
+    for kvh in 0..kv_heads {
+        let mut g = 0;
+        while g < group {
+            let n = (group - g).min(4);
+            let h = kvh * group + g;
+            let out = &mut acc[h * d..][..n * d];
+            let w = &weights[h * rows..][..n * rows];
+            match n {
+                1 => weighted_sum::<V, 1>(out, w, values, kvh * d),
+                2 => weighted_sum::<V, 2>(out, w, values, kvh * d),
+                3 => weighted_sum::<V, 3>(out, w, values, kvh * d),
+                _ => weighted_sum::<V, 4>(out, w, values, kvh * d),
+            }
+            g += n;
+        }
+    }
+    for h in 0..heads {
+        partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
+    }
+}
+
+/// Up to four query heads of one KV head against the key rows of a tile.
+#[derive(Clone, Copy)]
+struct ScoreBlock<'a, K> {
+    /// `heads × d` scaled query values.
+    q: &'a [f32],
+    keys: K,
+    /// First channel of the KV head in a key row.
+    offset: usize,
+    d: usize,
+    rows: usize,
+}
+
+/// Scores of `H` heads against every row: `w[j·rows + t] = q_j · k_t`.
+/// Four rows at a time share each key chunk loaded; the `4H` lane
+/// accumulators are then folded together.
+#[inline(always)]
+fn scores<K: Load, const H: usize>(b: ScoreBlock<'_, K>, w: &mut [f32], prefetch: &mut Prefetcher) {
+    let quads = b.rows / 4 * 4;
+    for t in (0..quads).step_by(4) {
+        prefetch.step();
+        let acc = score_lanes::<K, H, 4>(b, t);
+        write_scores::<H, 4>(acc, w, b.rows, t);
+    }
+    for t in quads..b.rows {
+        prefetch.step();
+        let acc = score_lanes::<K, H, 1>(b, t);
+        write_scores::<H, 1>(acc, w, b.rows, t);
+    }
+}
+
+/// The 16-lane accumulators of heads `j < H` and rows `t..t + R`.
+#[inline(always)]
+fn score_lanes<K: Load, const H: usize, const R: usize>(
+    b: ScoreBlock<'_, K>,
+    t: usize,
+) -> [[__m512; R]; H] {
+    let full = b.d / LANES * LANES;
+    let tail = b.d - full;
+    // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F/BW/VL, FMA).
+    // `body` checked `keys.len() == rows·ch` and `q.len() == heads·d`;
+    // here `t + R <= rows`, every key channel read is below
+    // `offset + d <= ch` and every query value below `H·d`.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); R]; H];
+        let mut starts = [b.keys.row(t); R];
+        for (r, s) in starts.iter_mut().enumerate().skip(1) {
+            *s = b.keys.row(t + r);
+        }
+        let mut c = 0;
+        while c < full {
+            let mut k = [_mm512_setzero_ps(); R];
+            for (r, k) in k.iter_mut().enumerate() {
+                *k = b.keys.load(starts[r], b.offset + c);
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let qv = _mm512_loadu_ps(b.q.as_ptr().add(j * b.d + c));
+                for (a, k) in acc.iter_mut().zip(&k) {
+                    *a = _mm512_fmadd_ps(qv, *k, *a);
+                }
+            }
+            c += LANES;
+        }
+        if tail > 0 {
+            let mut k = [_mm512_setzero_ps(); R];
+            for (r, k) in k.iter_mut().enumerate() {
+                *k = b.keys.load_partial(starts[r], b.offset + full, tail);
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let qv = _mm512_maskz_loadu_ps(mask(tail), b.q.as_ptr().add(j * b.d + full));
+                for (a, k) in acc.iter_mut().zip(&k) {
+                    // Lanes above the tail keep their sums, as in the generic dot product.
+                    *a = _mm512_mask3_fmadd_ps(qv, *k, *a, mask(tail));
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// Folds the accumulators and stores head `j`, row `r` at `w[j·rows + t + r]`.
+#[inline(always)]
+fn write_scores<const H: usize, const R: usize>(
+    acc: [[__m512; R]; H],
+    w: &mut [f32],
+    rows: usize,
+    t: usize,
+) {
+    let mut sums = [0.0f32; 16];
+    // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F); `sums`
+    // holds the 16 floats stored.
+    unsafe {
+        let mut lanes = [_mm512_setzero_ps(); 16];
+        for (j, a) in acc.iter().enumerate() {
+            lanes[j * R..][..R].copy_from_slice(a);
+        }
+        _mm512_storeu_ps(sums.as_mut_ptr(), reduce16(lanes));
+    }
+    for j in 0..H {
+        w[j * rows + t..][..R].copy_from_slice(&sums[j * R..][..R]);
+    }
+}
+
+/// Lane `i` of the result is the sum of the 16 lanes of `v[i]`, added as
+/// the parent module's `reduce` adds them: lane `k` gets `k + 8`, then
+/// `k + 4`, `k + 2` and `k + 1`. Pairs of vectors are folded together by
+/// shuffles so that each addition serves two, four, eight, then all sixteen
+/// sums.
+#[inline(always)]
+fn reduce16(v: [__m512; 16]) -> __m512 {
+    // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F); no memory is touched.
+    unsafe {
+        // Level 1: [a0 a1 b0 b1] + [a2 a3 b2 b3] in 128-bit blocks: lanes
+        // 0..8 hold v[2p]'s `k + (k + 8)`, lanes 8..16 v[2p + 1]'s.
+        let w: [__m512; 8] = std::array::from_fn(|p| {
+            let (a, b) = (v[2 * p], v[2 * p + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(a, b),
+                _mm512_shuffle_f32x4::<0xEE>(a, b),
+            )
+        });
+        // Level 2: [a0 a2 b0 b2] + [a1 a3 b1 b3]: block k holds vector
+        // 4p + k's `k + (k + 4)` of its eight.
+        let x: [__m512; 4] = std::array::from_fn(|p| {
+            let (a, b) = (w[2 * p], w[2 * p + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(a, b),
+                _mm512_shuffle_f32x4::<0xDD>(a, b),
+            )
+        });
+        // Level 3, within 128-bit blocks: [a0 a1 b0 b1] + [a2 a3 b2 b3];
+        // block k holds vectors 8p + k and 8p + 4 + k, two lanes each.
+        let y: [__m512; 2] = std::array::from_fn(|p| {
+            let (a, b) = (x[2 * p], x[2 * p + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(a, b),
+                _mm512_shuffle_ps::<0xEE>(a, b),
+            )
+        });
+        // Level 4: [a0 a2 b0 b2] + [a1 a3 b1 b3]; block k holds the sums of
+        // vectors k, 4 + k, 8 + k, 12 + k, so lane 4k + m is v[4m + k]'s.
+        let z = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(y[0], y[1]),
+            _mm512_shuffle_ps::<0xDD>(y[0], y[1]),
+        );
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, z)
+    }
+}
+
+/// `out[j·d + c] = Σ_t w[j·rows + t] · values[t][offset + c]` for `H`
+/// heads, summed in row order per channel, as the parent module's
+/// `weighted_sum`: blocks of 64, 32 and 16 channels hold their `H` sums in
+/// registers while the rows stream by; the last `d mod 16` channels use
+/// masked lanes.
+#[inline(always)]
+fn weighted_sum<V: Load, const H: usize>(out: &mut [f32], w: &[f32], values: V, offset: usize) {
+    let d = out.len() / H;
+    let rows = w.len() / H;
+    let b = ValueBlock {
+        w,
+        rows,
+        values,
+        offset,
+        tail: 0,
+    };
+    let mut c = 0;
+    while c + 64 <= d {
+        store_block::<H, 4>(out, d, c, 16, value_block::<V, H, 4, 16>(b, c));
+        c += 64;
+    }
+    if c + 32 <= d {
+        store_block::<H, 2>(out, d, c, 16, value_block::<V, H, 2, 16>(b, c));
+        c += 32;
+    }
+    if c + 16 <= d {
+        store_block::<H, 1>(out, d, c, 16, value_block::<V, H, 1, 16>(b, c));
+        c += 16;
+    }
+    let n = d - c;
+    if n > 0 {
+        // A rare shape (head dims are multiples of 16 in practice): the
+        // lane count is a run-time value here.
+        store_block::<H, 1>(out, d, c, n, value_block::<V, H, 1, 0>(b.with_tail(n), c));
+    }
+}
+
+/// Inputs of one register block of value sums.
+#[derive(Clone, Copy)]
+struct ValueBlock<'a, V> {
+    w: &'a [f32],
+    rows: usize,
+    values: V,
+    offset: usize,
+    /// Lanes of a partial block (`value_block` with `FULL = 0`).
+    tail: usize,
+}
+
+impl<V> ValueBlock<'_, V> {
+    fn with_tail(self, tail: usize) -> Self {
+        Self { tail, ..self }
+    }
+}
+
+/// Channels `c..c + 16N` of `H` heads; with `FULL = 0`, one block of `tail` channels.
+#[inline(always)]
+fn value_block<V: Load, const H: usize, const N: usize, const FULL: usize>(
+    b: ValueBlock<'_, V>,
+    c: usize,
+) -> [[__m512; N]; H] {
+    // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F, FMA);
+    // `body` checked `values.len() == rows·ch`, channel `offset + c + 16N`
+    // (`+ tail` for a partial block) is at most `ch`, and `w` holds `H·rows`
+    // weights.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); N]; H];
+        for t in 0..b.rows {
+            let row = b.values.row(t);
+            let mut v = [_mm512_setzero_ps(); N];
+            for (k, v) in v.iter_mut().enumerate() {
+                *v = if FULL == 16 {
+                    b.values.load(row, b.offset + c + 16 * k)
+                } else {
+                    b.values.load_partial(row, b.offset + c + 16 * k, b.tail)
+                };
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let wt = _mm512_set1_ps(*b.w.get_unchecked(j * b.rows + t));
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    *a = _mm512_fmadd_ps(wt, *v, *a);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// Writes `lanes` channels of each block to `out[j·d + c..]`.
+#[inline(always)]
+fn store_block<const H: usize, const N: usize>(
+    out: &mut [f32],
+    d: usize,
+    c: usize,
+    lanes: usize,
+    acc: [[__m512; N]; H],
+) {
+    let mut buffer = [0.0f32; 16];
+    for (j, a) in acc.iter().enumerate() {
+        for (k, a) in a.iter().enumerate() {
+            // SAFETY: only inlined into `attend_tile_avx512`; `buffer` holds 16 floats.
+            unsafe { _mm512_storeu_ps(buffer.as_mut_ptr(), *a) };
+            out[j * d + c + 16 * k..][..lanes].copy_from_slice(&buffer[..lanes]);
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Decoding rows of an integer form up to, but not including, the step that
+//! turns levels into values: [`KvStore::decode_rows_view`] returns the
+//! levels (ECC-decoded where protected) and the group parameters as a
+//! [`LevelRows`], so a reader can dequantize in registers instead of
+//! writing an f32 tile and reading it back. [`LevelRows::value`] and
+//! [`LevelRows::dequantize_into`] give exactly what
+//! [`KvStore::decode_rows_into`] writes.
+
+use super::{DecodeScratch, Kind, KvDecodeStats, KvStore, erasure_words, grow};
+use crate::error::Result;
+
+/// How a level becomes a value in a group with scale `a` and offset `b`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LevelMap {
+    /// Asymmetric integer forms: `b + level · a` (the product rounded to
+    /// f32, then the sum: no fused multiply-add).
+    Affine,
+    /// Symmetric integer forms: `(level − mid) · a`, with `mid = 2^(bits−1)`.
+    Centered {
+        /// The level that stands for zero.
+        mid: f32,
+    },
+}
+
+/// Levels of rows `start..start + count` of an integer form and the
+/// parameters of their groups.
+#[derive(Clone, Copy, Debug)]
+pub struct LevelRows<'s> {
+    store: &'s KvStore,
+    start: usize,
+    /// One level per value, `count × channels`, row-major.
+    pub levels: &'s [u8],
+    /// Scale of each group touched by the rows, from the first one
+    /// ([`group_index`](Self::group_index) maps a value to its group).
+    pub scale: &'s [f32],
+    /// Offset of each group (zeros for symmetric forms).
+    pub offset: &'s [f32],
+    /// How a level becomes a value.
+    pub map: LevelMap,
+}
+
+impl LevelRows<'_> {
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.levels.len() / self.store.channels()
+    }
+
+    /// Channels per row.
+    pub fn channels(&self) -> usize {
+        self.store.channels()
+    }
+
+    /// Consecutive channels of a row sharing one group (1 for per-channel
+    /// groups, the whole row for per-token ones).
+    pub fn channels_per_group(&self) -> usize {
+        self.layout().channels_per_group
+    }
+
+    /// Consecutive tokens sharing one group (1 for per-token groups).
+    pub fn tokens_per_group(&self) -> usize {
+        self.layout().tokens_per_block
+    }
+
+    /// The index into [`scale`](Self::scale) and [`offset`](Self::offset) of
+    /// the group holding channel `channel` of row `row` (counted from the
+    /// first row held). Within a row, it is `group_index(row, 0) +
+    /// channel / channels_per_group()`.
+    #[inline]
+    pub fn group_index(&self, row: usize, channel: usize) -> usize {
+        let layout = self.layout();
+        layout.group(self.start + row, channel) - layout.group(self.start, 0)
+    }
+
+    /// Rows `first..first + count` of these (panics outside them).
+    pub fn sub_rows(&self, first: usize, count: usize) -> Self {
+        let ch = self.channels();
+        assert!(
+            first + count <= self.rows() && count > 0,
+            "sub_rows: rows out of range"
+        );
+        let base = self.group_index(first, 0);
+        let layout = self.layout();
+        let groups = layout
+            .groups_of_rows(self.start + first, self.start + first + count)
+            .len();
+        Self {
+            store: self.store,
+            start: self.start + first,
+            levels: &self.levels[first * ch..][..count * ch],
+            scale: &self.scale[base..][..groups],
+            offset: &self.offset[base..][..groups],
+            map: self.map,
+        }
+    }
+
+    /// The value of `(row, channel)`, as [`KvStore::decode_rows_into`] gives it.
+    #[inline]
+    pub fn value(&self, row: usize, channel: usize) -> f32 {
+        let g = self.group_index(row, channel);
+        let level = self.levels[row * self.channels() + channel];
+        self.kind().dequant(level, self.scale[g], self.offset[g])
+    }
+
+    /// Writes every value (`rows × channels`), as [`KvStore::decode_rows_into`] does.
+    ///
+    /// # Panics
+    /// If `out` does not hold `rows × channels` values.
+    pub fn dequantize_into(&self, out: &mut [f32]) {
+        assert_eq!(
+            out.len(),
+            self.levels.len(),
+            "dequantize_into: output length"
+        );
+        let end = self.start + self.rows();
+        let params = (self.scale, self.offset);
+        crate::simd::with_avx2(|| {
+            self.store
+                .dequantize_levels(self.kind(), self.start, end, out, self.levels, params);
+        });
+    }
+
+    #[inline]
+    fn layout(&self) -> &crate::layout::GroupLayout {
+        self.store.layout.as_ref().expect("level forms have groups")
+    }
+
+    fn kind(&self) -> Kind {
+        Kind::of(self.store.form.quantizer())
+    }
+}
+
+/// Rows of a store as [`KvStore::decode_rows_view`] returns them.
+#[derive(Clone, Copy, Debug)]
+pub enum RowsView<'s> {
+    /// Levels and group parameters, to be turned into values by the reader.
+    Levels(LevelRows<'s>),
+    /// Values, decoded into the scratch: the float and FP8/NF4 forms, and
+    /// rows holding erased values (the erasure policy needs the values of
+    /// their neighbours).
+    Values(&'s [f32]),
+}
+
+impl KvStore {
+    /// Decodes rows `start..start + count` as far as the form allows
+    /// without writing values: for the integer forms with no erased value in
+    /// these rows, the levels and the group parameters
+    /// ([`RowsView::Levels`]); otherwise the values ([`RowsView::Values`]).
+    /// Either way the values and statistics equal those of
+    /// [`decode_rows_into`](Self::decode_rows_into).
+    pub fn decode_rows_view<'s>(
+        &'s self,
+        start: usize,
+        count: usize,
+        scratch: &'s mut DecodeScratch,
+    ) -> Result<(RowsView<'s>, KvDecodeStats)> {
+        let end = self.row_end(start, count)?;
+        let kind = Kind::of(self.form.quantizer());
+        let map = match kind {
+            Kind::Asym(_) => Some(LevelMap::Affine),
+            Kind::Sym(bits) => Some(LevelMap::Centered {
+                mid: f32::from(1u8 << (bits - 1)),
+            }),
+            _ => None,
+        };
+        let n = count * self.channels;
+        let Some(map) = map else {
+            let mut values = std::mem::take(&mut scratch.values);
+            let stats = self.decode_rows_into(start, count, grow(&mut values, n), scratch);
+            scratch.values = values;
+            return Ok((RowsView::Values(&scratch.values[..n]), stats?));
+        };
+        let stats = self.decode_codes(start, end, kind, scratch, None)?;
+        if stats.erased_values > 0 {
+            let values = grow(&mut scratch.values, n);
+            let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
+            self.dequantize_levels(kind, start, end, values, &scratch.levels, params);
+            let ew = erasure_words(self.channels);
+            self.apply_policy(start, end, values, &scratch.erasures[..count * ew])?;
+            return Ok((RowsView::Values(&scratch.values[..n]), stats));
+        }
+        let groups = self
+            .layout
+            .as_ref()
+            .expect("level forms have groups")
+            .groups_of_rows(start, end)
+            .len();
+        let rows = LevelRows {
+            store: self,
+            start,
+            levels: &scratch.levels[..n],
+            scale: &scratch.scale[..groups],
+            offset: &scratch.offset[..groups],
+            map,
+        };
+        Ok((RowsView::Levels(rows), stats))
+    }
+}
