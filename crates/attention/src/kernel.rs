@@ -358,14 +358,7 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
         }
     }
     let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
-    for ((w, m), l) in weights
-        .chunks_exact_mut(rows)
-        .zip(m.iter_mut())
-        .zip(l.iter_mut())
-    {
-        *m = max(w);
-        *l = exp_sub_sum::<FMA>(w, *m);
-    }
+    softmax_rows::<FMA>(weights, rows, m, l);
     let acc = &mut scratch.acc[..heads * d];
     for kvh in 0..kv_heads {
         // Up to four heads of the group per pass over the value rows.
@@ -386,6 +379,20 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
     }
     for h in 0..heads {
         partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
+    }
+}
+
+/// Per head (a row of `rows` scores in `weights`): its maximum into `m`,
+/// the scores replaced by `exp(s − m)`, and their sum into `l`.
+#[inline(always)]
+fn softmax_rows<const FMA: bool>(weights: &mut [f32], rows: usize, m: &mut [f32], l: &mut [f32]) {
+    for ((w, m), l) in weights
+        .chunks_exact_mut(rows)
+        .zip(m.iter_mut())
+        .zip(l.iter_mut())
+    {
+        *m = max(w);
+        *l = exp_sub_sum::<FMA>(w, *m);
     }
 }
 

@@ -27,7 +27,7 @@ use std::arch::x86_64::*;
 use kv_quant::{LevelMap, LevelRows};
 
 use super::{
-    KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming, exp_sub_sum, max, widen_rows,
+    KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming, softmax_rows, widen_rows,
 };
 use crate::source::TileRows;
 
@@ -367,14 +367,7 @@ fn body<K: Load, V: Load>(
         }
     }
     let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
-    for ((w, m), l) in weights
-        .chunks_exact_mut(rows)
-        .zip(m.iter_mut())
-        .zip(l.iter_mut())
-    {
-        *m = max(w);
-        *l = exp_sub_sum::<true>(w, *m);
-    }
+    softmax_rows::<true>(weights, rows, m, l);
     let acc = &mut scratch.acc[..heads * d];
     for kvh in 0..kv_heads {
         let mut g = 0;
