@@ -1,0 +1,249 @@
+//! [`KernelForm`]: a paged layer's cache form as the fused attention kernel
+//! reads it — which bytes of a block hold what, in kv-quant's canonical
+//! layout (the block's [`KvStore`](kv_quant::KvStore) buffers, unchanged) —
+//! checked on the host, so unsupported forms fail with a typed error before
+//! anything reaches the device.
+
+use gf2_codes::Int4Code;
+use kv_quant::spec::{Granularity, IntSpec};
+use kv_quant::{CacheForm, ErasurePolicy, MetaProtection, Quantizer, ScaleType};
+
+use crate::error::{GpuError, Result};
+
+/// Channels each thread of the attention kernel reads from one row: the
+/// channels of one metadata group must be a multiple of this.
+pub const LANE_CHANNELS: usize = 16;
+
+/// How the values of a row are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ValueCoding {
+    /// Little-endian f16 per value.
+    F16,
+    /// Packed INT4 levels, value `j` in bits `4j..4j+4` of the row.
+    Int4,
+    /// One SECDED(8,4) byte per INT4 level.
+    Int4Secded84,
+}
+
+impl ValueCoding {
+    /// The device's number for the coding (`RKV_F16`, `RKV_INT4`, `RKV_SECDED` in `common.cuh`).
+    pub const fn id(self) -> u32 {
+        match self {
+            ValueCoding::F16 => 0,
+            ValueCoding::Int4 => 1,
+            ValueCoding::Int4Secded84 => 2,
+        }
+    }
+}
+
+/// A layer's form as the fused paged attention kernel handles it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelForm {
+    /// The form it was made from.
+    pub form: CacheForm,
+    /// The value coding.
+    pub coding: ValueCoding,
+    /// Channels per token (`kv_heads × head_dim`).
+    pub channels: usize,
+    /// Bytes of one token row of the value buffer.
+    pub row_bytes: usize,
+    /// Channels of a row sharing one scale (and offset); 0 for f16.
+    pub channels_per_group: usize,
+    /// Scale and offset type.
+    pub scale: ScaleType,
+    /// Symmetric levels (`(level − 8)·a`) rather than affine (`b + level·a`).
+    pub symmetric: bool,
+    /// Scales and offsets carry SECDED check bytes.
+    pub meta_checks: bool,
+    /// What an erased value becomes.
+    pub policy: ErasurePolicy,
+}
+
+/// Byte lengths of the four buffers of one block (one K or V store of
+/// `block_size` tokens).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct BlockBytes {
+    /// Value bytes.
+    pub data: usize,
+    /// Scale bytes.
+    pub scales: usize,
+    /// Offset bytes.
+    pub offsets: usize,
+    /// Metadata check bytes.
+    pub checks: usize,
+}
+
+impl KernelForm {
+    /// Checks that the kernel handles `form` over `channels` channels with
+    /// `head_dim`-channel heads, and describes its bytes.
+    ///
+    /// Handled: `fp16`; INT4 per token (whole row or groups of a multiple of
+    /// [`LANE_CHANNELS`] channels), symmetric or not, f16 or f32 scales; and
+    /// the same protected by `+secded84` with any erasure policy and with or
+    /// without metadata checks.
+    pub fn new(form: CacheForm, channels: usize, head_dim: usize) -> Result<Self> {
+        let unsupported = |reason: String| GpuError::Unsupported {
+            what: "cache form",
+            reason: format!("{form}: {reason}"),
+        };
+        if head_dim == 0 || !head_dim.is_multiple_of(LANE_CHANNELS) || head_dim > 256 {
+            return Err(GpuError::Unsupported {
+                what: "head_dim",
+                reason: format!("{head_dim}: must be a multiple of {LANE_CHANNELS} up to 256"),
+            });
+        }
+        if channels == 0 || !channels.is_multiple_of(head_dim) {
+            return Err(GpuError::InvalidParameter {
+                name: "channels",
+                reason: format!("{channels} is not a multiple of head_dim {head_dim}"),
+            });
+        }
+        let plain = |coding, scale, symmetric, channels_per_group| KernelForm {
+            form,
+            coding,
+            channels,
+            row_bytes: match coding {
+                ValueCoding::F16 => 2 * channels,
+                ValueCoding::Int4 => channels.div_ceil(2),
+                ValueCoding::Int4Secded84 => channels,
+            },
+            channels_per_group,
+            scale,
+            symmetric,
+            meta_checks: false,
+            policy: ErasurePolicy::Keep,
+        };
+        let mut kf = match *form.quantizer() {
+            Quantizer::Fp16 => plain(ValueCoding::F16, ScaleType::F16, false, 0),
+            Quantizer::Int(IntSpec {
+                bits: 4,
+                symmetric,
+                granularity: Granularity::PerToken { group },
+                scale,
+            }) => {
+                let cpg = group.unwrap_or(channels);
+                if !cpg.is_multiple_of(LANE_CHANNELS) || !channels.is_multiple_of(cpg) {
+                    return Err(unsupported(format!(
+                        "groups of {cpg} channels: need a multiple of {LANE_CHANNELS} dividing {channels}"
+                    )));
+                }
+                let coding = match form.protection() {
+                    None => ValueCoding::Int4,
+                    Some(p) if p.code == Int4Code::Secded84 => ValueCoding::Int4Secded84,
+                    Some(p) => {
+                        return Err(unsupported(format!(
+                            "{} inside attention (use the batch decoder)",
+                            p.code
+                        )));
+                    }
+                };
+                plain(coding, scale, symmetric, cpg)
+            }
+            _ => {
+                return Err(unsupported(
+                    "the fused kernel reads fp16, int4 per token and int4+secded84".into(),
+                ));
+            }
+        };
+        if let Some(p) = form.protection() {
+            kf.meta_checks = p.metadata == MetaProtection::Secded;
+            kf.policy = p.policy;
+        }
+        Ok(kf)
+    }
+
+    /// Metadata groups per token row.
+    pub fn groups_per_row(&self) -> usize {
+        self.channels
+            .checked_div(self.channels_per_group)
+            .unwrap_or(0)
+    }
+
+    /// Whether the form stores offsets.
+    pub fn has_offsets(&self) -> bool {
+        self.coding != ValueCoding::F16 && !self.symmetric
+    }
+
+    /// Buffer lengths of one block of `block_size` tokens.
+    pub fn block_bytes(&self, block_size: usize) -> BlockBytes {
+        let groups = block_size * self.groups_per_row();
+        let meta = groups * self.scale.bytes();
+        let words = groups * (1 + usize::from(self.has_offsets()));
+        BlockBytes {
+            data: block_size * self.row_bytes,
+            scales: meta,
+            offsets: if self.has_offsets() { meta } else { 0 },
+            checks: if self.meta_checks { words } else { 0 },
+        }
+    }
+
+    /// The erasure policy as the device reads it: `(kind, reach)` with kind
+    /// 0 keep, 1 zero, 2 interpolate.
+    pub fn policy_code(&self) -> (u32, u32) {
+        match self.policy {
+            ErasurePolicy::Keep => (0, 0),
+            ErasurePolicy::Zero => (1, 0),
+            ErasurePolicy::Interpolate { reach } => (2, reach),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_quant::KvStore;
+
+    /// The computed block buffer lengths equal those of real kv-quant stores.
+    #[test]
+    fn block_bytes_match_kv_quant_stores() {
+        let (block, ch, hd) = (16, 256, 128);
+        let data: Vec<f32> = (0..block * ch)
+            .map(|i| (i % 37) as f32 * 0.1 - 1.5)
+            .collect();
+        for spelling in [
+            "fp16",
+            "int4",
+            "int4-g64",
+            "int4-sym-g32",
+            "int4-g128-sf32",
+            "int4+secded84",
+            "int4-g64+secded84+interp",
+            "int4+secded84+zero+meta-none",
+        ] {
+            let form: CacheForm = spelling.parse().unwrap();
+            let kf = KernelForm::new(form, ch, hd).unwrap();
+            let store = KvStore::quantize(form, &data, block, ch).unwrap();
+            let b = kf.block_bytes(block);
+            assert_eq!(b.data, store.data().len(), "{spelling}");
+            assert_eq!(b.scales, store.scales().len(), "{spelling}");
+            assert_eq!(b.offsets, store.offsets().len(), "{spelling}");
+            assert_eq!(b.checks, store.meta_checks().len(), "{spelling}");
+            assert_eq!(kf.row_bytes, store.row_bytes(), "{spelling}");
+        }
+    }
+
+    #[test]
+    fn unsupported_forms_and_shapes_are_typed_errors() {
+        let f = |s: &str| s.parse::<CacheForm>().unwrap();
+        for (form, ch, hd) in [
+            (f("int4-ch"), 256, 128),
+            (f("int4-g8"), 256, 128),
+            (f("int4+golay24"), 256, 128),
+            (f("int8"), 256, 128),
+            (f("fp8-e4m3"), 256, 128),
+        ] {
+            assert!(matches!(
+                KernelForm::new(form, ch, hd),
+                Err(GpuError::Unsupported { .. })
+            ));
+        }
+        assert!(matches!(
+            KernelForm::new(f("fp16"), 256, 24),
+            Err(GpuError::Unsupported { .. })
+        ));
+        assert!(matches!(
+            KernelForm::new(f("fp16"), 200, 128),
+            Err(GpuError::InvalidParameter { .. })
+        ));
+    }
+}

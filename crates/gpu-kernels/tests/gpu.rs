@@ -1,0 +1,258 @@
+//! GPU tests against the CPU crates as oracles: batch ECC decode (values,
+//! erasures, statistics equal to gf2-codes'), dequantisation (bit-equal to
+//! kv-quant), fused paged decoding (within 1e-3 relative of paged-cache's
+//! CPU decode, every output written), checked GEMM (the injected fault's row
+//! flagged, none on a clean product). Each test prints "skipped: no CUDA
+//! device" and returns where there is none.
+#![cfg(feature = "cuda")]
+
+use abft_gemm::{Matrix, Precision, Threshold, VAbft};
+use attention::{Attention, HeadShape};
+use gf2_codes::Int4Code;
+use gf2_codes::channel::{BinarySymmetric, FaultRng};
+use gpu_kernels::{Gpu, GpuError};
+use half::bf16;
+use kv_quant::{CacheForm, FaultTarget, KvStore};
+use paged_cache::{BlockId, BlockStorage, KvPart, LayerSpec, PageTable, paged_decode};
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::open_default() {
+        Ok(g) => Some(g),
+        Err(GpuError::NoDevice(why)) => {
+            println!("skipped: no CUDA device ({why})");
+            None
+        }
+        Err(e) => panic!("opening the device: {e}"),
+    }
+}
+
+fn normal(rng: &mut FaultRng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let (u, v) = (rng.next_f64().max(1e-300), rng.next_f64());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        })
+        .collect()
+}
+
+#[test]
+fn ecc_decode_matches_the_cpu_codecs() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = FaultRng::new(7);
+    for code in Int4Code::ALL {
+        for count in [1usize, 5, 63, 64, 1000, 100_003] {
+            let values: Vec<u8> = (0..count).map(|_| (rng.next_u64() & 15) as u8).collect();
+            let mut enc = code.codec().encode(&values).unwrap();
+            for byte in enc.iter_mut() {
+                for bit in 0..8 {
+                    if rng.next_f64() < 0.02 {
+                        *byte ^= 1 << bit;
+                    }
+                }
+            }
+            if code == Int4Code::Hamming74 {
+                // Bits past the last codeword are not part of any word.
+                let used = 7 * count % 8;
+                if used != 0 {
+                    *enc.last_mut().unwrap() &= (1u8 << used) - 1;
+                }
+            }
+            let cpu = code.codec().decode(&enc, count).unwrap();
+            let dev = gpu.ecc_decode(code, &enc, count).unwrap();
+            assert_eq!(dev.values, cpu.values, "{code} {count}");
+            assert_eq!(dev.erasures, cpu.erasures, "{code} {count}");
+            assert_eq!(dev.stats, cpu.stats, "{code} {count}");
+        }
+    }
+    assert!(matches!(
+        gpu.ecc_decode(Int4Code::Secded84, &[0; 3], 4),
+        Err(GpuError::ShapeMismatch { .. })
+    ));
+}
+
+#[test]
+fn dequantize_is_bit_equal_to_kv_quant() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = FaultRng::new(11);
+    let (tokens, channels) = (97, 256);
+    let data = normal(&mut rng, tokens * channels);
+    for spelling in [
+        "int4",
+        "int4-g64",
+        "int4-sym-g32",
+        "int4-ch",
+        "int4-ch32",
+        "int4-g128-sf32",
+        "fp8-e4m3",
+        "fp8-e5m2",
+        "fp8-e4m3-h64",
+    ] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let store = KvStore::quantize(form, &data, tokens, channels).unwrap();
+        let cpu = store.decode().unwrap().values;
+        let dev = gpu.dequantize(&store).unwrap();
+        let same = cpu
+            .iter()
+            .zip(&dev)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same && cpu.len() == dev.len(), "{spelling}");
+    }
+    let protected =
+        KvStore::quantize("int4+secded84".parse().unwrap(), &data, tokens, channels).unwrap();
+    assert!(matches!(
+        gpu.dequantize(&protected),
+        Err(GpuError::Unsupported { .. })
+    ));
+}
+
+/// Random sequences over a shared pool, CPU and device decode compared.
+#[test]
+fn paged_decode_matches_the_cpu_within_1e3() {
+    let Some(gpu) = gpu() else { return };
+    let (q_heads, kv_heads, hd, block) = (32, 8, 128, 16);
+    let channels = kv_heads * hd;
+    let lens = [1usize, 15, 16, 17, 200, 1031];
+    let blocks: usize = lens.iter().map(|l| l.div_ceil(block)).sum();
+    for (spelling, ber) in [
+        ("fp16", 0.0),
+        ("int4", 0.0),
+        ("int4-g64", 0.0),
+        ("int4-sym-g32-sf32", 0.0),
+        ("int4+secded84", 1e-3),
+        ("int4+secded84+zero", 1e-3),
+        ("int4-g64+secded84+interp", 1e-3),
+        ("int4+secded84+interp", 1e-2),
+    ] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let storage = BlockStorage::new(blocks, block, &[LayerSpec { form, channels }]).unwrap();
+        let mut rng = FaultRng::new(3);
+        let mut tables = Vec::new();
+        let mut next = 0u32;
+        for &len in &lens {
+            let ids: Vec<BlockId> = (0..len.div_ceil(block))
+                .map(|i| BlockId(next + i as u32))
+                .collect();
+            next += ids.len() as u32;
+            for t in 0..len {
+                let (k, v) = (normal(&mut rng, channels), normal(&mut rng, channels));
+                storage.write(ids[t / block], t % block, 0, &k, &v).unwrap();
+            }
+            tables.push((ids, len));
+        }
+        if ber > 0.0 {
+            let ch = BinarySymmetric::new(ber).unwrap();
+            for b in 0..blocks {
+                for part in [KvPart::Keys, KvPart::Values] {
+                    storage
+                        .inject(
+                            BlockId(b as u32),
+                            0,
+                            part,
+                            &ch,
+                            100 + b as u64,
+                            FaultTarget::Everything,
+                        )
+                        .unwrap();
+                }
+            }
+        }
+        let refs: Vec<(&[BlockId], usize)> =
+            tables.iter().map(|(i, l)| (i.as_slice(), *l)).collect();
+        let table = PageTable::from_tables(&refs, block).unwrap();
+        let queries = normal(&mut rng, lens.len() * q_heads * hd);
+        let attention = Attention::new(HeadShape::new(q_heads, kv_heads, hd).unwrap());
+        let cpu = paged_decode(&attention, &storage, &table, 0, &queries).unwrap();
+
+        let layer = gpu.upload_layer(&storage, 0, hd).unwrap();
+        let dt = gpu.upload_page_table(&layer, &table).unwrap();
+        for split in [None, Some(64), Some(256)] {
+            let mut ws = gpu.paged_workspace(&layer, &dt, q_heads, split).unwrap();
+            gpu.set_queries(&mut ws, &queries).unwrap();
+            gpu.fill_outputs(&mut ws, f32::NAN).unwrap();
+            gpu.launch_paged_decode(&layer, &dt, &mut ws).unwrap();
+            let dev = gpu.paged_output(&ws).unwrap();
+            assert!(
+                dev.out.iter().all(|x| x.is_finite()),
+                "{spelling}: unwritten or non-finite output"
+            );
+            let mut stats = kv_quant::KvDecodeStats::default();
+            for (i, c) in cpu.iter().enumerate() {
+                let d = &dev.out[i * q_heads * hd..][..q_heads * hd];
+                let num: f64 = c
+                    .out
+                    .iter()
+                    .zip(d)
+                    .map(|(a, b)| f64::from(a - b).powi(2))
+                    .sum();
+                let den: f64 = c.out.iter().map(|a| f64::from(*a).powi(2)).sum();
+                assert!(
+                    num.sqrt() <= 1e-3 * den.sqrt().max(1e-30),
+                    "{spelling} seq {i} split {split:?}: rel {}",
+                    (num / den).sqrt()
+                );
+                stats += c.stats.keys;
+                stats += c.stats.values;
+            }
+            if form.protection().is_some() {
+                assert_eq!(dev.stats, stats, "{spelling}");
+            }
+        }
+    }
+}
+
+#[test]
+fn checked_gemm_flags_the_injected_row_only() {
+    let Some(gpu) = gpu() else { return };
+    let (m, k, n) = (256, 512, 384);
+    let mut rng = FaultRng::new(5);
+    let a: Vec<bf16> = normal(&mut rng, m * k)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let b: Vec<bf16> = normal(&mut rng, k * n)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let rule = VAbft::design(Precision::Bf16.e_max_ascend());
+    let mut g = gpu.checked_gemm(&a, &b, m, k, n).unwrap();
+    gpu.gemm(&mut g).unwrap();
+    gpu.queue_check(&mut g, &rule).unwrap();
+    let clean = gpu.check_verdict(&g).unwrap();
+    assert!(
+        clean.flagged.is_empty(),
+        "false positives: {:?}",
+        clean.flagged
+    );
+    // The CPU rule on the same matrices gives bounds within rounding of the device's.
+    let to_f32 = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+    let (am, bm) = (
+        Matrix::new(m, k, to_f32(&a)).unwrap(),
+        Matrix::new(k, n, to_f32(&b)).unwrap(),
+    );
+    let cm = Matrix::new(m, n, gpu.read_c(&g).unwrap()).unwrap();
+    for (cpu, dev) in rule.rows(&am, &bm, &cm).iter().zip(&clean.bounds) {
+        assert!(
+            (cpu - dev).abs() <= 1e-9 * cpu.abs(),
+            "bound {cpu} vs {dev}"
+        );
+    }
+    let c = gpu.read_c(&g).unwrap();
+    let (row, col) = (77, 5);
+    gpu.poke_c(&mut g, row, col, c[row * n + col] + 64.0)
+        .unwrap();
+    gpu.queue_check(&mut g, &rule).unwrap();
+    assert_eq!(gpu.check_verdict(&g).unwrap().flagged, vec![row]);
+    assert!(matches!(
+        gpu.checked_gemm(&a, &b, m, k + 1, n),
+        Err(GpuError::ShapeMismatch { .. })
+    ));
+}
+
+#[test]
+fn modules_are_compiled_once_and_cached_by_name() {
+    let Some(gpu) = gpu() else { return };
+    assert!(gpu.loaded_modules().is_empty());
+    gpu.ecc_decode(Int4Code::Secded84, &[0; 8], 8).unwrap();
+    gpu.ecc_decode(Int4Code::Golay24, &[0; 3], 3).unwrap();
+    assert_eq!(gpu.loaded_modules(), vec!["ecc_decode"]);
+}
