@@ -213,6 +213,60 @@ fn fetch_corpus(cache: &Path) -> Result<PathBuf> {
     Ok(target)
 }
 
+/// NVRTC from PyPI, pinned: lets the CPU-side tests compile every CUDA
+/// source of gpu-kernels with no GPU and no toolkit.
+const NVRTC_PACKAGE: &str = "nvidia-cuda-nvrtc-cu12==12.9.86";
+const NVRTC_MEMBERS: [&str; 2] = [
+    "nvidia/cuda_nvrtc/lib/libnvrtc.so.12",
+    "nvidia/cuda_nvrtc/lib/libnvrtc-builtins.so.12.9",
+];
+
+/// The folder holding libnvrtc (fetched when missing), or why there is none.
+pub(crate) fn fetch_nvrtc() -> Result<PathBuf> {
+    let dir = cache_dir().join("nvrtc-12.9.86");
+    let have = |d: &Path| {
+        NVRTC_MEMBERS.iter().all(|m| {
+            d.join(Path::new(m).file_name().expect("file name"))
+                .is_file()
+        })
+    };
+    if have(&dir) {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(cache_dir())?;
+    eprintln!("nvrtc: pip download --no-deps {NVRTC_PACKAGE}");
+    let tmp = scratch(&cache_dir(), "nvrtc")?;
+    run(
+        Command::new("python3")
+            .args(["-m", "pip", "download", "--no-deps", "--quiet", "--dest"])
+            .arg(&tmp.0)
+            .arg(NVRTC_PACKAGE),
+        "pip download of NVRTC",
+    )?;
+    let wheel = std::fs::read_dir(&tmp.0)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .context("pip download left no wheel")?;
+    let staged = tmp.0.join("lib");
+    std::fs::create_dir_all(&staged)?;
+    for member in NVRTC_MEMBERS {
+        run(
+            Command::new("python3")
+                .args([
+                    "-c",
+                    "import sys, zipfile, shutil, os\nz = zipfile.ZipFile(sys.argv[1])\nwith z.open(sys.argv[2]) as f, open(os.path.join(sys.argv[3], os.path.basename(sys.argv[2])), 'wb') as o: shutil.copyfileobj(f, o)",
+                ])
+                .arg(&wheel)
+                .arg(member)
+                .arg(&staged),
+            "unpacking NVRTC",
+        )?;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&staged, &dir)?;
+    Ok(dir)
+}
+
 /// Fetches both; returns the model and corpus paths.
 pub(crate) fn fetch() -> Result<(PathBuf, PathBuf)> {
     let cache = cache_dir();

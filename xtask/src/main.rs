@@ -42,8 +42,68 @@ enum Command {
     /// The main job: fetch if needed, then the paper's BER sweep (six forms
     /// plus unprotected int4, BER 0/1e-4/1e-3/1e-2) on the default model.
     Eval(EvalArgs),
-    /// Fetch the model and corpus, then run the whole test suite in release mode.
+    /// Fetch the model and corpus, then run the whole test suite in release
+    /// mode (gpu-kernels with its `cuda` feature; GPU tests skip without a device).
     Test,
+    /// Build PTX for every gpu-kernels CUDA source into a folder (nvcc when
+    /// on PATH, NVRTC from PyPI otherwise); point `RKV_PTX_DIR` at it to
+    /// skip run-time compilation.
+    Ptx(PtxArgs),
+}
+
+#[derive(Args)]
+struct PtxArgs {
+    /// Target architecture.
+    #[arg(long, default_value = "sm_90")]
+    arch: String,
+    /// Output folder.
+    #[arg(long, default_value = "target/ptx")]
+    out: PathBuf,
+}
+
+/// `cargo xtask ptx`: nvcc when present, else gpu-kernels' NVRTC example.
+fn ptx(args: &PtxArgs) -> Result<()> {
+    std::fs::create_dir_all(&args.out)?;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let kernels = root.join("crates/gpu-kernels/kernels");
+    if Process::new("nvcc").arg("--version").output().is_ok() {
+        let common = std::fs::read_to_string(kernels.join("common.cuh"))?;
+        for name in ["ecc_decode", "dequant", "paged_decode", "abft"] {
+            // The same text NVRTC compiles: common.cuh, then the module.
+            let src = args.out.join(format!("{name}.full.cu"));
+            let body = std::fs::read_to_string(kernels.join(format!("{name}.cu")))?;
+            std::fs::write(&src, format!("{common}\n#line 1 \"{name}.cu\"\n{body}"))?;
+            status(
+                Process::new("nvcc")
+                    .args(["-ptx", "-std=c++17", "-lineinfo"])
+                    .arg(format!("-arch={}", args.arch))
+                    .arg(&src)
+                    .arg("-o")
+                    .arg(args.out.join(format!("{name}.ptx"))),
+                "nvcc -ptx",
+            )?;
+        }
+        return Ok(());
+    }
+    let dir = fetch::fetch_nvrtc()?;
+    let compute = args.arch.replace("sm_", "compute_");
+    status(
+        cargo()
+            .args([
+                "run",
+                "--release",
+                "-q",
+                "-p",
+                "gpu-kernels",
+                "--features",
+                "cuda",
+            ])
+            .args(["--example", "compile_ptx", "--"])
+            .arg(&args.out)
+            .arg(compute)
+            .env("LD_LIBRARY_PATH", dir),
+        "NVRTC compile",
+    )
 }
 
 #[derive(Args)]
@@ -111,10 +171,29 @@ fn main() -> Result<()> {
         Command::Eval(args) => eval(&args),
         Command::Test => {
             fetch::fetch()?;
-            status(
-                cargo().args(["test", "--workspace", "--release"]),
-                "cargo test --workspace --release",
-            )
+            let mut cmd = cargo();
+            cmd.args([
+                "test",
+                "--workspace",
+                "--release",
+                "--features",
+                "gpu-kernels/cuda",
+            ]);
+            // NVRTC lets gpu-kernels' CPU-side test compile every CUDA
+            // source; without it that test says it skipped.
+            match fetch::fetch_nvrtc() {
+                Ok(dir) => {
+                    let old = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();
+                    let mut paths = vec![dir];
+                    paths.extend(std::env::split_paths(&old));
+                    cmd.env("LD_LIBRARY_PATH", std::env::join_paths(paths)?);
+                }
+                Err(e) => {
+                    eprintln!("nvrtc: not available ({e:#}); the NVRTC compile test will skip")
+                }
+            }
+            status(&mut cmd, "cargo test --workspace --release")
         }
+        Command::Ptx(args) => ptx(&args),
     }
 }
