@@ -53,10 +53,10 @@ impl Gpu {
             tokens_per_block: as_u32(layout.tokens_per_block, "tokens per group")?,
             channels_per_group: as_u32(layout.channels_per_group, "channels per group")?,
             groups_per_block: as_u32(layout.groups_per_block, "groups per block")?,
-            scale_bytes: if store.scales().len() == 2 * layout.groups() {
-                2
-            } else {
-                4
+            // FP8 scales are always f32; integer forms say theirs.
+            scale_bytes: match form.quantizer() {
+                Quantizer::Int(spec) => spec.scale.bytes() as u32,
+                _ => 4,
             },
         };
         let (t, ch) = (as_u32(tokens, "tokens")?, as_u32(channels, "channels")?);
