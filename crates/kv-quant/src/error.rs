@@ -18,6 +18,28 @@ pub enum KvQuantError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A per-layer form policy that does not parse or does not fit the model.
+    #[error(
+        "invalid layer forms {spec:?}: {reason}\nvalid layer forms: {}",
+        crate::spec::LAYER_GRAMMAR
+    )]
+    InvalidLayerForms {
+        /// The text that was given (cut when long).
+        spec: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A form that needs fitted data (a vector-quantization codebook) was
+    /// used without it, or with data fitted for another shape.
+    #[error("{form} needs {what}: {reason}")]
+    Calibration {
+        /// The form.
+        form: String,
+        /// What it needs.
+        what: &'static str,
+        /// What is missing or wrong.
+        reason: String,
+    },
     /// A NaN or infinite input value under [`NonFinite::Reject`](crate::NonFinite::Reject).
     #[error(
         "non-finite input {value} at token {token}, channel {channel} (quantize with NonFinite::Clamp to saturate instead)"
@@ -94,4 +116,15 @@ pub(crate) fn check_len(what: &'static str, expected: usize, found: usize) -> Re
             found,
         })
     }
+}
+
+/// Refuses a matrix without channels.
+pub(crate) fn check_channels(channels: usize) -> Result<()> {
+    if channels == 0 {
+        return Err(KvQuantError::InvalidParameter {
+            name: "channels",
+            reason: "a KV matrix needs at least one channel".into(),
+        });
+    }
+    Ok(())
 }

@@ -1,16 +1,19 @@
 //! Integer quantization arithmetic (choosing stored scales and offsets, the
-//! level of a value) and bit packing of 2-, 3-, 4- and 8-bit levels.
+//! level of a value) and bit packing of levels of 1 to 8 bits.
 //!
 //! **Asymmetric** (`b` bits, `L = 2^b − 1`): the offset `o` is the group
 //! minimum rounded *down* to the scale type, the scale `s` is `(max − o)/L`
 //! rounded *up*, so the grid `o, o + s, …, o + L·s` covers the group and every
 //! value is within `s/2` of a level. A value quantizes to
-//! `q = clamp(round_ties_even((x − o) / s), 0, L)` and dequantizes to
+//! `q = clamp(round_ties_even((x − o) · (1/s)), 0, L)` (a multiply by the
+//! group's reciprocal rather than a division per value; the two differ only
+//! within a few ulps of a midpoint, where either level is within half a step
+//! up to that rounding) and dequantizes to
 //! `o + q·s` (an f32 multiply then an f32 add, no fused multiply-add, so that
 //! GPU kernels using `__fmul_rn`/`__fadd_rn` match bit for bit). Level 0 maps
 //! exactly to the stored offset.
 //!
-//! **Symmetric**: `s = absmax / (2^(b−1) − 1)` rounded up; `q = round(x/s)` in
+//! **Symmetric**: `s = absmax / (2^(b−1) − 1)` rounded up; `q = round(x·(1/s))` in
 //! `[−(2^(b−1) − 1), 2^(b−1) − 1]`, stored offset-binary as `u = q + 2^(b−1)`,
 //! dequantized as `(u − 2^(b−1))·s` (the subtraction is exact). The real 0
 //! maps exactly to `u = 2^(b−1)` and back to 0.0. Code 0 is never produced by
@@ -37,6 +40,8 @@ use crate::spec::ScaleType;
 pub(crate) enum Toward {
     Down,
     Up,
+    /// Round to nearest (gains and norms, which need not cover a range).
+    Nearest,
 }
 
 fn f16_step(h: f16, toward: Toward) -> f16 {
@@ -48,6 +53,7 @@ fn f16_step(h: f16, toward: Toward) -> f16 {
         (Toward::Down, _, true) => 0x8001,
         (Toward::Up, true, false) | (Toward::Down, false, false) => bits + 1,
         (Toward::Up, false, false) | (Toward::Down, true, false) => bits - 1,
+        (Toward::Nearest, ..) => bits,
     };
     f16::from_bits(stepped)
 }
@@ -61,6 +67,7 @@ pub(crate) fn round_to(ty: ScaleType, x: f64, toward: Toward, what: &'static str
             let off = match toward {
                 Toward::Down => h.to_f64() > x,
                 Toward::Up => h.to_f64() < x,
+                Toward::Nearest => false,
             };
             if off {
                 h = f16_step(h, toward);
@@ -144,35 +151,12 @@ pub(crate) fn symmetric_scale(absmax: f32, bits: u8, ty: ScaleType) -> Result<f3
     }
 }
 
-/// Level of `x` in an asymmetric group (`x` finite or ±f32::MAX).
-#[inline]
-pub(crate) fn asymmetric_level(x: f32, scale: f32, offset: f32, bits: u8) -> u8 {
-    if scale > 0.0 {
-        let top = ((1u32 << bits) - 1) as f32;
-        ((x - offset) / scale).round_ties_even().clamp(0.0, top) as u8
-    } else {
-        0
-    }
-}
-
-/// Offset-binary level of `x` in a symmetric group.
-#[inline]
-pub(crate) fn symmetric_level(x: f32, scale: f32, bits: u8) -> u8 {
-    let mid = (1u32 << (bits - 1)) as f32;
-    if scale > 0.0 {
-        let qmax = mid - 1.0;
-        ((x / scale).round_ties_even().clamp(-qmax, qmax) + mid) as u8
-    } else {
-        mid as u8
-    }
-}
-
 /// Bytes of one packed row of `channels` values at `bits` bits.
 pub(crate) const fn packed_row_bytes(bits: u8, channels: usize) -> usize {
     (bits as usize * channels).div_ceil(8)
 }
 
-/// Packs levels (each `< 2^bits`) into `out` (`packed_row_bytes` bytes).
+/// Packs levels (each `< 2^bits`, `bits` from 1 to 8) into `out` (`packed_row_bytes` bytes).
 pub(crate) fn pack_row(bits: u8, levels: &[u8], out: &mut [u8]) {
     match bits {
         8 => out.copy_from_slice(levels),
@@ -225,7 +209,7 @@ pub(crate) fn unpack_row(bits: u8, packed: &[u8], levels: &mut [u8]) {
                 }
             }
         }
-        _ => {
+        3 => {
             let full_groups = levels.len() / 8;
             let mut eights = levels.chunks_exact_mut(8);
             for (eight, three) in (&mut eights).zip(packed.chunks_exact(3)) {
@@ -244,6 +228,15 @@ pub(crate) fn unpack_row(bits: u8, packed: &[u8], levels: &mut [u8]) {
                 for (j, q) in rest.iter_mut().enumerate() {
                     *q = (w >> (3 * j) & 7) as u8;
                 }
+            }
+        }
+        _ => {
+            let mask = (1u16 << bits) - 1;
+            for (j, q) in levels.iter_mut().enumerate() {
+                let bit = bits as usize * j;
+                let lo = u16::from(packed[bit / 8]);
+                let hi = packed.get(bit / 8 + 1).map_or(0, |&b| u16::from(b));
+                *q = ((lo | hi << 8) >> (bit % 8) & mask) as u8;
             }
         }
     }
@@ -271,7 +264,7 @@ mod tests {
     proptest! {
         #[test]
         fn packing_matches_the_bit_stream_reference(
-            bits in prop_oneof![Just(2u8), Just(3), Just(4), Just(8)],
+            bits in 1u8..=8,
             raw in proptest::collection::vec(any::<u8>(), 0..70),
         ) {
             let levels: Vec<u8> = raw.iter().map(|&v| v & ((1u16 << bits) - 1) as u8).collect();

@@ -32,26 +32,35 @@ mod error;
 pub mod fp8;
 pub mod int;
 mod layout;
+pub mod lloyd_max;
 pub mod meta;
 pub mod nf4;
+pub mod qjl;
+pub mod rotation;
 mod simd;
 pub mod spec;
 mod store;
+pub mod vq;
 
 pub use error::{KvQuantError, Result};
 pub use fp8::Fp8Format;
 pub use layout::GroupLayout;
+pub use lloyd_max::LloydMax;
 pub use meta::MetaCode;
 pub use nf4::NF4_LEVELS;
+pub use qjl::QjlSketch;
+pub use rotation::Hadamard;
 pub use simd::f16_to_f32 as widen_f16;
 pub use spec::{
-    CacheForm, ErasurePolicy, Fp8Spec, Granularity, IntSpec, MetaProtection, Nf4Spec, Protection,
-    Quantizer, ScaleType,
+    CacheForm, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms, LloydMaxSpec,
+    MetaProtection, Nf4Spec, Protection, Quantizer, Rotation, ScaleType, Segments, VqSpec,
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, LevelMap,
-    LevelRows, NonFinite, QuantizeOptions, RowsView, ScrubStats,
+    LevelRows, NonFinite, QuantizeOptions, RowBufferSizes, RowBuffersMut, RowEncoder, RowsView,
+    ScrubStats, SegmentRows,
 };
+pub use vq::{FitOptions, VqCodebook};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

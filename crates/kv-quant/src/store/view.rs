@@ -4,9 +4,14 @@
 //! [`LevelRows`], so a reader can dequantize in registers instead of
 //! writing an f32 tile and reading it back. [`LevelRows::value`] and
 //! [`LevelRows::dequantize_into`] give exactly what
-//! [`KvStore::decode_rows_into`] writes.
+//! [`KvStore::decode_rows_rotated_into`] writes (which is what
+//! [`KvStore::decode_rows_into`] writes for forms without rotation).
 
-use super::{DecodeScratch, Kind, KvDecodeStats, KvStore, erasure_words, grow};
+use gf2_codes::batch::erasure_words;
+
+use super::decode::{DecodeScratch, grow};
+use super::section::{Kind, Section};
+use super::{KvDecodeStats, KvStore, Piece};
 use crate::error::Result;
 
 /// How a level becomes a value in a group with scale `a` and offset `b`.
@@ -26,7 +31,7 @@ pub enum LevelMap {
 /// parameters of their groups.
 #[derive(Clone, Copy, Debug)]
 pub struct LevelRows<'s> {
-    store: &'s KvStore,
+    section: &'s Section,
     start: usize,
     /// One level per value, `count × channels`, row-major.
     pub levels: &'s [u8],
@@ -42,12 +47,12 @@ pub struct LevelRows<'s> {
 impl LevelRows<'_> {
     /// Rows held.
     pub fn rows(&self) -> usize {
-        self.levels.len() / self.store.channels()
+        self.levels.len() / self.section.channels
     }
 
     /// Channels per row.
     pub fn channels(&self) -> usize {
-        self.store.channels()
+        self.section.channels
     }
 
     /// Consecutive channels of a row sharing one group (1 for per-channel
@@ -84,7 +89,7 @@ impl LevelRows<'_> {
             .groups_of_rows(self.start + first, self.start + first + count)
             .len();
         Self {
-            store: self.store,
+            section: self.section,
             start: self.start + first,
             levels: &self.levels[first * ch..][..count * ch],
             scale: &self.scale[base..][..groups],
@@ -93,15 +98,18 @@ impl LevelRows<'_> {
         }
     }
 
-    /// The value of `(row, channel)`, as [`KvStore::decode_rows_into`] gives it.
+    /// The value of `(row, channel)`, as the decode gives it.
     #[inline]
     pub fn value(&self, row: usize, channel: usize) -> f32 {
         let g = self.group_index(row, channel);
         let level = self.levels[row * self.channels() + channel];
-        self.kind().dequant(level, self.scale[g], self.offset[g])
+        self.section
+            .coding
+            .kind
+            .dequant(level, self.scale[g], self.offset[g])
     }
 
-    /// Writes every value (`rows × channels`), as [`KvStore::decode_rows_into`] does.
+    /// Writes every value (`rows × channels`), as the decode does.
     ///
     /// # Panics
     /// If `out` does not hold `rows × channels` values.
@@ -114,39 +122,39 @@ impl LevelRows<'_> {
         let end = self.start + self.rows();
         let params = (self.scale, self.offset);
         crate::simd::with_avx2(|| {
-            self.store
-                .dequantize_levels(self.kind(), self.start, end, out, self.levels, params);
+            self.section
+                .dequantize(self.start, end, out, self.levels, params);
         });
     }
 
     #[inline]
     fn layout(&self) -> &crate::layout::GroupLayout {
-        self.store.layout.as_ref().expect("level forms have groups")
-    }
-
-    fn kind(&self) -> Kind {
-        Kind::of(self.store.form.quantizer())
+        self.section
+            .layout
+            .as_ref()
+            .expect("level forms have groups")
     }
 }
 
-/// Rows of a store as [`KvStore::decode_rows_view`] returns them.
+/// Rows of a store as [`KvStore::decode_rows_view`] returns them, in the
+/// store's rotated coordinates for rotated forms.
 #[derive(Clone, Copy, Debug)]
 pub enum RowsView<'s> {
     /// Levels and group parameters, to be turned into values by the reader.
     Levels(LevelRows<'s>),
-    /// Values, decoded into the scratch: the float and FP8/NF4 forms, and
-    /// rows holding erased values (the erasure policy needs the values of
-    /// their neighbours).
+    /// Values, decoded into the scratch: the float, FP8, NF4, Lloyd-Max and
+    /// VQ forms, rows of the exact sink and window, and rows holding erased
+    /// values (the erasure policy needs the values of their neighbours).
     Values(&'s [f32]),
 }
 
 impl KvStore {
     /// Decodes rows `start..start + count` as far as the form allows
-    /// without writing values: for the integer forms with no erased value in
-    /// these rows, the levels and the group parameters
-    /// ([`RowsView::Levels`]); otherwise the values ([`RowsView::Values`]).
-    /// Either way the values and statistics equal those of
-    /// [`decode_rows_into`](Self::decode_rows_into).
+    /// without writing values: for integer forms with no erased value in
+    /// these rows (all of them quantized), the levels and the group
+    /// parameters ([`RowsView::Levels`]); otherwise the values
+    /// ([`RowsView::Values`]). Either way values and statistics equal those
+    /// of [`decode_rows_rotated_into`](Self::decode_rows_rotated_into).
     pub fn decode_rows_view<'s>(
         &'s self,
         start: usize,
@@ -154,7 +162,8 @@ impl KvStore {
         scratch: &'s mut DecodeScratch,
     ) -> Result<(RowsView<'s>, KvDecodeStats)> {
         let end = self.row_end(start, count)?;
-        let kind = Kind::of(self.form.quantizer());
+        let n = count * self.channels;
+        let kind = self.middle.coding.kind;
         let map = match kind {
             Kind::Asym(_) => Some(LevelMap::Affine),
             Kind::Sym(bits) => Some(LevelMap::Centered {
@@ -162,32 +171,46 @@ impl KvStore {
             }),
             _ => None,
         };
-        let n = count * self.channels;
-        let Some(map) = map else {
+        let pieces = self.pieces(start, end);
+        let whole_middle = match pieces.as_slice() {
+            [(Piece::Middle, range, _)] => Some(range.clone()),
+            _ => None,
+        };
+        let (Some(map), Some(local)) = (map, whole_middle) else {
             let mut values = std::mem::take(&mut scratch.values);
-            let stats = self.decode_rows_into(start, count, grow(&mut values, n), scratch);
+            let stats = self.decode_rows_rotated_into(start, count, grow(&mut values, n), scratch);
             scratch.values = values;
             return Ok((RowsView::Values(&scratch.values[..n]), stats?));
         };
-        let stats = self.decode_codes(start, end, kind, scratch, None)?;
+        let section = &self.middle;
+        let stats = section.decode_codes(local.start, local.end, scratch, None)?;
         if stats.erased_values > 0 {
-            let values = grow(&mut scratch.values, n);
+            let mut values = std::mem::take(&mut scratch.values);
+            let out = grow(&mut values, n);
             let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
-            self.dequantize_levels(kind, start, end, values, &scratch.levels, params);
-            let ew = erasure_words(self.channels);
-            self.apply_policy(start, end, values, &scratch.erasures[..count * ew])?;
+            section.dequantize(local.start, local.end, out, &scratch.levels, params);
+            section.apply_policy(local.start, local.end, out, scratch)?;
+            scratch.values = values;
             return Ok((RowsView::Values(&scratch.values[..n]), stats));
         }
-        let groups = self
+        let groups = section
             .layout
             .as_ref()
             .expect("level forms have groups")
-            .groups_of_rows(start, end)
+            .groups_of_rows(local.start, local.end)
             .len();
+        let levels: &[u8] = if section.coding.code_bits == 8 && section.coding.codec().is_none() {
+            let rb = section.row_bytes;
+            &section.data[local.start * rb..local.end * rb]
+        } else {
+            &scratch.levels[..n]
+        };
+        debug_assert_eq!(levels.len(), n);
+        debug_assert!(scratch.erasures.len() >= count * erasure_words(self.channels));
         let rows = LevelRows {
-            store: self,
-            start,
-            levels: &scratch.levels[..n],
+            section,
+            start: local.start,
+            levels,
             scale: &scratch.scale[..groups],
             offset: &scratch.offset[..groups],
             map,

@@ -1,0 +1,591 @@
+//! Cache forms: what a stored K or V matrix is made of, as one value type
+//! ([`CacheForm`]) with one spelling, parsed and printed in [`parse`]
+//! (`int4-g64`, `int4+secded84+interp`, `lm4+sink4+win64`, …), and the
+//! per-layer key/value form policies of a whole model ([`LayerForms`]).
+//!
+//! A form is a quantizer ([`Quantizer`]), optionally a randomized Hadamard
+//! rotation of its channels ([`Rotation`]), optionally exact f16 sink and
+//! recent-window tokens ([`Segments`]), and optionally an error-correcting
+//! code over its stored codes ([`Protection`]). Every combination a
+//! [`CacheForm`] value can hold is valid: [`CacheForm::new`] and the parser
+//! reject contradictory ones.
+
+mod layers;
+mod parse;
+
+pub use layers::{LAYER_GRAMMAR, LayerForms, LayerRule};
+pub use parse::GRAMMAR;
+
+use gf2_codes::Int4Code;
+
+use crate::error::{KvQuantError, Result};
+use crate::fp8::Fp8Format;
+
+/// Reach of [`ErasurePolicy::Interpolate`] when a spelling gives none: how many
+/// tokens on each side are searched for a valid neighbour.
+pub const DEFAULT_INTERP_REACH: u32 = 16;
+
+/// Group size of `nf4` when a spelling gives none (QLoRA's block size).
+pub const DEFAULT_NF4_GROUP: usize = 64;
+
+/// Channels per Hadamard block when a spelling gives none (`+rot`, `lm*`,
+/// `vq`): the smallest head dimension of common models, so a block never
+/// straddles two heads.
+pub const DEFAULT_ROTATION_BLOCK: usize = 64;
+
+/// Largest Hadamard block.
+pub const MAX_ROTATION_BLOCK: usize = 4096;
+
+/// Channels per vector-quantized code when a spelling gives none.
+pub const DEFAULT_VQ_DIM: usize = 4;
+
+/// Centroids per codebook when a spelling gives none (one byte per code).
+pub const DEFAULT_VQ_CENTROIDS: usize = 256;
+
+/// Storage type of scales, offsets, absmax values and norms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScaleType {
+    /// IEEE binary16, two bytes.
+    F16,
+    /// IEEE binary32, four bytes.
+    F32,
+}
+
+impl ScaleType {
+    /// Bytes per stored scale.
+    pub const fn bytes(self) -> usize {
+        match self {
+            ScaleType::F16 => 2,
+            ScaleType::F32 => 4,
+        }
+    }
+}
+
+/// Which values share one scale (and offset) in an integer form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Granularity {
+    /// One scale per token, over groups of `group` consecutive channels, or
+    /// over the whole row when `None` (KIVI's choice for values).
+    PerToken {
+        /// Channels per group; must divide the channel count.
+        group: Option<usize>,
+    },
+    /// One scale per channel, over blocks of `tokens` consecutive tokens, or
+    /// over all stored tokens when `None` (KIVI's choice for keys). The last
+    /// block may be shorter.
+    PerChannel {
+        /// Tokens per block.
+        tokens: Option<usize>,
+    },
+    /// One scale for the whole matrix.
+    PerTensor,
+}
+
+/// An integer quantizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct IntSpec {
+    /// Bits per value: 2, 3, 4 or 8.
+    pub bits: u8,
+    /// Symmetric (`x ≈ (q − 2^(b−1))·s`) rather than asymmetric (`x ≈ o + q·s`).
+    pub symmetric: bool,
+    /// Which values share a scale.
+    pub granularity: Granularity,
+    /// Storage type of the scales and offsets.
+    pub scale: ScaleType,
+}
+
+impl IntSpec {
+    /// Asymmetric, per token over the whole row, f16 scales: the default of `int<bits>`.
+    pub const fn new(bits: u8) -> Self {
+        IntSpec {
+            bits,
+            symmetric: false,
+            granularity: Granularity::PerToken { group: None },
+            scale: ScaleType::F16,
+        }
+    }
+}
+
+/// An FP8 quantizer: values divided by a scale, then rounded to FP8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8Spec {
+    /// E4M3 or E5M2.
+    pub format: Fp8Format,
+    /// One f32 scale per head of this many channels, or one across all
+    /// channels when `None`.
+    pub head_dim: Option<usize>,
+    /// Scales per token (`-tok`) rather than across all tokens: each token's
+    /// bytes then depend on that token alone, so rows can be written one at a
+    /// time (what a paged cache needs).
+    pub per_token: bool,
+}
+
+/// An NF4 quantizer: 16-level normal-float codebook with per-group absmax.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Nf4Spec {
+    /// Channels per group (within one token).
+    pub group: usize,
+    /// Storage type of the absmax values.
+    pub scale: ScaleType,
+}
+
+/// A Lloyd-Max scalar quantizer of rotated coordinates (TurboQuant's MSE
+/// variant): each rotation block of a token stores its RMS, and every
+/// coordinate divided by it is rounded to the nearest of the `2^bits`
+/// Lloyd-Max centroids of the standard normal ([`crate::lloyd_max`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LloydMaxSpec {
+    /// Bits per value, 1 to 8.
+    pub bits: u8,
+    /// Adds TurboQuant's 1-bit QJL sketch of the residual (one more bit per
+    /// value and a residual norm per block), decoded to an unbiased estimate
+    /// of the residual ([`crate::qjl`]).
+    pub qjl: bool,
+    /// Storage type of the RMS (and residual norm).
+    pub scale: ScaleType,
+}
+
+/// Vector quantization of rotated coordinates: each rotation block of a
+/// token stores its RMS, and every `dim` consecutive coordinates divided by
+/// it are replaced by the index of the nearest of `centroids` codebook
+/// vectors, fitted per block on calibration data ([`crate::VqCodebook`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct VqSpec {
+    /// Channels per code (1, 2, 4 or 8).
+    pub dim: usize,
+    /// Codebook size: a power of two from 2 to 256.
+    pub centroids: usize,
+    /// Storage type of the RMS.
+    pub scale: ScaleType,
+}
+
+impl VqSpec {
+    /// Bits of one stored index.
+    pub const fn index_bits(&self) -> u32 {
+        self.centroids.trailing_zeros()
+    }
+}
+
+/// How values are turned into stored codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Quantizer {
+    /// Unquantized f32.
+    Fp32,
+    /// IEEE binary16.
+    Fp16,
+    /// bfloat16.
+    Bf16,
+    /// FP8 with f32 scales.
+    Fp8(Fp8Spec),
+    /// Integer quantization.
+    Int(IntSpec),
+    /// NF4.
+    Nf4(Nf4Spec),
+    /// Lloyd-Max codebook over rotated coordinates.
+    LloydMax(LloydMaxSpec),
+    /// Vector quantization over rotated coordinates.
+    Vq(VqSpec),
+}
+
+impl Quantizer {
+    /// Bits of one stored code (before any error-correcting code): per value,
+    /// except for vector quantization, where one code stands for
+    /// [`values_per_code`](Self::values_per_code) values.
+    pub const fn code_bits(&self) -> u32 {
+        match self {
+            Quantizer::Fp32 => 32,
+            Quantizer::Fp16 | Quantizer::Bf16 => 16,
+            Quantizer::Fp8(_) => 8,
+            Quantizer::Int(s) => s.bits as u32,
+            Quantizer::Nf4(_) => 4,
+            Quantizer::LloydMax(s) => s.bits as u32 + s.qjl as u32,
+            Quantizer::Vq(s) => s.index_bits(),
+        }
+    }
+
+    /// Consecutive channels of a row one code stands for.
+    pub const fn values_per_code(&self) -> usize {
+        match self {
+            Quantizer::Vq(s) => s.dim,
+            _ => 1,
+        }
+    }
+
+    /// Whether the quantizer keeps the input's own bits (fp32, fp16, bf16):
+    /// nothing to rotate and nothing to keep exact.
+    pub const fn is_float(&self) -> bool {
+        matches!(self, Quantizer::Fp32 | Quantizer::Fp16 | Quantizer::Bf16)
+    }
+
+    /// Whether the quantizer only works on rotated coordinates (Lloyd-Max and
+    /// vector quantization).
+    pub const fn needs_rotation(&self) -> bool {
+        matches!(self, Quantizer::LloydMax(_) | Quantizer::Vq(_))
+    }
+
+    /// Whether stores of this quantizer need a fitted codebook.
+    pub const fn needs_codebook(&self) -> bool {
+        matches!(self, Quantizer::Vq(_))
+    }
+}
+
+/// A randomized Hadamard rotation of each block of `block` consecutive
+/// channels (`x ↦ H·D·x / √block`, D a fixed diagonal of random signs; see
+/// [`crate::Hadamard`]). Spreading outliers over a block makes every
+/// coordinate nearly Gaussian, which scalar and vector codebooks exploit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rotation {
+    /// Channels per Hadamard block: a power of two dividing the channels
+    /// and, for attention, the head dimension.
+    pub block: usize,
+}
+
+/// Tokens held exactly (f16) around the quantized middle of a store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Segments {
+    /// The first `sink` tokens (StreamingLLM's attention sinks).
+    pub sink: usize,
+    /// At least the last `window` tokens; with token blocks (per-channel
+    /// scales over `T` tokens), also the tokens of the last incomplete
+    /// block, so that only whole blocks are ever quantized (KIVI's
+    /// full-precision residual).
+    pub window: usize,
+}
+
+impl Segments {
+    /// Whether any token is kept exact.
+    pub const fn is_empty(&self) -> bool {
+        self.sink == 0 && self.window == 0
+    }
+}
+
+/// What a decode puts in place of a value whose codeword (or whose group's
+/// scale) was detected as corrupted but could not be corrected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErasurePolicy {
+    /// Keep the received (corrupted) value: the paper's plain "Hamming(8,4)" row.
+    Keep,
+    /// Replace it by 0.0.
+    Zero,
+    /// Interpolate along the token axis, per channel: the paper's midpoint of
+    /// the previous and next tokens (eq. 29), clamped at the sequence ends
+    /// (section 5.3.3). Where a neighbour is itself erased, the nearest valid
+    /// token within `reach` on each side is used, weighted by distance
+    /// (`(d_r·v_l + d_l·v_r) / (d_l + d_r)`); with one side only, its value;
+    /// with neither, 0.0. Neighbours are searched within the erased value's
+    /// segment (sink, middle or window) and, for rotated forms, in the
+    /// rotated coordinates, where the codes live.
+    Interpolate {
+        /// Tokens searched on each side.
+        reach: u32,
+    },
+}
+
+/// Protection of scales, offsets and absmax values (the metadata).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MetaProtection {
+    /// Stored as they are: a fault changes a whole group silently.
+    Unprotected,
+    /// Each metadata word carries one check byte of an extended Hamming code
+    /// (SECDED (22,16) for f16, (39,32) for f32): single flips corrected,
+    /// double flips detected, and a detected word erases its whole group.
+    /// The default of every ECC-protected form.
+    Secded,
+}
+
+/// The error-correcting code of a protected form and its recovery. The code
+/// runs over the row's stored code bits taken four at a time (the nibbles of
+/// the packed row), so one gf2-codes codec protects codes of any width: a
+/// 4-bit level is one nibble, an 8-bit code two, an f16 four, and two 2-bit
+/// levels share one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Protection {
+    /// The code over the nibbles of the stored codes.
+    pub code: Int4Code,
+    /// What replaces detected values.
+    pub policy: ErasurePolicy,
+    /// How the metadata is protected.
+    pub metadata: MetaProtection,
+}
+
+impl Protection {
+    /// The code with the paper's defaults: keep detected values, SECDED metadata.
+    pub const fn new(code: Int4Code) -> Self {
+        Protection {
+            code,
+            policy: ErasurePolicy::Keep,
+            metadata: MetaProtection::Secded,
+        }
+    }
+}
+
+/// A complete stored KV form.
+///
+/// Built by parsing a spelling or by [`CacheForm::new`] and the `with_*`
+/// builders, all of which reject contradictory combinations, so every
+/// `CacheForm` value is valid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CacheForm {
+    quantizer: Quantizer,
+    rotation: Option<Rotation>,
+    segments: Segments,
+    protection: Option<Protection>,
+}
+
+impl CacheForm {
+    /// Checks and builds a form without rotation or segments (Lloyd-Max and
+    /// vector quantization get their default rotation).
+    pub fn new(quantizer: Quantizer, protection: Option<Protection>) -> Result<Self> {
+        let rotation = quantizer.needs_rotation().then_some(Rotation {
+            block: DEFAULT_ROTATION_BLOCK,
+        });
+        Self::build(quantizer, rotation, Segments::default(), protection)
+    }
+
+    /// Checks and builds a form from every part.
+    pub fn build(
+        quantizer: Quantizer,
+        rotation: Option<Rotation>,
+        segments: Segments,
+        protection: Option<Protection>,
+    ) -> Result<Self> {
+        let form = CacheForm {
+            quantizer,
+            rotation,
+            segments,
+            protection,
+        };
+        form.validate()
+            .map_err(|reason| KvQuantError::InvalidSpec {
+                spec: format!("{form:?}"),
+                reason,
+            })?;
+        Ok(form)
+    }
+
+    /// An unprotected form.
+    pub fn plain(quantizer: Quantizer) -> Result<Self> {
+        Self::new(quantizer, None)
+    }
+
+    /// The quantizer.
+    pub fn quantizer(&self) -> &Quantizer {
+        &self.quantizer
+    }
+
+    /// The rotation, if any.
+    pub fn rotation(&self) -> Option<Rotation> {
+        self.rotation
+    }
+
+    /// The exact sink and window tokens.
+    pub fn segments(&self) -> Segments {
+        self.segments
+    }
+
+    /// The protection, if any.
+    pub fn protection(&self) -> Option<&Protection> {
+        self.protection.as_ref()
+    }
+
+    /// The same form with another erasure policy (an error for unprotected forms).
+    pub fn with_policy(mut self, policy: ErasurePolicy) -> Result<Self> {
+        match &mut self.protection {
+            Some(p) => p.policy = policy,
+            None => {
+                return Err(KvQuantError::InvalidSpec {
+                    spec: self.to_string(),
+                    reason: "an erasure policy needs a code".into(),
+                });
+            }
+        }
+        self.checked()
+    }
+
+    /// The same form with another protection (or none).
+    pub fn with_protection(mut self, protection: Option<Protection>) -> Result<Self> {
+        self.protection = protection;
+        self.checked()
+    }
+
+    /// The same form with other exact segments.
+    pub fn with_segments(mut self, segments: Segments) -> Result<Self> {
+        self.segments = segments;
+        self.checked()
+    }
+
+    /// The same form with another rotation (or none).
+    pub fn with_rotation(mut self, rotation: Option<Rotation>) -> Result<Self> {
+        self.rotation = rotation;
+        self.checked()
+    }
+
+    /// The form of the same codes without segments: what the quantized
+    /// middle of a segmented store holds.
+    pub fn without_segments(&self) -> CacheForm {
+        CacheForm {
+            segments: Segments::default(),
+            ..*self
+        }
+    }
+
+    /// The form of the exact sink and window rows of a segmented store:
+    /// f16 under the same protection.
+    pub fn exact_rows_form(&self) -> CacheForm {
+        CacheForm {
+            quantizer: Quantizer::Fp16,
+            rotation: None,
+            segments: Segments::default(),
+            protection: self.protection,
+        }
+    }
+
+    fn checked(self) -> Result<Self> {
+        self.validate()
+            .map_err(|reason| KvQuantError::InvalidSpec {
+                spec: self.to_string(),
+                reason,
+            })?;
+        Ok(self)
+    }
+
+    /// Whether each token's stored bytes depend on that token alone (no
+    /// scale or offset shared across tokens, no segment that depends on the
+    /// token count): fp32/fp16/bf16, FP8 with `-tok`, per-token integer,
+    /// NF4, Lloyd-Max and VQ forms, per-channel forms over blocks of one
+    /// token, all without sink or window. Only these forms support
+    /// [`KvStore::write_rows`](crate::KvStore::write_rows) and
+    /// [`RowEncoder`](crate::RowEncoder).
+    pub fn is_row_local(&self) -> bool {
+        self.segments.is_empty()
+            && match self.quantizer {
+                Quantizer::Fp32
+                | Quantizer::Fp16
+                | Quantizer::Bf16
+                | Quantizer::Nf4(_)
+                | Quantizer::LloydMax(_)
+                | Quantizer::Vq(_) => true,
+                Quantizer::Fp8(s) => s.per_token,
+                Quantizer::Int(s) => match s.granularity {
+                    Granularity::PerToken { .. } => true,
+                    Granularity::PerChannel { tokens } => tokens == Some(1),
+                    Granularity::PerTensor => false,
+                },
+            }
+    }
+
+    /// Consecutive tokens that share metadata and are quantized together
+    /// (1 for per-token forms; `None` when all tokens share it).
+    pub fn token_block(&self) -> Option<usize> {
+        match self.quantizer {
+            Quantizer::Int(IntSpec {
+                granularity: Granularity::PerChannel { tokens },
+                ..
+            }) => tokens,
+            Quantizer::Int(IntSpec {
+                granularity: Granularity::PerTensor,
+                ..
+            }) => None,
+            Quantizer::Fp8(s) if !s.per_token => None,
+            _ => Some(1),
+        }
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        let positive = |what: &str, n: usize| {
+            if n == 0 {
+                Err(format!("{what} must be at least 1"))
+            } else {
+                Ok(())
+            }
+        };
+        match self.quantizer {
+            Quantizer::Int(s) => {
+                if ![2, 3, 4, 8].contains(&s.bits) {
+                    return Err(format!(
+                        "int{} is not supported (2, 3, 4 or 8 bits)",
+                        s.bits
+                    ));
+                }
+                match s.granularity {
+                    Granularity::PerToken { group: Some(g) } => positive("group size", g)?,
+                    Granularity::PerChannel { tokens: Some(t) } => positive("token block", t)?,
+                    _ => {}
+                }
+            }
+            Quantizer::Nf4(s) => positive("group size", s.group)?,
+            Quantizer::Fp8(Fp8Spec {
+                head_dim: Some(h), ..
+            }) => positive("head dimension", h)?,
+            Quantizer::LloydMax(s) => {
+                if !(1..=8).contains(&s.bits) {
+                    return Err(format!("lm{} is not supported (1 to 8 bits)", s.bits));
+                }
+                if s.qjl && s.bits == 8 {
+                    return Err("+qjl adds a bit to the code: lm1 to lm7 only".into());
+                }
+            }
+            Quantizer::Vq(s) => {
+                if ![1, 2, 4, 8].contains(&s.dim) {
+                    return Err(format!(
+                        "vq codes of {} channels are not supported (1, 2, 4 or 8)",
+                        s.dim
+                    ));
+                }
+                if !s.centroids.is_power_of_two() || !(2..=256).contains(&s.centroids) {
+                    return Err(format!(
+                        "a codebook of {} centroids is not supported (a power of two from 2 to 256)",
+                        s.centroids
+                    ));
+                }
+            }
+            _ => {}
+        }
+        match self.rotation {
+            Some(r) => {
+                if self.quantizer.is_float() {
+                    return Err(format!(
+                        "+rot rotates codes that round; {} stores the values as they are",
+                        parse::base_name(&self.quantizer)
+                    ));
+                }
+                if !r.block.is_power_of_two() || !(2..=MAX_ROTATION_BLOCK).contains(&r.block) {
+                    return Err(format!(
+                        "rotation block {} is not a power of two from 2 to {MAX_ROTATION_BLOCK}",
+                        r.block
+                    ));
+                }
+                if let Quantizer::Vq(s) = self.quantizer
+                    && !r.block.is_multiple_of(s.dim)
+                {
+                    return Err(format!(
+                        "vq codes of {} channels do not divide rotation blocks of {}",
+                        s.dim, r.block
+                    ));
+                }
+            }
+            None if self.quantizer.needs_rotation() => {
+                return Err(format!(
+                    "{} quantizes rotated coordinates and needs a rotation",
+                    parse::base_name(&self.quantizer)
+                ));
+            }
+            None => {}
+        }
+        if !self.segments.is_empty() && self.quantizer.is_float() {
+            return Err(format!(
+                "+sink/+win keep tokens exact; {} keeps every token as it is",
+                parse::base_name(&self.quantizer)
+            ));
+        }
+        if let Some(p) = &self.protection
+            && let ErasurePolicy::Interpolate { reach: 0 } = p.policy
+        {
+            return Err("interpolation reach must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,484 @@
+//! The one spelling of a [`CacheForm`]: [`FromStr`] and [`Display`](fmt::Display).
+//!
+//! A spelling is a base form with `-` options, then `+` suffixes in any
+//! order (see [`GRAMMAR`]). Printing puts the suffixes in a fixed order and
+//! omits defaults, so `parse(form.to_string()) == form` for every form and
+//! every form has exactly one printed spelling.
+
+use std::fmt;
+use std::str::FromStr;
+
+use gf2_codes::Int4Code;
+
+use super::{
+    CacheForm, DEFAULT_INTERP_REACH, DEFAULT_NF4_GROUP, DEFAULT_ROTATION_BLOCK,
+    DEFAULT_VQ_CENTROIDS, DEFAULT_VQ_DIM, ErasurePolicy, Fp8Spec, Granularity, IntSpec,
+    LloydMaxSpec, MetaProtection, Nf4Spec, Protection, Quantizer, Rotation, ScaleType, Segments,
+    VqSpec,
+};
+use crate::error::{KvQuantError, Result};
+use crate::fp8::Fp8Format;
+
+/// Every valid spelling, for error messages and `--help` texts.
+pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 | \
+fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
+nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32], and SUFFIX one of \
++rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
++sink<S> | +win<W> | +hamming74 | +secded84 | +golay24 | then, after a code, +keep | +zero | \
++interp[<reach>] | +meta-none (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
+vq, int4-ch32+win32, int4+secded84+interp, int8+golay24, lm3+sink4+win64)";
+
+/// Longest part of a rejected spelling quoted back in an error message.
+const QUOTE_LIMIT: usize = 80;
+
+/// The spelling as quoted in an error: cut after [`QUOTE_LIMIT`] characters.
+pub(crate) fn quote(text: &str) -> String {
+    match text.char_indices().nth(QUOTE_LIMIT) {
+        Some((cut, _)) => format!("{}… ({} bytes)", &text[..cut], text.len()),
+        None => text.to_string(),
+    }
+}
+
+pub(super) fn base_name(q: &Quantizer) -> String {
+    let mut s = String::new();
+    write_quantizer(&mut s, q).expect("writing to a String cannot fail");
+    s
+}
+
+fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
+    let scale = |f: &mut dyn fmt::Write, s: ScaleType| match s {
+        ScaleType::F16 => Ok(()),
+        ScaleType::F32 => f.write_str("-sf32"),
+    };
+    match q {
+        Quantizer::Fp32 => f.write_str("fp32"),
+        Quantizer::Fp16 => f.write_str("fp16"),
+        Quantizer::Bf16 => f.write_str("bf16"),
+        Quantizer::Fp8(s) => {
+            f.write_str(match s.format {
+                Fp8Format::E4M3 => "fp8-e4m3",
+                Fp8Format::E5M2 => "fp8-e5m2",
+            })?;
+            if let Some(h) = s.head_dim {
+                write!(f, "-h{h}")?;
+            }
+            if s.per_token {
+                f.write_str("-tok")?;
+            }
+            Ok(())
+        }
+        Quantizer::Int(s) => {
+            write!(f, "int{}", s.bits)?;
+            if s.symmetric {
+                f.write_str("-sym")?;
+            }
+            match s.granularity {
+                Granularity::PerToken { group: None } => {}
+                Granularity::PerToken { group: Some(g) } => write!(f, "-g{g}")?,
+                Granularity::PerChannel { tokens: None } => f.write_str("-ch")?,
+                Granularity::PerChannel { tokens: Some(t) } => write!(f, "-ch{t}")?,
+                Granularity::PerTensor => f.write_str("-t")?,
+            }
+            scale(f, s.scale)
+        }
+        Quantizer::Nf4(s) => {
+            f.write_str("nf4")?;
+            if s.group != DEFAULT_NF4_GROUP {
+                write!(f, "-g{}", s.group)?;
+            }
+            scale(f, s.scale)
+        }
+        Quantizer::LloydMax(s) => {
+            write!(f, "lm{}", s.bits)?;
+            scale(f, s.scale)
+        }
+        Quantizer::Vq(s) => {
+            f.write_str("vq")?;
+            if s.dim != DEFAULT_VQ_DIM {
+                write!(f, "-d{}", s.dim)?;
+            }
+            if s.centroids != DEFAULT_VQ_CENTROIDS {
+                write!(f, "-k{}", s.centroids)?;
+            }
+            scale(f, s.scale)
+        }
+    }
+}
+
+impl fmt::Display for CacheForm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write_quantizer(f, &self.quantizer)?;
+        match (self.rotation, self.quantizer.needs_rotation()) {
+            (Some(Rotation { block }), true) if block == DEFAULT_ROTATION_BLOCK => {}
+            (
+                Some(Rotation {
+                    block: DEFAULT_ROTATION_BLOCK,
+                }),
+                false,
+            ) => f.write_str("+rot")?,
+            (Some(Rotation { block }), _) => write!(f, "+rot{block}")?,
+            (None, _) => {}
+        }
+        if let Quantizer::LloydMax(LloydMaxSpec { qjl: true, .. }) = self.quantizer {
+            f.write_str("+qjl")?;
+        }
+        if self.segments.sink > 0 {
+            write!(f, "+sink{}", self.segments.sink)?;
+        }
+        if self.segments.window > 0 {
+            write!(f, "+win{}", self.segments.window)?;
+        }
+        if let Some(p) = &self.protection {
+            write!(f, "+{}", p.code)?;
+            match p.policy {
+                ErasurePolicy::Keep => {}
+                ErasurePolicy::Zero => f.write_str("+zero")?,
+                ErasurePolicy::Interpolate {
+                    reach: DEFAULT_INTERP_REACH,
+                } => f.write_str("+interp")?,
+                ErasurePolicy::Interpolate { reach } => write!(f, "+interp{reach}")?,
+            }
+            if p.metadata == MetaProtection::Unprotected {
+                f.write_str("+meta-none")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses the number after a prefix (`g64` → 64); `None` if `s` lacks the
+/// prefix or is not followed by digits only.
+fn number_after(s: &str, prefix: &str) -> Option<std::result::Result<usize, String>> {
+    let digits = s.strip_prefix(prefix)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(
+        digits
+            .parse::<usize>()
+            .map_err(|_| format!("{}: number too large", quote(s)))
+            .and_then(|n| {
+                if n == 0 {
+                    Err(format!("{s:?}: must be at least 1"))
+                } else {
+                    Ok(n)
+                }
+            }),
+    )
+}
+
+/// Splits a base form into its head and `-` options, rejecting repeated options.
+fn split_options(base: &str) -> std::result::Result<(&str, Vec<&str>), String> {
+    let (head, options): (&str, Vec<&str>) = if let Some(rest) = base.strip_prefix("fp8-") {
+        let mut parts = rest.split('-');
+        let format = parts.next().unwrap_or_default();
+        let head = match format {
+            "e4m3" => "fp8-e4m3",
+            "e5m2" => "fp8-e5m2",
+            other => {
+                return Err(format!(
+                    "unknown FP8 format {:?} (e4m3 or e5m2)",
+                    quote(other)
+                ));
+            }
+        };
+        (head, parts.collect())
+    } else {
+        let mut parts = base.split('-');
+        (parts.next().unwrap_or_default(), parts.collect())
+    };
+    let mut seen = std::collections::HashSet::new();
+    for o in &options {
+        let key = match o.trim_end_matches(|c: char| c.is_ascii_digit()) {
+            "asym" => "sym",
+            "sf16" => "sf32",
+            k => k,
+        };
+        if !seen.insert(key) {
+            return Err(format!("option -{key} given twice"));
+        }
+    }
+    Ok((head, options))
+}
+
+fn parse_scale(o: &str) -> Option<ScaleType> {
+    match o {
+        "sf32" => Some(ScaleType::F32),
+        "sf16" => Some(ScaleType::F16),
+        _ => None,
+    }
+}
+
+fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
+    let (head, options) = split_options(base)?;
+    let no_options = |name: &str| {
+        if options.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{name} takes no options, found -{}",
+                quote(&options.join("-"))
+            ))
+        }
+    };
+    match head {
+        "fp32" => no_options("fp32").map(|_| Quantizer::Fp32),
+        "fp16" => no_options("fp16").map(|_| Quantizer::Fp16),
+        "bf16" => no_options("bf16").map(|_| Quantizer::Bf16),
+        "fp8-e4m3" | "fp8-e5m2" => {
+            let format = if head == "fp8-e4m3" {
+                Fp8Format::E4M3
+            } else {
+                Fp8Format::E5M2
+            };
+            let (mut head_dim, mut per_token) = (None, false);
+            for o in options {
+                if o == "tok" {
+                    per_token = true;
+                    continue;
+                }
+                match number_after(o, "h") {
+                    Some(h) => head_dim = Some(h?),
+                    None => return Err(format!("unknown FP8 option -{} (-h<N>, -tok)", quote(o))),
+                }
+            }
+            Ok(Quantizer::Fp8(Fp8Spec {
+                format,
+                head_dim,
+                per_token,
+            }))
+        }
+        "nf4" => {
+            let mut spec = Nf4Spec {
+                group: DEFAULT_NF4_GROUP,
+                scale: ScaleType::F16,
+            };
+            for o in options {
+                if let Some(s) = parse_scale(o) {
+                    spec.scale = s;
+                } else if let Some(g) = number_after(o, "g") {
+                    spec.group = g?;
+                } else {
+                    return Err(format!("unknown NF4 option -{} (-g<N>, -sf32)", quote(o)));
+                }
+            }
+            Ok(Quantizer::Nf4(spec))
+        }
+        "vq" => {
+            let mut spec = VqSpec {
+                dim: DEFAULT_VQ_DIM,
+                centroids: DEFAULT_VQ_CENTROIDS,
+                scale: ScaleType::F16,
+            };
+            for o in options {
+                if let Some(s) = parse_scale(o) {
+                    spec.scale = s;
+                } else if let Some(d) = number_after(o, "d") {
+                    spec.dim = d?;
+                } else if let Some(k) = number_after(o, "k") {
+                    spec.centroids = k?;
+                } else {
+                    return Err(format!(
+                        "unknown VQ option -{} (-d<D>, -k<K>, -sf32)",
+                        quote(o)
+                    ));
+                }
+            }
+            Ok(Quantizer::Vq(spec))
+        }
+        _ if head.starts_with("lm") => {
+            let bits = match number_after(head, "lm") {
+                Some(b) => b?,
+                None => return Err(format!("unknown base form {:?}", quote(head))),
+            };
+            let Some(bits) = u8::try_from(bits).ok().filter(|b| *b <= 8) else {
+                return Err(format!("lm{bits} is not supported (1 to 8 bits)"));
+            };
+            let mut spec = LloydMaxSpec {
+                bits,
+                qjl: false,
+                scale: ScaleType::F16,
+            };
+            for o in options {
+                match parse_scale(o) {
+                    Some(s) => spec.scale = s,
+                    None => return Err(format!("unknown Lloyd-Max option -{} (-sf32)", quote(o))),
+                }
+            }
+            Ok(Quantizer::LloydMax(spec))
+        }
+        _ => {
+            let bits = match head {
+                "int2" => 2,
+                "int3" => 3,
+                "int4" => 4,
+                "int8" => 8,
+                other => return Err(format!("unknown base form {:?}", quote(other))),
+            };
+            let mut spec = IntSpec::new(bits);
+            let mut granularity_set = false;
+            for o in options {
+                let mut set_granularity = |g: Granularity| {
+                    if std::mem::replace(&mut granularity_set, true) {
+                        Err("more than one granularity (-g, -ch, -t)".to_string())
+                    } else {
+                        spec.granularity = g;
+                        Ok(())
+                    }
+                };
+                match o {
+                    "sym" => spec.symmetric = true,
+                    "asym" => spec.symmetric = false,
+                    "t" => set_granularity(Granularity::PerTensor)?,
+                    "ch" => set_granularity(Granularity::PerChannel { tokens: None })?,
+                    _ => {
+                        if let Some(s) = parse_scale(o) {
+                            spec.scale = s;
+                        } else if let Some(g) = number_after(o, "g") {
+                            set_granularity(Granularity::PerToken { group: Some(g?) })?;
+                        } else if let Some(t) = number_after(o, "ch") {
+                            set_granularity(Granularity::PerChannel { tokens: Some(t?) })?;
+                        } else {
+                            return Err(format!(
+                                "unknown integer option -{} (-sym, -g<N>, -ch, -ch<N>, -t, -sf32)",
+                                quote(o)
+                            ));
+                        }
+                    }
+                }
+            }
+            Ok(Quantizer::Int(spec))
+        }
+    }
+}
+
+/// The suffixes of one spelling, each at most once.
+#[derive(Default)]
+struct Suffixes {
+    rotation: Option<Rotation>,
+    qjl: bool,
+    sink: Option<usize>,
+    window: Option<usize>,
+    code: Option<Int4Code>,
+    policy: Option<ErasurePolicy>,
+    metadata: Option<MetaProtection>,
+}
+
+fn once<T>(slot: &mut Option<T>, value: T, what: &str) -> std::result::Result<(), String> {
+    if slot.replace(value).is_some() {
+        Err(format!("more than one {what}"))
+    } else {
+        Ok(())
+    }
+}
+
+impl Suffixes {
+    fn add(&mut self, part: &str) -> std::result::Result<(), String> {
+        if let Ok(c) = part.parse::<Int4Code>() {
+            return once(&mut self.code, c, "code");
+        }
+        if part == "rot" {
+            let r = Rotation {
+                block: DEFAULT_ROTATION_BLOCK,
+            };
+            return once(&mut self.rotation, r, "rotation");
+        }
+        if let Some(n) = number_after(part, "rot") {
+            return once(&mut self.rotation, Rotation { block: n? }, "rotation");
+        }
+        if part == "qjl" {
+            if std::mem::replace(&mut self.qjl, true) {
+                return Err("more than one +qjl".into());
+            }
+            return Ok(());
+        }
+        if let Some(s) = number_after(part, "sink") {
+            return once(&mut self.sink, s?, "+sink");
+        }
+        if let Some(w) = number_after(part, "win") {
+            return once(&mut self.window, w?, "+win");
+        }
+        let policy = match part {
+            "keep" => Some(ErasurePolicy::Keep),
+            "zero" => Some(ErasurePolicy::Zero),
+            "interp" => Some(ErasurePolicy::Interpolate {
+                reach: DEFAULT_INTERP_REACH,
+            }),
+            _ => match number_after(part, "interp") {
+                Some(r) => {
+                    let r = r?;
+                    let reach = u32::try_from(r)
+                        .map_err(|_| format!("interpolation reach {r} too large"))?;
+                    Some(ErasurePolicy::Interpolate { reach })
+                }
+                None => None,
+            },
+        };
+        if let Some(p) = policy {
+            if self.code.is_none() {
+                return Err(format!("+{part} needs a code before it"));
+            }
+            return once(&mut self.policy, p, "erasure policy");
+        }
+        let m = match part {
+            "meta-none" => MetaProtection::Unprotected,
+            "meta-secded" => MetaProtection::Secded,
+            other => return Err(format!("unknown suffix +{}", quote(other))),
+        };
+        if self.code.is_none() {
+            return Err(format!("+{part} needs a code before it"));
+        }
+        once(&mut self.metadata, m, "metadata protection")
+    }
+}
+
+impl FromStr for CacheForm {
+    type Err = KvQuantError;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let err = |reason: String| KvQuantError::InvalidSpec {
+            spec: quote(text),
+            reason,
+        };
+        let mut parts = text.trim().split('+');
+        let base = parts.next().unwrap_or_default();
+        let mut quantizer = parse_quantizer(base).map_err(err)?;
+        let mut suffixes = Suffixes::default();
+        for part in parts {
+            suffixes.add(part).map_err(err)?;
+        }
+        if suffixes.qjl {
+            match &mut quantizer {
+                Quantizer::LloydMax(s) => s.qjl = true,
+                other => {
+                    return Err(err(format!(
+                        "+qjl sketches the residual of a Lloyd-Max form (lm1..lm8), not {}",
+                        base_name(other)
+                    )));
+                }
+            }
+        }
+        let rotation = suffixes
+            .rotation
+            .or(quantizer.needs_rotation().then_some(Rotation {
+                block: DEFAULT_ROTATION_BLOCK,
+            }));
+        let protection = suffixes.code.map(|code| Protection {
+            code,
+            policy: suffixes.policy.unwrap_or(ErasurePolicy::Keep),
+            metadata: suffixes.metadata.unwrap_or(MetaProtection::Secded),
+        });
+        let segments = Segments {
+            sink: suffixes.sink.unwrap_or(0),
+            window: suffixes.window.unwrap_or(0),
+        };
+        let form = CacheForm {
+            quantizer,
+            rotation,
+            segments,
+            protection,
+        };
+        form.validate().map_err(err)?;
+        Ok(form)
+    }
+}

@@ -1,0 +1,245 @@
+use super::*;
+use proptest::prelude::*;
+
+#[test]
+fn issue_spellings_parse_and_print_back() {
+    for s in [
+        "fp32",
+        "fp16",
+        "bf16",
+        "fp8-e4m3",
+        "fp8-e5m2-h64",
+        "fp8-e4m3-tok",
+        "fp8-e5m2-h64-tok",
+        "int8",
+        "int4",
+        "int4-g64",
+        "int4-sym-ch",
+        "int2-ch32-sf32",
+        "int3-t",
+        "nf4",
+        "nf4-g32",
+        "int4+hamming74",
+        "int4+secded84",
+        "int4+secded84+interp",
+        "int4+secded84+interp4",
+        "int4-g64+golay24+zero+meta-none",
+        "nf4+secded84",
+        // Part two: rotations, codebooks, segments, every code on every width.
+        "int4+rot",
+        "int4-g32+rot128",
+        "nf4+rot",
+        "lm4",
+        "lm3+qjl",
+        "lm8-sf32+rot128",
+        "vq",
+        "vq-d2-k16",
+        "vq+rot128",
+        "int4-ch32+win32",
+        "int4+sink4+win64",
+        "lm4+sink4",
+        "int8+secded84",
+        "int2+golay24+interp",
+        "int3+hamming74",
+        "fp8-e4m3-tok+secded84",
+        "fp16+secded84",
+        "lm4+secded84+interp",
+        "vq+golay24",
+        "int4+rot+sink4+win64+secded84+interp",
+    ] {
+        let form: CacheForm = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
+        assert_eq!(form.to_string(), s);
+    }
+}
+
+#[test]
+fn defaults_are_dropped_when_printing() {
+    let f: CacheForm = "int4-asym-sf16+secded84+keep+meta-secded".parse().unwrap();
+    assert_eq!(f.to_string(), "int4+secded84");
+    assert_eq!("nf4-g64".parse::<CacheForm>().unwrap().to_string(), "nf4");
+    let p = f.protection().unwrap();
+    assert_eq!(p.policy, ErasurePolicy::Keep);
+    assert_eq!(p.metadata, MetaProtection::Secded);
+    assert_eq!("lm4+rot64".parse::<CacheForm>().unwrap().to_string(), "lm4");
+    assert_eq!(
+        "int4+rot64".parse::<CacheForm>().unwrap().to_string(),
+        "int4+rot"
+    );
+    assert_eq!("vq-d4-k256".parse::<CacheForm>().unwrap().to_string(), "vq");
+    // Suffixes in any order print in one.
+    let f: CacheForm = "int4+win64+secded84+sink4+rot".parse().unwrap();
+    assert_eq!(f.to_string(), "int4+rot+sink4+win64+secded84");
+}
+
+#[test]
+fn bits_and_blocks_of_the_new_forms() {
+    let lm: CacheForm = "lm3+qjl".parse().unwrap();
+    assert_eq!(lm.quantizer().code_bits(), 4);
+    assert_eq!(lm.rotation(), Some(Rotation { block: 64 }));
+    let vq: CacheForm = "vq-d8-k16".parse().unwrap();
+    assert_eq!(
+        (vq.quantizer().code_bits(), vq.quantizer().values_per_code()),
+        (4, 8)
+    );
+    assert!(vq.quantizer().needs_codebook());
+    let kivi: CacheForm = "int4-ch32+win128".parse().unwrap();
+    assert_eq!(kivi.token_block(), Some(32));
+    assert!(!kivi.is_row_local());
+    assert_eq!(
+        kivi.segments(),
+        Segments {
+            sink: 0,
+            window: 128
+        }
+    );
+    assert!("lm4".parse::<CacheForm>().unwrap().is_row_local());
+    let exact = "int4+rot+sink4+secded84+interp"
+        .parse::<CacheForm>()
+        .unwrap()
+        .exact_rows_form();
+    assert_eq!(exact.to_string(), "fp16+secded84+interp");
+}
+
+#[test]
+fn bad_spellings_are_rejected_with_the_valid_choices() {
+    for (s, needle) in [
+        ("int5", "unknown base form"),
+        ("fp8-e3m4", "unknown FP8 format"),
+        ("int4+interp", "needs a code"),
+        ("int4+meta-none", "needs a code"),
+        ("int4+secded84+golay24", "more than one code"),
+        ("int4+secded84+zero+interp", "more than one erasure policy"),
+        ("int4-g64-ch", "more than one granularity"),
+        ("int4-g0", "at least 1"),
+        ("int4-g64-g32", "given twice"),
+        ("int4-sym-asym", "given twice"),
+        ("nf4-sym", "unknown NF4 option"),
+        ("fp32-g4", "takes no options"),
+        ("int4+secded84+interp0", "at least 1"),
+        ("int4+foo", "unknown suffix"),
+        ("", "unknown base form"),
+        // Contradictions of part two.
+        ("fp16+rot", "stores the values as they are"),
+        ("bf16+rot64", "stores the values as they are"),
+        ("int4+rot48", "not a power of two"),
+        ("int4+rot8192", "not a power of two"),
+        ("int4+rot+rot", "more than one rotation"),
+        ("int4+qjl", "not int4"),
+        ("lm0", "at least 1"),
+        ("lm9", "not supported"),
+        ("lm4-g32", "unknown Lloyd-Max option"),
+        ("lm8+qjl", "lm1 to lm7"),
+        ("vq-d3", "not supported"),
+        ("vq-k100", "not supported"),
+        ("vq-k512", "not supported"),
+        ("vq-d8+rot4", "do not divide"),
+        ("fp16+sink4", "keeps every token"),
+        ("fp32+win64", "keeps every token"),
+        ("int4+sink0", "at least 1"),
+        ("int4+win0", "at least 1"),
+        ("int4+sink4+sink8", "more than one +sink"),
+    ] {
+        let e = s.parse::<CacheForm>().unwrap_err().to_string();
+        assert!(e.contains(needle), "{s}: {e}");
+        assert!(e.contains("valid forms: BASE"), "{s}: {e}");
+    }
+}
+
+#[test]
+fn long_spellings_are_cut_in_errors() {
+    let long = format!("int4+{}", "x".repeat(100_000));
+    let e = long.parse::<CacheForm>().unwrap_err().to_string();
+    assert!(e.len() < 3_000, "{} bytes", e.len());
+    assert!(e.contains("100005 bytes"), "{e}");
+}
+
+fn forms() -> impl Strategy<Value = CacheForm> {
+    let scale = prop_oneof![Just(ScaleType::F16), Just(ScaleType::F32)];
+    let granularity = prop_oneof![
+        proptest::option::of(1usize..300).prop_map(|group| Granularity::PerToken { group }),
+        proptest::option::of(1usize..300).prop_map(|tokens| Granularity::PerChannel { tokens }),
+        Just(Granularity::PerTensor),
+    ];
+    let int = (
+        prop_oneof![Just(2u8), Just(3), Just(4), Just(8)],
+        any::<bool>(),
+        granularity,
+        scale.clone(),
+    )
+        .prop_map(|(bits, symmetric, granularity, scale)| {
+            Quantizer::Int(IntSpec {
+                bits,
+                symmetric,
+                granularity,
+                scale,
+            })
+        });
+    let quantizer = prop_oneof![
+        Just(Quantizer::Fp32),
+        Just(Quantizer::Fp16),
+        Just(Quantizer::Bf16),
+        (
+            any::<bool>(),
+            proptest::option::of(1usize..300),
+            any::<bool>()
+        )
+            .prop_map(|(e4, head_dim, per_token)| {
+                Quantizer::Fp8(Fp8Spec {
+                    format: if e4 { Fp8Format::E4M3 } else { Fp8Format::E5M2 },
+                    head_dim,
+                    per_token,
+                })
+            }),
+        int,
+        (1usize..300, scale.clone())
+            .prop_map(|(group, scale)| Quantizer::Nf4(Nf4Spec { group, scale })),
+        (1u8..=8, any::<bool>(), scale.clone())
+            .prop_map(|(bits, qjl, scale)| Quantizer::LloydMax(LloydMaxSpec { bits, qjl, scale })),
+        (0u32..4, 1u32..=8, scale).prop_map(|(d, k, scale)| Quantizer::Vq(VqSpec {
+            dim: 1 << d,
+            centroids: 1 << k,
+            scale
+        })),
+    ];
+    let policy = prop_oneof![
+        Just(ErasurePolicy::Keep),
+        Just(ErasurePolicy::Zero),
+        (1u32..64).prop_map(|reach| ErasurePolicy::Interpolate { reach }),
+    ];
+    let protection = proptest::option::of((0usize..3, policy, any::<bool>()).prop_map(
+        |(c, policy, meta)| Protection {
+            code: Int4Code::ALL[c],
+            policy,
+            metadata: if meta {
+                MetaProtection::Secded
+            } else {
+                MetaProtection::Unprotected
+            },
+        },
+    ));
+    let rotation = proptest::option::of((1u32..12).prop_map(|b| Rotation { block: 1 << b }));
+    let segments = (0usize..3, 0usize..3).prop_map(|(s, w)| Segments {
+        sink: s * 4,
+        window: w * 32,
+    });
+    (quantizer, rotation, segments, protection)
+        .prop_filter_map("valid forms only", |(q, r, s, p)| {
+            CacheForm::build(q, r, s, p).ok()
+        })
+}
+
+proptest! {
+    #[test]
+    fn every_form_round_trips(form in forms()) {
+        let text = form.to_string();
+        prop_assert_eq!(text.parse::<CacheForm>().unwrap(), form);
+    }
+
+    /// No input makes the parser panic, and every error quotes the grammar.
+    #[test]
+    fn arbitrary_text_never_panics(text in "[a-z0-9+\\-]{0,40}") {
+        if let Err(e) = text.parse::<CacheForm>() {
+            prop_assert!(e.to_string().contains("valid forms"));
+        }
+    }
+}

@@ -1,0 +1,847 @@
+//! Encoding: f32 rows into a section's bytes.
+//!
+//! [`RowEncoder`] is the write path of row-local forms (every per-token
+//! form): it quantizes and encodes rows straight into caller-provided
+//! buffers ([`RowBuffersMut`]) without allocating once built, which is what
+//! a paged cache does for every appended token. Whole-matrix quantization
+//! runs the same encoder over every row; forms whose metadata is shared
+//! across tokens (per-channel, per-tensor) first compute their group
+//! parameters over the matrix and then encode the rows with them.
+//!
+//! Integer levels are found without division: `(x − o)·(1/s)` rounded to
+//! nearest, ties to even. Against `(x − o)/s` the product differs by at most
+//! a few ulps of a number ≤ 2^b, so a value lands on the other neighbour
+//! level only within a few ulps of a midpoint, and every value stays within
+//! half a step (plus that rounding) of its level.
+
+use std::sync::Arc;
+
+use super::section::{Coding, Kind, Section};
+use super::{NonFinite, QuantizeOptions, bits::read_word};
+use crate::error::{KvQuantError, Result, check_len};
+use crate::int::{self, Toward};
+use crate::layout::GroupLayout;
+use crate::lloyd_max::LloydMax;
+use crate::meta::MetaCode;
+use crate::nf4::nearest_level;
+use crate::qjl::QjlSketch;
+use crate::rotation::Hadamard;
+use crate::spec::{CacheForm, ScaleType};
+use crate::vq::VqCodebook;
+
+use half::{bf16, f16};
+
+/// Magnitude that `NonFinite::Clamp` gives infinities in rotated forms when
+/// the block holds no finite value to saturate at.
+const ROTATED_CLAMP: f32 = 1e30;
+
+/// Borrowed buffers of consecutive token rows of a row-local form: what a
+/// paged cache block (or a slice of one per-layer buffer) holds. Lengths
+/// are those of [`RowEncoder::buffer_sizes`] for the number of rows.
+#[derive(Debug)]
+pub struct RowBuffersMut<'a> {
+    /// Row bytes (`rows × row_bytes`).
+    pub data: &'a mut [u8],
+    /// Scales (absmax, gain): `rows × groups_per_row` words.
+    pub scales: &'a mut [u8],
+    /// Offsets (QJL residual norms) for forms that have them, else empty.
+    pub offsets: &'a mut [u8],
+    /// SECDED check bytes of the scales (forms with protected metadata).
+    pub scale_checks: &'a mut [u8],
+    /// SECDED check bytes of the offsets.
+    pub offset_checks: &'a mut [u8],
+}
+
+/// Byte lengths of the buffers of `rows` rows ([`RowEncoder::buffer_sizes`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RowBufferSizes {
+    /// Row bytes.
+    pub data: usize,
+    /// Scale bytes.
+    pub scales: usize,
+    /// Offset bytes.
+    pub offsets: usize,
+    /// Scale check bytes.
+    pub scale_checks: usize,
+    /// Offset check bytes.
+    pub offset_checks: usize,
+}
+
+/// Reusable buffers of one encoder.
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    rotated: Vec<f32>,
+    levels: Vec<u8>,
+    packed: Vec<u8>,
+    nibbles: Vec<u8>,
+    params: Vec<(f32, f32)>,
+    signs: Vec<u8>,
+}
+
+fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+    &mut v[..n]
+}
+
+/// Quantizes and encodes rows of one row-local form into caller-provided
+/// buffers. Built once per form and width; [`encode_into`](Self::encode_into)
+/// does not allocate after the first call.
+#[derive(Clone, Debug)]
+pub struct RowEncoder {
+    coding: Coding,
+    channels: usize,
+    /// Groups of one row and their channels.
+    groups: usize,
+    cpg: usize,
+    hadamard: Option<&'static Hadamard>,
+    codebook: Option<Arc<VqCodebook>>,
+    meta: Option<&'static MetaCode>,
+    /// Saturate rather than refuse out-of-range float input (set per call).
+    clamp: bool,
+    scratch: Scratch,
+}
+
+impl RowEncoder {
+    /// An encoder of rows of `channels` values in `form` (row-local forms
+    /// only; `codebook` for vq forms).
+    pub fn new(
+        form: CacheForm,
+        channels: usize,
+        codebook: Option<Arc<VqCodebook>>,
+    ) -> Result<Self> {
+        if !form.is_row_local() {
+            return Err(KvQuantError::InvalidParameter {
+                name: "form",
+                reason: format!(
+                    "{form} is not row-local (it shares scales across tokens or keeps a \
+                     sink or window exact), so its rows cannot be written one at a time \
+                     (use a per-token form such as int4-g64 or fp8-e4m3-tok)"
+                ),
+            });
+        }
+        Self::for_coding(Coding::of(form), channels, codebook)
+    }
+
+    pub(crate) fn for_coding(
+        coding: Coding,
+        channels: usize,
+        codebook: Option<Arc<VqCodebook>>,
+    ) -> Result<Self> {
+        crate::error::check_channels(channels)?;
+        // A one-row section checks the shape, rotation and codebook.
+        let probe = Section::empty(coding, 1, channels, codebook.clone())?;
+        let (groups, cpg) = probe.layout.map_or((0, channels), |l| {
+            (l.groups_per_block, l.channels_per_group)
+        });
+        Ok(Self {
+            coding,
+            channels,
+            groups,
+            cpg,
+            hadamard: coding.hadamard()?,
+            codebook: probe.codebook,
+            meta: coding.meta_code(),
+            clamp: false,
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// The form.
+    pub fn form(&self) -> &CacheForm {
+        &self.coding.form
+    }
+
+    /// Bytes of one stored row.
+    pub fn row_bytes(&self) -> usize {
+        self.coding.row_bytes(self.channels)
+    }
+
+    /// Metadata groups per row.
+    pub fn groups_per_row(&self) -> usize {
+        self.groups
+    }
+
+    /// Buffer lengths for `rows` rows.
+    pub fn buffer_sizes(&self, rows: usize) -> RowBufferSizes {
+        let words = rows * self.groups;
+        let width = self.coding.scale_type().bytes();
+        let offsets = if self.coding.has_offsets() { words } else { 0 };
+        let checked = self.meta.is_some();
+        RowBufferSizes {
+            data: rows * self.row_bytes(),
+            scales: words * width,
+            offsets: offsets * width,
+            scale_checks: if checked { words } else { 0 },
+            offset_checks: if checked { offsets } else { 0 },
+        }
+    }
+
+    /// Quantizes and encodes `rows` (`n × channels`, row-major) into `out`.
+    /// The bytes equal those of the same rows of a whole-matrix
+    /// [`KvStore::quantize_with`](crate::KvStore::quantize_with). On error
+    /// (non-finite input under [`NonFinite::Reject`], a value beyond the
+    /// scale type, wrong buffer lengths) rows before the failing one are
+    /// written and the rest are left as they were.
+    pub fn encode_into(
+        &mut self,
+        rows: &[f32],
+        out: RowBuffersMut<'_>,
+        options: QuantizeOptions,
+    ) -> Result<()> {
+        let ch = self.channels;
+        if !rows.len().is_multiple_of(ch) {
+            return Err(KvQuantError::ShapeMismatch {
+                what: "rows to encode",
+                found: rows.len(),
+                expected: rows.len().div_ceil(ch) * ch,
+            });
+        }
+        let n = rows.len() / ch;
+        let sizes = self.buffer_sizes(n);
+        check_len("row bytes", sizes.data, out.data.len())?;
+        check_len("scales", sizes.scales, out.scales.len())?;
+        check_len("offsets", sizes.offsets, out.offsets.len())?;
+        check_len(
+            "scale check bytes",
+            sizes.scale_checks,
+            out.scale_checks.len(),
+        )?;
+        check_len(
+            "offset check bytes",
+            sizes.offset_checks,
+            out.offset_checks.len(),
+        )?;
+        let (rb, width) = (self.row_bytes(), self.coding.scale_type().bytes());
+        let g = self.groups;
+        self.clamp = options.non_finite == NonFinite::Clamp;
+        for (r, row) in rows.chunks_exact(ch).enumerate() {
+            if options.non_finite == NonFinite::Reject
+                && let Some(c) = row.iter().position(|x| !x.is_finite())
+            {
+                return Err(KvQuantError::NonFinite {
+                    token: r,
+                    channel: c,
+                    value: row[c],
+                });
+            }
+            self.encode_row(
+                row,
+                &mut out.data[r * rb..][..rb],
+                &mut out.scales[r * g * width..][..g * width],
+                if out.offsets.is_empty() {
+                    &mut []
+                } else {
+                    &mut out.offsets[r * g * width..][..g * width]
+                },
+            )?;
+            if let Some(code) = self.meta {
+                let words = out.scales[r * g * width..][..g * width].chunks_exact(width);
+                for (c, w) in out.scale_checks[r * g..][..g].iter_mut().zip(words) {
+                    *c = code.check(read_word(w));
+                }
+                if !out.offsets.is_empty() {
+                    let words = out.offsets[r * g * width..][..g * width].chunks_exact(width);
+                    for (c, w) in out.offset_checks[r * g..][..g].iter_mut().zip(words) {
+                        *c = code.check(read_word(w));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One row: rotation, group parameters, codes, packing and the code.
+    fn encode_row(
+        &mut self,
+        row: &[f32],
+        data: &mut [u8],
+        scales: &mut [u8],
+        offsets: &mut [u8],
+    ) -> Result<()> {
+        let mut rotated = std::mem::take(&mut self.scratch.rotated);
+        let result = self.encode_row_with(row, &mut rotated, data, scales, offsets);
+        self.scratch.rotated = rotated;
+        result
+    }
+
+    fn encode_row_with(
+        &mut self,
+        row: &[f32],
+        rotated: &mut Vec<f32>,
+        data: &mut [u8],
+        scales: &mut [u8],
+        offsets: &mut [u8],
+    ) -> Result<()> {
+        let ty = self.coding.scale_type();
+        let width = ty.bytes();
+        let kind = self.coding.kind;
+        let row = match self.hadamard {
+            Some(h) => rotate_row(h, row, grow(rotated, row.len()))?,
+            None => row,
+        };
+        if let Some(bytes) = kind.float_bytes() {
+            return self.encode_float(kind, bytes, row, data);
+        }
+        let codes = self.coding.codes(self.channels);
+        let s = &mut self.scratch;
+        let params = grow(&mut s.params, self.groups);
+        let levels = grow(&mut s.levels, codes);
+        match kind {
+            Kind::Asym(_) | Kind::Sym(_) | Kind::Nf4 | Kind::Fp8(_) => {
+                row_params(kind, ty, row, self.cpg, params)?;
+                levels_with(kind, row, self.cpg, params, levels);
+            }
+            Kind::LloydMax { bits, qjl } => {
+                let signs = grow(&mut s.signs, if qjl { self.cpg } else { 0 });
+                lloyd_max_row(bits, qjl, ty, row, self.cpg, params, levels, signs)?;
+            }
+            Kind::Vq { dim } => {
+                let codebook = self.codebook.as_ref().expect("vq encoders hold a codebook");
+                vq_row(codebook, dim, ty, row, self.cpg, params, levels)?;
+            }
+            Kind::F32 | Kind::F16 | Kind::Bf16 => unreachable!("handled above"),
+        }
+        for (p, w) in params.iter().zip(scales.chunks_exact_mut(width)) {
+            w.copy_from_slice(&int::to_bits(ty, p.0).to_le_bytes()[..width]);
+        }
+        for (p, w) in params.iter().zip(offsets.chunks_exact_mut(width)) {
+            w.copy_from_slice(&int::to_bits(ty, p.1).to_le_bytes()[..width]);
+        }
+        emit_levels(&self.coding, levels, data, &mut s.packed, &mut s.nibbles)
+    }
+
+    fn encode_float(
+        &mut self,
+        kind: Kind,
+        bytes: usize,
+        row: &[f32],
+        data: &mut [u8],
+    ) -> Result<()> {
+        let packed = grow(&mut self.scratch.packed, bytes * self.channels);
+        float_codes(kind, row, packed, self.clamp)?;
+        if self.coding.codec().is_none() {
+            data.copy_from_slice(packed);
+            return Ok(());
+        }
+        let packed = &self.scratch.packed[..bytes * self.channels];
+        let count = self.coding.nibbles(self.channels);
+        encode_nibbles(&self.coding, packed, count, data, &mut self.scratch.nibbles)
+    }
+}
+
+/// Saturates the non-finite values of a block about to be rotated: NaN to
+/// 0, ±∞ to ± the block's largest finite magnitude.
+fn clamp_block(block: &mut [f32]) {
+    if block.iter().all(|x| x.is_finite()) {
+        return;
+    }
+    let top = block
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0f32, |m, x| m.max(x.abs()));
+    let top = if top > 0.0 { top } else { ROTATED_CLAMP };
+    for x in block.iter_mut() {
+        if x.is_nan() {
+            *x = 0.0;
+        } else if x.is_infinite() {
+            *x = top.copysign(*x);
+        }
+    }
+}
+
+/// Rotates whole rows in place (see [`rotate_row`]).
+pub(crate) fn rotate_rows(h: &Hadamard, rows: &mut [f32]) -> Result<()> {
+    let original = rows.to_vec();
+    rotate_row(h, &original, rows).map(|_| ())
+}
+
+/// Rotates `row` into `y`, saturating non-finite input first (it only gets
+/// here under [`NonFinite::Clamp`]); a rotated value beyond f32 is an error.
+fn rotate_row<'y>(h: &Hadamard, row: &[f32], y: &'y mut [f32]) -> Result<&'y [f32]> {
+    y.copy_from_slice(row);
+    for block in y.chunks_exact_mut(h.block()) {
+        clamp_block(block);
+    }
+    h.rotate(y);
+    if let Some(i) = y.iter().position(|v| !v.is_finite()) {
+        return Err(KvQuantError::OutOfRange {
+            what: "rotated value",
+            value: f64::from(row[i]),
+            dtype: "f32",
+            max: f64::from(f32::MAX),
+        });
+    }
+    Ok(y)
+}
+
+pub(crate) fn sanitize(x: f32) -> f32 {
+    if x.is_nan() {
+        0.0
+    } else if x.is_infinite() {
+        f32::MAX.copysign(x)
+    } else {
+        x
+    }
+}
+
+/// The little-endian bits of each value of a float form; values beyond the
+/// format saturate when `clamp` is set and are errors otherwise.
+fn float_codes(kind: Kind, row: &[f32], out: &mut [u8], clamp: bool) -> Result<()> {
+    let overflow = |x: f32, dtype: &'static str, max: f64| KvQuantError::OutOfRange {
+        what: "input value",
+        value: f64::from(x),
+        dtype,
+        max,
+    };
+    match kind {
+        Kind::F32 => {
+            for (o, &x) in out.chunks_exact_mut(4).zip(row) {
+                o.copy_from_slice(&sanitize(x).to_le_bytes());
+            }
+        }
+        Kind::F16 => {
+            for (o, &x) in out.chunks_exact_mut(2).zip(row) {
+                let h = f16::from_f32(sanitize(x));
+                let h = if h.is_infinite() {
+                    if !clamp {
+                        return Err(overflow(x, "f16", f16::MAX.to_f64()));
+                    }
+                    f16::MAX.copysign(h)
+                } else {
+                    h
+                };
+                o.copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        _ => {
+            for (o, &x) in out.chunks_exact_mut(2).zip(row) {
+                let h = bf16::from_f32(sanitize(x));
+                let h = if h.is_infinite() {
+                    if !clamp {
+                        return Err(overflow(x, "bf16", bf16::MAX.to_f64()));
+                    }
+                    bf16::MAX.copysign(h)
+                } else {
+                    h
+                };
+                o.copy_from_slice(&h.to_le_bytes());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Finite minimum and maximum of `xs` (`(0, 0)` when none is finite).
+#[inline]
+fn finite_range(xs: &[f32]) -> (f32, f32) {
+    const LANES: usize = 16;
+    let (mut lo, mut hi) = ([f32::INFINITY; LANES], [f32::NEG_INFINITY; LANES]);
+    let mut chunks = xs.chunks_exact(LANES);
+    if xs.iter().all(|x| x.is_finite()) {
+        for c in &mut chunks {
+            for i in 0..LANES {
+                lo[i] = lo[i].min(c[i]);
+                hi[i] = hi[i].max(c[i]);
+            }
+        }
+        for &x in chunks.remainder() {
+            lo[0] = lo[0].min(x);
+            hi[0] = hi[0].max(x);
+        }
+    } else {
+        for &x in xs.iter().filter(|x| x.is_finite()) {
+            lo[0] = lo[0].min(x);
+            hi[0] = hi[0].max(x);
+        }
+    }
+    let lo = lo.iter().fold(f32::INFINITY, |a, &b| a.min(b));
+    let hi = hi.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    if lo > hi { (0.0, 0.0) } else { (lo, hi) }
+}
+
+/// The stored parameters `(a, b)` of a group with finite range `(lo, hi)`.
+pub(crate) fn group_params(kind: Kind, ty: ScaleType, lo: f32, hi: f32) -> Result<(f32, f32)> {
+    let absmax = lo.abs().max(hi.abs());
+    match kind {
+        Kind::Asym(bits) => int::asymmetric_params(lo, hi, bits, ty),
+        Kind::Sym(bits) => Ok((int::symmetric_scale(absmax, bits, ty)?, 0.0)),
+        Kind::Fp8(format) => {
+            if absmax > 0.0 {
+                let s = f64::from(absmax) / f64::from(format.max_finite());
+                Ok((int::round_to(ScaleType::F32, s, Toward::Up, "scale")?, 0.0))
+            } else {
+                Ok((1.0, 0.0))
+            }
+        }
+        _ => Ok((
+            int::round_to(ty, f64::from(absmax), Toward::Up, "absmax")?,
+            0.0,
+        )),
+    }
+}
+
+/// Group parameters of one row of a per-token scaled form.
+fn row_params(
+    kind: Kind,
+    ty: ScaleType,
+    row: &[f32],
+    cpg: usize,
+    params: &mut [(f32, f32)],
+) -> Result<()> {
+    for (p, seg) in params.iter_mut().zip(row.chunks_exact(cpg)) {
+        let (lo, hi) = finite_range(seg);
+        *p = group_params(kind, ty, lo, hi)?;
+    }
+    Ok(())
+}
+
+/// Levels of one row of a scaled form given its groups' parameters.
+pub(crate) fn levels_with(
+    kind: Kind,
+    row: &[f32],
+    cpg: usize,
+    params: &[(f32, f32)],
+    levels: &mut [u8],
+) {
+    for ((seg, lv), &(a, b)) in row
+        .chunks_exact(cpg)
+        .zip(levels.chunks_exact_mut(cpg))
+        .zip(params)
+    {
+        levels_of_group(kind, seg, lv, a, b);
+    }
+}
+
+/// Integer levels `clamp(round((x − b)/a), lo, hi) + shift` of one group;
+/// the level of a zero scale is `shift` clamped at `lo` (0 for asymmetric
+/// groups, the middle level for symmetric ones).
+#[inline]
+fn round_levels(seg: &[f32], lv: &mut [u8], (a, b): (f32, f32), (lo, hi): (f32, f32), shift: f32) {
+    if a > 0.0 && (1.0 / a).is_normal() {
+        let inv = 1.0 / a;
+        crate::simd::with_avx2(|| {
+            for (l, &x) in lv.iter_mut().zip(seg) {
+                *l = (((sanitize(x) - b) * inv).round_ties_even().clamp(lo, hi) + shift) as u8;
+            }
+        });
+    } else if a > 0.0 {
+        // Subnormal scales: the reciprocal would overflow.
+        for (l, &x) in lv.iter_mut().zip(seg) {
+            *l = (((sanitize(x) - b) / a).round_ties_even().clamp(lo, hi) + shift) as u8;
+        }
+    } else {
+        lv.fill((0f32.clamp(lo, hi) + shift) as u8);
+    }
+}
+
+/// Levels of one group (`a` scale or absmax, `b` offset).
+#[inline]
+pub(crate) fn levels_of_group(kind: Kind, seg: &[f32], lv: &mut [u8], a: f32, b: f32) {
+    match kind {
+        Kind::Asym(bits) => {
+            let top = ((1u32 << bits) - 1) as f32;
+            round_levels(seg, lv, (a, b), (0.0, top), 0.0);
+        }
+        Kind::Sym(bits) => {
+            let mid = (1u32 << (bits - 1)) as f32;
+            round_levels(seg, lv, (a, 0.0), (1.0 - mid, mid - 1.0), mid);
+        }
+        Kind::Fp8(format) => {
+            for (l, &x) in lv.iter_mut().zip(seg) {
+                *l = format.encode(sanitize(x) / a);
+            }
+        }
+        _ => {
+            for (l, &x) in lv.iter_mut().zip(seg) {
+                *l = if a > 0.0 {
+                    nearest_level(sanitize(x) / a)
+                } else {
+                    7
+                };
+            }
+        }
+    }
+}
+
+fn rms(y: &[f32]) -> f32 {
+    (y.iter().map(|v| v * v).sum::<f32>() / y.len() as f32).sqrt()
+}
+
+/// The stored gain of a block: the least-squares scale `⟨y, c⟩/⟨c, c⟩` of
+/// the chosen unit-RMS reconstruction `c`, rounded to the scale type.
+fn stored_gain(ty: ScaleType, y: &[f32], c: impl Iterator<Item = f32> + Clone) -> Result<f32> {
+    let cc: f64 = c.clone().map(|v| f64::from(v) * f64::from(v)).sum();
+    let yc: f64 = y
+        .iter()
+        .zip(c)
+        .map(|(a, b)| f64::from(*a) * f64::from(b))
+        .sum();
+    if cc <= 0.0 || yc == 0.0 {
+        return Ok(0.0);
+    }
+    int::round_to(ty, yc / cc, Toward::Nearest, "gain")
+}
+
+/// One rotated row of a Lloyd-Max form: per block the gain (and QJL
+/// residual norm), the centroid indices with the QJL sign in the top bit.
+#[allow(clippy::too_many_arguments)]
+fn lloyd_max_row(
+    bits: u8,
+    qjl: bool,
+    ty: ScaleType,
+    row: &[f32],
+    block: usize,
+    params: &mut [(f32, f32)],
+    levels: &mut [u8],
+    signs: &mut [u8],
+) -> Result<()> {
+    let lm = LloydMax::of(bits);
+    let table = lm.centroids();
+    for ((y, lv), p) in row
+        .chunks_exact(block)
+        .zip(levels.chunks_exact_mut(block))
+        .zip(params.iter_mut())
+    {
+        let r = rms(y);
+        if r > 0.0 {
+            let inv = 1.0 / r;
+            for (l, &v) in lv.iter_mut().zip(y) {
+                *l = lm.index(v * inv);
+            }
+        } else {
+            lv.fill(0);
+        }
+        let gain = if r > 0.0 {
+            stored_gain(ty, y, lv.iter().map(|&l| table[usize::from(l)]))?
+        } else {
+            0.0
+        };
+        let mut residual_norm = 0.0;
+        if qjl {
+            let sketch = QjlSketch::of(block);
+            // The residual against what the decoder will rebuild.
+            let mut residual = [0f32; crate::spec::MAX_ROTATION_BLOCK];
+            let res = &mut residual[..block];
+            for ((o, &v), &l) in res.iter_mut().zip(y).zip(lv.iter()) {
+                *o = v - gain * table[usize::from(l)];
+            }
+            let norm = res
+                .iter()
+                .map(|v| f64::from(*v) * f64::from(*v))
+                .sum::<f64>()
+                .sqrt();
+            residual_norm = int::round_to(ty, norm, Toward::Nearest, "residual norm")?;
+            sketch.signs(res, signs);
+            for (l, &s) in lv.iter_mut().zip(signs.iter()) {
+                *l |= s << bits;
+            }
+        }
+        *p = (gain, residual_norm);
+    }
+    Ok(())
+}
+
+/// One rotated row of a vq form: per block the gain and the index of every
+/// group of `dim` coordinates.
+fn vq_row(
+    codebook: &VqCodebook,
+    dim: usize,
+    ty: ScaleType,
+    row: &[f32],
+    block: usize,
+    params: &mut [(f32, f32)],
+    levels: &mut [u8],
+) -> Result<()> {
+    let per_block = block / dim;
+    let mut unit = [0f32; 8];
+    for (b, ((y, lv), p)) in row
+        .chunks_exact(block)
+        .zip(levels.chunks_exact_mut(per_block))
+        .zip(params.iter_mut())
+        .enumerate()
+    {
+        let r = rms(y);
+        if r == 0.0 {
+            lv.fill(0);
+            *p = (0.0, 0.0);
+            continue;
+        }
+        let inv = 1.0 / r;
+        for (l, g) in lv.iter_mut().zip(y.chunks_exact(dim)) {
+            for (u, &v) in unit.iter_mut().zip(g) {
+                *u = v * inv;
+            }
+            *l = codebook.nearest(b, &unit[..dim]);
+        }
+        let chosen = lv
+            .iter()
+            .flat_map(|&l| codebook.centroid(b, l).iter().copied());
+        *p = (stored_gain(ty, y, chosen)?, 0.0);
+    }
+    Ok(())
+}
+
+/// Packs one code per entry of `levels` into the row and, for protected
+/// forms, encodes it.
+pub(crate) fn emit_levels(
+    coding: &Coding,
+    levels: &[u8],
+    data: &mut [u8],
+    packed: &mut Vec<u8>,
+    nibbles: &mut Vec<u8>,
+) -> Result<()> {
+    let bits = coding.code_bits as u8;
+    match coding.codec() {
+        None => {
+            int::pack_row(bits, levels, data);
+            Ok(())
+        }
+        Some(codec) if coding.nibbles_are_levels() => Ok(codec.encode_into(levels, data)?),
+        Some(_) => {
+            let n = int::packed_row_bytes(bits, levels.len());
+            let p = grow(packed, n);
+            int::pack_row(bits, levels, p);
+            let count = (coding.code_bits as usize * levels.len()).div_ceil(4);
+            encode_nibbles(coding, &packed[..n], count, data, nibbles)
+        }
+    }
+}
+
+/// Encodes the first `count` nibbles of a packed code stream with the form's code.
+fn encode_nibbles(
+    coding: &Coding,
+    packed: &[u8],
+    count: usize,
+    data: &mut [u8],
+    nibbles: &mut Vec<u8>,
+) -> Result<()> {
+    let codec = coding.codec().expect("protected forms only");
+    let nb = grow(nibbles, count);
+    super::bits::bytes_to_nibbles(packed, nb);
+    Ok(codec.encode_into(nb, data)?)
+}
+
+/// Whole-matrix quantization into a new section: row-local forms run the
+/// row encoder over every row; forms with metadata shared across tokens
+/// compute it over the matrix first.
+pub(crate) fn quantize_section(
+    coding: Coding,
+    data: &[f32],
+    tokens: usize,
+    channels: usize,
+    codebook: Option<Arc<VqCodebook>>,
+    options: QuantizeOptions,
+) -> Result<Section> {
+    let mut section = Section::empty(coding, tokens, channels, codebook.clone())?;
+    if tokens == 0 {
+        return Ok(section);
+    }
+    let shared = coding.form.token_block() != Some(1);
+    if !shared {
+        let mut encoder = RowEncoder::for_coding(coding, channels, codebook)?;
+        let sizes = encoder.buffer_sizes(tokens);
+        let split = sizes.scale_checks.min(section.checks.len());
+        let (scale_checks, offset_checks) = section.checks.split_at_mut(split);
+        encoder.encode_into(
+            data,
+            RowBuffersMut {
+                data: &mut section.data,
+                scales: &mut section.scales,
+                offsets: &mut section.offsets,
+                scale_checks,
+                offset_checks,
+            },
+            options,
+        )?;
+        return Ok(section);
+    }
+    // Shared metadata: per-channel, per-tensor integer and FP8 forms
+    // (never rotated by a block of their own, but they may be +rot).
+    let layout = section.layout.expect("scaled forms have groups");
+    let ty = coding.scale_type();
+    let kind = coding.kind;
+    let rotated;
+    let data = match coding.hadamard()? {
+        Some(h) => {
+            let mut y = vec![0.0; data.len()];
+            rotate_row(h, data, &mut y)?;
+            rotated = y;
+            &rotated[..]
+        }
+        None => data,
+    };
+    let params: Vec<(f32, f32)> = shared_ranges(&layout, data, channels)
+        .into_iter()
+        .map(|(lo, hi)| group_params(kind, ty, lo, hi))
+        .collect::<Result<_>>()?;
+    let width = ty.bytes();
+    for (g, &(a, b)) in params.iter().enumerate() {
+        section.scales[g * width..][..width]
+            .copy_from_slice(&int::to_bits(ty, a).to_le_bytes()[..width]);
+        if coding.has_offsets() {
+            section.offsets[g * width..][..width]
+                .copy_from_slice(&int::to_bits(ty, b).to_le_bytes()[..width]);
+        }
+    }
+    if let Some(code) = coding.meta_code() {
+        let checks: Vec<u8> = section
+            .scales
+            .chunks_exact(width)
+            .chain(section.offsets.chunks_exact(width))
+            .map(|w| code.check(read_word(w)))
+            .collect();
+        section.checks = checks;
+    }
+    let cpg = layout.channels_per_group;
+    let (mut levels, mut packed, mut nibbles) = (vec![0u8; channels], Vec::new(), Vec::new());
+    let rb = section.row_bytes;
+    for (t, row) in data.chunks_exact(channels).enumerate() {
+        let base = layout.group(t, 0);
+        let row_params = &params[base..][..layout.groups_per_block];
+        if cpg == 1 {
+            for ((l, &x), &(a, b)) in levels.iter_mut().zip(row).zip(row_params) {
+                levels_of_group(
+                    kind,
+                    std::slice::from_ref(&x),
+                    std::slice::from_mut(l),
+                    a,
+                    b,
+                );
+            }
+        } else {
+            levels_with(kind, row, cpg, row_params, &mut levels);
+        }
+        emit_levels(
+            &coding,
+            &levels,
+            &mut section.data[t * rb..][..rb],
+            &mut packed,
+            &mut nibbles,
+        )?;
+    }
+    Ok(section)
+}
+
+/// Finite minimum and maximum of every group of a shared-metadata layout.
+fn shared_ranges(layout: &GroupLayout, data: &[f32], channels: usize) -> Vec<(f32, f32)> {
+    let mut ranges = vec![(f32::INFINITY, f32::NEG_INFINITY); layout.groups()];
+    let cpg = layout.channels_per_group;
+    for (t, row) in data.chunks_exact(channels).enumerate() {
+        let base = layout.group(t, 0);
+        for (gi, seg) in row.chunks_exact(cpg).enumerate() {
+            let r = &mut ranges[base + gi];
+            for &x in seg.iter().filter(|x| x.is_finite()) {
+                r.0 = r.0.min(x);
+                r.1 = r.1.max(x);
+            }
+        }
+    }
+    for r in &mut ranges {
+        if r.0 > r.1 {
+            *r = (0.0, 0.0);
+        }
+    }
+    ranges
+}

@@ -1,0 +1,504 @@
+//! Codebooks of the vector-quantized forms (`vq`): k-means over groups of
+//! `dim` consecutive rotated coordinates (Shard's value path, section 6).
+//!
+//! A store of `channels` channels in a `vq` form with rotation blocks of `N`
+//! channels has `channels / N` blocks (one per head when `N` is the head
+//! dimension), and each block has its own codebook of `K` centroids in
+//! `dim` dimensions, shared by every group of `dim` coordinates of the
+//! block. A token's block is rotated, divided by its RMS, and each group is
+//! replaced by the index of its nearest centroid; the block's gain (the
+//! least-squares scale of the chosen centroids) is stored per token.
+//!
+//! [`VqCodebook::fit`] fits the codebooks on calibration rows: k-means++
+//! seeding and Lloyd iterations, deterministic for a seed (the workspace's
+//! seeded stream, [`FaultRng`]). Centroids are stored as f16, and
+//! [`VqCodebook::stored_bytes`] counts them, so compression ratios include
+//! the codebook.
+
+use gf2_codes::channel::FaultRng;
+use half::f16;
+
+use crate::error::{KvQuantError, Result};
+use crate::rotation::Hadamard;
+use crate::spec::{CacheForm, Quantizer, VqSpec};
+
+/// How [`VqCodebook::fit`] runs k-means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FitOptions {
+    /// Seed of the k-means++ draws and of the sample.
+    pub seed: u64,
+    /// Lloyd iterations after seeding.
+    pub iterations: usize,
+    /// At most this many groups per block are used (a seeded sample when
+    /// the data holds more).
+    pub max_samples: usize,
+}
+
+impl Default for FitOptions {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            iterations: 25,
+            max_samples: 1 << 16,
+        }
+    }
+}
+
+/// The codebooks of one `vq` store shape.
+#[derive(Clone, Debug)]
+pub struct VqCodebook {
+    spec: VqSpec,
+    block: usize,
+    blocks: usize,
+    /// Stored centroids (f16 bits): `blocks × K × dim`.
+    bits: Vec<u16>,
+    /// The same as f32, `blocks × K × dim` (for decoding).
+    values: Vec<f32>,
+    /// The same transposed per block, `blocks × dim × K` (for searching).
+    columns: Vec<f32>,
+}
+
+impl PartialEq for VqCodebook {
+    fn eq(&self, other: &Self) -> bool {
+        self.spec == other.spec && self.block == other.block && self.bits == other.bits
+    }
+}
+
+impl Eq for VqCodebook {}
+
+fn vq_parts(form: &CacheForm, channels: usize) -> Result<(VqSpec, usize, usize)> {
+    let Quantizer::Vq(spec) = *form.quantizer() else {
+        return Err(KvQuantError::InvalidParameter {
+            name: "form",
+            reason: format!("{form} is not a vq form"),
+        });
+    };
+    let block = form.rotation().map_or(0, |r| r.block);
+    if block == 0 || !channels.is_multiple_of(block) {
+        return Err(KvQuantError::InvalidParameter {
+            name: "channels",
+            reason: format!(
+                "{channels} channels are not whole rotation blocks of {block} ({form})"
+            ),
+        });
+    }
+    Ok((spec, block, channels / block))
+}
+
+impl VqCodebook {
+    /// Codebooks from centroid values (`blocks × K × dim`, rounded to f16 as stored).
+    pub fn new(form: &CacheForm, channels: usize, centroids: &[f32]) -> Result<Self> {
+        let (spec, block, blocks) = vq_parts(form, channels)?;
+        let expected = blocks * spec.centroids * spec.dim;
+        if centroids.len() != expected {
+            return Err(KvQuantError::ShapeMismatch {
+                what: "codebook centroids (blocks × centroids × dim)",
+                expected,
+                found: centroids.len(),
+            });
+        }
+        if let Some(i) = centroids.iter().position(|c| !c.is_finite()) {
+            return Err(KvQuantError::Calibration {
+                form: form.to_string(),
+                what: "a finite codebook",
+                reason: format!("centroid coordinate {i} is {}", centroids[i]),
+            });
+        }
+        let bits: Vec<u16> = centroids
+            .iter()
+            .map(|&c| f16::from_f32(c).to_bits())
+            .collect();
+        Ok(Self::from_bits(spec, block, blocks, bits))
+    }
+
+    fn from_bits(spec: VqSpec, block: usize, blocks: usize, bits: Vec<u16>) -> Self {
+        let values: Vec<f32> = bits.iter().map(|&b| f16::from_bits(b).to_f32()).collect();
+        let (k, d) = (spec.centroids, spec.dim);
+        let mut columns = vec![0.0; values.len()];
+        for b in 0..blocks {
+            for c in 0..k {
+                for j in 0..d {
+                    columns[b * k * d + j * k + c] = values[b * k * d + c * d + j];
+                }
+            }
+        }
+        Self {
+            spec,
+            block,
+            blocks,
+            bits,
+            values,
+            columns,
+        }
+    }
+
+    /// Fits the codebooks of `form` on `data` (`tokens × channels`, row-major,
+    /// unrotated): every block's normalised groups, at most
+    /// `options.max_samples` of them, clustered by k-means.
+    pub fn fit(
+        form: &CacheForm,
+        data: &[f32],
+        tokens: usize,
+        channels: usize,
+        options: FitOptions,
+    ) -> Result<Self> {
+        let (spec, block, blocks) = vq_parts(form, channels)?;
+        crate::error::check_len("calibration rows", tokens * channels, data.len())?;
+        if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+            return Err(KvQuantError::NonFinite {
+                token: i / channels,
+                channel: i % channels,
+                value: data[i],
+            });
+        }
+        let (k, d) = (spec.centroids, spec.dim);
+        let groups_per_token = block / d;
+        let hadamard = Hadamard::of(block)?;
+        let mut bits = Vec::with_capacity(blocks * k * d);
+        for b in 0..blocks {
+            // Every token's normalised block, split into groups.
+            let mut samples: Vec<f32> = Vec::with_capacity(tokens * block);
+            let mut y = vec![0.0f32; block];
+            for row in data.chunks_exact(channels) {
+                y.copy_from_slice(&row[b * block..][..block]);
+                hadamard.rotate(&mut y);
+                let rms = rms(&y);
+                if rms > 0.0 {
+                    samples.extend(y.iter().map(|v| v / rms));
+                }
+            }
+            let count = samples.len() / d;
+            if count < k {
+                return Err(KvQuantError::Calibration {
+                    form: form.to_string(),
+                    what: "enough calibration rows",
+                    reason: format!(
+                        "{count} non-zero groups of {d} for {k} centroids in block {b} \
+                         ({} tokens give {groups_per_token} groups each)",
+                        tokens
+                    ),
+                });
+            }
+            let mut rng = FaultRng::with_stream(options.seed, b as u64);
+            let samples = subsample(samples, d, options.max_samples, &mut rng);
+            let centroids = kmeans(&samples, d, k, options.iterations, &mut rng);
+            bits.extend(centroids.iter().map(|&c| f16::from_f32(c).to_bits()));
+        }
+        Ok(Self::from_bits(spec, block, blocks, bits))
+    }
+
+    /// The form's codebook parameters.
+    pub fn spec(&self) -> VqSpec {
+        self.spec
+    }
+
+    /// Channels per block (the rotation block).
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// Blocks (codebooks).
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Checks that the codebooks serve `form` over `channels` channels.
+    pub fn check_fits(&self, form: &CacheForm, channels: usize) -> Result<()> {
+        let (spec, block, blocks) = vq_parts(form, channels)?;
+        if (spec.dim, spec.centroids, block, blocks)
+            != (self.spec.dim, self.spec.centroids, self.block, self.blocks)
+        {
+            return Err(KvQuantError::Calibration {
+                form: form.to_string(),
+                what: "a codebook of its shape",
+                reason: format!(
+                    "the codebook holds {} blocks of {} channels, {} centroids of {} \
+                     channels; the store needs {blocks} blocks of {block}, {} of {}",
+                    self.blocks,
+                    self.block,
+                    self.spec.centroids,
+                    self.spec.dim,
+                    spec.centroids,
+                    spec.dim
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The stored centroids as f32 (`blocks × K × dim`).
+    pub fn centroids(&self) -> &[f32] {
+        &self.values
+    }
+
+    /// Centroid `index` of block `block` (`dim` values).
+    #[inline]
+    pub fn centroid(&self, block: usize, index: u8) -> &[f32] {
+        let (k, d) = (self.spec.centroids, self.spec.dim);
+        &self.values[(block * k + usize::from(index)) * d..][..d]
+    }
+
+    /// Bytes of the stored centroids (f16 each).
+    pub fn stored_bytes(&self) -> usize {
+        2 * self.bits.len()
+    }
+
+    /// Index of the centroid of block `block` nearest `x` (`dim` values).
+    #[inline]
+    pub fn nearest(&self, block: usize, x: &[f32]) -> u8 {
+        let (k, d) = (self.spec.centroids, self.spec.dim);
+        nearest_in(&self.columns[block * k * d..][..k * d], k, x) as u8
+    }
+}
+
+fn rms(y: &[f32]) -> f32 {
+    (y.iter().map(|v| v * v).sum::<f32>() / y.len() as f32).sqrt()
+}
+
+/// Index of the column-major (`dim × k`) centroid nearest `x`; ties go to
+/// the lower index.
+#[inline]
+fn nearest_in(columns: &[f32], k: usize, x: &[f32]) -> usize {
+    const LANES: usize = 16;
+    let mut best = (f32::INFINITY, 0usize);
+    let mut dist = [0.0f32; LANES];
+    for start in (0..k).step_by(LANES) {
+        let n = LANES.min(k - start);
+        dist[..n].fill(0.0);
+        for (j, &xj) in x.iter().enumerate() {
+            let col = &columns[j * k + start..][..n];
+            for (d, &c) in dist[..n].iter_mut().zip(col) {
+                let e = xj - c;
+                *d += e * e;
+            }
+        }
+        for (i, &d) in dist[..n].iter().enumerate() {
+            if d < best.0 {
+                best = (d, start + i);
+            }
+        }
+    }
+    best.1
+}
+
+/// A seeded sample of at most `max` groups (partial Fisher–Yates).
+fn subsample(mut samples: Vec<f32>, d: usize, max: usize, rng: &mut FaultRng) -> Vec<f32> {
+    let n = samples.len() / d;
+    if n <= max {
+        return samples;
+    }
+    for i in 0..max {
+        let j = i + rng.below((n - i) as u64) as usize;
+        for c in 0..d {
+            samples.swap(i * d + c, j * d + c);
+        }
+    }
+    samples.truncate(max * d);
+    samples
+}
+
+/// k-means++ seeding then Lloyd iterations; returns `k × d` centroids.
+fn kmeans(samples: &[f32], d: usize, k: usize, iterations: usize, rng: &mut FaultRng) -> Vec<f32> {
+    let n = samples.len() / d;
+    let point = |i: usize| &samples[i * d..][..d];
+    let dist2 = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f32>();
+    // k-means++: each next centroid drawn with probability ∝ D(x)².
+    let mut centroids: Vec<f32> = Vec::with_capacity(k * d);
+    centroids.extend_from_slice(point(rng.below(n as u64) as usize));
+    let mut nearest: Vec<f32> = (0..n).map(|i| dist2(point(i), &centroids[..d])).collect();
+    for _ in 1..k {
+        let total: f64 = nearest.iter().map(|&v| f64::from(v)).sum();
+        let pick = if total > 0.0 {
+            let target = rng.next_f64() * total;
+            let mut acc = 0.0;
+            nearest
+                .iter()
+                .position(|&v| {
+                    acc += f64::from(v);
+                    acc > target
+                })
+                .unwrap_or(n - 1)
+        } else {
+            rng.below(n as u64) as usize
+        };
+        let c = point(pick).to_vec();
+        for (i, v) in nearest.iter_mut().enumerate() {
+            *v = v.min(dist2(point(i), &c));
+        }
+        centroids.extend_from_slice(&c);
+    }
+    // Lloyd iterations, assignments by the column-major search.
+    let mut columns = vec![0.0f32; k * d];
+    let mut assignment = vec![0usize; n];
+    for _ in 0..iterations {
+        for c in 0..k {
+            for j in 0..d {
+                columns[j * k + c] = centroids[c * d + j];
+            }
+        }
+        for (i, a) in assignment.iter_mut().enumerate() {
+            *a = nearest_in(&columns, k, point(i));
+        }
+        let mut sums = vec![0.0f64; k * d];
+        let mut counts = vec![0usize; k];
+        for (i, &a) in assignment.iter().enumerate() {
+            counts[a] += 1;
+            for (s, &x) in sums[a * d..][..d].iter_mut().zip(point(i)) {
+                *s += f64::from(x);
+            }
+        }
+        for c in 0..k {
+            if counts[c] > 0 {
+                for j in 0..d {
+                    centroids[c * d + j] = (sums[c * d + j] / counts[c] as f64) as f32;
+                }
+            } else {
+                // An empty cluster restarts at the point farthest from its centroid.
+                let far = (0..n)
+                    .max_by(|&a, &b| {
+                        let da = dist2(point(a), &centroids[assignment[a] * d..][..d]);
+                        let db = dist2(point(b), &centroids[assignment[b] * d..][..d]);
+                        da.total_cmp(&db)
+                    })
+                    .unwrap_or(0);
+                centroids[c * d..][..d].copy_from_slice(point(far));
+                assignment[far] = c;
+            }
+        }
+    }
+    centroids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn form(s: &str) -> CacheForm {
+        s.parse().unwrap()
+    }
+
+    fn rows(tokens: usize, channels: usize, seed: u64) -> Vec<f32> {
+        let mut rng = FaultRng::new(seed);
+        (0..tokens * channels)
+            .map(|i| (rng.next_f64() as f32 - 0.5) * (1.0 + (i % channels) as f32 * 0.05))
+            .collect()
+    }
+
+    #[test]
+    fn fitting_is_deterministic_and_beats_a_random_codebook() {
+        let f = form("vq-k16");
+        let (tokens, channels) = (300, 128);
+        let data = rows(tokens, channels, 1);
+        let opts = FitOptions {
+            iterations: 10,
+            ..FitOptions::default()
+        };
+        let a = VqCodebook::fit(&f, &data, tokens, channels, opts).unwrap();
+        let b = VqCodebook::fit(&f, &data, tokens, channels, opts).unwrap();
+        assert_eq!(a, b);
+        assert_eq!((a.blocks(), a.block()), (2, 64));
+        assert_eq!(a.stored_bytes(), 2 * 2 * 16 * 4);
+        let other =
+            VqCodebook::fit(&f, &data, tokens, channels, FitOptions { seed: 9, ..opts }).unwrap();
+        assert_ne!(a, other);
+        // Fitted centroids quantize the training groups better than the
+        // first centroids of the seeding (k-means only lowers the distortion).
+        let seeded = VqCodebook::fit(
+            &f,
+            &data,
+            tokens,
+            channels,
+            FitOptions {
+                iterations: 0,
+                ..opts
+            },
+        )
+        .unwrap();
+        let distortion = |cb: &VqCodebook| {
+            let h = Hadamard::of(64).unwrap();
+            let mut total = 0.0f64;
+            for row in data.chunks_exact(channels) {
+                for blk in 0..2 {
+                    let mut y = row[blk * 64..][..64].to_vec();
+                    h.rotate(&mut y);
+                    let r = rms(&y);
+                    for g in y.chunks_exact(4) {
+                        let u: Vec<f32> = g.iter().map(|v| v / r).collect();
+                        let c = cb.centroid(blk, cb.nearest(blk, &u));
+                        total += u
+                            .iter()
+                            .zip(c)
+                            .map(|(a, b)| f64::from((a - b) * (a - b)))
+                            .sum::<f64>();
+                    }
+                }
+            }
+            total
+        };
+        assert!(
+            distortion(&a) < distortion(&seeded),
+            "{} {}",
+            distortion(&a),
+            distortion(&seeded)
+        );
+    }
+
+    #[test]
+    fn nearest_is_the_argmin() {
+        let f = form("vq-d2-k8");
+        let centroids: Vec<f32> = (0..16).map(|i| (i as f32 * 0.73).sin()).collect();
+        let cb = VqCodebook::new(&f, 64, &centroids).unwrap();
+        for i in 0..200 {
+            let x = [(i as f32 * 0.1).cos(), (i as f32 * 0.37).sin()];
+            let q = usize::from(cb.nearest(0, &x));
+            let d = |c: &[f32]| (c[0] - x[0]).powi(2) + (c[1] - x[1]).powi(2);
+            let best = (0..8)
+                .map(|c| d(cb.centroid(0, c as u8)))
+                .fold(f32::INFINITY, f32::min);
+            assert_eq!(d(cb.centroid(0, q as u8)), best);
+        }
+    }
+
+    #[test]
+    fn bad_calibration_is_a_typed_error() {
+        let f = form("vq");
+        // Too few groups for 256 centroids.
+        let data = rows(2, 64, 0);
+        assert!(matches!(
+            VqCodebook::fit(&f, &data, 2, 64, FitOptions::default()),
+            Err(KvQuantError::Calibration { .. })
+        ));
+        // Channels that are not whole blocks, a non-vq form, wrong lengths, NaN.
+        assert!(VqCodebook::fit(&f, &rows(300, 96, 0), 300, 96, FitOptions::default()).is_err());
+        assert!(VqCodebook::fit(&form("int4"), &data, 2, 64, FitOptions::default()).is_err());
+        assert!(matches!(
+            VqCodebook::new(&f, 64, &[0.0; 5]),
+            Err(KvQuantError::ShapeMismatch { .. })
+        ));
+        let mut nan = rows(300, 64, 0);
+        nan[7] = f32::NAN;
+        assert!(matches!(
+            VqCodebook::fit(&f, &nan, 300, 64, FitOptions::default()),
+            Err(KvQuantError::NonFinite {
+                token: 0,
+                channel: 7,
+                ..
+            })
+        ));
+        // A codebook of one shape refuses another.
+        let cb = VqCodebook::fit(
+            &form("vq-k16"),
+            &rows(300, 64, 0),
+            300,
+            64,
+            FitOptions::default(),
+        )
+        .unwrap();
+        assert!(cb.check_fits(&form("vq-k16"), 64).is_ok());
+        assert!(matches!(
+            cb.check_fits(&form("vq-k16"), 128),
+            Err(KvQuantError::Calibration { .. })
+        ));
+        assert!(cb.check_fits(&form("vq-k32"), 64).is_err());
+    }
+}
