@@ -12,7 +12,7 @@
 
 use std::ops::Range;
 
-use kv_quant::KvDecodeStats;
+use kv_quant::{Hadamard, KvDecodeStats};
 use rayon::prelude::*;
 
 use crate::error::{AttentionError, Result, check_len};
@@ -181,7 +181,7 @@ impl Attention {
             partial.merge(&p[0]);
             tiles.extend(t);
         }
-        self.finish(std::slice::from_ref(&partial), tiles)
+        self.finish(std::slice::from_ref(&partial), tiles, values.rotation())
     }
 
     /// Many query tokens (`positions.len() × q_heads × head_dim`) at
@@ -212,7 +212,7 @@ impl Attention {
             partials.extend(p);
             tiles.extend(t);
         }
-        self.finish(&partials, tiles)
+        self.finish(&partials, tiles, values.rotation())
     }
 
     /// Validates the call and returns the scaled queries and visible ranges.
@@ -259,11 +259,36 @@ impl Attention {
         }
         let ranges = mask.ranges(positions, keys.tokens())?;
         let scale = s.scale();
-        let q = queries
+        let mut q: Vec<f32> = queries
             .iter()
             .map(|&x| (f64::from(x) * scale) as f32)
             .collect();
+        if let Some(h) = self.rotation_of(keys.rotation(), "key")? {
+            h.rotate(&mut q);
+        }
+        self.rotation_of(values.rotation(), "value")?;
         Ok((q, ranges))
+    }
+
+    /// A source's rotation, checked to stay inside heads.
+    fn rotation_of(
+        &self,
+        rotation: Option<&'static Hadamard>,
+        what: &str,
+    ) -> Result<Option<&'static Hadamard>> {
+        match rotation {
+            Some(h) if !self.shape.head_dim().is_multiple_of(h.block()) => {
+                Err(AttentionError::InvalidParameter {
+                    name: "rotation",
+                    reason: format!(
+                        "{what} rotation blocks of {} channels straddle heads of {} (use +rot<N> with N dividing the head dimension)",
+                        h.block(),
+                        self.shape.head_dim()
+                    ),
+                })
+            }
+            r => Ok(r),
+        }
     }
 
     /// The tile-aligned rows covering `range`, clipped to the cache.
@@ -329,7 +354,14 @@ impl Attention {
         Ok((partials, tiles))
     }
 
-    fn finish(&self, partials: &[Partial], mut tiles: Vec<TileStats>) -> Result<AttentionOutput> {
+    /// Normalises the partials into outputs, rotating them back when the
+    /// values were summed in rotated coordinates.
+    fn finish(
+        &self,
+        partials: &[Partial],
+        mut tiles: Vec<TileStats>,
+        value_rotation: Option<&'static Hadamard>,
+    ) -> Result<AttentionOutput> {
         let s = &self.shape;
         let mut out = vec![0.0; partials.len() * s.q_len()];
         let mut lse = vec![0.0; partials.len() * s.q_heads()];
@@ -339,6 +371,9 @@ impl Attention {
             .zip(lse.chunks_exact_mut(s.q_heads()))
         {
             p.finish(o, l);
+        }
+        if let Some(h) = value_rotation {
+            h.unrotate(&mut out);
         }
         // A tile read by several query blocks counts once.
         tiles.sort_by_key(|t| t.0);

@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use kv_quant::{DecodeScratch, KvDecodeStats, KvStore, LevelRows, RowsView};
+use kv_quant::{DecodeScratch, Hadamard, KvDecodeStats, KvStore, LevelRows, RowsView};
 
 use crate::error::{AttentionError, Result, check_len};
 
@@ -99,6 +99,15 @@ pub trait KvSource: Sync {
         let _ = (start, count);
         None
     }
+
+    /// The rotation the tiles come in, if any (kv-quant's `+rot`, `lm` and
+    /// `vq` forms keep their rows rotated): attention rotates the queries
+    /// by it before scoring keys, and rotates the weighted sum of values
+    /// back once per output, so no tile is ever rotated back. `None` (the
+    /// default) for sources whose tiles are the values themselves.
+    fn rotation(&self) -> Option<&'static Hadamard> {
+        None
+    }
 }
 
 /// The address range of `items` (for [`KvSource::row_addresses`]).
@@ -133,6 +142,10 @@ impl<S: KvSource + ?Sized> KvSource for &S {
 
     fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
         (**self).row_addresses(start, count)
+    }
+
+    fn rotation(&self) -> Option<&'static Hadamard> {
+        (**self).rotation()
     }
 }
 
@@ -224,11 +237,12 @@ impl StoreScratch {
 
 /// Any kv-quant form: each tile is dequantized (and, for protected forms,
 /// ECC-decoded with the form's erasure policy) by
-/// [`KvStore::decode_rows_into`], so values and statistics equal those of
-/// the same rows of a whole [`KvStore::decode`]. Plain FP16 tiles are the
-/// stored halves ([`KvStore::fp16_rows`]) and integer tiles with no erased
-/// value are levels ([`KvStore::decode_rows_view`]): the same values,
-/// produced later, in the kernel.
+/// [`KvStore::decode_rows_rotated_into`], so values and statistics equal
+/// those of the same rows of a whole [`KvStore::decode`] (in rotated
+/// coordinates for rotated forms, reported by [`KvSource::rotation`]).
+/// Plain FP16 tiles are the stored halves ([`KvStore::fp16_rows`]) and
+/// integer tiles with no erased value are levels
+/// ([`KvStore::decode_rows_view`]): the same values, produced later, in the kernel.
 impl KvSource for KvStore {
     type Scratch = StoreScratch;
 
@@ -266,6 +280,10 @@ impl KvSource for KvStore {
 
     fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
         store_rows(self, start, count)
+    }
+
+    fn rotation(&self) -> Option<&'static Hadamard> {
+        KvStore::rotation(self).ok().flatten()
     }
 }
 

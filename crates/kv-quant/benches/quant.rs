@@ -11,13 +11,19 @@
 //!   symmetric channel at BER 1e-2 (the paper's critical regime).
 //! - `kv-quant/quantize`: quantizing the same matrix, against copying its f32
 //!   values (`baseline-copy-f32`).
+//! - `kv-quant/write`: the write path, one token row at a time through a
+//!   [`RowEncoder`] into preallocated buffers (what a paged cache does on
+//!   every appended token), against copying the same f32 rows one at a time
+//!   (`baseline-copy-rows`). Throughput in values per second on one thread.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gf2_codes::channel::BinarySymmetric;
-use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvStore};
+use kv_quant::{
+    CacheForm, DecodeScratch, FaultTarget, KvStore, QuantizeOptions, RowBuffersMut, RowEncoder,
+};
 
 const TOKENS: usize = 4096;
 const CHANNELS: usize = 128;
@@ -103,12 +109,65 @@ fn quantize(c: &mut Criterion) {
     group.finish();
 }
 
+fn write(c: &mut Criterion) {
+    let data = matrix();
+    let mut group = c.benchmark_group("kv-quant/write");
+    group.throughput(Throughput::Elements((TOKENS * CHANNELS) as u64));
+    let mut copy = vec![0f32; TOKENS * CHANNELS];
+    group.bench_function("baseline-copy-rows", |b| {
+        b.iter(|| {
+            for (dst, src) in copy
+                .chunks_exact_mut(CHANNELS)
+                .zip(black_box(&data).chunks_exact(CHANNELS))
+            {
+                dst.copy_from_slice(src);
+            }
+        })
+    });
+    for spelling in [
+        "int4",
+        "int4+secded84",
+        "int4-g32",
+        "int8",
+        "fp16",
+        "lm4",
+        "int4+rot",
+    ] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let mut encoder = RowEncoder::new(form, CHANNELS, None).unwrap();
+        let sizes = encoder.buffer_sizes(TOKENS);
+        let one = encoder.buffer_sizes(1);
+        let mut bytes = vec![0u8; sizes.data];
+        let mut scales = vec![0u8; sizes.scales];
+        let mut offsets = vec![0u8; sizes.offsets];
+        let mut sc = vec![0u8; sizes.scale_checks];
+        let mut oc = vec![0u8; sizes.offset_checks];
+        group.bench_function(spelling, |b| {
+            b.iter(|| {
+                for (t, row) in black_box(&data).chunks_exact(CHANNELS).enumerate() {
+                    let out = RowBuffersMut {
+                        data: &mut bytes[t * one.data..][..one.data],
+                        scales: &mut scales[t * one.scales..][..one.scales],
+                        offsets: &mut offsets[t * one.offsets..][..one.offsets],
+                        scale_checks: &mut sc[t * one.scale_checks..][..one.scale_checks],
+                        offset_checks: &mut oc[t * one.offset_checks..][..one.offset_checks],
+                    };
+                    encoder
+                        .encode_into(row, out, QuantizeOptions::default())
+                        .unwrap();
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1))
         .sample_size(20);
-    targets = dequantize, quantize
+    targets = dequantize, quantize, write
 }
 criterion_main!(benches);

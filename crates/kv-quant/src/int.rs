@@ -58,15 +58,30 @@ fn f16_step(h: f16, toward: Toward) -> f16 {
     f16::from_bits(stepped)
 }
 
+/// `x` rounded to f32 in the given direction.
+#[inline(always)]
+pub(crate) fn directed_f32(x: f64, toward: Toward) -> f32 {
+    let mut v = x as f32;
+    match toward {
+        Toward::Down if f64::from(v) > x => v = v.next_down(),
+        Toward::Up if f64::from(v) < x => v = v.next_up(),
+        _ => {}
+    }
+    v
+}
+
 /// The value of `x` (exact in f64) rounded in the given direction to the
-/// scale type, returned as the f32 it equals exactly.
+/// scale type, returned as the f32 it equals exactly. F16 goes through f32
+/// with the same directed rounding (rounding down or up twice is rounding
+/// once), so the f16 step is the hardware conversion of an f32.
 pub(crate) fn round_to(ty: ScaleType, x: f64, toward: Toward, what: &'static str) -> Result<f32> {
+    let v32 = directed_f32(x, toward);
     let v = match ty {
         ScaleType::F16 => {
-            let mut h = f16::from_f64(x);
+            let mut h = f16::from_f32(v32);
             let off = match toward {
-                Toward::Down => h.to_f64() > x,
-                Toward::Up => h.to_f64() < x,
+                Toward::Down => h.to_f32() > v32,
+                Toward::Up => h.to_f32() < v32,
                 Toward::Nearest => false,
             };
             if off {
@@ -74,15 +89,7 @@ pub(crate) fn round_to(ty: ScaleType, x: f64, toward: Toward, what: &'static str
             }
             h.to_f32()
         }
-        ScaleType::F32 => {
-            let mut v = x as f32;
-            match toward {
-                Toward::Down if f64::from(v) > x => v = v.next_down(),
-                Toward::Up if f64::from(v) < x => v = v.next_up(),
-                _ => {}
-            }
-            v
-        }
+        ScaleType::F32 => v32,
     };
     if v.is_finite() {
         Ok(v)
@@ -128,13 +135,24 @@ pub(crate) fn from_bits(ty: ScaleType, bits: u32) -> f32 {
     }
 }
 
+/// How a stored parameter is rounded: [`round_to`], or a faster routine
+/// with the same results ([`crate::simd`]'s F16C conversion).
+pub(crate) type Rounder = fn(ScaleType, f64, Toward, &'static str) -> Result<f32>;
+
 /// Stored parameters of one asymmetric group: `(scale, offset)`.
-pub(crate) fn asymmetric_params(min: f32, max: f32, bits: u8, ty: ScaleType) -> Result<(f32, f32)> {
-    let offset = round_to(ty, f64::from(min), Toward::Down, "offset (group minimum)")?;
+#[inline(always)]
+pub(crate) fn asymmetric_params(
+    min: f32,
+    max: f32,
+    bits: u8,
+    ty: ScaleType,
+    round: Rounder,
+) -> Result<(f32, f32)> {
+    let offset = round(ty, f64::from(min), Toward::Down, "offset (group minimum)")?;
     let levels = f64::from((1u32 << bits) - 1);
     let range = f64::from(max) - f64::from(offset);
     let scale = if range > 0.0 {
-        round_to(ty, range / levels, Toward::Up, "scale")?
+        round(ty, range / levels, Toward::Up, "scale")?
     } else {
         0.0
     };
@@ -142,10 +160,11 @@ pub(crate) fn asymmetric_params(min: f32, max: f32, bits: u8, ty: ScaleType) -> 
 }
 
 /// Stored scale of one symmetric group.
-pub(crate) fn symmetric_scale(absmax: f32, bits: u8, ty: ScaleType) -> Result<f32> {
+#[inline(always)]
+pub(crate) fn symmetric_scale(absmax: f32, bits: u8, ty: ScaleType, round: Rounder) -> Result<f32> {
     let qmax = f64::from((1u32 << (bits - 1)) - 1);
     if absmax > 0.0 {
-        round_to(ty, f64::from(absmax) / qmax, Toward::Up, "scale")
+        round(ty, f64::from(absmax) / qmax, Toward::Up, "scale")
     } else {
         Ok(0.0)
     }
@@ -160,11 +179,15 @@ pub(crate) const fn packed_row_bytes(bits: u8, channels: usize) -> usize {
 pub(crate) fn pack_row(bits: u8, levels: &[u8], out: &mut [u8]) {
     match bits {
         8 => out.copy_from_slice(levels),
-        4 => {
-            for (o, pair) in out.iter_mut().zip(levels.chunks(2)) {
-                *o = pair[0] | pair.get(1).map_or(0, |&h| h << 4);
+        4 => crate::simd::with_avx2(|| {
+            let mut pairs = levels.chunks_exact(2);
+            for (o, pair) in out.iter_mut().zip(&mut pairs) {
+                *o = pair[0] | pair[1] << 4;
             }
-        }
+            if let [last] = pairs.remainder() {
+                out[levels.len() / 2] = *last;
+            }
+        }),
         _ => {
             out.fill(0);
             for (j, &v) in levels.iter().enumerate() {

@@ -76,6 +76,8 @@ struct Scratch {
     nibbles: Vec<u8>,
     params: Vec<(f32, f32)>,
     signs: Vec<u8>,
+    residual: Vec<f32>,
+    sanitized: Vec<f32>,
 }
 
 fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
@@ -217,7 +219,9 @@ impl RowEncoder {
         let g = self.groups;
         self.clamp = options.non_finite == NonFinite::Clamp;
         for (r, row) in rows.chunks_exact(ch).enumerate() {
+            let finite = all_finite(row);
             if options.non_finite == NonFinite::Reject
+                && !finite
                 && let Some(c) = row.iter().position(|x| !x.is_finite())
             {
                 return Err(KvQuantError::NonFinite {
@@ -228,6 +232,7 @@ impl RowEncoder {
             }
             self.encode_row(
                 row,
+                finite,
                 &mut out.data[r * rb..][..rb],
                 &mut out.scales[r * g * width..][..g * width],
                 if out.offsets.is_empty() {
@@ -256,19 +261,22 @@ impl RowEncoder {
     fn encode_row(
         &mut self,
         row: &[f32],
+        finite: bool,
         data: &mut [u8],
         scales: &mut [u8],
         offsets: &mut [u8],
     ) -> Result<()> {
         let mut rotated = std::mem::take(&mut self.scratch.rotated);
-        let result = self.encode_row_with(row, &mut rotated, data, scales, offsets);
+        let result = self.encode_row_with(row, finite, &mut rotated, data, scales, offsets);
         self.scratch.rotated = rotated;
         result
     }
 
+    #[inline(always)]
     fn encode_row_with(
         &mut self,
         row: &[f32],
+        finite: bool,
         rotated: &mut Vec<f32>,
         data: &mut [u8],
         scales: &mut [u8],
@@ -277,9 +285,9 @@ impl RowEncoder {
         let ty = self.coding.scale_type();
         let width = ty.bytes();
         let kind = self.coding.kind;
-        let row = match self.hadamard {
-            Some(h) => rotate_row(h, row, grow(rotated, row.len()))?,
-            None => row,
+        let (row, finite) = match self.hadamard {
+            Some(h) => (rotate_row(h, row, grow(rotated, row.len()))?, true),
+            None => (row, finite),
         };
         if let Some(bytes) = kind.float_bytes() {
             return self.encode_float(kind, bytes, row, data);
@@ -289,13 +297,27 @@ impl RowEncoder {
         let params = grow(&mut s.params, self.groups);
         let levels = grow(&mut s.levels, codes);
         match kind {
+            Kind::Asym(_) | Kind::Sym(_) if finite => {
+                int_row(kind, ty, row, self.cpg, params, levels)?;
+            }
             Kind::Asym(_) | Kind::Sym(_) | Kind::Nf4 | Kind::Fp8(_) => {
-                row_params(kind, ty, row, self.cpg, params)?;
-                levels_with(kind, row, self.cpg, params, levels);
+                row_params(kind, ty, row, finite, self.cpg, params)?;
+                if finite {
+                    levels_with(kind, row, self.cpg, params, levels);
+                } else {
+                    // Only under NonFinite::Clamp: saturate, then quantize.
+                    let clean = grow(&mut s.sanitized, row.len());
+                    for (c, &x) in clean.iter_mut().zip(row) {
+                        *c = sanitize(x);
+                    }
+                    levels_with(kind, clean, self.cpg, params, levels);
+                }
             }
             Kind::LloydMax { bits, qjl } => {
-                let signs = grow(&mut s.signs, if qjl { self.cpg } else { 0 });
-                lloyd_max_row(bits, qjl, ty, row, self.cpg, params, levels, signs)?;
+                let n = if qjl { self.cpg } else { 0 };
+                let signs = grow(&mut s.signs, n);
+                let residual = grow(&mut s.residual, n);
+                lloyd_max_row(bits, ty, row, self.cpg, params, levels, signs, residual)?;
             }
             Kind::Vq { dim } => {
                 let codebook = self.codebook.as_ref().expect("vq encoders hold a codebook");
@@ -433,40 +455,72 @@ fn float_codes(kind: Kind, row: &[f32], out: &mut [u8], clamp: bool) -> Result<(
     Ok(())
 }
 
-/// Finite minimum and maximum of `xs` (`(0, 0)` when none is finite).
+/// Whether every value of `xs` is finite (one branch-free pass, AVX2 where
+/// the CPU has it).
 #[inline]
-fn finite_range(xs: &[f32]) -> (f32, f32) {
+fn all_finite(xs: &[f32]) -> bool {
+    crate::simd::with_avx2(|| xs.iter().fold(true, |ok, x| ok & x.is_finite()))
+}
+
+/// Finite minimum and maximum of `xs` (`(0, 0)` when none is finite);
+/// `finite` says that every value is.
+#[inline(always)]
+fn finite_range(xs: &[f32], finite: bool) -> (f32, f32) {
+    let (lo, hi) = if finite {
+        crate::simd::with_avx2(|| lane_range(xs))
+    } else {
+        xs.iter()
+            .filter(|x| x.is_finite())
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
+                (lo.min(x), hi.max(x))
+            })
+    };
+    if lo > hi { (0.0, 0.0) } else { (lo, hi) }
+}
+
+/// Minimum and maximum of finite values, in 16 lanes held in registers.
+#[inline(always)]
+fn lane_range(xs: &[f32]) -> (f32, f32) {
     const LANES: usize = 16;
     let (mut lo, mut hi) = ([f32::INFINITY; LANES], [f32::NEG_INFINITY; LANES]);
     let mut chunks = xs.chunks_exact(LANES);
-    if xs.iter().all(|x| x.is_finite()) {
-        for c in &mut chunks {
-            for i in 0..LANES {
-                lo[i] = lo[i].min(c[i]);
-                hi[i] = hi[i].max(c[i]);
-            }
-        }
-        for &x in chunks.remainder() {
-            lo[0] = lo[0].min(x);
-            hi[0] = hi[0].max(x);
-        }
-    } else {
-        for &x in xs.iter().filter(|x| x.is_finite()) {
-            lo[0] = lo[0].min(x);
-            hi[0] = hi[0].max(x);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
+            hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
         }
     }
-    let lo = lo.iter().fold(f32::INFINITY, |a, &b| a.min(b));
-    let hi = hi.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    if lo > hi { (0.0, 0.0) } else { (lo, hi) }
+    for (i, &x) in chunks.remainder().iter().enumerate() {
+        lo[i] = if x < lo[i] { x } else { lo[i] };
+        hi[i] = if x > hi[i] { x } else { hi[i] };
+    }
+    let lo = lo
+        .into_iter()
+        .fold(f32::INFINITY, |a, b| if b < a { b } else { a });
+    let hi = hi
+        .into_iter()
+        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    (lo, hi)
 }
 
 /// The stored parameters `(a, b)` of a group with finite range `(lo, hi)`.
 pub(crate) fn group_params(kind: Kind, ty: ScaleType, lo: f32, hi: f32) -> Result<(f32, f32)> {
+    group_params_with(kind, ty, lo, hi, int::round_to)
+}
+
+/// [`group_params`] with a chosen rounding routine (all give the same values).
+#[inline(always)]
+fn group_params_with(
+    kind: Kind,
+    ty: ScaleType,
+    lo: f32,
+    hi: f32,
+    round: int::Rounder,
+) -> Result<(f32, f32)> {
     let absmax = lo.abs().max(hi.abs());
     match kind {
-        Kind::Asym(bits) => int::asymmetric_params(lo, hi, bits, ty),
-        Kind::Sym(bits) => Ok((int::symmetric_scale(absmax, bits, ty)?, 0.0)),
+        Kind::Asym(bits) => int::asymmetric_params(lo, hi, bits, ty, round),
+        Kind::Sym(bits) => Ok((int::symmetric_scale(absmax, bits, ty, round)?, 0.0)),
         Kind::Fp8(format) => {
             if absmax > 0.0 {
                 let s = f64::from(absmax) / f64::from(format.max_finite());
@@ -482,17 +536,113 @@ pub(crate) fn group_params(kind: Kind, ty: ScaleType, lo: f32, hi: f32) -> Resul
     }
 }
 
-/// Group parameters of one row of a per-token scaled form.
+/// Group parameters of one row of a per-token scaled form (`finite`: the
+/// row holds no NaN or infinity): the ranges of all groups in one AVX2
+/// region, then the stored parameters group by group.
+#[inline(always)]
 fn row_params(
+    kind: Kind,
+    ty: ScaleType,
+    row: &[f32],
+    finite: bool,
+    cpg: usize,
+    params: &mut [(f32, f32)],
+) -> Result<()> {
+    if finite {
+        crate::simd::with_avx2(|| {
+            for (p, seg) in params.iter_mut().zip(row.chunks_exact(cpg)) {
+                *p = lane_range(seg);
+            }
+        });
+    } else {
+        for (p, seg) in params.iter_mut().zip(row.chunks_exact(cpg)) {
+            *p = finite_range(seg, false);
+        }
+    }
+    for p in params.iter_mut() {
+        let (lo, hi) = if p.0 > p.1 { (0.0, 0.0) } else { *p };
+        *p = group_params(kind, ty, lo, hi)?;
+    }
+    Ok(())
+}
+
+/// One finite row of an integer form: ranges, stored parameters and levels
+/// of every group, in one AVX2 + F16C region where the CPU has them (the
+/// hot path of appending a token). The same values as
+/// [`row_params`] then [`levels_with`].
+fn int_row(
     kind: Kind,
     ty: ScaleType,
     row: &[f32],
     cpg: usize,
     params: &mut [(f32, f32)],
+    levels: &mut [u8],
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_f16c() {
+        // SAFETY: the CPU has AVX2 and F16C (checked just above).
+        return unsafe { int_row_avx2(kind, ty, row, cpg, params, levels) };
+    }
+    int_row_generic(
+        kind,
+        ty,
+        row,
+        cpg,
+        params,
+        levels,
+        int::round_to,
+        lane_range,
+    )
+}
+
+/// # Safety
+/// The CPU must have AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn int_row_avx2(
+    kind: Kind,
+    ty: ScaleType,
+    row: &[f32],
+    cpg: usize,
+    params: &mut [(f32, f32)],
+    levels: &mut [u8],
+) -> Result<()> {
+    int_row_generic(
+        kind,
+        ty,
+        row,
+        cpg,
+        params,
+        levels,
+        crate::simd::round_f16c,
+        // SAFETY: AVX2 is enabled in this function.
+        |xs| unsafe { crate::simd::range_avx2(xs) },
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn int_row_generic(
+    kind: Kind,
+    ty: ScaleType,
+    row: &[f32],
+    cpg: usize,
+    params: &mut [(f32, f32)],
+    levels: &mut [u8],
+    round: int::Rounder,
+    range: impl Fn(&[f32]) -> (f32, f32),
 ) -> Result<()> {
     for (p, seg) in params.iter_mut().zip(row.chunks_exact(cpg)) {
-        let (lo, hi) = finite_range(seg);
-        *p = group_params(kind, ty, lo, hi)?;
+        let (lo, hi) = range(seg);
+        let (lo, hi) = if lo > hi { (0.0, 0.0) } else { (lo, hi) };
+        *p = group_params_with(kind, ty, lo, hi, round)?;
+    }
+    for ((seg, lv), &(a, b)) in row
+        .chunks_exact(cpg)
+        .zip(levels.chunks_exact_mut(cpg))
+        .zip(params.iter())
+    {
+        levels_of_group(kind, seg, lv, a, b);
     }
     Ok(())
 }
@@ -505,39 +655,53 @@ pub(crate) fn levels_with(
     params: &[(f32, f32)],
     levels: &mut [u8],
 ) {
-    for ((seg, lv), &(a, b)) in row
-        .chunks_exact(cpg)
-        .zip(levels.chunks_exact_mut(cpg))
-        .zip(params)
-    {
-        levels_of_group(kind, seg, lv, a, b);
-    }
+    crate::simd::with_avx2(|| {
+        for ((seg, lv), &(a, b)) in row
+            .chunks_exact(cpg)
+            .zip(levels.chunks_exact_mut(cpg))
+            .zip(params)
+        {
+            levels_of_group(kind, seg, lv, a, b);
+        }
+    });
 }
 
-/// Integer levels `clamp(round((x − b)/a), lo, hi) + shift` of one group;
-/// the level of a zero scale is `shift` clamped at `lo` (0 for asymmetric
-/// groups, the middle level for symmetric ones).
-#[inline]
+/// Integer levels `clamp(round((x − b)/a), lo, hi) + shift` of one group
+/// (finite input; NaN is sanitized before it gets here); the level of a
+/// zero scale is `shift` clamped at `lo` (0 for asymmetric groups, the
+/// middle level for symmetric ones). Callers run it inside an AVX2 region.
+#[inline(always)]
 fn round_levels(seg: &[f32], lv: &mut [u8], (a, b): (f32, f32), (lo, hi): (f32, f32), shift: f32) {
     if a > 0.0 && (1.0 / a).is_normal() {
-        let inv = 1.0 / a;
-        crate::simd::with_avx2(|| {
-            for (l, &x) in lv.iter_mut().zip(seg) {
-                *l = (((sanitize(x) - b) * inv).round_ties_even().clamp(lo, hi) + shift) as u8;
-            }
-        });
+        round_run(seg, lv, b, 1.0 / a, lo, hi, shift);
     } else if a > 0.0 {
         // Subnormal scales: the reciprocal would overflow.
         for (l, &x) in lv.iter_mut().zip(seg) {
-            *l = (((sanitize(x) - b) / a).round_ties_even().clamp(lo, hi) + shift) as u8;
+            *l = (((x - b) / a).round_ties_even().clamp(lo, hi) + shift) as u8;
         }
     } else {
         lv.fill((0f32.clamp(lo, hi) + shift) as u8);
     }
 }
 
+/// The vectorised level loop: clamp, shift, then round by adding 1.5·2²³,
+/// which leaves the nearest integer (ties to even, the default rounding
+/// mode) in the low mantissa bits. Exact for results in `0..=255` because
+/// `shift` is an even integer (0 or `2^(b−1)`, `b ≥ 2`), so rounding after
+/// the shift equals rounding before it.
+#[inline(always)]
+fn round_run(seg: &[f32], lv: &mut [u8], b: f32, inv: f32, lo: f32, hi: f32, shift: f32) {
+    const ROUND: f32 = 12_582_912.0;
+    for (l, &x) in lv.iter_mut().zip(seg) {
+        let v = (x - b) * inv;
+        let v = if v < lo { lo } else { v };
+        let v = if v > hi { hi } else { v };
+        *l = (v + shift + ROUND).to_bits() as u8;
+    }
+}
+
 /// Levels of one group (`a` scale or absmax, `b` offset).
-#[inline]
+#[inline(always)]
 pub(crate) fn levels_of_group(kind: Kind, seg: &[f32], lv: &mut [u8], a: f32, b: f32) {
     match kind {
         Kind::Asym(bits) => {
@@ -586,17 +750,20 @@ fn stored_gain(ty: ScaleType, y: &[f32], c: impl Iterator<Item = f32> + Clone) -
 
 /// One rotated row of a Lloyd-Max form: per block the gain (and QJL
 /// residual norm), the centroid indices with the QJL sign in the top bit.
+/// `signs` and `residual` hold a block each for QJL forms and are empty
+/// otherwise.
 #[allow(clippy::too_many_arguments)]
 fn lloyd_max_row(
     bits: u8,
-    qjl: bool,
     ty: ScaleType,
     row: &[f32],
     block: usize,
     params: &mut [(f32, f32)],
     levels: &mut [u8],
     signs: &mut [u8],
+    residual: &mut [f32],
 ) -> Result<()> {
+    let qjl = !signs.is_empty();
     let lm = LloydMax::of(bits);
     let table = lm.centroids();
     for ((y, lv), p) in row
@@ -622,8 +789,7 @@ fn lloyd_max_row(
         if qjl {
             let sketch = QjlSketch::of(block);
             // The residual against what the decoder will rebuild.
-            let mut residual = [0f32; crate::spec::MAX_ROTATION_BLOCK];
-            let res = &mut residual[..block];
+            let res = &mut *residual;
             for ((o, &v), &l) in res.iter_mut().zip(y).zip(lv.iter()) {
                 *o = v - gain * table[usize::from(l)];
             }
@@ -794,6 +960,13 @@ pub(crate) fn quantize_section(
             .collect();
         section.checks = checks;
     }
+    let sanitized: Vec<f32>;
+    let data = if all_finite(data) {
+        data
+    } else {
+        sanitized = data.iter().map(|&x| sanitize(x)).collect();
+        &sanitized
+    };
     let cpg = layout.channels_per_group;
     let (mut levels, mut packed, mut nibbles) = (vec![0u8; channels], Vec::new(), Vec::new());
     let rb = section.row_bytes;

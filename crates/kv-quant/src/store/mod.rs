@@ -318,27 +318,36 @@ impl KvStore {
     }
 
     /// The pieces of rows `start..end` (global tokens): which section, the
-    /// section's rows, and the offset of the piece in the range.
-    pub(crate) fn pieces(&self, start: usize, end: usize) -> Vec<(Piece, Range<usize>, usize)> {
-        let Some(exact) = &self.exact else {
-            return vec![(Piece::Middle, start..end, 0)];
-        };
-        let rows = self.segment_rows();
-        let mut out = Vec::with_capacity(3);
-        let mut push = |piece: Piece, seg: &Range<usize>, local0: usize| {
-            let (a, b) = (start.max(seg.start), end.min(seg.end));
-            if a < b {
-                out.push((
-                    piece,
-                    local0 + a - seg.start..local0 + b - seg.start,
-                    a - start,
-                ));
+    /// section's rows, and the offset of the piece in the range (no
+    /// allocation: tile decoding goes through here).
+    pub(crate) fn pieces(
+        &self,
+        start: usize,
+        end: usize,
+    ) -> impl Iterator<Item = (Piece, Range<usize>, usize)> + use<> {
+        let mut out: [Option<(Piece, Range<usize>, usize)>; 3] = [None, None, None];
+        match &self.exact {
+            None => out[0] = Some((Piece::Middle, start..end, 0)),
+            Some(exact) => {
+                let rows = self.segment_rows();
+                let parts = [
+                    (Piece::Exact, rows.sink, 0),
+                    (Piece::Middle, rows.middle, 0),
+                    (Piece::Exact, rows.window, exact.sink),
+                ];
+                for (slot, (piece, seg, local0)) in out.iter_mut().zip(parts) {
+                    let (a, b) = (start.max(seg.start), end.min(seg.end));
+                    if a < b {
+                        *slot = Some((
+                            piece,
+                            local0 + a - seg.start..local0 + b - seg.start,
+                            a - start,
+                        ));
+                    }
+                }
             }
-        };
-        push(Piece::Exact, &rows.sink, 0);
-        push(Piece::Middle, &rows.middle, 0);
-        push(Piece::Exact, &rows.window, exact.sink);
-        out
+        }
+        out.into_iter().flatten()
     }
 
     fn section(&self, piece: Piece) -> &Section {

@@ -171,9 +171,9 @@ impl KvStore {
             }),
             _ => None,
         };
-        let pieces = self.pieces(start, end);
-        let whole_middle = match pieces.as_slice() {
-            [(Piece::Middle, range, _)] => Some(range.clone()),
+        let mut pieces = self.pieces(start, end);
+        let whole_middle = match (pieces.next(), pieces.next()) {
+            (Some((Piece::Middle, range, _)), None) => Some(range),
             _ => None,
         };
         let (Some(map), Some(local)) = (map, whole_middle) else {

@@ -1,0 +1,227 @@
+//! The write path: [`RowEncoder`] over caller-provided buffers writes the
+//! same bytes as whole-matrix quantization for every row-local form, checks
+//! its buffers, and neither it nor a tile decode allocates once warm
+//! (counted by a per-thread counting allocator).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::Arc;
+
+use kv_quant::{
+    CacheForm, DecodeScratch, FitOptions, KvQuantError, KvStore, QuantizeOptions, RowBuffersMut,
+    RowEncoder, VqCodebook,
+};
+
+/// Counts the allocations of the current thread.
+struct Counting;
+
+thread_local! {
+    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations() -> usize {
+    ALLOCATIONS.with(Cell::get)
+}
+
+fn data(tokens: usize, channels: usize) -> Vec<f32> {
+    (0..tokens * channels)
+        .map(|i| ((i as f32) * 0.731).sin() * (1.0 + (i % channels) as f32 * 0.02))
+        .collect()
+}
+
+const FORMS: [&str; 16] = [
+    "int4",
+    "int4+secded84",
+    "int4-g32+golay24+interp",
+    "int4-sym-g64+hamming74",
+    "int8",
+    "int2-g16+secded84",
+    "int3",
+    "nf4+secded84",
+    "fp8-e4m3-tok",
+    "fp16",
+    "fp16+golay24",
+    "int4+rot",
+    "lm4",
+    "lm3+qjl+secded84",
+    "int4-ch1",
+    "vq-k16",
+];
+
+fn codebook(form: &CacheForm, channels: usize) -> Option<Arc<VqCodebook>> {
+    form.quantizer().needs_codebook().then(|| {
+        let train = data(300, channels);
+        Arc::new(VqCodebook::fit(form, &train, 300, channels, FitOptions::default()).unwrap())
+    })
+}
+
+#[test]
+fn encoder_bytes_equal_a_whole_quantization() {
+    let (tokens, channels) = (9, 128);
+    let x = data(tokens, channels);
+    for spelling in FORMS {
+        let form: CacheForm = spelling.parse().unwrap();
+        let cb = codebook(&form, channels);
+        let whole = match &cb {
+            Some(cb) => KvStore::quantize_with_codebook(
+                form,
+                &x,
+                tokens,
+                channels,
+                QuantizeOptions::default(),
+                cb.clone(),
+            ),
+            None => KvStore::quantize(form, &x, tokens, channels),
+        }
+        .unwrap();
+        let mut encoder = RowEncoder::new(form, channels, cb).unwrap();
+        let sizes = encoder.buffer_sizes(tokens);
+        let (mut data, mut scales, mut offsets) = (
+            vec![0u8; sizes.data],
+            vec![0u8; sizes.scales],
+            vec![0u8; sizes.offsets],
+        );
+        let (mut sc, mut oc) = (
+            vec![0u8; sizes.scale_checks],
+            vec![0u8; sizes.offset_checks],
+        );
+        // Two calls, rows 0..4 then 4..9.
+        for (a, b) in [(0usize, 4usize), (4, 9)] {
+            let s = encoder.buffer_sizes(1);
+            encoder
+                .encode_into(
+                    &x[a * channels..b * channels],
+                    RowBuffersMut {
+                        data: &mut data[a * s.data..b * s.data],
+                        scales: &mut scales[a * s.scales..b * s.scales],
+                        offsets: &mut offsets[a * s.offsets..b * s.offsets],
+                        scale_checks: &mut sc[a * s.scale_checks..b * s.scale_checks],
+                        offset_checks: &mut oc[a * s.offset_checks..b * s.offset_checks],
+                    },
+                    QuantizeOptions::default(),
+                )
+                .unwrap();
+        }
+        assert_eq!(data, whole.data(), "{spelling}");
+        assert_eq!(scales, whole.scales(), "{spelling}");
+        assert_eq!(offsets, whole.offsets(), "{spelling}");
+        let mut checks = sc.clone();
+        checks.extend(&oc);
+        assert_eq!(checks, whole.meta_checks(), "{spelling}");
+    }
+}
+
+#[test]
+fn encoder_buffers_and_forms_are_checked() {
+    let form: CacheForm = "int4+secded84".parse().unwrap();
+    let mut encoder = RowEncoder::new(form, 64, None).unwrap();
+    let sizes = encoder.buffer_sizes(1);
+    let (mut scales, mut offsets) = (vec![0u8; sizes.scales], vec![0u8; sizes.offsets]);
+    let (mut sc, mut oc) = (
+        vec![0u8; sizes.scale_checks],
+        vec![0u8; sizes.offset_checks],
+    );
+    for (data_len, row, want) in [
+        (sizes.data - 1, 0.5f32, "row bytes"),
+        (sizes.data, f32::NAN, "non-finite"),
+    ] {
+        let mut data = vec![0u8; data_len];
+        let out = RowBuffersMut {
+            data: &mut data,
+            scales: &mut scales,
+            offsets: &mut offsets,
+            scale_checks: &mut sc,
+            offset_checks: &mut oc,
+        };
+        let e = encoder
+            .encode_into(&[row; 64], out, QuantizeOptions::default())
+            .unwrap_err();
+        match want {
+            "row bytes" => assert!(
+                matches!(
+                    e,
+                    KvQuantError::ShapeMismatch {
+                        what: "row bytes",
+                        ..
+                    }
+                ),
+                "{e}"
+            ),
+            _ => assert!(matches!(e, KvQuantError::NonFinite { .. }), "{e}"),
+        }
+    }
+    for shared in ["int4-ch", "fp8-e4m3", "int4+sink4", "int4-ch32+win32"] {
+        assert!(
+            RowEncoder::new(shared.parse().unwrap(), 64, None).is_err(),
+            "{shared}"
+        );
+    }
+    assert!(matches!(
+        RowEncoder::new("vq".parse().unwrap(), 64, None),
+        Err(KvQuantError::Calibration { .. })
+    ));
+}
+
+#[test]
+fn writing_and_tile_decoding_do_not_allocate_once_warm() {
+    let (tokens, channels) = (256, 192);
+    let x = data(tokens, channels);
+    for spelling in [
+        "int4",
+        "int4+secded84",
+        "int4+secded84+interp",
+        "lm4",
+        "int8+golay24",
+        "fp16",
+    ] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let mut store = KvStore::zeroed(form, tokens, channels).unwrap();
+        let mut encoder = store.row_encoder().unwrap();
+        let opts = QuantizeOptions::default();
+        store
+            .write_rows_with(&mut encoder, 0, &x[..channels], opts)
+            .unwrap();
+        let before = allocations();
+        for t in 1..tokens {
+            store
+                .write_rows_with(&mut encoder, t, &x[t * channels..][..channels], opts)
+                .unwrap();
+        }
+        assert_eq!(allocations(), before, "{spelling}: writing allocated");
+        let mut scratch = DecodeScratch::new();
+        let mut out = vec![0.0; 64 * channels];
+        store
+            .decode_rows_into(0, 64, &mut out, &mut scratch)
+            .unwrap();
+        let before = allocations();
+        for start in (0..tokens).step_by(64) {
+            store
+                .decode_rows_into(start, 64, &mut out, &mut scratch)
+                .unwrap();
+        }
+        assert_eq!(allocations(), before, "{spelling}: tile decoding allocated");
+    }
+}
