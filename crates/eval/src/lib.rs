@@ -8,6 +8,8 @@ pub mod tokenizer;
 
 pub use error::{EvalError, Result};
 pub mod cache;
+pub mod calibration;
+pub mod frontier;
 pub mod gpt2;
 pub mod hf;
 pub mod metrics;

@@ -167,8 +167,15 @@ pub struct StatsReport {
     pub metadata: [u64; 4],
     /// Non-finite attention outputs.
     pub non_finite_attention: u64,
-    /// Stored bits per K/V value.
+    /// Stored bits per K/V value, metadata and codebooks included (a
+    /// codebook counted with every window that uses it).
     pub bits_per_value: f64,
+    /// Stored bits per key value.
+    pub key_bits_per_value: f64,
+    /// Stored bits per value-cache value.
+    pub value_bits_per_value: f64,
+    /// The codebooks' share of `bits_per_value`.
+    pub codebook_bits_per_value: f64,
 }
 
 impl From<&CacheStats> for StatsReport {
@@ -187,12 +194,24 @@ impl From<&CacheStats> for StatsReport {
             erased_values: s.keys.erased_values + s.values.erased_values,
             metadata: [m.corrected, m.detected, m.miscorrected, m.silent],
             non_finite_attention: s.non_finite,
-            bits_per_value: if s.stored_values == 0 {
-                32.0
+            bits_per_value: bits(s.stored_bytes, s.stored_values),
+            key_bits_per_value: bits(s.part_bytes[0], s.stored_values / 2),
+            value_bits_per_value: bits(s.part_bytes[1], s.stored_values / 2),
+            codebook_bits_per_value: if s.stored_values == 0 {
+                0.0
             } else {
-                8.0 * s.stored_bytes as f64 / s.stored_values as f64
+                bits(s.codebook_bytes, s.stored_values)
             },
         }
+    }
+}
+
+/// Bits per value of `bytes` over `values` values (32 for the unstored pass).
+fn bits(bytes: u64, values: u64) -> f64 {
+    if values == 0 {
+        32.0
+    } else {
+        8.0 * bytes as f64 / values as f64
     }
 }
 

@@ -10,6 +10,9 @@ use std::path::PathBuf;
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// File name of the default corpus inside the cache folder.
 pub const DEFAULT_TEXT_FILE: &str = "python3.11-tutorial.txt";
+/// File name of the default calibration text (disjoint from the corpus:
+/// the Python 3.11 HOWTOs of the same package) inside the cache folder.
+pub const DEFAULT_CALIBRATION_FILE: &str = "python3.11-howto.txt";
 
 /// The cache folder.
 pub fn cache_dir() -> PathBuf {
@@ -31,4 +34,9 @@ pub fn default_model() -> PathBuf {
 /// The default corpus file.
 pub fn default_text() -> PathBuf {
     cache_dir().join(DEFAULT_TEXT_FILE)
+}
+
+/// The default calibration text.
+pub fn default_calibration_text() -> PathBuf {
+    cache_dir().join(DEFAULT_CALIBRATION_FILE)
 }

@@ -477,8 +477,8 @@ fn hf_gpt2_matches_an_f64_reference() {
             "GPT-2 logits differ from the f64 reference by {worst} (scale {scale})"
         );
         // Incremental decoding through a stored form agrees with the batched pass.
-        let mut inc = KvCache::new(CacheMode::Form("fp16".parse().unwrap()), None, 0).unwrap();
-        let mut batch = KvCache::new(CacheMode::Form("fp16".parse().unwrap()), None, 0).unwrap();
+        let mut inc = KvCache::new(CacheMode::form("fp16".parse().unwrap()), None, 0).unwrap();
+        let mut batch = KvCache::new(CacheMode::form("fp16".parse().unwrap()), None, 0).unwrap();
         let all = model.forward(&tokens, &mut batch, 0).unwrap();
         for (i, &t) in tokens.iter().enumerate() {
             let step = model.forward(&[t], &mut inc, 0).unwrap();

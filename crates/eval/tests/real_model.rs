@@ -122,7 +122,7 @@ fn incremental_equals_batched_and_fp32_form_equals_plain() {
         worst <= 1e-4,
         "max |incremental − batched| logit difference {worst}"
     );
-    let mut cache = KvCache::new(CacheMode::Form("fp32".parse().unwrap()), None, 0).unwrap();
+    let mut cache = KvCache::new(CacheMode::form("fp32".parse().unwrap()), None, 0).unwrap();
     let stored = model.forward(&ids, &mut cache, 0).unwrap();
     assert_eq!(
         stored, batched,

@@ -5,140 +5,17 @@
 
 mod common;
 
-use common::Rng;
-use half::f16;
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
-use kv_eval::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_eval::gguf::{GgufFile, GgufWriter, MetaValue};
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
 use kv_eval::model::LlamaModel;
 use kv_quant::FaultTarget;
 
-const VOCAB: usize = 64;
-const DIM: usize = 32;
-const HEADS: usize = 4;
-const KV_HEADS: usize = 2;
-const FFN: usize = 48;
-const LAYERS: usize = 2;
-
-/// Q8_0 blocks of `x` (ggml's layout: f16 scale, 32 signed bytes).
-fn q8_0(x: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for b in x.chunks(32) {
-        let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-        for &v in b {
-            let q = if d == 0.0 { 0.0 } else { (v / d).round() };
-            out.push(q as i8 as u8);
-        }
-    }
-    out
-}
-
-/// Q4_1 blocks of `x` (f16 scale and minimum, 16 bytes of nibbles).
-fn q4_1(x: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for b in x.chunks(32) {
-        let min = b.iter().copied().fold(f32::INFINITY, f32::min);
-        let max = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let d = (max - min) / 15.0;
-        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-        out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
-        let q = |v: f32| ((v - min) / d).round().clamp(0.0, 15.0) as u8;
-        for j in 0..16 {
-            out.push(q(b[j]) | (q(b[j + 16]) << 4));
-        }
-    }
-    out
-}
-
-fn tiny_gguf() -> Vec<u8> {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let kvc = KV_HEADS * DIM / HEADS;
-    let mut w = GgufWriter::new();
-    w.meta("general.architecture", MetaValue::String("llama".into()))
-        .meta("llama.embedding_length", MetaValue::U32(DIM as u32))
-        .meta("llama.block_count", MetaValue::U32(LAYERS as u32))
-        .meta("llama.feed_forward_length", MetaValue::U32(FFN as u32))
-        .meta("llama.attention.head_count", MetaValue::U32(HEADS as u32))
-        .meta(
-            "llama.attention.head_count_kv",
-            MetaValue::U32(KV_HEADS as u32),
-        )
-        .meta("llama.rope.freq_base", MetaValue::F32(10_000.0))
-        .meta(
-            "llama.attention.layer_norm_rms_epsilon",
-            MetaValue::F32(1e-5),
-        )
-        .meta("llama.context_length", MetaValue::U32(512))
-        .meta("llama.vocab_size", MetaValue::U32(VOCAB as u32));
-    let embed = rng.vec(VOCAB * DIM, 1.0);
-    w.tensor(
-        "token_embd.weight",
-        &[DIM as u64, VOCAB as u64],
-        GgmlType::from_name("Q8_0").unwrap(),
-        q8_0(&embed),
-    );
-    let s = 1.0 / (DIM as f32).sqrt();
-    for l in 0..LAYERS {
-        let n = |x: &str| format!("blk.{l}.{x}.weight");
-        let norm: Vec<f32> = (0..DIM).map(|_| 1.0 + 0.1 * rng.uniform()).collect();
-        w.tensor_f32(&n("attn_norm"), &[DIM as u64], &norm);
-        w.tensor_f32(
-            &n("attn_q"),
-            &[DIM as u64, DIM as u64],
-            &rng.vec(DIM * DIM, 2.0 * s),
-        );
-        w.tensor_f32(
-            &n("attn_k"),
-            &[DIM as u64, kvc as u64],
-            &rng.vec(kvc * DIM, 2.0 * s),
-        );
-        w.tensor_f32(
-            &n("attn_v"),
-            &[DIM as u64, kvc as u64],
-            &rng.vec(kvc * DIM, s),
-        );
-        w.tensor_f32(
-            &n("attn_output"),
-            &[DIM as u64, DIM as u64],
-            &rng.vec(DIM * DIM, s),
-        );
-        w.tensor_f32(&n("ffn_norm"), &[DIM as u64], &norm);
-        w.tensor(
-            &n("ffn_gate"),
-            &[DIM as u64, FFN as u64],
-            GgmlType::from_name("Q4_1").unwrap(),
-            q4_1(&rng.vec(FFN * DIM, s)),
-        );
-        w.tensor_f32(
-            &n("ffn_up"),
-            &[DIM as u64, FFN as u64],
-            &rng.vec(FFN * DIM, s),
-        );
-        let down_s = 1.0 / (FFN as f32).sqrt();
-        w.tensor_f32(
-            &n("ffn_down"),
-            &[FFN as u64, DIM as u64],
-            &rng.vec(DIM * FFN, down_s),
-        );
-    }
-    w.tensor_f32("output_norm.weight", &[DIM as u64], &[1.0; DIM]);
-    w.to_bytes()
-}
-
-fn model() -> LlamaModel {
-    let file = GgufFile::from_bytes(tiny_gguf()).unwrap();
-    LlamaModel::from_gguf(&file).unwrap()
-}
-
-fn tokens(n: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i * 37 + 11) % VOCAB) as u32).collect()
-}
+use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, tokens};
 
 fn form(spec: &str) -> CacheMode {
-    CacheMode::Form(spec.parse().unwrap())
+    CacheMode::form(spec.parse().unwrap())
 }
 
 fn faults(ber: f64, seed: u64) -> Option<FaultSpec> {

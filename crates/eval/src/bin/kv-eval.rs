@@ -1,20 +1,25 @@
 //! `kv-eval`: perplexity of one cache configuration (`ppl`), the BER sweep
-//! (`sweep`), and the next-token top-k of a prompt (`top`).
+//! (`sweep`), the quality-versus-bytes frontier (`frontier`), fitting the
+//! codebooks of calibrated forms (`calibrate`), and the next-token top-k of
+//! a prompt (`top`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
+use kv_eval::calibration::{Calibration, CalibrationRows, Part};
+use kv_eval::frontier::{FrontierPoint, FrontierReport, PRESET};
 use kv_eval::hf::load_model as open_model;
 use kv_eval::metrics::{PplMethod, RunConfig, RunMetrics, evaluate};
 use kv_eval::model::CausalLm;
 use kv_eval::paths;
 use kv_eval::sweep::{SweepPoint, SweepReport};
 use kv_eval::tokenizer::TextTokenizer;
-use kv_quant::{CacheForm, FaultTarget};
+use kv_quant::{CacheForm, FaultTarget, FitOptions, LayerForms};
 
 /// Real-model fault-injection evaluation of KV-cache forms.
 #[derive(Parser)]
@@ -52,6 +57,44 @@ struct Source {
     threads: usize,
 }
 
+/// Which form each layer's keys and values are stored in.
+#[derive(clap::Args, Clone)]
+struct Forms {
+    /// Cache form of keys and values (kv-quant spelling: fp32, fp16, int8,
+    /// int4, int4-ch, int4+rot, lm4, vq, int4+secded84+interp,
+    /// int4-ch32+win32, ...) or `plain` for the unstored f32 pass.
+    #[arg(long, default_value = "plain")]
+    form: String,
+    /// Form of the keys (default: --form).
+    #[arg(long)]
+    key_form: Option<String>,
+    /// Form of the values (default: --form).
+    #[arg(long)]
+    value_form: Option<String>,
+    /// Per-layer forms, `LAYERS:FORM[/VALUE_FORM];...` (`0,last:fp16;*:int4`);
+    /// layers without a rule take --key-form/--value-form.
+    #[arg(long)]
+    layer_forms: Option<String>,
+}
+
+/// Where calibrated forms (`vq`) get their codebooks.
+#[derive(clap::Args, Clone)]
+struct Calib {
+    /// Calibration file written by `kv-eval calibrate`.
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// Fit the codebooks on this text (disjoint from --text) when a form
+    /// needs them [default: the fetched Python 3.11 HOWTOs].
+    #[arg(long)]
+    calib_text: Option<PathBuf>,
+    /// Calibration tokens used (from the start of the calibration text).
+    #[arg(long, default_value_t = 8192)]
+    calib_tokens: usize,
+    /// Window length of the calibration passes.
+    #[arg(long, default_value_t = 512)]
+    calib_ctx: usize,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Method {
     Llamacpp,
@@ -81,11 +124,10 @@ enum Command {
     Ppl {
         #[command(flatten)]
         source: Source,
-        /// Cache form (kv-quant spelling: fp32, fp16, int8, int4,
-        /// int4+hamming74, int4+secded84, int4+secded84+interp,
-        /// int4+golay24, ...) or `plain` for the unstored f32 pass.
-        #[arg(long, default_value = "plain")]
-        form: String,
+        #[command(flatten)]
+        forms: Forms,
+        #[command(flatten)]
+        calib: Calib,
         /// Bit error rate of the fault channel.
         #[arg(long, default_value_t = 0.0)]
         ber: f64,
@@ -107,13 +149,15 @@ enum Command {
     Sweep {
         #[command(flatten)]
         source: Source,
-        /// Comma-separated cache forms.
+        /// Comma-separated cache forms, each FORM or KEY_FORM/VALUE_FORM.
         #[arg(
             long,
             value_delimiter = ',',
             default_value = "fp16,int4,int4+hamming74,int4+secded84,int4+secded84+interp,int4+golay24"
         )]
         forms: Vec<String>,
+        #[command(flatten)]
+        calib: Calib,
         /// Comma-separated bit error rates.
         #[arg(long, value_delimiter = ',', default_value = "0,1e-4,1e-3,1e-2")]
         bers: Vec<f64>,
@@ -127,6 +171,40 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Target::Values)]
         target: Target,
         /// Output folder for sweep.md, sweep.json and sweep.svg.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// The quality-versus-bytes frontier: bits per value, PPL, ΔPPL, KL and
+    /// top-1 agreement of many key/value/per-layer form configurations at
+    /// several context lengths; frontier.md, frontier.json and frontier.svg in --out.
+    Frontier {
+        #[command(flatten)]
+        source: Source,
+        /// Comma-separated context lengths (overrides --ctx).
+        #[arg(long, value_delimiter = ',', default_value = "256,2048")]
+        contexts: Vec<usize>,
+        /// `|`-separated configurations (FORM, KEY/VALUE or a layer policy)
+        /// [default: the preset, see `kv_eval::frontier::PRESET`].
+        #[arg(long, value_delimiter = '|')]
+        configs: Vec<String>,
+        #[command(flatten)]
+        calib: Calib,
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Fits the codebooks of calibrated forms (vq) on a calibration text
+    /// and writes them to a file for --calibration.
+    Calibrate {
+        /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Comma-separated forms to fit codebooks for.
+        #[arg(long, value_delimiter = ',', default_value = "vq")]
+        forms: Vec<String>,
+        #[command(flatten)]
+        calib: Calib,
+        /// Output file (safetensors).
         #[arg(long)]
         out: PathBuf,
     },
@@ -181,9 +259,10 @@ fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer), Error> 
     Ok((model, tokenizer))
 }
 
-/// A loaded model, the corpus tokens, and the two file names.
+/// A loaded model, its tokenizer, the corpus tokens, and the two file names.
 struct Prepared {
     model: Box<dyn CausalLm>,
+    tokenizer: TextTokenizer,
     tokens: Vec<u32>,
     model_file: String,
     text_file: String,
@@ -214,6 +293,7 @@ fn prepare(source: &Source) -> Result<Prepared, Error> {
     }
     Ok(Prepared {
         model,
+        tokenizer,
         tokens,
         model_file: model_file.display().to_string(),
         text_file: text_file.display().to_string(),
@@ -236,12 +316,116 @@ fn method_name(source: &Source) -> String {
     }
 }
 
-fn mode_of(form: &str) -> Result<CacheMode, Error> {
-    if form == "plain" {
-        Ok(CacheMode::Plain)
-    } else {
-        Ok(CacheMode::Form(form.parse::<CacheForm>()?))
+/// The cache mode the form flags name (no model needed).
+fn mode_of(forms: &Forms) -> Result<CacheMode, Error> {
+    let base = CacheMode::parse(&forms.form)?;
+    if forms.key_form.is_none() && forms.value_form.is_none() && forms.layer_forms.is_none() {
+        return Ok(base);
     }
+    let part = |flag: &str, text: &Option<String>| -> Result<Option<CacheForm>, Error> {
+        match text.as_deref().unwrap_or(&forms.form) {
+            "plain" if text.is_some() || forms.layer_forms.is_none() => Err(format!(
+                "{flag} plain: one part cannot stay unstored while the other is stored; use fp32"
+            )
+            .into()),
+            "plain" => Ok(None),
+            f => Ok(Some(f.parse()?)),
+        }
+    };
+    let (key, value) = (
+        part("--key-form", &forms.key_form)?,
+        part("--value-form", &forms.value_form)?,
+    );
+    let Some(layers) = &forms.layer_forms else {
+        let (Some(k), Some(v)) = (key, value) else {
+            return Err("give --key-form and --value-form (or --form) a stored form".into());
+        };
+        return Ok(CacheMode::key_value(k, v));
+    };
+    let mut spec = layers.clone();
+    if let (Some(k), Some(v)) = (key, value)
+        && !spec.split(';').any(|r| r.trim_start().starts_with('*'))
+    {
+        spec.push_str(&format!(";*:{k}/{v}"));
+    }
+    Ok(CacheMode::layered(spec.parse::<LayerForms>()?, None))
+}
+
+/// Refuses exact windows and sinks that leave nothing of a context to quantize.
+fn check_segments(mode: &CacheMode, ctx: usize) -> Result<(), Error> {
+    Ok(mode.check_context(ctx)?)
+}
+
+/// The calibration the modes need (loaded from --calibration or fitted on
+/// --calib-text), or `None` when no form needs one.
+fn calibration_for(
+    modes: &[CacheMode],
+    calib: &Calib,
+    model: &dyn CausalLm,
+    tokenizer: &TextTokenizer,
+) -> Result<Option<Arc<Calibration>>, Error> {
+    let forms: Vec<(CacheForm, Part)> = modes.iter().flat_map(CacheMode::forms).collect();
+    if !forms.iter().any(|(f, _)| f.quantizer().needs_codebook()) {
+        return Ok(None);
+    }
+    if let Some(path) = &calib.calibration {
+        let cal = Calibration::load(path)?;
+        cal.check_model(model)?;
+        eprintln!(
+            "calibration {}: codebooks {:?} from {} tokens of {}",
+            path.display(),
+            cal.shapes(),
+            cal.tokens,
+            cal.text
+        );
+        return Ok(Some(Arc::new(cal)));
+    }
+    let cal = fit_calibration(&forms, calib, model, tokenizer)?;
+    Ok(Some(Arc::new(cal)))
+}
+
+/// Fits the codebooks of `forms` on the calibration text.
+fn fit_calibration(
+    forms: &[(CacheForm, Part)],
+    calib: &Calib,
+    model: &dyn CausalLm,
+    tokenizer: &TextTokenizer,
+) -> Result<Calibration, Error> {
+    let path = calib
+        .calib_text
+        .clone()
+        .unwrap_or_else(paths::default_calibration_text);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "cannot read calibration text {}: {e} (run `cargo xtask fetch-model`, or pass --calib-text FILE or --calibration FILE)",
+            path.display()
+        )
+    })?;
+    let mut tokens = tokenizer.encode(&text)?;
+    tokens.truncate(calib.calib_tokens);
+    let started = Instant::now();
+    let rows = CalibrationRows::collect(model, &tokens, calib.calib_ctx)?;
+    let name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let cal = Calibration::fit(model, &rows, &name, forms, FitOptions::default())?;
+    eprintln!(
+        "fitted codebooks {:?} on {} tokens of {} in {:.1} s",
+        cal.shapes(),
+        rows.tokens,
+        name,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(cal)
+}
+
+/// Refuses an output path that exists as a file before any work starts.
+fn check_out_dir(out: &Path) -> Result<(), Error> {
+    if out.exists() && !out.is_dir() {
+        return Err(format!("--out {} exists and is not a folder", out.display()).into());
+    }
+    Ok(())
 }
 
 fn check_ber(ber: f64) -> Result<(), Error> {
@@ -268,7 +452,8 @@ fn run(cli: Cli) -> Result<(), Error> {
     match cli.command {
         Command::Ppl {
             source,
-            form,
+            forms,
+            calib,
             ber,
             channel,
             target,
@@ -276,7 +461,8 @@ fn run(cli: Cli) -> Result<(), Error> {
             json,
         } => {
             check_ber(ber)?;
-            let mode = mode_of(&form)?;
+            let mode = mode_of(&forms)?;
+            check_segments(&mode, source.ctx)?;
             let channel: ChannelKind = channel.parse()?;
             if ber > 0.0 && mode == CacheMode::Plain {
                 return Err(
@@ -285,10 +471,19 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             let Prepared {
                 model,
+                tokenizer,
                 tokens,
                 model_file,
                 text_file,
             } = prepare(&source)?;
+            let cal = calibration_for(
+                std::slice::from_ref(&mode),
+                &calib,
+                model.as_ref(),
+                &tokenizer,
+            )?;
+            let mode = mode.with_calibration(cal);
+            let label = mode.label();
             let run = RunConfig {
                 mode,
                 faults: Some(FaultSpec {
@@ -298,7 +493,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     target: target.into(),
                 }),
             };
-            let bar = progress_bar(&form);
+            let bar = progress_bar(&label);
             let m = evaluate(
                 model.as_ref(),
                 &tokens,
@@ -312,13 +507,19 @@ fn run(cli: Cli) -> Result<(), Error> {
             )?
             .remove(0);
             bar.finish_and_clear();
-            print_metrics(&form, ber, &m);
+            print_metrics(&label, ber, &m);
             if let Some(path) = json {
                 let value = serde_json::json!({
                     "model": model_file, "text": text_file, "ctx": source.ctx,
-                    "method": method_name(&source), "form": form, "ber": ber,
+                    "method": method_name(&source), "form": label,
+                    "key_form": forms.key_form.as_deref().unwrap_or(&forms.form),
+                    "value_form": forms.value_form.as_deref().unwrap_or(&forms.form),
+                    "layer_forms": forms.layer_forms, "ber": ber,
                     "channel": channel.name(), "seed": seed,
                     "ppl": m.ppl, "nll_mean": m.nll_mean, "tokens_scored": m.tokens_scored,
+                    "bits_per_value": m.stats.bits_per_value,
+                    "key_bits_per_value": m.stats.key_bits_per_value,
+                    "value_bits_per_value": m.stats.value_bits_per_value,
                     "tokens_per_second": m.tokens_per_second, "metrics": m,
                 });
                 std::fs::write(&path, serde_json::to_string_pretty(&value)?)
@@ -329,12 +530,14 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Sweep {
             source,
             forms,
+            calib,
             bers,
             seeds,
             channel,
             target,
             out,
         } => {
+            check_out_dir(&out)?;
             for &b in &bers {
                 check_ber(b)?;
             }
@@ -344,14 +547,22 @@ fn run(cli: Cli) -> Result<(), Error> {
             let channel: ChannelKind = channel.parse()?;
             let mut modes = Vec::new();
             for f in &forms {
-                modes.push(mode_of(f)?);
+                let mode = CacheMode::parse(f)?;
+                check_segments(&mode, source.ctx)?;
+                modes.push(mode);
             }
             let Prepared {
                 model,
+                tokenizer,
                 tokens,
                 model_file,
                 text_file,
             } = prepare(&source)?;
+            let cal = calibration_for(&modes, &calib, model.as_ref(), &tokenizer)?;
+            let modes: Vec<CacheMode> = modes
+                .into_iter()
+                .map(|m| m.with_calibration(cal.clone()))
+                .collect();
             // The oracle first, then every (form, BER, seed); BER 0 needs one seed.
             let mut runs = vec![RunConfig {
                 mode: CacheMode::Plain,
@@ -422,6 +633,120 @@ fn run(cli: Cli) -> Result<(), Error> {
             for f in files {
                 println!("  {}", f.display());
             }
+        }
+        Command::Frontier {
+            source,
+            contexts,
+            configs,
+            calib,
+            out,
+        } => {
+            check_out_dir(&out)?;
+            let configs: Vec<String> = if configs.is_empty() {
+                PRESET.iter().map(|c| c.to_string()).collect()
+            } else {
+                configs
+            };
+            if contexts.is_empty() || contexts.iter().any(|&c| c < 2) {
+                return Err("--contexts needs context lengths of at least 2".into());
+            }
+            let mut modes = Vec::new();
+            for c in &configs {
+                let mode = CacheMode::parse(c)?;
+                for &ctx in &contexts {
+                    check_segments(&mode, ctx)?;
+                }
+                modes.push(mode);
+            }
+            let Prepared {
+                model,
+                tokenizer,
+                tokens,
+                model_file,
+                text_file,
+            } = prepare(&source)?;
+            let cal = calibration_for(&modes, &calib, model.as_ref(), &tokenizer)?;
+            let calibration = cal
+                .as_ref()
+                .map_or("(no calibrated form)".to_string(), |c| {
+                    format!("{} tokens of {}", c.tokens, c.text)
+                });
+            let modes: Vec<CacheMode> = modes
+                .into_iter()
+                .map(|m| m.with_calibration(cal.clone()))
+                .collect();
+            let started = Instant::now();
+            let mut report = FrontierReport {
+                model: model_file,
+                text: text_file,
+                method: method_name(&source),
+                tokens: tokens.len(),
+                calibration,
+                plain: Vec::new(),
+                points: Vec::new(),
+            };
+            for &ctx in &contexts {
+                let mut runs = vec![RunConfig {
+                    mode: CacheMode::Plain,
+                    faults: None,
+                }];
+                runs.extend(modes.iter().map(|m| RunConfig {
+                    mode: m.clone(),
+                    faults: None,
+                }));
+                let bar = progress_bar(&format!("frontier at {ctx}"));
+                let mut metrics = evaluate(
+                    model.as_ref(),
+                    &tokens,
+                    ctx,
+                    method(&source),
+                    &runs,
+                    |d, n| {
+                        bar.set_length(n as u64);
+                        bar.set_position(d as u64);
+                    },
+                )?;
+                bar.finish_and_clear();
+                let plain = metrics.remove(0);
+                for (config, m) in configs.iter().zip(metrics) {
+                    report
+                        .points
+                        .push(FrontierPoint::new(config, ctx, m, &plain));
+                }
+                report.plain.push((ctx, plain));
+                eprintln!(
+                    "context {ctx} done after {:.0} s",
+                    started.elapsed().as_secs_f64()
+                );
+            }
+            println!("{}", report.markdown());
+            for f in report.write(&out)? {
+                println!("wrote {}", f.display());
+            }
+        }
+        Command::Calibrate {
+            model,
+            forms,
+            calib,
+            out,
+        } => {
+            let forms: Vec<(CacheForm, Part)> = forms
+                .iter()
+                .map(|f| f.parse::<CacheForm>())
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .flat_map(|f| [(f, Part::Key), (f, Part::Value)])
+                .collect();
+            if !forms.iter().any(|(f, _)| f.quantizer().needs_codebook()) {
+                return Err("no form needs a codebook (calibrate vq forms)".into());
+            }
+            if out.is_dir() {
+                return Err(format!("--out {} is a folder, not a file", out.display()).into());
+            }
+            let (model, tokenizer) = load_model(&model_path(&model)?)?;
+            let cal = fit_calibration(&forms, &calib, model.as_ref(), &tokenizer)?;
+            cal.save(&out)?;
+            println!("wrote {} ({:?})", out.display(), cal.shapes());
         }
         Command::Top { model, prompt, k } => {
             let (model, tokenizer) = load_model(&model_path(&model)?)?;

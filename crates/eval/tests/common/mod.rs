@@ -1,4 +1,9 @@
-//! Shared helpers of the integration tests: a dependency-free seeded generator.
+//! Shared helpers of the integration tests: a dependency-free seeded
+//! generator and the tiny random model.
+
+#![allow(dead_code, unreachable_pub)]
+
+pub(crate) mod tiny;
 
 /// xorshift64*: deterministic test weights without a dependency.
 pub(crate) struct Rng(pub(crate) u64);

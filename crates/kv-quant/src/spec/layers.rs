@@ -3,11 +3,12 @@
 //! Spelling: rules separated by `;`, each `LAYERS:FORM` (keys and values
 //! alike) or `LAYERS:KEY_FORM/VALUE_FORM`, where `LAYERS` is `*` (every
 //! layer no other rule names) or a comma-separated list of layers and
-//! inclusive ranges (`0,29`, `0-3,28-29`). Example: `0,29:fp16;*:int4`
-//! keeps the first and last of 30 layers in f16 (as vLLM's TurboQuant
-//! presets do) and the rest in `int4`. A layer named twice, a layer the
-//! model does not have, a missing `*` where a layer is left without a rule,
-//! and an unparsable form are errors that quote the grammar.
+//! inclusive ranges (`0,29`, `0-3,28-29`); `last` names the model's last
+//! layer. Example: `0,last:fp16;*:int4` keeps the first and last layers in
+//! f16 (as vLLM's TurboQuant presets do) and the rest in `int4`. A layer
+//! named twice, a layer the model does not have, a missing `*` where a
+//! layer is left without a rule, and an unparsable form are errors that
+//! quote the grammar.
 
 use std::fmt;
 use std::str::FromStr;
@@ -18,12 +19,16 @@ use crate::error::{KvQuantError, Result};
 
 /// The grammar of [`LayerForms`], for error messages and `--help` texts.
 pub const LAYER_GRAMMAR: &str = "RULE[;RULE...] with RULE = LAYERS:FORM or LAYERS:KEY_FORM/VALUE_FORM \
-and LAYERS = * or N[,N | ,A-B ...] (e.g. 0,29:fp16;*:int4 or 0-3:int8/int4;*:int4-ch/int4)";
+and LAYERS = * or N[,N | ,A-B ...] with `last` for the last layer (e.g. 0,last:fp16;*:int4 or 0-3:int8/int4;*:int4-ch/int4)";
+
+/// The index standing for `last` until a model's layer count is known.
+const LAST: usize = usize::MAX;
 
 /// One rule: layers and their key and value forms.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerRule {
-    /// Inclusive layer ranges, or `None` for `*`.
+    /// Inclusive layer ranges (`usize::MAX` standing for the last layer),
+    /// or `None` for `*`.
     pub layers: Option<Vec<(usize, usize)>>,
     /// Form of the keys.
     pub key: CacheForm,
@@ -66,21 +71,29 @@ impl LayerForms {
     /// layer is left without a rule.
     pub fn resolve(&self, layers: usize) -> Result<Vec<(CacheForm, CacheForm)>> {
         let spec = self.to_string();
+        let last = layers.saturating_sub(1);
+        let fix = |i: usize| if i == LAST { last } else { i };
         let mut out: Vec<Option<(CacheForm, CacheForm)>> = vec![None; layers];
         for rule in &self.rules {
             if let Some(ranges) = &rule.layers {
                 for &(a, b) in ranges {
-                    if b >= layers {
+                    let (a, b) = (fix(a), fix(b));
+                    if b >= layers || a > b {
                         return Err(invalid(
                             &spec,
                             format!(
-                                "layer {b} does not exist: the model has layers 0-{}",
-                                layers.saturating_sub(1)
+                                "layer {} does not exist: the model has layers 0-{last}",
+                                b.max(a)
                             ),
                         ));
                     }
-                    for slot in &mut out[a..=b] {
-                        *slot = Some((rule.key, rule.value));
+                    for (l, slot) in out[a..=b].iter_mut().enumerate() {
+                        if slot.replace((rule.key, rule.value)).is_some() {
+                            return Err(invalid(
+                                &spec,
+                                format!("layer {} is named by two rules", a + l),
+                            ));
+                        }
                     }
                 }
             }
@@ -100,10 +113,11 @@ fn parse_layers(text: &str) -> std::result::Result<Option<Vec<(usize, usize)>>, 
     if text.trim() == "*" {
         return Ok(None);
     }
-    let number = |s: &str| {
-        s.trim()
+    let number = |s: &str| match s.trim() {
+        "last" => Ok(LAST),
+        n => n
             .parse::<usize>()
-            .map_err(|_| format!("{:?} is not a layer number", quote(s)))
+            .map_err(|_| format!("{:?} is not a layer number", quote(s))),
     };
     text.split(',')
         .map(|item| match item.split_once('-') {
@@ -177,10 +191,17 @@ impl fmt::Display for LayerForms {
                         if j > 0 {
                             f.write_str(",")?;
                         }
+                        let show = |i: usize| {
+                            if i == LAST {
+                                "last".to_string()
+                            } else {
+                                i.to_string()
+                            }
+                        };
                         if a == b {
-                            write!(f, "{a}")?;
+                            f.write_str(&show(a))?;
                         } else {
-                            write!(f, "{a}-{b}")?;
+                            write!(f, "{}-{}", show(a), show(b))?;
                         }
                     }
                 }
@@ -215,6 +236,29 @@ mod tests {
                 .all(|&p| p == (form("int4"), form("int4")))
         );
         assert_eq!(lf.to_string(), "0,29:fp16;*:int4");
+    }
+
+    #[test]
+    fn last_names_the_last_layer_of_any_model() {
+        let lf: LayerForms = "0,last:fp16;*:int4".parse().unwrap();
+        for layers in [2, 24, 30] {
+            let per_layer = lf.resolve(layers).unwrap();
+            assert_eq!(per_layer[layers - 1], (form("fp16"), form("fp16")));
+            assert_eq!(
+                per_layer[layers - 2].0,
+                form(if layers == 2 { "fp16" } else { "int4" })
+            );
+        }
+        assert_eq!(lf.to_string(), "0,last:fp16;*:int4");
+        // `last` overlapping a number is found once the count is known.
+        let lf: LayerForms = "last:int8;29:fp16;*:int4".parse().unwrap();
+        assert!(
+            lf.resolve(30)
+                .unwrap_err()
+                .to_string()
+                .contains("layer 29 is named by two rules")
+        );
+        assert!(lf.resolve(40).is_ok());
     }
 
     #[test]

@@ -1,0 +1,170 @@
+//! Key and value forms, per-layer forms and calibrated (vq) forms on the
+//! tiny model: the spellings, the bytes each part is counted with, the
+//! errors before any work, and the calibration file's round trip and
+//! refusals.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::tiny::{LAYERS, model, tokens};
+use kv_eval::EvalError;
+use kv_eval::cache::{CacheMode, KvCache};
+use kv_eval::calibration::{Calibration, CalibrationRows, Part};
+use kv_eval::model::LlamaModel;
+use kv_quant::{CacheForm, FitOptions};
+
+fn forward(m: &LlamaModel, mode: CacheMode) -> Result<(Vec<f32>, KvCache), EvalError> {
+    let mut cache = KvCache::new(mode, None, 0)?;
+    let logits = m.forward(&tokens(40), &mut cache, 0)?;
+    Ok((logits, cache))
+}
+
+#[test]
+fn spellings_of_modes() {
+    for (text, label) in [
+        ("plain", "plain"),
+        ("int4", "int4"),
+        ("int4-ch/int4", "int4-ch/int4"),
+        ("int4/int4", "int4"),
+        ("0,last:fp16;*:int4", "0,last:fp16;*:int4"),
+        ("0:int8/int4;*:fp16", "0:int8/int4;*:fp16"),
+    ] {
+        assert_eq!(CacheMode::parse(text).unwrap().label(), label, "{text}");
+    }
+    assert!(CacheMode::parse("int5").is_err());
+    assert!(CacheMode::parse("int4/").is_err());
+    assert!(CacheMode::parse("0:int4").is_ok());
+    let mode = CacheMode::parse("int4+sink4+win64/int4").unwrap();
+    assert!(mode.check_context(256).is_ok());
+    let e = mode.check_context(68).unwrap_err().to_string();
+    assert!(e.contains("cover the whole context of 68"), "{e}");
+}
+
+#[test]
+fn per_layer_and_per_part_forms_are_what_attention_reads() {
+    let m = model();
+    let (plain, _) = forward(&m, CacheMode::Plain).unwrap();
+    // fp32 everywhere, spelled per layer, is the plain pass bit for bit.
+    let (layered, _) = forward(&m, CacheMode::parse("0:fp32;*:fp32").unwrap()).unwrap();
+    assert_eq!(plain, layered);
+    // Keys in int8, values in fp32: the parts are counted apart.
+    let (mixed, cache) = forward(&m, CacheMode::parse("int8/fp32").unwrap()).unwrap();
+    assert_ne!(mixed, plain);
+    let s = cache.stats();
+    let values = s.stored_values / 2;
+    let key_bits = 8.0 * s.part_bytes[0] as f64 / values as f64;
+    let value_bits = 8.0 * s.part_bytes[1] as f64 / values as f64;
+    // int8 over 16 channels: 8 bits + f16 scale and offset per row.
+    assert!((key_bits - (8.0 + 32.0 / 16.0)).abs() < 1e-9, "{key_bits}");
+    assert_eq!(value_bits, 32.0);
+    // The first layer in fp32, the rest in int4, differs from both.
+    let (first_wide, _) = forward(&m, CacheMode::parse("0:fp32;*:int4").unwrap()).unwrap();
+    let (all_int4, _) = forward(&m, CacheMode::parse("int4").unwrap()).unwrap();
+    assert_ne!(first_wide, all_int4);
+    assert_ne!(first_wide, plain);
+}
+
+#[test]
+fn bad_layer_forms_fail_before_any_work() {
+    let m = model();
+    for (text, needle) in [
+        ("5:int8;*:int4", "does not exist"),
+        ("0:int8", "has no rule"),
+        ("0-1:int8;1:int4;*:fp16", "named by two rules"),
+    ] {
+        let e = match CacheMode::parse(text) {
+            Ok(mode) => forward(&m, mode).unwrap_err().to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(needle), "{text}: {e}");
+    }
+    // A rotation block wider than the tiny model's heads of 8 channels.
+    let e = forward(&m, CacheMode::parse("int4+rot16").unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("straddle heads"), "{e}");
+}
+
+fn calibration(m: &LlamaModel, form: &str) -> Calibration {
+    let rows = CalibrationRows::collect(m, &tokens(300), 64).unwrap();
+    assert_eq!(rows.layers.len(), LAYERS);
+    assert_eq!(rows.tokens, 300);
+    let f: CacheForm = form.parse().unwrap();
+    let opts = FitOptions {
+        iterations: 5,
+        ..FitOptions::default()
+    };
+    Calibration::fit(
+        m,
+        &rows,
+        "tokens",
+        &[(f, Part::Key), (f, Part::Value)],
+        opts,
+    )
+    .unwrap()
+}
+
+#[test]
+fn vq_forms_need_a_calibration_and_use_it() {
+    let m = model();
+    let mode = CacheMode::parse("fp32/vq-k16+rot8").unwrap();
+    let e = forward(&m, mode.clone()).unwrap_err().to_string();
+    assert!(e.contains("--calibration"), "{e}");
+    let cal = Arc::new(calibration(&m, "vq-k16+rot8"));
+    assert_eq!(cal.shapes(), ["vq-k16+rot8"]);
+    let (logits, cache) = forward(&m, mode.with_calibration(Some(cal.clone()))).unwrap();
+    assert!(logits.iter().all(|x| x.is_finite()));
+    // Codebooks are counted with the stores that use them.
+    let s = cache.stats();
+    assert!(s.codebook_bytes > 0 && s.part_bytes[1] > s.codebook_bytes);
+    // A calibration without the form's shape is refused by name.
+    let other = CacheMode::parse("fp32/vq-k8+rot8")
+        .unwrap()
+        .with_calibration(Some(cal));
+    let e = forward(&m, other).unwrap_err().to_string();
+    assert!(e.contains("no value codebook"), "{e}");
+}
+
+#[test]
+fn calibration_files_round_trip_and_refuse_bad_ones() {
+    let m = model();
+    let cal = calibration(&m, "vq-d2-k8+rot8");
+    let dir = std::env::temp_dir().join(format!("kv-eval-cal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cal.safetensors");
+    cal.save(&path).unwrap();
+    let back = Calibration::load(&path).unwrap();
+    assert_eq!(back, cal);
+    back.check_model(&m).unwrap();
+    // Fitted for another shape.
+    let mut wrong = back.clone();
+    wrong.layers += 1;
+    assert!(
+        wrong
+            .check_model(&m)
+            .unwrap_err()
+            .to_string()
+            .contains("fitted for")
+    );
+    // Not a calibration file, garbage, a truncated file.
+    let bytes = std::fs::read(&path).unwrap();
+    let tag = b"reliable-kv calibration 1";
+    let at = bytes.windows(tag.len()).position(|w| w == tag).unwrap();
+    let mut other_format = bytes.clone();
+    other_format[at + tag.len() - 1] = b'9';
+    for (name, content, needle) in [
+        ("garbage", b"not safetensors at all".to_vec(), ""),
+        ("truncated", bytes[..bytes.len() / 2].to_vec(), ""),
+        ("format", other_format, "format is not"),
+    ] {
+        let p = dir.join(format!("{name}.safetensors"));
+        std::fs::write(&p, content).unwrap();
+        let e = Calibration::load(&p).unwrap_err();
+        assert!(matches!(e, EvalError::Safetensors(_)), "{name}: {e}");
+        assert!(e.to_string().contains(needle), "{name}: {e}");
+    }
+    let missing = Calibration::load(&dir.join("missing.safetensors")).unwrap_err();
+    assert!(matches!(missing, EvalError::Io { .. }), "{missing}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
