@@ -4,7 +4,7 @@
 //! `cargo run --release -p kv-quant --example fault_sweep`
 
 use gf2_codes::channel::BinarySymmetric;
-use kv_quant::{CacheForm, FaultTarget, KvStore};
+use kv_quant::{CacheForm, FaultTarget, FitOptions, KvStore, QuantizeOptions, VqCodebook};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (tokens, channels) = (1024, 128);
@@ -32,9 +32,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "int4+secded84",
         "int4+golay24",
         "int4+secded84+meta-none",
+        "int4+rot",
+        "lm4",
+        "lm3",
+        "lm3+qjl",
+        "lm2",
+        "int4-ch32+win32",
+        "int4+sink4+win64",
+        "int8+secded84",
+        "int2+golay24",
+        "fp8-e4m3-tok+secded84",
+        "lm3+hamming74",
     ] {
         let store = KvStore::quantize(spelling.parse()?, &keys, tokens, channels)?;
         println!("  {spelling:<26} {:>7.3}", store.bits_per_value());
+    }
+    // Vector quantization needs codebooks fitted on calibration rows (here
+    // the same matrix; kv-eval fits them on a disjoint text).
+    for spelling in ["vq", "vq-d8-k256", "vq+secded84"] {
+        let form: CacheForm = spelling.parse()?;
+        let codebook = VqCodebook::fit(&form, &keys, tokens, channels, FitOptions::default())?;
+        let store = KvStore::quantize_with_codebook(
+            form,
+            &keys,
+            tokens,
+            channels,
+            QuantizeOptions::default(),
+            std::sync::Arc::new(codebook),
+        )?;
+        println!(
+            "  {spelling:<26} {:>7.3} (codebook {} bytes)",
+            store.bits_per_value(),
+            store.codebook().map_or(0, |c| c.stored_bytes())
+        );
     }
 
     for (target, title) in [
