@@ -40,6 +40,7 @@
 mod attend;
 mod error;
 mod kernel;
+mod low_rank;
 mod reference;
 mod rope;
 mod shape;
@@ -47,6 +48,7 @@ mod source;
 
 pub use attend::{Attention, AttentionConfig, AttentionOutput, AttentionStats, OnNonFinite};
 pub use error::{AttentionError, Result};
+pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};

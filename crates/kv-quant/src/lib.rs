@@ -52,8 +52,9 @@ pub use qjl::QjlSketch;
 pub use rotation::Hadamard;
 pub use simd::f16_to_f32 as widen_f16;
 pub use spec::{
-    CacheForm, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms, LloydMaxSpec,
-    MetaProtection, Nf4Spec, Protection, Quantizer, Rotation, ScaleType, Segments, VqSpec,
+    CacheForm, CoeffCode, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms, LloydMaxSpec,
+    LowRankMethod, LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer, RankRule, Rotation,
+    ScaleType, Segments, VqSpec,
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, LevelMap,

@@ -278,8 +278,10 @@ fn extremes(store: &KvStore, t: usize, c: usize) -> (f32, f32) {
                 (nearest, o + ((1u32 << spec.bits) - 1) as f32 * s)
             }
         }
-        Quantizer::LloydMax(_) | Quantizer::Vq(_) => {
-            unreachable!("rotated forms saturate per block, tested in tests/rotated.rs")
+        Quantizer::LloydMax(_) | Quantizer::Vq(_) | Quantizer::LowRank(_) => {
+            unreachable!(
+                "rotated forms saturate per block (tests/rotated.rs); low-rank forms live in kv-lowrank"
+            )
         }
     }
 }

@@ -166,6 +166,80 @@ impl VqSpec {
     }
 }
 
+/// How a low-rank form picks its rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RankRule {
+    /// A fixed rank per head.
+    Fixed(usize),
+    /// The smallest rank retaining this share of the head's energy (sum of
+    /// eigenvalues), in millionths: `pca-e0.99` is 990 000.
+    Energy(u32),
+}
+
+/// Where a low-rank form's bases come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LowRankMethod {
+    /// SubSpace-G: one basis per layer and KV head, fitted by PCA on a
+    /// calibration text (`pca-r<R>`, `pca-e<E>`).
+    Pca(RankRule),
+    /// SubSpace-A: online chunked frequent directions (`fd-r<R>`): chunks
+    /// of at most `chunk` tokens, a new chunk when a token's relative
+    /// residual passes `threshold` (millionths), bases from a sketch of
+    /// `sketch` rows.
+    Fd {
+        /// Rank of each chunk's basis.
+        rank: usize,
+        /// Rows of the frequent-directions sketch (at least twice the rank).
+        sketch: usize,
+        /// Largest chunk length L.
+        chunk: usize,
+        /// Relative residual `‖(I − P)x‖/‖x‖` past which a chunk closes, in millionths.
+        threshold: u32,
+    },
+}
+
+/// Storage of low-rank coefficients (one scale per row and head for the
+/// integer ones).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CoeffCode {
+    /// IEEE binary16.
+    F16,
+    /// Symmetric INT8 with an f16 scale per token and head.
+    Int8,
+    /// Symmetric INT4 with an f16 scale per token and head.
+    Int4,
+}
+
+impl CoeffCode {
+    /// Bits per coefficient.
+    pub const fn bits(self) -> u32 {
+        match self {
+            CoeffCode::F16 => 16,
+            CoeffCode::Int8 => 8,
+            CoeffCode::Int4 => 4,
+        }
+    }
+}
+
+/// A low-rank subspace form: keys or values projected on a per-head basis
+/// and stored as coefficients (the `kv-lowrank` crate stores them; this
+/// crate only spells them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LowRankSpec {
+    /// Global calibrated bases or online chunks.
+    pub method: LowRankMethod,
+    /// How coefficients are stored.
+    pub coeffs: CoeffCode,
+    /// Project keys before RoPE (`-pre`) rather than after.
+    pub pre_rope: bool,
+}
+
+/// Default largest chunk of `fd` forms.
+pub const DEFAULT_FD_CHUNK: usize = 128;
+
+/// Default relative residual threshold of `fd` forms, in millionths (0.5).
+pub const DEFAULT_FD_THRESHOLD: u32 = 500_000;
+
 /// How values are turned into stored codes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Quantizer {
@@ -185,6 +259,8 @@ pub enum Quantizer {
     LloydMax(LloydMaxSpec),
     /// Vector quantization over rotated coordinates.
     Vq(VqSpec),
+    /// Low-rank subspace coefficients (stored by `kv-lowrank`).
+    LowRank(LowRankSpec),
 }
 
 impl Quantizer {
@@ -200,6 +276,7 @@ impl Quantizer {
             Quantizer::Nf4(_) => 4,
             Quantizer::LloydMax(s) => s.bits as u32 + s.qjl as u32,
             Quantizer::Vq(s) => s.index_bits(),
+            Quantizer::LowRank(s) => s.coeffs.bits(),
         }
     }
 
@@ -226,6 +303,23 @@ impl Quantizer {
     /// Whether stores of this quantizer need a fitted codebook.
     pub const fn needs_codebook(&self) -> bool {
         matches!(self, Quantizer::Vq(_))
+    }
+
+    /// Whether this is a low-rank form, stored by the `kv-lowrank` crate
+    /// rather than by [`KvStore`](crate::KvStore).
+    pub const fn is_low_rank(&self) -> bool {
+        matches!(self, Quantizer::LowRank(_))
+    }
+
+    /// Whether the form needs bases fitted on a calibration text (`pca-*`).
+    pub const fn needs_bases(&self) -> bool {
+        matches!(
+            self,
+            Quantizer::LowRank(LowRankSpec {
+                method: LowRankMethod::Pca(_),
+                ..
+            })
+        )
     }
 }
 
@@ -464,7 +558,8 @@ impl CacheForm {
                 | Quantizer::Bf16
                 | Quantizer::Nf4(_)
                 | Quantizer::LloydMax(_)
-                | Quantizer::Vq(_) => true,
+                | Quantizer::Vq(_)
+                | Quantizer::LowRank(_) => true,
                 Quantizer::Fp8(s) => s.per_token,
                 Quantizer::Int(s) => match s.granularity {
                     Granularity::PerToken { .. } => true,
@@ -523,6 +618,39 @@ impl CacheForm {
                 }
                 if s.qjl && s.bits == 8 {
                     return Err("+qjl adds a bit to the code: lm1 to lm7 only".into());
+                }
+            }
+            Quantizer::LowRank(s) => {
+                match s.method {
+                    LowRankMethod::Pca(RankRule::Fixed(r)) => positive("rank", r)?,
+                    LowRankMethod::Pca(RankRule::Energy(e)) => {
+                        if e == 0 || e > 1_000_000 {
+                            return Err(format!(
+                                "retained energy {} is not in (0, 1]",
+                                e as f64 / 1e6
+                            ));
+                        }
+                    }
+                    LowRankMethod::Fd {
+                        rank,
+                        sketch,
+                        chunk,
+                        threshold,
+                    } => {
+                        positive("rank", rank)?;
+                        positive("chunk length", chunk)?;
+                        if sketch < 2 * rank {
+                            return Err(format!(
+                                "a sketch of {sketch} rows is below twice the rank {rank}"
+                            ));
+                        }
+                        if threshold == 0 {
+                            return Err("the residual threshold must be positive".into());
+                        }
+                    }
+                }
+                if self.rotation.is_some() || !self.segments.is_empty() {
+                    return Err("low-rank forms take no +rot, +sink or +win".into());
                 }
             }
             Quantizer::Vq(s) => {

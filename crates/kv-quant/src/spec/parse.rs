@@ -11,10 +11,10 @@ use std::str::FromStr;
 use gf2_codes::Int4Code;
 
 use super::{
-    CacheForm, DEFAULT_INTERP_REACH, DEFAULT_NF4_GROUP, DEFAULT_ROTATION_BLOCK,
-    DEFAULT_VQ_CENTROIDS, DEFAULT_VQ_DIM, ErasurePolicy, Fp8Spec, Granularity, IntSpec,
-    LloydMaxSpec, MetaProtection, Nf4Spec, Protection, Quantizer, Rotation, ScaleType, Segments,
-    VqSpec,
+    CacheForm, CoeffCode, DEFAULT_FD_CHUNK, DEFAULT_FD_THRESHOLD, DEFAULT_INTERP_REACH,
+    DEFAULT_NF4_GROUP, DEFAULT_ROTATION_BLOCK, DEFAULT_VQ_CENTROIDS, DEFAULT_VQ_DIM, ErasurePolicy,
+    Fp8Spec, Granularity, IntSpec, LloydMaxSpec, LowRankMethod, LowRankSpec, MetaProtection,
+    Nf4Spec, Protection, Quantizer, RankRule, Rotation, ScaleType, Segments, VqSpec,
 };
 use crate::error::{KvQuantError, Result};
 use crate::fp8::Fp8Format;
@@ -22,7 +22,8 @@ use crate::fp8::Fp8Format;
 /// Every valid spelling, for error messages and `--help` texts.
 pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 | \
 fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
-nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32], and SUFFIX one of \
+nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
+pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre], and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
 +sink<S> | +win<W> | +hamming74 | +secded84 | +golay24 | then, after a code, +keep | +zero | \
 +interp[<reach>] | +meta-none (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
@@ -92,6 +93,40 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
             write!(f, "lm{}", s.bits)?;
             scale(f, s.scale)
         }
+        Quantizer::LowRank(s) => {
+            match s.method {
+                LowRankMethod::Pca(RankRule::Fixed(r)) => write!(f, "pca-r{r}")?,
+                LowRankMethod::Pca(RankRule::Energy(e)) => {
+                    write!(f, "pca-e{}", millionths(e))?;
+                }
+                LowRankMethod::Fd {
+                    rank,
+                    sketch,
+                    chunk,
+                    threshold,
+                } => {
+                    write!(f, "fd-r{rank}")?;
+                    if sketch != 2 * rank {
+                        write!(f, "-m{sketch}")?;
+                    }
+                    if chunk != DEFAULT_FD_CHUNK {
+                        write!(f, "-l{chunk}")?;
+                    }
+                    if threshold != DEFAULT_FD_THRESHOLD {
+                        write!(f, "-t{}", millionths(threshold))?;
+                    }
+                }
+            }
+            match s.coeffs {
+                CoeffCode::F16 => {}
+                CoeffCode::Int8 => f.write_str("-c8")?,
+                CoeffCode::Int4 => f.write_str("-c4")?,
+            }
+            if s.pre_rope {
+                f.write_str("-pre")?;
+            }
+            Ok(())
+        }
         Quantizer::Vq(s) => {
             f.write_str("vq")?;
             if s.dim != DEFAULT_VQ_DIM {
@@ -144,6 +179,25 @@ impl fmt::Display for CacheForm {
         }
         Ok(())
     }
+}
+
+/// A share in millionths as its shortest decimal (`990000` → `0.99`).
+fn millionths(m: u32) -> String {
+    let text = format!("{}.{:06}", m / 1_000_000, m % 1_000_000);
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// Parses a share in (0, 1] or a positive decimal after a prefix
+/// (`e0.99` → 990 000 millionths); `None` without the prefix.
+fn share_after(s: &str, prefix: &str) -> Option<std::result::Result<u32, String>> {
+    let digits = s.strip_prefix(prefix)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return None;
+    }
+    Some(match digits.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 4000.0 => Ok((v * 1e6).round() as u32),
+        _ => Err(format!("{}: not a positive number", quote(s))),
+    })
 }
 
 /// Parses the number after a prefix (`g64` → 64); `None` if `s` lacks the
@@ -264,6 +318,7 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
             }
             Ok(Quantizer::Nf4(spec))
         }
+        "pca" | "fd" => parse_low_rank(head, &options),
         "vq" => {
             let mut spec = VqSpec {
                 dim: DEFAULT_VQ_DIM,
@@ -350,6 +405,62 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
             Ok(Quantizer::Int(spec))
         }
     }
+}
+
+fn parse_low_rank(head: &str, options: &[&str]) -> std::result::Result<Quantizer, String> {
+    let (mut rank, mut energy, mut sketch, mut chunk, mut threshold) =
+        (None, None, None, None, None);
+    let (mut coeffs, mut pre_rope) = (CoeffCode::F16, false);
+    for &o in options {
+        match o {
+            "c16" => coeffs = CoeffCode::F16,
+            "c8" => coeffs = CoeffCode::Int8,
+            "c4" => coeffs = CoeffCode::Int4,
+            "pre" => pre_rope = true,
+            _ => {
+                if let Some(r) = number_after(o, "r") {
+                    rank = Some(r?);
+                } else if let (Some(e), "pca") = (share_after(o, "e"), head) {
+                    energy = Some(e?);
+                } else if let (Some(m), "fd") = (number_after(o, "m"), head) {
+                    sketch = Some(m?);
+                } else if let (Some(l), "fd") = (number_after(o, "l"), head) {
+                    chunk = Some(l?);
+                } else if let (Some(t), "fd") = (share_after(o, "t"), head) {
+                    threshold = Some(t?);
+                } else {
+                    return Err(format!(
+                        "unknown {head} option -{} ({})",
+                        quote(o),
+                        if head == "pca" {
+                            "-r<R> or -e<E>, -c16, -c8, -c4, -pre"
+                        } else {
+                            "-r<R>, -m<M>, -l<L>, -t<T>, -c16, -c8, -c4, -pre"
+                        }
+                    ));
+                }
+            }
+        }
+    }
+    let method = match (head, rank, energy) {
+        ("pca", Some(r), None) => LowRankMethod::Pca(RankRule::Fixed(r)),
+        ("pca", None, Some(e)) => LowRankMethod::Pca(RankRule::Energy(e)),
+        ("pca", _, _) => {
+            return Err("pca takes one of -r<R> (a rank) or -e<E> (retained energy)".into());
+        }
+        (_, Some(r), _) => LowRankMethod::Fd {
+            rank: r,
+            sketch: sketch.unwrap_or(2 * r),
+            chunk: chunk.unwrap_or(DEFAULT_FD_CHUNK),
+            threshold: threshold.unwrap_or(DEFAULT_FD_THRESHOLD),
+        },
+        _ => return Err("fd needs -r<R> (the rank of each chunk)".into()),
+    };
+    Ok(Quantizer::LowRank(LowRankSpec {
+        method,
+        coeffs,
+        pre_rope,
+    }))
 }
 
 /// The suffixes of one spelling, each at most once.

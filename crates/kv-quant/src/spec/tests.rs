@@ -46,6 +46,15 @@ fn issue_spellings_parse_and_print_back() {
         "lm4+secded84+interp",
         "vq+golay24",
         "int4+rot+sink4+win64+secded84+interp",
+        // Low-rank forms (stored by kv-lowrank).
+        "pca-r32",
+        "pca-r16-c8",
+        "pca-e0.99-c4+secded84",
+        "pca-e0.999",
+        "pca-e1",
+        "pca-r32-pre",
+        "fd-r16",
+        "fd-r16-m48-l256-t0.25-c8",
     ] {
         let form: CacheForm = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
         assert_eq!(form.to_string(), s);
@@ -138,6 +147,17 @@ fn bad_spellings_are_rejected_with_the_valid_choices() {
         ("int4+sink0", "at least 1"),
         ("int4+win0", "at least 1"),
         ("int4+sink4+sink8", "more than one +sink"),
+        ("pca", "one of -r<R>"),
+        ("pca-r8-e0.9", "one of -r<R>"),
+        ("pca-r0", "at least 1"),
+        ("pca-e1.5", "not in (0, 1]"),
+        ("pca-e0", "not a positive number"),
+        ("fd", "needs -r<R>"),
+        ("fd-r16-m20", "below twice the rank"),
+        ("fd-r16-l0", "at least 1"),
+        ("pca-r8-m16", "unknown pca option"),
+        ("pca-r8+rot", "no +rot"),
+        ("fd-r8+sink4", "no +rot, +sink"),
     ] {
         let e = s.parse::<CacheForm>().unwrap_err().to_string();
         assert!(e.contains(needle), "{s}: {e}");
@@ -200,6 +220,33 @@ fn forms() -> impl Strategy<Value = CacheForm> {
             centroids: 1 << k,
             scale
         })),
+        (
+            prop_oneof![
+                (1usize..200).prop_map(|r| LowRankMethod::Pca(RankRule::Fixed(r))),
+                (1u32..=1_000_000).prop_map(|e| LowRankMethod::Pca(RankRule::Energy(e))),
+                (1usize..64, 0usize..64, 1usize..600, 1u32..2_000_000).prop_map(
+                    |(rank, extra, chunk, threshold)| LowRankMethod::Fd {
+                        rank,
+                        sketch: 2 * rank + extra,
+                        chunk,
+                        threshold
+                    }
+                ),
+            ],
+            prop_oneof![
+                Just(CoeffCode::F16),
+                Just(CoeffCode::Int8),
+                Just(CoeffCode::Int4)
+            ],
+            any::<bool>(),
+        )
+            .prop_map(
+                |(method, coeffs, pre_rope)| Quantizer::LowRank(LowRankSpec {
+                    method,
+                    coeffs,
+                    pre_rope
+                })
+            ),
     ];
     let policy = prop_oneof![
         Just(ErasurePolicy::Keep),

@@ -323,7 +323,9 @@ impl RowEncoder {
                 let codebook = self.codebook.as_ref().expect("vq encoders hold a codebook");
                 vq_row(codebook, dim, ty, row, self.cpg, params, levels)?;
             }
-            Kind::F32 | Kind::F16 | Kind::Bf16 => unreachable!("handled above"),
+            Kind::F32 | Kind::F16 | Kind::Bf16 | Kind::LowRank => {
+                unreachable!("float forms handled above; sections refuse low-rank forms")
+            }
         }
         for (p, w) in params.iter().zip(scales.chunks_exact_mut(width)) {
             w.copy_from_slice(&int::to_bits(ty, p.0).to_le_bytes()[..width]);

@@ -35,8 +35,15 @@ pub(crate) enum Kind {
     Asym(u8),
     Sym(u8),
     Nf4,
-    LloydMax { bits: u8, qjl: bool },
-    Vq { dim: usize },
+    LloydMax {
+        bits: u8,
+        qjl: bool,
+    },
+    Vq {
+        dim: usize,
+    },
+    /// Low-rank forms, which sections refuse (kv-lowrank stores them).
+    LowRank,
 }
 
 impl Kind {
@@ -54,6 +61,7 @@ impl Kind {
                 qjl: s.qjl,
             },
             Quantizer::Vq(s) => Kind::Vq { dim: s.dim },
+            Quantizer::LowRank(_) => Kind::LowRank,
         }
     }
 
@@ -203,6 +211,15 @@ impl Coding {
                 Granularity::PerTensor => (tokens, channels),
             },
             Quantizer::LloydMax(_) | Quantizer::Vq(_) => (1, block.unwrap_or(channels)),
+            Quantizer::LowRank(_) => {
+                return Err(KvQuantError::InvalidParameter {
+                    name: "form",
+                    reason: format!(
+                        "{} is a low-rank form: the kv-lowrank crate stores it (LowRankStore)",
+                        self.form
+                    ),
+                });
+            }
         };
         GroupLayout::new(tokens, channels, tpb, cpg).map(Some)
     }
