@@ -14,13 +14,17 @@
 
 use std::sync::Arc;
 
-use attention::{Attention, DenseKv, Mask, StoreWithTruth};
+use attention::{
+    Attention, DenseKv, KvSource, LowRankScratch, Mask, PreRopeKeys, Rope, StoreScratch,
+    StoreWithTruth, Tile, certificates,
+};
 use gf2_codes::channel::{
     BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
 };
+use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
     CacheForm, FaultTarget, KvDecodeStats, KvStore, LayerForms, NonFinite, QuantizeOptions,
-    VqCodebook,
+    Quantizer, VqCodebook,
 };
 
 use crate::calibration::{Calibration, Part};
@@ -135,13 +139,219 @@ impl CacheMode {
     }
 }
 
-/// The forms and codebooks of one layer.
+/// The form of one part of a layer and the fitted data it needs.
+#[derive(Clone, Debug)]
+struct PartCode {
+    form: CacheForm,
+    codebook: Option<Arc<VqCodebook>>,
+    bases: Option<Arc<HeadBases>>,
+}
+
+/// The forms of one layer.
 #[derive(Clone, Debug)]
 struct LayerCodes {
-    key: CacheForm,
-    value: CacheForm,
-    key_codebook: Option<Arc<VqCodebook>>,
-    value_codebook: Option<Arc<VqCodebook>>,
+    key: PartCode,
+    value: PartCode,
+}
+
+/// One part of a layer as stored.
+#[derive(Clone, Debug)]
+enum StoredPart {
+    Quant(KvStore),
+    LowRank(LowRankStore),
+}
+
+impl StoredPart {
+    /// Stores `rows` (`tokens × channels`) in the part's form; keys of a
+    /// form projected before RoPE are rotated back to position 0 first.
+    fn build(
+        code: &PartCode,
+        rows: &[f32],
+        tokens: usize,
+        channels: usize,
+        head_dim: usize,
+        rope: Option<&Rope>,
+    ) -> Result<Self> {
+        let Quantizer::LowRank(spec) = code.form.quantizer() else {
+            return Ok(Self::Quant(quantize(
+                code.form,
+                &code.codebook,
+                rows,
+                tokens,
+                channels,
+            )?));
+        };
+        let unrotated;
+        let rows = match rope {
+            Some(rope) if spec.pre_rope => {
+                let mut r = rows.to_vec();
+                for (t, row) in r.chunks_exact_mut(channels).enumerate() {
+                    rope.undo(row, t)?;
+                }
+                unrotated = r;
+                &unrotated[..]
+            }
+            _ => rows,
+        };
+        let bases = code.bases.as_deref();
+        Ok(Self::LowRank(LowRankStore::build(
+            code.form, rows, tokens, channels, head_dim, bases,
+        )?))
+    }
+
+    /// Bytes held, and the bytes of shared fitted data it reads (codebooks,
+    /// calibrated bases), counted with every store that uses them.
+    fn bytes(&self) -> (u64, u64) {
+        match self {
+            Self::Quant(s) => (
+                s.stored_bytes() as u64,
+                s.codebook().map_or(0, |c| c.stored_bytes()) as u64,
+            ),
+            Self::LowRank(s) => (
+                s.stored_bytes() as u64,
+                if s.owns_bases() {
+                    0
+                } else {
+                    s.basis_bytes() as u64
+                },
+            ),
+        }
+    }
+
+    fn inject(&mut self, channel: &dyn FaultChannel, seed: u64, target: FaultTarget) -> u64 {
+        match self {
+            Self::Quant(s) => s.inject(channel, seed, target).total() as u64,
+            Self::LowRank(s) => s
+                .inject(channel, seed, target)
+                .iter()
+                .map(|i| i.total() as u64)
+                .sum(),
+        }
+    }
+
+    fn low_rank(&self) -> Option<&LowRankStore> {
+        match self {
+            Self::LowRank(s) => Some(s),
+            Self::Quant(_) => None,
+        }
+    }
+}
+
+/// A stored part as attention reads it: a kv-quant store (paired with its
+/// fault-free original when faulted), or low-rank coefficients.
+enum Source<'a> {
+    Store(&'a KvStore),
+    Truth(StoreWithTruth<'a>),
+    LowRank(&'a LowRankStore),
+    PreRope(PreRopeKeys<'a>),
+}
+
+impl<'a> Source<'a> {
+    fn of(
+        read: &'a StoredPart,
+        clean: &'a StoredPart,
+        faulted: bool,
+        rope: Option<&'a Rope>,
+    ) -> Result<Self> {
+        Ok(match (read, clean) {
+            (StoredPart::Quant(r), StoredPart::Quant(c)) if faulted => {
+                Self::Truth(StoreWithTruth::new(r, c)?)
+            }
+            (StoredPart::Quant(r), _) => Self::Store(r),
+            (StoredPart::LowRank(s), _) => match rope {
+                Some(rope) if s.spec().pre_rope => Self::PreRope(PreRopeKeys::new(s, rope, 0)),
+                _ => Self::LowRank(s),
+            },
+        })
+    }
+}
+
+/// Per-thread buffers of every kind of [`Source`].
+#[derive(Default)]
+struct SourceScratch {
+    store: StoreScratch,
+    low_rank: LowRankScratch,
+}
+
+impl KvSource for Source<'_> {
+    type Scratch = SourceScratch;
+
+    fn tokens(&self) -> usize {
+        match self {
+            Self::Store(s) => KvSource::tokens(*s),
+            Self::Truth(s) => s.tokens(),
+            Self::LowRank(s) => KvSource::tokens(*s),
+            Self::PreRope(s) => s.tokens(),
+        }
+    }
+
+    fn channels(&self) -> usize {
+        match self {
+            Self::Store(s) => KvSource::channels(*s),
+            Self::Truth(s) => s.channels(),
+            Self::LowRank(s) => KvSource::channels(*s),
+            Self::PreRope(s) => s.channels(),
+        }
+    }
+
+    fn stored_bytes(&self) -> usize {
+        match self {
+            Self::Store(s) => KvSource::stored_bytes(*s),
+            Self::Truth(s) => s.stored_bytes(),
+            Self::LowRank(s) => KvSource::stored_bytes(*s),
+            Self::PreRope(s) => s.stored_bytes(),
+        }
+    }
+
+    fn read_tile<'s>(
+        &'s self,
+        start: usize,
+        count: usize,
+        scratch: &'s mut SourceScratch,
+    ) -> attention::Result<Tile<'s>> {
+        match self {
+            Self::Store(s) => s.read_tile(start, count, &mut scratch.store),
+            Self::Truth(s) => s.read_tile(start, count, &mut scratch.store),
+            Self::LowRank(s) => s.read_tile(start, count, &mut scratch.low_rank),
+            Self::PreRope(s) => s.read_tile(start, count, &mut scratch.low_rank),
+        }
+    }
+
+    fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
+        match self {
+            Self::Store(s) => s.row_addresses(start, count),
+            Self::Truth(s) => s.row_addresses(start, count),
+            _ => None,
+        }
+    }
+
+    fn rotation(&self) -> Option<&'static kv_quant::Hadamard> {
+        match self {
+            Self::Store(s) => KvSource::rotation(*s),
+            _ => None,
+        }
+    }
+}
+
+/// Whether keys and values can be attended in coefficient space: both
+/// low-rank, keys after RoPE, equal ranks per head and chunk.
+fn coefficient_path<'a>(
+    k: &'a StoredPart,
+    v: &'a StoredPart,
+) -> Option<(&'a LowRankStore, &'a LowRankStore)> {
+    let (StoredPart::LowRank(k), StoredPart::LowRank(v)) = (k, v) else {
+        return None;
+    };
+    let ranks = |s: &LowRankStore| -> Vec<usize> {
+        s.chunks()
+            .iter()
+            .flat_map(|c| c.bases.iter().map(|b| b.rank()))
+            .collect()
+    };
+    let (rk, rv) = (ranks(k), ranks(v));
+    let uniform = |r: &[usize]| r.windows(2).all(|w| w[0] == w[1]);
+    (!k.spec().pre_rope && uniform(&rk) && uniform(&rv) && rk.first() == rv.first())
+        .then_some((k, v))
 }
 
 /// A named fault channel; its rate comes from the bit error rate.
@@ -221,7 +431,7 @@ pub struct FaultSpec {
 }
 
 /// Codec statistics summed over every store read.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct CacheStats {
     /// Bits flipped by the fault channel.
     pub injected_flips: u64,
@@ -241,6 +451,34 @@ pub struct CacheStats {
     pub codebook_bytes: u64,
     /// `stored_bytes` of the key stores and of the value stores.
     pub part_bytes: [u64; 2],
+    /// Runtime error certificates of the low-rank layers, per layer.
+    pub certificates: Vec<CertificateSums>,
+}
+
+/// Sums and maxima of the error certificates of one layer (every query
+/// head of every query of every call).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CertificateSums {
+    /// Certificates summed.
+    pub count: u64,
+    /// Sum of the logit bounds.
+    pub logit_sum: f64,
+    /// Largest logit bound.
+    pub logit_max: f64,
+    /// Sum of the output bounds.
+    pub output_sum: f64,
+    /// Largest output bound.
+    pub output_max: f64,
+}
+
+impl std::ops::AddAssign for CertificateSums {
+    fn add_assign(&mut self, r: Self) {
+        self.count += r.count;
+        self.logit_sum += r.logit_sum;
+        self.logit_max = self.logit_max.max(r.logit_max);
+        self.output_sum += r.output_sum;
+        self.output_max = self.output_max.max(r.output_max);
+    }
 }
 
 impl std::ops::AddAssign for CacheStats {
@@ -254,6 +492,13 @@ impl std::ops::AddAssign for CacheStats {
         self.codebook_bytes += r.codebook_bytes;
         self.part_bytes[0] += r.part_bytes[0];
         self.part_bytes[1] += r.part_bytes[1];
+        if self.certificates.len() < r.certificates.len() {
+            self.certificates
+                .resize(r.certificates.len(), CertificateSums::default());
+        }
+        for (a, b) in self.certificates.iter_mut().zip(r.certificates) {
+            *a += b;
+        }
     }
 }
 
@@ -377,10 +622,12 @@ impl KvCache {
 
     /// Appends layer `layer`'s new K and V rows and runs `attention` for
     /// `queries` at `positions` over the whole layer cache as stored.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attend(
         &mut self,
         layer: usize,
         attention: &Attention,
+        rope: Option<&Rope>,
         queries: &[f32],
         positions: &[usize],
         k_new: &[f32],
@@ -398,34 +645,75 @@ impl KvCache {
             }
             CacheMode::Stored(_) => {
                 let codes = &self.codes[layer];
-                let clean_k = quantize(codes.key, &codes.key_codebook, k, tokens, self.channels)?;
-                let clean_v =
-                    quantize(codes.value, &codes.value_codebook, v, tokens, self.channels)?;
-                for (store, part) in [(&clean_k, 0), (&clean_v, 1)] {
-                    let codebook = store.codebook().map_or(0, |c| c.stored_bytes()) as u64;
-                    self.stats.stored_bytes += store.stored_bytes() as u64 + codebook;
-                    self.stats.codebook_bytes += codebook;
-                    self.stats.part_bytes[part] += store.stored_bytes() as u64 + codebook;
+                let (ch, head_dim) = (self.channels, attention.shape().head_dim());
+                let clean_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
+                let clean_v = StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
+                for (part, i) in [(&clean_k, 0), (&clean_v, 1)] {
+                    let (own, shared) = part.bytes();
+                    self.stats.stored_bytes += own + shared;
+                    self.stats.codebook_bytes += shared;
+                    self.stats.part_bytes[i] += own + shared;
                 }
-                self.stats.stored_values += 2 * (tokens * self.channels) as u64;
-                match &self.faults {
-                    None => {
-                        attention.prefill(queries, positions, &clean_k, &clean_v, &Mask::Causal)?
-                    }
+                self.stats.stored_values += 2 * (tokens * ch) as u64;
+                let faulty = match &self.faults {
+                    None => None,
                     Some((spec, channel)) => {
                         let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        let mut faulty_k = clean_k.clone();
-                        let mut faulty_v = clean_v.clone();
+                        let (mut fk, mut fv) = (clean_k.clone(), clean_v.clone());
                         let seed_k = mix(base ^ mix(2 * layer as u64));
                         let seed_v = mix(base ^ mix(2 * layer as u64 + 1));
-                        let hit_k = faulty_k.inject(channel.as_ref(), seed_k, spec.target);
-                        let hit_v = faulty_v.inject(channel.as_ref(), seed_v, spec.target);
-                        self.stats.injected_flips += (hit_k.total() + hit_v.total()) as u64;
-                        let keys = StoreWithTruth::new(&faulty_k, &clean_k)?;
-                        let values = StoreWithTruth::new(&faulty_v, &clean_v)?;
+                        self.stats.injected_flips +=
+                            fk.inject(channel.as_ref(), seed_k, spec.target)
+                                + fv.inject(channel.as_ref(), seed_v, spec.target);
+                        Some((fk, fv))
+                    }
+                };
+                let (read_k, read_v) = match &faulty {
+                    Some((fk, fv)) => (fk, fv),
+                    None => (&clean_k, &clean_v),
+                };
+                let out = match coefficient_path(read_k, read_v) {
+                    Some((ks, vs)) => {
+                        attention.attend_low_rank(queries, positions, ks, vs, &Mask::Causal)?
+                    }
+                    None => {
+                        let f = faulty.is_some();
+                        let keys = Source::of(read_k, &clean_k, f, rope)?;
+                        let values = Source::of(read_v, &clean_v, f, None)?;
                         attention.prefill(queries, positions, &keys, &values, &Mask::Causal)?
                     }
+                };
+                if read_k.low_rank().is_some() || read_v.low_rank().is_some() {
+                    let value_norm = if read_v.low_rank().is_some() {
+                        0.0
+                    } else {
+                        max_head_norm(v, head_dim)
+                    };
+                    let certs = certificates(
+                        attention.shape(),
+                        queries,
+                        positions,
+                        tokens,
+                        read_k.low_rank(),
+                        read_v.low_rank(),
+                        value_norm,
+                        &Mask::Causal,
+                    )?;
+                    if self.stats.certificates.len() <= layer {
+                        self.stats
+                            .certificates
+                            .resize(layer + 1, CertificateSums::default());
+                    }
+                    let sums = &mut self.stats.certificates[layer];
+                    for c in certs {
+                        sums.count += 1;
+                        sums.logit_sum += f64::from(c.logit);
+                        sums.logit_max = sums.logit_max.max(f64::from(c.logit));
+                        sums.output_sum += f64::from(c.output);
+                        sums.output_max = sums.output_max.max(f64::from(c.output));
+                    }
                 }
+                out
             }
         };
         self.stats.keys += out.stats.keys;
@@ -433,6 +721,13 @@ impl KvCache {
         self.stats.non_finite += out.non_finite as u64;
         Ok(out.out)
     }
+}
+
+/// The largest norm of one head's slice of a row.
+fn max_head_norm(rows: &[f32], head_dim: usize) -> f32 {
+    rows.chunks_exact(head_dim)
+        .map(|h| h.iter().map(|x| x * x).sum::<f32>().sqrt())
+        .fold(0.0, f32::max)
 }
 
 /// Quantises one part of a layer (with its codebook when the form has one).
@@ -454,47 +749,66 @@ fn quantize(
     })
 }
 
-/// The forms and codebooks of every layer, checked against the model.
+/// The forms, codebooks and bases of every layer, checked against the model.
 fn resolve(stored: &StoredForms, layers: usize, channels: usize) -> Result<Vec<LayerCodes>> {
     let forms = stored.layers.resolve(layers)?;
-    let codebook = |form: &CacheForm,
-                    layer: usize,
-                    part: Part|
-     -> Result<Option<Arc<VqCodebook>>> {
-        if !form.quantizer().needs_codebook() {
-            return Ok(None);
-        }
-        let Some(cal) = &stored.calibration else {
-            return Err(EvalError::InvalidParameter {
-                name: "calibration",
-                reason: format!(
-                    "{form} needs codebooks fitted on a calibration text: pass --calibration FILE \
-                     (from `kv-eval calibrate`) or --calib-text FILE"
-                ),
-            });
-        };
-        let cb = cal
-            .codebook(form, layer, part)
-            .ok_or_else(|| EvalError::InvalidParameter {
-                name: "calibration",
-                reason: format!(
-                    "the calibration holds no {} codebook of layer {layer} for {form} \
-                 (calibrate again with this form)",
-                    part.name()
-                ),
-            })?;
-        cb.check_fits(form, channels)?;
-        Ok(Some(cb))
+    let need = |what: &str, form: &CacheForm| EvalError::InvalidParameter {
+        name: "calibration",
+        reason: format!(
+            "{form} needs {what} fitted on a calibration text: pass --calibration FILE \
+             (from `kv-eval calibrate`) or --calib-text FILE"
+        ),
     };
+    let part =
+        |form: CacheForm, layer: usize, part: Part| -> Result<PartCode> {
+            let mut code = PartCode {
+                form,
+                codebook: None,
+                bases: None,
+            };
+            if form.quantizer().needs_codebook() {
+                let cal = stored
+                    .calibration
+                    .as_ref()
+                    .ok_or_else(|| need("codebooks", &form))?;
+                let cb = cal.codebook(&form, layer, part).ok_or_else(|| {
+                    EvalError::InvalidParameter {
+                        name: "calibration",
+                        reason: format!(
+                            "the calibration holds no {} codebook of layer {layer} for {form} \
+                     (calibrate again with this form)",
+                            part.name()
+                        ),
+                    }
+                })?;
+                cb.check_fits(&form, channels)?;
+                code.codebook = Some(cb);
+            }
+            if form.quantizer().needs_bases() {
+                let cal = stored
+                    .calibration
+                    .as_ref()
+                    .ok_or_else(|| need("bases", &form))?;
+                code.bases = Some(cal.bases(&form, layer, part).ok_or_else(|| {
+                    EvalError::InvalidParameter {
+                        name: "calibration",
+                        reason: format!(
+                            "the calibration holds no {} bases of layer {layer} for {form} \
+                     (calibrate again with this form)",
+                            part.name()
+                        ),
+                    }
+                })?);
+            }
+            Ok(code)
+        };
     forms
         .into_iter()
         .enumerate()
         .map(|(l, (key, value))| {
             Ok(LayerCodes {
-                key,
-                value,
-                key_codebook: codebook(&key, l, Part::Key)?,
-                value_codebook: codebook(&value, l, Part::Value)?,
+                key: part(key, l, Part::Key)?,
+                value: part(value, l, Part::Value)?,
             })
         })
         .collect()

@@ -3,8 +3,9 @@
 //!
 //! [`Calibration::fit`] runs the plain model over the calibration tokens in
 //! windows, collects every layer's key and value rows (keys after RoPE, as
-//! the cache stores them), and fits a [`VqCodebook`] per layer, part and
-//! codebook shape for each `vq` form asked for.
+//! the cache stores them, and rotated back for forms that project before
+//! RoPE), and fits, per layer and part, a [`VqCodebook`] for each `vq` form
+//! and a PCA [`Basis`] per KV head for each `pca-*` form asked for.
 //!
 //! # File format
 //! A safetensors file. Each codebook is an F32 tensor named
@@ -12,7 +13,11 @@
 //! centroids as stored, f16 values held exactly in f32), where `<form>` is
 //! the codebook's shape as a form spelling (`vq+rot` for 256 centroids of 4
 //! channels over 64-channel blocks; protection, segments and the gain's
-//! storage type do not change a codebook). The header metadata holds
+//! storage type do not change a codebook). Each PCA basis is two F32
+//! tensors, `pca/<form>/<layer>/<k|v>/<head>/rows` (`[rank, head_dim]`, the
+//! f16 values as stored) and `.../mean` (`[head_dim]`), `<form>` being the
+//! basis' shape (`pca-r32`, `pca-e0.99`, `pca-r32-pre` for keys projected
+//! before RoPE). The header metadata holds
 //! `format` (`reliable-kv calibration 1`), `model` (the model's one-line
 //! description), `layers`, `kv_channels`, `text` and `tokens` (where the
 //! rows came from). Loading checks the format, every tensor's shape, and
@@ -22,7 +27,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
-use kv_quant::{CacheForm, FitOptions, Quantizer, Segments, VqCodebook};
+use kv_lowrank::{Basis, BasisStorage, HeadBases};
+use kv_quant::{CacheForm, CoeffCode, FitOptions, LowRankSpec, Quantizer, Segments, VqCodebook};
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
@@ -77,6 +83,30 @@ pub fn codebook_shape(form: &CacheForm) -> Option<String> {
     Some(shape.to_string())
 }
 
+/// The basis shape of a `pca-*` form for one part, as a form spelling
+/// (`pca-r32`, `pca-e0.99`, `pca-r32-pre`): what two forms must share to
+/// share bases. Coefficient codes and protection do not change a basis; the
+/// values have no RoPE, so `-pre` is dropped for them.
+pub fn basis_shape(form: &CacheForm, part: Part) -> Option<String> {
+    let Quantizer::LowRank(spec) = *form.quantizer() else {
+        return None;
+    };
+    if !form.quantizer().needs_bases() {
+        return None;
+    }
+    let shape = LowRankSpec {
+        coeffs: CoeffCode::F16,
+        pre_rope: spec.pre_rope && part == Part::Key,
+        ..spec
+    };
+    let f = CacheForm::new(Quantizer::LowRank(shape), None)
+        .expect("a valid form's basis shape is valid");
+    Some(f.to_string())
+}
+
+/// The rows and mean of one stored basis, as they are read.
+type BasisParts = (Option<Vec<f32>>, Option<Vec<f32>>);
+
 /// Fitted data of one model shape.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Calibration {
@@ -91,12 +121,15 @@ pub struct Calibration {
     /// Calibration tokens used.
     pub tokens: usize,
     codebooks: BTreeMap<(String, usize, Part), Arc<VqCodebook>>,
+    bases: BTreeMap<(String, usize, Part), Arc<HeadBases>>,
 }
 
 /// Every layer's key and value rows over the calibration tokens.
 pub struct CalibrationRows {
     /// Per layer: keys then values, `tokens × kv_channels` each.
     pub layers: Vec<(Vec<f32>, Vec<f32>)>,
+    /// The position of every row in its window (for undoing RoPE).
+    pub positions: Vec<usize>,
     /// Tokens collected.
     pub tokens: usize,
     /// Channels per row.
@@ -118,7 +151,9 @@ impl CalibrationRows {
         }
         let (layers, channels) = (model.layers(), model.kv_channels());
         let mut rows = vec![(Vec::new(), Vec::new()); layers];
+        let mut positions = Vec::with_capacity(tokens.len());
         for window in tokens.chunks(ctx) {
+            positions.extend(0..window.len());
             let mut cache = KvCache::new(CacheMode::Plain, None, 0)?;
             model.forward(window, &mut cache, window.len() - 1)?;
             for (l, (k, v)) in rows.iter_mut().enumerate() {
@@ -129,9 +164,34 @@ impl CalibrationRows {
         }
         Ok(Self {
             layers: rows,
+            positions,
             tokens: tokens.len(),
             channels,
         })
+    }
+
+    /// The rows of head `h` of a layer part (`tokens × head_dim`), keys
+    /// rotated back to before RoPE when `unrotate` holds `model`'s rope.
+    pub fn head_rows(
+        &self,
+        layer: usize,
+        part: Part,
+        head: usize,
+        head_dim: usize,
+        unrotate: Option<&attention::Rope>,
+    ) -> Result<Vec<f32>> {
+        let (k, v) = &self.layers[layer];
+        let data = if part == Part::Key { k } else { v };
+        let mut out = Vec::with_capacity(self.tokens * head_dim);
+        let mut row = vec![0f32; self.channels];
+        for (t, r) in data.chunks_exact(self.channels).enumerate() {
+            row.copy_from_slice(r);
+            if let Some(rope) = unrotate {
+                rope.undo(&mut row, self.positions[t])?;
+            }
+            out.extend_from_slice(&row[head * head_dim..][..head_dim]);
+        }
+        Ok(out)
     }
 }
 
@@ -166,6 +226,45 @@ impl Calibration {
                 Ok(((shape, l, part), Arc::new(cb)))
             })
             .collect::<Result<_>>()?;
+        let mut basis_jobs: Vec<(String, CacheForm, usize, Part)> = Vec::new();
+        for (f, part) in needs {
+            if let Some(shape) = basis_shape(f, *part) {
+                for l in 0..rows.layers.len() {
+                    let job = (shape.clone(), *f, l, *part);
+                    if !basis_jobs
+                        .iter()
+                        .any(|j| j.0 == job.0 && j.2 == l && j.3 == *part)
+                    {
+                        basis_jobs.push(job);
+                    }
+                }
+            }
+        }
+        let head_dim = model.head_dim();
+        let heads = model.kv_channels() / head_dim;
+        let bases: Vec<((String, usize, Part), Arc<HeadBases>)> = basis_jobs
+            .into_par_iter()
+            .map(|(shape, form, l, part)| {
+                let Quantizer::LowRank(spec) = *form.quantizer() else {
+                    unreachable!("basis shapes come from low-rank forms")
+                };
+                let kv_quant::LowRankMethod::Pca(rule) = spec.method else {
+                    unreachable!("bases are fitted for pca forms")
+                };
+                let rope = (spec.pre_rope && part == Part::Key)
+                    .then(|| model.rope())
+                    .flatten();
+                let heads = (0..heads)
+                    .map(|h| {
+                        let data = rows.head_rows(l, part, h, head_dim, rope)?;
+                        let (b, _) =
+                            Basis::fit(&data, rows.tokens, head_dim, rule, BasisStorage::F16)?;
+                        Ok(Arc::new(b))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(((shape, l, part), Arc::new(HeadBases { heads })))
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
             model: model.describe(),
             layers: model.layers(),
@@ -173,7 +272,14 @@ impl Calibration {
             text: text.to_string(),
             tokens: rows.tokens,
             codebooks: fitted.into_iter().collect(),
+            bases: bases.into_iter().collect(),
         })
+    }
+
+    /// The bases of `form` for `layer` and `part`, if fitted.
+    pub fn bases(&self, form: &CacheForm, layer: usize, part: Part) -> Option<Arc<HeadBases>> {
+        let shape = basis_shape(form, part)?;
+        self.bases.get(&(shape, layer, part)).cloned()
     }
 
     /// The codebook of `form` for `layer` and `part`, if fitted.
@@ -182,9 +288,15 @@ impl Calibration {
         self.codebooks.get(&(shape, layer, part)).cloned()
     }
 
-    /// Codebook shapes held (form spellings).
+    /// Codebook and basis shapes held (form spellings).
     pub fn shapes(&self) -> Vec<String> {
-        let mut s: Vec<String> = self.codebooks.keys().map(|k| k.0.clone()).collect();
+        let mut s: Vec<String> = self
+            .codebooks
+            .keys()
+            .map(|k| k.0.clone())
+            .chain(self.bases.keys().map(|k| k.0.clone()))
+            .collect();
+        s.sort();
         s.dedup();
         s
     }
@@ -223,6 +335,15 @@ impl Calibration {
                 bytes,
                 vec![cb.blocks(), spec.centroids, spec.dim],
             ));
+        }
+        for ((shape, layer, part), bases) in &self.bases {
+            for (h, b) in bases.heads.iter().enumerate() {
+                let name = format!("pca/{shape}/{layer}/{}/{h}", part.tag());
+                let rows: Vec<u8> = b.rows().iter().flat_map(|c| c.to_le_bytes()).collect();
+                let mean: Vec<u8> = b.mean().iter().flat_map(|c| c.to_le_bytes()).collect();
+                buffers.push((format!("{name}/rows"), rows, vec![b.rank(), b.dim()]));
+                buffers.push((format!("{name}/mean"), mean, vec![b.dim()]));
+            }
         }
         let views: Vec<(String, TensorView<'_>)> = buffers
             .iter()
@@ -275,8 +396,43 @@ impl Calibration {
         let (layers, kv_channels) = (number("layers")?, number("kv_channels")?);
         let tensors = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
         let mut codebooks = BTreeMap::new();
+        let mut basis_parts: BTreeMap<(String, usize, Part, usize), BasisParts> = BTreeMap::new();
+        let floats = |view: &TensorView<'_>| -> Vec<f32> {
+            view.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        };
+        let part_of = |name: &str, tag: &str| match tag {
+            "k" => Ok(Part::Key),
+            "v" => Ok(Part::Value),
+            _ => Err(bad(format!("{name}: part {tag:?}"))),
+        };
         for (name, view) in tensors.tensors() {
             let parts: Vec<&str> = name.split('/').collect();
+            if let ["pca", shape, layer, part, head, which] = parts[..] {
+                let form: CacheForm = shape.parse().map_err(|e| bad(format!("{name}: {e}")))?;
+                let part = part_of(&name, part)?;
+                if basis_shape(&form, part).as_deref() != Some(shape) {
+                    return Err(bad(format!("{name}: {shape} is not a basis shape")));
+                }
+                let layer: usize = layer.parse().map_err(|_| bad(format!("{name}: layer")))?;
+                let head: usize = head.parse().map_err(|_| bad(format!("{name}: head")))?;
+                if layer >= layers || view.dtype() != Dtype::F32 {
+                    return Err(bad(format!(
+                        "{name}: layer {layer} of {layers}, or not F32"
+                    )));
+                }
+                let slot = basis_parts
+                    .entry((shape.to_string(), layer, part, head))
+                    .or_default();
+                match which {
+                    "rows" if view.shape().len() == 2 => slot.0 = Some(floats(&view)),
+                    "mean" if view.shape().len() == 1 => slot.1 = Some(floats(&view)),
+                    _ => return Err(bad(format!("{name}: unknown or misshapen"))),
+                }
+                continue;
+            }
             let ["vq", shape, layer, part] = parts[..] else {
                 return Err(bad(format!("unknown tensor {name:?}")));
             };
@@ -306,6 +462,37 @@ impl Calibration {
             let canonical = codebook_shape(&form).expect("a vq form");
             codebooks.insert((canonical, layer, part), Arc::new(cb));
         }
+        let mut bases: BTreeMap<(String, usize, Part), Vec<Arc<Basis>>> = BTreeMap::new();
+        for ((shape, layer, part, head), (rows, mean)) in basis_parts {
+            let (Some(rows), Some(mean)) = (rows, mean) else {
+                return Err(bad(format!(
+                    "pca/{shape}/{layer}/{}/{head}: rows or mean missing",
+                    part.tag()
+                )));
+            };
+            let dim = mean.len();
+            let b = Basis::from_parts(dim, &rows, &mean, BasisStorage::F16)
+                .map_err(|e| bad(format!("pca/{shape}/{layer}/{}/{head}: {e}", part.tag())))?;
+            let heads = bases.entry((shape, layer, part)).or_default();
+            if heads.len() != head {
+                return Err(bad(format!(
+                    "pca bases of layer {layer}: head {head} out of order"
+                )));
+            }
+            heads.push(Arc::new(b));
+        }
+        for ((shape, layer, _), heads) in &bases {
+            let dims: usize = heads.iter().map(|b| b.dim()).sum();
+            if dims != kv_channels {
+                return Err(bad(format!(
+                    "pca/{shape}/{layer}: heads of {dims} channels, the model has {kv_channels}"
+                )));
+            }
+        }
+        let bases = bases
+            .into_iter()
+            .map(|(k, heads)| (k, Arc::new(HeadBases { heads })))
+            .collect();
         Ok(Self {
             model: field("model")?,
             layers,
@@ -313,6 +500,7 @@ impl Calibration {
             text: field("text")?,
             tokens: number("tokens")?,
             codebooks,
+            bases,
         })
     }
 }

@@ -57,6 +57,9 @@ pub enum EvalError {
     /// A cache form or fault channel failed.
     #[error(transparent)]
     Quant(#[from] kv_quant::KvQuantError),
+    /// A low-rank store refused its input.
+    #[error(transparent)]
+    LowRank(#[from] kv_lowrank::LowRankError),
     /// The attention kernel refused its input.
     #[error(transparent)]
     Attention(#[from] attention::AttentionError),

@@ -45,6 +45,41 @@ pub const PRESET: &[&str] = &[
     "0,last:int8;*:int3-ch+sink4/vq",
 ];
 
+/// The falsification table of the low-rank subspace paper (section 4.1):
+/// SubSpace-G by rank and by energy, keys only and values only, before
+/// and after RoPE, f16 and int8 coefficients, SubSpace-A with sketches of
+/// 2r and 3r rows and chunks of 64, 128 and 256 tokens, and the integer
+/// forms of about the same bytes.
+pub const LOWRANK_PRESET: &[&str] = &[
+    "int8",
+    "int4",
+    "int4-ch",
+    "pca-r64",
+    "pca-r48",
+    "pca-r32",
+    "pca-r16",
+    "pca-e0.99",
+    "pca-e0.999",
+    "pca-r48/fp16",
+    "pca-r32/fp16",
+    "pca-r16/fp16",
+    "fp16/pca-r48",
+    "fp16/pca-r32",
+    "fp16/pca-r16",
+    "pca-r48-pre/fp16",
+    "pca-r32-pre/fp16",
+    "pca-r48-c8",
+    "pca-r32-c8",
+    "pca-r48-c4",
+    "fd-r32-l64-t2",
+    "fd-r32-l128-t2",
+    "fd-r32-l256-t2",
+    "fd-r32-m96-l128-t2",
+    "fd-r48-l128-t2",
+    "fd-r32-l128-t2/fp16",
+    "fp16/fd-r32-l128-t2",
+];
+
 /// llama.cpp's own KV cache types on the default model, corpus and
 /// llama.cpp's method at context 256 (llama.cpp b4748, flash attention,
 /// against its f16 cache at PPL 10.5469): `(type, bits per value, ΔPPL %)`.
@@ -358,7 +393,7 @@ mod tests {
 
     #[test]
     fn every_preset_parses() {
-        for config in PRESET {
+        for config in PRESET.iter().chain(LOWRANK_PRESET) {
             CacheMode::parse(config).unwrap_or_else(|e| panic!("{config}: {e}"));
         }
     }

@@ -169,6 +169,10 @@ impl CausalLm for Gpt2Model {
         self.config.dim
     }
 
+    fn head_dim(&self) -> usize {
+        self.config.dim / self.config.heads
+    }
+
     fn describe(&self) -> String {
         let c = &self.config;
         format!(
@@ -232,7 +236,7 @@ impl CausalLm for Gpt2Model {
                 k[i * d..(i + 1) * d].copy_from_slice(&row[d..2 * d]);
                 v[i * d..(i + 1) * d].copy_from_slice(&row[2 * d..]);
             }
-            let mut attended = cache.attend(l, &self.attention, &q, &positions, &k, &v)?;
+            let mut attended = cache.attend(l, &self.attention, None, &q, &positions, &k, &v)?;
             add_bias(&mut x, &layer.out.1);
             project(&mut x, &attended, &layer.out.0, true);
             attended.clear();

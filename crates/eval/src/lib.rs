@@ -12,6 +12,7 @@ pub mod calibration;
 pub mod frontier;
 pub mod gpt2;
 pub mod hf;
+pub mod lowrank_report;
 pub mod metrics;
 pub mod model;
 pub mod paths;

@@ -176,6 +176,26 @@ pub struct StatsReport {
     pub value_bits_per_value: f64,
     /// The codebooks' share of `bits_per_value`.
     pub codebook_bits_per_value: f64,
+    /// Mean and largest runtime error certificates of each low-rank layer
+    /// (empty for runs without low-rank forms).
+    pub certificates: Vec<LayerCertificate>,
+}
+
+/// The error certificates of one layer over a run (see `kv_lowrank::certificate`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LayerCertificate {
+    /// The layer.
+    pub layer: usize,
+    /// Certificates summed (query heads × queries × calls).
+    pub count: u64,
+    /// Mean bound on a logit's change.
+    pub logit_mean: f64,
+    /// Largest bound on a logit's change.
+    pub logit_max: f64,
+    /// Mean bound on an attention output's change (Euclidean).
+    pub output_mean: f64,
+    /// Largest bound on an attention output's change.
+    pub output_max: f64,
 }
 
 impl From<&CacheStats> for StatsReport {
@@ -202,6 +222,20 @@ impl From<&CacheStats> for StatsReport {
             } else {
                 bits(s.codebook_bytes, s.stored_values)
             },
+            certificates: s
+                .certificates
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.count > 0)
+                .map(|(layer, c)| LayerCertificate {
+                    layer,
+                    count: c.count,
+                    logit_mean: c.logit_sum / c.count as f64,
+                    logit_max: c.logit_max,
+                    output_mean: c.output_sum / c.count as f64,
+                    output_max: c.output_max,
+                })
+                .collect(),
         }
     }
 }
@@ -339,7 +373,7 @@ pub fn evaluate(
                     let logits =
                         model.forward(&input[..win.len - 1], &mut cache, win.first_scored)?;
                     s.seconds += started.elapsed().as_secs_f64();
-                    s.stats += *cache.stats();
+                    s.stats += cache.stats().clone();
                     let facts: Vec<Row> = logits.par_chunks(vocab).map(row_facts).collect();
                     owned = (logits, facts);
                     (&owned.0, &owned.1)

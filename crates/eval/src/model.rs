@@ -24,6 +24,13 @@ pub trait CausalLm: Send + Sync {
     fn layers(&self) -> usize;
     /// K (or V) channels per token and layer.
     fn kv_channels(&self) -> usize;
+    /// Channels per attention head.
+    fn head_dim(&self) -> usize;
+    /// The rotary embedding of the keys, if the model has one (forms that
+    /// project keys before RoPE undo and redo it).
+    fn rope(&self) -> Option<&Rope> {
+        None
+    }
     /// A one-line description (architecture and shape).
     fn describe(&self) -> String;
     /// Runs `tokens` after what `cache` already holds (their positions
@@ -394,7 +401,15 @@ impl LlamaModel {
                     rope.apply(k, p)?;
                     Ok(())
                 })?;
-            let attended = cache.attend(l, &self.attention, &b.q, &positions, &b.k, &b.v)?;
+            let attended = cache.attend(
+                l,
+                &self.attention,
+                Some(&self.rope),
+                &b.q,
+                &positions,
+                &b.k,
+                &b.v,
+            )?;
             project(&mut b.x, &attended, &layer.out, true);
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
             project(&mut b.gu, &b.h, &layer.gate_up, false);
@@ -440,6 +455,14 @@ impl CausalLm for LlamaModel {
 
     fn kv_channels(&self) -> usize {
         self.config.kv_channels()
+    }
+
+    fn head_dim(&self) -> usize {
+        self.config.head_dim
+    }
+
+    fn rope(&self) -> Option<&Rope> {
+        Some(&self.rope)
     }
 
     fn describe(&self) -> String {

@@ -168,3 +168,42 @@ fn calibration_files_round_trip_and_refuse_bad_ones() {
     assert!(matches!(missing, EvalError::Io { .. }), "{missing}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn low_rank_forms_run_on_the_model_with_calibrated_bases() {
+    let m = model();
+    let (plain, _) = forward(&m, CacheMode::Plain).unwrap();
+    // Full rank (8 of the tiny model's 8-channel heads), on the coefficient path.
+    let cal = Arc::new(calibration(&m, "pca-r8"));
+    let (full, cache) = forward(
+        &m,
+        CacheMode::parse("pca-r8")
+            .unwrap()
+            .with_calibration(Some(cal)),
+    )
+    .unwrap();
+    let worst = plain
+        .iter()
+        .zip(&full)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(worst < 0.05, "{worst}");
+    let certs = &cache.stats().certificates;
+    assert_eq!(certs.len(), LAYERS);
+    assert!(certs.iter().all(|c| c.count > 0 && c.logit_max >= 0.0));
+    // Keys projected before RoPE, values in int8, online keys: other paths.
+    let cal = Arc::new(calibration(&m, "pca-r4-pre"));
+    let mode = CacheMode::parse("pca-r4-pre/int8")
+        .unwrap()
+        .with_calibration(Some(cal));
+    let (pre, _) = forward(&m, mode).unwrap();
+    assert!(pre.iter().all(|x| x.is_finite()));
+    let (online, cache) = forward(&m, CacheMode::parse("fd-r4-l16/fp16").unwrap()).unwrap();
+    assert!(online.iter().all(|x| x.is_finite()));
+    assert!(cache.stats().part_bytes[0] > 0);
+    // Bases missing from the calibration are refused by name.
+    let e = forward(&m, CacheMode::parse("pca-r2").unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs bases"), "{e}");
+}

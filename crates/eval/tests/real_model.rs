@@ -156,3 +156,54 @@ fn clean_perplexity_matches_llama_perplexity() {
         m.ppl
     );
 }
+
+/// `pca-r64` keeps the full rank of SmolLM2's 64-channel heads: the only
+/// changes are f16 bases and f16 coefficients, so the perplexity must stay
+/// within 0.1% of the plain pass (bases fitted on 1,024 tokens of the
+/// corpus's second half, evaluated on four windows of its first).
+#[test]
+fn full_rank_pca_reproduces_the_plain_perplexity() {
+    use kv_eval::calibration::{Calibration, CalibrationRows, Part};
+    use kv_eval::model::CausalLm;
+    let Some((model, tok)) = load() else { return };
+    let Some(ids) = corpus(&tok) else { return };
+    let rows = CalibrationRows::collect(&model, &ids[40_000..41_024], 256).unwrap();
+    let form: kv_quant::CacheForm = "pca-r64".parse().unwrap();
+    let cal = Calibration::fit(
+        &model,
+        &rows,
+        "corpus tail",
+        &[(form, Part::Key), (form, Part::Value)],
+        kv_quant::FitOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(model.head_dim(), 64);
+    let runs = [
+        RunConfig {
+            mode: CacheMode::Plain,
+            faults: None,
+        },
+        RunConfig {
+            mode: CacheMode::form(form).with_calibration(Some(std::sync::Arc::new(cal))),
+            faults: None,
+        },
+    ];
+    let m = evaluate(
+        &model,
+        &ids[..1024],
+        256,
+        PplMethod::LlamaCpp,
+        &runs,
+        |_, _| {},
+    )
+    .unwrap();
+    let change = m[1].ppl / m[0].ppl - 1.0;
+    eprintln!(
+        "plain {:.4}, pca-r64 {:.4} ({:+.4}%)",
+        m[0].ppl,
+        m[1].ppl,
+        100.0 * change
+    );
+    assert!(change.abs() < 1e-3, "{change}");
+    assert!(m[1].stats.certificates.iter().any(|c| c.count > 0));
+}

@@ -12,8 +12,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
 use kv_eval::calibration::{Calibration, CalibrationRows, Part};
-use kv_eval::frontier::{FrontierPoint, FrontierReport, PRESET};
+use kv_eval::frontier::{FrontierPoint, FrontierReport, LOWRANK_PRESET, PRESET};
 use kv_eval::hf::load_model as open_model;
+use kv_eval::lowrank_report::LowRankReport;
 use kv_eval::metrics::{PplMethod, RunConfig, RunMetrics, evaluate};
 use kv_eval::model::CausalLm;
 use kv_eval::paths;
@@ -93,6 +94,12 @@ struct Calib {
     /// Window length of the calibration passes.
     #[arg(long, default_value_t = 512)]
     calib_ctx: usize,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Preset {
+    Frontier,
+    Lowrank,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -184,22 +191,40 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_value = "256,2048")]
         contexts: Vec<usize>,
         /// `|`-separated configurations (FORM, KEY/VALUE or a layer policy)
-        /// [default: the preset, see `kv_eval::frontier::PRESET`].
+        /// [default: the --preset].
         #[arg(long, value_delimiter = '|')]
         configs: Vec<String>,
+        /// The configurations when --configs is not given: `frontier` (the
+        /// quality-versus-bytes frontier of kv-quant's forms) or `lowrank`
+        /// (the low-rank subspace paper's falsification table).
+        #[arg(long, value_enum, default_value_t = Preset::Frontier)]
+        preset: Preset,
         #[command(flatten)]
         calib: Calib,
         /// Output folder.
         #[arg(long)]
         out: PathBuf,
     },
-    /// Fits the codebooks of calibrated forms (vq) on a calibration text
-    /// and writes them to a file for --calibration.
+    /// Spectra of the KV cache per layer and head (keys before and after
+    /// RoPE, values) over the calibration text: ranks at 90/99/99.9% of the
+    /// energy; lowrank.md, lowrank.json and lowrank.svg in --out.
+    LowrankReport {
+        /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[command(flatten)]
+        calib: Calib,
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Fits the codebooks (vq) and PCA bases (pca-*) of calibrated forms
+    /// on a calibration text and writes them to a file for --calibration.
     Calibrate {
         /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
         #[arg(long)]
         model: Option<PathBuf>,
-        /// Comma-separated forms to fit codebooks for.
+        /// Comma-separated forms to fit codebooks (vq) and bases (pca-*) for.
         #[arg(long, value_delimiter = ',', default_value = "vq")]
         forms: Vec<String>,
         #[command(flatten)]
@@ -365,7 +390,7 @@ fn calibration_for(
     tokenizer: &TextTokenizer,
 ) -> Result<Option<Arc<Calibration>>, Error> {
     let forms: Vec<(CacheForm, Part)> = modes.iter().flat_map(CacheMode::forms).collect();
-    if !forms.iter().any(|(f, _)| f.quantizer().needs_codebook()) {
+    if !forms.iter().any(|(f, _)| needs_calibration(f)) {
         return Ok(None);
     }
     if let Some(path) = &calib.calibration {
@@ -384,7 +409,12 @@ fn calibration_for(
     Ok(Some(Arc::new(cal)))
 }
 
-/// Fits the codebooks of `forms` on the calibration text.
+/// Whether a form needs data fitted on a calibration text.
+fn needs_calibration(form: &CacheForm) -> bool {
+    form.quantizer().needs_codebook() || form.quantizer().needs_bases()
+}
+
+/// Fits the codebooks and bases of `forms` on the calibration text.
 fn fit_calibration(
     forms: &[(CacheForm, Part)],
     calib: &Calib,
@@ -418,6 +448,32 @@ fn fit_calibration(
         started.elapsed().as_secs_f64()
     );
     Ok(cal)
+}
+
+/// The K/V rows of the calibration text and its file name.
+fn calibration_rows(
+    calib: &Calib,
+    model: &dyn CausalLm,
+    tokenizer: &TextTokenizer,
+) -> Result<(CalibrationRows, String), Error> {
+    let path = calib
+        .calib_text
+        .clone()
+        .unwrap_or_else(paths::default_calibration_text);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "cannot read calibration text {}: {e} (run `cargo xtask fetch-model`, or pass --calib-text FILE or --calibration FILE)",
+            path.display()
+        )
+    })?;
+    let mut tokens = tokenizer.encode(&text)?;
+    tokens.truncate(calib.calib_tokens);
+    let rows = CalibrationRows::collect(model, &tokens, calib.calib_ctx)?;
+    let name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    Ok((rows, name))
 }
 
 /// Refuses an output path that exists as a file before any work starts.
@@ -638,12 +694,17 @@ fn run(cli: Cli) -> Result<(), Error> {
             source,
             contexts,
             configs,
+            preset,
             calib,
             out,
         } => {
             check_out_dir(&out)?;
             let configs: Vec<String> = if configs.is_empty() {
-                PRESET.iter().map(|c| c.to_string()).collect()
+                let preset = match preset {
+                    Preset::Frontier => PRESET,
+                    Preset::Lowrank => LOWRANK_PRESET,
+                };
+                preset.iter().map(|c| c.to_string()).collect()
             } else {
                 configs
             };
@@ -724,6 +785,24 @@ fn run(cli: Cli) -> Result<(), Error> {
                 println!("wrote {}", f.display());
             }
         }
+        Command::LowrankReport { model, calib, out } => {
+            check_out_dir(&out)?;
+            let (model, tokenizer) = load_model(&model_path(&model)?)?;
+            let (rows, name) = calibration_rows(&calib, model.as_ref(), &tokenizer)?;
+            let report = LowRankReport::compute(model.as_ref(), &rows, &name)?;
+            println!(
+                "{}",
+                report
+                    .markdown()
+                    .lines()
+                    .take(model.layers() + 6)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            for f in report.write(&out)? {
+                println!("wrote {}", f.display());
+            }
+        }
         Command::Calibrate {
             model,
             forms,
@@ -737,8 +816,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 .into_iter()
                 .flat_map(|f| [(f, Part::Key), (f, Part::Value)])
                 .collect();
-            if !forms.iter().any(|(f, _)| f.quantizer().needs_codebook()) {
-                return Err("no form needs a codebook (calibrate vq forms)".into());
+            if !forms.iter().any(|(f, _)| needs_calibration(f)) {
+                return Err("no form needs calibration (calibrate vq and pca-* forms)".into());
             }
             if out.is_dir() {
                 return Err(format!("--out {} is a folder, not a file", out.display()).into());
