@@ -11,6 +11,12 @@
 //! bandwidth that decode attention reaches on that form.
 //!
 //! Set `ATTENTION_BENCH_CONTEXTS` (for example `4096,65536`) to pick contexts.
+//!
+//! `attention/low-rank-<q>x<kv>x<d>-<context>` (16K and 64K tokens): decode
+//! attention in coefficient space over `pca-r<d/4>` and `pca-r<d/2>` keys
+//! and values (f16 coefficients), against FP16 decode attention
+//! (`baseline-fp16`) in the same run; throughput in tokens per second, so
+//! each ratio is the speed-up over FP16.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -144,5 +150,98 @@ fn decode(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, decode);
+fn low_rank(c: &mut Criterion) {
+    use kv_lowrank::{Basis, BasisStorage, HeadBases, LowRankStore};
+    use std::sync::Arc;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(THREADS)
+        .build()
+        .expect("pool");
+    let contexts: Vec<usize> = contexts().into_iter().filter(|&t| t >= 16384).collect();
+    for &(q_heads, kv_heads, d) in &SHAPES {
+        let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
+        let ch = shape.kv_channels();
+        let attn = Attention::new(shape);
+        let q = matrix(1, shape.q_len(), 0.3);
+        // Bases fitted on 2,048 rows of the same kind of data.
+        let fit = |r: usize, phase: f32| {
+            let rows = matrix(2048, ch, phase);
+            let heads = (0..kv_heads)
+                .map(|h| {
+                    let head: Vec<f32> = rows
+                        .chunks_exact(ch)
+                        .flat_map(|row| row[h * d..][..d].to_vec())
+                        .collect();
+                    let (b, _) = Basis::fit(
+                        &head,
+                        2048,
+                        d,
+                        kv_quant::RankRule::Fixed(r),
+                        BasisStorage::F16,
+                    )
+                    .expect("fit");
+                    Arc::new(b)
+                })
+                .collect();
+            HeadBases { heads }
+        };
+        for &tokens in &contexts {
+            let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
+            let mut group = c.benchmark_group(format!(
+                "attention/low-rank-{q_heads}x{kv_heads}x{d}-{}k",
+                tokens / 1024
+            ));
+            group
+                .sample_size(10)
+                .warm_up_time(Duration::from_millis(500))
+                .measurement_time(Duration::from_secs(2))
+                .throughput(Throughput::Elements(tokens as u64));
+            let fp16: CacheForm = "fp16".parse().expect("form");
+            let (ks, vs) = pool.install(|| {
+                (
+                    KvStore::quantize(fp16, &k, tokens, ch).expect("k"),
+                    KvStore::quantize(fp16, &v, tokens, ch).expect("v"),
+                )
+            });
+            let position = tokens - 1;
+            group.bench_function("baseline-fp16", |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        attn.decode(black_box(&q), position, &ks, &vs, &Mask::Causal)
+                            .expect("decode")
+                            .out[0]
+                    })
+                })
+            });
+            for r in [d / 4, d / 2] {
+                let form: CacheForm = format!("pca-r{r}").parse().expect("form");
+                let (bk, bv) = (fit(r, 0.0), fit(r, 1.0));
+                let (lk, lv) = pool.install(|| {
+                    (
+                        LowRankStore::build(form, &k, tokens, ch, d, Some(&bk)).expect("k"),
+                        LowRankStore::build(form, &v, tokens, ch, d, Some(&bv)).expect("v"),
+                    )
+                });
+                group.bench_function(format!("pca-r{r}"), |b| {
+                    b.iter(|| {
+                        pool.install(|| {
+                            attn.attend_low_rank(
+                                black_box(&q),
+                                &[position],
+                                &lk,
+                                &lv,
+                                &Mask::Causal,
+                            )
+                            .expect("decode")
+                            .out[0]
+                        })
+                    })
+                });
+            }
+            group.finish();
+        }
+    }
+}
+
+criterion_group!(benches, decode, low_rank);
 criterion_main!(benches);

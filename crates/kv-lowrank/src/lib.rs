@@ -44,10 +44,17 @@ mod basis;
 pub mod certificate;
 mod error;
 pub mod fd;
+mod projector;
 mod store;
 
 pub use basis::{Basis, BasisStorage, Spectrum};
 pub use certificate::Certificate;
 pub use error::{LowRankError, Result};
 pub use fd::FrequentDirections;
+pub use projector::Projector;
 pub use store::{Chunk, HeadBases, LowRankStore, StoreScratch, coefficient_form, low_rank_spec};
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -875,4 +875,25 @@ fn print_metrics(form: &str, ber: f64, m: &RunMetrics) {
         s.erased_values,
         s.bits_per_value
     );
+    if !s.certificates.is_empty() {
+        let n: u64 = s.certificates.iter().map(|c| c.count).sum();
+        let mean = |f: fn(&kv_eval::metrics::LayerCertificate) -> f64| {
+            s.certificates
+                .iter()
+                .map(|c| f(c) * c.count as f64)
+                .sum::<f64>()
+                / n.max(1) as f64
+        };
+        let max = |f: fn(&kv_eval::metrics::LayerCertificate) -> f64| {
+            s.certificates.iter().map(f).fold(0.0, f64::max)
+        };
+        println!(
+            "  certificates over {} low-rank layers: logit error ≤ {:.4} mean, {:.4} max; output error ≤ {:.4} mean, {:.4} max",
+            s.certificates.len(),
+            mean(|c| c.logit_mean),
+            max(|c| c.logit_max),
+            mean(|c| c.output_mean),
+            max(|c| c.output_max)
+        );
+    }
 }
