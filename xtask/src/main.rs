@@ -192,7 +192,27 @@ fn main() -> Result<()> {
                     eprintln!("nvrtc: not available ({e:#}); the NVRTC compile test will skip")
                 }
             }
-            status(&mut cmd, "cargo test --workspace --release")
+            // Every visible skip (test_support::skip) lands in one log,
+            // summarised after the run whatever its outcome.
+            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+            let log = root.join("target").join("test-skips.log");
+            std::fs::create_dir_all(root.join("target"))?;
+            std::fs::write(&log, "")?;
+            cmd.env("RKV_SKIP_LOG", &log);
+            let result = status(&mut cmd, "cargo test --workspace --release");
+            let skipped =
+                test_support::summarize(&std::fs::read_to_string(&log).unwrap_or_default());
+            if skipped.is_empty() {
+                println!("skipped tests: none");
+            } else {
+                println!(
+                    "skipped tests (REQUIRE_GPU=1, REQUIRE_ISA=1 or REQUIRE_DATA=1 make them failures):"
+                );
+                for line in skipped {
+                    println!("  {line}");
+                }
+            }
+            result
         }
         Command::Ptx(args) => ptx(&args),
     }

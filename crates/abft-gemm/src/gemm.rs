@@ -234,13 +234,30 @@ mod tests {
             .map(|i| ((i * 7_919) % 1_000) as f32 / 37.0 - 13.0)
             .collect();
         let ys: Vec<f64> = (0..1_001).map(|i| f64::from(i) * 0.37 - 90.0).collect();
-        for len in [0, 1, 7, 8, 9, 64, 1_001] {
-            assert_eq!(
-                sum_f64(&xs[..len]).to_bits(),
-                sum_f64_body(&xs[..len]).to_bits()
+        #[cfg(target_arch = "x86_64")]
+        if !is_x86_feature_detected!("avx512f") {
+            return test_support::skip(
+                test_support::Requirement::Isa,
+                "abft-gemm",
+                "wide_vector_sums_equal_the_baseline_loops",
+                "no AVX-512F: the wide loops cannot run",
             );
+        }
+        for len in [0, 1, 7, 8, 9, 64, 1_001] {
+            // SAFETY: AVX-512F checked above (x86-64 only; the test is
+            // compiled for other targets without the wide module).
+            #[cfg(target_arch = "x86_64")]
+            let (sum, dot) = unsafe {
+                (
+                    wide::sum_f64(&xs[..len]),
+                    wide::dot_f64(&xs[..len], &ys[..len]),
+                )
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let (sum, dot) = (sum_f64(&xs[..len]), dot_f64(&xs[..len], &ys[..len]));
+            assert_eq!(sum.to_bits(), sum_f64_body(&xs[..len]).to_bits());
             assert_eq!(
-                dot_f64(&xs[..len], &ys[..len]).to_bits(),
+                dot.to_bits(),
                 dot_f64_body(&xs[..len], &ys[..len]).to_bits()
             );
         }

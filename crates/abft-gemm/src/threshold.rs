@@ -539,16 +539,47 @@ mod tests {
         let xs: Vec<f32> = (0..1_003)
             .map(|i| ((i * 7_919) % 1_000) as f32 / 37.0 - 13.0)
             .collect();
-        for len in [0, 1, 7, 8, 15, 16, 17, 100, 1_003] {
-            let (mut wide, mut base) = (Accumulator::default(), Accumulator::default());
-            wide.add_slice(&xs[..len]);
-            base.add_slice_body(&xs[..len]);
-            assert_eq!(
-                format!("{:?}", wide.finish()),
-                format!("{:?}", base.finish()),
-                "{len}"
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (avx512, avx2) = (
+                is_x86_feature_detected!("avx512f"),
+                is_x86_feature_detected!("avx2"),
             );
+            for len in [0, 1, 7, 8, 15, 16, 17, 100, 1_003] {
+                let mut base = Accumulator::default();
+                base.add_slice_body(&xs[..len]);
+                let want = format!("{:?}", base.finish());
+                if avx512 {
+                    let mut a = Accumulator::default();
+                    // SAFETY: AVX-512F detected above.
+                    unsafe { a.add_slice_avx512(&xs[..len]) };
+                    assert_eq!(format!("{:?}", a.finish()), want, "avx512 {len}");
+                }
+                if avx2 {
+                    let mut a = Accumulator::default();
+                    // SAFETY: AVX2 detected above.
+                    unsafe { a.add_slice_avx2(&xs[..len]) };
+                    assert_eq!(format!("{:?}", a.finish()), want, "avx2 {len}");
+                }
+            }
+            for (present, name) in [(avx512, "AVX-512F"), (avx2, "AVX2")] {
+                if !present {
+                    test_support::skip(
+                        test_support::Requirement::Isa,
+                        "abft-gemm",
+                        "wide_vector_statistics_equal_the_baseline_loop",
+                        &format!("no {name}: that path was not compared"),
+                    );
+                }
+            }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        test_support::skip(
+            test_support::Requirement::Isa,
+            "abft-gemm",
+            "wide_vector_statistics_equal_the_baseline_loop",
+            "not x86-64: there is no wide path",
+        );
     }
 
     #[test]

@@ -20,7 +20,12 @@ fn load() -> Option<(LlamaModel, TextTokenizer)> {
             path.display()
         );
         assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
-        eprintln!("skipped: {msg}");
+        test_support::skip(
+            test_support::Requirement::Data,
+            "kv-eval",
+            "real_model",
+            &msg,
+        );
         return None;
     }
     let file = GgufFile::open(&path).unwrap();
@@ -40,7 +45,12 @@ fn corpus(tok: &TextTokenizer) -> Option<Vec<u32>> {
                 "{}: {e}",
                 path.display()
             );
-            eprintln!("skipped: {} ({e})", path.display());
+            test_support::skip(
+                test_support::Requirement::Data,
+                "kv-eval",
+                "real_model",
+                &format!("{} ({e})", path.display()),
+            );
             None
         }
     }

@@ -65,7 +65,9 @@ pub(crate) fn driver(call: &'static str) -> impl Fn(DriverError) -> GpuError {
 
 impl Gpu {
     /// Opens device `ordinal`: [`GpuError::NoDevice`] when the driver
-    /// library is missing, no device is present, or it cannot be opened.
+    /// library is missing or no device is present (a skip), and
+    /// [`GpuError::Driver`] when a present driver fails to initialise or
+    /// to open a present device (an error).
     pub fn new(ordinal: usize) -> Result<Self> {
         // SAFETY: only tries to load the driver library; no symbol is called.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -73,14 +75,25 @@ impl Gpu {
                 "the CUDA driver library (libcuda) was not found".into(),
             ));
         }
-        let count = CudaContext::device_count()
-            .map_err(|e| GpuError::NoDevice(format!("cuInit/cuDeviceGetCount: {e}")))?;
+        // No device at all is a skip; a driver that fails otherwise (a
+        // version mismatch, a broken install, a device it cannot open) is
+        // an error on a machine that has a GPU.
+        let count = match CudaContext::device_count() {
+            Ok(n) => n,
+            Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => 0,
+            Err(e) => {
+                return Err(GpuError::Driver {
+                    call: "cuInit/cuDeviceGetCount",
+                    message: e.to_string(),
+                });
+            }
+        };
         if ordinal >= count.max(0) as usize {
             return Err(GpuError::NoDevice(format!(
                 "device {ordinal} requested, {count} present"
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| GpuError::NoDevice(e.to_string()))?;
+        let ctx = CudaContext::new(ordinal).map_err(driver("cuCtxCreate (a device is present)"))?;
         let attr = |a| ctx.attribute(a).map_err(driver("cuDeviceGetAttribute"));
         use cudarc::driver::sys::CUdevice_attribute as A;
         let info = DeviceInfo {

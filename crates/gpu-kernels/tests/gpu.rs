@@ -2,8 +2,9 @@
 //! erasures, statistics equal to gf2-codes'), dequantisation (bit-equal to
 //! kv-quant), fused paged decoding (within 1e-3 relative of paged-cache's
 //! CPU decode, every output written), checked GEMM (the injected fault's row
-//! flagged, none on a clean product). Each test prints "skipped: no CUDA
-//! device" and returns where there is none.
+//! flagged, none on a clean product). Where there is no device each test
+//! skips visibly (`test_support::skip`: named in `cargo xtask test`'s
+//! summary; a failure under `REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 
 use abft_gemm::{Matrix, Precision, Threshold, VAbft};
@@ -15,11 +16,16 @@ use half::bf16;
 use kv_quant::{CacheForm, FaultTarget, KvStore};
 use paged_cache::{BlockId, BlockStorage, KvPart, LayerSpec, PageTable, paged_decode};
 
-fn gpu() -> Option<Gpu> {
+fn gpu(test: &str) -> Option<Gpu> {
     match Gpu::open_default() {
         Ok(g) => Some(g),
         Err(GpuError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
+            test_support::skip(
+                test_support::Requirement::Gpu,
+                "gpu-kernels",
+                test,
+                &format!("no CUDA device ({why})"),
+            );
             None
         }
         Err(e) => panic!("opening the device: {e}"),
@@ -37,7 +43,9 @@ fn normal(rng: &mut FaultRng, n: usize) -> Vec<f32> {
 
 #[test]
 fn ecc_decode_matches_the_cpu_codecs() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = gpu("ecc_decode_matches_the_cpu_codecs") else {
+        return;
+    };
     let mut rng = FaultRng::new(7);
     for code in Int4Code::ALL {
         for count in [1usize, 5, 63, 64, 1000, 100_003] {
@@ -72,7 +80,9 @@ fn ecc_decode_matches_the_cpu_codecs() {
 
 #[test]
 fn dequantize_is_bit_equal_to_kv_quant() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = gpu("dequantize_is_bit_equal_to_kv_quant") else {
+        return;
+    };
     let mut rng = FaultRng::new(11);
     let (tokens, channels) = (97, 256);
     let data = normal(&mut rng, tokens * channels);
@@ -108,7 +118,9 @@ fn dequantize_is_bit_equal_to_kv_quant() {
 /// Random sequences over a shared pool, CPU and device decode compared.
 #[test]
 fn paged_decode_matches_the_cpu_within_1e3() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = gpu("paged_decode_matches_the_cpu_within_1e3") else {
+        return;
+    };
     let (q_heads, kv_heads, hd, block) = (32, 8, 128, 16);
     let channels = kv_heads * hd;
     let lens = [1usize, 15, 16, 17, 200, 1031];
@@ -202,7 +214,9 @@ fn paged_decode_matches_the_cpu_within_1e3() {
 
 #[test]
 fn checked_gemm_flags_the_injected_row_only() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = gpu("checked_gemm_flags_the_injected_row_only") else {
+        return;
+    };
     let (m, k, n) = (256, 512, 384);
     let mut rng = FaultRng::new(5);
     let a: Vec<bf16> = normal(&mut rng, m * k)
@@ -250,7 +264,9 @@ fn checked_gemm_flags_the_injected_row_only() {
 
 #[test]
 fn modules_are_compiled_once_and_cached_by_name() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = gpu("modules_are_compiled_once_and_cached_by_name") else {
+        return;
+    };
     assert!(gpu.loaded_modules().is_empty());
     gpu.ecc_decode(Int4Code::Secded84, &[0; 8], 8).unwrap();
     gpu.ecc_decode(Int4Code::Golay24, &[0; 3], 3).unwrap();

@@ -1,6 +1,6 @@
 //! Every embedded CUDA source compiles with NVRTC for Hopper (sm_90), with
-//! no device needed. Skips, saying so, where libnvrtc is not on the library
-//! path (`cargo xtask test` puts one there from PyPI's
+//! no device needed. Skips visibly (`test_support::skip`) where libnvrtc is
+//! not on the library path (`cargo xtask test` puts one there from PyPI's
 //! nvidia-cuda-nvrtc-cu12 when it can).
 #![cfg(feature = "cuda")]
 
@@ -22,8 +22,12 @@ fn every_module_compiles_for_sm90() {
                 println!("{}: {} bytes of PTX", module.name, text.len());
             }
             Err(GpuError::NoCompiler(why)) => {
-                println!("skipped: no NVRTC ({why})");
-                return;
+                return test_support::skip(
+                    test_support::Requirement::Nvrtc,
+                    "gpu-kernels",
+                    "every_module_compiles_for_sm90",
+                    &format!("no NVRTC ({why})"),
+                );
             }
             Err(e) => panic!("{e}"),
         }

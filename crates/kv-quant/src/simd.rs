@@ -184,8 +184,12 @@ mod tests {
         use crate::int::{Toward, round_to};
         use crate::spec::ScaleType;
         if !has_avx2_f16c() {
-            eprintln!("skipped: no F16C on this CPU");
-            return;
+            return test_support::skip(
+                test_support::Requirement::Isa,
+                "kv-quant",
+                "f16c_rounding_equals_the_portable_rounding",
+                "no AVX2/F16C on this CPU",
+            );
         }
         #[target_feature(enable = "f16c")]
         unsafe fn fast(x: f64, t: Toward) -> crate::error::Result<f32> {
