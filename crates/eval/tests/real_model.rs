@@ -140,6 +140,10 @@ fn incremental_equals_batched_and_fp32_form_equals_plain() {
     );
 }
 
+/// The clean perplexity over the whole corpus (266 chunks of 256 tokens)
+/// against `llama-perplexity -c 256` on the same GGUF and text. The slowest
+/// test of the suite (about two and a half minutes in release on 2 cores);
+/// kept because it is the one end-to-end agreement with llama.cpp.
 #[test]
 fn clean_perplexity_matches_llama_perplexity() {
     let Some((model, tok)) = load() else { return };

@@ -111,9 +111,11 @@ fn every_received_word_matches_the_generic_decoder() {
     }
 }
 
+/// All 2^24 received words, in buffers of 2^20 codewords, against the
+/// generic syndrome decoder. One of the slow tests of the suite (a few
+/// seconds in release); kept because it is the only check of every word.
 #[test]
 fn golay_every_received_word_matches_the_generic_decoder() {
-    // All 2^24 received words, in buffers of 2^20 codewords.
     let code = Int4Code::Golay24;
     let linear = code.linear_code();
     let words_per_batch = 1 << 20;

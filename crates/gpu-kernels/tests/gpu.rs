@@ -1,7 +1,7 @@
 //! GPU tests against the CPU crates as oracles: batch ECC decode (values,
 //! erasures, statistics equal to gf2-codes'), dequantisation (bit-equal to
-//! kv-quant), fused paged decoding (within 1e-3 relative of paged-cache's
-//! CPU decode, every output written), checked GEMM (the injected fault's row
+//! kv-quant), fused paged decoding in every compiled variant (within 2e-5
+//! relative of paged-cache's CPU decode, every output written), checked GEMM (the injected fault's row
 //! flagged, none on a clean product). Where there is no device each test
 //! skips visibly (`test_support::skip`: named in `cargo xtask test`'s
 //! summary; a failure under `REQUIRE_GPU=1`).
@@ -101,11 +101,12 @@ fn dequantize_is_bit_equal_to_kv_quant() {
         let store = KvStore::quantize(form, &data, tokens, channels).unwrap();
         let cpu = store.decode().unwrap().values;
         let dev = gpu.dequantize(&store).unwrap();
+        assert_eq!(cpu.len(), dev.len(), "{spelling}: lengths");
         let same = cpu
             .iter()
             .zip(&dev)
             .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same && cpu.len() == dev.len(), "{spelling}");
+        assert!(same, "{spelling}");
     }
     let protected =
         KvStore::quantize("int4+secded84".parse().unwrap(), &data, tokens, channels).unwrap();
@@ -115,99 +116,144 @@ fn dequantize_is_bit_equal_to_kv_quant() {
     ));
 }
 
-/// Random sequences over a shared pool, CPU and device decode compared.
+/// Relative L2 error allowed between the device's and the CPU's decode
+/// outputs. Both read the same stored bytes (f16 and INT4 dequantise
+/// exactly) and accumulate in f32, in different orders and with different
+/// `exp` implementations: about `ε·√n` = 6e-8 · 32 for the longest
+/// sequence (1,031 tokens), with a tenfold margin.
+const PAGED_DECODE_TOLERANCE: f64 = 2e-5;
+
+/// Random sequences over a shared pool, CPU and device decode compared, for
+/// every compiled kernel instance: head_dim 64 and 128 × 1, 2, 4 and 8
+/// query heads per KV head × every handled value form.
 #[test]
-fn paged_decode_matches_the_cpu_within_1e3() {
-    let Some(gpu) = gpu("paged_decode_matches_the_cpu_within_1e3") else {
+fn paged_decode_matches_the_cpu_in_every_variant() {
+    let Some(gpu) = gpu("paged_decode_matches_the_cpu_in_every_variant") else {
         return;
     };
-    let (q_heads, kv_heads, hd, block) = (32, 8, 128, 16);
-    let channels = kv_heads * hd;
+    let kv_heads = 4;
+    let block = 16;
     let lens = [1usize, 15, 16, 17, 200, 1031];
     let blocks: usize = lens.iter().map(|l| l.div_ceil(block)).sum();
-    for (spelling, ber) in [
-        ("fp16", 0.0),
-        ("int4", 0.0),
-        ("int4-g64", 0.0),
-        ("int4-sym-g32-sf32", 0.0),
-        ("int4+secded84", 1e-3),
-        ("int4+secded84+zero", 1e-3),
-        ("int4-g64+secded84+interp", 1e-3),
-        ("int4+secded84+interp", 1e-2),
-    ] {
-        let form: CacheForm = spelling.parse().unwrap();
-        let storage = BlockStorage::new(blocks, block, &[LayerSpec { form, channels }]).unwrap();
-        let mut rng = FaultRng::new(3);
-        let mut tables = Vec::new();
-        let mut next = 0u32;
-        for &len in &lens {
-            let ids: Vec<BlockId> = (0..len.div_ceil(block))
-                .map(|i| BlockId(next + i as u32))
-                .collect();
-            next += ids.len() as u32;
-            for t in 0..len {
-                let (k, v) = (normal(&mut rng, channels), normal(&mut rng, channels));
-                storage.write(ids[t / block], t % block, 0, &k, &v).unwrap();
-            }
-            tables.push((ids, len));
-        }
-        if ber > 0.0 {
-            let ch = BinarySymmetric::new(ber).unwrap();
-            for b in 0..blocks {
-                for part in [KvPart::Keys, KvPart::Values] {
-                    storage
-                        .inject(
-                            BlockId(b as u32),
-                            0,
-                            part,
-                            &ch,
-                            100 + b as u64,
-                            FaultTarget::Everything,
-                        )
-                        .unwrap();
-                }
-            }
-        }
-        let refs: Vec<(&[BlockId], usize)> =
-            tables.iter().map(|(i, l)| (i.as_slice(), *l)).collect();
-        let table = PageTable::from_tables(&refs, block).unwrap();
-        let queries = normal(&mut rng, lens.len() * q_heads * hd);
-        let attention = Attention::new(HeadShape::new(q_heads, kv_heads, hd).unwrap());
-        let cpu = paged_decode(&attention, &storage, &table, 0, &queries).unwrap();
-
-        let layer = gpu.upload_layer(&storage, 0, hd).unwrap();
-        let dt = gpu.upload_page_table(&layer, &table).unwrap();
-        for split in [None, Some(64), Some(256)] {
-            let mut ws = gpu.paged_workspace(&layer, &dt, q_heads, split).unwrap();
-            gpu.set_queries(&mut ws, &queries).unwrap();
-            gpu.fill_outputs(&mut ws, f32::NAN).unwrap();
-            gpu.launch_paged_decode(&layer, &dt, &mut ws).unwrap();
-            let dev = gpu.paged_output(&ws).unwrap();
-            assert!(
-                dev.out.iter().all(|x| x.is_finite()),
-                "{spelling}: unwritten or non-finite output"
-            );
-            let mut stats = kv_quant::KvDecodeStats::default();
-            for (i, c) in cpu.iter().enumerate() {
-                let d = &dev.out[i * q_heads * hd..][..q_heads * hd];
-                let num: f64 = c
-                    .out
-                    .iter()
-                    .zip(d)
-                    .map(|(a, b)| f64::from(a - b).powi(2))
-                    .sum();
-                let den: f64 = c.out.iter().map(|a| f64::from(*a).powi(2)).sum();
-                assert!(
-                    num.sqrt() <= 1e-3 * den.sqrt().max(1e-30),
-                    "{spelling} seq {i} split {split:?}: rel {}",
-                    (num / den).sqrt()
+    for hd in [64, 128] {
+        for group in [1, 2, 4, 8] {
+            let q_heads = kv_heads * group;
+            for (spelling, ber) in [
+                ("fp16", 0.0),
+                ("int4", 0.0),
+                ("int4-g64", 0.0),
+                ("int4-sym-g32-sf32", 0.0),
+                ("int4+secded84", 1e-3),
+                ("int4+secded84+zero", 1e-3),
+                ("int4-g64+secded84+interp", 1e-3),
+                ("int4+secded84+interp", 1e-2),
+            ] {
+                let case = format!("{spelling} hd {hd} group {group}");
+                paged_decode_case(
+                    &gpu,
+                    &case,
+                    spelling,
+                    ber,
+                    (q_heads, kv_heads, hd),
+                    block,
+                    &lens,
+                    blocks,
                 );
-                stats += c.stats.keys;
-                stats += c.stats.values;
             }
-            if form.protection().is_some() {
-                assert_eq!(dev.stats, stats, "{spelling}");
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn paged_decode_case(
+    gpu: &Gpu,
+    case: &str,
+    spelling: &str,
+    ber: f64,
+    (q_heads, kv_heads, hd): (usize, usize, usize),
+    block: usize,
+    lens: &[usize],
+    blocks: usize,
+) {
+    let channels = kv_heads * hd;
+    let form: CacheForm = spelling.parse().unwrap();
+    let storage = BlockStorage::new(blocks, block, &[LayerSpec { form, channels }]).unwrap();
+    let mut rng = FaultRng::new(3);
+    let mut tables = Vec::new();
+    let mut next = 0u32;
+    for &len in lens {
+        let ids: Vec<BlockId> = (0..len.div_ceil(block))
+            .map(|i| BlockId(next + i as u32))
+            .collect();
+        next += ids.len() as u32;
+        for t in 0..len {
+            let (k, v) = (normal(&mut rng, channels), normal(&mut rng, channels));
+            storage.write(ids[t / block], t % block, 0, &k, &v).unwrap();
+        }
+        tables.push((ids, len));
+    }
+    if ber > 0.0 {
+        let ch = BinarySymmetric::new(ber).unwrap();
+        for b in 0..blocks {
+            for part in [KvPart::Keys, KvPart::Values] {
+                storage
+                    .inject(
+                        BlockId(b as u32),
+                        0,
+                        part,
+                        &ch,
+                        100 + b as u64,
+                        FaultTarget::Everything,
+                    )
+                    .unwrap();
             }
+        }
+    }
+    let refs: Vec<(&[BlockId], usize)> = tables.iter().map(|(i, l)| (i.as_slice(), *l)).collect();
+    let table = PageTable::from_tables(&refs, block).unwrap();
+    let queries = normal(&mut rng, lens.len() * q_heads * hd);
+    let attention = Attention::new(HeadShape::new(q_heads, kv_heads, hd).unwrap());
+    let cpu = paged_decode(&attention, &storage, &table, 0, &queries).unwrap();
+    assert_eq!(cpu.len(), lens.len(), "{case}: CPU sequences");
+
+    let layer = gpu.upload_layer(&storage, 0, hd).unwrap();
+    let dt = gpu.upload_page_table(&layer, &table).unwrap();
+    for split in [None, Some(64), Some(256)] {
+        let mut ws = gpu.paged_workspace(&layer, &dt, q_heads, split).unwrap();
+        gpu.set_queries(&mut ws, &queries).unwrap();
+        gpu.fill_outputs(&mut ws, f32::NAN).unwrap();
+        gpu.launch_paged_decode(&layer, &dt, &mut ws).unwrap();
+        let dev = gpu.paged_output(&ws).unwrap();
+        assert_eq!(
+            dev.out.len(),
+            lens.len() * q_heads * hd,
+            "{case}: device outputs"
+        );
+        assert!(
+            dev.out.iter().all(|x| x.is_finite()),
+            "{case}: unwritten or non-finite output"
+        );
+        let mut stats = kv_quant::KvDecodeStats::default();
+        for (i, c) in cpu.iter().enumerate() {
+            assert_eq!(c.out.len(), q_heads * hd, "{case}: CPU outputs of seq {i}");
+            let d = &dev.out[i * q_heads * hd..][..q_heads * hd];
+            let num: f64 = c
+                .out
+                .iter()
+                .zip(d)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
+            let den: f64 = c.out.iter().map(|a| f64::from(*a).powi(2)).sum();
+            assert!(
+                num.sqrt() <= PAGED_DECODE_TOLERANCE * den.sqrt().max(1e-30),
+                "{case} seq {i} split {split:?}: rel {}",
+                (num / den).sqrt()
+            );
+            stats += c.stats.keys;
+            stats += c.stats.values;
+        }
+        if form.protection().is_some() {
+            assert_eq!(dev.stats, stats, "{case}");
         }
     }
 }
@@ -244,7 +290,9 @@ fn checked_gemm_flags_the_injected_row_only() {
         Matrix::new(k, n, to_f32(&b)).unwrap(),
     );
     let cm = Matrix::new(m, n, gpu.read_c(&g).unwrap()).unwrap();
-    for (cpu, dev) in rule.rows(&am, &bm, &cm).iter().zip(&clean.bounds) {
+    let cpu_bounds = rule.rows(&am, &bm, &cm);
+    assert_eq!(cpu_bounds.len(), clean.bounds.len(), "one bound per row");
+    for (cpu, dev) in cpu_bounds.iter().zip(&clean.bounds) {
         assert!(
             (cpu - dev).abs() <= 1e-9 * cpu.abs(),
             "bound {cpu} vs {dev}"
