@@ -30,6 +30,7 @@ pub const PRESET: &[&str] = &[
     "lm4",
     "int4-ch+sink4/int4",
     "int4-ch+sink4/lm4",
+    "int4-ch+sink4/lm4+sink4",
     "int4-ch+sink4/lm3",
     "int4-ch32+win32/int4+win32",
     "lm3",
@@ -155,6 +156,14 @@ impl FrontierPoint {
             && delta <= self.delta_ppl_percent
             && (bits < self.bits_per_value || delta < self.delta_ppl_percent)
     }
+
+    /// Whether this point has no more bits and no higher ΔPPL than a point
+    /// at `(bits, delta)`, and is better in one.
+    pub fn dominates(&self, bits: f64, delta: f64) -> bool {
+        self.bits_per_value <= bits
+            && self.delta_ppl_percent <= delta
+            && (self.bits_per_value < bits || self.delta_ppl_percent < delta)
+    }
 }
 
 impl FrontierReport {
@@ -227,11 +236,12 @@ impl FrontierReport {
                 );
             }
             if *ctx == 256 {
+                let mut verdicts = Vec::new();
                 for (name, bits, delta) in LLAMA_CPP_CTX256 {
                     let beaten = self
                         .at(*ctx)
                         .iter()
-                        .filter(|p| p.bits_per_value <= bits && p.delta_ppl_percent <= delta)
+                        .filter(|p| p.dominates(bits, delta))
                         .min_by(|a, b| a.delta_ppl_percent.total_cmp(&b.delta_ppl_percent))
                         .map_or("nothing".to_string(), |p| {
                             format!(
@@ -241,10 +251,11 @@ impl FrontierReport {
                         });
                     let _ = writeln!(
                         s,
-                        "| llama.cpp `{name}` (reference) | {bits} | | | | {delta:+.2}% | | | ",
+                        "| llama.cpp `{name}` (reference, its own run) | {bits} | | | | {delta:+.2}% | | |",
                     );
-                    let _ = writeln!(s, "\nllama.cpp `{name}` is dominated by: {beaten}.");
+                    verdicts.push(format!("llama.cpp `{name}` is dominated by: {beaten}."));
                 }
+                let _ = writeln!(s, "\n{}", verdicts.join("\n"));
             }
         }
         s
@@ -389,6 +400,14 @@ mod tests {
         let md = report.markdown();
         assert!(md.contains("**b**") && md.contains("| c |"), "{md}");
         assert!(md.contains("llama.cpp `q4_0` is dominated by: b"), "{md}");
+        assert!(md.contains("llama.cpp `q8_0` is dominated by: a"), "{md}");
+        // The reference rows stay inside the table: the line before each is a row.
+        let lines: Vec<&str> = md.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            if line.starts_with("| llama.cpp") {
+                assert!(lines[i - 1].starts_with('|'), "{md}");
+            }
+        }
     }
 
     #[test]

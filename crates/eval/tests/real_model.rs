@@ -56,25 +56,59 @@ fn corpus(tok: &TextTokenizer) -> Option<Vec<u32>> {
     }
 }
 
+/// Token ids against llama.cpp's own tokenizer on the same GGUF
+/// (llama-cpp-python 0.3.36, `Llama(model, vocab_only=True).tokenize(text,
+/// add_bos=False, special=False)`, through
+/// `crates/eval/scripts/llama_cpp_ids.py`): the pinned prompt, strings where
+/// the smollm pre-tokenizer's single-digit split matters, and the whole
+/// corpus by the SHA-256 of its ids as little-endian u32.
 #[test]
-fn tokenizer_ids_and_corpus_length() {
+fn tokenizer_ids_equal_llama_cpp() {
     let Some((_, tok)) = load() else { return };
     assert!(!tok.add_bos());
-    assert_eq!(
-        tok.encode("The capital of France is").unwrap(),
-        [504, 3575, 282, 4649, 314]
-    );
-    assert_eq!(
-        tok.decode(&[504, 3575, 282, 4649, 314]).unwrap(),
-        "The capital of France is"
-    );
-    // Single digits (the smollm pre-tokenizer) and the GPT-2 split.
-    let ids = tok.encode("x = 2024\n\n  print(x)").unwrap();
-    assert_eq!(tok.decode(&ids).unwrap(), "x = 2024\n\n  print(x)");
-    if let Some(ids) = corpus(&tok) {
-        // llama.cpp (llama-cpp-python 0.3.36) gives the same 68,341 ids, id for id.
-        assert_eq!(ids.len(), 68_341);
+    let cases: [(&str, &[u32]); 5] = [
+        ("The capital of France is", &[504, 3575, 282, 4649, 314]),
+        (
+            "x = 2024\n\n  print(x)",
+            &[104, 446, 216, 34, 32, 34, 36, 8866, 1628, 24, 104, 25],
+        ),
+        (
+            "pi is 3.14159, not 1,000,000 (2^10 = 1024)",
+            &[
+                9020, 314, 216, 35, 30, 33, 36, 33, 37, 41, 28, 441, 216, 33, 28, 32, 32, 32, 28,
+                32, 32, 32, 365, 34, 78, 33, 32, 446, 216, 33, 32, 34, 36, 25,
+            ],
+        ),
+        (
+            "It's 10:30pm; we'll see 42nd St.",
+            &[
+                1589, 506, 216, 33, 32, 42, 35, 32, 11043, 43, 392, 3060, 963, 216, 36, 34, 268,
+                625, 30,
+            ],
+        ),
+        (
+            "    for i in range(100):\n\tpass",
+            &[333, 327, 2056, 281, 1845, 24, 33, 32, 32, 727, 198, 197, 5467],
+        ),
+    ];
+    for (text, ids) in cases {
+        assert_eq!(tok.encode(text).unwrap(), ids, "{text:?}");
+        assert_eq!(tok.decode(ids).unwrap(), text);
     }
+    if let Some(ids) = corpus(&tok) {
+        assert_eq!(ids.len(), 68_341);
+        let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let digest: String = sha256(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            digest, "8ee2b602a690b72d578d1dadef141c147f908980e766a8b5371fca711f04cec3",
+            "the corpus ids differ from llama.cpp's"
+        );
+    }
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
 }
 
 #[test]
