@@ -6,7 +6,10 @@
 
 use gf2_codes::Int4Code;
 use kv_quant::spec::{Granularity, IntSpec};
-use kv_quant::{CacheForm, ErasurePolicy, MetaProtection, Quantizer, ScaleType};
+use kv_quant::{
+    CacheForm, ErasurePolicy, LevelMap, MetaProtection, Quantizer, RowBufferSizes, RowEncoder,
+    ScaleType,
+};
 
 use crate::error::{GpuError, Result};
 
@@ -57,6 +60,8 @@ pub struct KernelForm {
     pub meta_checks: bool,
     /// What an erased value becomes.
     pub policy: ErasurePolicy,
+    /// kv-quant's buffer lengths of one row.
+    pub row_sizes: RowBufferSizes,
 }
 
 /// Byte lengths of the four buffers of one block (one K or V store of
@@ -98,58 +103,65 @@ impl KernelForm {
                 reason: format!("{channels} is not a multiple of head_dim {head_dim}"),
             });
         }
-        let plain = |coding, scale, symmetric, channels_per_group| KernelForm {
-            form,
-            coding,
-            channels,
-            row_bytes: match coding {
-                ValueCoding::F16 => 2 * channels,
-                ValueCoding::Int4 => channels.div_ceil(2),
-                ValueCoding::Int4Secded84 => channels,
-            },
-            channels_per_group,
-            scale,
-            symmetric,
-            meta_checks: false,
-            policy: ErasurePolicy::Keep,
-        };
-        let mut kf = match *form.quantizer() {
-            Quantizer::Fp16 => plain(ValueCoding::F16, ScaleType::F16, false, 0),
+        let coding = match *form.quantizer() {
+            Quantizer::Fp16 => ValueCoding::F16,
             Quantizer::Int(IntSpec {
                 bits: 4,
-                symmetric,
-                granularity: Granularity::PerToken { group },
-                scale,
-            }) => {
-                let cpg = group.unwrap_or(channels);
-                if !cpg.is_multiple_of(LANE_CHANNELS) || !channels.is_multiple_of(cpg) {
+                granularity: Granularity::PerToken { .. },
+                ..
+            }) => match form.protection() {
+                None => ValueCoding::Int4,
+                Some(p) if p.code == Int4Code::Secded84 => ValueCoding::Int4Secded84,
+                Some(p) => {
                     return Err(unsupported(format!(
-                        "groups of {cpg} channels: need a multiple of {LANE_CHANNELS} dividing {channels}"
+                        "{} inside attention (use the batch decoder)",
+                        p.code
                     )));
                 }
-                let coding = match form.protection() {
-                    None => ValueCoding::Int4,
-                    Some(p) if p.code == Int4Code::Secded84 => ValueCoding::Int4Secded84,
-                    Some(p) => {
-                        return Err(unsupported(format!(
-                            "{} inside attention (use the batch decoder)",
-                            p.code
-                        )));
-                    }
-                };
-                plain(coding, scale, symmetric, cpg)
-            }
+            },
             _ => {
                 return Err(unsupported(
                     "the fused kernel reads fp16, int4 per token and int4+secded84".into(),
                 ));
             }
         };
-        if let Some(p) = form.protection() {
-            kf.meta_checks = p.metadata == MetaProtection::Secded;
-            kf.policy = p.policy;
-        }
-        Ok(kf)
+        // Row bytes, groups, scale type and the level map come from
+        // kv-quant's own row encoder: the kernel re-derives none of them.
+        let encoder = RowEncoder::new(form, channels, None)
+            .map_err(|e| unsupported(format!("not a row-local form ({e})")))?;
+        let (scale, symmetric, channels_per_group) = match coding {
+            ValueCoding::F16 => (ScaleType::F16, false, 0),
+            ValueCoding::Int4 | ValueCoding::Int4Secded84 => {
+                let symmetric = match encoder.level_map() {
+                    Some(LevelMap::Centered { mid }) if mid == 8.0 => true,
+                    Some(LevelMap::Affine) => false,
+                    other => return Err(unsupported(format!("level map {other:?}"))),
+                };
+                let cpg = encoder.channels_per_group();
+                if !cpg.is_multiple_of(LANE_CHANNELS) || !channels.is_multiple_of(cpg) {
+                    return Err(unsupported(format!(
+                        "groups of {cpg} channels: need a multiple of {LANE_CHANNELS} dividing {channels}"
+                    )));
+                }
+                (encoder.scale_type(), symmetric, cpg)
+            }
+        };
+        let (meta_checks, policy) = match form.protection() {
+            Some(p) => (p.metadata == MetaProtection::Secded, p.policy),
+            None => (false, ErasurePolicy::Keep),
+        };
+        Ok(KernelForm {
+            form,
+            coding,
+            channels,
+            row_bytes: encoder.row_bytes(),
+            channels_per_group,
+            scale,
+            symmetric,
+            meta_checks,
+            policy,
+            row_sizes: encoder.buffer_sizes(1),
+        })
     }
 
     /// Metadata groups per token row.
@@ -164,16 +176,15 @@ impl KernelForm {
         self.coding != ValueCoding::F16 && !self.symmetric
     }
 
-    /// Buffer lengths of one block of `block_size` tokens.
+    /// Buffer lengths of one block of `block_size` tokens, as kv-quant's
+    /// row encoder sizes them.
     pub fn block_bytes(&self, block_size: usize) -> BlockBytes {
-        let groups = block_size * self.groups_per_row();
-        let meta = groups * self.scale.bytes();
-        let words = groups * (1 + usize::from(self.has_offsets()));
+        let r = self.row_sizes;
         BlockBytes {
-            data: block_size * self.row_bytes,
-            scales: meta,
-            offsets: if self.has_offsets() { meta } else { 0 },
-            checks: if self.meta_checks { words } else { 0 },
+            data: block_size * r.data,
+            scales: block_size * r.scales,
+            offsets: block_size * r.offsets,
+            checks: block_size * (r.scale_checks + r.offset_checks),
         }
     }
 

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use super::section::{Coding, Kind, Section};
-use super::{NonFinite, QuantizeOptions, bits::read_word};
+use super::{LevelMap, NonFinite, QuantizeOptions, bits::read_word};
 use crate::error::{KvQuantError, Result, check_len};
 use crate::int::{self, Toward};
 use crate::layout::GroupLayout;
@@ -163,6 +163,28 @@ impl RowEncoder {
     /// Metadata groups per row.
     pub fn groups_per_row(&self) -> usize {
         self.groups
+    }
+
+    /// Consecutive channels of a row sharing one metadata group (the whole
+    /// row for forms without groups).
+    pub fn channels_per_group(&self) -> usize {
+        self.cpg
+    }
+
+    /// How a stored level becomes a value for the integer forms (`None` for
+    /// float, FP8, NF4, Lloyd-Max and codebook forms).
+    pub fn level_map(&self) -> Option<LevelMap> {
+        self.coding.kind.level_map()
+    }
+
+    /// Type of the stored scales and offsets.
+    pub fn scale_type(&self) -> ScaleType {
+        self.coding.scale_type()
+    }
+
+    /// Bits of one stored code (4 for INT4, 8 for FP8, 16 for f16).
+    pub fn code_bits(&self) -> u32 {
+        self.coding.code_bits
     }
 
     /// Buffer lengths for `rows` rows.

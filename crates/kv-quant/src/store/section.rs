@@ -65,6 +65,19 @@ impl Kind {
         }
     }
 
+    /// How a level becomes a value, for the integer forms (the one
+    /// description attention's in-register dequantisation and the GPU
+    /// kernels read); `None` for every other kind.
+    pub(crate) fn level_map(self) -> Option<super::LevelMap> {
+        match self {
+            Kind::Asym(_) => Some(super::LevelMap::Affine),
+            Kind::Sym(bits) => Some(super::LevelMap::Centered {
+                mid: f32::from(1u8 << (bits - 1)),
+            }),
+            _ => None,
+        }
+    }
+
     /// Bytes per value of the float forms, whose codes are the values' bits.
     pub(crate) fn float_bytes(self) -> Option<usize> {
         match self {

@@ -10,7 +10,7 @@
 use gf2_codes::batch::erasure_words;
 
 use super::decode::{DecodeScratch, grow};
-use super::section::{Kind, Section};
+use super::section::Section;
 use super::{KvDecodeStats, KvStore, Piece};
 use crate::error::Result;
 
@@ -163,14 +163,7 @@ impl KvStore {
     ) -> Result<(RowsView<'s>, KvDecodeStats)> {
         let end = self.row_end(start, count)?;
         let n = count * self.channels;
-        let kind = self.middle.coding.kind;
-        let map = match kind {
-            Kind::Asym(_) => Some(LevelMap::Affine),
-            Kind::Sym(bits) => Some(LevelMap::Centered {
-                mid: f32::from(1u8 << (bits - 1)),
-            }),
-            _ => None,
-        };
+        let map = self.middle.coding.kind.level_map();
         let mut pieces = self.pieces(start, end);
         let whole_middle = match (pieces.next(), pieces.next()) {
             (Some((Piece::Middle, range, _)), None) => Some(range),
