@@ -133,7 +133,7 @@ impl KernelForm {
             ValueCoding::F16 => (ScaleType::F16, false, 0),
             ValueCoding::Int4 | ValueCoding::Int4Secded84 => {
                 let symmetric = match encoder.level_map() {
-                    Some(LevelMap::Centered { mid }) if mid == 8.0 => true,
+                    Some(LevelMap::Centered { mid: 8.0 }) => true,
                     Some(LevelMap::Affine) => false,
                     other => return Err(unsupported(format!("level map {other:?}"))),
                 };
