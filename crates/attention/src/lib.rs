@@ -14,6 +14,9 @@
 //!   FP16, FP8, INT8, INT4 at any granularity, ECC-protected INT4 with its
 //!   erasure policy), or a store checked against its truth ([`StoreWithTruth`]).
 //!   Decode statistics of protected forms come back with the output.
+//! - [`KvBackend`]: the one interface between a model's forward pass and its
+//!   cache (append, attend, commit or roll back a step); [`DenseBackend`]
+//!   keeps f32 rows, the oracle.
 //!
 //! ```
 //! use attention::{Attention, DenseKv, HeadShape, Mask};
@@ -38,6 +41,7 @@
 //! ```
 
 mod attend;
+mod backend;
 mod error;
 mod kernel;
 mod low_rank;
@@ -47,6 +51,7 @@ mod shape;
 mod source;
 
 pub use attend::{Attention, AttentionConfig, AttentionOutput, AttentionStats, OnNonFinite};
+pub use backend::{DenseBackend, KvBackend, ModelKvShape, StepRows, check_fit, run_step};
 pub use error::{AttentionError, Result};
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use reference::{ReferenceOutput, reference_attention};

@@ -1,7 +1,9 @@
-//! The model's KV cache: every layer's K and V rows, stored in kv-quant
-//! [`CacheForm`]s (per layer, separately for keys and values) and corrupted
-//! by a seeded fault channel before attention reads them tile by tile
-//! through the `attention` crate.
+//! The re-encoding KV backend ([`KvCache`], the paper's protocol): every
+//! layer's K and V rows, stored in kv-quant [`CacheForm`]s (per layer,
+//! separately for keys and values) and corrupted by a seeded fault channel
+//! before attention reads them tile by tile through the `attention` crate.
+//! The forward passes reach it through [`KvBackend`]: rows are appended per
+//! layer, and a step is committed or rolled back as a whole.
 //!
 //! In [`CacheMode::Plain`] attention reads the f32 rows directly (the plain
 //! forward pass). In [`CacheMode::Stored`] each forward call quantises and
@@ -15,8 +17,8 @@
 use std::sync::Arc;
 
 use attention::{
-    Attention, DenseKv, KvSource, LowRankScratch, Mask, PreRopeKeys, Rope, StoreScratch,
-    StoreWithTruth, Tile, certificates,
+    Attention, AttentionOutput, DenseKv, KvBackend, KvSource, LowRankScratch, Mask, ModelKvShape,
+    PreRopeKeys, Rope, StepRows, StoreScratch, StoreWithTruth, Tile, certificates,
 };
 use gf2_codes::channel::{
     BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
@@ -509,10 +511,14 @@ pub struct KvCache {
     stream: u64,
     layers: Vec<(Vec<f32>, Vec<f32>)>,
     codes: Vec<LayerCodes>,
+    rope: Option<Rope>,
     channels: usize,
     tokens: usize,
+    step: StepRows,
     calls: u64,
     stats: CacheStats,
+    /// The statistics before the open step's first append.
+    checkpoint: Option<CacheStats>,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -562,16 +568,14 @@ impl KvCache {
             stream,
             layers: Vec::new(),
             codes: Vec::new(),
+            rope: None,
             channels: 0,
             tokens: 0,
+            step: StepRows::default(),
             calls: 0,
             stats: CacheStats::default(),
+            checkpoint: None,
         })
-    }
-
-    /// Tokens held.
-    pub fn tokens(&self) -> usize {
-        self.tokens
     }
 
     /// Statistics so far.
@@ -592,56 +596,105 @@ impl KvCache {
             CacheMode::Stored(_) => None,
         }
     }
+}
+
+impl KvBackend for KvCache {
+    type Error = EvalError;
 
     /// Sizes the cache for a model on first use; refuses another model's
     /// shape, forms that name layers the model lacks, and forms whose
     /// codebooks the calibration does not hold.
-    pub(crate) fn check_fits(&mut self, layers: usize, channels: usize) -> Result<()> {
+    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<()> {
+        let channels = model.heads.kv_channels();
         if self.layers.is_empty() {
             if let CacheMode::Stored(stored) = &self.mode {
-                self.codes = resolve(stored, layers, channels)?;
+                self.codes = resolve(stored, model.layers, channels)?;
             }
-            self.layers = vec![(Vec::new(), Vec::new()); layers];
+            self.layers = vec![(Vec::new(), Vec::new()); model.layers];
             self.channels = channels;
+            self.rope = model.rope.cloned();
+            self.step = StepRows::new(model.layers);
         }
-        if self.layers.len() != layers || self.channels != channels {
+        if self.layers.len() != model.layers || self.channels != channels {
             return Err(EvalError::Shape(format!(
-                "cache of {} layers × {} channels used with a model of {layers} × {channels}",
+                "cache of {} layers × {} channels used with a model of {} × {channels}",
                 self.layers.len(),
                 self.channels,
+                model.layers,
             )));
         }
         Ok(())
     }
 
-    /// Marks `t` appended tokens as held (after every layer appended them).
-    pub(crate) fn advance(&mut self, t: usize) {
-        self.tokens += t;
-        self.calls += 1;
+    fn tokens(&self) -> usize {
+        self.tokens
     }
 
-    /// Appends layer `layer`'s new K and V rows and runs `attention` for
-    /// `queries` at `positions` over the whole layer cache as stored.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn attend(
+    fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let rows = self.step.check_append(layer, self.channels, keys, values)?;
+        if self.checkpoint.is_none() {
+            self.checkpoint = Some(self.stats.clone());
+        }
+        let (k, v) = &mut self.layers[layer];
+        k.extend_from_slice(keys);
+        v.extend_from_slice(values);
+        self.step.appended(layer, rows);
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        match self.step.close() {
+            Ok(n) => {
+                self.tokens += n;
+                self.calls += 1;
+                self.checkpoint = None;
+                Ok(())
+            }
+            Err(e) => {
+                self.rollback();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Drops the step's rows and the statistics its attention calls added.
+    fn rollback(&mut self) {
+        self.step.discard();
+        let keep = self.tokens * self.channels;
+        for (k, v) in &mut self.layers {
+            k.truncate(keep);
+            v.truncate(keep);
+        }
+        if let Some(stats) = self.checkpoint.take() {
+            self.stats = stats;
+        }
+    }
+
+    /// Attends `layer` over its rows as stored: in [`CacheMode::Stored`]
+    /// the whole layer is quantised, encoded and faulted again on each call
+    /// (the paper's protocol).
+    fn attend(
         &mut self,
         layer: usize,
         attention: &Attention,
-        rope: Option<&Rope>,
         queries: &[f32],
         positions: &[usize],
-        k_new: &[f32],
-        v_new: &[f32],
-    ) -> Result<Vec<f32>> {
-        let (k, v) = &mut self.layers[layer];
-        k.extend_from_slice(k_new);
-        v.extend_from_slice(v_new);
-        let tokens = k.len() / self.channels;
+        mask: &Mask<'_>,
+    ) -> Result<AttentionOutput> {
+        if layer >= self.layers.len() {
+            return Err(EvalError::InvalidParameter {
+                name: "layer",
+                reason: format!("layer {layer} of a cache of {} layers", self.layers.len()),
+            });
+        }
+        let tokens = self.tokens + self.step.pending(layer);
+        let (k, v) = &self.layers[layer];
+        let rope = self.rope.as_ref();
         let out = match &self.mode {
             CacheMode::Plain => {
                 let keys = DenseKv::new(k, tokens, self.channels)?;
                 let values = DenseKv::new(v, tokens, self.channels)?;
-                attention.prefill(queries, positions, &keys, &values, &Mask::Causal)?
+                attention.prefill(queries, positions, &keys, &values, mask)?
             }
             CacheMode::Stored(_) => {
                 let codes = &self.codes[layer];
@@ -674,13 +727,13 @@ impl KvCache {
                 };
                 let out = match coefficient_path(read_k, read_v) {
                     Some((ks, vs)) => {
-                        attention.attend_low_rank(queries, positions, ks, vs, &Mask::Causal)?
+                        attention.attend_low_rank(queries, positions, ks, vs, mask)?
                     }
                     None => {
                         let f = faulty.is_some();
                         let keys = Source::of(read_k, &clean_k, f, rope)?;
                         let values = Source::of(read_v, &clean_v, f, None)?;
-                        attention.prefill(queries, positions, &keys, &values, &Mask::Causal)?
+                        attention.prefill(queries, positions, &keys, &values, mask)?
                     }
                 };
                 if read_k.low_rank().is_some() || read_v.low_rank().is_some() {
@@ -697,7 +750,7 @@ impl KvCache {
                         read_k.low_rank(),
                         read_v.low_rank(),
                         value_norm,
-                        &Mask::Causal,
+                        mask,
                     )?;
                     if self.stats.certificates.len() <= layer {
                         self.stats
@@ -719,7 +772,7 @@ impl KvCache {
         self.stats.keys += out.stats.keys;
         self.stats.values += out.stats.values;
         self.stats.non_finite += out.non_finite as u64;
-        Ok(out.out)
+        Ok(out)
     }
 }
 

@@ -3,12 +3,11 @@
 //! through the [`KvCache`], a GELU (tanh form, `gelu_new`) MLP, and the
 //! output head tied to the token embedding.
 
-use attention::{Attention, AttentionConfig, HeadShape, OnNonFinite};
+use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite, run_step};
 use rayon::prelude::*;
 
-use crate::cache::KvCache;
 use crate::error::{EvalError, Result};
-use crate::model::{CausalLm, Matrix, project};
+use crate::model::{CausalLm, Matrix, ModelCache, project};
 
 /// GPT-2 hyper-parameters (`config.json`'s `n_embd`, `n_layer`, ...).
 #[derive(Clone, Debug, PartialEq)]
@@ -184,15 +183,36 @@ impl CausalLm for Gpt2Model {
         )
     }
 
-    fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits_from: usize) -> Result<Vec<f32>> {
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
-        let (t, d) = (tokens.len(), c.dim);
+        let t = tokens.len();
         if t == 0 || logits_from > t {
             return Err(EvalError::Shape(format!(
                 "{t} tokens with logits from {logits_from}"
             )));
         }
-        cache.check_fits(c.layers, d)?;
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
+            return Err(EvalError::TokenId { id, vocab: c.vocab });
+        }
+        cache.fit(&ModelKvShape {
+            layers: c.layers,
+            heads: *self.attention.shape(),
+            rope: None,
+        })?;
+        run_step(cache, |cache| self.step(tokens, cache, logits_from))
+    }
+}
+
+impl Gpt2Model {
+    /// The forward pass inside one cache step.
+    fn step(&self, tokens: &[u32], cache: &mut ModelCache, logits_from: usize) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (t, d) = (tokens.len(), c.dim);
         let start = cache.tokens();
         if start + t > c.positions {
             return Err(EvalError::InvalidParameter {
@@ -207,12 +227,6 @@ impl CausalLm for Gpt2Model {
         let mut x = vec![0.0f32; t * d];
         for (i, (row, &id)) in x.chunks_exact_mut(d).zip(tokens).enumerate() {
             let id = id as usize;
-            if id >= c.vocab {
-                return Err(EvalError::TokenId {
-                    id: id as u32,
-                    vocab: c.vocab,
-                });
-            }
             let p = start + i;
             for ((o, &e), &q) in row
                 .iter_mut()
@@ -236,10 +250,10 @@ impl CausalLm for Gpt2Model {
                 k[i * d..(i + 1) * d].copy_from_slice(&row[d..2 * d]);
                 v[i * d..(i + 1) * d].copy_from_slice(&row[2 * d..]);
             }
-            let mut attended = cache.attend(l, &self.attention, None, &q, &positions, &k, &v)?;
+            cache.append(l, &k, &v)?;
+            let attended = cache.attend(l, &self.attention, &q, &positions, &Mask::Causal)?;
             add_bias(&mut x, &layer.out.1);
-            project(&mut x, &attended, &layer.out.0, true);
-            attended.clear();
+            project(&mut x, &attended.out, &layer.out.0, true);
             layer_norm(&mut h, &x, &layer.ln_2, c.norm_eps);
             project(&mut fc, &h, &layer.fc.0, false);
             add_bias(&mut fc, &layer.fc.1);
@@ -247,7 +261,6 @@ impl CausalLm for Gpt2Model {
             add_bias(&mut x, &layer.proj.1);
             project(&mut x, &fc, &layer.proj.0, true);
         }
-        cache.advance(t);
         let rows = t - logits_from;
         let mut hf = vec![0.0; rows * d];
         layer_norm(&mut hf, &x[logits_from * d..], &self.ln_f, c.norm_eps);

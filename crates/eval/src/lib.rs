@@ -7,6 +7,7 @@ pub mod gguf;
 pub mod tokenizer;
 
 pub use error::{EvalError, Result};
+pub mod backend;
 pub mod cache;
 pub mod calibration;
 pub mod frontier;

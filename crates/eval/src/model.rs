@@ -1,22 +1,29 @@
 //! The Llama-family forward pass (RMSNorm, RoPE in either pair layout, GQA,
 //! SwiGLU, tied or untied output head) in f32, with batched prefill through
 //! faer's GEMM and attention through the `attention` crate, reading K and V
-//! from whatever the [`KvCache`] stores.
+//! from whatever the [`ModelCache`] (any [`KvBackend`]) stores.
 //!
 //! Weights are dequantised to f32 once at load (the 135M default model takes
 //! 0.6 GB that way), so every projection is one dense GEMM; Q, K and V share
 //! one fused matrix, and so do the gate and up projections.
 
-use attention::{Attention, AttentionConfig, HeadShape, OnNonFinite, Rope, RopeLayout};
+use attention::{
+    Attention, AttentionConfig, HeadShape, KvBackend, Mask, ModelKvShape, OnNonFinite, Rope,
+    RopeLayout, run_step,
+};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
-use crate::cache::KvCache;
 use crate::error::{EvalError, Result};
 use crate::gguf::GgufFile;
 
-/// A causal language model whose K and V go through a [`KvCache`].
+/// The KV cache a forward pass talks to: any [`KvBackend`] whose errors are
+/// this crate's (the re-encoding [`KvCache`](crate::cache::KvCache), the
+/// f32 oracle, the paged cache).
+pub type ModelCache = dyn KvBackend<Error = EvalError>;
+
+/// A causal language model whose K and V go through a [`KvBackend`].
 pub trait CausalLm: Send + Sync {
     /// Vocabulary size (logits per token).
     fn vocab(&self) -> usize;
@@ -34,9 +41,15 @@ pub trait CausalLm: Send + Sync {
     /// A one-line description (architecture and shape).
     fn describe(&self) -> String;
     /// Runs `tokens` after what `cache` already holds (their positions
-    /// follow the cache's), appends their K and V to it, and returns the
-    /// logits (`vocab` per token) of the tokens from index `logits_from` on.
-    fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits_from: usize) -> Result<Vec<f32>>;
+    /// follow the cache's), appends their K and V to it as one step
+    /// (committed on success, rolled back on error), and returns the logits
+    /// (`vocab` per token) of the tokens from index `logits_from` on.
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+    ) -> Result<Vec<f32>>;
 }
 
 /// Architecture hyper-parameters of a Llama-family model.
@@ -349,7 +362,7 @@ impl LlamaModel {
     pub fn forward(
         &self,
         tokens: &[u32],
-        cache: &mut KvCache,
+        cache: &mut ModelCache,
         logits_from: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
@@ -359,7 +372,21 @@ impl LlamaModel {
                 "{t} tokens with logits from {logits_from}"
             )));
         }
-        cache.check_fits(c.layers, c.kv_channels())?;
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
+            return Err(EvalError::TokenId { id, vocab: c.vocab });
+        }
+        cache.fit(&ModelKvShape {
+            layers: c.layers,
+            heads: *self.attention.shape(),
+            rope: Some(&self.rope),
+        })?;
+        run_step(cache, |cache| self.step(tokens, cache, logits_from))
+    }
+
+    /// The forward pass inside one cache step.
+    fn step(&self, tokens: &[u32], cache: &mut ModelCache, logits_from: usize) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let t = tokens.len();
         let start = cache.tokens();
         let kvc = c.kv_channels();
         let mut b = Buffers {
@@ -374,12 +401,6 @@ impl LlamaModel {
         };
         for (row, &id) in b.x.chunks_exact_mut(c.dim).zip(tokens) {
             let id = id as usize;
-            if id >= c.vocab {
-                return Err(EvalError::TokenId {
-                    id: id as u32,
-                    vocab: c.vocab,
-                });
-            }
             row.copy_from_slice(&self.embed.data[id * c.dim..(id + 1) * c.dim]);
         }
         let positions: Vec<usize> = (start..start + t).collect();
@@ -401,16 +422,9 @@ impl LlamaModel {
                     rope.apply(k, p)?;
                     Ok(())
                 })?;
-            let attended = cache.attend(
-                l,
-                &self.attention,
-                Some(&self.rope),
-                &b.q,
-                &positions,
-                &b.k,
-                &b.v,
-            )?;
-            project(&mut b.x, &attended, &layer.out, true);
+            cache.append(l, &b.k, &b.v)?;
+            let attended = cache.attend(l, &self.attention, &b.q, &positions, &Mask::Causal)?;
+            project(&mut b.x, &attended.out, &layer.out, true);
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
             project(&mut b.gu, &b.h, &layer.gate_up, false);
             b.act
@@ -424,7 +438,6 @@ impl LlamaModel {
                 });
             project(&mut b.x, &b.act, &layer.down, true);
         }
-        cache.advance(t);
         let rows = t - logits_from;
         let mut h = vec![0.0; rows * c.dim];
         rms_norm(
@@ -473,7 +486,12 @@ impl CausalLm for LlamaModel {
         )
     }
 
-    fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits_from: usize) -> Result<Vec<f32>> {
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+    ) -> Result<Vec<f32>> {
         LlamaModel::forward(self, tokens, cache, logits_from)
     }
 }

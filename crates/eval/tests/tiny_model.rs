@@ -5,6 +5,7 @@
 
 mod common;
 
+use attention::{Attention, AttentionOutput, DenseBackend, KvBackend, Mask, ModelKvShape};
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
 use kv_eval::gguf::{GgufFile, GgufWriter, MetaValue};
@@ -70,6 +71,94 @@ fn incremental_decoding_equals_the_batched_pass() {
             "{mode:?}: max |incremental − batched| = {worst}"
         );
     }
+}
+
+/// A backend that fails the attention call of one layer, once.
+struct FailOnce {
+    inner: KvCache,
+    layer: Option<usize>,
+}
+
+impl KvBackend for FailOnce {
+    type Error = EvalError;
+    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<(), EvalError> {
+        self.inner.fit(model)
+    }
+    fn tokens(&self) -> usize {
+        self.inner.tokens()
+    }
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), EvalError> {
+        self.inner.append(layer, k, v)
+    }
+    fn attend(
+        &mut self,
+        layer: usize,
+        attention: &Attention,
+        q: &[f32],
+        positions: &[usize],
+        mask: &Mask<'_>,
+    ) -> Result<AttentionOutput, EvalError> {
+        if self.layer == Some(layer) {
+            self.layer = None;
+            return Err(EvalError::Shape("injected failure".into()));
+        }
+        self.inner.attend(layer, attention, q, positions, mask)
+    }
+    fn commit(&mut self) -> Result<(), EvalError> {
+        self.inner.commit()
+    }
+    fn rollback(&mut self) {
+        self.inner.rollback()
+    }
+}
+
+#[test]
+fn an_error_mid_pass_leaves_the_cache_as_before_the_step() {
+    let m = model();
+    let toks = tokens(30);
+    let (whole, _) = run(&m, &toks, form("int4+secded84"), None);
+    let mut cache = FailOnce {
+        inner: KvCache::new(form("int4+secded84"), None, 0).unwrap(),
+        layer: None,
+    };
+    let first = m.forward(&toks[..20], &mut cache, 0).unwrap();
+    let stats = cache.inner.stats().clone();
+    cache.layer = Some(1);
+    // Layer 0 appends 10 rows, then layer 1 fails: the step is rolled back.
+    assert!(matches!(
+        m.forward(&toks[20..], &mut cache, 0),
+        Err(EvalError::Shape(_))
+    ));
+    assert_eq!(cache.tokens(), 20);
+    assert_eq!(cache.inner.stats(), &stats);
+    // Run again, the logits are those of the pass that never failed.
+    let rest = m.forward(&toks[20..], &mut cache, 0).unwrap();
+    let again: Vec<f32> = first.into_iter().chain(rest).collect();
+    let worst = again
+        .iter()
+        .zip(&whole)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(worst <= 1e-4, "{worst}");
+}
+
+#[test]
+fn the_dense_backend_is_the_plain_pass_bit_for_bit() {
+    let m = model();
+    let toks = tokens(40);
+    let (plain, _) = run(&m, &toks, CacheMode::Plain, None);
+    let mut adapted = kv_eval::backend::Adapted(DenseBackend::new());
+    let got: Vec<f32> = [&toks[..25], &toks[25..]]
+        .into_iter()
+        .flat_map(|part| m.forward(part, &mut adapted, 0).unwrap())
+        .collect();
+    assert_eq!(got.len(), plain.len());
+    let worst = got
+        .iter()
+        .zip(&plain)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(worst <= 1e-4, "{worst}");
 }
 
 #[test]

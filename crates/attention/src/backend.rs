@@ -1,0 +1,388 @@
+//! [`KvBackend`]: the one interface between a model's forward pass and its
+//! KV cache, split the way vLLM splits its model runner from its cache
+//! manager. The model never owns the cache: for each layer it appends the
+//! step's new K/V rows and asks the backend to attend the layer's queries
+//! over everything the layer holds; after the last layer it commits the step,
+//! or rolls it back after an error, so no layer is ever left with rows the
+//! others lack.
+//!
+//! The backend attends itself (rather than handing out a [`KvSource`]) so
+//! that each implementation can pick its read path: tiles of a kv-quant
+//! store, pages of a block table, or coefficient space for low-rank forms.
+//!
+//! [`DenseBackend`] keeps the f32 rows as computed: the oracle every other
+//! backend is compared with.
+
+use crate::attend::{Attention, AttentionOutput};
+use crate::error::{AttentionError, Result};
+use crate::rope::Rope;
+use crate::shape::{HeadShape, Mask};
+use crate::source::DenseKv;
+
+/// What a backend needs to know of the model it serves.
+#[derive(Clone, Copy, Debug)]
+pub struct ModelKvShape<'a> {
+    /// Transformer blocks (one K and one V cache each).
+    pub layers: usize,
+    /// Heads of one layer.
+    pub heads: HeadShape,
+    /// The keys' rotary embedding, if the model has one (forms that project
+    /// keys before RoPE undo and redo it).
+    pub rope: Option<&'a Rope>,
+}
+
+/// The cache a model's forward pass talks to.
+///
+/// A step is every [`append`](Self::append) and [`attend`](Self::attend)
+/// between two [`commit`](Self::commit)s. [`tokens`](Self::tokens) counts
+/// committed tokens only; within a step, a layer's attention sees the
+/// committed rows and the rows appended to that layer in the step.
+pub trait KvBackend {
+    /// The backend's error; attention's own errors convert into it.
+    type Error: std::error::Error + From<AttentionError>;
+
+    /// Sizes an empty backend for `model`, or checks that a used one was
+    /// sized for the same shape.
+    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<(), Self::Error>;
+
+    /// Committed tokens (the position of the next step's first token).
+    fn tokens(&self) -> usize;
+
+    /// Appends `keys` and `values` (`n × kv_channels` each) to `layer`
+    /// within the current step.
+    fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<(), Self::Error>;
+
+    /// Attention of `queries` at `positions` over the rows `layer` holds.
+    fn attend(
+        &mut self,
+        layer: usize,
+        attention: &Attention,
+        queries: &[f32],
+        positions: &[usize],
+        mask: &Mask<'_>,
+    ) -> Result<AttentionOutput, Self::Error>;
+
+    /// Makes the step's rows permanent. Every layer must have appended the
+    /// same number of rows; if not, the step is rolled back and refused.
+    fn commit(&mut self) -> Result<(), Self::Error>;
+
+    /// Drops the rows appended since the last commit, from every layer.
+    fn rollback(&mut self);
+}
+
+/// Runs one step of `backend` through `forward`: commits it when `forward`
+/// succeeds, rolls it back when it fails (the error is returned either way).
+pub fn run_step<B, T, E>(
+    backend: &mut B,
+    forward: impl FnOnce(&mut B) -> std::result::Result<T, E>,
+) -> std::result::Result<T, E>
+where
+    B: KvBackend + ?Sized,
+    E: From<B::Error>,
+{
+    match forward(backend) {
+        Ok(out) => {
+            backend.commit()?;
+            Ok(out)
+        }
+        Err(e) => {
+            backend.rollback();
+            Err(e)
+        }
+    }
+}
+
+/// Rows appended since the last commit, per layer, and their common count;
+/// the bookkeeping every backend needs to commit or roll back a step.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepRows {
+    pending: Vec<usize>,
+}
+
+impl StepRows {
+    /// Bookkeeping for `layers` layers, no step open.
+    pub fn new(layers: usize) -> Self {
+        Self {
+            pending: vec![0; layers],
+        }
+    }
+
+    /// Layers tracked.
+    pub fn layers(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Checks that `layer` exists and `keys`/`values` hold whole rows of
+    /// `channels`, and returns the row count (before anything is written).
+    pub fn check_append(
+        &self,
+        layer: usize,
+        channels: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<usize> {
+        if layer >= self.pending.len() {
+            return Err(AttentionError::InvalidParameter {
+                name: "layer",
+                reason: format!("layer {layer} of a cache of {} layers", self.pending.len()),
+            });
+        }
+        if channels == 0 || !keys.len().is_multiple_of(channels) {
+            return Err(AttentionError::ShapeMismatch {
+                what: "appended key values (a multiple of the channels)",
+                expected: keys.len().div_ceil(channels.max(1)) * channels,
+                got: keys.len(),
+            });
+        }
+        crate::error::check_len("appended value values", keys.len(), values.len())?;
+        Ok(keys.len() / channels)
+    }
+
+    /// Records `rows` appended to `layer`.
+    pub fn appended(&mut self, layer: usize, rows: usize) {
+        self.pending[layer] += rows;
+    }
+
+    /// Rows `layer` appended in the open step.
+    pub fn pending(&self, layer: usize) -> usize {
+        self.pending.get(layer).copied().unwrap_or(0)
+    }
+
+    /// Closes the step: the rows every layer appended, or an error when the
+    /// layers disagree (the caller then rolls back). Clears the counts only
+    /// on success.
+    pub fn close(&mut self) -> Result<usize> {
+        let n = self.pending.first().copied().unwrap_or(0);
+        if let Some((layer, &got)) = self.pending.iter().enumerate().find(|(_, p)| **p != n) {
+            return Err(AttentionError::InvalidParameter {
+                name: "step",
+                reason: format!(
+                    "layer 0 appended {n} rows in this step but layer {layer} appended {got}"
+                ),
+            });
+        }
+        self.pending.iter_mut().for_each(|p| *p = 0);
+        Ok(n)
+    }
+
+    /// Forgets the open step; returns the rows each layer must drop.
+    pub fn discard(&mut self) -> Vec<usize> {
+        let fresh = vec![0; self.pending.len()];
+        std::mem::replace(&mut self.pending, fresh)
+    }
+}
+
+/// The f32 oracle: every layer's K and V rows as computed, read directly.
+#[derive(Clone, Debug, Default)]
+pub struct DenseBackend {
+    layers: Vec<(Vec<f32>, Vec<f32>)>,
+    channels: usize,
+    tokens: usize,
+    step: StepRows,
+}
+
+impl DenseBackend {
+    /// An empty backend, sized on first use.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The rows (keys, values) `layer` holds, committed and pending.
+    pub fn rows(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        self.layers.get(layer).map(|(k, v)| (&k[..], &v[..]))
+    }
+}
+
+impl KvBackend for DenseBackend {
+    type Error = AttentionError;
+
+    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<()> {
+        let channels = model.heads.kv_channels();
+        if self.layers.is_empty() {
+            self.layers = vec![(Vec::new(), Vec::new()); model.layers];
+            self.channels = channels;
+            self.step = StepRows::new(model.layers);
+        }
+        check_fit(self.layers.len(), self.channels, model)
+    }
+
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let rows = self.step.check_append(layer, self.channels, keys, values)?;
+        let (k, v) = &mut self.layers[layer];
+        k.extend_from_slice(keys);
+        v.extend_from_slice(values);
+        self.step.appended(layer, rows);
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        layer: usize,
+        attention: &Attention,
+        queries: &[f32],
+        positions: &[usize],
+        mask: &Mask<'_>,
+    ) -> Result<AttentionOutput> {
+        let (k, v) = self
+            .rows(layer)
+            .ok_or_else(|| AttentionError::InvalidParameter {
+                name: "layer",
+                reason: format!("layer {layer} of a cache of {} layers", self.layers.len()),
+            })?;
+        let tokens = self.tokens + self.step.pending(layer);
+        let keys = DenseKv::new(k, tokens, self.channels)?;
+        let values = DenseKv::new(v, tokens, self.channels)?;
+        attention.prefill(queries, positions, &keys, &values, mask)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        match self.step.close() {
+            Ok(n) => {
+                self.tokens += n;
+                Ok(())
+            }
+            Err(e) => {
+                self.rollback();
+                Err(e)
+            }
+        }
+    }
+
+    fn rollback(&mut self) {
+        self.step.discard();
+        let keep = self.tokens * self.channels;
+        for (k, v) in &mut self.layers {
+            k.truncate(keep);
+            v.truncate(keep);
+        }
+    }
+}
+
+/// Refuses a model whose layer count or KV width differs from what a
+/// backend was sized for.
+pub fn check_fit(layers: usize, channels: usize, model: &ModelKvShape<'_>) -> Result<()> {
+    if layers != model.layers || channels != model.heads.kv_channels() {
+        return Err(AttentionError::InvalidParameter {
+            name: "model",
+            reason: format!(
+                "a cache of {layers} layers × {channels} channels used with a model of {} × {}",
+                model.layers,
+                model.heads.kv_channels()
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::reference_attention;
+
+    fn rows(n: usize, ch: usize, phase: f32) -> Vec<f32> {
+        (0..n * ch)
+            .map(|i| (i as f32 * 0.37 + phase).sin())
+            .collect()
+    }
+
+    fn shape() -> ModelKvShape<'static> {
+        ModelKvShape {
+            layers: 3,
+            heads: HeadShape::new(4, 2, 8).unwrap(),
+            rope: None,
+        }
+    }
+
+    #[test]
+    fn a_failed_step_leaves_no_layer_with_extra_rows() {
+        let model = shape();
+        let ch = model.heads.kv_channels();
+        let mut b = DenseBackend::new();
+        b.fit(&model).unwrap();
+        let step = |b: &mut DenseBackend, n: usize, fail_at: Option<usize>| {
+            run_step(b, |b| {
+                for l in 0..model.layers {
+                    if fail_at == Some(l) {
+                        return Err(AttentionError::EmptyCache);
+                    }
+                    b.append(l, &rows(n, ch, l as f32), &rows(n, ch, 9.0))?;
+                }
+                Ok(())
+            })
+        };
+        step(&mut b, 5, None).unwrap();
+        assert_eq!(b.tokens(), 5);
+        // An error after layer 0 appended drops layer 0's new rows.
+        assert_eq!(step(&mut b, 3, Some(1)), Err(AttentionError::EmptyCache));
+        assert_eq!(b.tokens(), 5);
+        for l in 0..model.layers {
+            assert_eq!(b.rows(l).unwrap().0.len(), 5 * ch, "layer {l}");
+        }
+        // Layers that disagree on the step's rows are refused and rolled back.
+        b.append(0, &rows(2, ch, 0.0), &rows(2, ch, 0.0)).unwrap();
+        b.append(1, &rows(1, ch, 0.0), &rows(1, ch, 0.0)).unwrap();
+        assert!(matches!(
+            b.commit(),
+            Err(AttentionError::InvalidParameter { name: "step", .. })
+        ));
+        assert!((0..3).all(|l| b.rows(l).unwrap().1.len() == 5 * ch));
+        step(&mut b, 2, None).unwrap();
+        assert_eq!(b.tokens(), 7);
+    }
+
+    #[test]
+    fn bad_appends_and_other_models_are_refused() {
+        let model = shape();
+        let ch = model.heads.kv_channels();
+        let mut b = DenseBackend::new();
+        b.fit(&model).unwrap();
+        assert!(b.append(3, &rows(1, ch, 0.0), &rows(1, ch, 0.0)).is_err());
+        assert!(
+            b.append(0, &rows(1, ch, 0.0)[..ch - 1], &[0.0; 15])
+                .is_err()
+        );
+        assert!(b.append(0, &rows(1, ch, 0.0), &rows(2, ch, 0.0)).is_err());
+        assert_eq!(b.rows(0).unwrap().0.len(), 0);
+        let other = ModelKvShape { layers: 2, ..model };
+        assert!(b.fit(&other).is_err());
+    }
+
+    #[test]
+    fn dense_backend_attends_like_the_oracle() {
+        let model = shape();
+        let heads = model.heads;
+        let ch = heads.kv_channels();
+        let attn = Attention::new(heads);
+        let mut b = DenseBackend::new();
+        b.fit(&model).unwrap();
+        let (k, v) = (rows(10, ch, 0.5), rows(10, ch, 1.5));
+        // Six tokens in one step, then four one at a time.
+        let mut outs = Vec::new();
+        for (start, n) in [(0, 6), (6, 1), (7, 1), (8, 1), (9, 1)] {
+            let q = rows(n, heads.q_len(), start as f32);
+            let positions: Vec<usize> = (start..start + n).collect();
+            let out = run_step(&mut b, |b| {
+                for l in 0..model.layers {
+                    b.append(l, &k[start * ch..][..n * ch], &v[start * ch..][..n * ch])?;
+                }
+                b.attend(1, &attn, &q, &positions, &Mask::Causal)
+            })
+            .unwrap();
+            outs.push((q, positions, out.out));
+        }
+        for (q, positions, got) in outs {
+            let want =
+                reference_attention(&q, &positions, &k, &v, 10, &heads, &Mask::Causal).unwrap();
+            for (g, w) in got.iter().zip(&want.out) {
+                assert!(
+                    (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "{g} vs {w}"
+                );
+            }
+        }
+    }
+}
