@@ -33,8 +33,10 @@ pub struct ModelKvShape<'a> {
 
 /// The cache a model's forward pass talks to.
 ///
-/// A step is every [`append`](Self::append) and [`attend`](Self::attend)
-/// between two [`commit`](Self::commit)s. [`tokens`](Self::tokens) counts
+/// A step opens with [`begin`](Self::begin), which names its tokens; every
+/// layer then [`append`](Self::append)s one K and one V row per token and
+/// may [`attend`](Self::attend); [`commit`](Self::commit) closes it, or
+/// [`rollback`](Self::rollback) undoes it. [`tokens`](Self::tokens) counts
 /// committed tokens only; within a step, a layer's attention sees the
 /// committed rows and the rows appended to that layer in the step.
 pub trait KvBackend {
@@ -48,8 +50,13 @@ pub trait KvBackend {
     /// Committed tokens (the position of the next step's first token).
     fn tokens(&self) -> usize;
 
+    /// Opens a step of `tokens` (their ids: a paged backend reserves their
+    /// slots and can find a cached prefix by them). Refused while a step is
+    /// open, or when the backend cannot hold them, before anything changes.
+    fn begin(&mut self, tokens: &[u32]) -> Result<(), Self::Error>;
+
     /// Appends `keys` and `values` (`n × kv_channels` each) to `layer`
-    /// within the current step.
+    /// within the open step (at most the step's tokens in all).
     fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<(), Self::Error>;
 
     /// Attention of `queries` at `positions` over the rows `layer` holds.
@@ -62,24 +69,27 @@ pub trait KvBackend {
         mask: &Mask<'_>,
     ) -> Result<AttentionOutput, Self::Error>;
 
-    /// Makes the step's rows permanent. Every layer must have appended the
-    /// same number of rows; if not, the step is rolled back and refused.
+    /// Makes the step's rows permanent. Every layer must have appended one
+    /// row per token of the step; if not, the step is rolled back and refused.
     fn commit(&mut self) -> Result<(), Self::Error>;
 
     /// Drops the rows appended since the last commit, from every layer.
     fn rollback(&mut self);
 }
 
-/// Runs one step of `backend` through `forward`: commits it when `forward`
-/// succeeds, rolls it back when it fails (the error is returned either way).
+/// Runs one step of `tokens` on `backend` through `forward`: commits it
+/// when `forward` succeeds, rolls it back when it fails (the error is
+/// returned either way).
 pub fn run_step<B, T, E>(
     backend: &mut B,
+    tokens: &[u32],
     forward: impl FnOnce(&mut B) -> std::result::Result<T, E>,
 ) -> std::result::Result<T, E>
 where
     B: KvBackend + ?Sized,
     E: From<B::Error>,
 {
+    backend.begin(tokens)?;
     match forward(backend) {
         Ok(out) => {
             backend.commit()?;
@@ -92,11 +102,12 @@ where
     }
 }
 
-/// Rows appended since the last commit, per layer, and their common count;
+/// The open step's token count and the rows each layer appended so far:
 /// the bookkeeping every backend needs to commit or roll back a step.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepRows {
     pending: Vec<usize>,
+    open: Option<usize>,
 }
 
 impl StepRows {
@@ -104,7 +115,31 @@ impl StepRows {
     pub fn new(layers: usize) -> Self {
         Self {
             pending: vec![0; layers],
+            open: None,
         }
+    }
+
+    /// Opens a step of `tokens` tokens (at least one; none open).
+    pub fn begin(&mut self, tokens: usize) -> Result<()> {
+        if let Some(open) = self.open {
+            return Err(AttentionError::InvalidParameter {
+                name: "step",
+                reason: format!("a step of {open} tokens is still open (commit or roll it back)"),
+            });
+        }
+        if tokens == 0 {
+            return Err(AttentionError::InvalidParameter {
+                name: "step",
+                reason: "a step needs at least one token".into(),
+            });
+        }
+        self.open = Some(tokens);
+        Ok(())
+    }
+
+    /// The open step's tokens.
+    pub fn open(&self) -> Option<usize> {
+        self.open
     }
 
     /// Layers tracked.
@@ -112,8 +147,9 @@ impl StepRows {
         self.pending.len()
     }
 
-    /// Checks that `layer` exists and `keys`/`values` hold whole rows of
-    /// `channels`, and returns the row count (before anything is written).
+    /// Checks that a step is open, `layer` exists and `keys`/`values` hold
+    /// whole rows of `channels`, no more than the step's tokens, and returns
+    /// the row count (before anything is written).
     pub fn check_append(
         &self,
         layer: usize,
@@ -135,7 +171,23 @@ impl StepRows {
             });
         }
         crate::error::check_len("appended value values", keys.len(), values.len())?;
-        Ok(keys.len() / channels)
+        let rows = keys.len() / channels;
+        let Some(open) = self.open else {
+            return Err(AttentionError::InvalidParameter {
+                name: "step",
+                reason: "rows appended outside a step (begin one first)".into(),
+            });
+        };
+        if self.pending[layer] + rows > open {
+            return Err(AttentionError::InvalidParameter {
+                name: "step",
+                reason: format!(
+                    "layer {layer} would hold {} rows of a step of {open} tokens",
+                    self.pending[layer] + rows
+                ),
+            });
+        }
+        Ok(rows)
     }
 
     /// Records `rows` appended to `layer`.
@@ -148,27 +200,31 @@ impl StepRows {
         self.pending.get(layer).copied().unwrap_or(0)
     }
 
-    /// Closes the step: the rows every layer appended, or an error when the
-    /// layers disagree (the caller then rolls back). Clears the counts only
+    /// Closes the step: its token count, or an error when a layer did not
+    /// append one row per token (the caller then rolls back). Closes only
     /// on success.
     pub fn close(&mut self) -> Result<usize> {
-        let n = self.pending.first().copied().unwrap_or(0);
+        let Some(n) = self.open else {
+            return Err(AttentionError::InvalidParameter {
+                name: "step",
+                reason: "no step is open".into(),
+            });
+        };
         if let Some((layer, &got)) = self.pending.iter().enumerate().find(|(_, p)| **p != n) {
             return Err(AttentionError::InvalidParameter {
                 name: "step",
-                reason: format!(
-                    "layer 0 appended {n} rows in this step but layer {layer} appended {got}"
-                ),
+                reason: format!("layer {layer} appended {got} rows in a step of {n} tokens"),
             });
         }
         self.pending.iter_mut().for_each(|p| *p = 0);
+        self.open = None;
         Ok(n)
     }
 
-    /// Forgets the open step; returns the rows each layer must drop.
-    pub fn discard(&mut self) -> Vec<usize> {
-        let fresh = vec![0; self.pending.len()];
-        std::mem::replace(&mut self.pending, fresh)
+    /// Forgets the open step (if any).
+    pub fn discard(&mut self) {
+        self.pending.iter_mut().for_each(|p| *p = 0);
+        self.open = None;
     }
 }
 
@@ -208,6 +264,16 @@ impl KvBackend for DenseBackend {
 
     fn tokens(&self) -> usize {
         self.tokens
+    }
+
+    fn begin(&mut self, tokens: &[u32]) -> Result<()> {
+        if self.layers.is_empty() {
+            return Err(AttentionError::InvalidParameter {
+                name: "step",
+                reason: "the backend was not fitted to a model".into(),
+            });
+        }
+        self.step.begin(tokens.len())
     }
 
     fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
@@ -304,7 +370,7 @@ mod tests {
         let mut b = DenseBackend::new();
         b.fit(&model).unwrap();
         let step = |b: &mut DenseBackend, n: usize, fail_at: Option<usize>| {
-            run_step(b, |b| {
+            run_step(b, &vec![7; n], |b| {
                 for l in 0..model.layers {
                     if fail_at == Some(l) {
                         return Err(AttentionError::EmptyCache);
@@ -322,7 +388,19 @@ mod tests {
         for l in 0..model.layers {
             assert_eq!(b.rows(l).unwrap().0.len(), 5 * ch, "layer {l}");
         }
-        // Layers that disagree on the step's rows are refused and rolled back.
+        // Rows outside a step, more rows than the step's tokens, and layers
+        // that miss rows are refused; the step is rolled back.
+        assert!(b.append(0, &rows(1, ch, 0.0), &rows(1, ch, 0.0)).is_err());
+        b.begin(&[1, 2]).unwrap();
+        assert!(b.begin(&[1]).is_err());
+        assert!(b.append(0, &rows(3, ch, 0.0), &rows(3, ch, 0.0)).is_err());
+        for l in 0..model.layers {
+            b.append(l, &rows(2, ch, 0.0), &rows(2, ch, 0.0)).unwrap();
+        }
+        b.append(0, &rows(0, ch, 0.0), &rows(0, ch, 0.0)).unwrap();
+        assert!(b.append(1, &rows(1, ch, 0.0), &rows(1, ch, 0.0)).is_err());
+        b.rollback();
+        b.begin(&[1, 2]).unwrap();
         b.append(0, &rows(2, ch, 0.0), &rows(2, ch, 0.0)).unwrap();
         b.append(1, &rows(1, ch, 0.0), &rows(1, ch, 0.0)).unwrap();
         assert!(matches!(
@@ -330,6 +408,7 @@ mod tests {
             Err(AttentionError::InvalidParameter { name: "step", .. })
         ));
         assert!((0..3).all(|l| b.rows(l).unwrap().1.len() == 5 * ch));
+        assert!(b.begin(&[]).is_err());
         step(&mut b, 2, None).unwrap();
         assert_eq!(b.tokens(), 7);
     }
@@ -340,6 +419,7 @@ mod tests {
         let ch = model.heads.kv_channels();
         let mut b = DenseBackend::new();
         b.fit(&model).unwrap();
+        b.begin(&[0]).unwrap();
         assert!(b.append(3, &rows(1, ch, 0.0), &rows(1, ch, 0.0)).is_err());
         assert!(
             b.append(0, &rows(1, ch, 0.0)[..ch - 1], &[0.0; 15])
@@ -365,7 +445,7 @@ mod tests {
         for (start, n) in [(0, 6), (6, 1), (7, 1), (8, 1), (9, 1)] {
             let q = rows(n, heads.q_len(), start as f32);
             let positions: Vec<usize> = (start..start + n).collect();
-            let out = run_step(&mut b, |b| {
+            let out = run_step(&mut b, &vec![0; n], |b| {
                 for l in 0..model.layers {
                     b.append(l, &k[start * ch..][..n * ch], &v[start * ch..][..n * ch])?;
                 }

@@ -25,6 +25,10 @@ where
         self.0.tokens()
     }
 
+    fn begin(&mut self, tokens: &[u32]) -> Result<()> {
+        Ok(self.0.begin(tokens)?)
+    }
+
     fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
         Ok(self.0.append(layer, keys, values)?)
     }

@@ -517,7 +517,7 @@ pub struct KvCache {
     step: StepRows,
     calls: u64,
     stats: CacheStats,
-    /// The statistics before the open step's first append.
+    /// The statistics when the open step began.
     checkpoint: Option<CacheStats>,
 }
 
@@ -630,11 +630,20 @@ impl KvBackend for KvCache {
         self.tokens
     }
 
+    fn begin(&mut self, tokens: &[u32]) -> Result<()> {
+        if self.layers.is_empty() {
+            return Err(EvalError::InvalidParameter {
+                name: "cache",
+                reason: "the cache was not fitted to a model".into(),
+            });
+        }
+        self.step.begin(tokens.len())?;
+        self.checkpoint = Some(self.stats.clone());
+        Ok(())
+    }
+
     fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
         let rows = self.step.check_append(layer, self.channels, keys, values)?;
-        if self.checkpoint.is_none() {
-            self.checkpoint = Some(self.stats.clone());
-        }
         let (k, v) = &mut self.layers[layer];
         k.extend_from_slice(keys);
         v.extend_from_slice(values);

@@ -204,7 +204,7 @@ impl CausalLm for Gpt2Model {
             heads: *self.attention.shape(),
             rope: None,
         })?;
-        run_step(cache, |cache| self.step(tokens, cache, logits_from))
+        run_step(cache, tokens, |cache| self.step(tokens, cache, logits_from))
     }
 }
 

@@ -380,7 +380,7 @@ impl LlamaModel {
             heads: *self.attention.shape(),
             rope: Some(&self.rope),
         })?;
-        run_step(cache, |cache| self.step(tokens, cache, logits_from))
+        run_step(cache, tokens, |cache| self.step(tokens, cache, logits_from))
     }
 
     /// The forward pass inside one cache step.

@@ -87,6 +87,9 @@ impl KvBackend for FailOnce {
     fn tokens(&self) -> usize {
         self.inner.tokens()
     }
+    fn begin(&mut self, tokens: &[u32]) -> Result<(), EvalError> {
+        self.inner.begin(tokens)
+    }
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), EvalError> {
         self.inner.append(layer, k, v)
     }

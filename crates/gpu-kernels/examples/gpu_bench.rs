@@ -73,7 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut int4_ms = std::collections::HashMap::new();
     for spelling in ["fp16", "int4", "int4+secded84+interp"] {
         let form: CacheForm = spelling.parse()?;
-        let storage = BlockStorage::new(POOL_BLOCKS, BLOCK, &[LayerSpec { form, channels }])?;
+        let storage = BlockStorage::new(POOL_BLOCKS, BLOCK, &[LayerSpec::uniform(form, channels)])?;
         for b in 0..POOL_BLOCKS {
             for t in 0..BLOCK {
                 for x in row.iter_mut() {

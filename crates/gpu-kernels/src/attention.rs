@@ -169,7 +169,16 @@ impl Gpu {
                 name: "layer",
                 reason: format!("layer {layer} of {}", storage.layers().len()),
             })?;
-        let form = KernelForm::new(spec.form, spec.channels, head_dim)?;
+        if spec.key != spec.value {
+            return Err(GpuError::InvalidParameter {
+                name: "layer",
+                reason: format!(
+                    "keys in {} and values in {}: the fused kernel reads one form per layer",
+                    spec.key, spec.value
+                ),
+            });
+        }
+        let form = KernelForm::new(spec.key, spec.channels, head_dim)?;
         let block_size = storage.block_size();
         let num_blocks = storage.num_blocks();
         let bytes = form.block_bytes(block_size);

@@ -177,7 +177,7 @@ fn paged_decode_case(
 ) {
     let channels = kv_heads * hd;
     let form: CacheForm = spelling.parse().unwrap();
-    let storage = BlockStorage::new(blocks, block, &[LayerSpec { form, channels }]).unwrap();
+    let storage = BlockStorage::new(blocks, block, &[LayerSpec::uniform(form, channels)]).unwrap();
     let mut rng = FaultRng::new(3);
     let mut tables = Vec::new();
     let mut next = 0u32;

@@ -219,7 +219,7 @@ fn decode(c: &mut Criterion) {
         });
         for bs in [16, 64] {
             let blocks = TOKENS / bs;
-            let layers = [LayerSpec { form, channels: ch }];
+            let layers = [LayerSpec::uniform(form, ch)];
             let storage = BlockStorage::new(blocks, bs, &layers).expect("storage");
             // Shuffled physical order, as a long-running pool hands blocks out.
             let mut order: Vec<u32> = (0..blocks as u32).collect();

@@ -19,14 +19,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ch = shape.kv_channels();
     let (blocks, bs) = (256, 16);
     let layers = [
-        LayerSpec {
-            form: "fp16".parse()?,
-            channels: ch,
-        },
-        LayerSpec {
-            form: "int4-g64+secded84".parse()?,
-            channels: ch,
-        },
+        LayerSpec::uniform("fp16".parse()?, ch),
+        LayerSpec::uniform("int4-g64+secded84".parse()?, ch),
     ];
     let storage = Arc::new(BlockStorage::new(blocks, bs, &layers)?);
     let config = CacheConfig {

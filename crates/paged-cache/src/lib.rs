@@ -56,7 +56,7 @@ pub use pool::{Allocated, BlockId, BlockPool, FreeList};
 pub use prefix::{NoPrefixCache, PrefixCache, PrefixHit, PrefixLock};
 pub use radix::RadixPrefixCache;
 pub use scrub::{ScrubTotals, Scrubber};
-pub use storage::{BlockData, BlockStorage, KvPart, LayerSpec};
+pub use storage::{BlockData, BlockStorage, KvPart, LayerSpec, check_pageable};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

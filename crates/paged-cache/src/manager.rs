@@ -522,7 +522,8 @@ impl<P: PrefixCache> KvCacheManager<P> {
         Ok(stats)
     }
 
-    /// Bytes the blocks in use hold, per layer form (K and V together),
+    /// Bytes the blocks in use hold, per layer form (K and V together; a
+    /// layer whose K and V forms differ is listed under its key form),
     /// summed over those blocks from their stores' buffers.
     pub fn bytes_used(&self) -> Result<Vec<(kv_quant::CacheForm, usize)>> {
         let storage = self.storage.as_ref().ok_or(PagedCacheError::NoStorage)?;
@@ -534,9 +535,9 @@ impl<P: PrefixCache> KvCacheManager<P> {
                     bytes += storage.block_layer_bytes(b, layer)?;
                 }
             }
-            match per_form.iter_mut().find(|(f, _)| *f == spec.form) {
+            match per_form.iter_mut().find(|(f, _)| *f == spec.key) {
                 Some((_, b)) => *b += bytes,
-                None => per_form.push((spec.form, bytes)),
+                None => per_form.push((spec.key, bytes)),
             }
         }
         Ok(per_form)

@@ -11,19 +11,40 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
     CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, QuantizeOptions,
-    ScrubStats,
+    Quantizer, ScrubStats,
 };
 
 use crate::error::{PagedCacheError, Result};
 use crate::pool::BlockId;
 
-/// The stored form and width of one layer's K and V rows.
+/// The stored forms and width of one layer's K and V rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LayerSpec {
-    /// Form of both K and V rows (must be [row-local](CacheForm::is_row_local)).
-    pub form: CacheForm,
+    /// Form of the K rows (must be [row-local](CacheForm::is_row_local)).
+    pub key: CacheForm,
+    /// Form of the V rows (must be row-local).
+    pub value: CacheForm,
     /// Channels per token (`kv_heads × head_dim`).
     pub channels: usize,
+}
+
+impl LayerSpec {
+    /// One form for keys and values.
+    pub fn uniform(form: CacheForm, channels: usize) -> Self {
+        Self {
+            key: form,
+            value: form,
+            channels,
+        }
+    }
+
+    /// The form of `part`.
+    pub fn form(&self, part: KvPart) -> CacheForm {
+        match part {
+            KvPart::Keys => self.key,
+            KvPart::Values => self.value,
+        }
+    }
 }
 
 /// K or V.
@@ -80,23 +101,17 @@ impl BlockStorage {
                 reason: "block storage needs at least one layer".into(),
             });
         }
-        if let Some(l) = layers.iter().find(|l| !l.form.is_row_local()) {
-            return Err(PagedCacheError::InvalidParameter {
-                name: "form",
-                reason: format!(
-                    "{} shares scales across tokens; paged blocks are written one token at a \
-                     time and need a per-token form (fp16, fp8-e4m3-tok, int8, int4-g64, \
-                     int4+secded84, …)",
-                    l.form
-                ),
-            });
+        for form in layers.iter().flat_map(|l| [l.key, l.value]) {
+            check_pageable(&form)?;
         }
         let template = BlockData {
             layers: layers
                 .iter()
                 .map(|l| {
-                    let store = KvStore::zeroed(l.form, block_size, l.channels)?;
-                    Ok([store.clone(), store])
+                    Ok([
+                        KvStore::zeroed(l.key, block_size, l.channels)?,
+                        KvStore::zeroed(l.value, block_size, l.channels)?,
+                    ])
                 })
                 .collect::<Result<_>>()?,
         };
@@ -170,10 +185,10 @@ impl BlockStorage {
         }
         // Quantize both rows before storing either, so a refused row
         // changes nothing, and outside the block's lock.
-        let form = self.layers[layer].form;
+        let spec = self.layers[layer];
         let options = QuantizeOptions::default();
-        let k_row = KvStore::quantize_with(form, keys, 1, channels, options)?;
-        let v_row = KvStore::quantize_with(form, values, 1, channels, options)?;
+        let k_row = KvStore::quantize_with(spec.key, keys, 1, channels, options)?;
+        let v_row = KvStore::quantize_with(spec.value, values, 1, channels, options)?;
         let mut data = self.block(block)?;
         let [k, v] = &mut data.layers[layer];
         k.copy_rows_from(offset, &k_row)?;
@@ -208,11 +223,11 @@ impl BlockStorage {
     pub fn restore(&self, block: BlockId, data: BlockData) -> Result<()> {
         let mut slot = self.block(block)?;
         if data.layers.len() != slot.layers.len()
-            || data
-                .layers
-                .iter()
-                .zip(&slot.layers)
-                .any(|(a, b)| a[0].form() != b[0].form() || a[0].channels() != b[0].channels())
+            || data.layers.iter().zip(&slot.layers).any(|(a, b)| {
+                a.iter()
+                    .zip(b)
+                    .any(|(a, b)| a.form() != b.form() || a.channels() != b.channels())
+            })
         {
             return Err(PagedCacheError::InvalidParameter {
                 name: "block data",
@@ -288,21 +303,49 @@ impl BlockStorage {
     }
 }
 
+/// Refuses forms a block cannot hold: forms that share scales across
+/// tokens (blocks are written a token at a time), and forms that need
+/// fitted data (codebooks, bases) the storage does not carry.
+pub fn check_pageable(form: &CacheForm) -> Result<()> {
+    let q = form.quantizer();
+    let reason = if !form.is_row_local() {
+        "shares scales across tokens (or keeps exact sink/window tokens); paged blocks are \
+         written one token at a time and need a per-token form (fp16, fp8-e4m3-tok, int8, \
+         int4, int4-g64, int4+secded84, …)"
+    } else if matches!(q, Quantizer::LowRank(_)) {
+        "is a low-rank form: its coefficients and bases live in kv-lowrank stores, not blocks"
+    } else if q.needs_codebook() {
+        "needs a fitted codebook, which block storage does not carry"
+    } else {
+        return Ok(());
+    };
+    Err(PagedCacheError::InvalidParameter {
+        name: "form",
+        reason: format!("{form} {reason}"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn shared_scale_forms_and_bad_rows_are_refused() {
-        let spec = |s: &str| LayerSpec {
-            form: s.parse().unwrap(),
-            channels: 8,
-        };
+        let spec = |s: &str| LayerSpec::uniform(s.parse().unwrap(), 8);
         assert!(matches!(
             BlockStorage::new(2, 4, &[spec("fp8-e4m3")]),
             Err(PagedCacheError::InvalidParameter { name: "form", .. })
         ));
         assert!(BlockStorage::new(2, 4, &[]).is_err());
+        for refused in ["int4-ch", "int4+sink4", "vq", "pca-r4"] {
+            assert!(
+                matches!(
+                    BlockStorage::new(2, 4, &[spec(refused)]),
+                    Err(PagedCacheError::InvalidParameter { name: "form", .. })
+                ),
+                "{refused}"
+            );
+        }
         let storage = BlockStorage::new(2, 4, &[spec("int4+secded84")]).unwrap();
         let row = [0.25f32; 8];
         assert!(matches!(

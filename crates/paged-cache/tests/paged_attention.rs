@@ -47,8 +47,9 @@ fn build(form: CacheForm, bs: usize, channels: usize, lens: &[usize], shuffle: u
         s ^= s << 17;
         order.swap(i, (s % (i as u64 + 1)) as usize);
     }
-    let storage =
-        Arc::new(BlockStorage::new(order.len(), bs, &[LayerSpec { form, channels }]).unwrap());
+    let storage = Arc::new(
+        BlockStorage::new(order.len(), bs, &[LayerSpec::uniform(form, channels)]).unwrap(),
+    );
     let mut next = 0;
     let mut tables = Vec::new();
     let mut data = Vec::new();

@@ -22,10 +22,7 @@ const P: f64 = 4e-3;
 
 /// A cache with one sequence filling every block, in SECDED-protected INT4.
 fn filled() -> (KvCacheManager<HashPrefixCache>, Arc<BlockStorage>) {
-    let layers = [LayerSpec {
-        form: "int4-g32+secded84".parse().unwrap(),
-        channels: CH,
-    }];
+    let layers = [LayerSpec::uniform("int4-g32+secded84".parse().unwrap(), CH)];
     let storage = Arc::new(BlockStorage::new(BLOCKS, BS, &layers).unwrap());
     let config = CacheConfig {
         num_blocks: BLOCKS,

@@ -118,7 +118,7 @@ struct Harness<P: PrefixCache> {
 impl<P: PrefixCache> Harness<P> {
     fn new(prefix: P, layer0: &str) -> Self {
         let forms = [layer0.parse().unwrap(), PROTECTED.parse().unwrap()];
-        let layers = forms.map(|form| LayerSpec { form, channels: CH });
+        let layers = forms.map(|form| LayerSpec::uniform(form, CH));
         let storage = Arc::new(BlockStorage::new(BLOCKS, BS, &layers).unwrap());
         let config = CacheConfig {
             num_blocks: BLOCKS,
