@@ -15,6 +15,8 @@
 //!   per layer; [`Scrubber`] scrubs protected blocks on a background thread.
 //! - [`PageTable`] (CSR, FlashInfer's layout), [`PagedKv`] and
 //!   [`paged_decode`]: attention read through pages.
+//! - [`PagedBackend`]: one sequence's paged cache as an
+//!   [`attention::KvBackend`], the cache a model's forward pass runs on.
 //! - [`scheduler`]: a continuous-batching simulation with preemption by
 //!   recompute or swap, and its report (`paged-cache simulate`).
 //!
@@ -37,6 +39,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod backend;
 mod error;
 mod hash;
 mod manager;
@@ -48,6 +51,7 @@ pub mod scheduler;
 mod scrub;
 mod storage;
 
+pub use backend::{PagedBackend, PagedReadStats};
 pub use error::{PagedCacheError, Result};
 pub use hash::{BlockHash, HashPrefixCache};
 pub use manager::{CacheConfig, KvCacheManager, ManagerStats, SeqId};

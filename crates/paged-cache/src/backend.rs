@@ -1,0 +1,233 @@
+//! [`PagedBackend`]: one sequence's KV cache on paged blocks, as an
+//! [`attention::KvBackend`] a model's forward pass can run on.
+//!
+//! A step's tokens get their slots when the step begins (blocks taken from
+//! the pool, a shared block copied first); each token's K and V rows are
+//! quantised and encoded once, when written, into their slot in the layer's
+//! forms ([`BlockStorage`]); attention reads the sequence's pages through
+//! [`PagedKv`] and the attention crate's blockwise kernels. A rolled-back
+//! step gives its slots back (blocks left empty return to the pool).
+
+use std::sync::Arc;
+
+use attention::{
+    Attention, AttentionOutput, KvBackend, Mask, ModelKvShape, StepRows, check_fit,
+};
+use kv_quant::KvDecodeStats;
+
+use crate::error::{PagedCacheError, Result};
+use crate::manager::{CacheConfig, KvCacheManager, SeqId};
+use crate::page_table::{PageTable, PagedKv};
+use crate::prefix::{NoPrefixCache, PrefixCache};
+use crate::storage::{BlockStorage, KvPart, LayerSpec};
+
+/// Decode statistics of everything a [`PagedBackend`]'s attention read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PagedReadStats {
+    /// Key tiles.
+    pub keys: KvDecodeStats,
+    /// Value tiles.
+    pub values: KvDecodeStats,
+}
+
+/// One sequence's paged, encoded KV cache (see the module docs).
+#[derive(Debug)]
+pub struct PagedBackend<P: PrefixCache = NoPrefixCache> {
+    manager: KvCacheManager<P>,
+    storage: Arc<BlockStorage>,
+    seq: Option<SeqId>,
+    tokens: usize,
+    step: StepRows,
+    stats: PagedReadStats,
+}
+
+impl PagedBackend<NoPrefixCache> {
+    /// A cache of `num_blocks` blocks of `block_size` tokens holding `layers`
+    /// (each layer's key and value forms must be
+    /// [pageable](crate::check_pageable)).
+    pub fn new(layers: &[LayerSpec], block_size: usize, num_blocks: usize) -> Result<Self> {
+        Self::with_prefix_cache(layers, block_size, num_blocks, NoPrefixCache)
+    }
+}
+
+impl<P: PrefixCache> PagedBackend<P> {
+    /// [`new`](PagedBackend::new) with a prefix cache.
+    pub fn with_prefix_cache(
+        layers: &[LayerSpec],
+        block_size: usize,
+        num_blocks: usize,
+        prefix: P,
+    ) -> Result<Self> {
+        let storage = Arc::new(BlockStorage::new(num_blocks, block_size, layers)?);
+        let config = CacheConfig {
+            num_blocks,
+            block_size,
+            host_blocks: 0,
+        };
+        Ok(Self {
+            manager: KvCacheManager::with_storage(config, prefix, storage.clone())?,
+            storage,
+            seq: None,
+            tokens: 0,
+            step: StepRows::new(layers.len()),
+            stats: PagedReadStats::default(),
+        })
+    }
+
+    /// The block manager (pool, tables, statistics).
+    pub fn manager(&self) -> &KvCacheManager<P> {
+        &self.manager
+    }
+
+    /// The blocks' bytes.
+    pub fn storage(&self) -> &Arc<BlockStorage> {
+        &self.storage
+    }
+
+    /// The sequence, once a step has begun.
+    pub fn sequence(&self) -> Option<SeqId> {
+        self.seq
+    }
+
+    /// Decode statistics of every attention read so far.
+    pub fn read_stats(&self) -> PagedReadStats {
+        self.stats
+    }
+
+    /// Bytes held by the sequence's blocks (K and V of every layer), counted
+    /// from the stores' buffers.
+    pub fn stored_bytes(&self) -> Result<usize> {
+        let blocks = match self.seq {
+            Some(seq) => self.manager.block_table(seq)?.len(),
+            None => 0,
+        };
+        let per_block = (0..self.storage.layers().len())
+            .map(|l| self.storage.layer_block_bytes(l))
+            .sum::<Result<usize>>()?;
+        Ok(blocks * per_block)
+    }
+
+    fn layer_spec(&self, layer: usize) -> Result<&LayerSpec> {
+        self.storage
+            .layers()
+            .get(layer)
+            .ok_or_else(|| PagedCacheError::InvalidParameter {
+                name: "layer",
+                reason: format!("layer {layer} of {}", self.storage.layers().len()),
+            })
+    }
+}
+
+impl<P: PrefixCache> KvBackend for PagedBackend<P> {
+    type Error = PagedCacheError;
+
+    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<()> {
+        let layers = self.storage.layers();
+        let channels = layers[0].channels;
+        if layers.iter().any(|l| l.channels != channels) {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "layers",
+                reason: "a model's layers share one K/V width".into(),
+            });
+        }
+        Ok(check_fit(layers.len(), channels, model)?)
+    }
+
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    fn begin(&mut self, tokens: &[u32]) -> Result<()> {
+        self.step.begin(tokens.len())?;
+        let reserved = match self.seq {
+            None => self.manager.add_sequence(tokens, 0).map(|(seq, _)| {
+                self.seq = Some(seq);
+            }),
+            Some(seq) => self.manager.append(seq, tokens),
+        };
+        if reserved.is_err() {
+            self.step.discard();
+        }
+        reserved
+    }
+
+    fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let channels = self.layer_spec(layer)?.channels;
+        let rows = self.step.check_append(layer, channels, keys, values)?;
+        let Some(seq) = self.seq else {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "step",
+                reason: "no sequence yet (begin a step first)".into(),
+            });
+        };
+        let first = self.tokens + self.step.pending(layer);
+        for (i, (k, v)) in keys
+            .chunks_exact(channels)
+            .zip(values.chunks_exact(channels))
+            .enumerate()
+        {
+            self.manager.write_kv(seq, first + i, layer, k, v)?;
+            self.step.appended(layer, 1);
+        }
+        debug_assert_eq!(self.step.pending(layer), first - self.tokens + rows);
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        layer: usize,
+        attention: &Attention,
+        queries: &[f32],
+        positions: &[usize],
+        mask: &Mask<'_>,
+    ) -> Result<AttentionOutput> {
+        self.layer_spec(layer)?;
+        let Some(seq) = self.seq else {
+            return Err(attention::AttentionError::EmptyCache.into());
+        };
+        // The layer sees its committed rows and the rows it appended in
+        // this step, like every other backend.
+        let visible = self.tokens + self.step.pending(layer);
+        let bs = self.storage.block_size();
+        let blocks = &self.manager.block_table(seq)?[..visible.div_ceil(bs)];
+        let table = PageTable::from_tables(&[(blocks, visible)], bs)?;
+        let keys = PagedKv::new(&self.storage, &table, 0, layer, KvPart::Keys)?;
+        let values = PagedKv::new(&self.storage, &table, 0, layer, KvPart::Values)?;
+        let out = attention.prefill(queries, positions, &keys, &values, mask)?;
+        self.stats.keys += out.stats.keys;
+        self.stats.values += out.stats.values;
+        Ok(out)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        match self.step.close() {
+            Ok(n) => {
+                self.tokens += n;
+                Ok(())
+            }
+            Err(e) => {
+                self.rollback();
+                Err(e.into())
+            }
+        }
+    }
+
+    fn rollback(&mut self) {
+        let Some(n) = self.step.open() else {
+            return;
+        };
+        self.step.discard();
+        let Some(seq) = self.seq else {
+            return;
+        };
+        // The sequence is resident and holds the step's `n` tokens after
+        // the committed ones, so neither call can fail.
+        let undone = if self.tokens == 0 {
+            self.seq = None;
+            self.manager.free(seq)
+        } else {
+            self.manager.truncate(seq, n)
+        };
+        debug_assert!(undone.is_ok(), "{undone:?}");
+    }
+}
