@@ -1,10 +1,140 @@
-//! [`Adapted`]: any [`KvBackend`] whose errors convert into [`EvalError`],
-//! seen by the forward passes as a [`ModelCache`](crate::model::ModelCache)
-//! (the f32 oracle [`attention::DenseBackend`], for one).
+//! The KV backends a model can run on ([`BackendKind`]: the f32 oracle, the
+//! paper's re-encode protocol, the paged cache), and [`Adapted`]: any
+//! [`KvBackend`] whose errors convert into [`EvalError`], seen by the
+//! forward passes as a [`ModelCache`](crate::model::ModelCache).
 
 use attention::{Attention, AttentionOutput, KvBackend, Mask, ModelKvShape};
+use paged_cache::{LayerSpec, PagedBackend};
 
+use crate::cache::{CacheMode, CacheStats, FaultSpec};
 use crate::error::{EvalError, Result};
+use crate::model::CausalLm;
+
+/// Which KV backend a run uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// f32 rows as computed ([`attention::DenseBackend`]): `plain` only.
+    Dense,
+    /// The paper's protocol ([`KvCache`](crate::cache::KvCache)): each
+    /// forward call quantises, encodes and faults the layer's whole window.
+    #[default]
+    Reencode,
+    /// The paged cache ([`PagedBackend`]): each token encoded once, when
+    /// written, into a block of `block_size` tokens.
+    Paged {
+        /// Tokens per block.
+        block_size: usize,
+    },
+}
+
+impl BackendKind {
+    /// Refuses, before any work, what this backend cannot run: the dense
+    /// backend anything but `plain` without faults; the paged backend
+    /// per-call faults, blocks of no token and forms a block cannot hold.
+    pub fn check(&self, mode: &CacheMode, faults: Option<FaultSpec>) -> Result<()> {
+        let faulted = faults.is_some_and(|f| f.ber > 0.0);
+        match *self {
+            Self::Reencode => Ok(()),
+            Self::Dense if *mode == CacheMode::Plain && !faulted => Ok(()),
+            Self::Dense => Err(EvalError::InvalidParameter {
+                name: "backend",
+                reason: "the dense backend holds f32 rows: it runs `plain` without faults".into(),
+            }),
+            Self::Paged { .. } if faulted => Err(EvalError::InvalidParameter {
+                name: "backend",
+                reason: "the paged backend takes no per-call faults: faults in a paged cache \
+                         accumulate over decode steps (`kv-eval generate --ber-per-step`); the \
+                         paper's per-call protocol is `--backend reencode`"
+                    .into(),
+            }),
+            Self::Paged { block_size: 0 } => Err(EvalError::InvalidParameter {
+                name: "block-size",
+                reason: "blocks hold at least one token".into(),
+            }),
+            Self::Paged { .. } => {
+                for (form, _) in mode.forms() {
+                    paged_cache::check_pageable(&form)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The command-line name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Dense => "dense",
+            Self::Reencode => "reencode",
+            Self::Paged { .. } => "paged",
+        }
+    }
+}
+
+/// A paged backend for one sequence of up to `tokens` tokens of `model`,
+/// in `mode`'s forms per layer (`plain` keeps `fp32` rows). Refuses faults
+/// (the paged cache's faults accumulate over steps; the per-call protocol
+/// is the re-encode backend's) and forms a block cannot hold, before any
+/// work.
+pub fn paged_backend(
+    model: &dyn CausalLm,
+    mode: &CacheMode,
+    faults: Option<FaultSpec>,
+    block_size: usize,
+    tokens: usize,
+) -> Result<PagedBackend> {
+    BackendKind::Paged { block_size }.check(mode, faults)?;
+    let channels = model.kv_channels();
+    let specs: Vec<LayerSpec> = match mode {
+        CacheMode::Plain => vec![LayerSpec::uniform("fp32".parse()?, channels); model.layers()],
+        CacheMode::Stored(s) => s
+            .layers
+            .resolve(model.layers())?
+            .into_iter()
+            .map(|(key, value)| LayerSpec {
+                key,
+                value,
+                channels,
+            })
+            .collect(),
+    };
+    Ok(PagedBackend::new(
+        &specs,
+        block_size,
+        tokens.div_ceil(block_size).max(1),
+    )?)
+}
+
+/// The statistics of a paged backend that held `tokens` tokens, in the
+/// re-encode backend's terms: decode statistics, and the bytes of the
+/// blocks the sequence holds (the last block counted whole).
+pub fn paged_stats(
+    backend: &PagedBackend,
+    model: &dyn CausalLm,
+    tokens: usize,
+) -> Result<CacheStats> {
+    let read = backend.read_stats();
+    let storage = backend.storage();
+    let blocks = match backend.sequence() {
+        Some(seq) => backend.manager().block_table(seq)?.len(),
+        None => 0,
+    };
+    let mut part_bytes = [0u64; 2];
+    for (layer, spec) in storage.layers().iter().enumerate() {
+        let both = storage.layer_block_bytes(layer)?;
+        let key = kv_quant::KvStore::zeroed(spec.key, storage.block_size(), spec.channels)?
+            .stored_bytes();
+        part_bytes[0] += (blocks * key) as u64;
+        part_bytes[1] += (blocks * (both - key)) as u64;
+    }
+    Ok(CacheStats {
+        keys: read.keys,
+        values: read.values,
+        stored_bytes: part_bytes[0] + part_bytes[1],
+        stored_values: 2 * (tokens * model.kv_channels() * model.layers()) as u64,
+        part_bytes,
+        ..CacheStats::default()
+    })
+}
 
 /// A backend with its errors converted into this crate's.
 #[derive(Debug)]

@@ -63,6 +63,9 @@ pub enum EvalError {
     /// The attention kernel refused its input.
     #[error(transparent)]
     Attention(#[from] attention::AttentionError),
+    /// The paged cache refused a form, a shape or a step.
+    #[error(transparent)]
+    Paged(#[from] paged_cache::PagedCacheError),
     /// A fault channel could not be built.
     #[error(transparent)]
     Channel(#[from] gf2_codes::Gf2Error),

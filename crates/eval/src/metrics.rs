@@ -9,6 +9,9 @@ use std::time::Instant;
 use rayon::prelude::*;
 use serde::Serialize;
 
+use attention::DenseBackend;
+
+use crate::backend::{Adapted, BackendKind, paged_backend, paged_stats};
 use crate::cache::{CacheMode, CacheStats, FaultSpec, KvCache};
 use crate::error::{EvalError, Result};
 use crate::model::CausalLm;
@@ -105,9 +108,20 @@ pub struct RunConfig {
     pub mode: CacheMode,
     /// Faults injected into the stores (none when `None` or at BER 0).
     pub faults: Option<FaultSpec>,
+    /// The KV backend the model runs on.
+    pub backend: BackendKind,
 }
 
 impl RunConfig {
+    /// `mode` with `faults` on the re-encode backend (the paper's protocol).
+    pub fn new(mode: CacheMode, faults: Option<FaultSpec>) -> Self {
+        Self {
+            mode,
+            faults,
+            backend: BackendKind::Reencode,
+        }
+    }
+
     /// Whether this is the unquantised, fault-free plain pass.
     pub fn is_clean_plain(&self) -> bool {
         self.mode == CacheMode::Plain && self.faults.is_none_or(|f| f.ber == 0.0)
@@ -318,6 +332,41 @@ fn kl(p: &[f32], lp: f64, probs: &[f32], q: &[f32], lq: f64) -> f64 {
     (dot + (lq - lp) * mass).max(0.0)
 }
 
+/// Runs one window of `run` from a fresh cache on its backend: the logits
+/// from `logits_from` on and the cache's statistics.
+fn run_window(
+    model: &dyn CausalLm,
+    run: &RunConfig,
+    input: &[u32],
+    logits_from: usize,
+    window: usize,
+) -> Result<(Vec<f32>, CacheStats)> {
+    match run.backend {
+        BackendKind::Reencode => {
+            let mut cache = KvCache::new(run.mode.clone(), run.faults, window as u64)?;
+            let logits = model.forward(input, &mut cache, logits_from)?;
+            Ok((logits, cache.stats().clone()))
+        }
+        BackendKind::Dense => {
+            run.backend.check(&run.mode, run.faults)?;
+            let mut cache = Adapted(DenseBackend::new());
+            let logits = model.forward(input, &mut cache, logits_from)?;
+            Ok((logits, CacheStats::default()))
+        }
+        BackendKind::Paged { block_size } => {
+            let mut cache = Adapted(paged_backend(
+                model,
+                &run.mode,
+                run.faults,
+                block_size,
+                input.len(),
+            )?);
+            let logits = model.forward(input, &mut cache, logits_from)?;
+            Ok((logits, paged_stats(&cache.0, model, input.len())?))
+        }
+    }
+}
+
 /// Evaluates every configuration over the windows of `tokens`, calling
 /// `progress(windows_done, windows_total)` after each window.
 pub fn evaluate(
@@ -369,11 +418,10 @@ pub fn evaluate(
                 }
                 _ => {
                     let started = Instant::now();
-                    let mut cache = KvCache::new(run.mode.clone(), run.faults, w as u64)?;
-                    let logits =
-                        model.forward(&input[..win.len - 1], &mut cache, win.first_scored)?;
+                    let (logits, stats) =
+                        run_window(model, run, &input[..win.len - 1], win.first_scored, w)?;
                     s.seconds += started.elapsed().as_secs_f64();
-                    s.stats += cache.stats().clone();
+                    s.stats += stats;
                     let facts: Vec<Row> = logits.par_chunks(vocab).map(row_facts).collect();
                     owned = (logits, facts);
                     (&owned.0, &owned.1)

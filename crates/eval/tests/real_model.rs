@@ -184,10 +184,7 @@ fn incremental_equals_batched_and_fp32_form_equals_plain() {
 fn clean_perplexity_matches_llama_perplexity() {
     let Some((model, tok)) = load() else { return };
     let Some(ids) = corpus(&tok) else { return };
-    let plain = RunConfig {
-        mode: CacheMode::Plain,
-        faults: None,
-    };
+    let plain = RunConfig::new(CacheMode::Plain, None);
     let m = evaluate(&model, &ids, 256, PplMethod::LlamaCpp, &[plain], |_, _| {})
         .unwrap()
         .remove(0);
@@ -229,14 +226,11 @@ fn full_rank_pca_reproduces_the_plain_perplexity() {
     .unwrap();
     assert_eq!(model.head_dim(), 64);
     let runs = [
-        RunConfig {
-            mode: CacheMode::Plain,
-            faults: None,
-        },
-        RunConfig {
-            mode: CacheMode::form(form).with_calibration(Some(std::sync::Arc::new(cal))),
-            faults: None,
-        },
+        RunConfig::new(CacheMode::Plain, None),
+        RunConfig::new(
+            CacheMode::form(form).with_calibration(Some(std::sync::Arc::new(cal))),
+            None,
+        ),
     ];
     let m = evaluate(
         &model,

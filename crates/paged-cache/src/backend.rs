@@ -10,9 +10,7 @@
 
 use std::sync::Arc;
 
-use attention::{
-    Attention, AttentionOutput, KvBackend, Mask, ModelKvShape, StepRows, check_fit,
-};
+use attention::{Attention, AttentionOutput, KvBackend, Mask, ModelKvShape, StepRows, check_fit};
 use kv_quant::KvDecodeStats;
 
 use crate::error::{PagedCacheError, Result};

@@ -111,7 +111,10 @@ fn encoded_pages_equal_the_same_form_stored_whole() {
         }
         assert_eq!(got[l].len(), want.len());
         for (a, b) in got[l].iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "layer {l}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "layer {l}: {a} vs {b}"
+            );
         }
     }
     let stats = paged.read_stats();

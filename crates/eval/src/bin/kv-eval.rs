@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use kv_eval::backend::BackendKind;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
 use kv_eval::calibration::{Calibration, CalibrationRows, Part};
 use kv_eval::frontier::{FrontierPoint, FrontierReport, LOWRANK_PRESET, PRESET};
@@ -96,6 +97,39 @@ struct Calib {
     calib_ctx: usize,
 }
 
+/// The KV backend a run uses.
+#[derive(clap::Args, Clone, Copy)]
+struct BackendArgs {
+    /// KV backend: `reencode` (the paper's protocol: each forward call
+    /// quantises, encodes and faults the whole window), `paged` (each token
+    /// encoded once, when written, into a paged block) or `dense` (f32 rows,
+    /// `plain` only).
+    #[arg(long, value_enum, default_value_t = Backend::Reencode)]
+    backend: Backend,
+    /// Tokens per block of the paged backend.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Backend {
+    Dense,
+    Reencode,
+    Paged,
+}
+
+impl BackendArgs {
+    fn kind(self) -> BackendKind {
+        match self.backend {
+            Backend::Dense => BackendKind::Dense,
+            Backend::Reencode => BackendKind::Reencode,
+            Backend::Paged => BackendKind::Paged {
+                block_size: self.block_size,
+            },
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Preset {
     Frontier,
@@ -135,6 +169,8 @@ enum Command {
         forms: Forms,
         #[command(flatten)]
         calib: Calib,
+        #[command(flatten)]
+        backend: BackendArgs,
         /// Bit error rate of the fault channel.
         #[arg(long, default_value_t = 0.0)]
         ber: f64,
@@ -510,6 +546,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             source,
             forms,
             calib,
+            backend,
             ber,
             channel,
             target,
@@ -520,6 +557,13 @@ fn run(cli: Cli) -> Result<(), Error> {
             let mode = mode_of(&forms)?;
             check_segments(&mode, source.ctx)?;
             let channel: ChannelKind = channel.parse()?;
+            let faults = FaultSpec {
+                channel,
+                ber,
+                seed,
+                target: target.into(),
+            };
+            backend.kind().check(&mode, Some(faults))?;
             if ber > 0.0 && mode == CacheMode::Plain {
                 return Err(
                     "faults need a stored form: pass --form (fp32, int4+secded84, ...)".into(),
@@ -542,14 +586,11 @@ fn run(cli: Cli) -> Result<(), Error> {
             let label = mode.label();
             let run = RunConfig {
                 mode,
-                faults: Some(FaultSpec {
-                    channel,
-                    ber,
-                    seed,
-                    target: target.into(),
-                }),
+                faults: Some(faults),
+                backend: backend.kind(),
             };
             let bar = progress_bar(&label);
+            eprintln!("backend: {}", backend.kind().name());
             let m = evaluate(
                 model.as_ref(),
                 &tokens,
@@ -572,6 +613,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     "value_form": forms.value_form.as_deref().unwrap_or(&forms.form),
                     "layer_forms": forms.layer_forms, "ber": ber,
                     "channel": channel.name(), "seed": seed,
+                    "backend": backend.kind().name(),
                     "ppl": m.ppl, "nll_mean": m.nll_mean, "tokens_scored": m.tokens_scored,
                     "bits_per_value": m.stats.bits_per_value,
                     "key_bits_per_value": m.stats.key_bits_per_value,
@@ -620,24 +662,21 @@ fn run(cli: Cli) -> Result<(), Error> {
                 .map(|m| m.with_calibration(cal.clone()))
                 .collect();
             // The oracle first, then every (form, BER, seed); BER 0 needs one seed.
-            let mut runs = vec![RunConfig {
-                mode: CacheMode::Plain,
-                faults: None,
-            }];
+            let mut runs = vec![RunConfig::new(CacheMode::Plain, None)];
             let mut keys = Vec::new();
             for (form, mode) in forms.iter().zip(&modes) {
                 for &ber in &bers {
                     let used: &[u64] = if ber == 0.0 { &seeds[..1] } else { &seeds };
                     for &seed in used {
-                        runs.push(RunConfig {
-                            mode: mode.clone(),
-                            faults: Some(FaultSpec {
+                        runs.push(RunConfig::new(
+                            mode.clone(),
+                            Some(FaultSpec {
                                 channel,
                                 ber,
                                 seed,
                                 target: target.into(),
                             }),
-                        });
+                        ));
                         keys.push((form.clone(), ber, seed));
                     }
                 }
@@ -747,14 +786,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 points: Vec::new(),
             };
             for &ctx in &contexts {
-                let mut runs = vec![RunConfig {
-                    mode: CacheMode::Plain,
-                    faults: None,
-                }];
-                runs.extend(modes.iter().map(|m| RunConfig {
-                    mode: m.clone(),
-                    faults: None,
-                }));
+                let mut runs = vec![RunConfig::new(CacheMode::Plain, None)];
+                runs.extend(modes.iter().map(|m| RunConfig::new(m.clone(), None)));
                 let bar = progress_bar(&format!("frontier at {ctx}"));
                 let mut metrics = evaluate(
                     model.as_ref(),
