@@ -583,6 +583,15 @@ impl KvCache {
         &self.stats
     }
 
+    /// Bytes of the f32 rows held between calls (every call encodes them
+    /// anew into the stores it attends).
+    pub fn held_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|(k, v)| 4 * (k.len() + v.len()) as u64)
+            .sum()
+    }
+
     /// The storage mode.
     pub fn mode(&self) -> &CacheMode {
         &self.mode

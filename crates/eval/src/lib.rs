@@ -11,6 +11,7 @@ pub mod backend;
 pub mod cache;
 pub mod calibration;
 pub mod frontier;
+pub mod generate;
 pub mod gpt2;
 pub mod hf;
 pub mod lowrank_report;

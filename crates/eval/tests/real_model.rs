@@ -251,3 +251,30 @@ fn full_rank_pca_reproduces_the_plain_perplexity() {
     assert!(change.abs() < 1e-3, "{change}");
     assert!(m[1].stats.certificates.iter().any(|c| c.count > 0));
 }
+
+#[test]
+fn greedy_generation_starts_paris_on_every_backend() {
+    use kv_eval::backend::BackendKind;
+    use kv_eval::generate::{GenerateConfig, Sampling, generate};
+    let Some((model, tok)) = load() else { return };
+    let ids = tok.encode("The capital of France is").unwrap();
+    for (backend, form) in [
+        (BackendKind::Dense, "plain"),
+        (BackendKind::Reencode, "plain"),
+        (BackendKind::Paged { block_size: 16 }, "plain"),
+        (BackendKind::Paged { block_size: 16 }, "int4+secded84"),
+    ] {
+        let config = GenerateConfig {
+            mode: CacheMode::parse(form).unwrap(),
+            backend,
+            context: 64,
+            max_new: 4,
+            sampling: Sampling::default(),
+            faults: None,
+        };
+        let g = generate(&model, &ids, &config, |_| Ok(())).unwrap();
+        assert_eq!(g.tokens.len(), 4);
+        let text = tok.decode(&g.tokens).unwrap();
+        assert!(text.starts_with(" Paris"), "{backend:?} {form}: {text:?}");
+    }
+}

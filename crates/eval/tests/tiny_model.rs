@@ -368,3 +368,83 @@ fn token_by_token_on_pages_equals_the_batched_pass() {
     ));
     assert_eq!(cache.tokens(), toks.len());
 }
+
+#[test]
+fn generation_refuses_bad_input_before_any_work() {
+    use kv_eval::backend::BackendKind;
+    use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
+    let m = model();
+    let good = GenerateConfig {
+        mode: form("int4+secded84"),
+        backend: BackendKind::Paged { block_size: 16 },
+        context: 32,
+        max_new: 8,
+        sampling: Sampling::default(),
+        faults: None,
+    };
+    let called = std::cell::Cell::new(0);
+    let count = |_| {
+        called.set(called.get() + 1);
+        Ok(())
+    };
+    let g = generate(&m, &tokens(5), &good, count).unwrap();
+    assert_eq!((g.tokens.len(), called.get()), (8, 8));
+    // The context bounds prompt and continuation.
+    let long = generate(&m, &tokens(30), &good, |_| Ok(())).unwrap();
+    assert_eq!(long.tokens.len(), 3);
+    let sampled = |temperature, top_p| GenerateConfig {
+        sampling: Sampling {
+            temperature,
+            top_p,
+            seed: 1,
+        },
+        ..good.clone()
+    };
+    let bad = [
+        (tokens(33), good.clone(), "prompt"),
+        (vec![], good.clone(), "prompt"),
+        (tokens(5), sampled(-0.1, 1.0), "temperature"),
+        (tokens(5), sampled(f64::NAN, 1.0), "temperature"),
+        (tokens(5), sampled(1.0, 0.0), "top-p"),
+        (tokens(5), sampled(1.0, 1.5), "top-p"),
+        (
+            tokens(5),
+            GenerateConfig {
+                mode: form("int4-ch"),
+                ..good.clone()
+            },
+            "form",
+        ),
+        (
+            tokens(5),
+            GenerateConfig {
+                backend: BackendKind::Reencode,
+                faults: Some(StepFaults {
+                    channel: ChannelKind::Bsc,
+                    ber_per_step: 1e-3,
+                    target: FaultTarget::Values,
+                    seed: 0,
+                    scrub_every: None,
+                }),
+                ..good.clone()
+            },
+            "ber-per-step",
+        ),
+    ];
+    called.set(0);
+    for (prompt, config, name) in bad {
+        match generate(&m, &prompt, &config, count) {
+            Err(EvalError::InvalidParameter { name: n, .. }) => assert_eq!(n, name),
+            Err(EvalError::Paged(paged_cache::PagedCacheError::InvalidParameter {
+                name: n,
+                ..
+            })) => assert_eq!(n, name),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    assert_eq!(called.get(), 0);
+    // Sampling is reproducible from its seed.
+    let a = generate(&m, &tokens(5), &sampled(0.9, 0.8), |_| Ok(())).unwrap();
+    let b = generate(&m, &tokens(5), &sampled(0.9, 0.8), |_| Ok(())).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+}

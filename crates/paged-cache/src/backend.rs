@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use attention::{Attention, AttentionOutput, KvBackend, Mask, ModelKvShape, StepRows, check_fit};
-use kv_quant::KvDecodeStats;
+use gf2_codes::channel::FaultChannel;
+use kv_quant::{FaultTarget, KvDecodeStats, ScrubStats};
 
 use crate::error::{PagedCacheError, Result};
 use crate::manager::{CacheConfig, KvCacheManager, SeqId};
@@ -103,6 +104,48 @@ impl<P: PrefixCache> PagedBackend<P> {
             .map(|l| self.storage.layer_block_bytes(l))
             .sum::<Result<usize>>()?;
         Ok(blocks * per_block)
+    }
+
+    /// Flips bits of every block the sequence holds (every layer, K and V)
+    /// through `channel`: the store of layer `l`, part `p` in the `i`-th
+    /// block of the table draws from its own stream of `seed`. Returns the
+    /// bits flipped.
+    pub fn inject(
+        &self,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<u64> {
+        let Some(seq) = self.seq else { return Ok(0) };
+        let layers = self.storage.layers().len() as u64;
+        let mut flips = 0;
+        for (i, &block) in self.manager.block_table(seq)?.iter().enumerate() {
+            for layer in 0..layers {
+                for (p, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
+                    let stream = (i as u64 * layers + layer) * 2 + p as u64;
+                    let s = seed ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                    flips += self
+                        .storage
+                        .inject(block, layer as usize, part, channel, s, target)?
+                        .total() as u64;
+                }
+            }
+        }
+        Ok(flips)
+    }
+
+    /// Scrubs every block the sequence holds: single-bit errors in
+    /// protected words are rewritten before a second flip can pair up with
+    /// them.
+    pub fn scrub(&self) -> Result<ScrubStats> {
+        let Some(seq) = self.seq else {
+            return Ok(ScrubStats::default());
+        };
+        let mut stats = ScrubStats::default();
+        for &block in self.manager.block_table(seq)? {
+            stats += self.storage.scrub(block)?;
+        }
+        Ok(stats)
     }
 
     fn layer_spec(&self, layer: usize) -> Result<&LayerSpec> {

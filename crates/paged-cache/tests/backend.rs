@@ -185,3 +185,38 @@ fn forms_a_block_cannot_hold_and_other_models_are_refused() {
     let mut paged = PagedBackend::new(&[LayerSpec::uniform(form, ch); 2], BS, 4).unwrap();
     assert!(paged.fit(&model()).is_err());
 }
+
+#[test]
+fn faults_in_resident_blocks_are_seeded_and_scrubbed() {
+    use gf2_codes::channel::BinarySymmetric;
+    use kv_quant::FaultTarget;
+    let ch = shape().kv_channels();
+    let form: CacheForm = "int4+secded84".parse().unwrap();
+    let build = || {
+        let mut b = PagedBackend::new(&[LayerSpec::uniform(form, ch); 3], BS, 8).unwrap();
+        b.fit(&model()).unwrap();
+        drive_ok(&mut b, 40);
+        b
+    };
+    let (a, b) = (build(), build());
+    let channel = BinarySymmetric::new(2e-3).unwrap();
+    let flips = a.inject(&channel, 7, FaultTarget::Values).unwrap();
+    assert_eq!(b.inject(&channel, 7, FaultTarget::Values).unwrap(), flips);
+    assert!(flips > 0);
+    let table = a
+        .manager()
+        .block_table(a.sequence().unwrap())
+        .unwrap()
+        .to_vec();
+    for &block in &table {
+        assert_eq!(
+            a.storage().snapshot(block).unwrap(),
+            b.storage().snapshot(block).unwrap()
+        );
+    }
+    let scrubbed = a.scrub().unwrap();
+    assert!(scrubbed.values.corrected > 0, "{scrubbed:?}");
+    assert!(scrubbed.values.corrected + scrubbed.values.detected <= flips);
+    // What scrubbing corrected stays corrected.
+    assert_eq!(a.scrub().unwrap().values.corrected, 0);
+}
