@@ -59,14 +59,45 @@ pub fn check_inputs(a: &Matrix, b: &Matrix) -> Result<()> {
 pub fn multiply_f32(a: &Matrix, b: &Matrix) -> Matrix {
     let mut out = vec![0.0f32; a.rows * b.cols];
     let dst = MatMut::from_row_major_slice_mut(&mut out, a.rows, b.cols);
-    let lhs = MatRef::from_row_major_slice(&a.data, a.rows, a.cols);
-    let rhs = MatRef::from_row_major_slice(&b.data, b.rows, b.cols);
-    matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
+    matmul(
+        dst,
+        Accum::Replace,
+        a.view(),
+        b.view(),
+        1.0f32,
+        Par::rayon(0),
+    );
     Matrix {
         rows: a.rows,
         cols: b.cols,
         data: out,
     }
+}
+
+/// A linear layer over a batch: `out (=|+=) x · wᵀ`, with `x` holding
+/// `t` rows of `w.cols` inputs and `out` `t` rows of `w.rows` outputs (f32,
+/// faer, all threads). The model's projections run through it, so the GEMMs
+/// this crate checks are the ones a model computes.
+pub fn linear_into(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) -> Result<()> {
+    let t = x.len().checked_div(w.cols).unwrap_or(0);
+    if t * w.cols != x.len() || out.len() != t * w.rows {
+        return Err(AbftError::Shape(format!(
+            "{} inputs and {} outputs for a {}×{} layer",
+            x.len(),
+            out.len(),
+            w.rows,
+            w.cols
+        )));
+    }
+    let dst = MatMut::from_row_major_slice_mut(out, t, w.rows);
+    let lhs = MatRef::from_row_major_slice(x, t, w.cols);
+    let accum = if accumulate {
+        Accum::Add
+    } else {
+        Accum::Replace
+    };
+    matmul(dst, accum, lhs, w.view().transpose(), 1.0f32, Par::rayon(0));
+    Ok(())
 }
 
 /// `C = A·B` under the rounding model above.
@@ -227,6 +258,39 @@ pub fn col_checksums(a: &Matrix, b: &Matrix, c: &Matrix) -> Checksums {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn linear_layers_equal_an_f64_loop_and_refuse_bad_shapes() {
+        let (t, rows, cols) = (5, 7, 11);
+        let w = Matrix::new(
+            rows,
+            cols,
+            (0..rows * cols).map(|i| (i as f32 * 0.37).sin()).collect(),
+        )
+        .unwrap();
+        let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut out = vec![1.0f32; t * rows];
+        linear_into(&mut out, &x, &w, true).unwrap();
+        for r in 0..t {
+            for o in 0..rows {
+                let want: f64 = 1.0
+                    + (0..cols)
+                        .map(|c| f64::from(x[r * cols + c]) * f64::from(w.at(o, c)))
+                        .sum::<f64>();
+                let got = f64::from(out[r * rows + o]);
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{got} vs {want}"
+                );
+            }
+        }
+        assert!(linear_into(&mut out, &x[1..], &w, false).is_err());
+        assert!(linear_into(&mut out[1..], &x, &w, false).is_err());
+        let stacked = Matrix::stack(&[w.clone(), w.clone()]).unwrap();
+        assert_eq!((stacked.rows, stacked.row(rows + 2)), (2 * rows, w.row(2)));
+        assert!(Matrix::stack(&[w.clone(), w.transpose()]).is_err());
+        assert!(Matrix::stack(&[]).is_err());
+    }
 
     #[test]
     fn wide_vector_sums_equal_the_baseline_loops() {

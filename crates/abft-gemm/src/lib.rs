@@ -29,7 +29,7 @@ pub use check::{
     Correction, Verdict, locate_and_correct, verify_cols, verify_rows, verify_rows_sampled,
 };
 pub use error::{AbftError, Result};
-pub use gemm::{Checksums, Product, col_checksums, gemm, row_checksums};
+pub use gemm::{Checksums, Product, col_checksums, gemm, linear_into, row_checksums};
 pub use matrix::{Distribution, Matrix};
 pub use precision::{FlipDirection, Precision, flip_bit};
 pub use threshold::{AAbft, FixedThreshold, Sampling, Stats, Threshold, VAbft, VarianceEstimator};

@@ -2,6 +2,7 @@
 //! design's §5.1: N(1e-6, 1), N(1, 1), U(-1, 1) and N(0, 1) truncated to
 //! [-1, 1], each rounded to a storage precision.
 
+use faer::MatRef;
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -40,6 +41,26 @@ impl Matrix {
     /// Row `r`.
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Stacks matrices with the same column count, one under the other
+    /// (fused projections: Q, K and V as one matrix).
+    pub fn stack(parts: &[Matrix]) -> Result<Self> {
+        let Some(cols) = parts.first().map(|p| p.cols) else {
+            return Err(AbftError::Shape("nothing to stack".into()));
+        };
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(AbftError::Shape(
+                "stacked matrices differ in column count".into(),
+            ));
+        }
+        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        Self::new(parts.iter().map(|p| p.rows).sum(), cols, data)
+    }
+
+    /// A faer view of the values.
+    pub fn view(&self) -> MatRef<'_, f32> {
+        MatRef::from_row_major_slice(&self.data, self.rows, self.cols)
     }
 
     /// The transpose.

@@ -1,7 +1,7 @@
 //! Prints a GGUF file's metadata (arrays abbreviated), its tensors, and the
 //! token ids of a text: `cargo run --release -p kv-eval --example inspect_gguf -- FILE [TEXT]`.
 
-use kv_eval::gguf::{GgufFile, MetaValue};
+use kv_eval::load::gguf::{GgufFile, MetaValue};
 use kv_eval::tokenizer::TextTokenizer;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -1,7 +1,7 @@
 //! Tokenizes a file with a GGUF model's tokenizer and prints the ids as JSON:
 //! `cargo run --release -p kv-eval --example tokenize -- MODEL TEXT`.
 
-use kv_eval::gguf::GgufFile;
+use kv_eval::load::gguf::GgufFile;
 use kv_eval::tokenizer::TextTokenizer;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

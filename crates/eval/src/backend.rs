@@ -1,14 +1,14 @@
 //! The KV backends a model can run on ([`BackendKind`]: the f32 oracle, the
 //! paper's re-encode protocol, the paged cache), and [`Adapted`]: any
 //! [`KvBackend`] whose errors convert into [`EvalError`], seen by the
-//! forward passes as a [`ModelCache`](crate::model::ModelCache).
+//! forward passes as a [`ModelCache`](crate::models::ModelCache).
 
 use attention::{Attention, AttentionOutput, KvBackend, Mask, ModelKvShape};
 use paged_cache::{LayerSpec, PagedBackend};
 
 use crate::cache::{CacheMode, CacheStats, FaultSpec};
 use crate::error::{EvalError, Result};
-use crate::model::CausalLm;
+use crate::models::CausalLm;
 
 /// Which KV backend a run uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -63,6 +63,9 @@ pub enum EvalError {
     /// The attention kernel refused its input.
     #[error(transparent)]
     Attention(#[from] attention::AttentionError),
+    /// A projection's shapes disagree.
+    #[error(transparent)]
+    Gemm(#[from] abft_gemm::AbftError),
     /// The paged cache refused a form, a shape or a step.
     #[error(transparent)]
     Paged(#[from] paged_cache::PagedCacheError),

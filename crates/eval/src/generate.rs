@@ -14,7 +14,7 @@ use paged_cache::PagedBackend;
 use crate::backend::{Adapted, BackendKind, paged_backend};
 use crate::cache::{CacheMode, ChannelKind, KvCache};
 use crate::error::{EvalError, Result};
-use crate::model::CausalLm;
+use crate::models::CausalLm;
 
 /// How tokens are picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -130,7 +130,7 @@ enum GenCache {
 }
 
 impl GenCache {
-    fn model_cache(&mut self) -> &mut crate::model::ModelCache {
+    fn model_cache(&mut self) -> &mut crate::models::ModelCache {
         match self {
             Self::Dense(c) => c,
             Self::Reencode(c) => c.as_mut(),

@@ -3,7 +3,6 @@
 //! and the metrics and BER sweep of the ECC KV-cache paper's section 6.
 
 pub mod error;
-pub mod gguf;
 pub mod tokenizer;
 
 pub use error::{EvalError, Result};
@@ -12,10 +11,9 @@ pub mod cache;
 pub mod calibration;
 pub mod frontier;
 pub mod generate;
-pub mod gpt2;
-pub mod hf;
+pub mod load;
 pub mod lowrank_report;
 pub mod metrics;
-pub mod model;
+pub mod models;
 pub mod paths;
 pub mod sweep;

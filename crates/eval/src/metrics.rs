@@ -14,7 +14,7 @@ use attention::DenseBackend;
 use crate::backend::{Adapted, BackendKind, paged_backend, paged_stats};
 use crate::cache::{CacheMode, CacheStats, FaultSpec, KvCache};
 use crate::error::{EvalError, Result};
-use crate::model::CausalLm;
+use crate::models::CausalLm;
 
 /// How the token stream is cut into windows and which predictions count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 
 use crate::error::{EvalError, Result};
-use crate::gguf::{GgufFile, MetaValue};
+use crate::load::gguf::{GgufFile, MetaValue};
 
 /// A text tokenizer with the vocabulary of a model.
 pub struct TextTokenizer {

@@ -11,7 +11,7 @@ use common::tiny::{LAYERS, model, tokens};
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::calibration::{Calibration, CalibrationRows, Part};
-use kv_eval::model::LlamaModel;
+use kv_eval::models::LlamaModel;
 use kv_quant::{CacheForm, FitOptions};
 
 fn forward(m: &LlamaModel, mode: CacheMode) -> Result<(Vec<f32>, KvCache), EvalError> {

@@ -2,7 +2,7 @@
 //! huge allocation; random corruptions of a valid file never panic.
 
 use kv_eval::EvalError;
-use kv_eval::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_eval::load::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
 use proptest::prelude::*;
 
 fn valid() -> Vec<u8> {

@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use half::f16;
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
-use kv_eval::hf::load_hf;
-use kv_eval::model::{CausalLm, LlamaModel};
+use kv_eval::load::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_eval::load::load_hf;
+use kv_eval::models::{CausalLm, LlamaModel};
 use safetensors::{Dtype, tensor::TensorView};
 
 fn dir(name: &str) -> PathBuf {

@@ -6,9 +6,9 @@
 //! pass, except under `CI=true`, where a missing model is a failure.
 
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::gguf::GgufFile;
+use kv_eval::load::gguf::GgufFile;
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
-use kv_eval::model::LlamaModel;
+use kv_eval::models::LlamaModel;
 use kv_eval::paths;
 use kv_eval::tokenizer::TextTokenizer;
 
@@ -211,7 +211,7 @@ fn clean_perplexity_matches_llama_perplexity() {
 #[test]
 fn full_rank_pca_reproduces_the_plain_perplexity() {
     use kv_eval::calibration::{Calibration, CalibrationRows, Part};
-    use kv_eval::model::CausalLm;
+    use kv_eval::models::CausalLm;
     let Some((model, tok)) = load() else { return };
     let Some(ids) = corpus(&tok) else { return };
     let rows = CalibrationRows::collect(&model, &ids[40_000..41_024], 256).unwrap();

@@ -8,9 +8,9 @@ mod common;
 use attention::{Attention, AttentionOutput, DenseBackend, KvBackend, Mask, ModelKvShape};
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
-use kv_eval::gguf::{GgufFile, GgufWriter, MetaValue};
+use kv_eval::load::gguf::{GgufFile, GgufWriter, MetaValue};
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
-use kv_eval::model::LlamaModel;
+use kv_eval::models::LlamaModel;
 use kv_quant::FaultTarget;
 
 use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, tokens};

@@ -8,49 +8,14 @@
 //! one fused matrix, and so do the gate and up projections.
 
 use attention::{
-    Attention, AttentionConfig, HeadShape, KvBackend, Mask, ModelKvShape, OnNonFinite, Rope,
-    RopeLayout, run_step,
+    Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite, Rope, RopeLayout,
+    run_step,
 };
-use faer::linalg::matmul::matmul;
-use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
+use super::{CausalLm, Matrix, ModelCache, project};
 use crate::error::{EvalError, Result};
-use crate::gguf::GgufFile;
-
-/// The KV cache a forward pass talks to: any [`KvBackend`] whose errors are
-/// this crate's (the re-encoding [`KvCache`](crate::cache::KvCache), the
-/// f32 oracle, the paged cache).
-pub type ModelCache = dyn KvBackend<Error = EvalError>;
-
-/// A causal language model whose K and V go through a [`KvBackend`].
-pub trait CausalLm: Send + Sync {
-    /// Vocabulary size (logits per token).
-    fn vocab(&self) -> usize;
-    /// Transformer blocks.
-    fn layers(&self) -> usize;
-    /// K (or V) channels per token and layer.
-    fn kv_channels(&self) -> usize;
-    /// Channels per attention head.
-    fn head_dim(&self) -> usize;
-    /// The rotary embedding of the keys, if the model has one (forms that
-    /// project keys before RoPE undo and redo it).
-    fn rope(&self) -> Option<&Rope> {
-        None
-    }
-    /// A one-line description (architecture and shape).
-    fn describe(&self) -> String;
-    /// Runs `tokens` after what `cache` already holds (their positions
-    /// follow the cache's), appends their K and V to it as one step
-    /// (committed on success, rolled back on error), and returns the logits
-    /// (`vocab` per token) of the tokens from index `logits_from` on.
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut ModelCache,
-        logits_from: usize,
-    ) -> Result<Vec<f32>>;
-}
+use crate::load::gguf::GgufFile;
 
 /// Architecture hyper-parameters of a Llama-family model.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,77 +97,6 @@ impl LlamaConfig {
     }
 }
 
-/// A dense row-major `rows × cols` f32 matrix (`rows` outputs of `cols` inputs).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Matrix {
-    /// Output count.
-    pub rows: usize,
-    /// Input count.
-    pub cols: usize,
-    /// `rows × cols` values.
-    pub data: Vec<f32>,
-}
-
-impl Matrix {
-    /// A matrix from its values.
-    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Result<Self> {
-        if data.len() != rows * cols {
-            return Err(EvalError::Shape(format!(
-                "{} values for a {rows}×{cols} matrix",
-                data.len()
-            )));
-        }
-        Ok(Self { rows, cols, data })
-    }
-
-    /// Stacks matrices with the same input count (fused projections).
-    pub fn stack(parts: &[Matrix]) -> Result<Self> {
-        let cols = parts[0].cols;
-        if parts.iter().any(|p| p.cols != cols) {
-            return Err(EvalError::Shape(
-                "stacked projections differ in width".into(),
-            ));
-        }
-        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
-        Self::new(parts.iter().map(|p| p.rows).sum(), cols, data)
-    }
-
-    /// The transpose of a row-major `rows × cols` matrix (Hugging Face's
-    /// GPT-2 `Conv1D` weights are stored `inputs × outputs`).
-    pub fn transposed(rows: usize, cols: usize, data: &[f32]) -> Result<Self> {
-        if data.len() != rows * cols {
-            return Err(EvalError::Shape(format!(
-                "{} values for a {rows}×{cols} matrix",
-                data.len()
-            )));
-        }
-        let mut t = vec![0.0; data.len()];
-        for r in 0..rows {
-            for c in 0..cols {
-                t[c * rows + r] = data[r * cols + c];
-            }
-        }
-        Self::new(cols, rows, t)
-    }
-
-    fn view(&self) -> MatRef<'_, f32> {
-        MatRef::from_row_major_slice(&self.data, self.rows, self.cols)
-    }
-}
-
-/// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`.
-pub(crate) fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) {
-    let t = x.len() / w.cols;
-    let dst = MatMut::from_row_major_slice_mut(out, t, w.rows);
-    let lhs = MatRef::from_row_major_slice(x, t, w.cols);
-    let accum = if accumulate {
-        Accum::Add
-    } else {
-        Accum::Replace
-    };
-    matmul(dst, accum, lhs, w.view().transpose(), 1.0f32, Par::rayon(0));
-}
-
 /// One transformer block's weights.
 #[derive(Clone, Debug)]
 pub struct LlamaLayer {
@@ -256,7 +150,7 @@ impl LlamaModel {
                     t.info.dims
                 )));
             }
-            Matrix::new(rows, cols, t.to_f32()?)
+            Ok(Matrix::new(rows, cols, t.to_f32()?)?)
         };
         let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
             let m = matrix(name, 1, len)?;
@@ -406,7 +300,7 @@ impl LlamaModel {
         let positions: Vec<usize> = (start..start + t).collect();
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
-            project(&mut b.qkv, &b.h, &layer.qkv, false);
+            project(&mut b.qkv, &b.h, &layer.qkv, false)?;
             let width = c.dim + 2 * kvc;
             for (i, row) in b.qkv.chunks_exact(width).enumerate() {
                 b.q[i * c.dim..(i + 1) * c.dim].copy_from_slice(&row[..c.dim]);
@@ -424,9 +318,9 @@ impl LlamaModel {
                 })?;
             cache.append(l, &b.k, &b.v)?;
             let attended = cache.attend(l, &self.attention, &b.q, &positions, &Mask::Causal)?;
-            project(&mut b.x, &attended.out, &layer.out, true);
+            project(&mut b.x, &attended.out, &layer.out, true)?;
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
-            project(&mut b.gu, &b.h, &layer.gate_up, false);
+            project(&mut b.gu, &b.h, &layer.gate_up, false)?;
             b.act
                 .par_chunks_mut(c.ffn)
                 .zip(b.gu.par_chunks(2 * c.ffn))
@@ -436,7 +330,7 @@ impl LlamaModel {
                         *a = g / (1.0 + (-g).exp()) * u;
                     }
                 });
-            project(&mut b.x, &b.act, &layer.down, true);
+            project(&mut b.x, &b.act, &layer.down, true)?;
         }
         let rows = t - logits_from;
         let mut h = vec![0.0; rows * c.dim];
@@ -452,7 +346,7 @@ impl LlamaModel {
             &h,
             self.output.as_ref().unwrap_or(&self.embed),
             false,
-        );
+        )?;
         Ok(logits)
     }
 }

@@ -1,8 +1,7 @@
 //! Hugging Face checkpoints: a folder with `config.json`,
 //! `model.safetensors` and `tokenizer.json`, for Llama-family
 //! (`model_type: "llama"`, rotate-half RoPE) and GPT-2 models, read with the
-//! `safetensors` and `tokenizers` crates; and [`load_model`], which opens
-//! either a GGUF file or such a folder.
+//! `safetensors` and `tokenizers` crates.
 
 use std::path::Path;
 
@@ -12,9 +11,9 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::error::{EvalError, Result};
-use crate::gguf::GgufFile;
-use crate::gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
-use crate::model::{CausalLm, LlamaConfig, LlamaLayer, LlamaModel, Matrix};
+use crate::models::{
+    CausalLm, Gpt2Config, Gpt2Layer, Gpt2Model, LlamaConfig, LlamaLayer, LlamaModel, Matrix,
+};
 use crate::tokenizer::TextTokenizer;
 
 fn st_err(e: impl std::fmt::Display) -> EvalError {
@@ -75,7 +74,7 @@ impl Weights<'_> {
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
-        Matrix::new(rows, cols, self.get(name, &[rows, cols])?)
+        Ok(Matrix::new(rows, cols, self.get(name, &[rows, cols])?)?)
     }
 }
 
@@ -214,7 +213,7 @@ fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
     let conv = |name: &str, inputs: usize, outputs: usize| -> Result<(Matrix, Vec<f32>)> {
         let weight = w.get(&format!("{name}.weight"), &[inputs, outputs])?;
         Ok((
-            Matrix::transposed(inputs, outputs, &weight)?,
+            Matrix::new(inputs, outputs, weight)?.transpose(),
             w.get(&format!("{name}.bias"), &[outputs])?,
         ))
     };
@@ -234,15 +233,4 @@ fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
     let wpe = w.matrix("wpe.weight", c.positions, d)?;
     let ln_f = norm("ln_f")?;
     Gpt2Model::new(c, wte, wpe, layers, ln_f)
-}
-
-/// Opens a model: a GGUF file (Llama architecture) or a Hugging Face folder.
-pub fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
-    if path.is_dir() {
-        return load_hf(path);
-    }
-    let file = GgufFile::open(path)?;
-    let model = LlamaModel::from_gguf(&file)?;
-    let tokenizer = TextTokenizer::from_gguf(&file)?;
-    Ok((Box::new(model), tokenizer))
 }

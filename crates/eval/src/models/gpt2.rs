@@ -1,13 +1,13 @@
 //! The GPT-2 forward pass: learned positions, pre-LayerNorm blocks with a
 //! fused QKV projection and biases, multi-head attention (no RoPE) read
-//! through the [`KvCache`], a GELU (tanh form, `gelu_new`) MLP, and the
+//! through the model's [`ModelCache`], a GELU (tanh form, `gelu_new`) MLP, and the
 //! output head tied to the token embedding.
 
 use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite, run_step};
 use rayon::prelude::*;
 
+use super::{CausalLm, Matrix, ModelCache, project};
 use crate::error::{EvalError, Result};
-use crate::model::{CausalLm, Matrix, ModelCache, project};
 
 /// GPT-2 hyper-parameters (`config.json`'s `n_embd`, `n_layer`, ...).
 #[derive(Clone, Debug, PartialEq)]
@@ -243,7 +243,7 @@ impl Gpt2Model {
         let mut fc = vec![0.0; t * 4 * d];
         for (l, layer) in self.layers.iter().enumerate() {
             layer_norm(&mut h, &x, &layer.ln_1, c.norm_eps);
-            project(&mut qkv, &h, &layer.qkv.0, false);
+            project(&mut qkv, &h, &layer.qkv.0, false)?;
             add_bias(&mut qkv, &layer.qkv.1);
             for (i, row) in qkv.chunks_exact(3 * d).enumerate() {
                 q[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
@@ -253,19 +253,19 @@ impl Gpt2Model {
             cache.append(l, &k, &v)?;
             let attended = cache.attend(l, &self.attention, &q, &positions, &Mask::Causal)?;
             add_bias(&mut x, &layer.out.1);
-            project(&mut x, &attended.out, &layer.out.0, true);
+            project(&mut x, &attended.out, &layer.out.0, true)?;
             layer_norm(&mut h, &x, &layer.ln_2, c.norm_eps);
-            project(&mut fc, &h, &layer.fc.0, false);
+            project(&mut fc, &h, &layer.fc.0, false)?;
             add_bias(&mut fc, &layer.fc.1);
             fc.par_iter_mut().for_each(|v| *v = gelu_tanh(*v));
             add_bias(&mut x, &layer.proj.1);
-            project(&mut x, &fc, &layer.proj.0, true);
+            project(&mut x, &fc, &layer.proj.0, true)?;
         }
         let rows = t - logits_from;
         let mut hf = vec![0.0; rows * d];
         layer_norm(&mut hf, &x[logits_from * d..], &self.ln_f, c.norm_eps);
         let mut logits = vec![0.0; rows * c.vocab];
-        project(&mut logits, &hf, &self.wte, false);
+        project(&mut logits, &hf, &self.wte, false)?;
         Ok(logits)
     }
 }

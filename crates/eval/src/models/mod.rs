@@ -1,0 +1,55 @@
+//! The models kv-eval runs and what they share: the [`CausalLm`] interface
+//! (a forward pass over any [`KvBackend`], the [`ModelCache`]) and the
+//! projections: abft-gemm's [`Matrix`] and linear layer (faer's GEMM). Llama-family
+//! models in [`llama`], GPT-2 in [`gpt2`].
+
+pub mod gpt2;
+pub mod llama;
+
+pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
+pub use llama::{LlamaConfig, LlamaLayer, LlamaModel};
+
+pub use abft_gemm::Matrix;
+use attention::{KvBackend, Rope};
+
+use crate::error::{EvalError, Result};
+
+/// The KV cache a forward pass talks to: any [`KvBackend`] whose errors are
+/// this crate's (the re-encoding [`KvCache`](crate::cache::KvCache), the
+/// f32 oracle, the paged cache).
+pub type ModelCache = dyn KvBackend<Error = EvalError>;
+
+/// A causal language model whose K and V go through a [`KvBackend`].
+pub trait CausalLm: Send + Sync {
+    /// Vocabulary size (logits per token).
+    fn vocab(&self) -> usize;
+    /// Transformer blocks.
+    fn layers(&self) -> usize;
+    /// K (or V) channels per token and layer.
+    fn kv_channels(&self) -> usize;
+    /// Channels per attention head.
+    fn head_dim(&self) -> usize;
+    /// The rotary embedding of the keys, if the model has one (forms that
+    /// project keys before RoPE undo and redo it).
+    fn rope(&self) -> Option<&Rope> {
+        None
+    }
+    /// A one-line description (architecture and shape).
+    fn describe(&self) -> String;
+    /// Runs `tokens` after what `cache` already holds (their positions
+    /// follow the cache's), appends their K and V to it as one step
+    /// (committed on success, rolled back on error), and returns the logits
+    /// (`vocab` per token) of the tokens from index `logits_from` on.
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+    ) -> Result<Vec<f32>>;
+}
+
+/// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`: abft-gemm's linear layer,
+/// so the projections are the GEMMs that crate checks.
+pub(crate) fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) -> Result<()> {
+    Ok(abft_gemm::linear_into(out, x, w, accumulate)?)
+}
