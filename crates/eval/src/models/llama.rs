@@ -1,7 +1,7 @@
 //! The Llama-family forward pass (RMSNorm, RoPE in either pair layout, GQA,
 //! SwiGLU, tied or untied output head) in f32, with batched prefill through
 //! faer's GEMM and attention through the `attention` crate, reading K and V
-//! from whatever the [`ModelCache`](super::ModelCache) (any [`KvBackend`](attention::KvBackend)) stores.
+//! from whatever the [`ModelCache`] (any [`KvBackend`](attention::KvBackend)) stores.
 //!
 //! Weights are dequantised to f32 once at load (the 135M default model takes
 //! 0.6 GB that way), so every projection is one dense GEMM; Q, K and V share

@@ -1,5 +1,5 @@
 //! Cache forms: what a stored K or V matrix is made of, as one value type
-//! ([`CacheForm`]) with one spelling, parsed and printed in [`parse`]
+//! ([`CacheForm`]) with one spelling, parsed and printed in `parse`
 //! (`int4-g64`, `int4+secded84+interp`, `lm4+sink4+win64`, …), and the
 //! per-layer key/value form policies of a whole model ([`LayerForms`]).
 //!
