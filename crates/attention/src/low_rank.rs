@@ -20,6 +20,7 @@
 use std::ops::Range;
 
 use kv_lowrank::{Certificate, LowRankStore, StoreScratch};
+use rayon::prelude::*;
 
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
@@ -209,6 +210,14 @@ pub fn certificates(
     Ok(out)
 }
 
+/// One (run, KV head)'s attention in coefficient space, before the merge.
+struct HeadPart<'a> {
+    h: usize,
+    values: &'a kv_lowrank::Basis,
+    part: AttentionOutput,
+    shift: Vec<f32>,
+}
+
 impl Attention {
     /// Attention in coefficient space over low-rank keys and values (both
     /// projected after RoPE, keys and values of equal rank per head and
@@ -251,10 +260,19 @@ impl Attention {
         let mut acc = vec![0f64; n * ql];
         let mut stats = AttentionStats::default();
         let scale = s.scale() as f32;
-        for (run, kc, vc) in runs(keys, values) {
-            for h in 0..kv_heads {
-                let kb = &keys.chunks()[kc].bases[h];
-                let vb = &values.chunks()[vc].bases[h];
+        // Every (run, KV head) attends on its own, in parallel; the merge
+        // below is sequential and in a fixed order, so results do not
+        // depend on the thread count.
+        let tasks: Vec<(Range<usize>, usize, usize, usize)> = runs(keys, values)
+            .into_iter()
+            .flat_map(|(run, kc, vc)| (0..kv_heads).map(move |h| (run.clone(), kc, vc, h)))
+            .collect();
+        let parts = tasks
+            .par_iter()
+            .map(|(run, kc, vc, h)| -> Result<Option<HeadPart>> {
+                let h = *h;
+                let kb = &keys.chunks()[*kc].bases[h];
+                let vb = &values.chunks()[*vc].bases[h];
                 let r = kb.rank();
                 if vb.rank() != r {
                     return Err(AttentionError::InvalidParameter {
@@ -287,39 +305,55 @@ impl Attention {
                     .map(|v| if v.start < v.end { v } else { 0..0 })
                     .collect();
                 if visible.iter().all(|v| v.is_empty()) {
-                    continue;
+                    return Ok(None);
                 }
-                let part = sub.prefill(
-                    &q,
-                    positions,
-                    keys.coefficients(h),
-                    values.coefficients(h),
-                    &Mask::Ranges(&visible),
-                )?;
-                stats.keys += part.stats.keys;
-                stats.values += part.stats.values;
-                stats.tiles += part.stats.tiles;
-                let mut full = vec![0f32; d];
-                for i in 0..n {
-                    for j in 0..group {
-                        let lse = part.lse[i * group + j];
-                        if lse == f32::NEG_INFINITY {
-                            continue;
-                        }
-                        let lse = lse + shift[i * group + j];
-                        let slot = i * s.q_heads() + h * group + j;
-                        vb.reconstruct(&part.out[(i * group + j) * r..][..r], &mut full);
-                        // Merge: rescale the running sums to the new maximum.
-                        let m = best[slot].max(lse);
-                        let old = f64::from(best[slot] - m).exp();
-                        let w = f64::from(lse - m).exp();
-                        let out = &mut acc[i * ql + (h * group + j) * d..][..d];
-                        for (o, &x) in out.iter_mut().zip(&full) {
-                            *o = *o * old + w * f64::from(x);
-                        }
-                        sum[slot] = sum[slot] * old + w;
-                        best[slot] = m;
+                // One query decodes with the keys split across threads;
+                // several share each tile read (prefill).
+                let (kc, vc) = (keys.coefficients(h), values.coefficients(h));
+                let part = if n == 1 {
+                    sub.decode(&q, positions[0], kc, vc, &Mask::Ranges(&visible))?
+                } else {
+                    sub.prefill(&q, positions, kc, vc, &Mask::Ranges(&visible))?
+                };
+                Ok(Some(HeadPart {
+                    h,
+                    values: vb,
+                    part,
+                    shift,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut full = vec![0f32; d];
+        for HeadPart {
+            h,
+            values: vb,
+            part,
+            shift,
+        } in parts.into_iter().flatten()
+        {
+            stats.keys += part.stats.keys;
+            stats.values += part.stats.values;
+            stats.tiles += part.stats.tiles;
+            let r = vb.rank();
+            for i in 0..n {
+                for j in 0..group {
+                    let lse = part.lse[i * group + j];
+                    if lse == f32::NEG_INFINITY {
+                        continue;
                     }
+                    let lse = lse + shift[i * group + j];
+                    let slot = i * s.q_heads() + h * group + j;
+                    vb.reconstruct(&part.out[(i * group + j) * r..][..r], &mut full);
+                    // Merge: rescale the running sums to the new maximum.
+                    let m = best[slot].max(lse);
+                    let old = f64::from(best[slot] - m).exp();
+                    let w = f64::from(lse - m).exp();
+                    let out = &mut acc[i * ql + (h * group + j) * d..][..d];
+                    for (o, &x) in out.iter_mut().zip(&full) {
+                        *o = *o * old + w * f64::from(x);
+                    }
+                    sum[slot] = sum[slot] * old + w;
+                    best[slot] = m;
                 }
             }
         }
