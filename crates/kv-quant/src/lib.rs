@@ -58,8 +58,8 @@ pub use spec::{
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, LevelMap,
-    LevelRows, NonFinite, QuantizeOptions, RowBufferSizes, RowBuffersMut, RowEncoder, RowsView,
-    ScrubStats, SegmentRows,
+    LevelRows, NonFinite, QuantizeOptions, RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder,
+    RowsView, ScrubStats, SegmentRows,
 };
 pub use vq::{FitOptions, VqCodebook};
 

@@ -225,3 +225,60 @@ fn writing_and_tile_decoding_do_not_allocate_once_warm() {
         assert_eq!(allocations(), before, "{spelling}: tile decoding allocated");
     }
 }
+
+#[test]
+fn encoded_rows_commit_into_a_store_without_allocating() {
+    let (tokens, channels) = (9, 128);
+    let x = data(tokens, channels);
+    for spelling in FORMS {
+        let form: CacheForm = spelling.parse().unwrap();
+        let cb = codebook(&form, channels);
+        let whole = match &cb {
+            Some(cb) => KvStore::quantize_with_codebook(
+                form,
+                &x,
+                tokens,
+                channels,
+                QuantizeOptions::default(),
+                cb.clone(),
+            ),
+            None => KvStore::quantize(form, &x, tokens, channels),
+        }
+        .unwrap();
+        let mut store = whole.clone();
+        // Scribble over the store first, then commit every row again.
+        let zero = vec![0.25f32; tokens * channels];
+        store
+            .write_rows(0, &zero, QuantizeOptions::default())
+            .unwrap();
+        assert_ne!(store, whole, "{spelling}");
+        let mut encoder = RowEncoder::new(form, channels, cb).unwrap();
+        let mut rows = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
+        // Warm up, then count.
+        encoder
+            .encode_into(&x[..channels], rows.as_mut(), QuantizeOptions::default())
+            .unwrap();
+        let before = allocations();
+        for t in 0..tokens {
+            encoder
+                .encode_into(
+                    &x[t * channels..][..channels],
+                    rows.as_mut(),
+                    QuantizeOptions::default(),
+                )
+                .unwrap();
+            store.put_encoded_rows(t, &rows).unwrap();
+        }
+        assert_eq!(allocations(), before, "{spelling} allocated");
+        assert_eq!(store, whole, "{spelling}");
+        // Rows past the store and buffers of another width are refused.
+        assert!(matches!(
+            store.put_encoded_rows(tokens, &rows),
+            Err(KvQuantError::RowRange { .. })
+        ));
+        if let Ok(other) = RowEncoder::new(form, channels / 2, None) {
+            let half = kv_quant::RowBuffers::new(other.buffer_sizes(1));
+            assert!(store.put_encoded_rows(0, &half).is_err(), "{spelling}");
+        }
+    }
+}

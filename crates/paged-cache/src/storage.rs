@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
     CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, QuantizeOptions,
-    Quantizer, ScrubStats,
+    Quantizer, RowBuffers, RowEncoder, ScrubStats,
 };
 
 use crate::error::{PagedCacheError, Result};
@@ -78,11 +78,23 @@ impl BlockData {
     }
 }
 
+/// A layer's row encoders and the buffers one token's rows are encoded
+/// into before they are committed to a block (so a write allocates nothing
+/// once warm, and a refused row changes nothing).
+#[derive(Debug)]
+struct LayerWriter {
+    key: RowEncoder,
+    value: RowEncoder,
+    key_rows: RowBuffers,
+    value_rows: RowBuffers,
+}
+
 /// Block contents for a pool of `num_blocks` blocks.
 #[derive(Debug)]
 pub struct BlockStorage {
     block_size: usize,
     layers: Vec<LayerSpec>,
+    writers: Vec<Mutex<LayerWriter>>,
     blocks: Vec<Mutex<BlockData>>,
 }
 
@@ -115,9 +127,23 @@ impl BlockStorage {
                 })
                 .collect::<Result<_>>()?,
         };
+        let writers = layers
+            .iter()
+            .map(|l| {
+                let key = RowEncoder::new(l.key, l.channels, None)?;
+                let value = RowEncoder::new(l.value, l.channels, None)?;
+                Ok(Mutex::new(LayerWriter {
+                    key_rows: RowBuffers::new(key.buffer_sizes(1)),
+                    value_rows: RowBuffers::new(value.buffer_sizes(1)),
+                    key,
+                    value,
+                }))
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
             block_size,
             layers: layers.to_vec(),
+            writers,
             blocks: (0..num_blocks)
                 .map(|_| Mutex::new(template.clone()))
                 .collect(),
@@ -158,7 +184,8 @@ impl BlockStorage {
             })
     }
 
-    /// Writes one token's K and V rows of `layer` at slot `offset` of `block`.
+    /// Writes one token's K and V rows of `layer` at slot `offset` of `block`
+    /// (encoded once, here; no allocation once the layer's encoders are warm).
     pub fn write(
         &self,
         block: BlockId,
@@ -183,16 +210,18 @@ impl BlockStorage {
                 tokens: self.block_size,
             });
         }
-        // Quantize both rows before storing either, so a refused row
-        // changes nothing, and outside the block's lock.
-        let spec = self.layers[layer];
+        // Encode both rows before storing either, so a refused row changes
+        // nothing, and outside the block's lock; no allocation once warm.
+        let mut writer = lock(&self.writers[layer]);
+        let w = &mut *writer;
         let options = QuantizeOptions::default();
-        let k_row = KvStore::quantize_with(spec.key, keys, 1, channels, options)?;
-        let v_row = KvStore::quantize_with(spec.value, values, 1, channels, options)?;
+        w.key.encode_into(keys, w.key_rows.as_mut(), options)?;
+        w.value
+            .encode_into(values, w.value_rows.as_mut(), options)?;
         let mut data = self.block(block)?;
         let [k, v] = &mut data.layers[layer];
-        k.copy_rows_from(offset, &k_row)?;
-        v.copy_rows_from(offset, &v_row)?;
+        k.put_encoded_rows(offset, &w.key_rows)?;
+        v.put_encoded_rows(offset, &w.value_rows)?;
         Ok(())
     }
 

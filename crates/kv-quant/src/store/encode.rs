@@ -67,6 +67,59 @@ pub struct RowBufferSizes {
     pub offset_checks: usize,
 }
 
+/// Owned buffers of consecutive token rows (sized by
+/// [`RowEncoder::buffer_sizes`]): where a writer encodes rows before it
+/// commits them to a store with [`KvStore::put_encoded_rows`](crate::KvStore::put_encoded_rows),
+/// so that of several rows either all or none change.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RowBuffers {
+    /// Row bytes.
+    pub data: Vec<u8>,
+    /// Scale bytes.
+    pub scales: Vec<u8>,
+    /// Offset bytes.
+    pub offsets: Vec<u8>,
+    /// Scale check bytes.
+    pub scale_checks: Vec<u8>,
+    /// Offset check bytes.
+    pub offset_checks: Vec<u8>,
+}
+
+impl RowBuffers {
+    /// Zeroed buffers of these sizes.
+    pub fn new(sizes: RowBufferSizes) -> Self {
+        Self {
+            data: vec![0; sizes.data],
+            scales: vec![0; sizes.scales],
+            offsets: vec![0; sizes.offsets],
+            scale_checks: vec![0; sizes.scale_checks],
+            offset_checks: vec![0; sizes.offset_checks],
+        }
+    }
+
+    /// The sizes held.
+    pub fn sizes(&self) -> RowBufferSizes {
+        RowBufferSizes {
+            data: self.data.len(),
+            scales: self.scales.len(),
+            offsets: self.offsets.len(),
+            scale_checks: self.scale_checks.len(),
+            offset_checks: self.offset_checks.len(),
+        }
+    }
+
+    /// The buffers, borrowed for [`RowEncoder::encode_into`].
+    pub fn as_mut(&mut self) -> RowBuffersMut<'_> {
+        RowBuffersMut {
+            data: &mut self.data,
+            scales: &mut self.scales,
+            offsets: &mut self.offsets,
+            scale_checks: &mut self.scale_checks,
+            offset_checks: &mut self.offset_checks,
+        }
+    }
+}
+
 /// Reusable buffers of one encoder.
 #[derive(Clone, Debug, Default)]
 struct Scratch {

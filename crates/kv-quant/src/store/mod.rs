@@ -50,7 +50,7 @@ pub(crate) mod section;
 mod view;
 
 pub use decode::DecodeScratch;
-pub use encode::{RowBufferSizes, RowBuffersMut, RowEncoder};
+pub use encode::{RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder};
 pub use inject::{FaultTarget, Injection};
 pub use rows::ScrubStats;
 pub use view::{LevelMap, LevelRows, RowsView};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use gf2_codes::{DecodeOutcome, DecodeStats};
 
 use super::bits::read_word;
-use super::encode::{RowBuffersMut, RowEncoder};
+use super::encode::{RowBuffers, RowBuffersMut, RowEncoder};
 use super::section::Section;
 use super::{KvStore, QuantizeOptions};
 use crate::error::{KvQuantError, Result};
@@ -125,6 +125,50 @@ impl KvStore {
         }
         let out = row_buffers(&mut self.middle, start, end);
         encoder.encode_into(rows, out, options)
+    }
+
+    /// Copies rows encoded by a [`RowEncoder`] of this store's form and width
+    /// (`rows`, sized by its [`buffer_sizes`](RowEncoder::buffer_sizes) of
+    /// `n` rows) into tokens `start..start + n`: the committing half of an
+    /// encode-then-commit write, which cannot fail once the sizes match and
+    /// does not allocate. Overwriting a row also replaces any faults it held.
+    pub fn put_encoded_rows(&mut self, start: usize, rows: &RowBuffers) -> Result<()> {
+        let rb = self.middle.row_bytes;
+        if !self.form.is_row_local() || rb == 0 || !rows.data.len().is_multiple_of(rb) {
+            return Err(KvQuantError::StoreMismatch(format!(
+                "{} row bytes for a store of {} rows of {rb} bytes",
+                rows.data.len(),
+                self.form
+            )));
+        }
+        let n = rows.data.len() / rb;
+        let end = start.checked_add(n).filter(|&e| e <= self.tokens && n > 0);
+        let Some(end) = end else {
+            return Err(KvQuantError::RowRange {
+                start,
+                end: start.saturating_add(n),
+                tokens: self.tokens,
+            });
+        };
+        let out = row_buffers(&mut self.middle, start, end);
+        let pairs = [
+            (out.data, &rows.data),
+            (out.scales, &rows.scales),
+            (out.offsets, &rows.offsets),
+            (out.scale_checks, &rows.scale_checks),
+            (out.offset_checks, &rows.offset_checks),
+        ];
+        if let Some((dst, src)) = pairs.iter().find(|(d, s)| d.len() != s.len()) {
+            return Err(KvQuantError::StoreMismatch(format!(
+                "encoded buffers of {} bytes where the store's rows hold {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        for (dst, src) in pairs {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
     }
 
     /// Copies every row of `src` (a store of the same row-local form and
