@@ -284,8 +284,7 @@ fn write_token(c: &mut Criterion) {
         })
     });
     let spec = LayerSpec::uniform(form, ch);
-    let mut paged =
-        PagedBackend::new(&vec![spec; LAYERS], 16, CONTEXT / 16 + 2).expect("backend");
+    let mut paged = PagedBackend::new(&vec![spec; LAYERS], 16, CONTEXT / 16 + 2).expect("backend");
     paged
         .fit(&ModelKvShape {
             layers: LAYERS,

@@ -45,6 +45,7 @@ mod decode;
 mod encode;
 mod erasure;
 mod inject;
+mod row_range;
 mod rows;
 pub(crate) mod section;
 mod view;

@@ -224,9 +224,9 @@ impl KvStore {
     /// into a silent one). Returns what was found (`corrected` = words
     /// rewritten); unprotected forms hold nothing to scrub and return zero counts.
     pub fn scrub(&mut self) -> Result<ScrubStats> {
-        let mut stats = scrub_section(&mut self.middle)?;
+        let mut stats = scrub_whole(&mut self.middle)?;
         if let Some(exact) = &mut self.exact {
-            stats += scrub_section(&mut exact.section)?;
+            stats += scrub_whole(&mut exact.section)?;
         }
         Ok(stats)
     }
@@ -266,22 +266,38 @@ fn row_buffers(m: &mut Section, start: usize, end: usize) -> RowBuffersMut<'_> {
     }
 }
 
-fn scrub_section(m: &mut Section) -> Result<ScrubStats> {
+/// Scrubs the codewords of `rows` and the metadata words of `groups`.
+pub(super) fn scrub_section(
+    m: &mut Section,
+    rows: std::ops::Range<usize>,
+    groups: std::ops::Range<usize>,
+) -> Result<ScrubStats> {
     let mut stats = ScrubStats::default();
     let Some(codec) = m.coding.codec() else {
         return Ok(stats);
     };
     let (rb, nibbles) = (m.row_bytes, m.coding.nibbles(m.channels));
     if rb > 0 {
-        for row in m.data.chunks_exact_mut(rb) {
+        for row in m.data[rows.start * rb..rows.end * rb].chunks_exact_mut(rb) {
             stats.values += codec.scrub(row, nibbles)?;
         }
     }
     if let (Some(code), Some(layout)) = (m.coding.meta_code(), m.layout) {
         let width = m.coding.scale_type().bytes();
         let total = layout.groups();
-        let buffers = [(0, &mut m.scales), (total, &mut m.offsets)];
-        for (base, buffer) in buffers {
+        let bytes = groups.start * width..groups.end * width;
+        let buffers: [(usize, &mut [u8]); 2] = [
+            (total, &mut m.scales[bytes.clone()]),
+            (total, {
+                if m.offsets.is_empty() {
+                    &mut []
+                } else {
+                    &mut m.offsets[bytes]
+                }
+            }),
+        ];
+        for (i, (total, buffer)) in buffers.into_iter().enumerate() {
+            let base = i * total + groups.start;
             for (g, word) in buffer.chunks_exact_mut(width).enumerate() {
                 let check = &mut m.checks[base + g];
                 let (fixed, outcome) = code.decode(read_word(word), *check);
@@ -294,6 +310,17 @@ fn scrub_section(m: &mut Section) -> Result<ScrubStats> {
         }
     }
     Ok(stats)
+}
+
+/// Scrubs every row and group of a section.
+fn scrub_whole(m: &mut Section) -> Result<ScrubStats> {
+    let rows = if m.row_bytes == 0 {
+        0
+    } else {
+        m.data.len() / m.row_bytes
+    };
+    let groups = m.layout.map_or(0, |l| l.groups());
+    scrub_section(m, 0..rows, 0..groups)
 }
 
 /// What one [`KvStore::scrub`] pass found.

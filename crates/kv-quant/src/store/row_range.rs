@@ -1,0 +1,263 @@
+//! Rows of a row-local store treated as a unit of their own: a paged cache
+//! keeps one store per layer and part across all its blocks, and a block is
+//! a row range of it. [`KvStore::rows_to_store`] copies a range out (swap,
+//! snapshots), [`KvStore::scrub_rows`] scrubs it and
+//! [`KvStore::inject_rows`] faults it, each touching only the range's bytes:
+//! its rows, the scales and offsets of its groups and their check bytes.
+
+use std::ops::Range;
+
+use gf2_codes::channel::{FaultChannel, FaultRng};
+
+use super::KvStore;
+use super::inject::{FaultTarget, Injection};
+use super::rows::{ScrubStats, scrub_section};
+use super::section::Section;
+use crate::error::{KvQuantError, Result};
+
+/// The byte ranges of rows `start..end` in each buffer of a row-local section.
+struct RowBytes {
+    data: Range<usize>,
+    meta: Range<usize>,
+    groups: Range<usize>,
+    total_groups: usize,
+}
+
+fn row_bytes(m: &Section, start: usize, end: usize) -> RowBytes {
+    let rb = m.row_bytes;
+    let (groups, total_groups) = match &m.layout {
+        Some(l) => (l.groups_of_rows(start, end), l.groups()),
+        None => (0..0, 0),
+    };
+    let width = m.coding.scale_type().bytes();
+    RowBytes {
+        data: start * rb..end * rb,
+        meta: groups.start * width..groups.end * width,
+        groups,
+        total_groups,
+    }
+}
+
+impl KvStore {
+    /// Checks a row range of a row-local store.
+    fn check_row_range(&self, rows: &Range<usize>) -> Result<()> {
+        if !self.form.is_row_local() {
+            return Err(KvQuantError::InvalidParameter {
+                name: "form",
+                reason: format!(
+                    "{} shares parameters across tokens: its rows are not a unit",
+                    self.form
+                ),
+            });
+        }
+        if rows.start >= rows.end || rows.end > self.tokens {
+            return Err(KvQuantError::RowRange {
+                start: rows.start,
+                end: rows.end,
+                tokens: self.tokens,
+            });
+        }
+        Ok(())
+    }
+
+    /// Rows `start..start + count` as a store of their own, with the same
+    /// bytes (faults included): the inverse of
+    /// [`copy_rows_from`](Self::copy_rows_from). Row-local forms only.
+    pub fn rows_to_store(&self, start: usize, count: usize) -> Result<KvStore> {
+        let rows = start..start.saturating_add(count);
+        self.check_row_range(&rows)?;
+        let mut out =
+            KvStore::zeroed_with(self.form, count, self.channels, self.codebook().cloned())?;
+        let src = row_bytes(&self.middle, rows.start, rows.end);
+        let (m, s) = (&mut out.middle, &self.middle);
+        m.data.copy_from_slice(&s.data[src.data]);
+        m.scales.copy_from_slice(&s.scales[src.meta.clone()]);
+        if !m.offsets.is_empty() {
+            m.offsets.copy_from_slice(&s.offsets[src.meta]);
+        }
+        if !m.checks.is_empty() {
+            let g = src.groups.len();
+            m.checks[..g].copy_from_slice(&s.checks[src.groups.clone()]);
+            if !m.offsets.is_empty() {
+                let t = src.total_groups;
+                m.checks[g..].copy_from_slice(&s.checks[t + src.groups.start..t + src.groups.end]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`scrub`](Self::scrub) restricted to rows `rows` (their codewords and
+    /// their groups' metadata words). Row-local forms only.
+    pub fn scrub_rows(&mut self, rows: Range<usize>) -> Result<ScrubStats> {
+        self.check_row_range(&rows)?;
+        let groups = row_bytes(&self.middle, rows.start, rows.end).groups;
+        scrub_section(&mut self.middle, rows, groups)
+    }
+
+    /// [`inject`](Self::inject) restricted to the bytes of rows `rows`: the
+    /// rows' value bytes (stream 0 of `seed`), their groups' scales (1),
+    /// offsets (2) and check bytes (3: scale checks, then offset checks).
+    /// Flip positions count from the range's first byte in each buffer
+    /// (the checks: scale checks, then offset checks, as one buffer).
+    /// Row-local forms only.
+    pub fn inject_rows(
+        &mut self,
+        rows: Range<usize>,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        self.check_row_range(&rows)?;
+        let r = row_bytes(&self.middle, rows.start, rows.end);
+        let hit = |buffer: &mut [u8], stream: u64| {
+            channel.inject_with(buffer, &mut FaultRng::with_stream(seed, stream))
+        };
+        let m = &mut self.middle;
+        let mut injection = Injection::default();
+        if target != FaultTarget::Metadata {
+            injection.values = hit(&mut m.data[r.data], 0);
+        }
+        if target != FaultTarget::Values {
+            injection.scales = hit(&mut m.scales[r.meta.clone()], 1);
+            if !m.offsets.is_empty() {
+                injection.offsets = hit(&mut m.offsets[r.meta], 2);
+            }
+            if !m.checks.is_empty() {
+                // One stream over the rows' scale checks, then offset checks.
+                let g = r.groups.len();
+                let t = r.total_groups;
+                let mut checks = m.checks[r.groups.clone()].to_vec();
+                if !m.offsets.is_empty() {
+                    checks.extend_from_slice(&m.checks[t + r.groups.start..t + r.groups.end]);
+                }
+                injection.checks = hit(&mut checks, 3);
+                m.checks[r.groups.clone()].copy_from_slice(&checks[..g]);
+                if !m.offsets.is_empty() {
+                    m.checks[t + r.groups.start..t + r.groups.end].copy_from_slice(&checks[g..]);
+                }
+            }
+        }
+        self.injected += injection.total() as u64;
+        Ok(injection)
+    }
+}
+
+/// Flips recorded by [`KvStore::inject_rows`] of a row range, re-applied to
+/// the same range restore its bytes (a test helper for ledgers).
+#[cfg(test)]
+fn unapply(store: &mut KvStore, rows: Range<usize>, injection: &Injection) {
+    let r = row_bytes(&store.middle, rows.start, rows.end);
+    let m = &mut store.middle;
+    injection.values.apply(&mut m.data[r.data]).unwrap();
+    injection
+        .scales
+        .apply(&mut m.scales[r.meta.clone()])
+        .unwrap();
+    if !m.offsets.is_empty() {
+        injection.offsets.apply(&mut m.offsets[r.meta]).unwrap();
+    }
+    if !m.checks.is_empty() {
+        let g = r.groups.len();
+        let t = r.total_groups;
+        let mut checks = m.checks[r.groups.clone()].to_vec();
+        if !m.offsets.is_empty() {
+            checks.extend_from_slice(&m.checks[t + r.groups.start..t + r.groups.end]);
+        }
+        injection.checks.apply(&mut checks).unwrap();
+        m.checks[r.groups.clone()].copy_from_slice(&checks[..g]);
+        if !m.offsets.is_empty() {
+            m.checks[t + r.groups.start..t + r.groups.end].copy_from_slice(&checks[g..]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gf2_codes::channel::BinarySymmetric;
+
+    fn rows(tokens: usize, channels: usize) -> Vec<f32> {
+        (0..tokens * channels)
+            .map(|i| ((i as f32) * 0.618).sin() * (1.0 + (i % 7) as f32))
+            .collect()
+    }
+
+    const FORMS: [&str; 6] = [
+        "int4+secded84",
+        "int4-g16+golay24",
+        "int8",
+        "fp16",
+        "nf4+secded84",
+        "int4-sym-g32+hamming74",
+    ];
+
+    #[test]
+    fn a_row_range_copies_out_and_back_byte_for_byte() {
+        let (tokens, ch) = (12, 64);
+        for spelling in FORMS {
+            let form = spelling.parse().unwrap();
+            let store = KvStore::quantize(form, &rows(tokens, ch), tokens, ch).unwrap();
+            let part = store.rows_to_store(4, 5).unwrap();
+            let direct = KvStore::quantize(form, &rows(tokens, ch)[4 * ch..9 * ch], 5, ch).unwrap();
+            assert_eq!(part, direct, "{spelling}");
+            let mut back = KvStore::zeroed(form, tokens, ch).unwrap();
+            back.copy_rows_from(4, &part).unwrap();
+            assert_eq!(back.rows_to_store(4, 5).unwrap(), part, "{spelling}");
+            assert!(store.rows_to_store(10, 3).is_err());
+            assert!(store.rows_to_store(3, 0).is_err());
+        }
+        let shared = KvStore::quantize("int4-ch".parse().unwrap(), &rows(8, 8), 8, 8).unwrap();
+        assert!(shared.rows_to_store(0, 2).is_err());
+    }
+
+    #[test]
+    fn faults_and_scrubs_of_a_row_range_touch_only_its_bytes() {
+        let (tokens, ch) = (12, 64);
+        let channel = BinarySymmetric::new(0.02).unwrap();
+        for spelling in FORMS {
+            let form = spelling.parse().unwrap();
+            let clean = KvStore::quantize(form, &rows(tokens, ch), tokens, ch).unwrap();
+            let mut store = clean.clone();
+            let hit = store
+                .inject_rows(4..8, &channel, 9, FaultTarget::Everything)
+                .unwrap();
+            assert!(hit.total() > 0, "{spelling}");
+            // Rows outside the range are untouched.
+            for (a, b) in [(0, 4), (8, 4)] {
+                assert_eq!(
+                    store.rows_to_store(a, b).unwrap(),
+                    clean.rows_to_store(a, b).unwrap(),
+                    "{spelling}"
+                );
+            }
+            // The record is exact: re-applying it restores the range.
+            let mut restored = store.clone();
+            unapply(&mut restored, 4..8, &hit);
+            assert_eq!(
+                restored.rows_to_store(0, tokens).unwrap(),
+                clean.rows_to_store(0, tokens).unwrap(),
+                "{spelling}"
+            );
+            // A scrub of the range finds what a whole scrub finds, over a
+            // third of the words.
+            let mut whole = store.clone();
+            let a = store.scrub_rows(4..8).unwrap();
+            let b = whole.scrub().unwrap();
+            for (x, y) in [(a.values, b.values), (a.metadata, b.metadata)] {
+                assert_eq!(
+                    (x.corrected, x.detected),
+                    (y.corrected, y.detected),
+                    "{spelling}"
+                );
+                assert_eq!(3 * x.words, y.words, "{spelling}");
+            }
+            assert_eq!(store, whole, "{spelling}");
+            // The same seed gives the same flips.
+            let mut again = clean.clone();
+            let twice = again
+                .inject_rows(4..8, &channel, 9, FaultTarget::Everything)
+                .unwrap();
+            assert_eq!(twice, hit, "{spelling}");
+        }
+    }
+}
