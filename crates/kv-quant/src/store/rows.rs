@@ -314,11 +314,7 @@ pub(super) fn scrub_section(
 
 /// Scrubs every row and group of a section.
 fn scrub_whole(m: &mut Section) -> Result<ScrubStats> {
-    let rows = if m.row_bytes == 0 {
-        0
-    } else {
-        m.data.len() / m.row_bytes
-    };
+    let rows = m.data.len().checked_div(m.row_bytes).unwrap_or(0);
     let groups = m.layout.map_or(0, |l| l.groups());
     scrub_section(m, 0..rows, 0..groups)
 }
