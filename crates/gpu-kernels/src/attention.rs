@@ -11,7 +11,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use kv_quant::{KvDecodeStats, ScaleType};
-use paged_cache::{BlockId, BlockStorage, KvPart, PageTable};
+use paged_cache::{BlockStorage, KvPart, PageTable};
 
 use crate::device::{Gpu, driver};
 use crate::error::{GpuError, Result, check_len};
@@ -183,15 +183,7 @@ impl Gpu {
         let num_blocks = storage.num_blocks();
         let bytes = form.block_bytes(block_size);
         let pool = |part: KvPart| -> Result<DevicePool> {
-            let mut host: [Vec<u8>; 4] = Default::default();
-            for b in 0..num_blocks {
-                storage.with_store(BlockId(b as u32), layer, part, |st| {
-                    host[0].extend_from_slice(st.data());
-                    host[1].extend_from_slice(st.scales());
-                    host[2].extend_from_slice(st.offsets());
-                    host[3].extend_from_slice(st.meta_checks());
-                })?;
-            }
+            let mut host = crate::layout::block_pool_bytes(storage, layer, part)?;
             let want = [bytes.data, bytes.scales, bytes.offsets, bytes.checks];
             for (h, w) in host.iter_mut().zip(want) {
                 check_len("block pool bytes", h.len(), w * num_blocks)?;

@@ -199,10 +199,79 @@ impl KernelForm {
     }
 }
 
+/// The device pools of one part of a layer: `[codes, scales, offsets,
+/// checks]`, each the concatenation of every block's buffers in block order.
+/// paged-cache's layer store spans every block, so codes, scales and
+/// offsets are its buffers as they are; its check bytes hold all scale
+/// checks, then all offset checks, and are regrouped per block here.
+pub fn block_pool_bytes(
+    storage: &paged_cache::BlockStorage,
+    layer: usize,
+    part: paged_cache::KvPart,
+) -> Result<[Vec<u8>; 4]> {
+    let num_blocks = storage.num_blocks();
+    let store = storage.layer_store(layer, part)?;
+    let checks = store.meta_checks();
+    let has_offsets = !store.offsets().is_empty();
+    let per_block = checks.len().checked_div(num_blocks).unwrap_or(0);
+    let groups = if has_offsets {
+        per_block / 2
+    } else {
+        per_block
+    };
+    let total = groups * num_blocks;
+    let mut blocked = Vec::with_capacity(checks.len());
+    for b in 0..num_blocks {
+        blocked.extend_from_slice(&checks[b * groups..(b + 1) * groups]);
+        if has_offsets {
+            blocked.extend_from_slice(&checks[total + b * groups..total + (b + 1) * groups]);
+        }
+    }
+    Ok([
+        store.data().to_vec(),
+        store.scales().to_vec(),
+        store.offsets().to_vec(),
+        blocked,
+    ])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kv_quant::KvStore;
+
+    #[test]
+    fn block_pools_are_every_blocks_buffers_in_block_order() {
+        use paged_cache::{BlockId, BlockStorage, KvPart, LayerSpec};
+        for form in ["int4+secded84", "int4", "fp16", "int4-sym-g32+secded84"] {
+            let ch = 128;
+            let spec = LayerSpec::uniform(form.parse().unwrap(), ch);
+            let storage = BlockStorage::new(5, 4, &[spec]).unwrap();
+            for t in 0..20usize {
+                let row: Vec<f32> = (0..ch)
+                    .map(|c| ((t * ch + c) as f32 * 0.37).sin())
+                    .collect();
+                storage
+                    .write(BlockId((t / 4) as u32), t % 4, 0, &row, &row)
+                    .unwrap();
+            }
+            for part in [KvPart::Keys, KvPart::Values] {
+                let got = block_pool_bytes(&storage, 0, part).unwrap();
+                let mut want: [Vec<u8>; 4] = Default::default();
+                for b in 0..5 {
+                    storage
+                        .with_store(BlockId(b), 0, part, |st| {
+                            want[0].extend_from_slice(st.data());
+                            want[1].extend_from_slice(st.scales());
+                            want[2].extend_from_slice(st.offsets());
+                            want[3].extend_from_slice(st.meta_checks());
+                        })
+                        .unwrap();
+                }
+                assert_eq!(got, want, "{form}");
+            }
+        }
+    }
 
     /// The computed block buffer lengths equal those of real kv-quant stores.
     #[test]

@@ -4,8 +4,10 @@
 //! or V rows page by page from [`BlockStorage`] ([`PagedKv`]), and
 //! [`paged_decode`], the attention crate's decode over those sources.
 
-use attention::{Attention, AttentionOutput, KvSource, Mask, Tile, TileRows};
-use kv_quant::{DecodeScratch, KvDecodeStats};
+use std::sync::RwLockReadGuard;
+
+use attention::{Attention, AttentionOutput, KvSource, Mask, StoreScratch, Tile, TileRows};
+use kv_quant::{DecodeScratch, Hadamard, KvDecodeStats, KvStore};
 
 use crate::error::{PagedCacheError, Result};
 use crate::pool::BlockId;
@@ -113,13 +115,17 @@ impl PageTable {
     }
 }
 
-/// One sequence's K or V rows of one layer, read through its pages.
-#[derive(Clone, Copy, Debug)]
+/// One sequence's K or V rows of one layer, read through its pages. It
+/// holds the layer store's read lock while it lives (one attention call).
+/// A tile inside one page, or over pages that are consecutive blocks, is
+/// read straight from the layer store, exactly as a contiguous store is
+/// (FP16 halves or integer levels for the kernel); a tile over scattered
+/// pages is decoded page by page into f32 rows.
+#[derive(Debug)]
 pub struct PagedKv<'a> {
-    storage: &'a BlockStorage,
-    layer: usize,
-    part: KvPart,
+    store: RwLockReadGuard<'a, KvStore>,
     pages: &'a [u32],
+    block_size: usize,
     tokens: usize,
     channels: usize,
     bytes: usize,
@@ -147,31 +153,46 @@ impl<'a> PagedKv<'a> {
                 storage.block_size()
             )));
         }
-        let spec =
-            storage
-                .layers()
-                .get(layer)
-                .ok_or_else(|| PagedCacheError::InvalidParameter {
-                    name: "layer",
-                    reason: format!("layer {layer} of {}", storage.layers().len()),
-                })?;
         let pages = table.pages(seq);
-        let block_bytes = storage.layer_block_bytes(layer)? / 2;
+        if let Some(&b) = pages.iter().find(|&&b| b as usize >= storage.num_blocks()) {
+            return Err(PagedCacheError::PageTable(format!(
+                "page {b} is outside the {} blocks",
+                storage.num_blocks()
+            )));
+        }
+        let store = storage.layer_store(layer, part)?;
+        let bytes = pages.len() * store.stored_bytes() / storage.num_blocks().max(1);
         Ok(Self {
-            storage,
-            layer,
-            part,
+            channels: store.channels(),
+            store,
             pages,
+            block_size: storage.block_size(),
             tokens: table.tokens(seq),
-            channels: spec.channels,
-            bytes: pages.len() * block_bytes,
+            bytes,
         })
+    }
+
+    /// The store row of the sequence's token `t`.
+    fn row(&self, t: usize) -> usize {
+        self.pages[t / self.block_size] as usize * self.block_size + t % self.block_size
+    }
+
+    /// Whether tokens `start..start + count` sit in consecutive store rows.
+    fn contiguous(&self, start: usize, count: usize) -> bool {
+        let (first, last) = (
+            start / self.block_size,
+            (start + count - 1) / self.block_size,
+        );
+        self.pages[first..=last]
+            .windows(2)
+            .all(|w| w[1] == w[0] + 1)
     }
 }
 
-/// Scratch of [`PagedKv`]: kv-quant's decode buffers and the f32 tile.
+/// Scratch of [`PagedKv`]: the layer store's own scratch and the f32 tile.
 #[derive(Clone, Debug, Default)]
 pub struct PagedScratch {
+    store: StoreScratch,
     decode: DecodeScratch,
     rows: Vec<f32>,
 }
@@ -197,8 +218,11 @@ impl KvSource for PagedKv<'_> {
         count: usize,
         scratch: &'s mut PagedScratch,
     ) -> attention::Result<Tile<'s>> {
-        let ch = self.channels;
-        let bs = self.storage.block_size();
+        let store: &KvStore = &self.store;
+        if self.contiguous(start, count) {
+            return store.read_tile(self.row(start), count, &mut scratch.store);
+        }
+        let (ch, bs) = (self.channels, self.block_size);
         if scratch.rows.len() < count * ch {
             scratch.rows.resize(count * ch, 0.0);
         }
@@ -206,33 +230,29 @@ impl KvSource for PagedKv<'_> {
         let mut stats = KvDecodeStats::default();
         let mut t = start;
         while t < start + count {
-            let (page, offset) = (t / bs, t % bs);
-            let n = (bs - offset).min(start + count - t);
+            let n = (bs - t % bs).min(start + count - t);
             let out = &mut rows[(t - start) * ch..][..n * ch];
-            let block = BlockId(self.pages[page]);
-            stats += self
-                .storage
-                .read(
-                    block,
-                    self.layer,
-                    self.part,
-                    offset,
-                    out,
-                    &mut scratch.decode,
-                )
-                .map_err(|e| match e {
-                    PagedCacheError::Quant(q) => attention::AttentionError::from(q),
-                    other => attention::AttentionError::InvalidParameter {
-                        name: "page",
-                        reason: other.to_string(),
-                    },
-                })?;
+            stats += store.decode_rows_rotated_into(self.row(t), n, out, &mut scratch.decode)?;
             t += n;
         }
         Ok(Tile {
             rows: TileRows::F32(rows),
             stats,
         })
+    }
+
+    fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
+        let store: &KvStore = &self.store;
+        if self.contiguous(start, count) {
+            store.row_addresses(self.row(start), count)
+        } else {
+            None
+        }
+    }
+
+    fn rotation(&self) -> Option<&'static Hadamard> {
+        let store: &KvStore = &self.store;
+        KvSource::rotation(store)
     }
 }
 

@@ -1,12 +1,18 @@
-//! [`BlockStorage`]: the bytes behind the blocks. Each block holds, for every
-//! layer, its K rows and its V rows as two kv-quant [`KvStore`]s of
-//! `block_size` tokens in the layer's [`CacheForm`] (kv-quant owns the
-//! byte layout; nothing here re-encodes anything), so a layer can keep FP16,
-//! FP8, INT8, INT4 or ECC-protected INT4 and the pool reports the true bytes
-//! each form takes. Blocks sit behind their own mutex so a background
-//! scrubber ([`crate::Scrubber`]) can work beside the cache.
+//! [`BlockStorage`]: the bytes behind the blocks, laid out as vLLM lays
+//! out its KV cache: for every layer, one kv-quant [`KvStore`] of keys and
+//! one of values spanning all blocks (`num_blocks × block_size` token rows,
+//! block `b` at rows `b·block_size..(b + 1)·block_size`), so each buffer
+//! (codes, scales, offsets, check bytes) is one contiguous array with a
+//! fixed block stride. kv-quant owns the byte layout; nothing here
+//! re-encodes anything. A layer can keep FP16, FP8, INT8, INT4 or
+//! ECC-protected INT4, with different forms for keys and values, and the
+//! pool reports the true bytes each form takes. Each layer's K and V stores
+//! sit behind their own read-write lock: attention reads a layer under one
+//! read lock, and a background scrubber ([`crate::Scrubber`]) takes the
+//! write lock one block at a time.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
@@ -56,7 +62,8 @@ pub enum KvPart {
     Values,
 }
 
-/// The contents of one block: `[K, V]` stores per layer.
+/// The contents of one block: `[K, V]` stores of `block_size` rows per
+/// layer (a copy, for swapping and snapshots).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockData {
     layers: Vec<[KvStore; 2]>,
@@ -93,15 +100,25 @@ struct LayerWriter {
 #[derive(Debug)]
 pub struct BlockStorage {
     block_size: usize,
+    num_blocks: usize,
     layers: Vec<LayerSpec>,
     writers: Vec<Mutex<LayerWriter>>,
-    blocks: Vec<Mutex<BlockData>>,
+    /// Per layer: the K and V stores of every block.
+    stores: Vec<[RwLock<KvStore>; 2]>,
 }
 
+// A panic while holding a lock leaves plain bytes behind, never a broken
+// invariant of these types, so a poisoned lock is still usable.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding a block leaves plain bytes behind, never a
-    // broken invariant of this type, so a poisoned lock is still usable.
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl BlockStorage {
@@ -113,20 +130,30 @@ impl BlockStorage {
                 reason: "block storage needs at least one layer".into(),
             });
         }
+        if block_size == 0 {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "block_size",
+                reason: "blocks hold at least one token".into(),
+            });
+        }
         for form in layers.iter().flat_map(|l| [l.key, l.value]) {
             check_pageable(&form)?;
         }
-        let template = BlockData {
-            layers: layers
-                .iter()
-                .map(|l| {
-                    Ok([
-                        KvStore::zeroed(l.key, block_size, l.channels)?,
-                        KvStore::zeroed(l.value, block_size, l.channels)?,
-                    ])
-                })
-                .collect::<Result<_>>()?,
-        };
+        let rows = num_blocks.checked_mul(block_size).ok_or_else(|| {
+            PagedCacheError::InvalidParameter {
+                name: "num_blocks",
+                reason: "blocks × block size overflows".into(),
+            }
+        })?;
+        let stores = layers
+            .iter()
+            .map(|l| {
+                Ok([
+                    RwLock::new(KvStore::zeroed(l.key, rows, l.channels)?),
+                    RwLock::new(KvStore::zeroed(l.value, rows, l.channels)?),
+                ])
+            })
+            .collect::<Result<_>>()?;
         let writers = layers
             .iter()
             .map(|l| {
@@ -142,11 +169,10 @@ impl BlockStorage {
             .collect::<Result<_>>()?;
         Ok(Self {
             block_size,
+            num_blocks,
             layers: layers.to_vec(),
             writers,
-            blocks: (0..num_blocks)
-                .map(|_| Mutex::new(template.clone()))
-                .collect(),
+            stores,
         })
     }
 
@@ -162,17 +188,19 @@ impl BlockStorage {
 
     /// Blocks held.
     pub fn num_blocks(&self) -> usize {
-        self.blocks.len()
+        self.num_blocks
     }
 
-    fn block(&self, block: BlockId) -> Result<MutexGuard<'_, BlockData>> {
-        self.blocks
-            .get(block.index())
-            .map(lock)
-            .ok_or(PagedCacheError::BlockOutOfRange {
+    /// The rows of `block` in every layer store.
+    pub fn block_rows(&self, block: BlockId) -> Result<Range<usize>> {
+        let b = block.index();
+        if b >= self.num_blocks {
+            return Err(PagedCacheError::BlockOutOfRange {
                 block: block.0,
-                blocks: self.blocks.len(),
-            })
+                blocks: self.num_blocks,
+            });
+        }
+        Ok(b * self.block_size..(b + 1) * self.block_size)
     }
 
     fn layer(&self, layer: usize) -> Result<&LayerSpec> {
@@ -182,6 +210,13 @@ impl BlockStorage {
                 name: "layer",
                 reason: format!("layer {layer} of {}", self.layers.len()),
             })
+    }
+
+    /// The K or V store of `layer` over every block, read-locked for as long
+    /// as the guard lives (attention holds it for one call).
+    pub fn layer_store(&self, layer: usize, part: KvPart) -> Result<RwLockReadGuard<'_, KvStore>> {
+        self.layer(layer)?;
+        Ok(read(&self.stores[layer][part as usize]))
     }
 
     /// Writes one token's K and V rows of `layer` at slot `offset` of `block`
@@ -210,18 +245,18 @@ impl BlockStorage {
                 tokens: self.block_size,
             });
         }
+        let row = self.block_rows(block)?.start + offset;
         // Encode both rows before storing either, so a refused row changes
-        // nothing, and outside the block's lock; no allocation once warm.
+        // nothing, and outside the stores' locks; no allocation once warm.
         let mut writer = lock(&self.writers[layer]);
         let w = &mut *writer;
         let options = QuantizeOptions::default();
         w.key.encode_into(keys, w.key_rows.as_mut(), options)?;
         w.value
             .encode_into(values, w.value_rows.as_mut(), options)?;
-        let mut data = self.block(block)?;
-        let [k, v] = &mut data.layers[layer];
-        k.put_encoded_rows(offset, &w.key_rows)?;
-        v.put_encoded_rows(offset, &w.value_rows)?;
+        let [k, v] = &self.stores[layer];
+        write(k).put_encoded_rows(row, &w.key_rows)?;
+        write(v).put_encoded_rows(row, &w.value_rows)?;
         Ok(())
     }
 
@@ -237,55 +272,76 @@ impl BlockStorage {
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
         let channels = self.layer(layer)?.channels;
-        let data = self.block(block)?;
-        let store = &data.layers[layer][part as usize];
-        Ok(store.decode_rows_into(offset, out.len() / channels, out, scratch)?)
+        let rows = self.block_rows(block)?;
+        let n = out.len() / channels;
+        if offset + n > self.block_size {
+            return Err(PagedCacheError::PositionOutOfRange {
+                position: offset + n,
+                tokens: self.block_size,
+            });
+        }
+        let store = read(&self.stores[layer][part as usize]);
+        Ok(store.decode_rows_into(rows.start + offset, n, out, scratch)?)
     }
 
     /// A copy of `block`'s contents.
     pub fn snapshot(&self, block: BlockId) -> Result<BlockData> {
-        Ok(self.block(block)?.clone())
+        let rows = self.block_rows(block)?;
+        let layers = self
+            .stores
+            .iter()
+            .map(|kv| {
+                Ok([
+                    read(&kv[0]).rows_to_store(rows.start, self.block_size)?,
+                    read(&kv[1]).rows_to_store(rows.start, self.block_size)?,
+                ])
+            })
+            .collect::<Result<_>>()?;
+        Ok(BlockData { layers })
     }
 
     /// Replaces `block`'s contents (from [`snapshot`](Self::snapshot) of
-    /// storage with the same layers).
+    /// storage with the same layers and block size).
     pub fn restore(&self, block: BlockId, data: BlockData) -> Result<()> {
-        let mut slot = self.block(block)?;
-        if data.layers.len() != slot.layers.len()
-            || data.layers.iter().zip(&slot.layers).any(|(a, b)| {
-                a.iter()
-                    .zip(b)
-                    .any(|(a, b)| a.form() != b.form() || a.channels() != b.channels())
-            })
-        {
+        let rows = self.block_rows(block)?;
+        let fits = data.layers.len() == self.layers.len()
+            && data.layers.iter().zip(&self.layers).all(|(d, l)| {
+                d.iter().zip([l.key, l.value]).all(|(s, f)| {
+                    *s.form() == f && s.channels() == l.channels && s.tokens() == self.block_size
+                })
+            });
+        if !fits {
             return Err(PagedCacheError::InvalidParameter {
                 name: "block data",
                 reason: "its layers differ from this storage's".into(),
             });
         }
-        *slot = data;
+        for (kv, d) in self.stores.iter().zip(&data.layers) {
+            write(&kv[0]).copy_rows_from(rows.start, &d[0])?;
+            write(&kv[1]).copy_rows_from(rows.start, &d[1])?;
+        }
         Ok(())
     }
 
     /// Copies `src`'s contents into `dst` (copy-on-write).
     pub fn copy(&self, src: BlockId, dst: BlockId) -> Result<()> {
         let data = self.snapshot(src)?;
-        let mut slot = self.block(dst)?;
-        slot.clone_from(&data);
-        Ok(())
+        self.restore(dst, data)
     }
 
     /// Scrubs every store of `block` (see [`KvStore::scrub`]).
     pub fn scrub(&self, block: BlockId) -> Result<ScrubStats> {
-        let mut data = self.block(block)?;
+        let rows = self.block_rows(block)?;
         let mut stats = ScrubStats::default();
-        for store in data.layers.iter_mut().flatten() {
-            stats += store.scrub()?;
+        for store in self.stores.iter().flatten() {
+            stats += write(store).scrub_rows(rows.clone())?;
         }
         Ok(stats)
     }
 
-    /// Injects faults from `channel` with `seed` into one store of `block`.
+    /// Injects faults from `channel` with `seed` into one store of `block`
+    /// (see [`KvStore::inject_rows`]: flip positions count from the block's
+    /// first byte in each buffer).
     pub fn inject(
         &self,
         block: BlockId,
@@ -296,11 +352,13 @@ impl BlockStorage {
         target: FaultTarget,
     ) -> Result<Injection> {
         self.layer(layer)?;
-        let mut data = self.block(block)?;
-        Ok(data.layers[layer][part as usize].inject(channel, seed, target))
+        let rows = self.block_rows(block)?;
+        let mut store = write(&self.stores[layer][part as usize]);
+        Ok(store.inject_rows(rows, channel, seed, target)?)
     }
 
-    /// Applies `f` to one store of `block` (reading bytes, flips, words).
+    /// Applies `f` to a copy of one store of `block` (its bytes, flips and
+    /// words, as a store of `block_size` rows).
     pub fn with_store<R>(
         &self,
         block: BlockId,
@@ -308,27 +366,29 @@ impl BlockStorage {
         part: KvPart,
         f: impl FnOnce(&KvStore) -> R,
     ) -> Result<R> {
-        self.layer(layer)?;
-        let data = self.block(block)?;
-        Ok(f(&data.layers[layer][part as usize]))
+        let rows = self.block_rows(block)?;
+        let store = self.layer_store(layer, part)?;
+        Ok(f(&store.rows_to_store(rows.start, self.block_size)?))
     }
 
     /// Bytes `block` holds in `layer` (K and V), counted from its buffers.
     pub fn block_layer_bytes(&self, block: BlockId, layer: usize) -> Result<usize> {
-        self.layer(layer)?;
-        let data = self.block(block)?;
-        Ok(data.layers[layer].iter().map(KvStore::stored_bytes).sum())
+        self.block_rows(block)?;
+        self.layer_block_bytes(layer)
     }
 
-    /// Bytes one block holds in `layer` (K and V), counted from the first
-    /// block's buffers (every block of a layer has the same layout).
+    /// Bytes one block holds in `layer` (K and V): the layer's stores'
+    /// bytes over the block count (every block of a layer has the same layout).
     pub fn layer_block_bytes(&self, layer: usize) -> Result<usize> {
         self.layer(layer)?;
-        let Some(first) = self.blocks.first() else {
+        if self.num_blocks == 0 {
             return Ok(0);
-        };
-        let data = lock(first);
-        Ok(data.layers[layer].iter().map(KvStore::stored_bytes).sum())
+        }
+        let bytes: usize = self.stores[layer]
+            .iter()
+            .map(|s| read(s).stored_bytes())
+            .sum();
+        Ok(bytes / self.num_blocks)
     }
 }
 
