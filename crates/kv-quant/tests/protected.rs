@@ -494,3 +494,37 @@ fn row_views_equal_decoded_rows() {
             .is_err()
     );
 }
+
+#[test]
+fn interpolation_reads_only_the_rows_it_is_limited_to() {
+    let (tokens, channels) = (12, 8);
+    let clean = store("int4+secded84+interp", tokens, channels);
+    let v = clean.decode().unwrap().values;
+    let at = |t: usize, c: usize| v[t * channels + c];
+    let mut faulty = clean.clone();
+    // (4, 2) sits on the first row of "block" 4..8, (7, 5) on its last.
+    erase(&mut faulty, &[(4, 2), (7, 5)]);
+    let mut out = vec![0.0; 4 * channels];
+    let mut scratch = DecodeScratch::new();
+    faulty
+        .decode_rows_into(4, 4, &mut out, &mut scratch)
+        .unwrap();
+    assert_eq!(out[2], 0.5 * (at(3, 2) + at(5, 2)), "unlimited: both sides");
+    assert_eq!(out[3 * channels + 5], 0.5 * (at(6, 5) + at(8, 5)));
+    scratch.limit_neighbours(Some(4..8));
+    faulty
+        .decode_rows_into(4, 4, &mut out, &mut scratch)
+        .unwrap();
+    assert_eq!(
+        out[2],
+        at(5, 2),
+        "limited: the row before the block is not read"
+    );
+    assert_eq!(out[3 * channels + 5], at(6, 5), "nor the row after it");
+    // A limit narrower than the rows decoded still lets them see each other.
+    scratch.limit_neighbours(Some(5..6));
+    faulty
+        .decode_rows_into(4, 4, &mut out, &mut scratch)
+        .unwrap();
+    assert_eq!(out[2], at(5, 2));
+}

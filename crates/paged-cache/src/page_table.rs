@@ -7,7 +7,7 @@
 use std::sync::RwLockReadGuard;
 
 use attention::{Attention, AttentionOutput, KvSource, Mask, StoreScratch, Tile, TileRows};
-use kv_quant::{DecodeScratch, Hadamard, KvDecodeStats, KvStore};
+use kv_quant::{DecodeScratch, ErasurePolicy, Hadamard, KvDecodeStats, KvStore};
 
 use crate::error::{PagedCacheError, Result};
 use crate::pool::BlockId;
@@ -120,7 +120,9 @@ impl PageTable {
 /// A tile inside one page, or over pages that are consecutive blocks, is
 /// read straight from the layer store, exactly as a contiguous store is
 /// (FP16 halves or integer levels for the kernel); a tile over scattered
-/// pages is decoded page by page into f32 rows.
+/// pages is decoded page by page into f32 rows. Forms that interpolate
+/// erased values always decode page by page, each page reading
+/// neighbours from its own block only (never another sequence's token).
 #[derive(Debug)]
 pub struct PagedKv<'a> {
     store: RwLockReadGuard<'a, KvStore>,
@@ -129,6 +131,7 @@ pub struct PagedKv<'a> {
     tokens: usize,
     channels: usize,
     bytes: usize,
+    interpolates: bool,
 }
 
 impl<'a> PagedKv<'a> {
@@ -162,7 +165,12 @@ impl<'a> PagedKv<'a> {
         }
         let store = storage.layer_store(layer, part)?;
         let bytes = pages.len() * store.stored_bytes() / storage.num_blocks().max(1);
+        let interpolates = store
+            .form()
+            .protection()
+            .is_some_and(|p| matches!(p.policy, ErasurePolicy::Interpolate { .. }));
         Ok(Self {
+            interpolates,
             channels: store.channels(),
             store,
             pages,
@@ -219,7 +227,7 @@ impl KvSource for PagedKv<'_> {
         scratch: &'s mut PagedScratch,
     ) -> attention::Result<Tile<'s>> {
         let store: &KvStore = &self.store;
-        if self.contiguous(start, count) {
+        if !self.interpolates && self.contiguous(start, count) {
             return store.read_tile(self.row(start), count, &mut scratch.store);
         }
         let (ch, bs) = (self.channels, self.block_size);
@@ -232,6 +240,8 @@ impl KvSource for PagedKv<'_> {
         while t < start + count {
             let n = (bs - t % bs).min(start + count - t);
             let out = &mut rows[(t - start) * ch..][..n * ch];
+            let block = self.row(t) - t % bs;
+            scratch.decode.limit_neighbours(Some(block..block + bs));
             stats += store.decode_rows_rotated_into(self.row(t), n, out, &mut scratch.decode)?;
             t += n;
         }
@@ -243,7 +253,7 @@ impl KvSource for PagedKv<'_> {
 
     fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
         let store: &KvStore = &self.store;
-        if self.contiguous(start, count) {
+        if !self.interpolates && self.contiguous(start, count) {
             store.row_addresses(self.row(start), count)
         } else {
             None

@@ -261,7 +261,8 @@ impl BlockStorage {
     }
 
     /// Decodes rows `offset..offset + out.len() / channels` of one store of
-    /// `block` into `out`.
+    /// `block` into `out` (erased values interpolated from the block's own
+    /// rows only).
     pub fn read(
         &self,
         block: BlockId,
@@ -281,6 +282,8 @@ impl BlockStorage {
             });
         }
         let store = read(&self.stores[layer][part as usize]);
+        // Interpolation reads neighbours within the block only.
+        scratch.limit_neighbours(Some(rows.clone()));
         Ok(store.decode_rows_into(rows.start + offset, n, out, scratch)?)
     }
 

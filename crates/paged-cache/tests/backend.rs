@@ -220,3 +220,91 @@ fn faults_in_resident_blocks_are_seeded_and_scrubbed() {
     // What scrubbing corrected stays corrected.
     assert_eq!(a.scrub().unwrap().values.corrected, 0);
 }
+
+/// A channel that flips exactly the given bit positions.
+#[derive(Debug)]
+struct ExactFlips(Vec<u64>);
+
+impl gf2_codes::channel::FaultChannel for ExactFlips {
+    fn inject_with(
+        &self,
+        data: &mut [u8],
+        _rng: &mut gf2_codes::channel::FaultRng,
+    ) -> gf2_codes::channel::Flips {
+        let flips = gf2_codes::channel::Flips::from_events(
+            self.0
+                .iter()
+                .copied()
+                .filter(|&p| p / 8 < data.len() as u64)
+                .collect(),
+        );
+        flips.apply(data).unwrap();
+        flips
+    }
+}
+
+#[test]
+fn an_erased_value_is_never_rebuilt_from_another_sequences_block() {
+    use attention::KvSource;
+    use kv_quant::FaultTarget;
+    use paged_cache::{BlockId, BlockStorage, KvPart, PageTable, PagedKv};
+    let ch = 8;
+    let form: CacheForm = "int4+secded84+interp".parse().unwrap();
+    let storage = BlockStorage::new(3, 4, &[LayerSpec::uniform(form, ch)]).unwrap();
+    // Block 1 holds sequence A; blocks 0 and 2 (its physical neighbours)
+    // hold another sequence with very different values.
+    for b in 0..3u32 {
+        for t in 0..4 {
+            let v = if b == 1 { 0.1 * t as f32 } else { 50.0 };
+            let row: Vec<f32> = (0..ch).map(|c| v + c as f32 * 0.01).collect();
+            storage.write(BlockId(b), t, 0, &row, &row).unwrap();
+        }
+    }
+    let clean = {
+        let table = PageTable::from_tables(&[(&[BlockId(1)], 4)], 4).unwrap();
+        let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).unwrap();
+        let mut scratch = Default::default();
+        let tile = keys.read_tile(0, 4, &mut scratch).unwrap();
+        match tile.rows {
+            attention::TileRows::F32(v) => v.to_vec(),
+            other => panic!("{other:?}"),
+        }
+    };
+    // Two flips in the codeword of A's first and last rows, channel 3.
+    let rb = storage
+        .with_store(BlockId(1), 0, KvPart::Keys, |s| s.row_bytes())
+        .unwrap() as u64;
+    let cells = [(0u64, 3u64), (3, 3)];
+    let positions = cells
+        .iter()
+        .flat_map(|&(t, c)| [8 * (t * rb + c) + 1, 8 * (t * rb + c) + 5])
+        .collect();
+    storage
+        .inject(
+            BlockId(1),
+            0,
+            KvPart::Keys,
+            &ExactFlips(positions),
+            0,
+            FaultTarget::Values,
+        )
+        .unwrap();
+    let table = PageTable::from_tables(&[(&[BlockId(1)], 4)], 4).unwrap();
+    let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).unwrap();
+    let mut scratch = Default::default();
+    let tile = keys.read_tile(0, 4, &mut scratch).unwrap();
+    assert_eq!(tile.stats.values.detected, 2);
+    let attention::TileRows::F32(got) = tile.rows else {
+        panic!("an interpolating form decodes to f32 rows")
+    };
+    assert_eq!(
+        got[3],
+        clean[ch + 3],
+        "first row: from the row after it only"
+    );
+    assert_eq!(
+        got[3 * ch + 3],
+        clean[2 * ch + 3],
+        "last row: from the row before it only"
+    );
+}

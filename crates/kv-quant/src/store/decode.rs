@@ -39,12 +39,23 @@ pub struct DecodeScratch {
     pub(crate) values: Vec<f32>,
     /// Rows decoded for interpolation across tile borders.
     pub(crate) neighbours: Option<Box<Neighbours>>,
+    /// Rows interpolation may read (`None`: the whole store).
+    pub(crate) neighbour_rows: Option<(usize, usize)>,
 }
 
 impl DecodeScratch {
     /// Empty scratch.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Limits the rows the interpolation policy (`+interp`) reads
+    /// neighbours from in the decodes that use this scratch: a paged cache
+    /// whose store spans many sequences' blocks passes a block's rows, so
+    /// an erased value is never rebuilt from another sequence's token.
+    /// `None` (the default) allows the whole store.
+    pub fn limit_neighbours(&mut self, rows: Option<std::ops::Range<usize>>) {
+        self.neighbour_rows = rows.map(|r| (r.start, r.end));
     }
 }
 

@@ -75,6 +75,8 @@ impl Section {
         let policy = protection.policy;
         let ch = self.channels;
         let ew = erasure_words(ch);
+        let (lo, hi) = scratch.neighbour_rows.unwrap_or((0, self.tokens));
+        let (lo, hi) = (lo.min(start), hi.max(end).min(self.tokens));
         let erasures = &scratch.erasures[..(end - start) * ew];
         let neighbours = scratch.neighbours.get_or_insert_with(Default::default);
         neighbours.tokens.clear();
@@ -99,14 +101,14 @@ impl Section {
                                 }
                             };
                             let mut left = None;
-                            for d in 1..=reach.min(t) {
+                            for d in 1..=reach.min(t - lo) {
                                 if let Some(v) = neighbour(t - d)? {
                                     left = Some((d, v));
                                     break;
                                 }
                             }
                             let mut right = None;
-                            for d in 1..=reach.min(self.tokens - 1 - t) {
+                            for d in 1..=reach.min(hi - 1 - t) {
                                 if let Some(v) = neighbour(t + d)? {
                                     right = Some((d, v));
                                     break;
