@@ -280,8 +280,15 @@ enum Command {
         #[arg(long)]
         model: Option<PathBuf>,
         /// The prompt.
+        #[arg(long, required_unless_present = "prompt_file")]
+        prompt: Option<String>,
+        /// Read the prompt from this file instead.
+        #[arg(long, conflicts_with = "prompt")]
+        prompt_file: Option<PathBuf>,
+        /// Keep only the first N tokens of the prompt (a context of a chosen
+        /// length for speed measurements).
         #[arg(long)]
-        prompt: String,
+        prompt_tokens: Option<usize>,
         /// Tokens to generate at most.
         #[arg(long, default_value_t = 64)]
         max_new: usize,
@@ -917,6 +924,8 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Generate {
             model,
             prompt,
+            prompt_file,
+            prompt_tokens,
             max_new,
             ctx,
             temperature,
@@ -952,8 +961,14 @@ fn run(cli: Cli) -> Result<(), Error> {
                 seed,
                 scrub_every,
             };
-            if prompt.is_empty() {
-                return Err("--prompt is empty".into());
+            let prompt = match (prompt, prompt_file) {
+                (Some(p), _) => p,
+                (None, Some(f)) => std::fs::read_to_string(&f)
+                    .map_err(|e| format!("cannot read prompt {}: {e}", f.display()))?,
+                (None, None) => return Err("give --prompt or --prompt-file".into()),
+            };
+            if prompt.is_empty() || prompt_tokens == Some(0) {
+                return Err("the prompt is empty".into());
             }
             if threads > 0 {
                 rayon::ThreadPoolBuilder::new()
@@ -961,7 +976,14 @@ fn run(cli: Cli) -> Result<(), Error> {
                     .build_global()?;
             }
             let (model, tokenizer) = load_model(&model_path(&model)?)?;
-            let ids = tokenizer.encode(&prompt)?;
+            let mut ids = tokenizer.encode(&prompt)?;
+            let mut shown = prompt.clone();
+            if let Some(n) = prompt_tokens
+                && n < ids.len()
+            {
+                ids.truncate(n);
+                shown = tokenizer.decode(&ids)?;
+            }
             let cal = calibration_for(
                 std::slice::from_ref(&mode),
                 &calib,
@@ -980,7 +1002,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             let mut text = String::new();
             let mut out_ids = Vec::new();
             let mut stdout = std::io::stdout();
-            print!("{prompt}");
+            print!("{shown}");
             let g = generate(model.as_ref(), &ids, &config, |id| {
                 use std::io::Write;
                 out_ids.push(id);
