@@ -869,9 +869,13 @@ fn run(cli: Cli) -> Result<(), Error> {
                         .push(FrontierPoint::new(config, ctx, m, &plain));
                 }
                 report.plain.push((ctx, plain));
+                // Rewritten after every context, so a long run leaves
+                // what it has measured if it is stopped.
+                report.write(&out)?;
                 eprintln!(
-                    "context {ctx} done after {:.0} s",
-                    started.elapsed().as_secs_f64()
+                    "context {ctx} done after {:.0} s (report in {})",
+                    started.elapsed().as_secs_f64(),
+                    out.display()
                 );
             }
             println!("{}", report.markdown());
