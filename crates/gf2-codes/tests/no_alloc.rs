@@ -1,34 +1,11 @@
 //! The `_into` calls of the batch codecs do not allocate, on every backend
 //! this CPU has (a per-thread counting allocator).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-
 use gf2_codes::Int4Code;
 use gf2_codes::batch::{Backend, Int4Codec, erasure_words};
 
-struct Counting;
-
-thread_local! {
-    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to the system allocator; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.with(|c| c.set(c.get() + 1));
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: test_support::CountingAllocator = test_support::CountingAllocator;
 
 #[test]
 fn encode_into_and_decode_into_do_not_allocate() {
@@ -51,7 +28,7 @@ fn encode_into_and_decode_into_do_not_allocate() {
                 .unwrap();
         }
         encoded[10] ^= 0b101;
-        let before = ALLOCATIONS.with(Cell::get);
+        let before = test_support::allocations();
         codec.encode_into(&values, &mut encoded).unwrap();
         encoded[10] ^= 0b1;
         for &b in &backends {
@@ -63,7 +40,7 @@ fn encode_into_and_decode_into_do_not_allocate() {
                 .unwrap();
         }
         codec.scrub(&mut encoded, n).unwrap();
-        assert_eq!(ALLOCATIONS.with(Cell::get), before, "{code}");
+        assert_eq!(test_support::allocations(), before, "{code}");
         assert_eq!(decoded, values, "{code}");
     }
 }

@@ -2,35 +2,13 @@
 //! [`Projector`] gives the same coefficients as a whole store, and projecting
 //! does not allocate (a per-thread counting allocator).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::sync::Arc;
 
 use kv_lowrank::{Basis, BasisStorage, HeadBases, LowRankStore, Projector};
 use kv_quant::{CacheForm, RankRule};
 
-struct Counting;
-
-thread_local! {
-    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to the system allocator; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.with(|c| c.set(c.get() + 1));
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: test_support::CountingAllocator = test_support::CountingAllocator;
 
 #[test]
 fn projecting_rows_matches_the_store_and_does_not_allocate() {
@@ -61,13 +39,13 @@ fn projecting_rows_matches_the_store_and_does_not_allocate() {
     projector
         .project_into(&rows[..heads * d], &mut coeffs, &mut residuals)
         .unwrap();
-    let before = ALLOCATIONS.with(Cell::get);
+    let before = test_support::allocations();
     for row in rows.chunks_exact(heads * d) {
         projector
             .project_into(row, &mut coeffs, &mut residuals)
             .unwrap();
     }
-    assert_eq!(ALLOCATIONS.with(Cell::get), before, "projecting allocated");
+    assert_eq!(test_support::allocations(), before, "projecting allocated");
     // The last row's residuals are within the store's (which also carry
     // the int8 rounding of the coefficients, and are rounded up).
     for (h, &res) in residuals.iter().enumerate() {

@@ -26,6 +26,10 @@
 //! gpu_test();
 //! ```
 
+mod alloc;
+
+pub use alloc::{CountingAllocator, allocations};
+
 use std::io::Write;
 
 /// What a skipped test lacks.
