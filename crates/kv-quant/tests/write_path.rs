@@ -47,6 +47,28 @@ fn codebook(form: &CacheForm, channels: usize) -> Option<Arc<VqCodebook>> {
     })
 }
 
+/// `x` quantized as one store (with its codebook when the form has one).
+fn quantize_whole(
+    form: CacheForm,
+    x: &[f32],
+    tokens: usize,
+    channels: usize,
+    cb: &Option<Arc<VqCodebook>>,
+) -> KvStore {
+    match cb {
+        Some(cb) => KvStore::quantize_with_codebook(
+            form,
+            x,
+            tokens,
+            channels,
+            QuantizeOptions::default(),
+            cb.clone(),
+        ),
+        None => KvStore::quantize(form, x, tokens, channels),
+    }
+    .unwrap()
+}
+
 #[test]
 fn encoder_bytes_equal_a_whole_quantization() {
     let (tokens, channels) = (9, 128);
@@ -54,18 +76,7 @@ fn encoder_bytes_equal_a_whole_quantization() {
     for spelling in FORMS {
         let form: CacheForm = spelling.parse().unwrap();
         let cb = codebook(&form, channels);
-        let whole = match &cb {
-            Some(cb) => KvStore::quantize_with_codebook(
-                form,
-                &x,
-                tokens,
-                channels,
-                QuantizeOptions::default(),
-                cb.clone(),
-            ),
-            None => KvStore::quantize(form, &x, tokens, channels),
-        }
-        .unwrap();
+        let whole = quantize_whole(form, &x, tokens, channels, &cb);
         let mut encoder = RowEncoder::new(form, channels, cb).unwrap();
         let sizes = encoder.buffer_sizes(tokens);
         let (mut data, mut scales, mut offsets) = (
@@ -202,18 +213,7 @@ fn encoded_rows_commit_into_a_store_without_allocating() {
     for spelling in FORMS {
         let form: CacheForm = spelling.parse().unwrap();
         let cb = codebook(&form, channels);
-        let whole = match &cb {
-            Some(cb) => KvStore::quantize_with_codebook(
-                form,
-                &x,
-                tokens,
-                channels,
-                QuantizeOptions::default(),
-                cb.clone(),
-            ),
-            None => KvStore::quantize(form, &x, tokens, channels),
-        }
-        .unwrap();
+        let whole = quantize_whole(form, &x, tokens, channels, &cb);
         let mut store = whole.clone();
         // Scribble over the store first, then commit every row again.
         let zero = vec![0.25f32; tokens * channels];

@@ -3,10 +3,10 @@
 //! through the model's [`ModelCache`], a GELU (tanh form, `gelu_new`) MLP, and the
 //! output head tied to the token embedding.
 
-use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite, run_step};
+use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite};
 use rayon::prelude::*;
 
-use super::{CausalLm, Matrix, ModelCache, project};
+use super::{CausalLm, Matrix, ModelCache, forward_step, project};
 use crate::error::{EvalError, Result};
 
 /// GPT-2 hyper-parameters (`config.json`'s `n_embd`, `n_layer`, ...).
@@ -190,21 +190,14 @@ impl CausalLm for Gpt2Model {
         logits_from: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
-        let t = tokens.len();
-        if t == 0 || logits_from > t {
-            return Err(EvalError::Shape(format!(
-                "{t} tokens with logits from {logits_from}"
-            )));
-        }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
-            return Err(EvalError::TokenId { id, vocab: c.vocab });
-        }
-        cache.fit(&ModelKvShape {
+        let shape = ModelKvShape {
             layers: c.layers,
             heads: *self.attention.shape(),
             rope: None,
-        })?;
-        run_step(cache, tokens, |cache| self.step(tokens, cache, logits_from))
+        };
+        forward_step(tokens, c.vocab, logits_from, &shape, cache, |cache| {
+            self.step(tokens, cache, logits_from)
+        })
     }
 }
 

@@ -9,11 +9,10 @@
 
 use attention::{
     Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite, Rope, RopeLayout,
-    run_step,
 };
 use rayon::prelude::*;
 
-use super::{CausalLm, Matrix, ModelCache, project};
+use super::{CausalLm, Matrix, ModelCache, forward_step, project};
 use crate::error::{EvalError, Result};
 use crate::load::gguf::GgufFile;
 
@@ -260,21 +259,14 @@ impl LlamaModel {
         logits_from: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
-        let t = tokens.len();
-        if t == 0 || logits_from > t {
-            return Err(EvalError::Shape(format!(
-                "{t} tokens with logits from {logits_from}"
-            )));
-        }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
-            return Err(EvalError::TokenId { id, vocab: c.vocab });
-        }
-        cache.fit(&ModelKvShape {
+        let shape = ModelKvShape {
             layers: c.layers,
             heads: *self.attention.shape(),
             rope: Some(&self.rope),
-        })?;
-        run_step(cache, tokens, |cache| self.step(tokens, cache, logits_from))
+        };
+        forward_step(tokens, c.vocab, logits_from, &shape, cache, |cache| {
+            self.step(tokens, cache, logits_from)
+        })
     }
 
     /// The forward pass inside one cache step.

@@ -48,6 +48,31 @@ pub trait CausalLm: Send + Sync {
     ) -> Result<Vec<f32>>;
 }
 
+/// The set-up every forward pass shares: refuses an empty call, a
+/// `logits_from` past the tokens and ids outside the vocabulary, sizes
+/// `cache` for `model`, then runs `step` as one cache step (committed on
+/// success, rolled back on error).
+pub(crate) fn forward_step(
+    tokens: &[u32],
+    vocab: usize,
+    logits_from: usize,
+    model: &attention::ModelKvShape<'_>,
+    cache: &mut ModelCache,
+    step: impl FnOnce(&mut ModelCache) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let t = tokens.len();
+    if t == 0 || logits_from > t {
+        return Err(EvalError::Shape(format!(
+            "{t} tokens with logits from {logits_from}"
+        )));
+    }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+        return Err(EvalError::TokenId { id, vocab });
+    }
+    cache.fit(model)?;
+    attention::run_step(cache, tokens, step)
+}
+
 /// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`: abft-gemm's linear layer,
 /// so the projections are the GEMMs that crate checks.
 pub(crate) fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) -> Result<()> {
