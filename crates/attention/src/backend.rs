@@ -247,6 +247,24 @@ impl DenseBackend {
     pub fn rows(&self, layer: usize) -> Option<(&[f32], &[f32])> {
         self.layers.get(layer).map(|(k, v)| (&k[..], &v[..]))
     }
+
+    /// Channels per row (0 before [`fit`](KvBackend::fit)).
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+
+    /// Layers held (0 before [`fit`](KvBackend::fit)).
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes of the f32 rows held.
+    pub fn held_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|(k, v)| 4 * (k.len() + v.len()) as u64)
+            .sum()
+    }
 }
 
 impl KvBackend for DenseBackend {

@@ -4,7 +4,7 @@
 //! forward passes as a [`ModelCache`](crate::models::ModelCache).
 
 use attention::{Attention, AttentionOutput, KvBackend, Mask, ModelKvShape};
-use paged_cache::{LayerSpec, PagedBackend};
+use paged_cache::{KvPart, LayerSpec, PagedBackend};
 
 use crate::cache::{CacheMode, CacheStats, FaultSpec};
 use crate::error::{EvalError, Result};
@@ -119,12 +119,10 @@ pub fn paged_stats(
         None => 0,
     };
     let mut part_bytes = [0u64; 2];
-    for (layer, spec) in storage.layers().iter().enumerate() {
-        let both = storage.layer_block_bytes(layer)?;
-        let key = kv_quant::KvStore::zeroed(spec.key, storage.block_size(), spec.channels)?
-            .stored_bytes();
-        part_bytes[0] += (blocks * key) as u64;
-        part_bytes[1] += (blocks * (both - key)) as u64;
+    for layer in 0..storage.layers().len() {
+        for (i, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
+            part_bytes[i] += (blocks * storage.part_block_bytes(layer, part)?) as u64;
+        }
     }
     Ok(CacheStats {
         keys: read.keys,

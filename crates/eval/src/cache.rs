@@ -17,8 +17,8 @@
 use std::sync::Arc;
 
 use attention::{
-    Attention, AttentionOutput, DenseKv, KvBackend, KvSource, LowRankScratch, Mask, ModelKvShape,
-    PreRopeKeys, Rope, StepRows, StoreScratch, StoreWithTruth, Tile, certificates,
+    Attention, AttentionOutput, DenseBackend, KvBackend, KvSource, LowRankScratch, Mask,
+    ModelKvShape, PreRopeKeys, Rope, StoreScratch, StoreWithTruth, Tile, certificates,
 };
 use gf2_codes::channel::{
     BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
@@ -509,12 +509,10 @@ pub struct KvCache {
     mode: CacheMode,
     faults: Option<(FaultSpec, Box<dyn FaultChannel + Send + Sync>)>,
     stream: u64,
-    layers: Vec<(Vec<f32>, Vec<f32>)>,
+    /// The f32 rows, committed and pending: the truth every call encodes.
+    rows: DenseBackend,
     codes: Vec<LayerCodes>,
     rope: Option<Rope>,
-    channels: usize,
-    tokens: usize,
-    step: StepRows,
     calls: u64,
     stats: CacheStats,
     /// The statistics when the open step began.
@@ -527,7 +525,7 @@ impl std::fmt::Debug for KvCache {
             .field("mode", &self.mode)
             .field("faults", &self.faults.as_ref().map(|f| f.0))
             .field("stream", &self.stream)
-            .field("tokens", &self.tokens)
+            .field("tokens", &self.rows.tokens())
             .finish()
     }
 }
@@ -566,12 +564,9 @@ impl KvCache {
             mode,
             faults,
             stream,
-            layers: Vec::new(),
+            rows: DenseBackend::new(),
             codes: Vec::new(),
             rope: None,
-            channels: 0,
-            tokens: 0,
-            step: StepRows::default(),
             calls: 0,
             stats: CacheStats::default(),
             checkpoint: None,
@@ -586,10 +581,7 @@ impl KvCache {
     /// Bytes of the f32 rows held between calls (every call encodes them
     /// anew into the stores it attends).
     pub fn held_bytes(&self) -> u64 {
-        self.layers
-            .iter()
-            .map(|(k, v)| 4 * (k.len() + v.len()) as u64)
-            .sum()
+        self.rows.held_bytes()
     }
 
     /// The storage mode.
@@ -601,7 +593,7 @@ impl KvCache {
     /// what calibration fits its codebooks and bases on.
     pub fn plain_rows(&self, layer: usize) -> Option<(&[f32], &[f32])> {
         match self.mode {
-            CacheMode::Plain => self.layers.get(layer).map(|(k, v)| (&k[..], &v[..])),
+            CacheMode::Plain => self.rows.rows(layer),
             CacheMode::Stored(_) => None,
         }
     }
@@ -614,75 +606,43 @@ impl KvBackend for KvCache {
     /// shape, forms that name layers the model lacks, and forms whose
     /// codebooks the calibration does not hold.
     fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<()> {
-        let channels = model.heads.kv_channels();
-        if self.layers.is_empty() {
+        if self.rows.layers() == 0 {
             if let CacheMode::Stored(stored) = &self.mode {
-                self.codes = resolve(stored, model.layers, channels)?;
+                self.codes = resolve(stored, model.layers, model.heads.kv_channels())?;
             }
-            self.layers = vec![(Vec::new(), Vec::new()); model.layers];
-            self.channels = channels;
             self.rope = model.rope.cloned();
-            self.step = StepRows::new(model.layers);
         }
-        if self.layers.len() != model.layers || self.channels != channels {
-            return Err(EvalError::Shape(format!(
-                "cache of {} layers × {} channels used with a model of {} × {channels}",
-                self.layers.len(),
-                self.channels,
-                model.layers,
-            )));
-        }
-        Ok(())
+        Ok(self.rows.fit(model)?)
     }
 
     fn tokens(&self) -> usize {
-        self.tokens
+        self.rows.tokens()
     }
 
     fn begin(&mut self, tokens: &[u32]) -> Result<()> {
-        if self.layers.is_empty() {
-            return Err(EvalError::InvalidParameter {
-                name: "cache",
-                reason: "the cache was not fitted to a model".into(),
-            });
-        }
-        self.step.begin(tokens.len())?;
+        self.rows.begin(tokens)?;
         self.checkpoint = Some(self.stats.clone());
         Ok(())
     }
 
     fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
-        let rows = self.step.check_append(layer, self.channels, keys, values)?;
-        let (k, v) = &mut self.layers[layer];
-        k.extend_from_slice(keys);
-        v.extend_from_slice(values);
-        self.step.appended(layer, rows);
-        Ok(())
+        Ok(self.rows.append(layer, keys, values)?)
     }
 
     fn commit(&mut self) -> Result<()> {
-        match self.step.close() {
-            Ok(n) => {
-                self.tokens += n;
-                self.calls += 1;
-                self.checkpoint = None;
-                Ok(())
-            }
-            Err(e) => {
-                self.rollback();
-                Err(e.into())
-            }
+        // A refused step is rolled back by the rows; its statistics here.
+        if let Err(e) = self.rows.commit() {
+            self.rollback();
+            return Err(e.into());
         }
+        self.calls += 1;
+        self.checkpoint = None;
+        Ok(())
     }
 
     /// Drops the step's rows and the statistics its attention calls added.
     fn rollback(&mut self) {
-        self.step.discard();
-        let keep = self.tokens * self.channels;
-        for (k, v) in &mut self.layers {
-            k.truncate(keep);
-            v.truncate(keep);
-        }
+        self.rows.rollback();
         if let Some(stats) = self.checkpoint.take() {
             self.stats = stats;
         }
@@ -699,24 +659,23 @@ impl KvBackend for KvCache {
         positions: &[usize],
         mask: &Mask<'_>,
     ) -> Result<AttentionOutput> {
-        if layer >= self.layers.len() {
-            return Err(EvalError::InvalidParameter {
-                name: "layer",
-                reason: format!("layer {layer} of a cache of {} layers", self.layers.len()),
-            });
-        }
-        let tokens = self.tokens + self.step.pending(layer);
-        let (k, v) = &self.layers[layer];
-        let rope = self.rope.as_ref();
         let out = match &self.mode {
-            CacheMode::Plain => {
-                let keys = DenseKv::new(k, tokens, self.channels)?;
-                let values = DenseKv::new(v, tokens, self.channels)?;
-                attention.prefill(queries, positions, &keys, &values, mask)?
-            }
+            CacheMode::Plain => self
+                .rows
+                .attend(layer, attention, queries, positions, mask)?,
             CacheMode::Stored(_) => {
+                let (k, v) = self
+                    .rows
+                    .rows(layer)
+                    .ok_or_else(|| EvalError::InvalidParameter {
+                        name: "layer",
+                        reason: format!("layer {layer} of a cache of {} layers", self.codes.len()),
+                    })?;
+                let ch = self.rows.channels();
+                let tokens = k.len() / ch;
+                let rope = self.rope.as_ref();
                 let codes = &self.codes[layer];
-                let (ch, head_dim) = (self.channels, attention.shape().head_dim());
+                let head_dim = attention.shape().head_dim();
                 let clean_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
                 let clean_v = StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
                 for (part, i) in [(&clean_k, 0), (&clean_v, 1)] {

@@ -383,15 +383,15 @@ impl BlockStorage {
     /// Bytes one block holds in `layer` (K and V): the layer's stores'
     /// bytes over the block count (every block of a layer has the same layout).
     pub fn layer_block_bytes(&self, layer: usize) -> Result<usize> {
+        Ok(self.part_block_bytes(layer, KvPart::Keys)?
+            + self.part_block_bytes(layer, KvPart::Values)?)
+    }
+
+    /// Bytes one block holds in one part of `layer`.
+    pub fn part_block_bytes(&self, layer: usize, part: KvPart) -> Result<usize> {
         self.layer(layer)?;
-        if self.num_blocks == 0 {
-            return Ok(0);
-        }
-        let bytes: usize = self.stores[layer]
-            .iter()
-            .map(|s| read(s).stored_bytes())
-            .sum();
-        Ok(bytes / self.num_blocks)
+        let bytes = read(&self.stores[layer][part as usize]).stored_bytes();
+        Ok(bytes.checked_div(self.num_blocks).unwrap_or(0))
     }
 }
 

@@ -1,0 +1,198 @@
+//! `kv-eval generate`: text after a prompt on a KV backend, streamed to
+//! stdout, then tokens/s, the cache's true bytes and the codec statistics
+//! on stderr.
+
+use std::path::PathBuf;
+
+use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
+
+use crate::{
+    Backend, BackendArgs, Calib, Error, Forms, Target, calibration_for, load_model, mode_of,
+    model_path,
+};
+
+/// The flags of `kv-eval generate`.
+#[derive(clap::Args)]
+pub(crate) struct GenerateArgs {
+    /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt.
+    #[arg(long, required_unless_present = "prompt_file")]
+    prompt: Option<String>,
+    /// Read the prompt from this file instead.
+    #[arg(long, conflicts_with = "prompt")]
+    prompt_file: Option<PathBuf>,
+    /// Keep only the first N tokens of the prompt (a context of a chosen
+    /// length for speed measurements).
+    #[arg(long)]
+    prompt_tokens: Option<usize>,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    max_new: usize,
+    /// Tokens the cache holds at most (prompt and continuation).
+    #[arg(long, default_value_t = 2048)]
+    ctx: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus sampling: the smallest set of tokens with this much probability.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Seed of the sampling stream and of the faults.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(flatten)]
+    forms: Forms,
+    #[command(flatten)]
+    calib: Calib,
+    /// KV backend: paged, reencode or dense (plain only).
+    #[arg(long, value_enum, default_value_t = Backend::Paged)]
+    backend: Backend,
+    /// Tokens per block of the paged backend.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Bit error rate applied to every resident block before each decode step.
+    #[arg(long, default_value_t = 0.0)]
+    ber_per_step: f64,
+    /// Fault channel: bsc, burst, mbu, stuck0, stuck1.
+    #[arg(long, default_value = "bsc")]
+    channel: String,
+    /// Which stored bits are exposed.
+    #[arg(long, value_enum, default_value_t = Target::Values)]
+    target: Target,
+    /// Scrub the resident blocks every N decode steps.
+    #[arg(long)]
+    scrub_every: Option<usize>,
+    /// Worker threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+/// Runs `kv-eval generate`.
+pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
+    let GenerateArgs {
+        model,
+        prompt,
+        prompt_file,
+        prompt_tokens,
+        max_new,
+        ctx,
+        temperature,
+        top_p,
+        seed,
+        forms,
+        calib,
+        backend,
+        block_size,
+        ber_per_step,
+        channel,
+        target,
+        scrub_every,
+        threads,
+    } = args;
+    let backend = BackendArgs {
+        backend,
+        block_size,
+    }
+    .kind();
+    let mode = mode_of(&forms)?;
+    let sampling = Sampling {
+        temperature,
+        top_p,
+        seed,
+    };
+    sampling.check()?;
+    backend.check(&mode, None)?;
+    let faults = StepFaults {
+        channel: channel.parse()?,
+        ber_per_step,
+        target: target.into(),
+        seed,
+        scrub_every,
+    };
+    let prompt = match (prompt, prompt_file) {
+        (Some(p), _) => p,
+        (None, Some(f)) => std::fs::read_to_string(&f)
+            .map_err(|e| format!("cannot read prompt {}: {e}", f.display()))?,
+        (None, None) => return Err("give --prompt or --prompt-file".into()),
+    };
+    if prompt.is_empty() || prompt_tokens == Some(0) {
+        return Err("the prompt is empty".into());
+    }
+    if threads > 0 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global()?;
+    }
+    let (model, tokenizer) = load_model(&model_path(&model)?)?;
+    let mut ids = tokenizer.encode(&prompt)?;
+    let mut shown = prompt.clone();
+    if let Some(n) = prompt_tokens
+        && n < ids.len()
+    {
+        ids.truncate(n);
+        shown = tokenizer.decode(&ids)?;
+    }
+    let cal = calibration_for(
+        std::slice::from_ref(&mode),
+        &calib,
+        model.as_ref(),
+        &tokenizer,
+    )?;
+    let mode = mode.with_calibration(cal);
+    let config = GenerateConfig {
+        mode: mode.clone(),
+        backend,
+        context: ctx,
+        max_new,
+        sampling,
+        faults: Some(faults),
+    };
+    let mut text = String::new();
+    let mut out_ids = Vec::new();
+    let mut stdout = std::io::stdout();
+    print!("{shown}");
+    let g = generate(model.as_ref(), &ids, &config, |id| {
+        use std::io::Write;
+        out_ids.push(id);
+        let now = tokenizer.decode(&out_ids)?;
+        if let Some(new) = now.strip_prefix(text.as_str()) {
+            print!("{new}");
+            let _ = stdout.flush();
+        }
+        text = now;
+        Ok(())
+    })?;
+    println!();
+    let values =
+        2 * (ids.len() + g.tokens.len().saturating_sub(1)) * model.kv_channels() * model.layers();
+    eprintln!(
+        "{} prompt tokens in {:.2} s; {} new tokens, {:.2} tokens/s ({} backend, {})",
+        ids.len(),
+        g.prefill_seconds,
+        g.tokens.len(),
+        g.tokens_per_second(),
+        backend.name(),
+        mode.label()
+    );
+    eprintln!(
+        "cache: {} bytes, {:.3} bits per K/V value held",
+        g.cache_bytes,
+        8.0 * g.cache_bytes as f64 / values.max(1) as f64
+    );
+    let [k, v] = g.reads;
+    eprintln!(
+        "reads: keys {} words ({} corrected, {} detected), values {} words ({} corrected, {} detected); {} flips injected; scrubbed {} corrected, {} detected",
+        k.values.words,
+        k.values.corrected,
+        k.values.detected,
+        v.values.words,
+        v.values.corrected,
+        v.values.detected,
+        g.injected_flips,
+        g.scrubbed.values.corrected,
+        g.scrubbed.values.detected
+    );
+    Ok(())
+}
