@@ -465,24 +465,8 @@ fn fit_calibration(
     model: &dyn CausalLm,
     tokenizer: &TextTokenizer,
 ) -> Result<Calibration, Error> {
-    let path = calib
-        .calib_text
-        .clone()
-        .unwrap_or_else(paths::default_calibration_text);
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        format!(
-            "cannot read calibration text {}: {e} (run `cargo xtask fetch-model`, or pass --calib-text FILE or --calibration FILE)",
-            path.display()
-        )
-    })?;
-    let mut tokens = tokenizer.encode(&text)?;
-    tokens.truncate(calib.calib_tokens);
     let started = Instant::now();
-    let rows = CalibrationRows::collect(model, &tokens, calib.calib_ctx)?;
-    let name = path.file_name().map_or_else(
-        || path.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
+    let (rows, name) = calibration_rows(calib, model, tokenizer)?;
     let cal = Calibration::fit(model, &rows, &name, forms, FitOptions::default())?;
     eprintln!(
         "fitted codebooks {:?} on {} tokens of {} in {:.1} s",
