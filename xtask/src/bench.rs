@@ -222,7 +222,14 @@ fn throughput(declared: Option<&BTreeMap<String, u64>>, ns: f64) -> (f64, &'stat
     }
 }
 
-/// Pairs each measurement with the `baseline-*` function of its group.
+/// Pairs each measurement with its baseline in the same group.
+///
+/// A function `F` is paired with `baseline-F` when the group has one (a
+/// baseline that does the same work as `F`, for example a streaming read of
+/// exactly `F`'s bytes). Otherwise it is paired with the group's baseline: the
+/// one `baseline-*` function that names no function of the group. A group
+/// with several such baselines is ambiguous and its unpaired figures are
+/// skipped with a warning.
 fn pair_with_baselines(measurements: &[Measurement]) -> Vec<Figure> {
     let mut figures = Vec::new();
     let mut groups: BTreeMap<&str, Vec<&Measurement>> = BTreeMap::new();
@@ -230,16 +237,42 @@ fn pair_with_baselines(measurements: &[Measurement]) -> Vec<Figure> {
         groups.entry(&m.group).or_default().push(m);
     }
     for (group, members) in groups {
-        let Some(base) = members.iter().find(|m| m.function.starts_with("baseline-")) else {
-            eprintln!(
-                "warning: group {group} has no baseline-* function; its figures are not reported"
-            );
-            continue;
-        };
-        for m in members
+        let (baselines, functions): (Vec<&Measurement>, Vec<&Measurement>) = members
             .iter()
-            .filter(|m| !m.function.starts_with("baseline-"))
-        {
+            .partition(|m| m.function.starts_with("baseline-"));
+        let names_a_function = |b: &Measurement| {
+            functions
+                .iter()
+                .any(|f| b.function == format!("baseline-{}", f.function))
+        };
+        let group_wide: Vec<&Measurement> = baselines
+            .iter()
+            .copied()
+            .filter(|b| !names_a_function(b))
+            .collect();
+        for m in functions {
+            let own = format!("baseline-{}", m.function);
+            let base = match baselines.iter().find(|b| b.function == own) {
+                Some(b) => *b,
+                None => match group_wide.as_slice() {
+                    [b] => *b,
+                    [] => {
+                        eprintln!(
+                            "warning: {group}/{} has no baseline ({own} or a group-wide baseline-*); not reported",
+                            m.function
+                        );
+                        continue;
+                    }
+                    _ => {
+                        eprintln!(
+                            "warning: {group}/{} has no {own} and the group has {} group-wide baselines; not reported",
+                            m.function,
+                            group_wide.len()
+                        );
+                        continue;
+                    }
+                },
+            };
             if m.unit != base.unit {
                 eprintln!(
                     "warning: {group}/{} is in {} but its baseline is in {}; skipped",
@@ -346,6 +379,32 @@ mod tests {
                 "ratio",
                 "unit",
                 "value"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_function_prefers_its_own_baseline() {
+        let ms = [
+            m("c/a", "baseline-stream-read", 10.0, "GB/s"),
+            m("c/a", "baseline-int4", 20.0, "GB/s"),
+            m("c/a", "int4", 5.0, "GB/s"),
+            m("c/a", "fp16", 4.0, "GB/s"),
+            // Two group-wide baselines: `y` cannot be paired.
+            m("c/b", "baseline-one", 1.0, "GB/s"),
+            m("c/b", "baseline-two", 1.0, "GB/s"),
+            m("c/b", "y", 1.0, "GB/s"),
+        ];
+        let figs = pair_with_baselines(&ms);
+        let pairs: Vec<(&str, &str, f64)> = figs
+            .iter()
+            .map(|f| (f.bench.as_str(), f.baseline.as_str(), f.ratio))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                ("c/a/int4", "c/a/baseline-int4", 0.25),
+                ("c/a/fp16", "c/a/baseline-stream-read", 0.4),
             ]
         );
     }

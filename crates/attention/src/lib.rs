@@ -12,8 +12,8 @@
 //! - [`KvSource`]: the one trait attention reads caches through, tile by
 //!   tile: plain f32 rows ([`DenseKv`]), every kv-quant form ([`kv_quant::KvStore`]:
 //!   FP16, FP8, INT8, INT4 at any granularity, ECC-protected INT4 with its
-//!   erasure policy), or a store checked against its truth ([`StoreWithTruth`]).
-//!   Decode statistics of protected forms come back with the output.
+//!   erasure policy). Decode statistics come back with the output, miscorrected
+//!   and silent words included (from each store's fault ledger).
 //! - [`KvBackend`]: the one interface between a model's forward pass and its
 //!   cache (append, attend, commit or roll back a step); [`DenseBackend`]
 //!   keeps f32 rows, the oracle.
@@ -57,7 +57,7 @@ pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};
-pub use source::{DenseKv, KvSource, StoreScratch, StoreWithTruth, Tile, TileRows};
+pub use source::{DenseKv, KvSource, StoreScratch, Tile, TileRows};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

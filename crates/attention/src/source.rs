@@ -1,7 +1,7 @@
 //! [`KvSource`]: the one trait attention reads a K or V cache through,
 //! "give me rows `start..start+count` as f32", and its implementations for
-//! plain f32 rows ([`DenseKv`]), every kv-quant stored form ([`KvStore`]),
-//! and a stored form decoded against its fault-free truth ([`StoreWithTruth`]).
+//! plain f32 rows ([`DenseKv`]) and every kv-quant stored form
+//! ([`KvStore`], with exact statistics from the store's fault ledger).
 //!
 //! A tile is f32 rows, or, for plain FP16 stores, the stored half floats
 //! themselves ([`TileRows::F16`]), which the AVX-512 kernel widens in
@@ -219,20 +219,11 @@ fn store_rows(store: &KvStore, start: usize, count: usize) -> Option<Range<usize
     ))
 }
 
-/// Scratch of the stored-form sources: kv-quant's decode buffers and the f32 tile.
+/// Scratch of the stored-form sources: kv-quant's decode buffers (decoded
+/// tiles live there too).
 #[derive(Clone, Debug, Default)]
 pub struct StoreScratch {
     decode: DecodeScratch,
-    rows: Vec<f32>,
-}
-
-impl StoreScratch {
-    fn tile(&mut self, len: usize) -> (&mut [f32], &mut DecodeScratch) {
-        if self.rows.len() < len {
-            self.rows.resize(len, 0.0);
-        }
-        (&mut self.rows[..len], &mut self.decode)
-    }
 }
 
 /// Any kv-quant form: each tile is dequantized (and, for protected forms,
@@ -284,58 +275,5 @@ impl KvSource for KvStore {
 
     fn rotation(&self) -> Option<&'static Hadamard> {
         KvStore::rotation(self).ok().flatten()
-    }
-}
-
-/// A stored form read while comparing with the same store before faults,
-/// so the statistics also count miscorrected words and silent changes
-/// (experiments only: it decodes twice).
-#[derive(Clone, Copy, Debug)]
-pub struct StoreWithTruth<'a> {
-    store: &'a KvStore,
-    truth: &'a KvStore,
-}
-
-impl<'a> StoreWithTruth<'a> {
-    /// Pairs a (possibly faulted) store with its fault-free original.
-    pub fn new(store: &'a KvStore, truth: &'a KvStore) -> Result<Self> {
-        store.check_truth(truth)?;
-        Ok(Self { store, truth })
-    }
-}
-
-impl KvSource for StoreWithTruth<'_> {
-    type Scratch = StoreScratch;
-
-    fn tokens(&self) -> usize {
-        self.store.tokens()
-    }
-
-    fn channels(&self) -> usize {
-        self.store.channels()
-    }
-
-    fn stored_bytes(&self) -> usize {
-        self.store.stored_bytes()
-    }
-
-    fn read_tile<'s>(
-        &'s self,
-        start: usize,
-        count: usize,
-        scratch: &'s mut StoreScratch,
-    ) -> Result<Tile<'s>> {
-        let (rows, decode) = scratch.tile(count * self.store.channels());
-        let stats = self
-            .store
-            .decode_rows_with_truth_into(self.truth, start, count, rows, decode)?;
-        Ok(Tile {
-            rows: TileRows::F32(rows),
-            stats,
-        })
-    }
-
-    fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
-        store_rows(self.store, start, count)
     }
 }

@@ -3,9 +3,8 @@
 
 use attention::{
     Attention, AttentionConfig, AttentionError, DenseKv, HeadShape, Mask, OnNonFinite,
-    StoreWithTruth,
 };
-use kv_quant::{KvQuantError, KvStore};
+use kv_quant::KvStore;
 
 fn setup() -> (Attention, Vec<f32>, Vec<f32>) {
     let shape = HeadShape::new(4, 2, 8).unwrap();
@@ -265,17 +264,4 @@ fn bad_configurations() {
         attn.decode(&q, 5, &good, &good, &Mask::SlidingWindow(0)),
         Err(AttentionError::InvalidParameter { .. })
     ));
-}
-
-#[test]
-fn a_truth_from_another_store_is_refused() {
-    let a = KvStore::quantize("int4+secded84".parse().unwrap(), &[0.5; 32], 2, 16).unwrap();
-    let b = KvStore::quantize("int4+golay24".parse().unwrap(), &[0.5; 32], 2, 16).unwrap();
-    let c = KvStore::quantize("int4+secded84".parse().unwrap(), &[0.5; 16], 1, 16).unwrap();
-    for other in [&b, &c] {
-        assert!(matches!(
-            StoreWithTruth::new(&a, other),
-            Err(AttentionError::Store(KvQuantError::StoreMismatch(_)))
-        ));
-    }
 }

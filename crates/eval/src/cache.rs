@@ -9,8 +9,8 @@
 //! forward pass). In [`CacheMode::Stored`] each forward call quantises and
 //! encodes the layer's whole cache into a `KvStore` per part (also for
 //! `fp32`, whose store holds the same bits), injects the faults, and attends
-//! the stores paired with their fault-free originals so the statistics also
-//! count miscorrected words and silent changes. Re-encoding on every call
+//! the faulted stores; their fault ledgers make the statistics also count
+//! miscorrected words and silent changes. Re-encoding on every call
 //! costs O(T²) over a token-by-token generation; the evaluation prefills
 //! whole windows, one call each, where it costs one encode per layer.
 
@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use attention::{
     Attention, AttentionOutput, DenseBackend, KvBackend, KvSource, LowRankScratch, Mask,
-    ModelKvShape, PreRopeKeys, Rope, StoreScratch, StoreWithTruth, Tile, certificates,
+    ModelKvShape, PreRopeKeys, Rope, StoreScratch, Tile, certificates,
 };
 use gf2_codes::channel::{
     BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
@@ -239,32 +239,23 @@ impl StoredPart {
     }
 }
 
-/// A stored part as attention reads it: a kv-quant store (paired with its
-/// fault-free original when faulted), or low-rank coefficients.
+/// A stored part as attention reads it: a kv-quant store (its fault
+/// ledger gives exact statistics), or low-rank coefficients.
 enum Source<'a> {
     Store(&'a KvStore),
-    Truth(StoreWithTruth<'a>),
     LowRank(&'a LowRankStore),
     PreRope(PreRopeKeys<'a>),
 }
 
 impl<'a> Source<'a> {
-    fn of(
-        read: &'a StoredPart,
-        clean: &'a StoredPart,
-        faulted: bool,
-        rope: Option<&'a Rope>,
-    ) -> Result<Self> {
-        Ok(match (read, clean) {
-            (StoredPart::Quant(r), StoredPart::Quant(c)) if faulted => {
-                Self::Truth(StoreWithTruth::new(r, c)?)
-            }
-            (StoredPart::Quant(r), _) => Self::Store(r),
-            (StoredPart::LowRank(s), _) => match rope {
+    fn of(part: &'a StoredPart, rope: Option<&'a Rope>) -> Self {
+        match part {
+            StoredPart::Quant(s) => Self::Store(s),
+            StoredPart::LowRank(s) => match rope {
                 Some(rope) if s.spec().pre_rope => Self::PreRope(PreRopeKeys::new(s, rope, 0)),
                 _ => Self::LowRank(s),
             },
-        })
+        }
     }
 }
 
@@ -281,7 +272,6 @@ impl KvSource for Source<'_> {
     fn tokens(&self) -> usize {
         match self {
             Self::Store(s) => KvSource::tokens(*s),
-            Self::Truth(s) => s.tokens(),
             Self::LowRank(s) => KvSource::tokens(*s),
             Self::PreRope(s) => s.tokens(),
         }
@@ -290,7 +280,6 @@ impl KvSource for Source<'_> {
     fn channels(&self) -> usize {
         match self {
             Self::Store(s) => KvSource::channels(*s),
-            Self::Truth(s) => s.channels(),
             Self::LowRank(s) => KvSource::channels(*s),
             Self::PreRope(s) => s.channels(),
         }
@@ -299,7 +288,6 @@ impl KvSource for Source<'_> {
     fn stored_bytes(&self) -> usize {
         match self {
             Self::Store(s) => KvSource::stored_bytes(*s),
-            Self::Truth(s) => s.stored_bytes(),
             Self::LowRank(s) => KvSource::stored_bytes(*s),
             Self::PreRope(s) => s.stored_bytes(),
         }
@@ -313,7 +301,6 @@ impl KvSource for Source<'_> {
     ) -> attention::Result<Tile<'s>> {
         match self {
             Self::Store(s) => s.read_tile(start, count, &mut scratch.store),
-            Self::Truth(s) => s.read_tile(start, count, &mut scratch.store),
             Self::LowRank(s) => s.read_tile(start, count, &mut scratch.low_rank),
             Self::PreRope(s) => s.read_tile(start, count, &mut scratch.low_rank),
         }
@@ -322,7 +309,6 @@ impl KvSource for Source<'_> {
     fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
         match self {
             Self::Store(s) => s.row_addresses(start, count),
-            Self::Truth(s) => s.row_addresses(start, count),
             _ => None,
         }
     }
@@ -676,40 +662,35 @@ impl KvBackend for KvCache {
                 let rope = self.rope.as_ref();
                 let codes = &self.codes[layer];
                 let head_dim = attention.shape().head_dim();
-                let clean_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
-                let clean_v = StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
-                for (part, i) in [(&clean_k, 0), (&clean_v, 1)] {
+                let mut read_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
+                let mut read_v = StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
+                for (part, i) in [(&read_k, 0), (&read_v, 1)] {
                     let (own, shared) = part.bytes();
                     self.stats.stored_bytes += own + shared;
                     self.stats.codebook_bytes += shared;
                     self.stats.part_bytes[i] += own + shared;
                 }
                 self.stats.stored_values += 2 * (tokens * ch) as u64;
-                let faulty = match &self.faults {
-                    None => None,
-                    Some((spec, channel)) => {
-                        let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        let (mut fk, mut fv) = (clean_k.clone(), clean_v.clone());
-                        let seed_k = mix(base ^ mix(2 * layer as u64));
-                        let seed_v = mix(base ^ mix(2 * layer as u64 + 1));
-                        self.stats.injected_flips +=
-                            fk.inject(channel.as_ref(), seed_k, spec.target)
-                                + fv.inject(channel.as_ref(), seed_v, spec.target);
-                        Some((fk, fv))
-                    }
-                };
-                let (read_k, read_v) = match &faulty {
-                    Some((fk, fv)) => (fk, fv),
-                    None => (&clean_k, &clean_v),
-                };
+                // The stores' fault ledgers record every flip: attention
+                // reads the faulted stores through the same fused kernels as
+                // clean ones, and the statistics still separate corrected,
+                // miscorrected and silent words.
+                if let Some((spec, channel)) = &self.faults {
+                    let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
+                    let seed_k = mix(base ^ mix(2 * layer as u64));
+                    let seed_v = mix(base ^ mix(2 * layer as u64 + 1));
+                    self.stats.injected_flips +=
+                        read_k.inject(channel.as_ref(), seed_k, spec.target)
+                            + read_v.inject(channel.as_ref(), seed_v, spec.target);
+                }
+                let (read_k, read_v) = (&read_k, &read_v);
                 let out = match coefficient_path(read_k, read_v) {
                     Some((ks, vs)) => {
                         attention.attend_low_rank(queries, positions, ks, vs, mask)?
                     }
                     None => {
-                        let f = faulty.is_some();
-                        let keys = Source::of(read_k, &clean_k, f, rope)?;
-                        let values = Source::of(read_v, &clean_v, f, None)?;
+                        let keys = Source::of(read_k, rope);
+                        let values = Source::of(read_v, None);
                         attention.prefill(queries, positions, &keys, &values, mask)?
                     }
                 };

@@ -195,6 +195,22 @@ pub struct StatsReport {
     pub certificates: Vec<LayerCertificate>,
 }
 
+impl StatsReport {
+    /// The value-word counts in one array: injected flips, words,
+    /// corrected, detected, miscorrected, silent, erased values.
+    pub fn value_counts(&self) -> [u64; 7] {
+        [
+            self.injected_flips,
+            self.words,
+            self.corrected,
+            self.detected,
+            self.miscorrected,
+            self.silent,
+            self.erased_values,
+        ]
+    }
+}
+
 /// The error certificates of one layer over a run (see `kv_lowrank::certificate`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct LayerCertificate {

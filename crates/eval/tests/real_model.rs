@@ -278,3 +278,117 @@ fn greedy_generation_starts_paris_on_every_backend() {
         assert!(text.starts_with(" Paris"), "{backend:?} {form}: {text:?}");
     }
 }
+
+/// A pinned run: form, channel, BER, value counts, metadata counts.
+type Pinned = (
+    &'static str,
+    kv_eval::cache::ChannelKind,
+    f64,
+    [u64; 7],
+    [u64; 4],
+);
+
+/// The codec statistics of the paper's protocol (re-encode backend, BSC and
+/// burst faults, values and metadata hit) on the first 768 tokens, pinned
+/// to the numbers the clean-twin implementation (`StoreWithTruth`, which
+/// decoded every faulted store next to its fault-free copy) produced at
+/// commit 18a6454: the fault ledger that replaced it must count every
+/// corrected, detected, miscorrected and silent word exactly as it did.
+/// The counts depend only on the flips (the codes are linear), not on the
+/// model's floating-point values, so they are the same on every CPU.
+#[test]
+fn ledger_statistics_equal_the_clean_twin_numbers() {
+    use kv_eval::cache::{ChannelKind, FaultSpec};
+    use kv_quant::FaultTarget;
+    let Some((model, tok)) = load() else { return };
+    let Some(ids) = corpus(&tok) else { return };
+    let forms = [
+        "int4",
+        "fp16",
+        "fp8-e4m3",
+        "int4-ch",
+        "int4+hamming74",
+        "int4+secded84",
+        "int4+secded84+interp",
+        "int4+golay24",
+        "int4+secded84+sink4+win16",
+    ];
+    let faults = [
+        (ChannelKind::Bsc, 1e-3),
+        (ChannelKind::Bsc, 1e-2),
+        (ChannelKind::Burst, 1e-3),
+    ];
+    let runs: Vec<RunConfig> = forms
+        .iter()
+        .flat_map(|f| {
+            faults.iter().map(move |&(channel, ber)| {
+                RunConfig::new(
+                    CacheMode::parse(f).unwrap(),
+                    Some(FaultSpec {
+                        channel,
+                        ber,
+                        seed: 7,
+                        target: FaultTarget::Everything,
+                    }),
+                )
+            })
+        })
+        .collect();
+    // (form, channel, BER, [flips, words, corrected, detected, miscorrected,
+    // silent, erased values], metadata [corrected, detected, miscorrected, silent]),
+    // printed by this test at commit 18a6454.
+    #[rustfmt::skip]
+    let pinned: [Pinned; 27] = [
+        ("int4", ChannelKind::Bsc, 1e-3, [36861, 8812800, 0, 0, 0, 35399, 0], [0, 0, 0, 1403]),
+        ("int4", ChannelKind::Bsc, 1e-2, [367385, 8812800, 0, 0, 0, 347515, 0], [0, 0, 0, 13585]),
+        ("int4", ChannelKind::Burst, 1e-3, [37647, 8812800, 0, 0, 0, 14481, 0], [0, 0, 0, 364]),
+        ("fp16", ChannelKind::Bsc, 1e-3, [140619, 8812800, 0, 0, 0, 139616, 0], [0, 0, 0, 0]),
+        ("fp16", ChannelKind::Bsc, 1e-2, [1409606, 8812800, 0, 0, 0, 1307848, 0], [0, 0, 0, 0]),
+        ("fp16", ChannelKind::Burst, 1e-3, [140914, 8812800, 0, 0, 0, 35338, 0], [0, 0, 0, 0]),
+        ("fp8-e4m3", ChannelKind::Bsc, 1e-3, [70555, 8812800, 0, 0, 0, 70313, 0], [0, 0, 0, 7]),
+        ("fp8-e4m3", ChannelKind::Bsc, 1e-2, [704982, 8812800, 0, 0, 0, 680631, 0], [0, 0, 0, 50]),
+        ("fp8-e4m3", ChannelKind::Burst, 1e-3, [71386, 8812800, 0, 0, 0, 21388, 0], [0, 0, 0, 1]),
+        ("int4-ch", ChannelKind::Bsc, 1e-3, [36517, 8812800, 0, 0, 0, 35399, 0], [0, 0, 0, 1059]),
+        ("int4-ch", ChannelKind::Bsc, 1e-2, [363727, 8812800, 0, 0, 0, 347515, 0], [0, 0, 0, 10227]),
+        ("int4-ch", ChannelKind::Burst, 1e-3, [37258, 8812800, 0, 0, 0, 14481, 0], [0, 0, 0, 271]),
+        ("int4+hamming74", ChannelKind::Bsc, 1e-3, [63953, 8812800, 61405, 0, 170, 1, 3840], [1969, 20, 0, 0]),
+        ("int4+hamming74", ChannelKind::Bsc, 1e-2, [639022, 8812800, 580903, 0, 17766, 64, 352704], [16347, 1854, 71, 1]),
+        ("int4+hamming74", ChannelKind::Burst, 1e-3, [65041, 8812800, 3535, 0, 12304, 3877, 59904], [67, 312, 158, 14]),
+        ("int4+secded84", ChannelKind::Bsc, 1e-3, [72753, 8812800, 70079, 233, 1, 0, 4073], [1969, 20, 0, 0]),
+        ("int4+secded84", ChannelKind::Bsc, 1e-2, [727098, 8812800, 656829, 23325, 476, 1, 375133], [16347, 1854, 71, 1]),
+        ("int4+secded84", ChannelKind::Burst, 1e-3, [73604, 8812800, 3460, 9746, 7685, 497, 69593], [67, 312, 158, 14]),
+        ("int4+secded84+interp", ChannelKind::Bsc, 1e-3, [72753, 8812800, 70079, 233, 1, 0, 4073], [1969, 20, 0, 0]),
+        ("int4+secded84+interp", ChannelKind::Bsc, 1e-2, [727098, 8812800, 656829, 23325, 476, 1, 375133], [16347, 1854, 71, 1]),
+        ("int4+secded84+interp", ChannelKind::Burst, 1e-3, [73604, 8812800, 3460, 9746, 7685, 497, 69593], [67, 312, 158, 14]),
+        ("int4+golay24", ChannelKind::Bsc, 1e-3, [72753, 2937600, 69722, 0, 0, 0, 3840], [1969, 20, 0, 0]),
+        ("int4+golay24", ChannelKind::Bsc, 1e-2, [727098, 2937600, 629007, 288, 12, 0, 353538], [16347, 1854, 71, 1]),
+        ("int4+golay24", ChannelKind::Burst, 1e-3, [73604, 2937600, 6804, 5789, 3981, 0, 77148], [67, 312, 158, 14]),
+        ("int4+sink4+win16+secded84", ChannelKind::Bsc, 1e-3, [89151, 10886400, 86554, 278, 1, 0, 2966], [1826, 14, 0, 0]),
+        ("int4+sink4+win16+secded84", ChannelKind::Bsc, 1e-2, [891580, 10886400, 811585, 28904, 578, 1, 350448], [15082, 1696, 66, 1]),
+        ("int4+sink4+win16+secded84", ChannelKind::Burst, 1e-3, [89367, 10886400, 4274, 11953, 9385, 597, 66849], [61, 288, 143, 12]),
+    ];
+    let m = evaluate(
+        &model,
+        &ids[..768],
+        256,
+        PplMethod::LlamaCpp,
+        &runs,
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(m.len(), pinned.len());
+    for ((run, m), (form, channel, ber, values, metadata)) in runs.iter().zip(&m).zip(pinned) {
+        let s = &m.stats;
+        let f = run.faults.unwrap();
+        assert_eq!(
+            (run.mode.label().as_str(), f.channel, f.ber),
+            (form, channel, ber)
+        );
+        let got = s.value_counts();
+        assert_eq!(
+            (got, s.metadata),
+            (values, metadata),
+            "{form} {channel:?} {ber:e}"
+        );
+    }
+}

@@ -92,7 +92,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 for seed in 0..3 {
                     let mut faulty = clean.clone();
                     flips += faulty.inject(&channel, seed, target).total();
-                    let d = faulty.decode_with_truth(&clean)?;
+                    let d = faulty.decode()?;
                     sq += d
                         .values
                         .iter()

@@ -101,7 +101,7 @@ fn corrected(
                 .unwrap();
             storage
                 .with_store(BlockId(b), 0, part, |s| {
-                    let d = s.decode_with_truth(&clean).unwrap();
+                    let d = s.decode().unwrap();
                     let t = clean.decode().unwrap();
                     let (token, channel) = (w / CH, w % CH);
                     !d.is_erased(token, channel) && d.values[w] == t.values[w]

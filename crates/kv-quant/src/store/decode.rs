@@ -25,12 +25,13 @@ use crate::qjl::QjlSketch;
 pub struct DecodeScratch {
     pub(crate) levels: Vec<u8>,
     pub(crate) bytes: Vec<u8>,
-    nibbles: Vec<u8>,
+    pub(crate) nibbles: Vec<u8>,
     nibble_erasures: Vec<u64>,
-    row_erasures: Vec<u64>,
-    truth_levels: Vec<u8>,
-    truth_nibbles: Vec<u8>,
-    truth_erasures: Vec<u64>,
+    pub(crate) row_erasures: Vec<u64>,
+    pub(crate) truth_nibbles: Vec<u8>,
+    pub(crate) truth_erasures: Vec<u64>,
+    /// A faulted row as written (from the fault ledger).
+    pub(crate) truth_row: Vec<u8>,
     pub(crate) erasures: Vec<u64>,
     pub(crate) scale: Vec<f32>,
     pub(crate) offset: Vec<f32>,
@@ -83,12 +84,11 @@ impl Section {
         end: usize,
         out: &mut [f32],
         scratch: &mut DecodeScratch,
-        truth: Option<&Section>,
         policy: bool,
     ) -> Result<KvDecodeStats> {
         check_len("output tile", (end - start) * self.channels, out.len())?;
-        let mut stats = self.decode_codes(start, end, scratch, truth)?;
-        if let Some(values) = self.values_from_codes(start, end, out, scratch, truth) {
+        let mut stats = self.decode_codes(start, end, scratch)?;
+        if let Some(values) = self.values_from_codes(start, end, out, scratch) {
             stats.values = values;
         }
         if policy && stats.erased_values > 0 {
@@ -108,18 +108,17 @@ impl Section {
         start: usize,
         end: usize,
         scratch: &mut DecodeScratch,
-        truth: Option<&Section>,
     ) -> Result<KvDecodeStats> {
         let count = end - start;
         let ew = erasure_words(self.channels);
         grow(&mut scratch.erasures, count * ew).fill(0);
         let mut stats = KvDecodeStats::default();
         if let Some(layout) = &self.layout {
-            stats.metadata = self.load_params(layout, start, end, scratch, truth);
+            stats.metadata = self.load_params(layout, start, end, scratch);
         }
         let float = self.coding.kind.float_bytes().is_some();
         if !float || self.coding.codec().is_some() {
-            stats.values = crate::simd::with_avx2(|| self.load_codes(start, end, scratch, truth))?;
+            stats.values = crate::simd::with_avx2(|| self.load_codes(start, end, scratch))?;
         }
         if let Some(layout) = &self.layout {
             let erasures = &mut scratch.erasures[..count * ew];
@@ -157,12 +156,10 @@ impl Section {
         start: usize,
         end: usize,
         scratch: &mut DecodeScratch,
-        truth: Option<&Section>,
     ) -> DecodeStats {
         let groups = layout.groups_of_rows(start, end);
         let n = groups.len();
         let ty = self.coding.scale_type();
-        let width = ty.bytes();
         let total = layout.groups();
         let scale = grow(&mut scratch.scale, n);
         let offset = grow(&mut scratch.offset, n);
@@ -171,26 +168,16 @@ impl Section {
         let has_offsets = !self.offsets.is_empty();
         for (i, g) in groups.enumerate() {
             let counted = (start..end).contains(&layout.first_token(g));
-            let mut read = |buffer: &[u8], check_index: usize, truth_buffer: Option<&[u8]>| {
+            let mut read = |buffer: &[u8], check_index: usize| {
                 let (word, outcome) = self.meta_word(buffer, g, check_index);
                 if counted {
-                    match truth_buffer {
-                        Some(t) => stats.record_with_truth(
-                            outcome,
-                            word == read_word(&t[g * width..][..width]),
-                        ),
-                        None => stats.record(outcome),
-                    }
+                    stats.record(outcome);
                 }
                 (int::from_bits(ty, word), outcome == DecodeOutcome::Detected)
             };
-            let (s, s_bad) = read(&self.scales, g, truth.map(|t| t.scales.as_slice()));
+            let (s, s_bad) = read(&self.scales, g);
             let (o, o_bad) = if has_offsets {
-                read(
-                    &self.offsets,
-                    total + g,
-                    truth.map(|t| t.offsets.as_slice()),
-                )
+                read(&self.offsets, total + g)
             } else {
                 (0.0, false)
             };
@@ -224,7 +211,6 @@ impl Section {
         start: usize,
         end: usize,
         scratch: &mut DecodeScratch,
-        truth: Option<&Section>,
     ) -> Result<DecodeStats> {
         let (ch, rb) = (self.channels, self.row_bytes);
         let count = end - start;
@@ -239,25 +225,7 @@ impl Section {
                     int::unpack_row(bits, row, lv);
                 }
             }
-            let words = (count * codes) as u64;
-            let Some(truth) = truth else {
-                return Ok(all_clean(words));
-            };
-            let truth_rows = &truth.data[start * rb..end * rb];
-            let tl = grow(&mut scratch.truth_levels, count * codes);
-            for (lv, row) in tl.chunks_exact_mut(codes).zip(truth_rows.chunks_exact(rb)) {
-                int::unpack_row(bits, row, lv);
-            }
-            let received: &[u8] = if bits < 8 {
-                &scratch.levels[..count * codes]
-            } else {
-                rows
-            };
-            let mut stats = DecodeStats::default();
-            for (a, b) in received.iter().zip(tl.iter()) {
-                stats.record_with_truth(DecodeOutcome::Clean, a == b);
-            }
-            return Ok(stats);
+            return Ok(all_clean((count * codes) as u64));
         };
         let backend = Backend::detect();
         let ew = erasure_words(ch);
@@ -266,7 +234,7 @@ impl Section {
         // multiple of 3); the rows of a tile form one codeword stream
         // unless a row ends inside a byte (Hamming(7,4) with n % 8 ≠ 0).
         let padded = codec.codewords(n) * codec.values_per_codeword();
-        let one_stream = truth.is_none() && codec.encoded_len(padded * count) == rb * count;
+        let one_stream = codec.encoded_len(padded * count) == rb * count;
         if one_stream && self.coding.nibbles_are_levels() && padded == ch && ch % 64 == 0 {
             // Same layout as the tile: decode straight into it.
             let levels = grow(&mut scratch.levels, count * ch);
@@ -286,16 +254,7 @@ impl Section {
             for r in 0..count {
                 let row = &rows[r * rb..][..rb];
                 let nb = &mut nibbles[r * n..][..n];
-                stats += match truth {
-                    None => codec.decode_into_with(backend, row, nb, row_erasures)?,
-                    Some(truth) => {
-                        let tn = grow(&mut scratch.truth_nibbles, n);
-                        let te = grow(&mut scratch.truth_erasures, nw);
-                        let truth_row = &truth.data[(start + r) * rb..][..rb];
-                        codec.decode_into_with(backend, truth_row, tn, te)?;
-                        codec.decode_with_truth_into_with(backend, row, tn, nb, row_erasures)?
-                    }
-                };
+                stats += codec.decode_into_with(backend, row, nb, row_erasures)?;
                 for (w, &word) in row_erasures.iter().enumerate() {
                     let mut b = word;
                     while b != 0 {
@@ -361,7 +320,6 @@ impl Section {
         end: usize,
         out: &mut [f32],
         scratch: &DecodeScratch,
-        truth: Option<&Section>,
     ) -> Option<DecodeStats> {
         let kind = self.coding.kind;
         let (ch, rb) = (self.channels, self.row_bytes);
@@ -376,20 +334,7 @@ impl Section {
             if protected {
                 return None;
             }
-            return Some(match truth {
-                None => all_clean((bytes.len() / per_value) as u64),
-                Some(truth) => {
-                    let mut stats = DecodeStats::default();
-                    let truth_bytes = &truth.data[start * rb..end * rb];
-                    for (a, b) in bytes
-                        .chunks_exact(per_value)
-                        .zip(truth_bytes.chunks_exact(per_value))
-                    {
-                        stats.record_with_truth(DecodeOutcome::Clean, a == b);
-                    }
-                    stats
-                }
-            });
+            return Some(all_clean((bytes.len() / per_value) as u64));
         }
         let codes = self.coding.codes(ch);
         let levels: &[u8] = if self.coding.code_bits == 8 && self.coding.codec().is_none() {

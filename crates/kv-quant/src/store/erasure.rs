@@ -33,7 +33,7 @@ impl Neighbours {
                 self.tokens.push(token);
                 let values = grow(&mut self.values, (i + 1) * ch);
                 let row = &mut values[i * ch..];
-                section.decode_rows(token, token + 1, row, &mut self.scratch, None, false)?;
+                section.decode_rows(token, token + 1, row, &mut self.scratch, false)?;
                 let erased = grow(&mut self.erased, (i + 1) * ew);
                 erased[i * ew..].copy_from_slice(&self.scratch.erasures[..ew]);
                 i

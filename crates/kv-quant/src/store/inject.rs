@@ -6,6 +6,7 @@ use gf2_codes::Int4Code;
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
 
 use super::KvStore;
+use super::ledger::Buffer;
 
 /// Which buffers a fault injection hits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,8 +78,29 @@ impl KvStore {
             injection.offsets = hit(&mut m.offsets, 2);
             injection.checks = hit(&mut m.checks, 3);
         }
+        let rows = 0..self.middle.tokens;
+        self.middle.record(&injection, rows);
+        if let Some(exact) = &mut self.exact {
+            exact
+                .section
+                .ledger_mut()
+                .toggle(Buffer::Values, 0, injection.exact.positions());
+        }
         self.injected += injection.total() as u64;
         injection
+    }
+
+    /// The bits that differ from what was written, in [`inject`](Self::inject)'s
+    /// coordinates (one position stream per buffer; `exact` for the exact
+    /// sink and window rows): every injected flip not since undone by a
+    /// scrubber or overwritten by new rows. Flipping these bits again would
+    /// give back the store as written.
+    pub fn fault_ledger(&self) -> Injection {
+        let mut ledger = self.middle.ledger_rows(0..self.middle.tokens);
+        if let Some(exact) = &self.exact {
+            ledger.exact = exact.section.ledger_rows(0..exact.section.tokens).values;
+        }
+        ledger
     }
 
     /// Value words per token of the quantized rows: codewords for coded

@@ -45,6 +45,7 @@ mod decode;
 mod encode;
 mod erasure;
 mod inject;
+mod ledger;
 mod row_range;
 mod rows;
 pub(crate) mod section;
@@ -454,19 +455,11 @@ impl KvStore {
         self.injected
     }
 
-    /// Decodes the whole matrix.
+    /// Decodes the whole matrix. The statistics are exact: words decoded
+    /// wrong (miscorrected, or silently changed) are found from the store's
+    /// fault ledger, the record of every bit faults changed since the rows
+    /// were written, so no fault-free copy is needed.
     pub fn decode(&self) -> Result<DecodedMatrix> {
-        self.decode_owned(None)
-    }
-
-    /// Decodes the whole matrix, comparing with `truth` (the same store
-    /// before faults) to count miscorrected words and silent changes.
-    pub fn decode_with_truth(&self, truth: &KvStore) -> Result<DecodedMatrix> {
-        self.check_truth(truth)?;
-        self.decode_owned(Some(truth))
-    }
-
-    fn decode_owned(&self, truth: Option<&KvStore>) -> Result<DecodedMatrix> {
         let mut values = vec![0.0; self.tokens * self.channels];
         let ew = erasure_words(self.channels);
         let mut erased = vec![0; self.tokens * ew];
@@ -478,15 +471,10 @@ impl KvStore {
             }
             let n = local.len();
             let out = &mut values[offset * self.channels..][..n * self.channels];
-            let truth_section = truth.map(|t| t.section(piece));
-            stats += self.section(piece).decode_rows(
-                local.start,
-                local.end,
-                out,
-                &mut scratch,
-                truth_section,
-                true,
-            )?;
+            let section = self.section(piece);
+            let mut s = section.decode_rows(local.start, local.end, out, &mut scratch, true)?;
+            section.ledger_truth(local.start, local.end, &mut s, &mut scratch)?;
+            stats += s;
             erased[offset * ew..][..n * ew].copy_from_slice(&scratch.erasures[..n * ew]);
         }
         self.unrotate(&mut values)?;
@@ -497,19 +485,6 @@ impl KvStore {
             injected_flips: self.injected,
             channels: self.channels,
         })
-    }
-
-    /// Checks that `truth` can be this store's fault-free original: same
-    /// form and shape ([`KvQuantError::StoreMismatch`] otherwise).
-    pub fn check_truth(&self, truth: &KvStore) -> Result<()> {
-        if truth.form != self.form || truth.tokens != self.tokens || truth.channels != self.channels
-        {
-            return Err(KvQuantError::StoreMismatch(format!(
-                "{} {}×{} against truth {} {}×{}",
-                self.form, self.tokens, self.channels, truth.form, truth.tokens, truth.channels
-            )));
-        }
-        Ok(())
     }
 
     /// Decodes tokens `start..start + count` into `out` (`count × channels`
@@ -525,7 +500,7 @@ impl KvStore {
         out: &mut [f32],
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
-        let stats = self.decode_rows_impl(start, count, out, scratch, None)?;
+        let stats = self.decode_rows_impl(start, count, out, scratch)?;
         self.unrotate(out)?;
         Ok(stats)
     }
@@ -541,22 +516,7 @@ impl KvStore {
         out: &mut [f32],
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
-        self.decode_rows_impl(start, count, out, scratch, None)
-    }
-
-    /// [`decode_rows_into`](Self::decode_rows_into) with the truth known.
-    pub fn decode_rows_with_truth_into(
-        &self,
-        truth: &KvStore,
-        start: usize,
-        count: usize,
-        out: &mut [f32],
-        scratch: &mut DecodeScratch,
-    ) -> Result<KvDecodeStats> {
-        self.check_truth(truth)?;
-        let stats = self.decode_rows_impl(start, count, out, scratch, Some(truth))?;
-        self.unrotate(out)?;
-        Ok(stats)
+        self.decode_rows_impl(start, count, out, scratch)
     }
 
     /// The rotation of the form's codes, if any.
@@ -577,7 +537,6 @@ impl KvStore {
         count: usize,
         out: &mut [f32],
         scratch: &mut DecodeScratch,
-        truth: Option<&KvStore>,
     ) -> Result<KvDecodeStats> {
         let end = self.row_end(start, count)?;
         check_len("output tile", count * self.channels, out.len())?;
@@ -586,10 +545,10 @@ impl KvStore {
         for (piece, local, offset) in self.pieces(start, end) {
             let n = local.len();
             let section = self.section(piece);
-            let truth_section = truth.map(|t| t.section(piece));
             let out = &mut out[offset * ch..][..n * ch];
-            stats +=
-                section.decode_rows(local.start, local.end, out, scratch, truth_section, true)?;
+            let mut s = section.decode_rows(local.start, local.end, out, scratch, true)?;
+            section.ledger_truth(local.start, local.end, &mut s, scratch)?;
+            stats += s;
         }
         Ok(stats)
     }
@@ -615,6 +574,9 @@ impl KvStore {
         let mut stats = KvDecodeStats::default();
         stats.values.words = words;
         stats.values.clean = words;
+        // Unprotected: the ledger needs no decode buffers.
+        self.middle
+            .ledger_truth(start, end, &mut stats, &mut DecodeScratch::new())?;
         let rb = self.middle.row_bytes;
         Ok(Some((&self.middle.data[start * rb..end * rb], stats)))
     }

@@ -83,6 +83,7 @@ impl KvStore {
                 m.checks[g..].copy_from_slice(&s.checks[t + src.groups.start..t + src.groups.end]);
             }
         }
+        out.middle.record(&self.middle.ledger_rows(rows), 0..count);
         Ok(out)
     }
 
@@ -137,6 +138,7 @@ impl KvStore {
                 }
             }
         }
+        self.middle.record(&injection, rows);
         self.injected += injection.total() as u64;
         Ok(injection)
     }
@@ -169,6 +171,7 @@ fn unapply(store: &mut KvStore, rows: Range<usize>, injection: &Injection) {
             m.checks[t + r.groups.start..t + r.groups.end].copy_from_slice(&checks[g..]);
         }
     }
+    m.record(injection, rows);
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use gf2_codes::{DecodeOutcome, DecodeStats};
 
 use super::bits::read_word;
 use super::encode::{RowBuffers, RowBuffersMut, RowEncoder};
+use super::ledger::Buffer;
 use super::section::Section;
 use super::{KvStore, QuantizeOptions};
 use crate::error::{KvQuantError, Result};
@@ -123,6 +124,15 @@ impl KvStore {
                 value: rows[i],
             });
         }
+        if self.middle.ledger_touches_rows(start..end) {
+            // Rows holding faults: one row at a time, so the ledger forgets
+            // exactly the rows written even when a later row fails.
+            for (t, row) in (start..end).zip(rows.chunks_exact(ch)) {
+                encoder.encode_into(row, row_buffers(&mut self.middle, t, t + 1), options)?;
+                self.middle.forget_rows(t..t + 1);
+            }
+            return Ok(());
+        }
         let out = row_buffers(&mut self.middle, start, end);
         encoder.encode_into(rows, out, options)
     }
@@ -168,6 +178,7 @@ impl KvStore {
         for (dst, src) in pairs {
             dst.copy_from_slice(src);
         }
+        self.middle.forget_rows(start..end);
         Ok(())
     }
 
@@ -214,6 +225,9 @@ impl KvStore {
                 }
             }
         }
+        // The rows' faults are now the source's.
+        m.forget_rows(start..end);
+        m.record(&s.ledger_rows(0..n), start..end);
         Ok(())
     }
 
@@ -277,9 +291,25 @@ pub(super) fn scrub_section(
         return Ok(stats);
     };
     let (rb, nibbles) = (m.row_bytes, m.coding.nibbles(m.channels));
+    let mut before = Vec::new();
     if rb > 0 {
-        for row in m.data[rows.start * rb..rows.end * rb].chunks_exact_mut(rb) {
+        for r in rows.clone() {
+            let bytes = r * rb..(r + 1) * rb;
+            // A row the ledger has no fault in is as written: a scrub
+            // changes nothing there. Elsewhere, the ledger follows the rewrite.
+            let faulted = m
+                .ledger
+                .as_deref()
+                .is_some_and(|l| l.touches(Buffer::Values, bytes.clone()));
+            let row = &mut m.data[bytes.clone()];
+            if faulted {
+                before.clear();
+                before.extend_from_slice(row);
+            }
             stats.values += codec.scrub(row, nibbles)?;
+            if faulted && let Some(l) = m.ledger.as_deref_mut() {
+                l.toggle_changes(Buffer::Values, bytes.start, &before, row);
+            }
         }
     }
     if let (Some(code), Some(layout)) = (m.coding.meta_code(), m.layout) {
@@ -298,13 +328,20 @@ pub(super) fn scrub_section(
         ];
         for (i, (total, buffer)) in buffers.into_iter().enumerate() {
             let base = i * total + groups.start;
+            let kind = [Buffer::Scales, Buffer::Offsets][i];
             for (g, word) in buffer.chunks_exact_mut(width).enumerate() {
                 let check = &mut m.checks[base + g];
                 let (fixed, outcome) = code.decode(read_word(word), *check);
                 stats.metadata.record(outcome);
                 if outcome == DecodeOutcome::Corrected {
+                    let (old_word, old_check) = (read_word(word), *check);
                     word.copy_from_slice(&fixed.to_le_bytes()[..width]);
                     *check = code.check(fixed);
+                    if let Some(l) = m.ledger.as_deref_mut() {
+                        let at = (groups.start + g) * width;
+                        l.toggle_changes(kind, at, &old_word.to_le_bytes()[..width], word);
+                        l.toggle_changes(Buffer::Checks, base + g, &[old_check], &[*check]);
+                    }
                 }
             }
         }

@@ -25,6 +25,8 @@ use crate::rotation::Hadamard;
 use crate::spec::{CacheForm, Granularity, MetaProtection, Protection, Quantizer, ScaleType};
 use crate::vq::VqCodebook;
 
+use super::ledger::FaultLedger;
+
 /// How stored codes become values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Kind {
@@ -256,6 +258,9 @@ pub(crate) struct Section {
     pub(crate) checks: Vec<u8>,
     /// The codebooks of a vq form (shared, not counted in `stored_bytes`).
     pub(crate) codebook: Option<Arc<VqCodebook>>,
+    /// The bits faults changed since the rows were written (`None` until
+    /// the first fault).
+    pub(crate) ledger: Option<Box<FaultLedger>>,
 }
 
 impl Section {
@@ -317,7 +322,13 @@ impl Section {
             } else {
                 None
             },
+            ledger: None,
         })
+    }
+
+    /// The section's fault ledger, created on first use.
+    pub(crate) fn ledger_mut(&mut self) -> &mut FaultLedger {
+        self.ledger.get_or_insert_default()
     }
 
     pub(crate) fn stored_bytes(&self) -> usize {

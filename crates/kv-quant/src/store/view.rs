@@ -176,7 +176,8 @@ impl KvStore {
             return Ok((RowsView::Values(&scratch.values[..n]), stats?));
         };
         let section = &self.middle;
-        let stats = section.decode_codes(local.start, local.end, scratch, None)?;
+        let mut stats = section.decode_codes(local.start, local.end, scratch)?;
+        section.ledger_truth(local.start, local.end, &mut stats, scratch)?;
         if stats.erased_values > 0 {
             let mut values = std::mem::take(&mut scratch.values);
             let out = grow(&mut values, n);

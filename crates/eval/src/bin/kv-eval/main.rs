@@ -894,15 +894,17 @@ fn print_metrics(form: &str, ber: f64, m: &RunMetrics) {
         100.0 * m.top5_agreement
     );
     let s = &m.stats;
+    let [
+        flips,
+        words,
+        corrected,
+        detected,
+        miscorrected,
+        silent,
+        erased,
+    ] = s.value_counts();
     println!(
-        "  {} flips injected; {} words: {} corrected, {} detected, {} miscorrected, {} silent; {} values erased; {:.3} bits/value",
-        s.injected_flips,
-        s.words,
-        s.corrected,
-        s.detected,
-        s.miscorrected,
-        s.silent,
-        s.erased_values,
+        "  {flips} flips injected; {words} words: {corrected} corrected, {detected} detected, {miscorrected} miscorrected, {silent} silent; {erased} values erased; {:.3} bits/value",
         s.bits_per_value
     );
     if !s.certificates.is_empty() {
