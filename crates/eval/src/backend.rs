@@ -60,6 +60,20 @@ impl BackendKind {
         }
     }
 
+    /// The backend a perplexity run uses when none is named: the paged
+    /// cache (blocks of `block_size`) wherever it reproduces the re-encode
+    /// protocol, that is for forms a block can hold and no per-call faults;
+    /// the re-encode backend otherwise (forms that share parameters across
+    /// tokens, low-rank and codebook forms, the paper's fault protocol).
+    pub fn auto(mode: &CacheMode, faults: Option<FaultSpec>, block_size: usize) -> Self {
+        let paged = Self::Paged { block_size };
+        if paged.check(mode, faults).is_ok() {
+            paged
+        } else {
+            Self::Reencode
+        }
+    }
+
     /// The command-line name.
     pub fn name(&self) -> &'static str {
         match self {
@@ -178,5 +192,41 @@ where
 
     fn rollback(&mut self) {
         self.0.rollback()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::ChannelKind;
+    use kv_quant::FaultTarget;
+
+    #[test]
+    fn auto_is_paged_exactly_where_paged_reproduces_reencode() {
+        let faults = |ber| {
+            Some(FaultSpec {
+                channel: ChannelKind::Bsc,
+                ber,
+                seed: 0,
+                target: FaultTarget::Values,
+            })
+        };
+        let paged = BackendKind::Paged { block_size: 16 };
+        for (form, ber, want) in [
+            ("plain", 0.0, paged),
+            ("int4+secded84", 0.0, paged),
+            ("int4", 0.0, paged),
+            ("int4+secded84", 1e-3, BackendKind::Reencode),
+            ("int4-ch", 0.0, BackendKind::Reencode),
+            ("int4+sink4+win16", 0.0, BackendKind::Reencode),
+            ("pca-r32", 0.0, BackendKind::Reencode),
+        ] {
+            let mode = CacheMode::parse(form).unwrap();
+            assert_eq!(
+                BackendKind::auto(&mode, faults(ber), 16),
+                want,
+                "{form} at {ber}"
+            );
+        }
     }
 }

@@ -46,7 +46,8 @@ pub(crate) struct GenerateArgs {
     forms: Forms,
     #[command(flatten)]
     calib: Calib,
-    /// KV backend: paged, reencode or dense (plain only).
+    /// KV backend: paged, auto (paged where a block holds the forms,
+    /// reencode otherwise), reencode or dense (plain only).
     #[arg(long, value_enum, default_value_t = Backend::Paged)]
     backend: Backend,
     /// Tokens per block of the paged backend.
@@ -91,12 +92,12 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         scrub_every,
         threads,
     } = args;
+    let mode = mode_of(&forms)?;
     let backend = BackendArgs {
         backend,
         block_size,
     }
-    .kind();
-    let mode = mode_of(&forms)?;
+    .kind(&mode, None);
     let sampling = Sampling {
         temperature,
         top_p,

@@ -102,11 +102,12 @@ struct Calib {
 /// The KV backend a run uses.
 #[derive(clap::Args, Clone, Copy)]
 struct BackendArgs {
-    /// KV backend: `reencode` (the paper's protocol: each forward call
-    /// quantises, encodes and faults the whole window), `paged` (each token
-    /// encoded once, when written, into a paged block) or `dense` (f32 rows,
-    /// `plain` only).
-    #[arg(long, value_enum, default_value_t = Backend::Reencode)]
+    /// KV backend: `auto` (paged where it holds the forms and no per-call
+    /// faults are asked for, reencode otherwise), `reencode` (the paper's
+    /// protocol: each forward call quantises, encodes and faults the whole
+    /// window), `paged` (each token encoded once, when written, into a paged
+    /// block) or `dense` (f32 rows, `plain` only).
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
     backend: Backend,
     /// Tokens per block of the paged backend.
     #[arg(long, default_value_t = 16)]
@@ -115,19 +116,23 @@ struct BackendArgs {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Backend {
+    Auto,
     Dense,
     Reencode,
     Paged,
 }
 
 impl BackendArgs {
-    fn kind(self) -> BackendKind {
+    /// The backend for `mode` and `faults` (which `auto` chooses by).
+    fn kind(self, mode: &CacheMode, faults: Option<FaultSpec>) -> BackendKind {
+        let paged = BackendKind::Paged {
+            block_size: self.block_size,
+        };
         match self.backend {
+            Backend::Auto => BackendKind::auto(mode, faults, self.block_size),
             Backend::Dense => BackendKind::Dense,
             Backend::Reencode => BackendKind::Reencode,
-            Backend::Paged => BackendKind::Paged {
-                block_size: self.block_size,
-            },
+            Backend::Paged => paged,
         }
     }
 }
@@ -555,7 +560,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 seed,
                 target: target.into(),
             };
-            backend.kind().check(&mode, Some(faults))?;
+            let backend = backend.kind(&mode, Some(faults));
+            backend.check(&mode, Some(faults))?;
             if ber > 0.0 && mode == CacheMode::Plain {
                 return Err(
                     "faults need a stored form: pass --form (fp32, int4+secded84, ...)".into(),
@@ -579,10 +585,10 @@ fn run(cli: Cli) -> Result<(), Error> {
             let run = RunConfig {
                 mode,
                 faults: Some(faults),
-                backend: backend.kind(),
+                backend,
             };
             let bar = progress_bar(&label);
-            eprintln!("backend: {}", backend.kind().name());
+            eprintln!("backend: {}", backend.name());
             let m = evaluate(
                 model.as_ref(),
                 &tokens,
@@ -605,7 +611,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     "value_form": forms.value_form.as_deref().unwrap_or(&forms.form),
                     "layer_forms": forms.layer_forms, "ber": ber,
                     "channel": channel.name(), "seed": seed,
-                    "backend": backend.kind().name(),
+                    "backend": backend.name(),
                     "ppl": m.ppl, "nll_mean": m.nll_mean, "tokens_scored": m.tokens_scored,
                     "bits_per_value": m.stats.bits_per_value,
                     "key_bits_per_value": m.stats.key_bits_per_value,
