@@ -75,6 +75,14 @@ pub enum PagedCacheError {
         /// The length required.
         expected: usize,
     },
+    /// A size this machine cannot allocate (refused before allocating).
+    #[error("cannot allocate {count} {what}")]
+    OutOfMemory {
+        /// What was to be allocated.
+        what: &'static str,
+        /// How many.
+        count: usize,
+    },
     /// From the stored forms.
     #[error(transparent)]
     Quant(#[from] kv_quant::KvQuantError),
@@ -85,3 +93,13 @@ pub enum PagedCacheError {
 
 /// Result with [`PagedCacheError`].
 pub type Result<T, E = PagedCacheError> = std::result::Result<T, E>;
+
+/// `n` copies of `value`, or [`PagedCacheError::OutOfMemory`] instead of an
+/// abort when the allocator refuses.
+pub(crate) fn try_vec<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| PagedCacheError::OutOfMemory { what, count: n })?;
+    v.resize(n, value);
+    Ok(v)
+}

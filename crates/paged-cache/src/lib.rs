@@ -56,7 +56,7 @@ pub use error::{PagedCacheError, Result};
 pub use hash::{BlockHash, HashPrefixCache};
 pub use manager::{CacheConfig, KvCacheManager, ManagerStats, SeqId};
 pub use page_table::{PageTable, PagedKv, PagedScratch, paged_decode};
-pub use pool::{Allocated, BlockId, BlockPool, FreeList};
+pub use pool::{Allocated, BlockId, BlockPool, FreeList, MAX_SLOTS};
 pub use prefix::{NoPrefixCache, PrefixCache, PrefixHit, PrefixLock};
 pub use radix::RadixPrefixCache;
 pub use scrub::{ScrubTotals, Scrubber};

@@ -91,24 +91,33 @@ impl<P: PrefixCache> KvCacheManager<P> {
     /// A metadata-only cache (token ids, no K/V bytes).
     pub fn new(config: CacheConfig, prefix: P) -> Result<Self> {
         let bs = config.block_size;
+        let pool = BlockPool::new(config.num_blocks, bs)?;
+        let host_blocks = u32::try_from(config.host_blocks)
+            .ok()
+            .filter(|&n| n < u32::MAX)
+            .ok_or_else(|| PagedCacheError::InvalidParameter {
+                name: "host_blocks",
+                reason: format!(
+                    "{} host blocks: at most {}",
+                    config.host_blocks,
+                    u32::MAX - 1
+                ),
+            })?;
+        let slots = crate::pool::check_slots("host_blocks", config.host_blocks, bs)?;
+        let mut free = crate::error::try_vec(config.host_blocks, 0u32, "host blocks")?;
+        for (slot, id) in free.iter_mut().zip((0..host_blocks).rev()) {
+            *slot = id;
+        }
         Ok(Self {
-            pool: BlockPool::new(config.num_blocks, bs)?,
+            pool,
             prefix,
             seqs: BTreeMap::new(),
             next_id: 0,
             host: HostTier {
                 capacity: config.host_blocks,
-                free: (0..config.host_blocks as u32).rev().collect(),
-                tokens: vec![
-                    0;
-                    config.host_blocks.checked_mul(bs).ok_or(
-                        PagedCacheError::InvalidParameter {
-                            name: "host_blocks",
-                            reason: "host slots overflow".into(),
-                        }
-                    )?
-                ],
-                data: vec![None; config.host_blocks],
+                free,
+                tokens: crate::error::try_vec(slots, 0, "host token slots")?,
+                data: crate::error::try_vec(config.host_blocks, None, "host blocks")?,
             },
             storage: None,
             stats: ManagerStats::default(),

@@ -34,6 +34,23 @@ impl fmt::Display for BlockId {
 /// End of the free list.
 const NIL: u32 = u32::MAX;
 
+/// The most token slots a pool (or a host tier) may have: one u32 token id
+/// each, 8 GiB at most, refused above before anything is allocated.
+pub const MAX_SLOTS: usize = 1 << 31;
+
+/// `blocks × block_size` slots, or an error naming `name` past [`MAX_SLOTS`].
+pub(crate) fn check_slots(name: &'static str, blocks: usize, block_size: usize) -> Result<usize> {
+    blocks
+        .checked_mul(block_size)
+        .filter(|&s| s <= MAX_SLOTS)
+        .ok_or_else(|| PagedCacheError::InvalidParameter {
+            name,
+            reason: format!(
+                "{blocks} blocks of {block_size} tokens: more than {MAX_SLOTS} token slots"
+            ),
+        })
+}
+
 #[derive(Clone, Debug)]
 struct BlockMeta {
     ref_count: u32,
@@ -78,29 +95,27 @@ impl BlockPool {
                 reason: format!("at most {} blocks", NIL - 1),
             });
         }
-        let slots =
-            num_blocks
-                .checked_mul(block_size)
-                .ok_or(PagedCacheError::InvalidParameter {
-                    name: "num_blocks",
-                    reason: format!("{num_blocks} × {block_size} slots overflow"),
-                })?;
-        let meta = (0..num_blocks as u32)
-            .map(|i| BlockMeta {
-                ref_count: 0,
-                prev: if i == 0 { NIL } else { i - 1 },
-                next: if i + 1 == num_blocks as u32 {
-                    NIL
-                } else {
-                    i + 1
-                },
-                hash: None,
-            })
-            .collect();
+        let slots = check_slots("num_blocks", num_blocks, block_size)?;
+        let mut meta = Vec::new();
+        meta.try_reserve_exact(num_blocks)
+            .map_err(|_| PagedCacheError::OutOfMemory {
+                what: "block entries",
+                count: num_blocks,
+            })?;
+        meta.extend((0..num_blocks as u32).map(|i| BlockMeta {
+            ref_count: 0,
+            prev: if i == 0 { NIL } else { i - 1 },
+            next: if i + 1 == num_blocks as u32 {
+                NIL
+            } else {
+                i + 1
+            },
+            hash: None,
+        }));
         Ok(Self {
             block_size,
             meta,
-            tokens: vec![0; slots],
+            tokens: crate::error::try_vec(slots, 0, "token slots")?,
             head: if num_blocks == 0 { NIL } else { 0 },
             tail: if num_blocks == 0 {
                 NIL

@@ -86,6 +86,10 @@ pub struct Request {
     pub output_len: usize,
 }
 
+/// The most token ids a workload may hold (prompts and shared prefixes):
+/// 2^28, a GiB of ids.
+pub const MAX_WORKLOAD_TOKENS: usize = 1 << 28;
+
 /// A generated list of requests, in arrival order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Workload {
@@ -120,6 +124,27 @@ impl Workload {
         }
         if config.vocab == 0 || config.priorities == 0 {
             return bad("vocab/priorities", "need at least one");
+        }
+        // Every token id is held at once: refuse workloads past the budget
+        // before drawing (and before sizes can overflow).
+        let budget = MAX_WORKLOAD_TOKENS;
+        let tokens = |n: usize, len: usize| n.checked_mul(len).filter(|&t| t <= budget);
+        if tokens(config.requests, config.prompt_len.1).is_none()
+            || tokens(config.shared_prefixes, config.shared_prefix_len).is_none()
+            || config.output_len.1 > budget
+        {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "requests",
+                reason: format!(
+                    "{} requests of up to {} prompt tokens ({} shared prefixes of {}, outputs up to {}) \
+                     exceed the simulation's budget of {budget} tokens",
+                    config.requests,
+                    config.prompt_len.1,
+                    config.shared_prefixes,
+                    config.shared_prefix_len,
+                    config.output_len.1
+                ),
+            });
         }
         let mut rng = FaultRng::with_stream(config.seed, 0);
         let prefixes: Vec<Vec<u32>> = (0..config.shared_prefixes)
@@ -258,6 +283,15 @@ pub fn simulate<P: PrefixCache>(
     config: &SchedulerConfig,
     prefix: P,
 ) -> Result<Report> {
+    if !(0.0..1.0).contains(&config.watermark) {
+        return Err(PagedCacheError::InvalidParameter {
+            name: "watermark",
+            reason: format!(
+                "{}: the fraction of blocks kept free must be in [0, 1)",
+                config.watermark
+            ),
+        });
+    }
     let bs = config.cache.block_size;
     let mut cache = KvCacheManager::new(config.cache, prefix)?;
     let total = config.cache.num_blocks;

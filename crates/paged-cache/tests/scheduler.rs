@@ -120,3 +120,68 @@ fn impossible_workloads_and_bad_parameters_are_errors() {
         assert!(Workload::generate(&bad).is_err());
     }
 }
+
+/// Sizes that cannot fit are refused before anything is allocated, with an
+/// error naming the parameter, never a panic or an allocation abort.
+#[test]
+fn sizes_that_cannot_fit_are_refused_before_allocating() {
+    use paged_cache::{KvCacheManager, MAX_SLOTS, PagedCacheError};
+    let refused = |config: WorkloadConfig, name: &str| match Workload::generate(&config) {
+        Err(PagedCacheError::InvalidParameter { name: n, .. }) => assert_eq!(n, name),
+        other => panic!("{config:?}: {other:?}"),
+    };
+    let base = WorkloadConfig::default();
+    refused(
+        WorkloadConfig {
+            requests: 20,
+            prompt_len: (1, usize::MAX),
+            ..base
+        },
+        "requests",
+    );
+    refused(
+        WorkloadConfig {
+            requests: 1_000_000_000_000,
+            ..base
+        },
+        "requests",
+    );
+    refused(
+        WorkloadConfig {
+            output_len: (1, usize::MAX),
+            ..base
+        },
+        "requests",
+    );
+    let (w, c) = workload();
+    for watermark in [7.0, 1.0, -0.1, f64::NAN] {
+        let config = SchedulerConfig {
+            watermark,
+            ..config(64, Preemption::Swap)
+        };
+        assert!(matches!(
+            simulate(&w, c.vocab, &config, NoPrefixCache),
+            Err(PagedCacheError::InvalidParameter {
+                name: "watermark",
+                ..
+            })
+        ));
+    }
+    for (blocks, host, name) in [
+        (4_000_000_000, 0, "num_blocks"),
+        (MAX_SLOTS / 16 + 1, 0, "num_blocks"),
+        (16, 4_000_000_000, "host_blocks"),
+        (16, 1 << 32, "host_blocks"),
+        (16, usize::MAX, "host_blocks"),
+    ] {
+        let config = CacheConfig {
+            num_blocks: blocks,
+            block_size: 16,
+            host_blocks: host,
+        };
+        match KvCacheManager::new(config, NoPrefixCache) {
+            Err(PagedCacheError::InvalidParameter { name: n, .. }) => assert_eq!(n, name),
+            other => panic!("{blocks} {host}: {:?}", other.err()),
+        }
+    }
+}
