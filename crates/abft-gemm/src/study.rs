@@ -12,7 +12,7 @@ use rand_core::{Rng, SeedableRng};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::error::Result;
+use crate::error::{AbftError, Result};
 use crate::gemm::{gemm, row_checksums};
 use crate::matrix::{Distribution, Matrix};
 use crate::precision::{FlipDirection, Precision, flip_bit};
@@ -20,6 +20,36 @@ use crate::threshold::{AAbft, Threshold, VAbft};
 
 /// `(M, K, N)`.
 pub type Dims = (usize, usize, usize);
+
+/// The most f32 elements one study product may hold in A, B and C together
+/// (2^28, 1 GiB); larger products are refused before any allocation.
+pub const MAX_STUDY_ELEMENTS: usize = 1 << 28;
+
+/// Refuses an empty or oversized product and zero trials (a study of no
+/// products reports nothing), before anything is allocated.
+pub fn check_study(dims: Dims, trials: u64) -> Result<()> {
+    let (m, k, n) = dims;
+    let elements = m
+        .checked_mul(k)
+        .zip(k.checked_mul(n))
+        .zip(m.checked_mul(n))
+        .and_then(|((a, b), c)| a.checked_add(b)?.checked_add(c));
+    if m == 0 || k == 0 || n == 0 || elements.is_none_or(|e| e > MAX_STUDY_ELEMENTS) {
+        return Err(AbftError::InvalidParameter {
+            name: "dims",
+            reason: format!(
+                "{m}×{k}×{n}: needs positive sizes with at most {MAX_STUDY_ELEMENTS} elements in A, B and C"
+            ),
+        });
+    }
+    if trials == 0 {
+        return Err(AbftError::InvalidParameter {
+            name: "trials",
+            reason: "a study needs at least one product".into(),
+        });
+    }
+    Ok(())
+}
 
 fn inputs(p: Precision, d: Distribution, dims: Dims, scale: f32, seed: u64) -> (Matrix, Matrix) {
     let (m, k, n) = dims;
@@ -43,6 +73,7 @@ pub fn input_scale(p: Precision) -> f32 {
 /// checksum error `|Σₙ C_mn − Σₖ A_mk Σₙ B_kn| / |Σₖ A_mk Σₙ B_kn|` over
 /// every row of `trials` products.
 pub fn calibrate_e_max(p: Precision, dims: Dims, trials: u64, seed: u64) -> Result<f64> {
+    check_study(dims, trials)?;
     let mut worst = 0.0f64;
     for t in 0..trials {
         let (a, b) = inputs(
@@ -67,6 +98,7 @@ pub fn calibrate_e_max(p: Precision, dims: Dims, trials: u64, seed: u64) -> Resu
 /// Unlike the design's procedure (relative error on N(1,1) inputs), this
 /// covers zero-mean inputs, whose residuals the variance terms must bound.
 pub fn fit_e_max(p: Precision, dims: Dims, trials: u64, seed: u64, margin: f64) -> Result<f64> {
+    check_study(dims, trials)?;
     let unit = VAbft::design(1.0);
     let mut worst = 0.0f64;
     for d in Distribution::ALL {
@@ -100,6 +132,7 @@ pub fn false_positives(
     trials: u64,
     seed: u64,
 ) -> Result<Vec<u64>> {
+    check_study(dims, trials)?;
     // Trials run in parallel (each is independent and seeded by its index),
     // and counts add up, so the result does not depend on the thread count.
     (0..trials)
@@ -173,6 +206,7 @@ pub fn detection(
     trials: u64,
     seed: u64,
 ) -> Result<DetectionTable> {
+    check_study(dims, trials)?;
     let mut out = vec![vec![[Detection::default(); 2]; bits.len()]; thresholds.len()];
     let (m, k, n) = dims;
     let site_bits = if site == FlipSite::Accumulator {
@@ -294,4 +328,30 @@ fn aabft_row(a: &Matrix, b: &Matrix, row: usize, c_row: &[f32], p: Precision) ->
     t.terms(b.cols, a.cols, max_c, check1, max_a, max_b)
         .iter()
         .sum()
+}
+
+#[cfg(test)]
+mod checks {
+    use super::*;
+
+    #[test]
+    fn studies_of_no_or_unallocatable_products_are_refused() {
+        assert!(check_study((128, 1024, 256), 1).is_ok());
+        for (dims, trials) in [
+            ((0, 4, 4), 1),
+            ((4, 4, 4), 0),
+            ((1 << 20, 1 << 20, 1), 1),
+            ((usize::MAX, 2, 2), 1),
+            ((1 << 32, 1 << 32, 1 << 32), 1),
+        ] {
+            assert!(
+                matches!(
+                    check_study(dims, trials),
+                    Err(AbftError::InvalidParameter { .. })
+                ),
+                "{dims:?} {trials}"
+            );
+            assert!(calibrate_e_max(Precision::Fp32, dims, trials, 0).is_err());
+        }
+    }
 }

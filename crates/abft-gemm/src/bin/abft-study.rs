@@ -169,10 +169,26 @@ fn dims_of(v: &[usize]) -> Result<Dims, String> {
     }
 }
 
+/// Creates `out` and checks that the report files can be written there,
+/// before any work; every error names the path.
+fn prepare_out(out: &std::path::Path) -> Result<[PathBuf; 2], String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let files = [out.join("study.md"), out.join("study.json")];
+    for f in &files {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(f)
+            .map_err(|e| format!("cannot write {}: {e}", f.display()))?;
+    }
+    Ok(files)
+}
+
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Calibrate { trials, dims, seed } => {
             let dims = dims_of(&dims)?;
+            abft_gemm::study::check_study(dims, trials)?;
             println!(
                 "| precision | e_max measured here ({trials} trials of {dims:?}) | design (Ascend 910B) | 3u |"
             );
@@ -211,6 +227,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             };
             let fp_trials = fp_trials.unwrap_or(if full { 100_000 } else { 500 });
             let det_trials = det_trials.unwrap_or(if full { 10_000 } else { 300 });
+            if (run_fp && fp_trials == 0) || (run_det && det_trials == 0) {
+                return Err("--fp-trials and --det-trials need at least one product".into());
+            }
+            for name in &fp_precisions {
+                name.parse::<Precision>()
+                    .map_err(|e| format!("--fp-precisions {name:?}: {e}"))?;
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some(d) = fp_precisions.iter().find(|n| !seen.insert(n.as_str())) {
+                return Err(format!("--fp-precisions names {d} twice").into());
+            }
+            let [md_path, json_path] = prepare_out(&out)?;
             let started = Instant::now();
             let dims: Dims = (128, 1024, 256);
             let e_max = |p: Precision| -> Result<f64, Box<dyn std::error::Error>> {
@@ -438,14 +466,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             writeln!(md, "\nTook {:.0} s.", started.elapsed().as_secs_f64())?;
             print!("{md}");
-            std::fs::create_dir_all(&out)?;
-            std::fs::write(out.join("study.md"), &md)?;
-            std::fs::write(out.join("study.json"), serde_json::to_string_pretty(&json)?)?;
-            println!(
-                "wrote {} and {}",
-                out.join("study.md").display(),
-                out.join("study.json").display()
-            );
+            let write = |path: &PathBuf, text: &str| {
+                std::fs::write(path, text)
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))
+            };
+            write(&md_path, &md)?;
+            write(&json_path, &serde_json::to_string_pretty(&json)?)?;
+            println!("wrote {} and {}", md_path.display(), json_path.display());
         }
     }
     Ok(())
