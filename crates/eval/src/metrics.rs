@@ -394,10 +394,13 @@ pub fn evaluate(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Vec<RunMetrics>> {
     let wins = windows(tokens.len(), ctx, method)?;
-    if wins.is_empty() {
+    if wins.iter().all(|w| w.scored() == 0) {
         return Err(EvalError::InvalidParameter {
             name: "tokens",
-            reason: format!("{} tokens make no window of {ctx}", tokens.len()),
+            reason: format!(
+                "{} tokens in windows of {ctx} score no prediction",
+                tokens.len()
+            ),
         });
     }
     let vocab = model.vocab();

@@ -17,6 +17,8 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 
+use std::io::Read;
+
 use crate::error::{EvalError, Result};
 use crate::load::gguf::{GgufFile, MetaValue};
 
@@ -166,8 +168,147 @@ impl TextTokenizer {
         Ok(ids)
     }
 
+    /// Token ids of the text `reader` yields, read and tokenized a block at
+    /// a time, so memory stays bounded by the tokens kept: reading stops
+    /// once `limits.max_tokens` ids are held (and truncates to them), and
+    /// more than `limits.max_bytes` of text is refused (`/dev/zero` without
+    /// a token limit). The ids equal [`encode`](Self::encode) of the whole
+    /// text: blocks end at a line break between two visible ASCII characters
+    /// (`x\ny`), where the byte-level pre-tokenizers built from GGUF (GPT-2,
+    /// smollm, Llama-3 and Qwen2 regexes) end a pre-token anyway. A Hugging
+    /// Face tokenizer (any normaliser or pre-tokenizer) reads the whole text
+    /// up to `max_bytes` and encodes it once.
+    pub fn encode_reader(
+        &self,
+        mut reader: impl std::io::Read,
+        limits: ReadLimits,
+    ) -> Result<Vec<u32>> {
+        let io = |e: std::io::Error| EvalError::Tokenizer(format!("reading the text: {e}"));
+        let block = if self.post_process {
+            limits.max_bytes.saturating_add(1)
+        } else {
+            limits.block_bytes.max(1)
+        };
+        let mut pending: Vec<u8> = Vec::new();
+        let mut ids: Vec<u32> = Vec::new();
+        let (mut read, mut eof, mut first) = (0usize, false, true);
+        // Bytes of `pending` known to hold no split point (all but the last two).
+        let mut scanned = 0usize;
+        loop {
+            if !eof {
+                let n = (&mut reader)
+                    .take(block as u64)
+                    .read_to_end(&mut pending)
+                    .map_err(io)?;
+                read += n;
+                eof = n == 0;
+                if read > limits.max_bytes {
+                    return Err(EvalError::InvalidParameter {
+                        name: "text",
+                        reason: format!(
+                            "more than {} bytes of text; pass a token limit (--max-tokens) or a smaller file",
+                            limits.max_bytes
+                        ),
+                    });
+                }
+            }
+            let split = if eof {
+                Some(pending.len())
+            } else if self.post_process {
+                None
+            } else {
+                let from = scanned.saturating_sub(2);
+                scanned = pending.len();
+                line_split(&pending[from..]).map(|s| s + from)
+            };
+            let Some(split) = split.filter(|&s| s > 0) else {
+                if eof {
+                    break;
+                }
+                continue;
+            };
+            let text = std::str::from_utf8(&pending[..split]).map_err(|e| {
+                EvalError::Tokenizer(format!(
+                    "the text is not UTF-8 near byte {}: {e}",
+                    read - pending.len() + e.valid_up_to()
+                ))
+            })?;
+            ids.extend(self.encode_part(text, first)?);
+            first = false;
+            pending.drain(..split);
+            scanned = 0;
+            if let Some(m) = limits.max_tokens
+                && ids.len() >= m
+            {
+                ids.truncate(m);
+                break;
+            }
+            if eof && pending.is_empty() {
+                break;
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Ids of `text`; special tokens (BOS) only for the first part of a text.
+    fn encode_part(&self, text: &str, first: bool) -> Result<Vec<u32>> {
+        if first {
+            return self.encode(text);
+        }
+        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// The text of `ids`.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, false).map_err(tok_err)
+    }
+}
+
+/// Limits of [`TextTokenizer::encode_reader`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadLimits {
+    /// Stop once this many ids are held (`None`: read to the end).
+    pub max_tokens: Option<usize>,
+    /// Refuse more text than this many bytes.
+    pub max_bytes: usize,
+    /// Bytes read per tokenizer call (a block grows to the next safe split).
+    pub block_bytes: usize,
+}
+
+impl Default for ReadLimits {
+    /// No token limit, at most 256 MiB of text, 1 MiB blocks.
+    fn default() -> Self {
+        Self {
+            max_tokens: None,
+            max_bytes: 256 << 20,
+            block_bytes: 1 << 20,
+        }
+    }
+}
+
+/// The end of the longest prefix of `bytes` that ends with a line break
+/// between two visible ASCII characters (`x\ny`, the break kept), if any.
+fn line_split(bytes: &[u8]) -> Option<usize> {
+    let visible = |b: u8| (0x21..=0x7e).contains(&b);
+    (1..bytes.len().saturating_sub(1))
+        .rev()
+        .find(|&i| bytes[i] == b'\n' && visible(bytes[i - 1]) && visible(bytes[i + 1]))
+        .map(|i| i + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::line_split;
+
+    #[test]
+    fn blocks_split_only_between_visible_characters() {
+        assert_eq!(line_split(b"ab\ncd\nef"), Some(6));
+        assert_eq!(line_split(b"ab \ncd"), None);
+        assert_eq!(line_split(b"ab\n cd"), None);
+        assert_eq!(line_split(b"ab\n\ncd"), None);
+        assert_eq!(line_split(b"ab\n"), None);
+        assert_eq!(line_split(b"\ncd"), None);
+        assert_eq!(line_split(b""), None);
     }
 }

@@ -250,6 +250,19 @@ fn hf_llama_equals_the_gguf_twin() {
         worst < 1e-4,
         "HF (rotate-half) and GGUF (adjacent) logits differ by {worst}"
     );
+    // The command line reaches the same folder through --model.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-eval"))
+        .args(["top", "--prompt", "ab c", "-k", "3", "--model"])
+        .arg(&d)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("\"ab c\" -> [4, 5]"), "{stdout}");
     std::fs::remove_dir_all(&d).unwrap();
 }
 

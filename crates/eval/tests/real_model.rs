@@ -392,3 +392,29 @@ fn ledger_statistics_equal_the_clean_twin_numbers() {
         );
     }
 }
+
+/// Reading and tokenizing the corpus a block at a time gives the ids of
+/// tokenizing it whole, id for id, with blocks small enough that the corpus
+/// takes dozens of them; a token limit keeps exactly the first ids.
+#[test]
+fn incremental_tokenizing_equals_the_whole_text() {
+    use kv_eval::tokenizer::ReadLimits;
+    let Some((_, tok)) = load() else { return };
+    let Some(whole) = corpus(&tok) else { return };
+    let text = std::fs::read(paths::default_text()).unwrap();
+    for (block, max_tokens) in [(4096, None), (1000, Some(5000)), (1 << 20, Some(777))] {
+        let limits = ReadLimits {
+            max_tokens,
+            block_bytes: block,
+            ..ReadLimits::default()
+        };
+        let ids = tok.encode_reader(text.as_slice(), limits).unwrap();
+        let want = &whole[..max_tokens.unwrap_or(whole.len()).min(whole.len())];
+        assert_eq!(ids, want, "blocks of {block}, limit {max_tokens:?}");
+    }
+    let tiny = ReadLimits {
+        max_bytes: 1000,
+        ..ReadLimits::default()
+    };
+    assert!(tok.encode_reader(text.as_slice(), tiny).is_err());
+}

@@ -13,7 +13,7 @@ use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
 use kv_eval::models::LlamaModel;
 use kv_quant::FaultTarget;
 
-use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, tokens};
+use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, tiny_gguf_eps, tokens};
 
 fn form(spec: &str) -> CacheMode {
     CacheMode::form(spec.parse().unwrap())
@@ -447,4 +447,26 @@ fn generation_refuses_bad_input_before_any_work() {
     let a = generate(&m, &tokens(5), &sampled(0.9, 0.8), |_| Ok(())).unwrap();
     let b = generate(&m, &tokens(5), &sampled(0.9, 0.8), |_| Ok(())).unwrap();
     assert_eq!(a.tokens, b.tokens);
+}
+
+/// A normalisation epsilon that is NaN, infinite, zero or negative is
+/// refused when the model loads (it would give PPL inf without a word), and
+/// a corpus that scores no prediction is an error, not PPL 1.
+#[test]
+fn bad_epsilons_and_empty_scores_are_errors() {
+    for eps in [f32::NAN, f32::INFINITY, 0.0, -1e-5] {
+        let file = GgufFile::from_bytes(tiny_gguf_eps(eps)).unwrap();
+        assert!(
+            matches!(LlamaModel::from_gguf(&file), Err(EvalError::Model(_))),
+            "{eps}"
+        );
+    }
+    let m = model();
+    let plain = [RunConfig::new(CacheMode::Plain, None)];
+    for (n, ctx) in [(3, 4), (0, 8), (1, 4)] {
+        assert!(
+            evaluate(&m, &tokens(n), ctx, PplMethod::LlamaCpp, &plain, |_, _| {}).is_err(),
+            "{n} tokens, ctx {ctx}"
+        );
+    }
 }

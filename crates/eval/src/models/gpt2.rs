@@ -6,7 +6,7 @@
 use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite};
 use rayon::prelude::*;
 
-use super::{CausalLm, Matrix, ModelCache, forward_step, project};
+use super::{CausalLm, Matrix, ModelCache, check_norm_eps, forward_step, project};
 use crate::error::{EvalError, Result};
 
 /// GPT-2 hyper-parameters (`config.json`'s `n_embd`, `n_layer`, ...).
@@ -71,6 +71,7 @@ impl Gpt2Model {
                 c.heads
             )));
         }
+        check_norm_eps(c.norm_eps)?;
         let norm_ok = |n: &(Vec<f32>, Vec<f32>)| n.0.len() == d && n.1.len() == d;
         let lin_ok = |l: &(Matrix, Vec<f32>), rows: usize, cols: usize| {
             l.0.rows == rows && l.0.cols == cols && l.1.len() == rows
@@ -170,6 +171,10 @@ impl CausalLm for Gpt2Model {
 
     fn head_dim(&self) -> usize {
         self.config.dim / self.config.heads
+    }
+
+    fn context(&self) -> Option<usize> {
+        Some(self.config.positions)
     }
 
     fn describe(&self) -> String {

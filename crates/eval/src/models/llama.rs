@@ -12,7 +12,7 @@ use attention::{
 };
 use rayon::prelude::*;
 
-use super::{CausalLm, Matrix, ModelCache, forward_step, project};
+use super::{CausalLm, Matrix, ModelCache, check_norm_eps, forward_step, project};
 use crate::error::{EvalError, Result};
 use crate::load::gguf::GgufFile;
 
@@ -203,6 +203,10 @@ impl LlamaModel {
         if c.q_heads * c.head_dim != c.dim {
             return Err(EvalError::Shape("q_heads × head_dim must equal dim".into()));
         }
+        check_norm_eps(c.norm_eps)?;
+        if c.context == 0 {
+            return Err(EvalError::Model("a training context of 0 tokens".into()));
+        }
         let rope = Rope::new(c.rope_layout, c.head_dim, c.rope_dims, c.rope_base)?;
         let shape = HeadShape::new(c.q_heads, c.kv_heads, c.head_dim)?;
         let attention = Attention::with_config(
@@ -362,6 +366,10 @@ impl CausalLm for LlamaModel {
 
     fn rope(&self) -> Option<&Rope> {
         Some(&self.rope)
+    }
+
+    fn context(&self) -> Option<usize> {
+        Some(self.config.context)
     }
 
     fn describe(&self) -> String {

@@ -34,6 +34,11 @@ pub trait CausalLm: Send + Sync {
     fn rope(&self) -> Option<&Rope> {
         None
     }
+    /// The context the model was trained to (positions past it are
+    /// refused by learned-position models and unreliable for RoPE ones).
+    fn context(&self) -> Option<usize> {
+        None
+    }
     /// A one-line description (architecture and shape).
     fn describe(&self) -> String;
     /// Runs `tokens` after what `cache` already holds (their positions
@@ -77,4 +82,16 @@ pub(crate) fn forward_step(
 /// so the projections are the GEMMs that crate checks.
 pub(crate) fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) -> Result<()> {
     Ok(abft_gemm::linear_into(out, x, w, accumulate)?)
+}
+
+/// Refuses a normalisation epsilon that is NaN, infinite or not positive
+/// (it would turn every hidden state into NaN or ∞ without a word).
+pub(crate) fn check_norm_eps(eps: f32) -> Result<()> {
+    if eps.is_finite() && eps > 0.0 {
+        Ok(())
+    } else {
+        Err(crate::error::EvalError::Model(format!(
+            "normalisation epsilon {eps} is not a positive finite number"
+        )))
+    }
 }

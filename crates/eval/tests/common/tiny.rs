@@ -47,6 +47,11 @@ pub(crate) fn q4_1(x: &[f32]) -> Vec<u8> {
 }
 
 pub(crate) fn tiny_gguf() -> Vec<u8> {
+    tiny_gguf_eps(1e-5)
+}
+
+/// The tiny model with RMSNorm epsilon `eps`.
+pub(crate) fn tiny_gguf_eps(eps: f32) -> Vec<u8> {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let kvc = KV_HEADS * DIM / HEADS;
     let mut w = GgufWriter::new();
@@ -62,7 +67,7 @@ pub(crate) fn tiny_gguf() -> Vec<u8> {
         .meta("llama.rope.freq_base", MetaValue::F32(10_000.0))
         .meta(
             "llama.attention.layer_norm_rms_epsilon",
-            MetaValue::F32(1e-5),
+            MetaValue::F32(eps),
         )
         .meta("llama.context_length", MetaValue::U32(512))
         .meta("llama.vocab_size", MetaValue::U32(VOCAB as u32));

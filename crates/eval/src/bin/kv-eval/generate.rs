@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
+use kv_eval::tokenizer::ReadLimits;
 
 use crate::{
     Backend, BackendArgs, Calib, Error, Forms, Target, calibration_for, load_model, mode_of,
@@ -112,14 +113,18 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         seed,
         scrub_every,
     };
-    let prompt = match (prompt, prompt_file) {
-        (Some(p), _) => p,
-        (None, Some(f)) => std::fs::read_to_string(&f)
-            .map_err(|e| format!("cannot read prompt {}: {e}", f.display()))?,
-        (None, None) => return Err("give --prompt or --prompt-file".into()),
-    };
-    if prompt.is_empty() || prompt_tokens == Some(0) {
+    if prompt.as_deref() == Some("") || prompt_tokens == Some(0) {
         return Err("the prompt is empty".into());
+    }
+    if prompt.is_none() && prompt_file.is_none() {
+        return Err("give --prompt or --prompt-file".into());
+    }
+    if threads > super::max_threads() {
+        return Err(format!(
+            "--threads {threads}: at most {} (eight per core) on this machine",
+            super::max_threads()
+        )
+        .into());
     }
     if threads > 0 {
         rayon::ThreadPoolBuilder::new()
@@ -127,14 +132,31 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
             .build_global()?;
     }
     let (model, tokenizer) = load_model(&model_path(&model)?)?;
-    let mut ids = tokenizer.encode(&prompt)?;
-    let mut shown = prompt.clone();
-    if let Some(n) = prompt_tokens
-        && n < ids.len()
-    {
-        ids.truncate(n);
-        shown = tokenizer.decode(&ids)?;
+    let limits = ReadLimits {
+        max_tokens: prompt_tokens,
+        ..ReadLimits::default()
+    };
+    let mut ids = match (&prompt, &prompt_file) {
+        (Some(p), _) => tokenizer.encode_reader(p.as_bytes(), limits)?,
+        (None, Some(f)) => {
+            let file = std::fs::File::open(f)
+                .map_err(|e| format!("cannot read prompt {}: {e}", f.display()))?;
+            tokenizer
+                .encode_reader(file, limits)
+                .map_err(|e| format!("{}: {e}", f.display()))?
+        }
+        (None, None) => unreachable!("checked above"),
+    };
+    if ids.is_empty() {
+        return Err("the prompt is empty".into());
     }
+    if let Some(n) = prompt_tokens {
+        ids.truncate(n);
+    }
+    let shown = match prompt {
+        Some(p) if prompt_tokens.is_none() => p,
+        _ => tokenizer.decode(&ids)?,
+    };
     let cal = calibration_for(
         std::slice::from_ref(&mode),
         &calib,

@@ -22,7 +22,7 @@ use kv_eval::metrics::{PplMethod, RunConfig, RunMetrics, evaluate};
 use kv_eval::models::CausalLm;
 use kv_eval::paths;
 use kv_eval::sweep::{SweepPoint, SweepReport};
-use kv_eval::tokenizer::TextTokenizer;
+use kv_eval::tokenizer::{ReadLimits, TextTokenizer};
 use kv_quant::{CacheForm, FaultTarget, FitOptions, LayerForms};
 
 /// Real-model fault-injection evaluation of KV-cache forms.
@@ -311,14 +311,52 @@ fn main() -> ExitCode {
 
 fn model_path(p: &Option<PathBuf>) -> Result<PathBuf, Error> {
     let path = p.clone().unwrap_or_else(paths::default_model);
-    if !path.is_file() {
+    if !path.is_file() && !path.is_dir() {
         return Err(format!(
-            "model {} not found (run `cargo xtask fetch-model`, or pass --model FILE)",
+            "model {} not found (run `cargo xtask fetch-model`, or pass --model with a GGUF \
+             file or a Hugging Face folder)",
             path.display()
         )
         .into());
     }
     Ok(path)
+}
+
+/// The most worker threads `--threads` may ask for: eight per core.
+fn max_threads() -> usize {
+    8 * std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Refuses source flags that cannot work, before the model loads.
+fn check_source(source: &Source) -> Result<(), Error> {
+    if source.threads > max_threads() {
+        return Err(format!(
+            "--threads {}: at most {} (eight per core) on this machine",
+            source.threads,
+            max_threads()
+        )
+        .into());
+    }
+    if source.ctx < 4 {
+        return Err(format!(
+            "--ctx {}: a window needs at least 4 tokens to score a prediction",
+            source.ctx
+        )
+        .into());
+    }
+    if matches!(source.method, Method::Sliding)
+        && (source.stride == 0 || source.stride > source.ctx)
+    {
+        return Err(format!(
+            "--stride {} must be in 1..={} (the context)",
+            source.stride, source.ctx
+        )
+        .into());
+    }
+    if source.max_tokens == Some(0) {
+        return Err("--max-tokens 0 reads no text".into());
+    }
+    Ok(())
 }
 
 fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer), Error> {
@@ -344,6 +382,7 @@ struct Prepared {
 
 /// Loads model and corpus and tokenizes the corpus.
 fn prepare(source: &Source) -> Result<Prepared, Error> {
+    check_source(source)?;
     if source.threads > 0 {
         rayon::ThreadPoolBuilder::new()
             .num_threads(source.threads)
@@ -351,7 +390,7 @@ fn prepare(source: &Source) -> Result<Prepared, Error> {
     }
     let model_file = model_path(&source.model)?;
     let text_file = source.text.clone().unwrap_or_else(paths::default_text);
-    let text = std::fs::read_to_string(&text_file).map_err(|e| {
+    let text = std::fs::File::open(&text_file).map_err(|e| {
         let hint = if source.text.is_none() {
             " (run `cargo xtask fetch-model`, or pass --text FILE)"
         } else {
@@ -360,11 +399,24 @@ fn prepare(source: &Source) -> Result<Prepared, Error> {
         format!("cannot read text {}: {e}{hint}", text_file.display())
     })?;
     let (model, tokenizer) = load_model(&model_file)?;
-    let mut tokens = tokenizer.encode(&text)?;
-    eprintln!("{} tokens in {}", tokens.len(), text_file.display());
-    if let Some(n) = source.max_tokens {
-        tokens.truncate(n);
+    if let Some(trained) = model.context()
+        && source.ctx > trained
+    {
+        return Err(format!(
+            "--ctx {} is past the {trained} tokens the model was trained to",
+            source.ctx
+        )
+        .into());
     }
+    // Read and tokenize only as much text as the token limit needs.
+    let limits = ReadLimits {
+        max_tokens: source.max_tokens,
+        ..ReadLimits::default()
+    };
+    let tokens = tokenizer
+        .encode_reader(text, limits)
+        .map_err(|e| format!("{}: {e}", text_file.display()))?;
+    eprintln!("{} tokens read from {}", tokens.len(), text_file.display());
     Ok(Prepared {
         model,
         tokenizer,
@@ -493,20 +545,34 @@ fn calibration_rows(
         .calib_text
         .clone()
         .unwrap_or_else(paths::default_calibration_text);
-    let text = std::fs::read_to_string(&path).map_err(|e| {
+    let text = std::fs::File::open(&path).map_err(|e| {
         format!(
             "cannot read calibration text {}: {e} (run `cargo xtask fetch-model`, or pass --calib-text FILE or --calibration FILE)",
             path.display()
         )
     })?;
-    let mut tokens = tokenizer.encode(&text)?;
-    tokens.truncate(calib.calib_tokens);
+    let limits = ReadLimits {
+        max_tokens: Some(calib.calib_tokens),
+        ..ReadLimits::default()
+    };
+    let tokens = tokenizer
+        .encode_reader(text, limits)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     let rows = CalibrationRows::collect(model, &tokens, calib.calib_ctx)?;
     let name = path.file_name().map_or_else(
         || path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
     Ok((rows, name))
+}
+
+/// The first entry that appears twice in `items`.
+fn first_repeat<T: PartialEq>(items: &[T]) -> Option<&T> {
+    items
+        .iter()
+        .enumerate()
+        .find(|(i, x)| items[..*i].contains(x))
+        .map(|(_, x)| x)
 }
 
 /// Refuses an output path that exists as a file before any work starts.
@@ -639,6 +705,15 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             if seeds.is_empty() || forms.is_empty() || bers.is_empty() {
                 return Err("--forms, --bers and --seeds each need at least one entry".into());
+            }
+            if let Some(d) = first_repeat(&seeds) {
+                return Err(format!("--seeds names {d} twice (each seed is one sample)").into());
+            }
+            if let Some(b) = first_repeat(&bers) {
+                return Err(format!("--bers names {b} twice").into());
+            }
+            if let Some(f) = first_repeat(&forms) {
+                return Err(format!("--forms names {f} twice").into());
             }
             let channel: ChannelKind = channel.parse()?;
             let mut modes = Vec::new();
@@ -864,8 +939,17 @@ fn run(cli: Cli) -> Result<(), Error> {
         }
         Command::Generate(args) => generate::run(args)?,
         Command::Top { model, prompt, k } => {
+            if prompt.is_empty() {
+                return Err("the prompt is empty".into());
+            }
+            if k == 0 {
+                return Err("-k 0 asks for no tokens".into());
+            }
             let (model, tokenizer) = load_model(&model_path(&model)?)?;
             let ids = tokenizer.encode(&prompt)?;
+            if ids.is_empty() {
+                return Err(format!("{prompt:?} has no tokens").into());
+            }
             println!("{prompt:?} -> {ids:?}");
             let mut cache = KvCache::new(CacheMode::Plain, None, 0)?;
             let logits = model.forward(&ids, &mut cache, ids.len() - 1)?;

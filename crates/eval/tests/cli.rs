@@ -1,0 +1,60 @@
+//! `kv-eval` refuses hostile flags with one clear error before the model
+//! loads or the corpus is read (these run without the model files).
+
+use std::process::Command;
+
+#[test]
+fn hostile_flags_are_refused_before_any_work() {
+    let file = std::env::temp_dir().join(format!("kv-eval-cli-{}", std::process::id()));
+    std::fs::write(&file, b"a file, not a folder").unwrap();
+    let out = file.to_str().unwrap();
+    let missing = "/nonexistent/model.gguf";
+    for (args, says) in [
+        (&["ppl", "--ctx", "2"][..], "--ctx 2"),
+        (&["ppl", "--threads", "100000"], "--threads 100000"),
+        (
+            &["ppl", "--method", "sliding", "--stride", "0"],
+            "--stride 0",
+        ),
+        (
+            &["ppl", "--method", "sliding", "--stride", "300"],
+            "--stride 300",
+        ),
+        (&["ppl", "--max-tokens", "0"], "--max-tokens 0"),
+        (&["ppl", "--ber", "2"], "not in [0, 1]"),
+        (&["top", "-k", "0", "--prompt", "hi"], "-k 0"),
+        (&["top", "--prompt", ""], "the prompt is empty"),
+        (&["generate", "--prompt", ""], "the prompt is empty"),
+        (
+            &["generate", "--prompt", "hi", "--temperature=-1"],
+            "temperature",
+        ),
+        (
+            &["sweep", "--seeds", "1,1", "--out", "x"],
+            "--seeds names 1 twice",
+        ),
+        (&["sweep", "--out", out], out),
+        (&["ppl", "--model", missing], missing),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_kv-eval"))
+            .args(args)
+            .output()
+            .expect("run kv-eval");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("loaded "),
+            "{args:?} loaded the model first: {stderr}"
+        );
+    }
+    let long = format!("int4+{}", "x".repeat(100_000));
+    let o = Command::new(env!("CARGO_BIN_EXE_kv-eval"))
+        .args(["ppl", "--form", &long])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(o.stderr.len() < 4096, "{} bytes of error", o.stderr.len());
+    std::fs::remove_file(&file).unwrap();
+}
