@@ -418,3 +418,26 @@ fn incremental_tokenizing_equals_the_whole_text() {
     };
     assert!(tok.encode_reader(text.as_slice(), tiny).is_err());
 }
+
+/// Forms that cannot fit the model (groups or rotation blocks that do not
+/// divide its channels, layers it lacks) fail right after the model loads,
+/// before the corpus is read.
+#[test]
+fn forms_the_model_cannot_run_fail_before_the_corpus_is_read() {
+    if load().is_none() {
+        return;
+    }
+    for form in ["int4-g100", "int4+rot128", "0,99:fp16;*:int4"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-eval"))
+            .args(["ppl", "--max-tokens", "300", "--form", form])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{form}");
+        assert!(
+            stderr.contains("cannot run on this model"),
+            "{form}: {stderr}"
+        );
+        assert!(!stderr.contains("tokens read"), "{form}: {stderr}");
+    }
+}

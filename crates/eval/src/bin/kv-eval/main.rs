@@ -380,8 +380,11 @@ struct Prepared {
     text_file: String,
 }
 
-/// Loads model and corpus and tokenizes the corpus.
-fn prepare(source: &Source) -> Result<Prepared, Error> {
+/// Loads model and corpus and tokenizes the corpus, after checking that
+/// the model can run every mode in `modes` (one token through a cache in
+/// each mode: group sizes, rotation blocks and layer rules against the
+/// model's shape), so a form that cannot fit fails before the corpus is read.
+fn prepare(source: &Source, modes: &[CacheMode]) -> Result<Prepared, Error> {
     check_source(source)?;
     if source.threads > 0 {
         rayon::ThreadPoolBuilder::new()
@@ -399,6 +402,9 @@ fn prepare(source: &Source) -> Result<Prepared, Error> {
         format!("cannot read text {}: {e}{hint}", text_file.display())
     })?;
     let (model, tokenizer) = load_model(&model_file)?;
+    for mode in modes {
+        probe_mode(model.as_ref(), mode)?;
+    }
     if let Some(trained) = model.context()
         && source.ctx > trained
     {
@@ -424,6 +430,19 @@ fn prepare(source: &Source) -> Result<Prepared, Error> {
         model_file: model_file.display().to_string(),
         text_file: text_file.display().to_string(),
     })
+}
+
+/// Runs one token through a cache in `mode` (skipped for forms that need a
+/// calibration, which is fitted later): the model's shape against the forms.
+fn probe_mode(model: &dyn CausalLm, mode: &CacheMode) -> Result<(), Error> {
+    if mode.forms().iter().any(|(f, _)| needs_calibration(f)) {
+        return Ok(());
+    }
+    let mut cache = KvCache::new(mode.clone(), None, 0)?;
+    model
+        .forward(&[0], &mut cache, 0)
+        .map_err(|e| format!("{} cannot run on this model: {e}", mode.label()))?;
+    Ok(())
 }
 
 fn method(source: &Source) -> PplMethod {
@@ -639,7 +658,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 tokens,
                 model_file,
                 text_file,
-            } = prepare(&source)?;
+            } = prepare(&source, std::slice::from_ref(&mode))?;
             let cal = calibration_for(
                 std::slice::from_ref(&mode),
                 &calib,
@@ -728,7 +747,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 tokens,
                 model_file,
                 text_file,
-            } = prepare(&source)?;
+            } = prepare(&source, &modes)?;
             let cal = calibration_for(&modes, &calib, model.as_ref(), &tokenizer)?;
             let modes: Vec<CacheMode> = modes
                 .into_iter()
@@ -837,7 +856,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 tokens,
                 model_file,
                 text_file,
-            } = prepare(&source)?;
+            } = prepare(&source, &modes)?;
             let cal = calibration_for(&modes, &calib, model.as_ref(), &tokenizer)?;
             let calibration = cal
                 .as_ref()
