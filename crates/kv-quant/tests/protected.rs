@@ -337,6 +337,71 @@ fn metadata_faults_are_corrected_detected_or_counted() {
     assert_ne!(d.values, reference.values);
 }
 
+/// Flips the given positions in the buffer of each call (scales, offsets,
+/// checks for a metadata injection).
+#[derive(Debug)]
+struct FlipsPerCall {
+    positions: Vec<Vec<u64>>,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl FaultChannel for FlipsPerCall {
+    fn inject_with(&self, data: &mut [u8], rng: &mut FaultRng) -> Flips {
+        let call = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ExactFlips(self.positions.get(call).cloned().unwrap_or_default()).inject_with(data, rng)
+    }
+}
+
+/// A metadata error the code cannot see (flips that make another valid
+/// codeword) that decodes to a NaN, infinite or negative scale erases its
+/// group, which interpolation rebuilds, instead of spreading non-finite
+/// values; the ledger still counts the word as silent.
+#[test]
+fn implausible_protected_scales_are_erased() {
+    let (tokens, channels) = (6, 16);
+    let clean = store("int4-g8+secded84+interp", tokens, channels);
+    let reference = clean.decode().unwrap();
+    let code = kv_quant::MetaCode::f16();
+    let g = 4; // token 2, channels 0..8
+    let orig = u32::from(u16::from_le_bytes([
+        clean.scales()[2 * g],
+        clean.scales()[2 * g + 1],
+    ]));
+    for target in [0x7c00u32, 0xfe00, 0xbc00] {
+        let bits = |d: u32, base: u64| -> Vec<u64> {
+            (0..32)
+                .filter(|b| d >> b & 1 == 1)
+                .map(|b| base + b)
+                .collect()
+        };
+        let flips = FlipsPerCall {
+            positions: vec![
+                bits(orig ^ target, 16 * g as u64),
+                Vec::new(),
+                bits(
+                    u32::from(code.check(orig) ^ code.check(target)),
+                    8 * g as u64,
+                ),
+            ],
+            calls: Default::default(),
+        };
+        let mut hit = clean.clone();
+        hit.inject(&flips, 0, FaultTarget::Metadata);
+        let d = hit.decode().unwrap();
+        assert_eq!(d.stats.metadata.silent, 1, "{target:#x}");
+        assert_eq!(d.stats.erased_values, 8, "{target:#x}");
+        for c in 0..8 {
+            assert!(d.is_erased(2, c));
+            let expect =
+                0.5 * (reference.values[channels + c] + reference.values[3 * channels + c]);
+            assert_eq!(d.values[2 * channels + c], expect, "{target:#x}");
+        }
+        assert!(d.values.iter().all(|v| v.is_finite()));
+    }
+}
+
 /// Decoding in tiles of any sizes gives the bits and the statistics of one
 /// whole decode, with faults in values and metadata, for every kind of form.
 #[test]

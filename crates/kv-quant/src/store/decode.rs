@@ -166,18 +166,26 @@ impl Section {
         let erased = grow(&mut scratch.meta_erased, n);
         let mut stats = DecodeStats::default();
         let has_offsets = !self.offsets.is_empty();
+        // Protected metadata is also checked for plausibility: a scale or
+        // offset that decodes to NaN or ±∞, or a negative scale (every
+        // form's scale, absmax or gain is ≥ 0), is an undetected error the
+        // code let through, and erasing its group lets the erasure policy
+        // rebuild the values instead of spreading a non-finite row.
+        let checked = self.coding.meta_code().is_some();
         for (i, g) in groups.enumerate() {
             let counted = (start..end).contains(&layout.first_token(g));
-            let mut read = |buffer: &[u8], check_index: usize| {
+            let mut read = |buffer: &[u8], check_index: usize, is_scale: bool| {
                 let (word, outcome) = self.meta_word(buffer, g, check_index);
                 if counted {
                     stats.record(outcome);
                 }
-                (int::from_bits(ty, word), outcome == DecodeOutcome::Detected)
+                let v = int::from_bits(ty, word);
+                let implausible = checked && (!v.is_finite() || (is_scale && v < 0.0));
+                (v, outcome == DecodeOutcome::Detected || implausible)
             };
-            let (s, s_bad) = read(&self.scales, g);
+            let (s, s_bad) = read(&self.scales, g, true);
             let (o, o_bad) = if has_offsets {
-                read(&self.offsets, total + g)
+                read(&self.offsets, total + g, false)
             } else {
                 (0.0, false)
             };
