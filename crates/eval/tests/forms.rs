@@ -207,3 +207,21 @@ fn low_rank_forms_run_on_the_model_with_calibrated_bases() {
         .to_string();
     assert!(e.contains("needs bases"), "{e}");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+    /// Any spelling made of the grammar's characters parses or gets a typed
+    /// error of bounded length; one that parses runs on the tiny model or
+    /// is refused with a typed error (layers it lacks, sizes that do not
+    /// fit), never a panic.
+    #[test]
+    fn arbitrary_mode_spellings_never_panic(text in "[a-z0-9+\\-/:;,*]{0,48}") {
+        match CacheMode::parse(&text) {
+            Err(e) => proptest::prop_assert!(e.to_string().len() < 2048),
+            Ok(mode) => {
+                let _ = forward(&model(), mode);
+            }
+        }
+    }
+}

@@ -76,6 +76,38 @@ impl PageTable {
         }
     }
 
+    /// Checks sequence `seq`'s entries alone (its offsets and its last
+    /// page's length), so one sequence can be read from a table that was
+    /// not validated whole without any index going out of range.
+    pub fn check_sequence(&self, seq: usize) -> Result<()> {
+        let bad = |m: String| Err(PagedCacheError::PageTable(m));
+        if seq >= self.sequences() {
+            return bad(format!("sequence {seq} of {}", self.sequences()));
+        }
+        let (Some(&lo), Some(&hi)) = (self.indptr.get(seq), self.indptr.get(seq + 1)) else {
+            return bad(format!(
+                "indptr has {} entries for {} sequences",
+                self.indptr.len(),
+                self.sequences()
+            ));
+        };
+        if lo > hi || hi as usize > self.indices.len() || self.block_size == 0 {
+            return bad(format!(
+                "sequence {seq}: pages {lo}..{hi} of {} indices, blocks of {}",
+                self.indices.len(),
+                self.block_size
+            ));
+        }
+        let (pages, last) = ((hi - lo) as usize, self.last_page_len[seq] as usize);
+        if (pages == 0 && last != 0) || (pages > 0 && !(1..=self.block_size).contains(&last)) {
+            return bad(format!(
+                "sequence {seq}: last page length {last} with {pages} pages of {}",
+                self.block_size
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks the arrays' shapes and ranges (pages below `num_blocks`).
     pub fn validate(&self, num_blocks: usize) -> Result<()> {
         let bad = |m: String| Err(PagedCacheError::PageTable(m));
@@ -143,12 +175,7 @@ impl<'a> PagedKv<'a> {
         layer: usize,
         part: KvPart,
     ) -> Result<Self> {
-        if seq >= table.sequences() {
-            return Err(PagedCacheError::PageTable(format!(
-                "sequence {seq} of {}",
-                table.sequences()
-            )));
-        }
+        table.check_sequence(seq)?;
         if table.block_size != storage.block_size() {
             return Err(PagedCacheError::PageTable(format!(
                 "pages of {} tokens over blocks of {}",

@@ -154,3 +154,31 @@ fn malformed_page_tables_are_errors() {
     );
     assert!(PageTable::from_tables(&[(&[BlockId(0)], 9)], 4).is_err());
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A page table with arbitrary fields (it is a plain struct a caller can
+    /// fill) never makes validation, a paged source or paged decode panic:
+    /// each refuses it with a typed error or reads it correctly.
+    #[test]
+    fn arbitrary_page_tables_never_panic(
+        indptr in proptest::collection::vec(0u32..12, 0..5),
+        indices in proptest::collection::vec(0u32..12, 0..10),
+        last_page_len in proptest::collection::vec(0u32..20, 0..4),
+        block_size in 0usize..6,
+        seq in 0usize..5,
+    ) {
+        let form: CacheForm = "int4+secded84".parse().unwrap();
+        let storage = BlockStorage::new(8, 4, &[LayerSpec::uniform(form, 16)]).unwrap();
+        let table = PageTable { indptr, indices, last_page_len, block_size };
+        let _ = table.validate(storage.num_blocks());
+        let _ = table.check_sequence(seq);
+        if let Ok(kv) = PagedKv::new(&storage, &table, seq, 0, KvPart::Keys) {
+            prop_assert!(attention::KvSource::tokens(&kv) <= table.indices.len() * 4);
+        }
+        let attn = Attention::new(HeadShape::new(2, 1, 16).unwrap());
+        let q = vec![0.5; 32 * table.sequences()];
+        let _ = paged_decode(&attn, &storage, &table, 0, &q);
+    }
+}
