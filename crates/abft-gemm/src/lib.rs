@@ -20,6 +20,7 @@
 pub mod check;
 pub mod error;
 pub mod gemm;
+pub mod linear_check;
 pub mod matrix;
 pub mod precision;
 pub mod study;
@@ -30,6 +31,7 @@ pub use check::{
 };
 pub use error::{AbftError, Result};
 pub use gemm::{Checksums, Product, col_checksums, gemm, linear_into, row_checksums};
+pub use linear_check::{CheckedLinear, LinearVerdict};
 pub use matrix::{Distribution, Matrix};
 pub use precision::{FlipDirection, Precision, flip_bit};
 pub use threshold::{AAbft, FixedThreshold, Sampling, Stats, Threshold, VAbft, VarianceEstimator};

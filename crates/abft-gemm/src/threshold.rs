@@ -194,7 +194,7 @@ fn row_stats(m: &Matrix, sample: Option<Sampling>) -> Vec<Stats> {
 }
 
 /// Statistics of one row, every element or a strided sample.
-fn stats_of_row(r: &[f32], sample: Option<Sampling>) -> Stats {
+pub(crate) fn stats_of_row(r: &[f32], sample: Option<Sampling>) -> Stats {
     match sample {
         None => Stats::of_slice(r),
         Some(s) => {
@@ -208,7 +208,7 @@ fn stats_of_row(r: &[f32], sample: Option<Sampling>) -> Stats {
 }
 
 /// Column statistics, one pass over the rows per block of 64 columns.
-fn col_stats(m: &Matrix) -> Vec<Stats> {
+pub(crate) fn col_stats(m: &Matrix) -> Vec<Stats> {
     (0..m.cols)
         .step_by(64)
         .collect::<Vec<_>>()
@@ -314,7 +314,7 @@ impl VAbft {
     /// The bound for one check from the statistics of its A-side vector
     /// (`sa`, length K) and of every B-side vector (`sb`, K of them, each of
     /// length `n`).
-    fn bound(&self, sa: &Stats, sb: &BSums, n: usize) -> f64 {
+    pub(crate) fn bound(&self, sa: &Stats, sb: &BSums, n: usize) -> f64 {
         let n = n as f64;
         let mu_a = sa.mean;
         let sigma_a = self.estimator.sigma(sa);
@@ -326,7 +326,7 @@ impl VAbft {
                 + c * n.sqrt() * sigma_a * sb.sum_sigma2.sqrt())
     }
 
-    fn b_sums(&self, stats: &[Stats]) -> BSums {
+    pub(crate) fn b_sums(&self, stats: &[Stats]) -> BSums {
         let mut s = BSums::default();
         for st in stats {
             let sigma = self.estimator.sigma(st);
@@ -340,7 +340,7 @@ impl VAbft {
 
 /// `Σₖ|μ_Bk|`, `Σₖσ_Bk²`, `Σₖμ_Bk²`.
 #[derive(Clone, Copy, Debug, Default)]
-struct BSums {
+pub(crate) struct BSums {
     sum_abs_mu: f64,
     sum_sigma2: f64,
     sum_mu2: f64,

@@ -470,3 +470,36 @@ fn bad_epsilons_and_empty_scores_are_errors() {
         );
     }
 }
+
+/// With V-ABFT checks on, every projection is checked (four per layer and
+/// the output), clean products raise no alarm, and the logits stay those of
+/// the unchecked pass (checked products are added to the residual after
+/// the GEMM instead of inside it: the last bits may differ).
+#[test]
+fn gemm_checks_cover_every_projection_without_false_alarms() {
+    use kv_eval::models::CausalLm;
+    let plain = model();
+    let mut checked = model();
+    checked.set_gemm_checks(Some(abft_gemm::VAbft::design(
+        abft_gemm::Precision::Fp32.e_max_ascend(),
+    )));
+    let ids = tokens(48);
+    let run = |m: &LlamaModel| {
+        let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
+        CausalLm::forward(m, &ids, &mut cache, 0).unwrap()
+    };
+    let (a, b) = (run(&plain), run(&checked));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "{worst}");
+    let stats = checked.gemm_checks().unwrap();
+    assert_eq!(stats.products, 4 * LAYERS as u64 + 1);
+    assert_eq!(stats.rows, 48 * (4 * LAYERS as u64 + 1));
+    assert_eq!(stats.flagged, 0);
+    assert!(plain.gemm_checks().is_none());
+    // A clone starts with the checks off.
+    assert!(checked.clone().gemm_checks().is_none());
+}

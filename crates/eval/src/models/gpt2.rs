@@ -6,7 +6,10 @@
 use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNonFinite};
 use rayon::prelude::*;
 
-use super::{CausalLm, Matrix, ModelCache, check_norm_eps, forward_step, project};
+use super::{
+    CausalLm, ChecksSlot, GemmCheckStats, GemmChecks, Matrix, ModelCache, check_norm_eps,
+    forward_step, project,
+};
 use crate::error::{EvalError, Result};
 
 /// GPT-2 hyper-parameters (`config.json`'s `n_embd`, `n_layer`, ...).
@@ -52,6 +55,7 @@ pub struct Gpt2Model {
     layers: Vec<Gpt2Layer>,
     ln_f: (Vec<f32>, Vec<f32>),
     attention: Attention,
+    checks: ChecksSlot,
 }
 
 impl Gpt2Model {
@@ -113,6 +117,7 @@ impl Gpt2Model {
             layers,
             ln_f,
             attention,
+            checks: ChecksSlot(None),
         })
     }
 
@@ -177,6 +182,22 @@ impl CausalLm for Gpt2Model {
         Some(self.config.positions)
     }
 
+    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>) {
+        self.checks = ChecksSlot(rule.map(|rule| {
+            let mut weights: Vec<&Matrix> = self
+                .layers
+                .iter()
+                .flat_map(|l| [&l.qkv.0, &l.out.0, &l.fc.0, &l.proj.0])
+                .collect();
+            weights.push(&self.wte);
+            Box::new(GemmChecks::new(rule, &weights))
+        }));
+    }
+
+    fn gemm_checks(&self) -> Option<GemmCheckStats> {
+        self.checks.0.as_ref().map(|c| c.stats())
+    }
+
     fn describe(&self) -> String {
         let c = &self.config;
         format!(
@@ -210,6 +231,7 @@ impl Gpt2Model {
     /// The forward pass inside one cache step.
     fn step(&self, tokens: &[u32], cache: &mut ModelCache, logits_from: usize) -> Result<Vec<f32>> {
         let c = &self.config;
+        let checks = self.checks.0.as_deref();
         let (t, d) = (tokens.len(), c.dim);
         let start = cache.tokens();
         if start + t > c.positions {
@@ -241,7 +263,7 @@ impl Gpt2Model {
         let mut fc = vec![0.0; t * 4 * d];
         for (l, layer) in self.layers.iter().enumerate() {
             layer_norm(&mut h, &x, &layer.ln_1, c.norm_eps);
-            project(&mut qkv, &h, &layer.qkv.0, false)?;
+            project(&mut qkv, &h, &layer.qkv.0, false, checks)?;
             add_bias(&mut qkv, &layer.qkv.1);
             for (i, row) in qkv.chunks_exact(3 * d).enumerate() {
                 q[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
@@ -251,19 +273,19 @@ impl Gpt2Model {
             cache.append(l, &k, &v)?;
             let attended = cache.attend(l, &self.attention, &q, &positions, &Mask::Causal)?;
             add_bias(&mut x, &layer.out.1);
-            project(&mut x, &attended.out, &layer.out.0, true)?;
+            project(&mut x, &attended.out, &layer.out.0, true, checks)?;
             layer_norm(&mut h, &x, &layer.ln_2, c.norm_eps);
-            project(&mut fc, &h, &layer.fc.0, false)?;
+            project(&mut fc, &h, &layer.fc.0, false, checks)?;
             add_bias(&mut fc, &layer.fc.1);
             fc.par_iter_mut().for_each(|v| *v = gelu_tanh(*v));
             add_bias(&mut x, &layer.proj.1);
-            project(&mut x, &fc, &layer.proj.0, true)?;
+            project(&mut x, &fc, &layer.proj.0, true, checks)?;
         }
         let rows = t - logits_from;
         let mut hf = vec![0.0; rows * d];
         layer_norm(&mut hf, &x[logits_from * d..], &self.ln_f, c.norm_eps);
         let mut logits = vec![0.0; rows * c.vocab];
-        project(&mut logits, &hf, &self.wte, false)?;
+        project(&mut logits, &hf, &self.wte, false, checks)?;
         Ok(logits)
     }
 }

@@ -12,7 +12,10 @@ use attention::{
 };
 use rayon::prelude::*;
 
-use super::{CausalLm, Matrix, ModelCache, check_norm_eps, forward_step, project};
+use super::{
+    CausalLm, ChecksSlot, GemmCheckStats, GemmChecks, Matrix, ModelCache, check_norm_eps,
+    forward_step, project,
+};
 use crate::error::{EvalError, Result};
 use crate::load::gguf::GgufFile;
 
@@ -123,6 +126,7 @@ pub struct LlamaModel {
     output: Option<Matrix>,
     rope: Rope,
     attention: Attention,
+    checks: ChecksSlot,
 }
 
 /// Scratch buffers of one forward call.
@@ -247,6 +251,7 @@ impl LlamaModel {
             output,
             rope,
             attention,
+            checks: ChecksSlot(None),
         })
     }
 
@@ -294,9 +299,10 @@ impl LlamaModel {
             row.copy_from_slice(&self.embed.data[id * c.dim..(id + 1) * c.dim]);
         }
         let positions: Vec<usize> = (start..start + t).collect();
+        let checks = self.checks.0.as_deref();
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
-            project(&mut b.qkv, &b.h, &layer.qkv, false)?;
+            project(&mut b.qkv, &b.h, &layer.qkv, false, checks)?;
             let width = c.dim + 2 * kvc;
             for (i, row) in b.qkv.chunks_exact(width).enumerate() {
                 b.q[i * c.dim..(i + 1) * c.dim].copy_from_slice(&row[..c.dim]);
@@ -314,9 +320,9 @@ impl LlamaModel {
                 })?;
             cache.append(l, &b.k, &b.v)?;
             let attended = cache.attend(l, &self.attention, &b.q, &positions, &Mask::Causal)?;
-            project(&mut b.x, &attended.out, &layer.out, true)?;
+            project(&mut b.x, &attended.out, &layer.out, true, checks)?;
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
-            project(&mut b.gu, &b.h, &layer.gate_up, false)?;
+            project(&mut b.gu, &b.h, &layer.gate_up, false, checks)?;
             b.act
                 .par_chunks_mut(c.ffn)
                 .zip(b.gu.par_chunks(2 * c.ffn))
@@ -326,7 +332,7 @@ impl LlamaModel {
                         *a = g / (1.0 + (-g).exp()) * u;
                     }
                 });
-            project(&mut b.x, &b.act, &layer.down, true)?;
+            project(&mut b.x, &b.act, &layer.down, true, checks)?;
         }
         let rows = t - logits_from;
         let mut h = vec![0.0; rows * c.dim];
@@ -342,6 +348,7 @@ impl LlamaModel {
             &h,
             self.output.as_ref().unwrap_or(&self.embed),
             false,
+            checks,
         )?;
         Ok(logits)
     }
@@ -370,6 +377,22 @@ impl CausalLm for LlamaModel {
 
     fn context(&self) -> Option<usize> {
         Some(self.config.context)
+    }
+
+    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>) {
+        self.checks = ChecksSlot(rule.map(|rule| {
+            let mut weights: Vec<&Matrix> = self
+                .layers
+                .iter()
+                .flat_map(|l| [&l.qkv, &l.out, &l.gate_up, &l.down])
+                .collect();
+            weights.push(self.output.as_ref().unwrap_or(&self.embed));
+            Box::new(GemmChecks::new(rule, &weights))
+        }));
+    }
+
+    fn gemm_checks(&self) -> Option<GemmCheckStats> {
+        self.checks.0.as_ref().map(|c| c.stats())
     }
 
     fn describe(&self) -> String {

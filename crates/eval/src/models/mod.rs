@@ -39,6 +39,11 @@ pub trait CausalLm: Send + Sync {
     fn context(&self) -> Option<usize> {
         None
     }
+    /// Checks every projection from now on with V-ABFT row checksums
+    /// (`None` switches the checks off).
+    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>);
+    /// What the projection checks found, when they are on.
+    fn gemm_checks(&self) -> Option<GemmCheckStats>;
     /// A one-line description (architecture and shape).
     fn describe(&self) -> String;
     /// Runs `tokens` after what `cache` already holds (their positions
@@ -79,9 +84,114 @@ pub(crate) fn forward_step(
 }
 
 /// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`: abft-gemm's linear layer,
-/// so the projections are the GEMMs that crate checks.
-pub(crate) fn project(out: &mut [f32], x: &[f32], w: &Matrix, accumulate: bool) -> Result<()> {
-    Ok(abft_gemm::linear_into(out, x, w, accumulate)?)
+/// so the projections are the GEMMs that crate checks. With `checks`, the
+/// product is verified by V-ABFT row checks before it is added: it is then
+/// computed alone (not accumulated into `out` by the GEMM), which can change
+/// the last bit of a residual sum.
+pub(crate) fn project(
+    out: &mut [f32],
+    x: &[f32],
+    w: &Matrix,
+    accumulate: bool,
+    checks: Option<&GemmChecks>,
+) -> Result<()> {
+    let Some(checks) = checks else {
+        return Ok(abft_gemm::linear_into(out, x, w, accumulate)?);
+    };
+    if accumulate {
+        let mut product = vec![0.0; out.len()];
+        abft_gemm::linear_into(&mut product, x, w, false)?;
+        checks.check(w, x, &product)?;
+        for (o, p) in out.iter_mut().zip(&product) {
+            *o += p;
+        }
+    } else {
+        abft_gemm::linear_into(out, x, w, false)?;
+        checks.check(w, x, out)?;
+    }
+    Ok(())
+}
+
+/// Every projection of a model's forward pass checked by V-ABFT row
+/// checksums (abft-gemm), the weight side prepared once per matrix.
+#[derive(Debug)]
+pub struct GemmChecks {
+    rule: abft_gemm::VAbft,
+    /// Prepared weights, by the address of their data.
+    prepared: std::collections::HashMap<usize, abft_gemm::CheckedLinear>,
+    products: std::sync::atomic::AtomicU64,
+    rows: std::sync::atomic::AtomicU64,
+    flagged: std::sync::atomic::AtomicU64,
+}
+
+/// A model's projection checks, if switched on. A cloned model starts with
+/// them off (its weights live elsewhere, and the checks are keyed by them).
+#[derive(Debug, Default)]
+pub(crate) struct ChecksSlot(pub(crate) Option<Box<GemmChecks>>);
+
+impl Clone for ChecksSlot {
+    fn clone(&self) -> Self {
+        Self(None)
+    }
+}
+
+/// What the GEMM checks of a run found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GemmCheckStats {
+    /// Products checked.
+    pub products: u64,
+    /// Rows (token × product) checked.
+    pub rows: u64,
+    /// Rows whose checksum exceeded the V-ABFT bound.
+    pub flagged: u64,
+}
+
+impl GemmChecks {
+    /// Prepares `weights` for `rule`.
+    pub fn new(rule: abft_gemm::VAbft, weights: &[&Matrix]) -> Self {
+        Self {
+            rule,
+            prepared: weights
+                .iter()
+                .map(|w| {
+                    (
+                        w.data.as_ptr() as usize,
+                        abft_gemm::CheckedLinear::new(w, &rule),
+                    )
+                })
+                .collect(),
+            products: Default::default(),
+            rows: Default::default(),
+            flagged: Default::default(),
+        }
+    }
+
+    fn check(&self, w: &Matrix, x: &[f32], product: &[f32]) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let prepared = self
+            .prepared
+            .get(&(w.data.as_ptr() as usize))
+            .ok_or_else(|| {
+                crate::error::EvalError::Model(
+                    "a projection whose weights were not prepared for checks".into(),
+                )
+            })?;
+        let v = prepared.verify(&self.rule, x, product)?;
+        self.products.fetch_add(1, Relaxed);
+        self.rows.fetch_add(v.rows, Relaxed);
+        self.flagged.fetch_add(v.flagged, Relaxed);
+        Ok(())
+    }
+
+    /// The counts so far.
+    pub fn stats(&self) -> GemmCheckStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        GemmCheckStats {
+            products: self.products.load(Relaxed),
+            rows: self.rows.load(Relaxed),
+            flagged: self.flagged.load(Relaxed),
+        }
+    }
 }
 
 /// Refuses a normalisation epsilon that is NaN, infinite or not positive

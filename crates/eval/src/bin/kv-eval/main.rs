@@ -190,6 +190,13 @@ enum Command {
         /// Fault seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Check every matrix product of the forward pass with V-ABFT row
+        /// checksums (abft-gemm) and report how many rows fired.
+        #[arg(long)]
+        abft: bool,
+        /// V-ABFT's e_max [default: the design's FP32 value].
+        #[arg(long)]
+        abft_emax: Option<f64>,
         /// Also write the result as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -633,9 +640,15 @@ fn run(cli: Cli) -> Result<(), Error> {
             channel,
             target,
             seed,
+            abft,
+            abft_emax,
             json,
         } => {
             check_ber(ber)?;
+            let e_max = abft_emax.unwrap_or(abft_gemm::Precision::Fp32.e_max_ascend());
+            if !(e_max.is_finite() && e_max > 0.0) {
+                return Err(format!("--abft-emax {e_max} is not a positive number").into());
+            }
             let mode = mode_of(&forms)?;
             check_segments(&mode, source.ctx)?;
             let channel: ChannelKind = channel.parse()?;
@@ -653,7 +666,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 );
             }
             let Prepared {
-                model,
+                mut model,
                 tokenizer,
                 tokens,
                 model_file,
@@ -665,6 +678,9 @@ fn run(cli: Cli) -> Result<(), Error> {
                 model.as_ref(),
                 &tokenizer,
             )?;
+            if abft {
+                model.set_gemm_checks(Some(abft_gemm::VAbft::design(e_max)));
+            }
             let mode = mode.with_calibration(cal);
             let label = mode.label();
             let run = RunConfig {
@@ -688,6 +704,13 @@ fn run(cli: Cli) -> Result<(), Error> {
             .remove(0);
             bar.finish_and_clear();
             print_metrics(&label, ber, &m);
+            let checks = model.gemm_checks();
+            if let Some(c) = checks {
+                println!(
+                    "  GEMM checks (V-ABFT, e_max {e_max:.3e}): {} products, {} rows, {} flagged",
+                    c.products, c.rows, c.flagged
+                );
+            }
             if let Some(path) = json {
                 let value = serde_json::json!({
                     "model": model_file, "text": text_file, "ctx": source.ctx,
@@ -702,6 +725,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     "key_bits_per_value": m.stats.key_bits_per_value,
                     "value_bits_per_value": m.stats.value_bits_per_value,
                     "tokens_per_second": m.tokens_per_second, "metrics": m,
+                    "gemm_checks": checks,
                 });
                 std::fs::write(&path, serde_json::to_string_pretty(&value)?)
                     .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
