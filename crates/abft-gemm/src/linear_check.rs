@@ -65,7 +65,10 @@ impl CheckedLinear {
                 let residual = (sum_f64(cr) - dot_f64(xr, &self.b_rows)).abs();
                 let bound = rule.bound(&stats_of_row(xr, rule.sampling), &self.sums, self.outputs);
                 // A NaN or infinite residual is always an alarm.
-                !(residual <= bound)
+                !matches!(
+                    residual.partial_cmp(&bound),
+                    Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+                )
             })
             .count();
         Ok(LinearVerdict {
