@@ -48,6 +48,15 @@ impl CheckedLinear {
     /// Row checks of `out = x · wᵀ` (`x`: t rows of the inputs, `out`: t
     /// rows of the outputs, the product alone, without any residual).
     pub fn verify(&self, rule: &VAbft, x: &[f32], out: &[f32]) -> Result<LinearVerdict> {
+        let flags = self.flags(rule, x, out)?;
+        Ok(LinearVerdict {
+            rows: flags.len() as u64,
+            flagged: flags.iter().filter(|&&f| f).count() as u64,
+        })
+    }
+
+    /// [`verify`](Self::verify), row by row: whether each row's check fired.
+    pub fn flags(&self, rule: &VAbft, x: &[f32], out: &[f32]) -> Result<Vec<bool>> {
         let k = self.b_rows.len();
         let t = x.len().checked_div(k).unwrap_or(0);
         if t * k != x.len() || out.len() != t * self.outputs {
@@ -58,10 +67,9 @@ impl CheckedLinear {
                 self.outputs
             )));
         }
-        let flagged = x
-            .par_chunks(k.max(1))
+        Ok(x.par_chunks(k.max(1))
             .zip(out.par_chunks(self.outputs.max(1)))
-            .filter(|(xr, cr)| {
+            .map(|(xr, cr)| {
                 let residual = (sum_f64(cr) - dot_f64(xr, &self.b_rows)).abs();
                 let bound = rule.bound(&stats_of_row(xr, rule.sampling), &self.sums, self.outputs);
                 // A NaN or infinite residual is always an alarm.
@@ -70,11 +78,8 @@ impl CheckedLinear {
                     Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
                 )
             })
-            .count();
-        Ok(LinearVerdict {
-            rows: t as u64,
-            flagged: flagged as u64,
-        })
+            .take(t)
+            .collect())
     }
 }
 

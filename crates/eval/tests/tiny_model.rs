@@ -480,9 +480,8 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
     use kv_eval::models::CausalLm;
     let plain = model();
     let mut checked = model();
-    checked.set_gemm_checks(Some(abft_gemm::VAbft::design(
-        abft_gemm::Precision::Fp32.e_max_ascend(),
-    )));
+    let rule = abft_gemm::VAbft::design(abft_gemm::Precision::Fp32.e_max_ascend());
+    checked.set_gemm_checks(Some(rule), None);
     let ids = tokens(48);
     let run = |m: &LlamaModel| {
         let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
@@ -502,4 +501,30 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
     assert!(plain.gemm_checks().is_none());
     // A clone starts with the checks off.
     assert!(checked.clone().gemm_checks().is_none());
+
+    // Flips injected into the products: every one is counted at its bit,
+    // exponent flips are caught, low mantissa bits of large sums are not,
+    // and no row without a flip fires.
+    let mut faulty = model();
+    faulty.set_gemm_checks(
+        Some(rule),
+        Some(kv_eval::models::GemmFlips {
+            rate: 0.01,
+            seed: 3,
+        }),
+    );
+    let _ = run(&faulty);
+    let s = faulty.gemm_checks().unwrap();
+    let total: u64 = s.injected.iter().sum();
+    assert!(total > 0);
+    assert_eq!(s.false_alarms, 0);
+    assert!(s.eligible.iter().zip(&s.injected).all(|(e, i)| e <= i));
+    assert!(s.detected.iter().zip(&s.eligible).all(|(d, e)| d <= e));
+    let high: (u64, u64) =
+        (27..31).fold((0, 0), |(d, i), b| (d + s.detected[b], i + s.eligible[b]));
+    assert_eq!(
+        high.0, high.1,
+        "exponent flips 27-30 must all be caught: {s:?}"
+    );
+    assert!(s.detected[0] < s.injected[0].max(1), "{s:?}");
 }

@@ -13,8 +13,8 @@ use attention::{
 use rayon::prelude::*;
 
 use super::{
-    CausalLm, ChecksSlot, GemmCheckStats, GemmChecks, Matrix, ModelCache, check_norm_eps,
-    forward_step, project,
+    CausalLm, ChecksSlot, GemmCheckStats, GemmChecks, GemmFlips, Matrix, ModelCache,
+    check_norm_eps, forward_step, project,
 };
 use crate::error::{EvalError, Result};
 use crate::load::gguf::GgufFile;
@@ -379,7 +379,7 @@ impl CausalLm for LlamaModel {
         Some(self.config.context)
     }
 
-    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>) {
+    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>, flips: Option<GemmFlips>) {
         self.checks = ChecksSlot(rule.map(|rule| {
             let mut weights: Vec<&Matrix> = self
                 .layers
@@ -387,7 +387,7 @@ impl CausalLm for LlamaModel {
                 .flat_map(|l| [&l.qkv, &l.out, &l.gate_up, &l.down])
                 .collect();
             weights.push(self.output.as_ref().unwrap_or(&self.embed));
-            Box::new(GemmChecks::new(rule, &weights))
+            Box::new(GemmChecks::new(rule, flips, &weights))
         }));
     }
 

@@ -39,9 +39,10 @@ pub trait CausalLm: Send + Sync {
     fn context(&self) -> Option<usize> {
         None
     }
-    /// Checks every projection from now on with V-ABFT row checksums
-    /// (`None` switches the checks off).
-    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>);
+    /// Checks every projection from now on with V-ABFT row checksums, with
+    /// `flips` injected into the products if given (`None` switches the
+    /// checks off).
+    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>, flips: Option<GemmFlips>);
     /// What the projection checks found, when they are on.
     fn gemm_checks(&self) -> Option<GemmCheckStats>;
     /// A one-line description (architecture and shape).
@@ -101,7 +102,7 @@ pub(crate) fn project(
     if accumulate {
         let mut product = vec![0.0; out.len()];
         abft_gemm::linear_into(&mut product, x, w, false)?;
-        checks.check(w, x, &product)?;
+        checks.check(w, x, &mut product)?;
         for (o, p) in out.iter_mut().zip(&product) {
             *o += p;
         }
@@ -112,16 +113,32 @@ pub(crate) fn project(
     Ok(())
 }
 
+/// Faults injected into the checked products: each output element flips
+/// one uniformly chosen bit of its f32 with probability `rate` (after the
+/// GEMM, before the check, so the model computes on).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmFlips {
+    /// Probability that an output element is hit.
+    pub rate: f64,
+    /// Seed (product `i` draws from stream `i`).
+    pub seed: u64,
+}
+
 /// Every projection of a model's forward pass checked by V-ABFT row
 /// checksums (abft-gemm), the weight side prepared once per matrix.
 #[derive(Debug)]
 pub struct GemmChecks {
     rule: abft_gemm::VAbft,
+    flips: Option<GemmFlips>,
     /// Prepared weights, by the address of their data.
     prepared: std::collections::HashMap<usize, abft_gemm::CheckedLinear>,
     products: std::sync::atomic::AtomicU64,
     rows: std::sync::atomic::AtomicU64,
     flagged: std::sync::atomic::AtomicU64,
+    false_alarms: std::sync::atomic::AtomicU64,
+    injected: [std::sync::atomic::AtomicU64; 32],
+    eligible: [std::sync::atomic::AtomicU64; 32],
+    detected: [std::sync::atomic::AtomicU64; 32],
 }
 
 /// A model's projection checks, if switched on. A cloned model starts with
@@ -144,13 +161,25 @@ pub struct GemmCheckStats {
     pub rows: u64,
     /// Rows whose checksum exceeded the V-ABFT bound.
     pub flagged: u64,
+    /// Rows that fired before any flip was injected into their product
+    /// (false alarms, or inputs corrupted by an earlier product's flip).
+    pub false_alarms: u64,
+    /// Injected flips per bit position (0 = mantissa LSB, 31 = sign).
+    pub injected: [u64; 32],
+    /// Of those, flips into rows whose check passed before the flip (the
+    /// ones whose detection can be judged).
+    pub eligible: [u64; 32],
+    /// Injected flips that made their row's check fire, per bit position.
+    pub detected: [u64; 32],
 }
 
 impl GemmChecks {
-    /// Prepares `weights` for `rule`.
-    pub fn new(rule: abft_gemm::VAbft, weights: &[&Matrix]) -> Self {
+    /// Prepares `weights` for `rule`, with `flips` injected into every
+    /// product if given.
+    pub fn new(rule: abft_gemm::VAbft, flips: Option<GemmFlips>, weights: &[&Matrix]) -> Self {
         Self {
             rule,
+            flips,
             prepared: weights
                 .iter()
                 .map(|w| {
@@ -163,10 +192,14 @@ impl GemmChecks {
             products: Default::default(),
             rows: Default::default(),
             flagged: Default::default(),
+            false_alarms: Default::default(),
+            injected: Default::default(),
+            eligible: Default::default(),
+            detected: Default::default(),
         }
     }
 
-    fn check(&self, w: &Matrix, x: &[f32], product: &[f32]) -> Result<()> {
+    fn check(&self, w: &Matrix, x: &[f32], product: &mut [f32]) -> Result<()> {
         use std::sync::atomic::Ordering::Relaxed;
         let prepared = self
             .prepared
@@ -176,10 +209,40 @@ impl GemmChecks {
                     "a projection whose weights were not prepared for checks".into(),
                 )
             })?;
-        let v = prepared.verify(&self.rule, x, product)?;
-        self.products.fetch_add(1, Relaxed);
-        self.rows.fetch_add(v.rows, Relaxed);
-        self.flagged.fetch_add(v.flagged, Relaxed);
+        let index = self.products.fetch_add(1, Relaxed);
+        // The checks of the product as computed: a row that fires here has
+        // no injected flip (a false alarm, or inputs already corrupted by
+        // an earlier product's flip).
+        let before = prepared.flags(&self.rule, x, product)?;
+        let flags = match self.flips {
+            Some(f) => {
+                let hits = flip_elements(product, f, index);
+                let after = if hits.is_empty() {
+                    before.clone()
+                } else {
+                    prepared.flags(&self.rule, x, product)?
+                };
+                let outputs = w.rows.max(1);
+                for &(i, bit) in &hits {
+                    let row = i / outputs;
+                    self.injected[bit as usize].fetch_add(1, Relaxed);
+                    // Only a row that passed before its flip can tell
+                    // whether the flip is caught.
+                    if !before[row] {
+                        self.eligible[bit as usize].fetch_add(1, Relaxed);
+                        if after[row] {
+                            self.detected[bit as usize].fetch_add(1, Relaxed);
+                        }
+                    }
+                }
+                after
+            }
+            None => before.clone(),
+        };
+        let count = |f: &[bool]| f.iter().filter(|&&f| f).count() as u64;
+        self.rows.fetch_add(flags.len() as u64, Relaxed);
+        self.flagged.fetch_add(count(&flags), Relaxed);
+        self.false_alarms.fetch_add(count(&before), Relaxed);
         Ok(())
     }
 
@@ -190,8 +253,43 @@ impl GemmChecks {
             products: self.products.load(Relaxed),
             rows: self.rows.load(Relaxed),
             flagged: self.flagged.load(Relaxed),
+            false_alarms: self.false_alarms.load(Relaxed),
+            injected: std::array::from_fn(|b| self.injected[b].load(Relaxed)),
+            eligible: std::array::from_fn(|b| self.eligible[b].load(Relaxed)),
+            detected: std::array::from_fn(|b| self.detected[b].load(Relaxed)),
         }
     }
+}
+
+/// Flips one uniformly chosen bit of each element of `product` hit with
+/// probability `flips.rate` (geometric gaps, stream `index` of the seed);
+/// returns `(element, bit)` of every flip.
+fn flip_elements(product: &mut [f32], flips: GemmFlips, index: u64) -> Vec<(usize, u32)> {
+    let mut rng = gf2_codes::channel::FaultRng::with_stream(flips.seed, index);
+    let mut hits = Vec::new();
+    if flips.rate <= 0.0 {
+        return hits;
+    }
+    let ln_q = (-flips.rate).ln_1p();
+    let gap = |rng: &mut gf2_codes::channel::FaultRng| -> usize {
+        if flips.rate >= 1.0 {
+            return 0;
+        }
+        let g = (1.0 - rng.next_f64()).ln() / ln_q;
+        if g.is_finite() && g < usize::MAX as f64 {
+            g as usize
+        } else {
+            usize::MAX
+        }
+    };
+    let mut i = gap(&mut rng);
+    while i < product.len() {
+        let bit = rng.below(32) as u32;
+        product[i] = f32::from_bits(product[i].to_bits() ^ (1 << bit));
+        hits.push((i, bit));
+        i = i.saturating_add(1).saturating_add(gap(&mut rng));
+    }
+    hits
 }
 
 /// Refuses a normalisation epsilon that is NaN, infinite or not positive

@@ -197,6 +197,11 @@ enum Command {
         /// V-ABFT's e_max [default: the design's FP32 value].
         #[arg(long)]
         abft_emax: Option<f64>,
+        /// With --abft: flip one random bit of each GEMM output element
+        /// with this probability (seeded by --seed), and report the
+        /// detection rate per bit position.
+        #[arg(long, default_value_t = 0.0)]
+        gemm_flips: f64,
         /// Also write the result as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -642,9 +647,19 @@ fn run(cli: Cli) -> Result<(), Error> {
             seed,
             abft,
             abft_emax,
+            gemm_flips,
             json,
         } => {
             check_ber(ber)?;
+            if !(0.0..=1.0).contains(&gemm_flips) {
+                return Err(format!("--gemm-flips {gemm_flips} is not in [0, 1]").into());
+            }
+            if gemm_flips > 0.0 && !abft {
+                return Err(
+                    "--gemm-flips needs --abft (the flips are injected into checked products)"
+                        .into(),
+                );
+            }
             let e_max = abft_emax.unwrap_or(abft_gemm::Precision::Fp32.e_max_ascend());
             if !(e_max.is_finite() && e_max > 0.0) {
                 return Err(format!("--abft-emax {e_max} is not a positive number").into());
@@ -679,7 +694,11 @@ fn run(cli: Cli) -> Result<(), Error> {
                 &tokenizer,
             )?;
             if abft {
-                model.set_gemm_checks(Some(abft_gemm::VAbft::design(e_max)));
+                let flips = (gemm_flips > 0.0).then_some(kv_eval::models::GemmFlips {
+                    rate: gemm_flips,
+                    seed,
+                });
+                model.set_gemm_checks(Some(abft_gemm::VAbft::design(e_max)), flips);
             }
             let mode = mode.with_calibration(cal);
             let label = mode.label();
@@ -707,9 +726,23 @@ fn run(cli: Cli) -> Result<(), Error> {
             let checks = model.gemm_checks();
             if let Some(c) = checks {
                 println!(
-                    "  GEMM checks (V-ABFT, e_max {e_max:.3e}): {} products, {} rows, {} flagged",
-                    c.products, c.rows, c.flagged
+                    "  GEMM checks (V-ABFT, e_max {e_max:.3e}): {} products, {} rows, {} flagged ({} before any flip of their own)",
+                    c.products, c.rows, c.flagged, c.false_alarms
                 );
+                if gemm_flips > 0.0 {
+                    println!("  | bit | flips | into passing rows | detected of those |");
+                    println!("  |---|---|---|---|");
+                    for b in (0..32).rev() {
+                        if c.injected[b] > 0 {
+                            println!(
+                                "  | {b} | {} | {} | {:.1}% |",
+                                c.injected[b],
+                                c.eligible[b],
+                                100.0 * c.detected[b] as f64 / c.eligible[b].max(1) as f64
+                            );
+                        }
+                    }
+                }
             }
             if let Some(path) = json {
                 let value = serde_json::json!({
