@@ -673,7 +673,12 @@ fn run(cli: Cli) -> Result<(), Error> {
                 seed,
                 target: target.into(),
             };
-            let backend = backend.kind(&mode, Some(faults));
+            // GEMM flips can make K/V non-finite, which the paged cache
+            // refuses to store: `auto` keeps them on the re-encode backend.
+            let backend = match backend.backend {
+                Backend::Auto if gemm_flips > 0.0 => kv_eval::backend::BackendKind::Reencode,
+                _ => backend.kind(&mode, Some(faults)),
+            };
             backend.check(&mode, Some(faults))?;
             if ber > 0.0 && mode == CacheMode::Plain {
                 return Err(
