@@ -83,6 +83,98 @@ impl CheckedLinear {
     }
 }
 
+impl CheckedLinear {
+    /// Corrects the flagged rows `rows` of `out = x · wᵀ`, assuming one
+    /// corrupted element per row and no two in one column: a row's error
+    /// `δ_r = Σₙ C_rn − Σₖ x_rk·Σₙ w_nk` shows up in exactly one column
+    /// checksum (`Σₘ C_mn − Σₖ (Σₘ x_mk)·w_nk`, in f64), and that column is
+    /// the one whose residual is nearest `δ_r` (for a non-finite element,
+    /// the row's non-finite column). The element is rewritten as
+    /// `expected_r − Σ_{n≠q} C_rn`, so a huge or non-finite value never
+    /// enters the sum. Rows whose rewrite would not pass their check stay
+    /// as they were. Returns how many rows were corrected.
+    pub fn correct_rows(
+        &self,
+        rule: &VAbft,
+        x: &[f32],
+        w: &Matrix,
+        out: &mut [f32],
+        rows: &[usize],
+    ) -> Result<usize> {
+        let (k, n) = (self.b_rows.len(), self.outputs);
+        let t = x.len().checked_div(k).unwrap_or(0);
+        if t * k != x.len()
+            || out.len() != t * n
+            || rows.iter().any(|&r| r >= t)
+            || (w.rows, w.cols) != (n, k)
+        {
+            return Err(AbftError::Shape(format!(
+                "rows {rows:?} of {t}: {} inputs, {} outputs for a {}×{} layer checked as {n}×{k}",
+                x.len(),
+                out.len(),
+                w.rows,
+                w.cols
+            )));
+        }
+        let mut x_cols = vec![0.0f64; k];
+        for r in x.chunks_exact(k) {
+            for (s, &v) in x_cols.iter_mut().zip(r) {
+                *s += f64::from(v);
+            }
+        }
+        let mut col_residual: Vec<f64> = (0..n)
+            .into_par_iter()
+            .map(|col| {
+                let observed: f64 = (0..t).map(|m| f64::from(out[m * n + col])).sum();
+                let expected: f64 = w
+                    .row(col)
+                    .iter()
+                    .zip(&x_cols)
+                    .map(|(&a, b)| f64::from(a) * b)
+                    .sum();
+                observed - expected
+            })
+            .collect();
+        let mut corrected = 0;
+        for &r in rows {
+            let xr = &x[r * k..][..k];
+            let expected = dot_f64(xr, &self.b_rows);
+            let cr = &mut out[r * n..][..n];
+            let delta = sum_f64(cr) - expected;
+            let q = match cr.iter().position(|v| !v.is_finite()) {
+                Some(q) => q,
+                None => {
+                    let mut best = (f64::INFINITY, 0);
+                    for (q, &c) in col_residual.iter().enumerate() {
+                        let d = (c - delta).abs();
+                        if d < best.0 {
+                            best = (d, q);
+                        }
+                    }
+                    best.1
+                }
+            };
+            let was = cr[q];
+            let others: f64 = cr
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != q)
+                .map(|(_, &v)| f64::from(v))
+                .sum();
+            cr[q] = (expected - others) as f32;
+            let residual = (sum_f64(cr) - expected).abs();
+            let bound = rule.bound(&stats_of_row(xr, rule.sampling), &self.sums, n);
+            if residual <= bound && cr[q].is_finite() {
+                col_residual[q] -= f64::from(was) - f64::from(cr[q]);
+                corrected += 1;
+            } else {
+                cr[q] = was;
+            }
+        }
+        Ok(corrected)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,5 +205,65 @@ mod tests {
             assert_eq!(v.flagged, u64::from(corrupt.is_some()));
         }
         assert!(checked.verify(&rule, &x.data[1..], &out).is_err());
+    }
+
+    /// One corrupted element, whatever its value (a large error, ∞, NaN),
+    /// is found and rewritten to within rounding of the true product.
+    #[test]
+    fn one_corrupted_element_is_located_and_corrected() {
+        let rule = VAbft::design(Precision::Fp32.e_max_ascend());
+        let x = Matrix::random(9, 64, Distribution::NormalMeanOne, 1.0, Precision::Fp32, 4);
+        let w = Matrix::random(40, 64, Distribution::Uniform, 1.0, Precision::Fp32, 5);
+        let mut out = vec![0.0; 9 * 40];
+        crate::gemm::linear_into(&mut out, &x.data, &w, false).unwrap();
+        let checked = CheckedLinear::new(&w, &rule);
+        for (r, q, bad) in [(2, 17, 1e4f32), (8, 0, f32::INFINITY), (0, 39, f32::NAN)] {
+            let mut c = out.clone();
+            c[r * 40 + q] = bad;
+            let flags = checked.flags(&rule, &x.data, &c).unwrap();
+            assert_eq!(flags.iter().filter(|&&f| f).count(), 1);
+            assert!(flags[r]);
+            assert_eq!(
+                checked
+                    .correct_rows(&rule, &x.data, &w, &mut c, &[r])
+                    .unwrap(),
+                1
+            );
+            let true_value = out[r * 40 + q];
+            assert!(
+                (c[r * 40 + q] - true_value).abs() <= 1e-3 * true_value.abs().max(1.0),
+                "{bad}"
+            );
+            assert!(
+                checked
+                    .flags(&rule, &x.data, &c)
+                    .unwrap()
+                    .iter()
+                    .all(|&f| !f)
+            );
+        }
+        // Three rows hit in three columns at once.
+        let mut c = out.clone();
+        c[40 + 3] += 50.0;
+        c[4 * 40 + 20] = f32::INFINITY;
+        c[7 * 40 + 33] -= 7.0;
+        let flagged: Vec<usize> = (0..9)
+            .filter(|&r| checked.flags(&rule, &x.data, &c).unwrap()[r])
+            .collect();
+        assert_eq!(flagged, [1, 4, 7]);
+        assert_eq!(
+            checked
+                .correct_rows(&rule, &x.data, &w, &mut c, &flagged)
+                .unwrap(),
+            3
+        );
+        for (a, b) in c.iter().zip(&out) {
+            assert!((a - b).abs() <= 1e-3 * b.abs().max(1.0));
+        }
+        assert!(
+            checked
+                .correct_rows(&rule, &x.data, &w, &mut c, &[9])
+                .is_err()
+        );
     }
 }

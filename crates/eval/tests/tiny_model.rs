@@ -481,7 +481,11 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
     let plain = model();
     let mut checked = model();
     let rule = abft_gemm::VAbft::design(abft_gemm::Precision::Fp32.e_max_ascend());
-    checked.set_gemm_checks(Some(rule), None);
+    checked.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+        rule,
+        flips: None,
+        correct: false,
+    }));
     let ids = tokens(48);
     let run = |m: &LlamaModel| {
         let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
@@ -506,13 +510,15 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
     // exponent flips are caught, low mantissa bits of large sums are not,
     // and no row without a flip fires.
     let mut faulty = model();
-    faulty.set_gemm_checks(
-        Some(rule),
-        Some(kv_eval::models::GemmFlips {
-            rate: 0.01,
-            seed: 3,
-        }),
-    );
+    let flips = Some(kv_eval::models::GemmFlips {
+        rate: 0.01,
+        seed: 3,
+    });
+    faulty.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+        rule,
+        flips,
+        correct: false,
+    }));
     let _ = run(&faulty);
     let s = faulty.gemm_checks().unwrap();
     let total: u64 = s.injected.iter().sum();
@@ -527,4 +533,19 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
         "exponent flips 27-30 must all be caught: {s:?}"
     );
     assert!(s.detected[0] < s.injected[0].max(1), "{s:?}");
+
+    // With correction, the same flips leave products that pass: the
+    // logits come back near the clean ones wherever a product had one bad row.
+    let mut fixed = model();
+    fixed.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+        rule,
+        flips: Some(kv_eval::models::GemmFlips {
+            rate: 0.0005,
+            seed: 5,
+        }),
+        correct: true,
+    }));
+    let _ = run(&fixed);
+    let f = fixed.gemm_checks().unwrap();
+    assert!(f.corrected > 0, "{f:?}");
 }

@@ -7,7 +7,7 @@ use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, OnNon
 use rayon::prelude::*;
 
 use super::{
-    CausalLm, ChecksSlot, GemmCheckStats, GemmChecks, GemmFlips, Matrix, ModelCache,
+    CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix, ModelCache,
     check_norm_eps, forward_step, project,
 };
 use crate::error::{EvalError, Result};
@@ -182,15 +182,15 @@ impl CausalLm for Gpt2Model {
         Some(self.config.positions)
     }
 
-    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>, flips: Option<GemmFlips>) {
-        self.checks = ChecksSlot(rule.map(|rule| {
+    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) {
+        self.checks = ChecksSlot(config.map(|config| {
             let mut weights: Vec<&Matrix> = self
                 .layers
                 .iter()
                 .flat_map(|l| [&l.qkv.0, &l.out.0, &l.fc.0, &l.proj.0])
                 .collect();
             weights.push(&self.wte);
-            Box::new(GemmChecks::new(rule, flips, &weights))
+            Box::new(GemmChecks::new(config, &weights))
         }));
     }
 

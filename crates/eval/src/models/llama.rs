@@ -13,7 +13,7 @@ use attention::{
 use rayon::prelude::*;
 
 use super::{
-    CausalLm, ChecksSlot, GemmCheckStats, GemmChecks, GemmFlips, Matrix, ModelCache,
+    CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix, ModelCache,
     check_norm_eps, forward_step, project,
 };
 use crate::error::{EvalError, Result};
@@ -379,15 +379,15 @@ impl CausalLm for LlamaModel {
         Some(self.config.context)
     }
 
-    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>, flips: Option<GemmFlips>) {
-        self.checks = ChecksSlot(rule.map(|rule| {
+    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) {
+        self.checks = ChecksSlot(config.map(|config| {
             let mut weights: Vec<&Matrix> = self
                 .layers
                 .iter()
                 .flat_map(|l| [&l.qkv, &l.out, &l.gate_up, &l.down])
                 .collect();
             weights.push(self.output.as_ref().unwrap_or(&self.embed));
-            Box::new(GemmChecks::new(rule, flips, &weights))
+            Box::new(GemmChecks::new(config, &weights))
         }));
     }
 

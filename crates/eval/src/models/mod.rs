@@ -39,10 +39,9 @@ pub trait CausalLm: Send + Sync {
     fn context(&self) -> Option<usize> {
         None
     }
-    /// Checks every projection from now on with V-ABFT row checksums, with
-    /// `flips` injected into the products if given (`None` switches the
-    /// checks off).
-    fn set_gemm_checks(&mut self, rule: Option<abft_gemm::VAbft>, flips: Option<GemmFlips>);
+    /// Checks every projection from now on as `config` says (`None`
+    /// switches the checks off).
+    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>);
     /// What the projection checks found, when they are on.
     fn gemm_checks(&self) -> Option<GemmCheckStats>;
     /// A one-line description (architecture and shape).
@@ -124,12 +123,27 @@ pub struct GemmFlips {
     pub seed: u64,
 }
 
+/// How a model's projections are checked.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmCheckConfig {
+    /// The V-ABFT bound.
+    pub rule: abft_gemm::VAbft,
+    /// Faults injected into the products, if any.
+    pub flips: Option<GemmFlips>,
+    /// Correct flagged rows (one corrupted element each, located by
+    /// column checksums).
+    pub correct: bool,
+}
+
 /// Every projection of a model's forward pass checked by V-ABFT row
 /// checksums (abft-gemm), the weight side prepared once per matrix.
 #[derive(Debug)]
 pub struct GemmChecks {
     rule: abft_gemm::VAbft,
     flips: Option<GemmFlips>,
+    correct: bool,
+    corrected: std::sync::atomic::AtomicU64,
+    uncorrected: std::sync::atomic::AtomicU64,
     /// Prepared weights, by the address of their data.
     prepared: std::collections::HashMap<usize, abft_gemm::CheckedLinear>,
     products: std::sync::atomic::AtomicU64,
@@ -171,15 +185,23 @@ pub struct GemmCheckStats {
     pub eligible: [u64; 32],
     /// Injected flips that made their row's check fire, per bit position.
     pub detected: [u64; 32],
+    /// Flagged rows whose corrupted element was located and rewritten.
+    pub corrected: u64,
+    /// Flagged rows left as they were (the rewrite did not pass), when
+    /// correction is on.
+    pub uncorrected: u64,
 }
 
 impl GemmChecks {
-    /// Prepares `weights` for `rule`, with `flips` injected into every
-    /// product if given.
-    pub fn new(rule: abft_gemm::VAbft, flips: Option<GemmFlips>, weights: &[&Matrix]) -> Self {
+    /// Prepares `weights` for `config`.
+    pub fn new(config: GemmCheckConfig, weights: &[&Matrix]) -> Self {
+        let rule = config.rule;
         Self {
             rule,
-            flips,
+            flips: config.flips,
+            correct: config.correct,
+            corrected: Default::default(),
+            uncorrected: Default::default(),
             prepared: weights
                 .iter()
                 .map(|w| {
@@ -240,6 +262,13 @@ impl GemmChecks {
             None => before.clone(),
         };
         let count = |f: &[bool]| f.iter().filter(|&&f| f).count() as u64;
+        if self.correct && flags.contains(&true) {
+            let rows: Vec<usize> = (0..flags.len()).filter(|&r| flags[r]).collect();
+            let fixed = prepared.correct_rows(&self.rule, x, w, product, &rows)?;
+            self.corrected.fetch_add(fixed as u64, Relaxed);
+            self.uncorrected
+                .fetch_add((rows.len() - fixed) as u64, Relaxed);
+        }
         self.rows.fetch_add(flags.len() as u64, Relaxed);
         self.flagged.fetch_add(count(&flags), Relaxed);
         self.false_alarms.fetch_add(count(&before), Relaxed);
@@ -257,6 +286,8 @@ impl GemmChecks {
             injected: std::array::from_fn(|b| self.injected[b].load(Relaxed)),
             eligible: std::array::from_fn(|b| self.eligible[b].load(Relaxed)),
             detected: std::array::from_fn(|b| self.detected[b].load(Relaxed)),
+            corrected: self.corrected.load(Relaxed),
+            uncorrected: self.uncorrected.load(Relaxed),
         }
     }
 }

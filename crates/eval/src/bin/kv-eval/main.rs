@@ -202,6 +202,10 @@ enum Command {
         /// detection rate per bit position.
         #[arg(long, default_value_t = 0.0)]
         gemm_flips: f64,
+        /// With --abft: correct flagged rows (one corrupted element each,
+        /// located by column checksums and rewritten).
+        #[arg(long)]
+        abft_correct: bool,
         /// Also write the result as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -648,15 +652,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             abft,
             abft_emax,
             gemm_flips,
+            abft_correct,
             json,
         } => {
             check_ber(ber)?;
             if !(0.0..=1.0).contains(&gemm_flips) {
                 return Err(format!("--gemm-flips {gemm_flips} is not in [0, 1]").into());
             }
-            if gemm_flips > 0.0 && !abft {
+            if (gemm_flips > 0.0 || abft_correct) && !abft {
                 return Err(
-                    "--gemm-flips needs --abft (the flips are injected into checked products)"
+                    "--gemm-flips and --abft-correct need --abft (they act on checked products)"
                         .into(),
                 );
             }
@@ -703,7 +708,11 @@ fn run(cli: Cli) -> Result<(), Error> {
                     rate: gemm_flips,
                     seed,
                 });
-                model.set_gemm_checks(Some(abft_gemm::VAbft::design(e_max)), flips);
+                model.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+                    rule: abft_gemm::VAbft::design(e_max),
+                    flips,
+                    correct: abft_correct,
+                }));
             }
             let mode = mode.with_calibration(cal);
             let label = mode.label();
@@ -734,6 +743,12 @@ fn run(cli: Cli) -> Result<(), Error> {
                     "  GEMM checks (V-ABFT, e_max {e_max:.3e}): {} products, {} rows, {} flagged ({} before any flip of their own)",
                     c.products, c.rows, c.flagged, c.false_alarms
                 );
+                if abft_correct {
+                    println!(
+                        "  corrected {} flagged rows, left {} as they were",
+                        c.corrected, c.uncorrected
+                    );
+                }
                 if gemm_flips > 0.0 {
                     println!("  | bit | flips | into passing rows | detected of those |");
                     println!("  |---|---|---|---|");
