@@ -241,7 +241,7 @@ impl Coding {
 }
 
 /// A run of `tokens` rows of `channels` values in one coding.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) struct Section {
     pub(crate) coding: Coding,
     pub(crate) tokens: usize,
@@ -259,9 +259,27 @@ pub(crate) struct Section {
     /// The codebooks of a vq form (shared, not counted in `stored_bytes`).
     pub(crate) codebook: Option<Arc<VqCodebook>>,
     /// The bits faults changed since the rows were written (`None` until
-    /// the first fault).
+    /// the first fault). Not part of a section's equality, which is that of
+    /// its form, shape and bytes.
     pub(crate) ledger: Option<Box<FaultLedger>>,
 }
+
+impl PartialEq for Section {
+    fn eq(&self, other: &Self) -> bool {
+        self.coding == other.coding
+            && self.tokens == other.tokens
+            && self.channels == other.channels
+            && self.row_bytes == other.row_bytes
+            && self.layout == other.layout
+            && self.data == other.data
+            && self.scales == other.scales
+            && self.offsets == other.offsets
+            && self.checks == other.checks
+            && self.codebook == other.codebook
+    }
+}
+
+impl Eq for Section {}
 
 impl Section {
     /// An all-zero-bytes section of the right size (its contents are
