@@ -180,8 +180,8 @@ pub struct GemmCheckStats {
     pub false_alarms: u64,
     /// Injected flips per bit position (0 = mantissa LSB, 31 = sign).
     pub injected: [u64; 32],
-    /// Of those, flips into rows whose check passed before the flip (the
-    /// ones whose detection can be judged).
+    /// Of those, flips alone in a row whose check passed before the flip
+    /// (the ones whose detection can be judged bit by bit).
     pub eligible: [u64; 32],
     /// Injected flips that made their row's check fire, per bit position.
     pub detected: [u64; 32],
@@ -245,12 +245,16 @@ impl GemmChecks {
                     prepared.flags(&self.rule, x, product)?
                 };
                 let outputs = w.rows.max(1);
+                let mut per_row = vec![0u32; before.len()];
+                for &(i, _) in &hits {
+                    per_row[i / outputs] += 1;
+                }
                 for &(i, bit) in &hits {
                     let row = i / outputs;
                     self.injected[bit as usize].fetch_add(1, Relaxed);
-                    // Only a row that passed before its flip can tell
-                    // whether the flip is caught.
-                    if !before[row] {
+                    // Only a flip alone in a row that passed before it can
+                    // tell whether a flip of its bit is caught.
+                    if !before[row] && per_row[row] == 1 {
                         self.eligible[bit as usize].fetch_add(1, Relaxed);
                         if after[row] {
                             self.detected[bit as usize].fetch_add(1, Relaxed);

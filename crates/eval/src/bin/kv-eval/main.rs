@@ -750,7 +750,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     );
                 }
                 if gemm_flips > 0.0 {
-                    println!("  | bit | flips | into passing rows | detected of those |");
+                    println!("  | bit | flips | alone in a passing row | detected of those |");
                     println!("  |---|---|---|---|");
                     for b in (0..32).rev() {
                         if c.injected[b] > 0 {
