@@ -11,6 +11,8 @@
 
 mod bench;
 mod fetch;
+#[cfg(test)]
+mod tidy;
 
 use std::path::PathBuf;
 use std::process::Command as Process;
@@ -61,6 +63,11 @@ struct PtxArgs {
     out: PathBuf,
 }
 
+/// gpu-kernels' CUDA modules (`crates/gpu-kernels/kernels/<name>.cu`), in
+/// the order `ptx` builds them (a tidy test keeps the list equal to the
+/// crate's sources).
+const CUDA_MODULES: [&str; 4] = ["ecc_decode", "dequant", "paged_decode", "abft"];
+
 /// `cargo xtask ptx`: nvcc when present, else gpu-kernels' NVRTC example.
 fn ptx(args: &PtxArgs) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
@@ -68,7 +75,7 @@ fn ptx(args: &PtxArgs) -> Result<()> {
     let kernels = root.join("crates/gpu-kernels/kernels");
     if Process::new("nvcc").arg("--version").output().is_ok() {
         let common = std::fs::read_to_string(kernels.join("common.cuh"))?;
-        for name in ["ecc_decode", "dequant", "paged_decode", "abft"] {
+        for name in CUDA_MODULES {
             // The same text NVRTC compiles: common.cuh, then the module.
             let src = args.out.join(format!("{name}.full.cu"));
             let body = std::fs::read_to_string(kernels.join(format!("{name}.cu")))?;

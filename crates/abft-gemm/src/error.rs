@@ -2,6 +2,7 @@
 
 /// Errors of checked GEMM and its thresholds.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum AbftError {
     /// Inner dimensions or buffer lengths do not fit.
     #[error("shape mismatch: {0}")]

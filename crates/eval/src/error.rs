@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 /// Errors of model loading, evaluation and the command line.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EvalError {
     /// A file could not be opened or read.
     #[error("cannot read {path}: {source}")]
