@@ -94,7 +94,7 @@ pub enum KvQuantError {
         /// Tokens held.
         tokens: usize,
     },
-    /// Two stores that must share form and shape (a faulty store and its truth) do not.
+    /// Two stores (or a store and an encoder) that must share form and shape do not.
     #[error("stores differ: {0}")]
     StoreMismatch(String),
     /// An error from the codes layer.

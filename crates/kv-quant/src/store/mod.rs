@@ -574,9 +574,11 @@ impl KvStore {
         let mut stats = KvDecodeStats::default();
         stats.values.words = words;
         stats.values.clean = words;
-        // Unprotected: the ledger needs no decode buffers.
-        self.middle
-            .ledger_truth(start, end, &mut stats, &mut DecodeScratch::new())?;
+        if self.middle.ledger.is_some() {
+            // Unprotected: the ledger needs no decode buffers.
+            self.middle
+                .ledger_truth(start, end, &mut stats, &mut DecodeScratch::new())?;
+        }
         let rb = self.middle.row_bytes;
         Ok(Some((&self.middle.data[start * rb..end * rb], stats)))
     }

@@ -116,26 +116,15 @@ impl KvStore {
         let m = &mut self.middle;
         let mut injection = Injection::default();
         if target != FaultTarget::Metadata {
-            injection.values = hit(&mut m.data[r.data], 0);
+            injection.values = hit(&mut m.data[r.data.clone()], 0);
         }
         if target != FaultTarget::Values {
             injection.scales = hit(&mut m.scales[r.meta.clone()], 1);
             if !m.offsets.is_empty() {
-                injection.offsets = hit(&mut m.offsets[r.meta], 2);
+                injection.offsets = hit(&mut m.offsets[r.meta.clone()], 2);
             }
             if !m.checks.is_empty() {
-                // One stream over the rows' scale checks, then offset checks.
-                let g = r.groups.len();
-                let t = r.total_groups;
-                let mut checks = m.checks[r.groups.clone()].to_vec();
-                if !m.offsets.is_empty() {
-                    checks.extend_from_slice(&m.checks[t + r.groups.start..t + r.groups.end]);
-                }
-                injection.checks = hit(&mut checks, 3);
-                m.checks[r.groups.clone()].copy_from_slice(&checks[..g]);
-                if !m.offsets.is_empty() {
-                    m.checks[t + r.groups.start..t + r.groups.end].copy_from_slice(&checks[g..]);
-                }
+                injection.checks = with_range_checks(m, &r, |checks| hit(checks, 3));
             }
         }
         self.middle.record(&injection, rows);
@@ -144,32 +133,43 @@ impl KvStore {
     }
 }
 
+/// Runs `f` over the check bytes of the range `r` as one buffer (its scale
+/// checks, then its offset checks: the coordinates of
+/// [`Injection::checks`] for a row range) and writes them back.
+fn with_range_checks<T>(m: &mut Section, r: &RowBytes, f: impl FnOnce(&mut [u8]) -> T) -> T {
+    let (g, t) = (r.groups.len(), r.total_groups);
+    let offsets = !m.offsets.is_empty();
+    let mut checks = m.checks[r.groups.clone()].to_vec();
+    if offsets {
+        checks.extend_from_slice(&m.checks[t + r.groups.start..t + r.groups.end]);
+    }
+    let out = f(&mut checks);
+    m.checks[r.groups.clone()].copy_from_slice(&checks[..g]);
+    if offsets {
+        m.checks[t + r.groups.start..t + r.groups.end].copy_from_slice(&checks[g..]);
+    }
+    out
+}
+
 /// Flips recorded by [`KvStore::inject_rows`] of a row range, re-applied to
 /// the same range restore its bytes (a test helper for ledgers).
 #[cfg(test)]
 fn unapply(store: &mut KvStore, rows: Range<usize>, injection: &Injection) {
     let r = row_bytes(&store.middle, rows.start, rows.end);
     let m = &mut store.middle;
-    injection.values.apply(&mut m.data[r.data]).unwrap();
+    injection.values.apply(&mut m.data[r.data.clone()]).unwrap();
     injection
         .scales
         .apply(&mut m.scales[r.meta.clone()])
         .unwrap();
     if !m.offsets.is_empty() {
-        injection.offsets.apply(&mut m.offsets[r.meta]).unwrap();
+        injection
+            .offsets
+            .apply(&mut m.offsets[r.meta.clone()])
+            .unwrap();
     }
     if !m.checks.is_empty() {
-        let g = r.groups.len();
-        let t = r.total_groups;
-        let mut checks = m.checks[r.groups.clone()].to_vec();
-        if !m.offsets.is_empty() {
-            checks.extend_from_slice(&m.checks[t + r.groups.start..t + r.groups.end]);
-        }
-        injection.checks.apply(&mut checks).unwrap();
-        m.checks[r.groups.clone()].copy_from_slice(&checks[..g]);
-        if !m.offsets.is_empty() {
-            m.checks[t + r.groups.start..t + r.groups.end].copy_from_slice(&checks[g..]);
-        }
+        with_range_checks(m, &r, |checks| injection.checks.apply(checks).unwrap());
     }
     m.record(injection, rows);
 }

@@ -119,13 +119,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
     if prompt.is_none() && prompt_file.is_none() {
         return Err("give --prompt or --prompt-file".into());
     }
-    if threads > super::max_threads() {
-        return Err(format!(
-            "--threads {threads}: at most {} (eight per core) on this machine",
-            super::max_threads()
-        )
-        .into());
-    }
+    crate::source::check_threads(threads)?;
     if threads > 0 {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -3,27 +3,27 @@
 //! codebooks of calibrated forms (`calibrate`), and the next-token top-k of
 //! a prompt (`top`).
 
+mod calib;
 mod generate;
+mod source;
+
+use calib::{Calib, calibration_for, calibration_rows, fit_calibration, needs_calibration};
+use source::{Prepared, Source, load_model, method, method_name, model_path, prepare};
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_eval::backend::BackendKind;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
-use kv_eval::calibration::{Calibration, CalibrationRows, Part};
+use kv_eval::calibration::Part;
 use kv_eval::frontier::{FrontierPoint, FrontierReport, LOWRANK_PRESET, PRESET};
-use kv_eval::load::load_model as open_model;
 use kv_eval::lowrank_report::LowRankReport;
-use kv_eval::metrics::{PplMethod, RunConfig, RunMetrics, evaluate};
-use kv_eval::models::CausalLm;
-use kv_eval::paths;
+use kv_eval::metrics::{RunConfig, RunMetrics, evaluate};
 use kv_eval::sweep::{SweepPoint, SweepReport};
-use kv_eval::tokenizer::{ReadLimits, TextTokenizer};
-use kv_quant::{CacheForm, FaultTarget, FitOptions, LayerForms};
+use kv_quant::{CacheForm, FaultTarget, LayerForms};
 
 /// Real-model fault-injection evaluation of KV-cache forms.
 #[derive(Parser)]
@@ -31,34 +31,6 @@ use kv_quant::{CacheForm, FaultTarget, FitOptions, LayerForms};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-}
-
-/// What the model reads and how the corpus is cut.
-#[derive(clap::Args, Clone)]
-struct Source {
-    /// GGUF model file or Hugging Face folder (config.json, model.safetensors,
-    /// tokenizer.json) [default: the GGUF `cargo xtask fetch-model` put in the cache folder].
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// UTF-8 corpus [default: the fetched Python 3.11 tutorial].
-    #[arg(long)]
-    text: Option<PathBuf>,
-    /// Context length of each window.
-    #[arg(long, default_value_t = 256)]
-    ctx: usize,
-    /// Perplexity method: llama.cpp's chunks (score the second half of each
-    /// chunk) or the paper's sliding window.
-    #[arg(long, value_enum, default_value_t = Method::Llamacpp)]
-    method: Method,
-    /// Window step of the sliding method.
-    #[arg(long, default_value_t = 128)]
-    stride: usize,
-    /// Use only the first N tokens of the corpus.
-    #[arg(long)]
-    max_tokens: Option<usize>,
-    /// Worker threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
 }
 
 /// Which form each layer's keys and values are stored in.
@@ -79,24 +51,6 @@ struct Forms {
     /// layers without a rule take --key-form/--value-form.
     #[arg(long)]
     layer_forms: Option<String>,
-}
-
-/// Where calibrated forms (`vq`) get their codebooks.
-#[derive(clap::Args, Clone)]
-struct Calib {
-    /// Calibration file written by `kv-eval calibrate`.
-    #[arg(long)]
-    calibration: Option<PathBuf>,
-    /// Fit the codebooks on this text (disjoint from --text) when a form
-    /// needs them [default: the fetched Python 3.11 HOWTOs].
-    #[arg(long)]
-    calib_text: Option<PathBuf>,
-    /// Calibration tokens used (from the start of the calibration text).
-    #[arg(long, default_value_t = 8192)]
-    calib_tokens: usize,
-    /// Window length of the calibration passes.
-    #[arg(long, default_value_t = 512)]
-    calib_ctx: usize,
 }
 
 /// The KV backend a run uses.
@@ -141,12 +95,6 @@ impl BackendArgs {
 enum Preset {
     Frontier,
     Lowrank,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Method {
-    Llamacpp,
-    Sliding,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -325,158 +273,6 @@ fn main() -> ExitCode {
     }
 }
 
-fn model_path(p: &Option<PathBuf>) -> Result<PathBuf, Error> {
-    let path = p.clone().unwrap_or_else(paths::default_model);
-    if !path.is_file() && !path.is_dir() {
-        return Err(format!(
-            "model {} not found (run `cargo xtask fetch-model`, or pass --model with a GGUF \
-             file or a Hugging Face folder)",
-            path.display()
-        )
-        .into());
-    }
-    Ok(path)
-}
-
-/// The most worker threads `--threads` may ask for: eight per core.
-fn max_threads() -> usize {
-    8 * std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// Refuses source flags that cannot work, before the model loads.
-fn check_source(source: &Source) -> Result<(), Error> {
-    if source.threads > max_threads() {
-        return Err(format!(
-            "--threads {}: at most {} (eight per core) on this machine",
-            source.threads,
-            max_threads()
-        )
-        .into());
-    }
-    if source.ctx < 4 {
-        return Err(format!(
-            "--ctx {}: a window needs at least 4 tokens to score a prediction",
-            source.ctx
-        )
-        .into());
-    }
-    if matches!(source.method, Method::Sliding)
-        && (source.stride == 0 || source.stride > source.ctx)
-    {
-        return Err(format!(
-            "--stride {} must be in 1..={} (the context)",
-            source.stride, source.ctx
-        )
-        .into());
-    }
-    if source.max_tokens == Some(0) {
-        return Err("--max-tokens 0 reads no text".into());
-    }
-    Ok(())
-}
-
-fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer), Error> {
-    let started = Instant::now();
-    let (model, tokenizer) = open_model(path)?;
-    eprintln!(
-        "loaded {} ({}) in {:.1} s",
-        path.display(),
-        model.describe(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok((model, tokenizer))
-}
-
-/// A loaded model, its tokenizer, the corpus tokens, and the two file names.
-struct Prepared {
-    model: Box<dyn CausalLm>,
-    tokenizer: TextTokenizer,
-    tokens: Vec<u32>,
-    model_file: String,
-    text_file: String,
-}
-
-/// Loads model and corpus and tokenizes the corpus, after checking that
-/// the model can run every mode in `modes` (one token through a cache in
-/// each mode: group sizes, rotation blocks and layer rules against the
-/// model's shape), so a form that cannot fit fails before the corpus is read.
-fn prepare(source: &Source, modes: &[CacheMode]) -> Result<Prepared, Error> {
-    check_source(source)?;
-    if source.threads > 0 {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(source.threads)
-            .build_global()?;
-    }
-    let model_file = model_path(&source.model)?;
-    let text_file = source.text.clone().unwrap_or_else(paths::default_text);
-    let text = std::fs::File::open(&text_file).map_err(|e| {
-        let hint = if source.text.is_none() {
-            " (run `cargo xtask fetch-model`, or pass --text FILE)"
-        } else {
-            ""
-        };
-        format!("cannot read text {}: {e}{hint}", text_file.display())
-    })?;
-    let (model, tokenizer) = load_model(&model_file)?;
-    for mode in modes {
-        probe_mode(model.as_ref(), mode)?;
-    }
-    if let Some(trained) = model.context()
-        && source.ctx > trained
-    {
-        return Err(format!(
-            "--ctx {} is past the {trained} tokens the model was trained to",
-            source.ctx
-        )
-        .into());
-    }
-    // Read and tokenize only as much text as the token limit needs.
-    let limits = ReadLimits {
-        max_tokens: source.max_tokens,
-        ..ReadLimits::default()
-    };
-    let tokens = tokenizer
-        .encode_reader(text, limits)
-        .map_err(|e| format!("{}: {e}", text_file.display()))?;
-    eprintln!("{} tokens read from {}", tokens.len(), text_file.display());
-    Ok(Prepared {
-        model,
-        tokenizer,
-        tokens,
-        model_file: model_file.display().to_string(),
-        text_file: text_file.display().to_string(),
-    })
-}
-
-/// Runs one token through a cache in `mode` (skipped for forms that need a
-/// calibration, which is fitted later): the model's shape against the forms.
-fn probe_mode(model: &dyn CausalLm, mode: &CacheMode) -> Result<(), Error> {
-    if mode.forms().iter().any(|(f, _)| needs_calibration(f)) {
-        return Ok(());
-    }
-    let mut cache = KvCache::new(mode.clone(), None, 0)?;
-    model
-        .forward(&[0], &mut cache, 0)
-        .map_err(|e| format!("{} cannot run on this model: {e}", mode.label()))?;
-    Ok(())
-}
-
-fn method(source: &Source) -> PplMethod {
-    match source.method {
-        Method::Llamacpp => PplMethod::LlamaCpp,
-        Method::Sliding => PplMethod::Sliding {
-            stride: source.stride,
-        },
-    }
-}
-
-fn method_name(source: &Source) -> String {
-    match source.method {
-        Method::Llamacpp => "llamacpp".into(),
-        Method::Sliding => format!("sliding/{}", source.stride),
-    }
-}
-
 /// The cache mode the form flags name (no model needed).
 fn mode_of(forms: &Forms) -> Result<CacheMode, Error> {
     let base = CacheMode::parse(&forms.form)?;
@@ -515,90 +311,6 @@ fn mode_of(forms: &Forms) -> Result<CacheMode, Error> {
 /// Refuses exact windows and sinks that leave nothing of a context to quantize.
 fn check_segments(mode: &CacheMode, ctx: usize) -> Result<(), Error> {
     Ok(mode.check_context(ctx)?)
-}
-
-/// The calibration the modes need (loaded from --calibration or fitted on
-/// --calib-text), or `None` when no form needs one.
-fn calibration_for(
-    modes: &[CacheMode],
-    calib: &Calib,
-    model: &dyn CausalLm,
-    tokenizer: &TextTokenizer,
-) -> Result<Option<Arc<Calibration>>, Error> {
-    let forms: Vec<(CacheForm, Part)> = modes.iter().flat_map(CacheMode::forms).collect();
-    if !forms.iter().any(|(f, _)| needs_calibration(f)) {
-        return Ok(None);
-    }
-    if let Some(path) = &calib.calibration {
-        let cal = Calibration::load(path)?;
-        cal.check_model(model)?;
-        eprintln!(
-            "calibration {}: codebooks {:?} from {} tokens of {}",
-            path.display(),
-            cal.shapes(),
-            cal.tokens,
-            cal.text
-        );
-        return Ok(Some(Arc::new(cal)));
-    }
-    let cal = fit_calibration(&forms, calib, model, tokenizer)?;
-    Ok(Some(Arc::new(cal)))
-}
-
-/// Whether a form needs data fitted on a calibration text.
-fn needs_calibration(form: &CacheForm) -> bool {
-    form.quantizer().needs_codebook() || form.quantizer().needs_bases()
-}
-
-/// Fits the codebooks and bases of `forms` on the calibration text.
-fn fit_calibration(
-    forms: &[(CacheForm, Part)],
-    calib: &Calib,
-    model: &dyn CausalLm,
-    tokenizer: &TextTokenizer,
-) -> Result<Calibration, Error> {
-    let started = Instant::now();
-    let (rows, name) = calibration_rows(calib, model, tokenizer)?;
-    let cal = Calibration::fit(model, &rows, &name, forms, FitOptions::default())?;
-    eprintln!(
-        "fitted codebooks {:?} on {} tokens of {} in {:.1} s",
-        cal.shapes(),
-        rows.tokens,
-        name,
-        started.elapsed().as_secs_f64()
-    );
-    Ok(cal)
-}
-
-/// The K/V rows of the calibration text and its file name.
-fn calibration_rows(
-    calib: &Calib,
-    model: &dyn CausalLm,
-    tokenizer: &TextTokenizer,
-) -> Result<(CalibrationRows, String), Error> {
-    let path = calib
-        .calib_text
-        .clone()
-        .unwrap_or_else(paths::default_calibration_text);
-    let text = std::fs::File::open(&path).map_err(|e| {
-        format!(
-            "cannot read calibration text {}: {e} (run `cargo xtask fetch-model`, or pass --calib-text FILE or --calibration FILE)",
-            path.display()
-        )
-    })?;
-    let limits = ReadLimits {
-        max_tokens: Some(calib.calib_tokens),
-        ..ReadLimits::default()
-    };
-    let tokens = tokenizer
-        .encode_reader(text, limits)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let rows = CalibrationRows::collect(model, &tokens, calib.calib_ctx)?;
-    let name = path.file_name().map_or_else(
-        || path.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
-    Ok((rows, name))
 }
 
 /// The first entry that appears twice in `items`.
