@@ -14,6 +14,10 @@
 //! at 32/8/128 and 128K tokens every set is at least 4x a 32 MiB L3 (int4,
 //! the smallest, holds 129 MiB), so those rows are about memory.
 //!
+//! Integer forms are measured twice: `F` scores keys exactly in f32, and
+//! `F@int8q` with int8-quantized queries and integer dot products
+//! (`Numerics::Int8Query`), each with its own `baseline-…` stream.
+//!
 //! Set `ATTENTION_BENCH_CONTEXTS` (for example `4096,65536`) to pick contexts.
 //!
 //! `attention/low-rank-<q>x<kv>x<d>-<context>` (16K and 64K tokens): decode
@@ -25,7 +29,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use attention::{Attention, DenseKv, HeadShape, KvSource, Mask};
+use attention::{Attention, AttentionConfig, DenseKv, HeadShape, KvSource, Mask, Numerics};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use kv_quant::{CacheForm, KvStore};
@@ -44,6 +48,11 @@ const FORMS: [&str; 9] = [
     "int4+hamming74",
     "int4+golay24",
 ];
+
+/// Forms whose keys are integer levels, measured with `Numerics::Int8Query` too.
+fn integer_keys(form: &str) -> bool {
+    form.starts_with("int")
+}
 
 const SHAPES: [(usize, usize, usize); 2] = [(9, 3, 64), (32, 8, 128)];
 
@@ -167,6 +176,14 @@ fn decode(c: &mut Criterion) {
         let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
         let ch = shape.kv_channels();
         let attn = Attention::new(shape);
+        let int8q = Attention::with_config(
+            shape,
+            AttentionConfig {
+                numerics: Numerics::Int8Query,
+                ..AttentionConfig::default()
+            },
+        )
+        .expect("config");
         let q = matrix(1, shape.q_len(), 0.3);
         for tokens in contexts(d) {
             let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
@@ -190,6 +207,10 @@ fn decode(c: &mut Criterion) {
                     )
                 });
                 bench_form(&mut group, &pool, spelling, (&attn, &q), &ks, &vs);
+                if integer_keys(spelling) {
+                    let name = format!("{spelling}@int8q");
+                    bench_form(&mut group, &pool, &name, (&int8q, &q), &ks, &vs);
+                }
             }
             group.finish();
         }

@@ -1,13 +1,14 @@
 //! Times single-query decode attention over one stored form (or `dense`
 //! f32 rows) at one shape and context, printing milliseconds and stored
-//! bytes read per second; `REPS` sets the repetitions (default 20). Threads
-//! follow `RAYON_NUM_THREADS`.
+//! bytes read per second; `REPS` sets the repetitions (default 20),
+//! `NUMERICS=int8` scores integer keys with int8-quantized queries
+//! (`Numerics::Int8Query`). Threads follow `RAYON_NUM_THREADS`.
 //!
 //! `cargo run --release -p attention --example decode_timing -- int4+secded84 32 8 128 65536`
 
 use std::time::Instant;
 
-use attention::{Attention, DenseKv, HeadShape, Mask};
+use attention::{Attention, AttentionConfig, DenseKv, HeadShape, Mask, Numerics};
 use kv_quant::KvStore;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -24,7 +25,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let (k, v) = (data(0.0), data(1.0));
     let q: Vec<f32> = (0..shape.q_len()).map(|i| (i as f32 * 0.3).sin()).collect();
-    let attn = Attention::new(shape);
+    let numerics = match std::env::var("NUMERICS").as_deref() {
+        Ok("int8") => Numerics::Int8Query,
+        Ok("exact") | Err(_) => Numerics::Exact,
+        Ok(other) => return Err(format!("NUMERICS={other}: expected int8 or exact").into()),
+    };
+    let config = AttentionConfig {
+        numerics,
+        ..AttentionConfig::default()
+    };
+    let attn = Attention::with_config(shape, config)?;
     let spelling = if form == "dense" { "fp32" } else { form };
     let (ks, vs) = (
         KvStore::quantize(spelling.parse()?, &k, tokens, ch)?,

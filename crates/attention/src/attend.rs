@@ -16,9 +16,11 @@ use kv_quant::{Hadamard, KvDecodeStats};
 use rayon::prelude::*;
 
 use crate::error::{AttentionError, Result, check_len};
-use crate::kernel::{KernelScratch, Partial, TileGeometry, attend_tile};
+use crate::kernel::{Partial, TileGeometry, attend_tile};
+use crate::numerics::Numerics;
 use crate::shape::{HeadShape, Mask};
 use crate::source::KvSource;
+use crate::workspace::{Slot, TileStats, Workspace};
 
 /// What to do when the output is not finite (the cache held NaN or
 /// infinite keys or values).
@@ -43,6 +45,8 @@ pub struct AttentionConfig {
     pub split_tokens: usize,
     /// Non-finite outputs: error (default) or report.
     pub on_non_finite: OnNonFinite,
+    /// Scores against integer keys: exact f32 or int8-quantized queries.
+    pub numerics: Numerics,
 }
 
 impl Default for AttentionConfig {
@@ -51,6 +55,7 @@ impl Default for AttentionConfig {
             tile_tokens: 64,
             split_tokens: 2048,
             on_non_finite: OnNonFinite::Error,
+            numerics: Numerics::default(),
         }
     }
 }
@@ -65,6 +70,17 @@ pub struct AttentionStats {
     pub values: KvDecodeStats,
     /// Distinct tiles read (each holds up to `tile_tokens` rows of K and of V).
     pub tiles: u64,
+}
+
+/// What a call into caller-owned buffers ([`Attention::decode_into`],
+/// [`Attention::prefill_into`]) returns besides its outputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AttentionInfo {
+    /// Decode statistics of what was read.
+    pub stats: AttentionStats,
+    /// Output values that are NaN or infinite (only non-zero with
+    /// [`OnNonFinite::Report`]).
+    pub non_finite: usize,
 }
 
 /// Result of an attention call.
@@ -91,25 +107,6 @@ pub struct Attention {
 
 /// Queries handled together in prefill: each tile read serves all of them.
 const QUERY_BLOCK: usize = 16;
-
-struct ThreadScratch<K: KvSource, V: KvSource> {
-    keys: K::Scratch,
-    values: V::Scratch,
-    kernel: KernelScratch,
-}
-
-impl<K: KvSource, V: KvSource> Default for ThreadScratch<K, V> {
-    fn default() -> Self {
-        Self {
-            keys: K::Scratch::default(),
-            values: V::Scratch::default(),
-            kernel: KernelScratch::default(),
-        }
-    }
-}
-
-/// Statistics of one tile, keyed by its first row.
-type TileStats = (usize, KvDecodeStats, KvDecodeStats);
 
 impl Attention {
     /// Attention with the default configuration.
@@ -150,8 +147,14 @@ impl Attention {
         &self.config
     }
 
+    /// Switches how integer keys are scored from now on.
+    pub fn set_numerics(&mut self, numerics: Numerics) {
+        self.config.numerics = numerics;
+    }
+
     /// One query token (`q_heads × head_dim`) at `position` against the
-    /// cache, split across threads.
+    /// cache, split across threads: [`decode_into`](Self::decode_into) with
+    /// a fresh workspace and output.
     pub fn decode<K: KvSource, V: KvSource>(
         &self,
         query: &[f32],
@@ -160,32 +163,64 @@ impl Attention {
         values: &V,
         mask: &Mask<'_>,
     ) -> Result<AttentionOutput> {
-        let (q, ranges) = self.prepare(query, &[position], keys, values, mask)?;
-        let range = ranges[0].clone();
+        self.with_fresh_buffers(1, |out, lse, ws| {
+            self.decode_into(query, position, keys, values, mask, out, lse, ws)
+        })
+    }
+
+    /// [`decode`](Self::decode) into caller-owned buffers: the output
+    /// (`q_heads × head_dim`) into `out`, the log-sum-exp per head into
+    /// `lse`, with every intermediate buffer in `ws`. Once `ws` has served
+    /// a call of this size, a call allocates nothing.
+    #[allow(clippy::too_many_arguments)] // the call's inputs, outputs and workspace
+    pub fn decode_into<K: KvSource, V: KvSource>(
+        &self,
+        query: &[f32],
+        position: usize,
+        keys: &K,
+        values: &V,
+        mask: &Mask<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+        ws: &mut Workspace<K, V>,
+    ) -> Result<AttentionInfo> {
+        self.check_outputs(1, out, lse)?;
+        self.prepare_into(query, &[position], keys, values, mask, ws)?;
+        let range = ws.ranges[0].clone();
         let split = self.config.split_tokens;
         let span = self.tile_span(&range, keys.tokens());
-        let chunks: Vec<Range<usize>> = (span.start / split * split..span.end)
-            .step_by(split)
-            .map(|s| s.max(span.start)..(s / split * split + split).min(span.end))
-            .collect();
+        ws.items.clear();
+        ws.items.extend(
+            (span.start / split * split..span.end)
+                .step_by(split)
+                .map(|s| s.max(span.start)..(s / split * split + split).min(span.end)),
+        );
+        let n = ws.items.len();
+        ws.ensure_slots(n);
+        let Workspace {
+            q, items, slots, ..
+        } = ws;
         let ranges = std::slice::from_ref(&range);
-        let results: Vec<(Vec<Partial>, Vec<TileStats>)> = chunks
-            .into_par_iter()
-            .map_init(ThreadScratch::<K, V>::default, |scratch, chunk| {
-                self.run_block(&q, ranges, chunk, keys, values, scratch)
-            })
-            .collect::<Result<_>>()?;
-        let mut partial = Partial::new(self.shape.q_heads(), self.shape.head_dim());
-        let mut tiles = Vec::new();
-        for (p, t) in results {
-            partial.merge(&p[0]);
-            tiles.extend(t);
+        slots[..n]
+            .par_iter_mut()
+            .zip(items.par_iter())
+            .for_each(|(slot, chunk)| {
+                slot.result = self.run_block(q, ranges, chunk.clone(), keys, values, slot);
+            });
+        ws.merged.reset(self.shape.q_heads(), self.shape.head_dim());
+        ws.tiles.clear();
+        for slot in &mut ws.slots[..n] {
+            std::mem::replace(&mut slot.result, Ok(()))?;
+            ws.merged.merge(&slot.partials[0]);
+            ws.tiles.extend_from_slice(&slot.tiles);
         }
-        self.finish(std::slice::from_ref(&partial), tiles, values.rotation())
+        let partials = std::slice::from_ref(&ws.merged);
+        self.finish_into(partials, &mut ws.tiles, values.rotation(), out, lse)
     }
 
     /// Many query tokens (`positions.len() × q_heads × head_dim`) at
-    /// `positions` against the cache, blocks of queries across threads.
+    /// `positions` against the cache, blocks of queries across threads:
+    /// [`prefill_into`](Self::prefill_into) with a fresh workspace and output.
     pub fn prefill<K: KvSource, V: KvSource>(
         &self,
         queries: &[f32],
@@ -194,36 +229,106 @@ impl Attention {
         values: &V,
         mask: &Mask<'_>,
     ) -> Result<AttentionOutput> {
-        let (q, ranges) = self.prepare(queries, positions, keys, values, mask)?;
-        let ql = self.shape.q_len();
-        let results: Vec<(Vec<Partial>, Vec<TileStats>)> = ranges
-            .par_chunks(QUERY_BLOCK)
-            .zip(q.par_chunks(QUERY_BLOCK * ql))
-            .map_init(ThreadScratch::<K, V>::default, |scratch, (ranges, q)| {
-                let start = ranges.iter().map(|r| r.start).min().unwrap_or(0);
-                let end = ranges.iter().map(|r| r.end).max().unwrap_or(0);
-                let span = self.tile_span(&(start..end), keys.tokens());
-                self.run_block(q, ranges, span, keys, values, scratch)
-            })
-            .collect::<Result<_>>()?;
-        let mut partials = Vec::with_capacity(positions.len());
-        let mut tiles = Vec::new();
-        for (p, t) in results {
-            partials.extend(p);
-            tiles.extend(t);
-        }
-        self.finish(&partials, tiles, values.rotation())
+        self.with_fresh_buffers(positions.len(), |out, lse, ws| {
+            self.prefill_into(queries, positions, keys, values, mask, out, lse, ws)
+        })
     }
 
-    /// Validates the call and returns the scaled queries and visible ranges.
-    fn prepare<K: KvSource, V: KvSource>(
+    /// Runs a call into new output buffers for `queries` queries and a new
+    /// workspace, and returns them as an [`AttentionOutput`].
+    fn with_fresh_buffers<K: KvSource, V: KvSource>(
+        &self,
+        queries: usize,
+        call: impl FnOnce(&mut [f32], &mut [f32], &mut Workspace<K, V>) -> Result<AttentionInfo>,
+    ) -> Result<AttentionOutput> {
+        let s = &self.shape;
+        let mut out = vec![0.0; queries * s.q_len()];
+        let mut lse = vec![0.0; queries * s.q_heads()];
+        let info = call(&mut out, &mut lse, &mut Workspace::new())?;
+        Ok(AttentionOutput {
+            out,
+            lse,
+            stats: info.stats,
+            non_finite: info.non_finite,
+        })
+    }
+
+    /// [`prefill`](Self::prefill) into caller-owned buffers (`out`:
+    /// `positions.len() × q_heads × head_dim`, `lse`: `positions.len() ×
+    /// q_heads`), with every intermediate buffer in `ws`.
+    #[allow(clippy::too_many_arguments)] // the call's inputs, outputs and workspace
+    pub fn prefill_into<K: KvSource, V: KvSource>(
         &self,
         queries: &[f32],
         positions: &[usize],
         keys: &K,
         values: &V,
         mask: &Mask<'_>,
-    ) -> Result<(Vec<f32>, Vec<Range<usize>>)> {
+        out: &mut [f32],
+        lse: &mut [f32],
+        ws: &mut Workspace<K, V>,
+    ) -> Result<AttentionInfo> {
+        self.check_outputs(positions.len(), out, lse)?;
+        self.prepare_into(queries, positions, keys, values, mask, ws)?;
+        let ql = self.shape.q_len();
+        let blocks = positions.len().div_ceil(QUERY_BLOCK);
+        ws.items.clear();
+        ws.items.extend(
+            (0..blocks).map(|b| b * QUERY_BLOCK..((b + 1) * QUERY_BLOCK).min(positions.len())),
+        );
+        ws.ensure_slots(blocks);
+        let Workspace {
+            q,
+            ranges,
+            items,
+            slots,
+            ..
+        } = ws;
+        slots[..blocks]
+            .par_iter_mut()
+            .zip(items.par_iter())
+            .for_each(|(slot, block)| {
+                let ranges = &ranges[block.clone()];
+                let q = &q[block.start * ql..block.end * ql];
+                let start = ranges.iter().map(|r| r.start).min().unwrap_or(0);
+                let end = ranges.iter().map(|r| r.end).max().unwrap_or(0);
+                let span = self.tile_span(&(start..end), keys.tokens());
+                slot.result = self.run_block(q, ranges, span, keys, values, slot);
+            });
+        ws.tiles.clear();
+        for slot in &mut ws.slots[..blocks] {
+            std::mem::replace(&mut slot.result, Ok(()))?;
+            ws.tiles.extend_from_slice(&slot.tiles);
+        }
+        let partials = ws.slots[..blocks].iter().flat_map(|s| &s.partials);
+        self.finish_into(partials, &mut ws.tiles, values.rotation(), out, lse)
+    }
+
+    /// Checks the output buffers of a call of `queries` queries.
+    fn check_outputs(&self, queries: usize, out: &[f32], lse: &[f32]) -> Result<()> {
+        check_len(
+            "output (queries × q_heads × head_dim)",
+            queries * self.shape.q_len(),
+            out.len(),
+        )?;
+        check_len(
+            "log-sum-exp (queries × q_heads)",
+            queries * self.shape.q_heads(),
+            lse.len(),
+        )
+    }
+
+    /// Validates the call and writes the scaled queries and the visible
+    /// ranges into the workspace.
+    fn prepare_into<K: KvSource, V: KvSource>(
+        &self,
+        queries: &[f32],
+        positions: &[usize],
+        keys: &K,
+        values: &V,
+        mask: &Mask<'_>,
+        ws: &mut Workspace<K, V>,
+    ) -> Result<()> {
         let s = &self.shape;
         check_len(
             "key channels (kv_heads × head_dim)",
@@ -257,17 +362,15 @@ impl Attention {
                 value: queries[i],
             });
         }
-        let ranges = mask.ranges(positions, keys.tokens())?;
+        mask.ranges_into(positions, keys.tokens(), &mut ws.ranges)?;
         let scale = s.scale();
-        let mut q: Vec<f32> = queries
-            .iter()
-            .map(|&x| (f64::from(x) * scale) as f32)
-            .collect();
+        ws.q.clear();
+        ws.q.extend(queries.iter().map(|&x| (f64::from(x) * scale) as f32));
         if let Some(h) = self.rotation_of(keys.rotation(), "key")? {
-            h.rotate(&mut q);
+            h.rotate(&mut ws.q);
         }
         self.rotation_of(values.rotation(), "value")?;
-        Ok((q, ranges))
+        Ok(())
     }
 
     /// A source's rotation, checked to stay inside heads.
@@ -301,7 +404,8 @@ impl Attention {
     }
 
     /// Folds the tiles of `span` into one partial per query of `q`
-    /// (`ranges.len() × q_len`, scaled).
+    /// (`ranges.len() × q_len`, scaled): `slot.partials`, with the tiles
+    /// read in `slot.tiles`.
     fn run_block<K: KvSource, V: KvSource>(
         &self,
         q: &[f32],
@@ -309,8 +413,8 @@ impl Attention {
         span: Range<usize>,
         keys: &K,
         values: &V,
-        scratch: &mut ThreadScratch<K, V>,
-    ) -> Result<(Vec<Partial>, Vec<TileStats>)> {
+        slot: &mut Slot<K, V>,
+    ) -> Result<()> {
         let s = &self.shape;
         let (d, ch, ql) = (s.head_dim(), s.kv_channels(), s.q_len());
         let geometry = TileGeometry {
@@ -318,8 +422,16 @@ impl Attention {
             kv_heads: s.kv_heads(),
             d,
         };
-        let mut partials = vec![Partial::new(s.q_heads(), d); ranges.len()];
-        let mut tiles = Vec::new();
+        if slot.partials.len() < ranges.len() {
+            slot.partials.resize(ranges.len(), Partial::new(0, 0));
+        }
+        slot.partials.truncate(ranges.len());
+        for p in &mut slot.partials {
+            p.reset(s.q_heads(), d);
+        }
+        slot.tiles.clear();
+        // `q` is new to this scratch: codes derived from its address are stale.
+        slot.kernel.forget_queries();
         let tile = self.config.tile_tokens;
         let mut start = span.start;
         while start < span.end {
@@ -330,9 +442,9 @@ impl Attention {
                     let n = (end + tile).min(span.end) - end;
                     [keys.row_addresses(end, n), values.row_addresses(end, n)]
                 });
-                let k = keys.read_tile(start, end - start, &mut scratch.keys)?;
-                let v = values.read_tile(start, end - start, &mut scratch.values)?;
-                tiles.push((start, k.stats, v.stats));
+                let k = keys.read_tile(start, end - start, &mut slot.keys)?;
+                let v = values.read_tile(start, end - start, &mut slot.values)?;
+                slot.tiles.push((start, k.stats, v.stats));
                 for (i, r) in ranges.iter().enumerate() {
                     let (lo, hi) = (r.start.max(start), r.end.min(end));
                     if lo < hi {
@@ -342,49 +454,53 @@ impl Attention {
                             k.rows.slice(rows.clone(), ch),
                             v.rows.slice(rows, ch),
                             geometry,
+                            self.config.numerics,
                             next.as_ref().filter(|_| i == 0),
-                            &mut scratch.kernel,
-                            &mut partials[i],
+                            &mut slot.kernel,
+                            &mut slot.partials[i],
                         );
                     }
                 }
             }
             start = end;
         }
-        Ok((partials, tiles))
+        Ok(())
     }
 
-    /// Normalises the partials into outputs, rotating them back when the
-    /// values were summed in rotated coordinates.
-    fn finish(
+    /// Normalises the partials into `out` and `lse`, rotating the outputs
+    /// back when the values were summed in rotated coordinates, and sums
+    /// the statistics of the distinct tiles read.
+    fn finish_into<'p>(
         &self,
-        partials: &[Partial],
-        mut tiles: Vec<TileStats>,
+        partials: impl IntoIterator<Item = &'p Partial>,
+        tiles: &mut [TileStats],
         value_rotation: Option<&'static Hadamard>,
-    ) -> Result<AttentionOutput> {
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<AttentionInfo> {
         let s = &self.shape;
-        let mut out = vec![0.0; partials.len() * s.q_len()];
-        let mut lse = vec![0.0; partials.len() * s.q_heads()];
         for ((p, o), l) in partials
-            .iter()
+            .into_iter()
             .zip(out.chunks_exact_mut(s.q_len()))
             .zip(lse.chunks_exact_mut(s.q_heads()))
         {
             p.finish(o, l);
         }
         if let Some(h) = value_rotation {
-            h.unrotate(&mut out);
+            h.unrotate(out);
         }
-        // A tile read by several query blocks counts once.
-        tiles.sort_by_key(|t| t.0);
-        tiles.dedup_by_key(|t| t.0);
-        let mut stats = AttentionStats {
-            tiles: tiles.len() as u64,
-            ..AttentionStats::default()
-        };
-        for (_, k, v) in tiles {
-            stats.keys += k;
-            stats.values += v;
+        // A tile read by several query blocks counts once (its statistics
+        // are the same each time, so which copy stays does not matter).
+        tiles.sort_unstable_by_key(|t| t.0);
+        let mut stats = AttentionStats::default();
+        let mut last = None;
+        for &(start, k, v) in tiles.iter() {
+            if last != Some(start) {
+                stats.tiles += 1;
+                stats.keys += k;
+                stats.values += v;
+                last = Some(start);
+            }
         }
         let non_finite = out.iter().filter(|x| !x.is_finite()).count();
         if non_finite > 0 && self.config.on_non_finite == OnNonFinite::Error {
@@ -395,11 +511,6 @@ impl Attention {
                 head: first % s.q_len() / s.head_dim(),
             });
         }
-        Ok(AttentionOutput {
-            out,
-            lse,
-            stats,
-            non_finite,
-        })
+        Ok(AttentionInfo { stats, non_finite })
     }
 }

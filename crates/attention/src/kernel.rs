@@ -12,7 +12,9 @@
 
 #[cfg(target_arch = "x86_64")]
 mod fused;
+mod int8_query;
 
+use crate::numerics::Numerics;
 use crate::source::TileRows;
 
 const LANES: usize = 16;
@@ -36,6 +38,18 @@ impl Partial {
             l: vec![0.0; heads],
             acc: vec![0.0; heads * d],
         }
+    }
+
+    /// Makes this the empty state of `heads` heads of `d` channels, reusing
+    /// its buffers.
+    pub(crate) fn reset(&mut self, heads: usize, d: usize) {
+        self.d = d;
+        self.m.clear();
+        self.m.resize(heads, f32::NEG_INFINITY);
+        self.l.clear();
+        self.l.resize(heads, 0.0);
+        self.acc.clear();
+        self.acc.resize(heads * d, 0.0);
     }
 
     /// Folds in one head's tile result: maximum `m`, `Σ exp(s − m)` and the weighted sum.
@@ -107,6 +121,16 @@ pub(crate) struct KernelScratch {
     sums: Vec<f32>,
     /// Widened half-float tiles (non-AVX-512 kernels only).
     wide: WideScratch,
+    /// Query codes of the integer score path.
+    int: int8_query::IntScratch,
+}
+
+impl KernelScratch {
+    /// Forgets what was derived from the queries (their integer codes):
+    /// call before the queries' buffer is reused for other queries.
+    pub(crate) fn forget_queries(&mut self) {
+        self.int.forget();
+    }
 }
 
 /// Geometry of one call of [`attend_tile`].
@@ -122,13 +146,17 @@ pub(crate) struct TileGeometry {
 
 /// Folds the keys and values of `keys`/`values` (`rows × kv_heads·d`) into
 /// `partial` for the query heads `q` (`q_heads × d`, already multiplied by
-/// the softmax scale). With AVX-512 both are read as stored (f32 or f16,
-/// [`fused`]); otherwise half floats are first widened into the scratch.
+/// the softmax scale). Integer keys are scored with integer dot products
+/// under [`Numerics::Int8Query`] ([`int8_query`]). With AVX-512 both sides
+/// are read as stored (f32 or f16, [`fused`]); otherwise half floats are
+/// first widened into the scratch.
+#[allow(clippy::too_many_arguments)] // one tile's inputs, state and scratch
 pub(crate) fn attend_tile(
     q: &[f32],
     keys: TileRows<'_>,
     values: TileRows<'_>,
     geometry: TileGeometry,
+    numerics: Numerics,
     upcoming: Option<&Upcoming>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
@@ -148,6 +176,27 @@ pub(crate) fn attend_tile(
     if scratch.acc.len() < heads * geometry.d {
         scratch.acc.resize(heads * geometry.d, 0.0);
     }
+    let scored = match (numerics, keys) {
+        (Numerics::Int8Query, TileRows::Levels(levels)) => {
+            let steps = geometry.kv_heads * geometry.group.div_ceil(4) * rows.div_ceil(4);
+            int8_query::scores(
+                q,
+                &levels,
+                geometry,
+                int8_query::Dot::detect(),
+                &mut scratch.int,
+                &mut scratch.weights[..heads * rows],
+                &mut Prefetcher::new(upcoming, steps),
+            )
+        }
+        _ => false,
+    };
+    // The integer path prefetched the next tile already.
+    let (keys, upcoming) = if scored {
+        (None, None)
+    } else {
+        (Some(keys), upcoming)
+    };
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx512 {
         // SAFETY: `isa()` returned Avx512 only after detecting avx512f/bw/vl
@@ -262,13 +311,14 @@ impl WideScratch {
         (&mut self.keys, &mut self.values)
     }
 
+    /// Both sides as f32 (keys only when given).
     pub(crate) fn widen<'a>(
         &'a mut self,
-        keys: TileRows<'a>,
+        keys: Option<TileRows<'a>>,
         values: TileRows<'a>,
-    ) -> (&'a [f32], &'a [f32]) {
+    ) -> (Option<&'a [f32]>, &'a [f32]) {
         (
-            widen_rows(keys, &mut self.keys),
+            keys.map(|k| widen_rows(k, &mut self.keys)),
             widen_rows(values, &mut self.values),
         )
     }
@@ -277,7 +327,8 @@ impl WideScratch {
 #[derive(Clone, Copy)]
 struct TileArgs<'a> {
     q: &'a [f32],
-    keys: &'a [f32],
+    /// `None` when the scores are already in the scratch.
+    keys: Option<&'a [f32]>,
     values: &'a [f32],
     geometry: TileGeometry,
     rows: usize,
@@ -339,23 +390,8 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
     let TileGeometry { group, kv_heads, d } = geometry;
     let (ch, heads) = (kv_heads * d, kv_heads * group);
     let weights = &mut scratch.weights[..heads * rows];
-    // Four rows at a time: each query chunk loaded once feeds four FMAs.
-    let quads = rows / 4 * 4;
-    let rest = quads..rows;
-    for t in (0..quads).step_by(4) {
-        let k4 = &keys[t * ch..][..4 * ch];
-        for h in 0..heads {
-            let off = h / group * d;
-            let k = [0, 1, 2, 3].map(|r| &k4[r * ch + off..][..d]);
-            let s = dot4::<FMA>(&q[h * d..][..d], k);
-            weights[h * rows + t..][..4].copy_from_slice(&s);
-        }
-    }
-    for t in rest {
-        let k = &keys[t * ch..][..ch];
-        for h in 0..heads {
-            weights[h * rows + t] = dot::<FMA>(&q[h * d..][..d], &k[h / group * d..][..d]);
-        }
+    if let Some(keys) = keys {
+        score_rows::<FMA>(q, keys, geometry, weights);
     }
     let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
     softmax_rows::<FMA>(weights, rows, m, l);
@@ -379,6 +415,37 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
     }
     for h in 0..heads {
         partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
+    }
+}
+
+/// The scores of every head against every key row into `weights`
+/// (`heads × rows`).
+#[inline(always)]
+fn score_rows<const FMA: bool>(
+    q: &[f32],
+    keys: &[f32],
+    geometry: TileGeometry,
+    weights: &mut [f32],
+) {
+    let TileGeometry { group, kv_heads, d } = geometry;
+    let (ch, heads) = (kv_heads * d, kv_heads * group);
+    let rows = weights.len() / heads;
+    // Four rows at a time: each query chunk loaded once feeds four FMAs.
+    let quads = rows / 4 * 4;
+    for t in (0..quads).step_by(4) {
+        let k4 = &keys[t * ch..][..4 * ch];
+        for h in 0..heads {
+            let off = h / group * d;
+            let k = [0, 1, 2, 3].map(|r| &k4[r * ch + off..][..d]);
+            let s = dot4::<FMA>(&q[h * d..][..d], k);
+            weights[h * rows + t..][..4].copy_from_slice(&s);
+        }
+    }
+    for t in quads..rows {
+        let k = &keys[t * ch..][..ch];
+        for h in 0..heads {
+            weights[h * rows + t] = dot::<FMA>(&q[h * d..][..d], &k[h / group * d..][..d]);
+        }
     }
 }
 
@@ -774,11 +841,11 @@ mod tests {
                     rows,
                     upcoming: None,
                 };
-                fused::attend_tile_avx512(tile, keys, values, &mut scratch, &mut partial)
+                fused::attend_tile_avx512(tile, Some(keys), values, &mut scratch, &mut partial)
             };
         }
         let mut wide = WideScratch::default();
-        let (keys, values) = wide.widen(keys, values);
+        let (keys, values) = wide.widen(Some(keys), values);
         let args = TileArgs {
             q: &q,
             keys,

@@ -45,19 +45,25 @@ mod backend;
 mod error;
 mod kernel;
 mod low_rank;
+mod numerics;
 mod reference;
 mod rope;
 mod shape;
 mod source;
+mod workspace;
 
-pub use attend::{Attention, AttentionConfig, AttentionOutput, AttentionStats, OnNonFinite};
+pub use attend::{
+    Attention, AttentionConfig, AttentionInfo, AttentionOutput, AttentionStats, OnNonFinite,
+};
 pub use backend::{DenseBackend, KvBackend, ModelKvShape, StepRows, check_fit, run_step};
 pub use error::{AttentionError, Result};
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
+pub use numerics::Numerics;
 pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};
 pub use source::{DenseKv, KvSource, StoreScratch, Tile, TileRows};
+pub use workspace::Workspace;
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

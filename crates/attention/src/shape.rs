@@ -129,6 +129,19 @@ impl Mask<'_> {
 
     /// Checks the mask against `queries` and returns every visible range.
     pub(crate) fn ranges(&self, positions: &[usize], tokens: usize) -> Result<Vec<Range<usize>>> {
+        let mut out = Vec::with_capacity(positions.len());
+        self.ranges_into(positions, tokens, &mut out)?;
+        Ok(out)
+    }
+
+    /// Checks the mask against `queries` and writes every visible range to
+    /// `out` (replacing what it held).
+    pub(crate) fn ranges_into(
+        &self,
+        positions: &[usize],
+        tokens: usize,
+        out: &mut Vec<Range<usize>>,
+    ) -> Result<()> {
         if let Mask::Ranges(r) = self
             && r.len() != positions.len()
         {
@@ -138,11 +151,11 @@ impl Mask<'_> {
                 got: r.len(),
             });
         }
-        positions
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| self.visible(i, p, tokens))
-            .collect()
+        out.clear();
+        for (i, &p) in positions.iter().enumerate() {
+            out.push(self.visible(i, p, tokens)?);
+        }
+        Ok(())
     }
 }
 

@@ -254,7 +254,9 @@ fn mask(n: usize) -> u16 {
 
 /// [`attend_tile`](super::attend_tile) with AVX-512, dispatching on how
 /// the keys and the values are stored. Levels in a grouping the loader
-/// does not handle are dequantized into the scratch first.
+/// does not handle are dequantized into the scratch first. With `keys`
+/// `None`, the scores are already in `scratch.weights` (the integer path
+/// scored them).
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW/VL and FMA; the scratch must be sized for
@@ -262,27 +264,40 @@ fn mask(n: usize) -> u16 {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 pub(super) unsafe fn attend_tile_avx512(
     tile: Tile<'_>,
-    keys: TileRows<'_>,
+    keys: Option<TileRows<'_>>,
     values: TileRows<'_>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
 ) {
     let mut wide = std::mem::take(&mut scratch.wide);
-    let ch = tile.geometry.kv_heads * tile.geometry.d;
+    let TileGeometry { group, kv_heads, d } = tile.geometry;
+    let (ch, heads, rows) = (kv_heads * d, kv_heads * group, tile.rows);
+    // Every load below stays inside these lengths.
+    assert!(values.len() == rows * ch && tile.q.len() == heads * d);
     let (kb, vb) = wide.buffers();
-    let (k, v) = (Side::new(keys, ch, kb), Side::new(values, ch, vb));
-    macro_rules! dispatch {
-        ($($k:ident, $v:ident);*) => {
-            match (k, v) {
-                $((Side::$k(k), Side::$v(v)) => body(tile, k, v, scratch, partial),)*
-            }
-        };
+    if let Some(keys) = keys {
+        assert_eq!(keys.len(), rows * ch);
+        // The next tile's lines are requested during the score passes.
+        let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
+        let mut prefetch = Prefetcher::new(tile.upcoming, steps);
+        match Side::new(keys, ch, kb) {
+            Side::F32(k) => score_pass(tile, k, scratch, &mut prefetch),
+            Side::F16(k) => score_pass(tile, k, scratch, &mut prefetch),
+            Side::Levels(k) => score_pass(tile, k, scratch, &mut prefetch),
+        }
     }
-    dispatch!(
-        F32, F32; F32, F16; F32, Levels;
-        F16, F32; F16, F16; F16, Levels;
-        Levels, F32; Levels, F16; Levels, Levels
-    );
+    let weights = &mut scratch.weights[..heads * rows];
+    let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
+    softmax_rows::<true>(weights, rows, m, l);
+    match Side::new(values, ch, vb) {
+        Side::F32(v) => value_pass(tile, v, scratch),
+        Side::F16(v) => value_pass(tile, v, scratch),
+        Side::Levels(v) => value_pass(tile, v, scratch),
+    }
+    let (m, l, acc) = (&scratch.maxima, &scratch.sums, &scratch.acc);
+    for h in 0..heads {
+        partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
+    }
     scratch.wide = wide;
 }
 
@@ -315,35 +330,22 @@ pub(in crate::kernel) struct Tile<'a> {
     pub(in crate::kernel) upcoming: Option<&'a Upcoming>,
 }
 
-/// Scores, softmax and the weighted value sums of one tile, as
-/// `attend_tile_body` in the parent module computes them.
+/// The scores of every head into `scratch.weights` (`heads × rows`), as
+/// the parent module's `attend_tile_body` computes them.
 #[inline(always)]
-fn body<K: Load, V: Load>(
+fn score_pass<K: Load>(
     tile: Tile<'_>,
     keys: K,
-    values: V,
     scratch: &mut KernelScratch,
-    partial: &mut Partial,
+    prefetch: &mut Prefetcher,
 ) {
     let Tile {
-        q,
-        geometry,
-        rows,
-        upcoming,
+        q, geometry, rows, ..
     } = tile;
     let TileGeometry { group, kv_heads, d } = geometry;
-    let (ch, heads) = (kv_heads * d, kv_heads * group);
-    // Every load below stays inside these lengths.
-    assert!(
-        keys.len() == rows * ch
-            && values.len() == rows * ch
-            && keys.ch() == ch
-            && values.ch() == ch
-            && q.len() == heads * d
-    );
+    let heads = kv_heads * group;
+    assert!(keys.len() == rows * kv_heads * d && keys.ch() == kv_heads * d);
     let weights = &mut scratch.weights[..heads * rows];
-    // The next tile's lines are requested during the score passes.
-    let mut prefetch = Prefetcher::new(upcoming, kv_heads * group.div_ceil(4) * rows.div_ceil(4));
     for kvh in 0..kv_heads {
         let mut g = 0;
         while g < group {
@@ -358,16 +360,24 @@ fn body<K: Load, V: Load>(
             };
             let w = &mut weights[h * rows..][..n * rows];
             match n {
-                1 => scores::<K, 1>(block, w, &mut prefetch),
-                2 => scores::<K, 2>(block, w, &mut prefetch),
-                3 => scores::<K, 3>(block, w, &mut prefetch),
-                _ => scores::<K, 4>(block, w, &mut prefetch),
+                1 => scores::<K, 1>(block, w, prefetch),
+                2 => scores::<K, 2>(block, w, prefetch),
+                3 => scores::<K, 3>(block, w, prefetch),
+                _ => scores::<K, 4>(block, w, prefetch),
             }
             g += n;
         }
     }
-    let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
-    softmax_rows::<true>(weights, rows, m, l);
+}
+
+/// The weighted value sums of every head into `scratch.acc` (`heads × d`)
+/// from the weights in `scratch.weights`.
+#[inline(always)]
+fn value_pass<V: Load>(tile: Tile<'_>, values: V, scratch: &mut KernelScratch) {
+    let TileGeometry { group, kv_heads, d } = tile.geometry;
+    let (heads, rows) = (kv_heads * group, tile.rows);
+    assert!(values.len() == rows * kv_heads * d && values.ch() == kv_heads * d);
+    let weights = &scratch.weights[..heads * rows];
     let acc = &mut scratch.acc[..heads * d];
     for kvh in 0..kv_heads {
         let mut g = 0;
@@ -384,9 +394,6 @@ fn body<K: Load, V: Load>(
             }
             g += n;
         }
-    }
-    for h in 0..heads {
-        partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
     }
 }
 
@@ -429,7 +436,7 @@ fn score_lanes<K: Load, const H: usize, const R: usize>(
     let full = b.d / LANES * LANES;
     let tail = b.d - full;
     // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F/BW/VL, FMA).
-    // `body` checked `keys.len() == rows·ch` and `q.len() == heads·d`;
+    // `score_pass` checked `keys.len() == rows·ch` and `attend_tile_avx512` `q.len() == heads·d`;
     // here `t + R <= rows`, every key channel read is below
     // `offset + d <= ch` and every query value below `H·d`.
     unsafe {
@@ -600,7 +607,7 @@ fn value_block<V: Load, const H: usize, const N: usize, const FULL: usize>(
     c: usize,
 ) -> [[__m512; N]; H] {
     // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F, FMA);
-    // `body` checked `values.len() == rows·ch`, channel `offset + c + 16N`
+    // `value_pass` checked `values.len() == rows·ch`, channel `offset + c + 16N`
     // (`+ tail` for a partial block) is at most `ch`, and `w` holds `H·rows`
     // weights.
     unsafe {

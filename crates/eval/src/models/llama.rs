@@ -391,6 +391,10 @@ impl CausalLm for LlamaModel {
         }));
     }
 
+    fn set_numerics(&mut self, numerics: attention::Numerics) {
+        self.attention.set_numerics(numerics);
+    }
+
     fn gemm_checks(&self) -> Option<GemmCheckStats> {
         self.checks.0.as_ref().map(|c| c.stats())
     }

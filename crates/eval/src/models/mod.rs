@@ -44,6 +44,8 @@ pub trait CausalLm: Send + Sync {
     fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>);
     /// What the projection checks found, when they are on.
     fn gemm_checks(&self) -> Option<GemmCheckStats>;
+    /// How attention scores integer-coded keys from now on.
+    fn set_numerics(&mut self, numerics: attention::Numerics);
     /// A one-line description (architecture and shape).
     fn describe(&self) -> String;
     /// Runs `tokens` after what `cache` already holds (their positions

@@ -97,6 +97,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
     let backend = BackendArgs {
         backend,
         block_size,
+        numerics: None,
     }
     .kind(&mode, None);
     let sampling = Sampling {

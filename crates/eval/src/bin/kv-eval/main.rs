@@ -66,6 +66,25 @@ struct BackendArgs {
     /// Tokens per block of the paged backend.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// How attention scores integer-coded keys: `exact` (f32) or `int8`
+    /// (int8-quantized queries, integer dot products) [default: attention's].
+    #[arg(long, value_enum)]
+    numerics: Option<NumericsArg>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum NumericsArg {
+    Exact,
+    Int8,
+}
+
+impl NumericsArg {
+    fn numerics(self) -> attention::Numerics {
+        match self {
+            Self::Exact => attention::Numerics::Exact,
+            Self::Int8 => attention::Numerics::Int8Query,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -392,6 +411,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             };
             // GEMM flips can make K/V non-finite, which the paged cache
             // refuses to store: `auto` keeps them on the re-encode backend.
+            let numerics = backend.numerics;
             let backend = match backend.backend {
                 Backend::Auto if gemm_flips > 0.0 => kv_eval::backend::BackendKind::Reencode,
                 _ => backend.kind(&mode, Some(faults)),
@@ -415,6 +435,9 @@ fn run(cli: Cli) -> Result<(), Error> {
                 model.as_ref(),
                 &tokenizer,
             )?;
+            if let Some(n) = numerics {
+                model.set_numerics(n.numerics());
+            }
             if abft {
                 let flips = (gemm_flips > 0.0).then_some(kv_eval::models::GemmFlips {
                     rate: gemm_flips,

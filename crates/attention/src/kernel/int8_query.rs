@@ -1,0 +1,645 @@
+//! Scores against integer keys with integer dot products
+//! ([`Numerics::Int8Query`](crate::Numerics::Int8Query)), the way llama.cpp
+//! scores quantized caches: each query head is quantized once per tile to
+//! int8 codes with its own scale, and a score is
+//! `Σ_groups [ a · s_q · dot(q_codes, levels) + offset term ]`, so the
+//! group scale `a` and offset `b` are applied once per group, not once per
+//! value.
+//!
+//! Two layouts are taken:
+//! - **groups along a row** (per-token groups, or per-tensor) of at least
+//!   [`MIN_GROUP`] channels: the head's channels split into segments of one
+//!   group each; a segment adds `a·(s_q·Σ q̂·l) + b·Σ q` (affine levels) or
+//!   `a·(s_q·Σ q̂·l − mid·Σ q)` (centred levels), with `Σ q` exact in f32;
+//! - **one group per channel** (per-channel groups over blocks of tokens):
+//!   for each run of rows sharing a block, the scale is folded into the
+//!   query (`q'_c = q_c·a_c`) before it is quantized, and the offset term
+//!   `Σ q_c·b_c` (or `−mid·Σ q'_c`) is one constant per head.
+//!
+//! The integer sums are exact, and the float finishing is the same scalar
+//! code on every instruction set, so AVX-512 VNNI (`vpdpbusd`) and the
+//! portable loop give bit-identical scores. Everything else (narrow groups,
+//! a non-finite query or scale) returns `false` and the exact f32 path
+//! scores the tile.
+
+use kv_quant::{LevelMap, LevelRows};
+
+use super::{Prefetcher, TileGeometry};
+
+/// Narrowest group along a row the integer path takes: narrower groups
+/// leave too few values per scale for an integer dot product to pay.
+pub(crate) const MIN_GROUP: usize = 16;
+
+/// Largest code magnitude of a quantized query.
+const CODE_MAX: f32 = 127.0;
+
+/// Per-thread buffers: query codes and scales, and the integer sums of one
+/// block of heads.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct IntScratch {
+    /// `q_heads × d` int8 codes.
+    codes: Vec<i8>,
+    /// Per head: the code scale `s_q`.
+    scale: Vec<f32>,
+    /// Per head: the offset term of per-channel groups.
+    constant: Vec<f32>,
+    /// `heads × rows` integer dot products of one segment.
+    sums: Vec<i32>,
+    /// Per row: the index of its first group.
+    row_groups: Vec<usize>,
+    /// Per row: the scale and the offset factor of the current segment.
+    seg_a: Vec<f32>,
+    seg_b: Vec<f32>,
+    /// One head's query times its per-channel scales.
+    folded: Vec<f32>,
+    /// What `codes`, `scale` and `constant` were computed from: the
+    /// query's address and, for per-channel groups, the block of tokens.
+    coded_for: Option<(usize, usize)>,
+}
+
+impl IntScratch {
+    /// Forgets the codes: called whenever the queries' buffer or the keys
+    /// may have changed (at the start of each block of attention work),
+    /// since the codes are keyed by addresses.
+    pub(crate) fn forget(&mut self) {
+        self.coded_for = None;
+    }
+
+    /// Whether the codes were computed for `query` and token block `block`;
+    /// if not, records them for the codes about to be computed.
+    fn reuse(&mut self, query: &[f32], block: usize) -> bool {
+        let key = (query.as_ptr() as usize, block);
+        let same = self.coded_for == Some(key);
+        self.coded_for = Some(key);
+        same
+    }
+}
+
+/// How the integer dot products are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dot {
+    /// AVX-512 VNNI `vpdpbusd` (with BW for byte masks).
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+    /// A plain loop (vectorized by the compiler where it can).
+    Portable,
+}
+
+impl Dot {
+    /// The fastest one this CPU runs, detected once.
+    pub(crate) fn detect() -> Self {
+        static DOT: std::sync::OnceLock<Dot> = std::sync::OnceLock::new();
+        *DOT.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return Dot::Vnni;
+            }
+            Dot::Portable
+        })
+    }
+}
+
+/// Scores every query head of `q` (`q_heads × d`, already scaled) against
+/// the key rows of `keys` into `weights[h·rows + t]`. Returns `false`,
+/// leaving `weights` unspecified, when the layout or the numbers are not
+/// for the integer path; the caller then scores the tile exactly.
+pub(crate) fn scores(
+    q: &[f32],
+    keys: &LevelRows<'_>,
+    geometry: TileGeometry,
+    dot: Dot,
+    scratch: &mut IntScratch,
+    weights: &mut [f32],
+    prefetch: &mut Prefetcher,
+) -> bool {
+    let TileGeometry { group, kv_heads, d } = geometry;
+    let (ch, heads) = (kv_heads * d, kv_heads * group);
+    let rows = keys.rows();
+    if keys.channels() != ch || q.len() != heads * d || weights.len() < heads * rows || rows == 0 {
+        return false;
+    }
+    scratch.codes.resize(heads * d, 0);
+    scratch.scale.resize(heads, 0.0);
+    scratch.constant.resize(heads, 0.0);
+    scratch.sums.resize(group.min(4) * rows, 0);
+    let mid = match keys.map {
+        LevelMap::Affine => None,
+        LevelMap::Centered { mid } => Some(mid),
+    };
+    let cpg = keys.channels_per_group();
+    let ctx = Context {
+        q,
+        keys,
+        geometry,
+        dot,
+        mid,
+    };
+    if cpg == 1 {
+        per_channel(ctx, scratch, weights, prefetch)
+    } else if cpg >= MIN_GROUP {
+        along_rows(ctx, scratch, weights, prefetch)
+    } else {
+        false
+    }
+}
+
+/// What both layouts work with.
+#[derive(Clone, Copy)]
+struct Context<'a, 'k> {
+    q: &'a [f32],
+    keys: &'a LevelRows<'k>,
+    geometry: TileGeometry,
+    dot: Dot,
+    mid: Option<f32>,
+}
+
+/// Groups along a row: one quantization of each head, then per segment
+/// (a head's channels within one group) integer sums and their finishing.
+fn along_rows(
+    ctx: Context<'_, '_>,
+    scratch: &mut IntScratch,
+    weights: &mut [f32],
+    prefetch: &mut Prefetcher,
+) -> bool {
+    let (q, keys, dot, mid) = (ctx.q, ctx.keys, ctx.dot, ctx.mid);
+    let TileGeometry { group, kv_heads, d } = ctx.geometry;
+    let rows = keys.rows();
+    let cpg = keys.channels_per_group();
+    if !scratch.reuse(q, usize::MAX) {
+        for (h, q) in q.chunks_exact(d).enumerate() {
+            let Some(s) = quantize(q, &mut scratch.codes[h * d..][..d]) else {
+                scratch.coded_for = None;
+                return false;
+            };
+            scratch.scale[h] = s;
+        }
+    }
+    scratch.row_groups.clear();
+    scratch
+        .row_groups
+        .extend((0..rows).map(|t| keys.group_index(t, 0)));
+    scratch.seg_a.resize(rows, 0.0);
+    scratch.seg_b.resize(rows, 0.0);
+    for kvh in 0..kv_heads {
+        let first = kvh * d;
+        let mut g = 0;
+        while g < group {
+            let n = (group - g).min(4);
+            let h0 = kvh * group + g;
+            let mut c = first;
+            let mut segment = 0;
+            while c < first + d {
+                let end = ((c / cpg + 1) * cpg).min(first + d);
+                let block = DotBlock {
+                    levels: keys.levels,
+                    ch: kv_heads * d,
+                    start: c,
+                    len: end - c,
+                    codes: &scratch.codes[h0 * d + (c - first)..],
+                    code_stride: d,
+                    heads: n,
+                    rows,
+                };
+                let sums = &mut scratch.sums[..n * rows];
+                integer_sums(dot, block, sums, prefetch);
+                // The segment's scale and offset term per row (centred
+                // levels: `a·(l − mid) = a·l + (−mid·a)`).
+                let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
+                for ((a, b), &g0) in seg_a
+                    .iter_mut()
+                    .zip(seg_b.iter_mut())
+                    .zip(&scratch.row_groups)
+                {
+                    let gi = g0 + c / cpg;
+                    *a = keys.scale[gi];
+                    *b = match mid {
+                        None => keys.offset[gi],
+                        Some(mid) => -mid * keys.scale[gi],
+                    };
+                }
+                for j in 0..n {
+                    let h = h0 + j;
+                    let q_sum = lane_sum(&q[h * d + (c - first)..h * d + (end - first)], None);
+                    let s_q = scratch.scale[h];
+                    let w = &mut weights[h * rows..][..rows];
+                    let terms = sums[j * rows..][..rows]
+                        .iter()
+                        .zip(seg_a.iter().zip(seg_b.iter()));
+                    let term =
+                        |(&sum, (&a, &b)): (&i32, (&f32, &f32))| a * (s_q * sum as f32) + b * q_sum;
+                    if segment == 0 {
+                        w.iter_mut().zip(terms).for_each(|(w, x)| *w = term(x));
+                    } else {
+                        w.iter_mut().zip(terms).for_each(|(w, x)| *w += term(x));
+                    }
+                }
+                segment += 1;
+                c = end;
+            }
+            g += n;
+        }
+    }
+    true
+}
+
+/// One group per channel: per run of rows in one block of tokens, the
+/// block's scales folded into the query before it is quantized.
+fn per_channel(
+    ctx: Context<'_, '_>,
+    scratch: &mut IntScratch,
+    weights: &mut [f32],
+    prefetch: &mut Prefetcher,
+) -> bool {
+    let mut folded = std::mem::take(&mut scratch.folded);
+    folded.resize(ctx.geometry.d, 0.0);
+    let scored = per_channel_runs(ctx, &mut folded, scratch, weights, prefetch);
+    scratch.folded = folded;
+    scored
+}
+
+/// [`per_channel`] with its folded-query buffer.
+fn per_channel_runs(
+    ctx: Context<'_, '_>,
+    folded: &mut [f32],
+    scratch: &mut IntScratch,
+    weights: &mut [f32],
+    prefetch: &mut Prefetcher,
+) -> bool {
+    let (q, keys, dot, mid) = (ctx.q, ctx.keys, ctx.dot, ctx.mid);
+    let TileGeometry { group, kv_heads, d } = ctx.geometry;
+    let (ch, rows) = (kv_heads * d, keys.rows());
+    let mut t0 = 0;
+    while t0 < rows {
+        let base = keys.group_index(t0, 0);
+        let mut t1 = t0 + 1;
+        while t1 < rows && keys.group_index(t1, 0) == base {
+            t1 += 1;
+        }
+        let (Some(scale), Some(offset)) = (
+            keys.scale.get(base..base + ch),
+            keys.offset.get(base..base + ch),
+        ) else {
+            return false;
+        };
+        if !scratch.reuse(q, (keys.first_row() + t0) / keys.tokens_per_group()) {
+            for (h, q) in q.chunks_exact(d).enumerate() {
+                let kvh = h / group;
+                let (a, b) = (&scale[kvh * d..][..d], &offset[kvh * d..][..d]);
+                for ((f, &q), &a) in folded.iter_mut().zip(q).zip(a) {
+                    *f = q * a;
+                }
+                let Some(s) = quantize(folded, &mut scratch.codes[h * d..][..d]) else {
+                    scratch.coded_for = None;
+                    return false;
+                };
+                scratch.scale[h] = s;
+                scratch.constant[h] = match mid {
+                    None => lane_sum(q, Some(b)),
+                    Some(mid) => -mid * lane_sum(folded, None),
+                };
+            }
+        }
+        let run = t1 - t0;
+        for kvh in 0..kv_heads {
+            let mut g = 0;
+            while g < group {
+                let n = (group - g).min(4);
+                let h0 = kvh * group + g;
+                let block = DotBlock {
+                    levels: &keys.levels[t0 * ch..t1 * ch],
+                    ch,
+                    start: kvh * d,
+                    len: d,
+                    codes: &scratch.codes[h0 * d..],
+                    code_stride: d,
+                    heads: n,
+                    rows: run,
+                };
+                let sums = &mut scratch.sums[..n * run];
+                integer_sums(dot, block, sums, prefetch);
+                for j in 0..n {
+                    let h = h0 + j;
+                    let (s, k) = (scratch.scale[h], scratch.constant[h]);
+                    let w = &mut weights[h * rows + t0..][..run];
+                    for (w, &sum) in w.iter_mut().zip(&sums[j * run..][..run]) {
+                        *w = s * sum as f32 + k;
+                    }
+                }
+                g += n;
+            }
+        }
+        t0 = t1;
+    }
+    true
+}
+
+/// Quantizes `x` to `codes` (`round(x / s)`, ties to even, with
+/// `s = max|x| / 127`) and returns `s`; `None` when `x` is not finite.
+/// Written as lane loops the compiler vectorizes: it runs once per tile.
+fn quantize(x: &[f32], codes: &mut [i8]) -> Option<f32> {
+    let non_finite = x.iter().fold(false, |bad, v| bad | !v.is_finite());
+    if non_finite {
+        return None;
+    }
+    let mut lanes = [0.0f32; 16];
+    for chunk in x.chunks(16) {
+        for (l, &v) in lanes.iter_mut().zip(chunk) {
+            let a = v.abs();
+            *l = if a > *l { a } else { *l };
+        }
+    }
+    let peak = lanes.iter().fold(0.0f32, |m, &l| if l > m { l } else { m });
+    if peak == 0.0 {
+        codes.fill(0);
+        return Some(0.0);
+    }
+    let inv = CODE_MAX / peak;
+    // Adding and subtracting 1.5·2^23 rounds |y| < 2^22 to the nearest
+    // integer, ties to even, without a call to `roundf`.
+    const ROUND: f32 = 12_582_912.0;
+    for (c, &v) in codes.iter_mut().zip(x) {
+        let y = ((v * inv + ROUND) - ROUND).clamp(-CODE_MAX, CODE_MAX);
+        *c = y as i8;
+    }
+    Some(peak / CODE_MAX)
+}
+
+/// `Σ x_c·y_c` (or `Σ x_c` with `y` = `None`) in 16 lanes with a fixed
+/// order, so the compiler vectorizes it and every ISA gets the same bits.
+fn lane_sum(x: &[f32], y: Option<&[f32]>) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    match y {
+        None => {
+            for chunk in x.chunks(16) {
+                for (l, &v) in lanes.iter_mut().zip(chunk) {
+                    *l += v;
+                }
+            }
+        }
+        Some(y) => {
+            for (cx, cy) in x.chunks(16).zip(y.chunks(16)) {
+                for ((l, &a), &b) in lanes.iter_mut().zip(cx).zip(cy) {
+                    *l += a * b;
+                }
+            }
+        }
+    }
+    lanes.iter().sum()
+}
+
+/// Integer dot products of `heads` query code rows against `rows` level rows.
+#[derive(Clone, Copy)]
+pub(crate) struct DotBlock<'a> {
+    /// Level rows, `ch` bytes each.
+    pub(crate) levels: &'a [u8],
+    pub(crate) ch: usize,
+    /// First channel of the segment within a level row.
+    pub(crate) start: usize,
+    /// Channels in the segment.
+    pub(crate) len: usize,
+    /// Head `j`'s codes of the segment start at `codes[j·code_stride]`.
+    pub(crate) codes: &'a [i8],
+    pub(crate) code_stride: usize,
+    pub(crate) heads: usize,
+    pub(crate) rows: usize,
+}
+
+/// `out[j·rows + t] = Σ_c levels[t·ch + start + c] · codes[j·code_stride + c]`.
+pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
+    assert!(
+        b.heads >= 1
+            && b.heads <= 4
+            && b.start + b.len <= b.ch
+            && b.levels.len() >= b.rows * b.ch
+            && b.codes.len() >= (b.heads - 1) * b.code_stride + b.len
+            && out.len() >= b.heads * b.rows
+    );
+    match dot {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
+        // bounds were checked above.
+        Dot::Vnni => unsafe { vnni::integer_sums(b, out, prefetch) },
+        Dot::Portable => portable_sums(b, out, prefetch),
+    }
+}
+
+/// The reference loop: exact i32 sums.
+fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
+    for t in 0..b.rows {
+        if t % 4 == 0 {
+            prefetch.step();
+        }
+        let row = &b.levels[t * b.ch + b.start..][..b.len];
+        for j in 0..b.heads {
+            let codes = &b.codes[j * b.code_stride..][..b.len];
+            out[j * b.rows + t] = row
+                .iter()
+                .zip(codes)
+                .map(|(&l, &c)| i32::from(l) * i32::from(c))
+                .sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    //! `vpdpbusd` on 64 levels at a time: four rows times up to four heads
+    //! in sixteen accumulators, folded together by one transposing reduction.
+
+    use std::arch::x86_64::*;
+
+    use super::{DotBlock, Prefetcher};
+
+    /// [`super::integer_sums`] with AVX-512 VNNI.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW/VNNI, and `b`'s bounds must hold as
+    /// [`super::integer_sums`] checks them.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn integer_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
+        match b.heads {
+            1 => block::<1>(b, out, prefetch),
+            2 => block::<2>(b, out, prefetch),
+            3 => block::<3>(b, out, prefetch),
+            _ => block::<4>(b, out, prefetch),
+        }
+    }
+
+    #[inline(always)]
+    fn block<const H: usize>(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
+        let quads = b.rows / 4 * 4;
+        for t in (0..quads).step_by(4) {
+            prefetch.step();
+            let sums = lanes::<H, 4>(b, t);
+            store::<H, 4>(sums, out, b.rows, t);
+        }
+        for t in quads..b.rows {
+            let sums = lanes::<H, 1>(b, t);
+            store::<H, 1>(sums, out, b.rows, t);
+        }
+    }
+
+    /// The accumulators of heads `j < H` and rows `t..t + R`.
+    #[inline(always)]
+    fn lanes<const H: usize, const R: usize>(b: DotBlock<'_>, t: usize) -> [[__m512i; R]; H] {
+        // SAFETY: only inlined into `integer_sums` (AVX-512F/BW/VNNI). Rows
+        // `t..t + R` are below `b.rows`; every byte read is below
+        // `start + len <= ch` of its row or `(H − 1)·code_stride + len` of
+        // the codes, the rest masked off.
+        unsafe {
+            let mut acc = [[_mm512_setzero_si512(); R]; H];
+            let mut c = 0;
+            while c < b.len {
+                let n = (b.len - c).min(64);
+                let mask = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+                let mut k = [_mm512_setzero_si512(); R];
+                for (r, k) in k.iter_mut().enumerate() {
+                    let p = b.levels.as_ptr().add((t + r) * b.ch + b.start + c);
+                    *k = _mm512_maskz_loadu_epi8(mask, p.cast());
+                }
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let p = b.codes.as_ptr().add(j * b.code_stride + c);
+                    let qc = _mm512_maskz_loadu_epi8(mask, p.cast());
+                    for (a, k) in acc.iter_mut().zip(&k) {
+                        *a = _mm512_dpbusd_epi32(*a, *k, qc);
+                    }
+                }
+                c += 64;
+            }
+            acc
+        }
+    }
+
+    /// Folds the accumulators and stores head `j`, row `r` at `out[j·rows + t + r]`.
+    #[inline(always)]
+    fn store<const H: usize, const R: usize>(
+        acc: [[__m512i; R]; H],
+        out: &mut [i32],
+        rows: usize,
+        t: usize,
+    ) {
+        let mut sums = [0i32; 16];
+        // SAFETY: only inlined into `integer_sums` (AVX-512F); `sums` holds 16 values.
+        unsafe {
+            let mut v = [_mm512_setzero_si512(); 16];
+            for (j, a) in acc.iter().enumerate() {
+                v[j * R..][..R].copy_from_slice(a);
+            }
+            _mm512_storeu_si512(sums.as_mut_ptr().cast(), reduce16(v));
+        }
+        for j in 0..H {
+            out[j * rows + t..][..R].copy_from_slice(&sums[j * R..][..R]);
+        }
+    }
+
+    /// Lane `i` of the result is the sum of the 16 lanes of `v[i]`
+    /// (integer additions, so their order does not matter).
+    #[inline(always)]
+    fn reduce16(v: [__m512i; 16]) -> __m512i {
+        // SAFETY: only inlined into `integer_sums` (AVX-512F); no memory is touched.
+        unsafe {
+            let ps = |x: __m512i| _mm512_castsi512_ps(x);
+            let si = |x: __m512| _mm512_castps_si512(x);
+            // 128-bit blocks of pairs: lanes 0..8 hold v[2p]'s half sums, 8..16 v[2p + 1]'s.
+            let w: [__m512i; 8] = std::array::from_fn(|p| {
+                let (a, b) = (v[2 * p], v[2 * p + 1]);
+                _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0x44>(a, b),
+                    _mm512_shuffle_i32x4::<0xEE>(a, b),
+                )
+            });
+            let x: [__m512i; 4] = std::array::from_fn(|p| {
+                let (a, b) = (w[2 * p], w[2 * p + 1]);
+                _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0x88>(a, b),
+                    _mm512_shuffle_i32x4::<0xDD>(a, b),
+                )
+            });
+            let y: [__m512i; 2] = std::array::from_fn(|p| {
+                let (a, b) = (ps(x[2 * p]), ps(x[2 * p + 1]));
+                _mm512_add_epi32(
+                    si(_mm512_shuffle_ps::<0x44>(a, b)),
+                    si(_mm512_shuffle_ps::<0xEE>(a, b)),
+                )
+            });
+            let (a, b) = (ps(y[0]), ps(y[1]));
+            let z = _mm512_add_epi32(
+                si(_mm512_shuffle_ps::<0x88>(a, b)),
+                si(_mm512_shuffle_ps::<0xDD>(a, b)),
+            );
+            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            _mm512_permutexvar_epi32(order, z)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Integer sums of every kernel equal the reference loop, over segment
+    /// lengths that use full and masked 64-byte chunks, odd row counts and
+    /// every head count.
+    #[test]
+    fn every_dot_kernel_gives_the_exact_sums() {
+        let dots: Vec<Dot> = [Dot::Portable, Dot::detect()].into_iter().collect();
+        if Dot::detect() == Dot::Portable {
+            test_support::skip(
+                test_support::Requirement::Isa,
+                "attention",
+                "every_dot_kernel_gives_the_exact_sums",
+                "no AVX-512 VNNI: only the portable integer sums were run",
+            );
+        }
+        for (ch, start, len, rows, heads) in [
+            (1024, 128, 128, 37, 4),
+            (192, 64, 64, 5, 3),
+            (300, 7, 201, 9, 2),
+            (16, 0, 16, 1, 1),
+            (130, 1, 129, 66, 4),
+        ] {
+            let levels: Vec<u8> = (0..rows * ch).map(|i| (i * 37 % 256) as u8).collect();
+            let codes: Vec<i8> = (0..4 * 256).map(|i| (i * 53 % 255 - 127) as i8).collect();
+            let block = DotBlock {
+                levels: &levels,
+                ch,
+                start,
+                len,
+                codes: &codes,
+                code_stride: 256,
+                heads,
+                rows,
+            };
+            let mut want = vec![0; heads * rows];
+            for t in 0..rows {
+                for j in 0..heads {
+                    want[j * rows + t] = (0..len)
+                        .map(|c| {
+                            i32::from(levels[t * ch + start + c]) * i32::from(codes[j * 256 + c])
+                        })
+                        .sum();
+                }
+            }
+            for &dot in &dots {
+                let mut got = vec![0; heads * rows];
+                integer_sums(dot, block, &mut got, &mut Prefetcher::new(None, 1));
+                assert_eq!(got, want, "{dot:?} at ch {ch}, start {start}, len {len}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_queries_round_to_the_nearest_code() {
+        let x = [0.5f32, -1.0, 0.25, 0.0];
+        let mut codes = [0i8; 4];
+        let s = quantize(&x, &mut codes).unwrap();
+        assert_eq!(s, 1.0 / 127.0);
+        assert_eq!(codes, [64, -127, 32, 0]);
+        assert_eq!(quantize(&[0.0; 3], &mut codes[..3]), Some(0.0));
+        assert_eq!(quantize(&[1.0, f32::NAN], &mut codes[..2]), None);
+        assert_eq!(quantize(&[f32::INFINITY], &mut codes[..1]), None);
+    }
+}

@@ -1,0 +1,35 @@
+//! [`Numerics`]: how attention scores integer-coded keys.
+
+/// How scores against integer keys (INT8/INT4/INT3/INT2 at any
+/// granularity, and the ECC-protected INT4 forms, read as levels plus group
+/// parameters) are computed. Keys held as f32 or half floats, and tiles
+/// with erased values, are always scored exactly.
+///
+/// Fast-path error bound (stated against scores computed exactly from the
+/// dequantized keys): each query head `q` (already scaled by `1/√d`) is
+/// coded as `q̂ = s_q·round(q / s_q)` with `s_q = max|q| / 127`, so
+/// `|q_c − q̂_c| <= s_q / 2` and, for a key row whose group `g` has scale
+/// `a_g` and levels `l_c`,
+///
+/// `|score − score_exact| <= (s_q / 2) · Σ_c |a_g(c)| · l_c`
+///
+/// plus f32 rounding (the integer sums themselves are exact). For
+/// per-channel groups the scale is folded into the query first
+/// (`q'_c = q_c·a_c`), and the bound reads `(s'/2)·Σ_c l_c` with
+/// `s' = max|q'| / 127`. If every score of a head moves by at most `Δ`,
+/// its softmax weights move by a factor within `e^{±2Δ}` and its output
+/// by at most `max_t |v_t| · (e^{2Δ} − 1)`; `tests/numerics.rs` checks
+/// both bounds against the f64 oracle.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Numerics {
+    /// Keys dequantized to f32 in registers and dotted with the f32 query:
+    /// within 1e-5 of the f64 oracle's largest |value| (the default).
+    #[default]
+    Exact,
+    /// The query quantized per head to int8 and scored with integer dot
+    /// products (AVX-512 VNNI `vpdpbusd` where the CPU has it, a portable
+    /// loop with bit-identical results elsewhere), group scales and
+    /// offsets applied once per group.
+    Int8Query,
+}

@@ -1,0 +1,91 @@
+//! [`Workspace`]: the buffers of [`Attention::decode_into`](crate::Attention::decode_into)
+//! and [`Attention::prefill_into`](crate::Attention::prefill_into), kept by
+//! the caller across calls (faer's style of explicit scratch), so that a
+//! decode step allocates nothing once they have grown to its size.
+
+use std::ops::Range;
+
+use kv_quant::KvDecodeStats;
+
+use crate::error::Result;
+use crate::kernel::{KernelScratch, Partial};
+use crate::source::KvSource;
+
+/// Statistics of one tile, keyed by its first row.
+pub(crate) type TileStats = (usize, KvDecodeStats, KvDecodeStats);
+
+/// Reusable buffers of attention calls over sources of types `K` and `V`:
+/// the scaled queries, the visible ranges, and per work item (a decode
+/// chunk or a block of prefill queries) the tile readers' and the kernel's
+/// scratch and the partial softmax states. One workspace serves calls of
+/// any shape; it grows to the largest call and stays that size.
+pub struct Workspace<K: KvSource, V: KvSource> {
+    pub(crate) q: Vec<f32>,
+    pub(crate) ranges: Vec<Range<usize>>,
+    /// Work items: key spans (decode) or query-block indices (prefill).
+    pub(crate) items: Vec<Range<usize>>,
+    pub(crate) slots: Vec<Slot<K, V>>,
+    pub(crate) tiles: Vec<TileStats>,
+    pub(crate) merged: Partial,
+}
+
+impl<K: KvSource, V: KvSource> Workspace<K, V> {
+    /// An empty workspace; the first call sizes it.
+    pub fn new() -> Self {
+        Self {
+            q: Vec::new(),
+            ranges: Vec::new(),
+            items: Vec::new(),
+            slots: Vec::new(),
+            tiles: Vec::new(),
+            merged: Partial::new(0, 0),
+        }
+    }
+
+    /// Makes at least `n` work-item slots.
+    pub(crate) fn ensure_slots(&mut self, n: usize) {
+        while self.slots.len() < n {
+            self.slots.push(Slot::default());
+        }
+    }
+}
+
+impl<K: KvSource, V: KvSource> Default for Workspace<K, V> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<K: KvSource, V: KvSource> std::fmt::Debug for Workspace<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workspace")
+            .field("slots", &self.slots.len())
+            .field("queries", &self.ranges.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One work item's buffers and results.
+pub(crate) struct Slot<K: KvSource, V: KvSource> {
+    pub(crate) keys: K::Scratch,
+    pub(crate) values: V::Scratch,
+    pub(crate) kernel: KernelScratch,
+    /// One partial per query of the item.
+    pub(crate) partials: Vec<Partial>,
+    /// The tiles the item read.
+    pub(crate) tiles: Vec<TileStats>,
+    pub(crate) result: Result<()>,
+}
+
+impl<K: KvSource, V: KvSource> Default for Slot<K, V> {
+    fn default() -> Self {
+        Self {
+            keys: K::Scratch::default(),
+            values: V::Scratch::default(),
+            kernel: KernelScratch::default(),
+            partials: Vec::new(),
+            tiles: Vec::new(),
+            result: Ok(()),
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! `Numerics::Int8Query` against the f64 oracle: every score within the
+//! bound stated on [`Numerics`], so every output within
+//! `max|v|·(e^{2Δ} − 1)` of attention over the dequantized cache, for every
+//! integer key layout the integer path takes; and the path is really taken
+//! (its outputs differ from the exact path's).
+
+mod common;
+
+use attention::{Attention, AttentionConfig, HeadShape, Mask, Numerics};
+use common::{oracle, uniform};
+use kv_quant::{DecodeScratch, KvStore, LevelMap, RowsView};
+
+const FORMS: &[&str] = &[
+    "int8",
+    "int8-sym-ch",
+    "int4",
+    "int4-g32",
+    "int4-g16",
+    "int4-sym-g64",
+    "int4-ch",
+    "int4-ch64",
+    "int4-t",
+    "int3-g32",
+    "int2",
+    "int4+secded84",
+    "int4+secded84+interp",
+    "int4-ch+secded84",
+    "int4+hamming74",
+    "int4+golay24",
+];
+
+const TOKENS: usize = 333;
+
+/// Per query head, the largest score error the bound allows over the keys:
+/// `(s_q/2)·Σ_c |a_g(c)|·l_c` for groups along rows, `(s'/2)·Σ_c l_c`
+/// with `s' = max|q_c·a_c| / 127` for per-channel groups.
+fn score_bounds(store: &KvStore, q: &[f32], shape: &HeadShape) -> Vec<f64> {
+    let (d, group) = (shape.head_dim(), shape.group());
+    let mut scratch = DecodeScratch::default();
+    let (view, _) = store.decode_rows_view(0, TOKENS, &mut scratch).unwrap();
+    let RowsView::Levels(levels) = view else {
+        panic!("integer forms read as levels");
+    };
+    let cpg = levels.channels_per_group();
+    let mut bounds = vec![0.0f64; shape.q_heads()];
+    for (h, qh) in q.chunks_exact(d).enumerate() {
+        let kvh = h / group;
+        for t in 0..TOKENS {
+            let g0 = levels.group_index(t, 0);
+            let row = &levels.levels[t * levels.channels()..][kvh * d..][..d];
+            let bound = if cpg == 1 {
+                let a = &levels.scale[g0 + kvh * d..][..d];
+                let peak = qh.iter().zip(a).fold(0.0f64, |m, (&q, &a)| {
+                    m.max((f64::from(q) * f64::from(a)).abs())
+                });
+                peak / 127.0 / 2.0 * row.iter().map(|&l| f64::from(l)).sum::<f64>()
+            } else {
+                let peak = qh.iter().fold(0.0f64, |m, &q| m.max(f64::from(q).abs()));
+                let weighted: f64 = row
+                    .iter()
+                    .enumerate()
+                    .map(|(c, &l)| {
+                        let a = levels.scale[g0 + (kvh * d + c) / cpg];
+                        f64::from(a).abs() * f64::from(l)
+                    })
+                    .sum();
+                peak / 127.0 / 2.0 * weighted
+            };
+            bounds[h] = bounds[h].max(bound);
+        }
+    }
+    assert!(matches!(
+        levels.map,
+        LevelMap::Affine | LevelMap::Centered { .. }
+    ));
+    bounds
+}
+
+#[test]
+fn int8_queries_stay_within_the_stated_bound_of_the_oracle() {
+    for (shape, seed) in [
+        (HeadShape::new(9, 3, 64).unwrap(), 1),
+        (HeadShape::new(4, 2, 128).unwrap(), 2),
+        (HeadShape::new(6, 2, 96).unwrap(), 3),
+    ] {
+        let ch = shape.kv_channels();
+        let k = uniform(seed, TOKENS * ch, 2.0);
+        let v = uniform(seed + 10, TOKENS * ch, 1.0);
+        let q = uniform(seed + 20, shape.q_len(), 3.0);
+        let fast = Attention::with_config(
+            shape,
+            AttentionConfig {
+                numerics: Numerics::Int8Query,
+                ..AttentionConfig::default()
+            },
+        )
+        .unwrap();
+        let exact = Attention::new(shape);
+        // The scores use the query scaled by 1/√d, as attention scales it.
+        let scaled: Vec<f32> = q
+            .iter()
+            .map(|&x| (f64::from(x) * shape.scale()) as f32)
+            .collect();
+        for &form in FORMS {
+            let (ks, vs) = (
+                KvStore::quantize(form.parse().unwrap(), &k, TOKENS, ch).unwrap(),
+                KvStore::quantize(form.parse().unwrap(), &v, TOKENS, ch).unwrap(),
+            );
+            let (kd, vd) = (ks.decode().unwrap().values, vs.decode().unwrap().values);
+            let want = oracle(&q, &[TOKENS - 1], &kd, &vd, TOKENS, &shape, &Mask::Causal);
+            let got = fast
+                .decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal)
+                .unwrap();
+            let reference = exact
+                .decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal)
+                .unwrap();
+            assert_ne!(
+                got.out, reference.out,
+                "{form}: the integer path was not taken"
+            );
+            let vmax = vd.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
+            let bounds = score_bounds(&ks, &scaled, &shape);
+            let d = shape.head_dim();
+            for (h, &delta) in bounds.iter().enumerate() {
+                // The output bound, plus the exact path's own 1e-5 tolerance.
+                let allowed = vmax * ((2.0 * delta).exp() - 1.0) + 1e-5 * vmax;
+                let err = got.out[h * d..][..d]
+                    .iter()
+                    .zip(&want.out[h * d..][..d])
+                    .map(|(&a, &b)| (f64::from(a) - b).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    err <= allowed,
+                    "{form} at {shape:?}, head {h}: error {err:.3e} > bound {allowed:.3e} (Δ = {delta:.3e})"
+                );
+                let lse_err = (f64::from(got.lse[h]) - want.lse[h]).abs();
+                assert!(
+                    lse_err <= delta + 1e-5 * want.lse[h].abs().max(1.0),
+                    "{form}, head {h}: log-sum-exp off by {lse_err:.3e} > Δ = {delta:.3e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_queries_leave_float_forms_exact() {
+    let shape = HeadShape::new(4, 2, 64).unwrap();
+    let ch = shape.kv_channels();
+    let (k, v, q) = (
+        uniform(5, TOKENS * ch, 1.0),
+        uniform(6, TOKENS * ch, 1.0),
+        uniform(7, shape.q_len(), 1.0),
+    );
+    let fast = Attention::with_config(
+        shape,
+        AttentionConfig {
+            numerics: Numerics::Int8Query,
+            ..AttentionConfig::default()
+        },
+    )
+    .unwrap();
+    let exact = Attention::new(shape);
+    // Float forms, and integer groups narrower than the integer path takes.
+    for form in ["fp16", "fp8-e4m3", "nf4-g64", "int4-g8"] {
+        let f = form.parse().unwrap();
+        let (ks, vs) = (
+            KvStore::quantize(f, &k, TOKENS, ch).unwrap(),
+            KvStore::quantize(f, &v, TOKENS, ch).unwrap(),
+        );
+        let a = fast
+            .decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal)
+            .unwrap();
+        let b = exact
+            .decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal)
+            .unwrap();
+        assert_eq!(a.out, b.out, "{form}");
+    }
+}
