@@ -14,6 +14,12 @@
 //!   FP16, FP8, INT8, INT4 at any granularity, ECC-protected INT4 with its
 //!   erasure policy). Decode statistics come back with the output, miscorrected
 //!   and silent words included (from each store's fault ledger).
+//! - [`Numerics`]: exact f32 scores, or int8-quantized queries scored with
+//!   integer dot products against integer keys (llama.cpp's way), with a
+//!   stated and tested error bound.
+//! - [`Attention::decode_into`] / [`Attention::prefill_into`]: the same
+//!   calls into caller-owned buffers with a reusable [`Workspace`], so a
+//!   decode step allocates nothing.
 //! - [`KvBackend`]: the one interface between a model's forward pass and its
 //!   cache (append, attend, commit or roll back a step); [`DenseBackend`]
 //!   keeps f32 rows, the oracle.

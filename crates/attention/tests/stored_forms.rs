@@ -77,7 +77,18 @@ fn stores(form: &str, ber: f64, seed: u64, shape: &HeadShape) -> (KvStore, KvSto
 
 #[test]
 fn in_loop_decoding_equals_up_front_decoding_for_every_form() {
-    let shape = HeadShape::new(6, 2, 64).unwrap();
+    in_loop_equals_up_front(HeadShape::new(6, 2, 64).unwrap(), FORMS);
+}
+
+/// SmolLM2's shape: rows of 192 channels, so groups (whole rows, 48 or 96
+/// channels) that are multiples of 16 but not powers of two.
+#[test]
+fn in_loop_decoding_equals_up_front_decoding_for_groups_of_any_multiple_of_16() {
+    let forms = ["int4", "int4-g48", "int8-g96", "int4+secded84+interp"];
+    in_loop_equals_up_front(HeadShape::new(9, 3, 64).unwrap(), &forms);
+}
+
+fn in_loop_equals_up_front(shape: HeadShape, forms: &[&str]) {
     let config = AttentionConfig {
         tile_tokens: 32,
         split_tokens: 64,
@@ -90,7 +101,7 @@ fn in_loop_decoding_equals_up_front_decoding_for_every_form() {
     let ch = shape.kv_channels();
     let q = uniform(99, 4 * shape.q_len(), 1.0);
     let positions = [TOKENS - 1, 0, 100, 257];
-    for &form in FORMS {
+    for &form in forms {
         for (ber, seed) in [(0.0, 5), (1e-2, 6), (1e-3, 7)] {
             let (k, v) = stores(form, ber, seed, &shape);
             let (kd, vd) = (k.decode().unwrap(), v.decode().unwrap());

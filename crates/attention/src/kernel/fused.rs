@@ -135,14 +135,16 @@ impl Load for Halves<'_> {
 /// Integer levels with their group parameters ([`LevelRows`]), dequantized
 /// in registers as kv-quant does it: `b + level·a` (product, then sum) or
 /// `(level − mid)·a`. Only for layouts where 16 consecutive channels of a
-/// row share one group (`channels_per_group` a power of two, at least 16)
-/// or each have their own (`channels_per_group == 1`).
+/// row share one group (`channels_per_group` a multiple of 16, like
+/// SmolLM2's whole-row groups of 192) or each have their own
+/// (`channels_per_group == 1`).
 #[derive(Clone, Copy)]
 struct Levels<'a> {
     rows: LevelRows<'a>,
     ch: usize,
-    /// `log2(channels_per_group)` for shared groups; `None` for one group per channel.
-    shared: Option<u32>,
+    /// Channel → group within a row for shared groups; `None` for one
+    /// group per channel.
+    shared: Option<GroupDivisor>,
     /// `Some(mid)` for symmetric levels.
     mid: Option<f32>,
     /// Groups per row when every row has its own (per-token groups): row
@@ -155,7 +157,7 @@ impl<'a> Levels<'a> {
         let cpg = rows.channels_per_group();
         let shared = match cpg {
             1 => None,
-            n if n >= 16 && n.is_power_of_two() => Some(n.trailing_zeros()),
+            n if n % 16 == 0 => Some(GroupDivisor::new(n, rows.channels())?),
             _ => return None,
         };
         let mid = match rows.map {
@@ -180,8 +182,8 @@ impl<'a> Levels<'a> {
         // (or `g + col + 15` for one group per channel, masked above `n`)
         // exists, as `LevelRows::value` would read it.
         unsafe {
-            let (a, b) = if let Some(shift) = self.shared {
-                let i = g + (col >> shift);
+            let (a, b) = if let Some(div) = self.shared {
+                let i = g + div.of(col);
                 (
                     _mm512_set1_ps(*self.rows.scale.get_unchecked(i)),
                     _mm512_set1_ps(*self.rows.offset.get_unchecked(i)),
@@ -243,6 +245,39 @@ impl Load for Levels<'_> {
             let bytes = _mm_maskz_loadu_epi8(mask(n), self.rows.levels.as_ptr().add(i).cast());
             self.dequantize(g, col, _mm512_cvtepu8_epi32(bytes), n)
         }
+    }
+}
+
+/// `channel / channels_per_group` without a division instruction: a shift
+/// for powers of two, else a multiply by `⌈2^32 / cpg⌉` and a shift, exact
+/// for every channel of the row ([`GroupDivisor::new`] checks the bound).
+#[derive(Clone, Copy, Debug)]
+struct GroupDivisor {
+    magic: u64,
+    shift: u32,
+}
+
+impl GroupDivisor {
+    /// The divisor for groups of `cpg` channels in rows of `ch` channels;
+    /// `None` if the multiply-shift is not exact up to `ch`.
+    fn new(cpg: usize, ch: usize) -> Option<Self> {
+        if cpg.is_power_of_two() {
+            return Some(Self {
+                magic: 1,
+                shift: cpg.trailing_zeros(),
+            });
+        }
+        // With m = ⌈2^32 / cpg⌉ = (2^32 + e) / cpg and x = q·cpg + r,
+        // x·m / 2^32 = q + r/cpg + x·e / (cpg·2^32), whose floor is q while
+        // x·e < 2^32 (as r <= cpg − 1): true for every x < ch if ch·e < 2^32.
+        let magic = (1u64 << 32).div_ceil(cpg as u64);
+        let excess = magic * cpg as u64 - (1u64 << 32);
+        ((ch as u64).checked_mul(excess)? < 1u64 << 32).then_some(Self { magic, shift: 32 })
+    }
+
+    #[inline(always)]
+    fn of(self, channel: usize) -> usize {
+        ((channel as u64 * self.magic) >> self.shift) as usize
     }
 }
 
@@ -649,5 +684,24 @@ fn store_block<const H: usize, const N: usize>(
             unsafe { _mm512_storeu_ps(buffer.as_mut_ptr(), *a) };
             out[j * d + c + 16 * k..][..lanes].copy_from_slice(&buffer[..lanes]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GroupDivisor;
+
+    #[test]
+    fn group_divisors_divide_every_channel_of_a_row_exactly() {
+        for cpg in (16..=4096).step_by(16) {
+            for ch in [cpg, 3 * cpg, 40 * cpg] {
+                let div = GroupDivisor::new(cpg, ch).expect("rows of realistic width");
+                for x in 0..ch {
+                    assert_eq!(div.of(x), x / cpg, "{x} / {cpg} in rows of {ch}");
+                }
+            }
+        }
+        // Refused where the multiply-shift could be off (ch · e >= 2^32).
+        assert!(GroupDivisor::new(48, 1 << 31).is_none());
     }
 }
