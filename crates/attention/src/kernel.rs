@@ -232,6 +232,37 @@ pub(crate) fn attend_tile(
     scratch.wide = wide;
 }
 
+/// A pass over one block of up to four query heads sharing a KV head: the
+/// unit every pass of a tile works on, with the head count `H` a constant
+/// so that the block's accumulators live in registers.
+pub(crate) trait HeadBlockPass {
+    /// Query heads `h0..h0 + H`, all of KV head `kvh`.
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize);
+}
+
+/// Runs `pass` over every block of up to four query heads of each KV head,
+/// in head order: the one head-block loop of every kernel.
+#[inline(always)]
+pub(crate) fn for_head_blocks<P: HeadBlockPass>(geometry: TileGeometry, pass: &mut P) {
+    let TileGeometry {
+        group, kv_heads, ..
+    } = geometry;
+    for kvh in 0..kv_heads {
+        let mut g = 0;
+        while g < group {
+            let n = (group - g).min(4);
+            let h0 = kvh * group + g;
+            match n {
+                1 => pass.run::<1>(kvh, h0),
+                2 => pass.run::<2>(kvh, h0),
+                3 => pass.run::<3>(kvh, h0),
+                _ => pass.run::<4>(kvh, h0),
+            }
+            g += n;
+        }
+    }
+}
+
 /// Address ranges of the next tile's stored keys and values (either unknown),
 /// to prefetch while the current tile is worked on.
 pub(crate) type Upcoming = [Option<std::ops::Range<usize>>; 2];
@@ -395,26 +426,39 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
     }
     let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
     softmax_rows::<FMA>(weights, rows, m, l);
-    let acc = &mut scratch.acc[..heads * d];
-    for kvh in 0..kv_heads {
-        // Up to four heads of the group per pass over the value rows.
-        let mut g = 0;
-        while g < group {
-            let n = (group - g).min(4);
-            let h = kvh * group + g;
-            let out = &mut acc[h * d..][..n * d];
-            let w = &weights[h * rows..][..n * rows];
-            match n {
-                1 => weighted_sum::<FMA, ISA, 1>(out, w, values, ch, kvh * d),
-                2 => weighted_sum::<FMA, ISA, 2>(out, w, values, ch, kvh * d),
-                3 => weighted_sum::<FMA, ISA, 3>(out, w, values, ch, kvh * d),
-                _ => weighted_sum::<FMA, ISA, 4>(out, w, values, ch, kvh * d),
-            }
-            g += n;
-        }
-    }
+    // Up to four heads of the group per pass over the value rows.
+    let mut pass = ValuePass::<FMA, ISA> {
+        acc: &mut scratch.acc[..heads * d],
+        weights,
+        values,
+        ch,
+        d,
+        rows,
+    };
+    for_head_blocks(geometry, &mut pass);
+    let acc = &scratch.acc[..heads * d];
     for h in 0..heads {
         partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
+    }
+}
+
+/// The weighted value sums of one head block from f32 value rows.
+struct ValuePass<'a, const FMA: bool, const ISA: u8> {
+    acc: &'a mut [f32],
+    weights: &'a [f32],
+    values: &'a [f32],
+    ch: usize,
+    d: usize,
+    rows: usize,
+}
+
+impl<const FMA: bool, const ISA: u8> HeadBlockPass for ValuePass<'_, FMA, ISA> {
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let (d, rows) = (self.d, self.rows);
+        let out = &mut self.acc[h0 * d..][..H * d];
+        let w = &self.weights[h0 * rows..][..H * rows];
+        weighted_sum::<FMA, ISA, H>(out, w, self.values, self.ch, kvh * d);
     }
 }
 

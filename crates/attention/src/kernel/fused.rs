@@ -27,7 +27,8 @@ use std::arch::x86_64::*;
 use kv_quant::{LevelMap, LevelRows};
 
 use super::{
-    KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming, softmax_rows, widen_rows,
+    HeadBlockPass, KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming,
+    for_head_blocks, softmax_rows, widen_rows,
 };
 use crate::source::TileRows;
 
@@ -380,28 +381,43 @@ fn score_pass<K: Load>(
     let TileGeometry { group, kv_heads, d } = geometry;
     let heads = kv_heads * group;
     assert!(keys.len() == rows * kv_heads * d && keys.ch() == kv_heads * d);
-    let weights = &mut scratch.weights[..heads * rows];
-    for kvh in 0..kv_heads {
-        let mut g = 0;
-        while g < group {
-            let n = (group - g).min(4);
-            let h = kvh * group + g;
-            let block = ScoreBlock {
-                q: &q[h * d..][..n * d],
-                keys,
-                offset: kvh * d,
-                d,
-                rows,
-            };
-            let w = &mut weights[h * rows..][..n * rows];
-            match n {
-                1 => scores::<K, 1>(block, w, prefetch),
-                2 => scores::<K, 2>(block, w, prefetch),
-                3 => scores::<K, 3>(block, w, prefetch),
-                _ => scores::<K, 4>(block, w, prefetch),
-            }
-            g += n;
-        }
+    let mut pass = ScorePass {
+        q,
+        keys,
+        weights: &mut scratch.weights[..heads * rows],
+        d,
+        rows,
+        prefetch,
+    };
+    for_head_blocks(geometry, &mut pass);
+}
+
+/// The scores of one head block.
+struct ScorePass<'a, K> {
+    q: &'a [f32],
+    keys: K,
+    weights: &'a mut [f32],
+    d: usize,
+    rows: usize,
+    prefetch: &'a mut Prefetcher,
+}
+
+impl<K: Load> HeadBlockPass for ScorePass<'_, K> {
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let (d, rows) = (self.d, self.rows);
+        let block = ScoreBlock {
+            q: &self.q[h0 * d..][..H * d],
+            keys: self.keys,
+            offset: kvh * d,
+            d,
+            rows,
+        };
+        scores::<K, H>(
+            block,
+            &mut self.weights[h0 * rows..][..H * rows],
+            self.prefetch,
+        );
     }
 }
 
@@ -412,23 +428,32 @@ fn value_pass<V: Load>(tile: Tile<'_>, values: V, scratch: &mut KernelScratch) {
     let TileGeometry { group, kv_heads, d } = tile.geometry;
     let (heads, rows) = (kv_heads * group, tile.rows);
     assert!(values.len() == rows * kv_heads * d && values.ch() == kv_heads * d);
-    let weights = &scratch.weights[..heads * rows];
-    let acc = &mut scratch.acc[..heads * d];
-    for kvh in 0..kv_heads {
-        let mut g = 0;
-        while g < group {
-            let n = (group - g).min(4);
-            let h = kvh * group + g;
-            let out = &mut acc[h * d..][..n * d];
-            let w = &weights[h * rows..][..n * rows];
-            match n {
-                1 => weighted_sum::<V, 1>(out, w, values, kvh * d),
-                2 => weighted_sum::<V, 2>(out, w, values, kvh * d),
-                3 => weighted_sum::<V, 3>(out, w, values, kvh * d),
-                _ => weighted_sum::<V, 4>(out, w, values, kvh * d),
-            }
-            g += n;
-        }
+    let mut pass = ValuePass {
+        acc: &mut scratch.acc[..heads * d],
+        weights: &scratch.weights[..heads * rows],
+        values,
+        d,
+        rows,
+    };
+    for_head_blocks(tile.geometry, &mut pass);
+}
+
+/// The weighted value sums of one head block.
+struct ValuePass<'a, V> {
+    acc: &'a mut [f32],
+    weights: &'a [f32],
+    values: V,
+    d: usize,
+    rows: usize,
+}
+
+impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let (d, rows) = (self.d, self.rows);
+        let out = &mut self.acc[h0 * d..][..H * d];
+        let w = &self.weights[h0 * rows..][..H * rows];
+        weighted_sum::<V, H>(out, w, self.values, kvh * d);
     }
 }
 

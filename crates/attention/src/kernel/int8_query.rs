@@ -24,7 +24,7 @@
 
 use kv_quant::{LevelMap, LevelRows};
 
-use super::{Prefetcher, TileGeometry};
+use super::{HeadBlockPass, Prefetcher, TileGeometry, for_head_blocks};
 
 /// Narrowest group along a row the integer path takes: narrower groups
 /// leave too few values per scale for an integer dot product to pay.
@@ -164,10 +164,8 @@ fn along_rows(
     weights: &mut [f32],
     prefetch: &mut Prefetcher,
 ) -> bool {
-    let (q, keys, dot, mid) = (ctx.q, ctx.keys, ctx.dot, ctx.mid);
-    let TileGeometry { group, kv_heads, d } = ctx.geometry;
+    let (q, keys, d) = (ctx.q, ctx.keys, ctx.geometry.d);
     let rows = keys.rows();
-    let cpg = keys.channels_per_group();
     if !scratch.reuse(q, usize::MAX) {
         for (h, q) in q.chunks_exact(d).enumerate() {
             let Some(s) = quantize(q, &mut scratch.codes[h * d..][..d]) else {
@@ -183,66 +181,87 @@ fn along_rows(
         .extend((0..rows).map(|t| keys.group_index(t, 0)));
     scratch.seg_a.resize(rows, 0.0);
     scratch.seg_b.resize(rows, 0.0);
-    for kvh in 0..kv_heads {
-        let first = kvh * d;
-        let mut g = 0;
-        while g < group {
-            let n = (group - g).min(4);
-            let h0 = kvh * group + g;
-            let mut c = first;
-            let mut segment = 0;
-            while c < first + d {
-                let end = ((c / cpg + 1) * cpg).min(first + d);
-                let block = DotBlock {
-                    levels: keys.levels,
-                    ch: kv_heads * d,
-                    start: c,
-                    len: end - c,
-                    codes: &scratch.codes[h0 * d + (c - first)..],
-                    code_stride: d,
-                    heads: n,
-                    rows,
+    let mut pass = RowSegments {
+        ctx,
+        scratch,
+        weights,
+        prefetch,
+    };
+    for_head_blocks(ctx.geometry, &mut pass);
+    true
+}
+
+/// The segments of one head block against every row (groups along rows).
+struct RowSegments<'a, 'k> {
+    ctx: Context<'a, 'k>,
+    scratch: &'a mut IntScratch,
+    weights: &'a mut [f32],
+    prefetch: &'a mut Prefetcher,
+}
+
+impl HeadBlockPass for RowSegments<'_, '_> {
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let Self {
+            ctx,
+            scratch,
+            weights,
+            prefetch,
+        } = self;
+        let (q, keys, mid) = (ctx.q, ctx.keys, ctx.mid);
+        let d = ctx.geometry.d;
+        let (rows, cpg, first) = (keys.rows(), keys.channels_per_group(), kvh * d);
+        let mut c = first;
+        let mut segment = 0;
+        while c < first + d {
+            let end = ((c / cpg + 1) * cpg).min(first + d);
+            let block = DotBlock {
+                levels: keys.levels,
+                ch: keys.channels(),
+                start: c,
+                len: end - c,
+                codes: &scratch.codes[h0 * d + (c - first)..],
+                code_stride: d,
+                heads: H,
+                rows,
+            };
+            let sums = &mut scratch.sums[..H * rows];
+            integer_sums(ctx.dot, block, sums, prefetch);
+            // The segment's scale and offset term per row (centred levels:
+            // `a·(l − mid) = a·l + (−mid·a)`).
+            let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
+            for ((a, b), &g0) in seg_a
+                .iter_mut()
+                .zip(seg_b.iter_mut())
+                .zip(&scratch.row_groups)
+            {
+                let gi = g0 + c / cpg;
+                *a = keys.scale[gi];
+                *b = match mid {
+                    None => keys.offset[gi],
+                    Some(mid) => -mid * keys.scale[gi],
                 };
-                let sums = &mut scratch.sums[..n * rows];
-                integer_sums(dot, block, sums, prefetch);
-                // The segment's scale and offset term per row (centred
-                // levels: `a·(l − mid) = a·l + (−mid·a)`).
-                let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
-                for ((a, b), &g0) in seg_a
-                    .iter_mut()
-                    .zip(seg_b.iter_mut())
-                    .zip(&scratch.row_groups)
-                {
-                    let gi = g0 + c / cpg;
-                    *a = keys.scale[gi];
-                    *b = match mid {
-                        None => keys.offset[gi],
-                        Some(mid) => -mid * keys.scale[gi],
-                    };
-                }
-                for j in 0..n {
-                    let h = h0 + j;
-                    let q_sum = lane_sum(&q[h * d + (c - first)..h * d + (end - first)], None);
-                    let s_q = scratch.scale[h];
-                    let w = &mut weights[h * rows..][..rows];
-                    let terms = sums[j * rows..][..rows]
-                        .iter()
-                        .zip(seg_a.iter().zip(seg_b.iter()));
-                    let term =
-                        |(&sum, (&a, &b)): (&i32, (&f32, &f32))| a * (s_q * sum as f32) + b * q_sum;
-                    if segment == 0 {
-                        w.iter_mut().zip(terms).for_each(|(w, x)| *w = term(x));
-                    } else {
-                        w.iter_mut().zip(terms).for_each(|(w, x)| *w += term(x));
-                    }
-                }
-                segment += 1;
-                c = end;
             }
-            g += n;
+            for j in 0..H {
+                let h = h0 + j;
+                let q_sum = lane_sum(&q[h * d + (c - first)..h * d + (end - first)], None);
+                let s_q = scratch.scale[h];
+                let w = &mut weights[h * rows..][..rows];
+                let terms = sums[j * rows..][..rows]
+                    .iter()
+                    .zip(seg_a.iter().zip(seg_b.iter()));
+                let term =
+                    |(&sum, (&a, &b)): (&i32, (&f32, &f32))| a * (s_q * sum as f32) + b * q_sum;
+                if segment == 0 {
+                    w.iter_mut().zip(terms).for_each(|(w, x)| *w = term(x));
+                } else {
+                    w.iter_mut().zip(terms).for_each(|(w, x)| *w += term(x));
+                }
+            }
+            segment += 1;
+            c = end;
         }
     }
-    true
 }
 
 /// One group per channel: per run of rows in one block of tokens, the
@@ -268,7 +287,7 @@ fn per_channel_runs(
     weights: &mut [f32],
     prefetch: &mut Prefetcher,
 ) -> bool {
-    let (q, keys, dot, mid) = (ctx.q, ctx.keys, ctx.dot, ctx.mid);
+    let (q, keys, mid) = (ctx.q, ctx.keys, ctx.mid);
     let TileGeometry { group, kv_heads, d } = ctx.geometry;
     let (ch, rows) = (kv_heads * d, keys.rows());
     let mut t0 = 0;
@@ -302,38 +321,56 @@ fn per_channel_runs(
                 };
             }
         }
-        let run = t1 - t0;
-        for kvh in 0..kv_heads {
-            let mut g = 0;
-            while g < group {
-                let n = (group - g).min(4);
-                let h0 = kvh * group + g;
-                let block = DotBlock {
-                    levels: &keys.levels[t0 * ch..t1 * ch],
-                    ch,
-                    start: kvh * d,
-                    len: d,
-                    codes: &scratch.codes[h0 * d..],
-                    code_stride: d,
-                    heads: n,
-                    rows: run,
-                };
-                let sums = &mut scratch.sums[..n * run];
-                integer_sums(dot, block, sums, prefetch);
-                for j in 0..n {
-                    let h = h0 + j;
-                    let (s, k) = (scratch.scale[h], scratch.constant[h]);
-                    let w = &mut weights[h * rows + t0..][..run];
-                    for (w, &sum) in w.iter_mut().zip(&sums[j * run..][..run]) {
-                        *w = s * sum as f32 + k;
-                    }
-                }
-                g += n;
-            }
-        }
+        let mut pass = ChannelRun {
+            ctx,
+            scratch: &mut *scratch,
+            weights: &mut *weights,
+            prefetch: &mut *prefetch,
+            rows: t0..t1,
+        };
+        for_head_blocks(ctx.geometry, &mut pass);
         t0 = t1;
     }
     true
+}
+
+/// One head block against a run of rows sharing a block of tokens
+/// (per-channel groups, scales folded into the codes).
+struct ChannelRun<'a, 'k> {
+    ctx: Context<'a, 'k>,
+    scratch: &'a mut IntScratch,
+    weights: &'a mut [f32],
+    prefetch: &'a mut Prefetcher,
+    rows: std::ops::Range<usize>,
+}
+
+impl HeadBlockPass for ChannelRun<'_, '_> {
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let (keys, d) = (self.ctx.keys, self.ctx.geometry.d);
+        let (ch, rows, run) = (keys.channels(), keys.rows(), self.rows.len());
+        let t0 = self.rows.start;
+        let block = DotBlock {
+            levels: &keys.levels[t0 * ch..self.rows.end * ch],
+            ch,
+            start: kvh * d,
+            len: d,
+            codes: &self.scratch.codes[h0 * d..],
+            code_stride: d,
+            heads: H,
+            rows: run,
+        };
+        let sums = &mut self.scratch.sums[..H * run];
+        integer_sums(self.ctx.dot, block, sums, self.prefetch);
+        for j in 0..H {
+            let h = h0 + j;
+            let (s, k) = (self.scratch.scale[h], self.scratch.constant[h]);
+            let w = &mut self.weights[h * rows + t0..][..run];
+            for (w, &sum) in w.iter_mut().zip(&sums[j * run..][..run]) {
+                *w = s * sum as f32 + k;
+            }
+        }
+    }
 }
 
 /// Quantizes `x` to `codes` (`round(x / s)`, ties to even, with
