@@ -14,9 +14,11 @@
 //! at 32/8/128 and 128K tokens every set is at least 4x a 32 MiB L3 (int4,
 //! the smallest, holds 129 MiB), so those rows are about memory.
 //!
-//! Integer forms are measured twice: `F` scores keys exactly in f32, and
+//! Integer forms are measured three times: `F` scores keys exactly in f32,
 //! `F@int8q` with int8-quantized queries and integer dot products
-//! (`Numerics::Int8Query`), each with its own `baseline-…` stream.
+//! (`Numerics::Int8Query`) and `F@int16q` with 16-bit query codes as two
+//! int8 halves (`Numerics::Int16Query`), each with its own `baseline-…`
+//! stream.
 //!
 //! Set `ATTENTION_BENCH_CONTEXTS` (for example `4096,65536`) to pick contexts.
 //!
@@ -29,7 +31,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use attention::{Attention, AttentionConfig, DenseKv, HeadShape, KvSource, Mask, Numerics};
+use attention::{Attention, DenseKv, HeadShape, KvSource, Mask, Numerics};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use kv_quant::{CacheForm, KvStore};
@@ -175,15 +177,17 @@ fn decode(c: &mut Criterion) {
     for &(q_heads, kv_heads, d) in &SHAPES {
         let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
         let ch = shape.kv_channels();
-        let attn = Attention::new(shape);
-        let int8q = Attention::with_config(
-            shape,
-            AttentionConfig {
-                numerics: Numerics::Int8Query,
-                ..AttentionConfig::default()
-            },
-        )
-        .expect("config");
+        let mut attn = Attention::new(shape);
+        attn.set_numerics(Numerics::Exact);
+        let coded = |numerics| {
+            let mut a = attn;
+            a.set_numerics(numerics);
+            a
+        };
+        let fast = [
+            ("int8q", coded(Numerics::Int8Query)),
+            ("int16q", coded(Numerics::Int16Query)),
+        ];
         let q = matrix(1, shape.q_len(), 0.3);
         for tokens in contexts(d) {
             let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
@@ -208,8 +212,10 @@ fn decode(c: &mut Criterion) {
                 });
                 bench_form(&mut group, &pool, spelling, (&attn, &q), &ks, &vs);
                 if integer_keys(spelling) {
-                    let name = format!("{spelling}@int8q");
-                    bench_form(&mut group, &pool, &name, (&int8q, &q), &ks, &vs);
+                    for (suffix, attn) in &fast {
+                        let name = format!("{spelling}@{suffix}");
+                        bench_form(&mut group, &pool, &name, (attn, &q), &ks, &vs);
+                    }
                 }
             }
             group.finish();

@@ -176,13 +176,19 @@ pub(crate) fn attend_tile(
     if scratch.acc.len() < heads * geometry.d {
         scratch.acc.resize(heads * geometry.d, 0.0);
     }
-    let scored = match (numerics, keys) {
-        (Numerics::Int8Query, TileRows::Levels(levels)) => {
+    let codes = match numerics {
+        Numerics::Exact => None,
+        Numerics::Int8Query => Some(int8_query::QueryCodes::Int8),
+        Numerics::Int16Query => Some(int8_query::QueryCodes::Int16),
+    };
+    let scored = match (codes, keys) {
+        (Some(codes), TileRows::Levels(levels)) => {
             let steps = geometry.kv_heads * geometry.group.div_ceil(4) * rows.div_ceil(4);
             int8_query::scores(
                 q,
                 &levels,
                 geometry,
+                codes,
                 int8_query::Dot::detect(),
                 &mut scratch.int,
                 &mut scratch.weights[..heads * rows],

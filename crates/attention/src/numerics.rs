@@ -32,4 +32,9 @@ pub enum Numerics {
     /// loop with bit-identical results elsewhere), group scales and
     /// offsets applied once per group.
     Int8Query,
+    /// As [`Int8Query`](Self::Int8Query) with the query coded to 16 bits
+    /// (`s_q = max|q| / 32639`), split into two int8 halves
+    /// `c = 256·hi + lo` scored by two integer dot products and combined
+    /// exactly: 257 times the precision for twice the integer work.
+    Int16Query,
 }

@@ -1,12 +1,12 @@
-//! `Numerics::Int8Query` against the f64 oracle: every score within the
-//! bound stated on [`Numerics`], so every output within
+//! `Numerics::Int8Query` and `Int16Query` against the f64 oracle: every
+//! score within the bound stated on [`Numerics`], so every output within
 //! `max|v|·(e^{2Δ} − 1)` of attention over the dequantized cache, for every
 //! integer key layout the integer path takes; and the path is really taken
 //! (its outputs differ from the exact path's).
 
 mod common;
 
-use attention::{Attention, AttentionConfig, HeadShape, Mask, Numerics};
+use attention::{Attention, HeadShape, Mask, Numerics};
 use common::{oracle, uniform};
 use kv_quant::{DecodeScratch, KvStore, LevelMap, RowsView};
 
@@ -33,8 +33,8 @@ const TOKENS: usize = 333;
 
 /// Per query head, the largest score error the bound allows over the keys:
 /// `(s_q/2)·Σ_c |a_g(c)|·l_c` for groups along rows, `(s'/2)·Σ_c l_c`
-/// with `s' = max|q_c·a_c| / 127` for per-channel groups.
-fn score_bounds(store: &KvStore, q: &[f32], shape: &HeadShape) -> Vec<f64> {
+/// with `s' = max|q_c·a_c| / code_max` for per-channel groups.
+fn score_bounds(store: &KvStore, q: &[f32], shape: &HeadShape, code_max: f64) -> Vec<f64> {
     let (d, group) = (shape.head_dim(), shape.group());
     let mut scratch = DecodeScratch::default();
     let (view, _) = store.decode_rows_view(0, TOKENS, &mut scratch).unwrap();
@@ -53,7 +53,7 @@ fn score_bounds(store: &KvStore, q: &[f32], shape: &HeadShape) -> Vec<f64> {
                 let peak = qh.iter().zip(a).fold(0.0f64, |m, (&q, &a)| {
                     m.max((f64::from(q) * f64::from(a)).abs())
                 });
-                peak / 127.0 / 2.0 * row.iter().map(|&l| f64::from(l)).sum::<f64>()
+                peak / code_max / 2.0 * row.iter().map(|&l| f64::from(l)).sum::<f64>()
             } else {
                 let peak = qh.iter().fold(0.0f64, |m, &q| m.max(f64::from(q).abs()));
                 let weighted: f64 = row
@@ -64,7 +64,7 @@ fn score_bounds(store: &KvStore, q: &[f32], shape: &HeadShape) -> Vec<f64> {
                         f64::from(a).abs() * f64::from(l)
                     })
                     .sum();
-                peak / 127.0 / 2.0 * weighted
+                peak / code_max / 2.0 * weighted
             };
             bounds[h] = bounds[h].max(bound);
         }
@@ -87,21 +87,20 @@ fn int8_queries_stay_within_the_stated_bound_of_the_oracle() {
         let k = uniform(seed, TOKENS * ch, 2.0);
         let v = uniform(seed + 10, TOKENS * ch, 1.0);
         let q = uniform(seed + 20, shape.q_len(), 3.0);
-        let fast = Attention::with_config(
-            shape,
-            AttentionConfig {
-                numerics: Numerics::Int8Query,
-                ..AttentionConfig::default()
-            },
-        )
-        .unwrap();
-        let exact = Attention::new(shape);
+        let mut exact = Attention::new(shape);
+        exact.set_numerics(Numerics::Exact);
         // The scores use the query scaled by 1/√d, as attention scales it.
         let scaled: Vec<f32> = q
             .iter()
             .map(|&x| (f64::from(x) * shape.scale()) as f32)
             .collect();
-        for &form in FORMS {
+        let codings = [
+            (Numerics::Int8Query, 127.0),
+            (Numerics::Int16Query, 32639.0),
+        ];
+        for (form, (numerics, code_max)) in FORMS.iter().flat_map(|f| codings.map(|c| (f, c))) {
+            let mut fast = exact;
+            fast.set_numerics(numerics);
             let (ks, vs) = (
                 KvStore::quantize(form.parse().unwrap(), &k, TOKENS, ch).unwrap(),
                 KvStore::quantize(form.parse().unwrap(), &v, TOKENS, ch).unwrap(),
@@ -116,10 +115,10 @@ fn int8_queries_stay_within_the_stated_bound_of_the_oracle() {
                 .unwrap();
             assert_ne!(
                 got.out, reference.out,
-                "{form}: the integer path was not taken"
+                "{numerics:?}, {form}: the integer path was not taken"
             );
             let vmax = vd.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
-            let bounds = score_bounds(&ks, &scaled, &shape);
+            let bounds = score_bounds(&ks, &scaled, &shape, code_max);
             let d = shape.head_dim();
             for (h, &delta) in bounds.iter().enumerate() {
                 // The output bound, plus the exact path's own 1e-5 tolerance.
@@ -131,12 +130,12 @@ fn int8_queries_stay_within_the_stated_bound_of_the_oracle() {
                     .fold(0.0, f64::max);
                 assert!(
                     err <= allowed,
-                    "{form} at {shape:?}, head {h}: error {err:.3e} > bound {allowed:.3e} (Δ = {delta:.3e})"
+                    "{numerics:?}, {form} at {shape:?}, head {h}: error {err:.3e} > bound {allowed:.3e} (Δ = {delta:.3e})"
                 );
                 let lse_err = (f64::from(got.lse[h]) - want.lse[h]).abs();
                 assert!(
                     lse_err <= delta + 1e-5 * want.lse[h].abs().max(1.0),
-                    "{form}, head {h}: log-sum-exp off by {lse_err:.3e} > Δ = {delta:.3e}"
+                    "{numerics:?}, {form}, head {h}: log-sum-exp off by {lse_err:.3e} > Δ = {delta:.3e}"
                 );
             }
         }
@@ -152,15 +151,10 @@ fn int8_queries_leave_float_forms_exact() {
         uniform(6, TOKENS * ch, 1.0),
         uniform(7, shape.q_len(), 1.0),
     );
-    let fast = Attention::with_config(
-        shape,
-        AttentionConfig {
-            numerics: Numerics::Int8Query,
-            ..AttentionConfig::default()
-        },
-    )
-    .unwrap();
-    let exact = Attention::new(shape);
+    let mut exact = Attention::new(shape);
+    exact.set_numerics(Numerics::Exact);
+    let mut fast = exact;
+    fast.set_numerics(Numerics::Int8Query);
     // Float forms, and integer groups narrower than the integer path takes.
     for form in ["fp16", "fp8-e4m3", "nf4-g64", "int4-g8"] {
         let f = form.parse().unwrap();

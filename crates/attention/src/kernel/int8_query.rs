@@ -30,21 +30,24 @@ use super::{HeadBlockPass, Prefetcher, TileGeometry, for_head_blocks};
 /// leave too few values per scale for an integer dot product to pay.
 pub(crate) const MIN_GROUP: usize = 16;
 
-/// Largest code magnitude of a quantized query.
-const CODE_MAX: f32 = 127.0;
-
 /// Per-thread buffers: query codes and scales, and the integer sums of one
 /// block of heads.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct IntScratch {
-    /// `q_heads × d` int8 codes.
+    /// `q_heads × d` int8 codes (the high halves of 16-bit codes when wide).
     codes: Vec<i8>,
+    /// The low halves of 16-bit codes (wide codes only).
+    codes_lo: Vec<i8>,
     /// Per head: the code scale `s_q`.
     scale: Vec<f32>,
     /// Per head: the offset term of per-channel groups.
     constant: Vec<f32>,
-    /// `heads × rows` integer dot products of one segment.
+    /// `heads × rows` integer dot products of one segment (with the low
+    /// halves' in `sums_lo` for wide codes).
     sums: Vec<i32>,
+    sums_lo: Vec<i32>,
+    /// The dot products of `sums` (and `sums_lo`) as f32.
+    dots: Vec<f32>,
     /// Per row: the index of its first group.
     row_groups: Vec<usize>,
     /// Per row: the scale and the offset factor of the current segment.
@@ -106,10 +109,12 @@ impl Dot {
 /// the key rows of `keys` into `weights[h·rows + t]`. Returns `false`,
 /// leaving `weights` unspecified, when the layout or the numbers are not
 /// for the integer path; the caller then scores the tile exactly.
+#[allow(clippy::too_many_arguments)] // the tile, its scratch and its output
 pub(crate) fn scores(
     q: &[f32],
     keys: &LevelRows<'_>,
     geometry: TileGeometry,
+    codes: QueryCodes,
     dot: Dot,
     scratch: &mut IntScratch,
     weights: &mut [f32],
@@ -122,9 +127,12 @@ pub(crate) fn scores(
         return false;
     }
     scratch.codes.resize(heads * d, 0);
+    scratch.codes_lo.resize(heads * d, 0);
     scratch.scale.resize(heads, 0.0);
     scratch.constant.resize(heads, 0.0);
     scratch.sums.resize(group.min(4) * rows, 0);
+    scratch.sums_lo.resize(group.min(4) * rows, 0);
+    scratch.dots.resize(group.min(4) * rows, 0.0);
     let mid = match keys.map {
         LevelMap::Affine => None,
         LevelMap::Centered { mid } => Some(mid),
@@ -134,6 +142,7 @@ pub(crate) fn scores(
         q,
         keys,
         geometry,
+        codes,
         dot,
         mid,
     };
@@ -152,8 +161,30 @@ struct Context<'a, 'k> {
     q: &'a [f32],
     keys: &'a LevelRows<'k>,
     geometry: TileGeometry,
+    codes: QueryCodes,
     dot: Dot,
     mid: Option<f32>,
+}
+
+/// How finely the query is coded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QueryCodes {
+    /// int8 codes, `s = max|q| / 127`.
+    Int8,
+    /// 16-bit codes `256·hi + lo` with int8 halves, `s = max|q| / 32639`:
+    /// two integer dot products per level, exact combination.
+    Int16,
+}
+
+impl QueryCodes {
+    /// The largest code magnitude.
+    fn max(self) -> f32 {
+        match self {
+            Self::Int8 => 127.0,
+            // (32639 + 128) >> 8 = 127: the high half stays an int8.
+            Self::Int16 => 32639.0,
+        }
+    }
 }
 
 /// Groups along a row: one quantization of each head, then per segment
@@ -168,7 +199,11 @@ fn along_rows(
     let rows = keys.rows();
     if !scratch.reuse(q, usize::MAX) {
         for (h, q) in q.chunks_exact(d).enumerate() {
-            let Some(s) = quantize(q, &mut scratch.codes[h * d..][..d]) else {
+            let (hi, lo) = (
+                &mut scratch.codes[h * d..][..d],
+                &mut scratch.codes_lo[h * d..][..d],
+            );
+            let Some(s) = quantize(q, ctx.codes, hi, lo) else {
                 scratch.coded_for = None;
                 return false;
             };
@@ -220,13 +255,13 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 ch: keys.channels(),
                 start: c,
                 len: end - c,
-                codes: &scratch.codes[h0 * d + (c - first)..],
+                codes: &[],
                 code_stride: d,
                 heads: H,
                 rows,
             };
-            let sums = &mut scratch.sums[..H * rows];
-            integer_sums(ctx.dot, block, sums, prefetch);
+            scratch.dot_products(*ctx, block, h0 * d + (c - first), prefetch);
+            let sums = &scratch.dots[..H * rows];
             // The segment's scale and offset term per row (centred levels:
             // `a·(l − mid) = a·l + (−mid·a)`).
             let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
@@ -250,8 +285,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 let terms = sums[j * rows..][..rows]
                     .iter()
                     .zip(seg_a.iter().zip(seg_b.iter()));
-                let term =
-                    |(&sum, (&a, &b)): (&i32, (&f32, &f32))| a * (s_q * sum as f32) + b * q_sum;
+                let term = |(&dot, (&a, &b)): (&f32, (&f32, &f32))| a * (s_q * dot) + b * q_sum;
                 if segment == 0 {
                     w.iter_mut().zip(terms).for_each(|(w, x)| *w = term(x));
                 } else {
@@ -310,7 +344,11 @@ fn per_channel_runs(
                 for ((f, &q), &a) in folded.iter_mut().zip(q).zip(a) {
                     *f = q * a;
                 }
-                let Some(s) = quantize(folded, &mut scratch.codes[h * d..][..d]) else {
+                let (hi, lo) = (
+                    &mut scratch.codes[h * d..][..d],
+                    &mut scratch.codes_lo[h * d..][..d],
+                );
+                let Some(s) = quantize(folded, ctx.codes, hi, lo) else {
                     scratch.coded_for = None;
                     return false;
                 };
@@ -355,28 +393,71 @@ impl HeadBlockPass for ChannelRun<'_, '_> {
             ch,
             start: kvh * d,
             len: d,
-            codes: &self.scratch.codes[h0 * d..],
+            codes: &[],
             code_stride: d,
             heads: H,
             rows: run,
         };
-        let sums = &mut self.scratch.sums[..H * run];
-        integer_sums(self.ctx.dot, block, sums, self.prefetch);
+        self.scratch
+            .dot_products(self.ctx, block, h0 * d, self.prefetch);
+        let sums = &self.scratch.dots[..H * run];
         for j in 0..H {
             let h = h0 + j;
             let (s, k) = (self.scratch.scale[h], self.scratch.constant[h]);
             let w = &mut self.weights[h * rows + t0..][..run];
-            for (w, &sum) in w.iter_mut().zip(&sums[j * run..][..run]) {
-                *w = s * sum as f32 + k;
+            for (w, &dot) in w.iter_mut().zip(&sums[j * run..][..run]) {
+                *w = s * dot + k;
             }
         }
     }
 }
 
-/// Quantizes `x` to `codes` (`round(x / s)`, ties to even, with
-/// `s = max|x| / 127`) and returns `s`; `None` when `x` is not finite.
-/// Written as lane loops the compiler vectorizes: it runs once per tile.
-fn quantize(x: &[f32], codes: &mut [i8]) -> Option<f32> {
+impl IntScratch {
+    /// The dot products of `block` with the query codes from index
+    /// `code_start` on (head `j` at `code_start + j·block.code_stride`), as
+    /// f32 in `self.dots[..heads·rows]`. Wide codes combine their halves
+    /// exactly (`256·hi + lo` in i64) before the one rounding to f32.
+    fn dot_products(
+        &mut self,
+        ctx: Context<'_, '_>,
+        block: DotBlock<'_>,
+        code_start: usize,
+        prefetch: &mut Prefetcher,
+    ) {
+        let n = block.heads * block.rows;
+        let hi = DotBlock {
+            codes: &self.codes[code_start..],
+            ..block
+        };
+        integer_sums(ctx.dot, hi, &mut self.sums[..n], prefetch);
+        let dots = &mut self.dots[..n];
+        match ctx.codes {
+            QueryCodes::Int8 => {
+                for (d, &s) in dots.iter_mut().zip(&self.sums[..n]) {
+                    *d = s as f32;
+                }
+            }
+            QueryCodes::Int16 => {
+                let lo = DotBlock {
+                    codes: &self.codes_lo[code_start..],
+                    ..block
+                };
+                integer_sums(ctx.dot, lo, &mut self.sums_lo[..n], prefetch);
+                let halves = self.sums[..n].iter().zip(&self.sums_lo[..n]);
+                for (d, (&hi, &lo)) in dots.iter_mut().zip(halves) {
+                    *d = (256 * i64::from(hi) + i64::from(lo)) as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Quantizes `x` to codes `round(x / s)` (ties to even) with
+/// `s = max|x| / codes.max()` and returns `s`; `None` when `x` is not
+/// finite. Int8 codes go to `hi`; 16-bit codes `c` are split into
+/// `c = 256·hi + lo` with both halves int8. Written as lane loops the
+/// compiler vectorizes.
+fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Option<f32> {
     let non_finite = x.iter().fold(false, |bad, v| bad | !v.is_finite());
     if non_finite {
         return None;
@@ -390,18 +471,32 @@ fn quantize(x: &[f32], codes: &mut [i8]) -> Option<f32> {
     }
     let peak = lanes.iter().fold(0.0f32, |m, &l| if l > m { l } else { m });
     if peak == 0.0 {
-        codes.fill(0);
+        hi.fill(0);
+        lo.fill(0);
         return Some(0.0);
     }
-    let inv = CODE_MAX / peak;
+    let max = codes.max();
+    let inv = max / peak;
     // Adding and subtracting 1.5·2^23 rounds |y| < 2^22 to the nearest
     // integer, ties to even, without a call to `roundf`.
     const ROUND: f32 = 12_582_912.0;
-    for (c, &v) in codes.iter_mut().zip(x) {
-        let y = ((v * inv + ROUND) - ROUND).clamp(-CODE_MAX, CODE_MAX);
-        *c = y as i8;
+    let code = |v: f32| ((v * inv + ROUND) - ROUND).clamp(-max, max) as i32;
+    match codes {
+        QueryCodes::Int8 => {
+            for (h, &v) in hi.iter_mut().zip(x) {
+                *h = code(v) as i8;
+            }
+        }
+        QueryCodes::Int16 => {
+            for ((h, l), &v) in hi.iter_mut().zip(lo.iter_mut()).zip(x) {
+                let c = code(v);
+                let high = (c + 128) >> 8;
+                *h = high as i8;
+                *l = (c - 256 * high) as i8;
+            }
+        }
     }
-    Some(peak / CODE_MAX)
+    Some(peak / max)
 }
 
 /// `Σ x_c·y_c` (or `Σ x_c` with `y` = `None`) in 16 lanes with a fixed
@@ -671,12 +766,54 @@ mod tests {
     #[test]
     fn quantized_queries_round_to_the_nearest_code() {
         let x = [0.5f32, -1.0, 0.25, 0.0];
-        let mut codes = [0i8; 4];
-        let s = quantize(&x, &mut codes).unwrap();
+        let (mut hi, mut lo) = ([0i8; 4], [0i8; 4]);
+        let s = quantize(&x, QueryCodes::Int8, &mut hi, &mut lo).unwrap();
         assert_eq!(s, 1.0 / 127.0);
-        assert_eq!(codes, [64, -127, 32, 0]);
-        assert_eq!(quantize(&[0.0; 3], &mut codes[..3]), Some(0.0));
-        assert_eq!(quantize(&[1.0, f32::NAN], &mut codes[..2]), None);
-        assert_eq!(quantize(&[f32::INFINITY], &mut codes[..1]), None);
+        assert_eq!(hi, [64, -127, 32, 0]);
+        // 16-bit codes: 0.5·32639 = 16319.5 rounds to even, 16320 = 256·64 − 64.
+        let s = quantize(&x, QueryCodes::Int16, &mut hi, &mut lo).unwrap();
+        assert_eq!(s, 1.0 / 32639.0);
+        let codes: Vec<i32> = hi
+            .iter()
+            .zip(&lo)
+            .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
+            .collect();
+        assert_eq!(codes, [16320, -32639, 8160, 0]);
+        assert_eq!((hi[0], lo[0]), (64, -64));
+        assert_eq!(
+            quantize(&[0.0; 3], QueryCodes::Int8, &mut hi[..3], &mut lo[..3]),
+            Some(0.0)
+        );
+        assert_eq!(
+            quantize(
+                &[1.0, f32::NAN],
+                QueryCodes::Int8,
+                &mut hi[..2],
+                &mut lo[..2]
+            ),
+            None
+        );
+        assert_eq!(
+            quantize(
+                &[f32::INFINITY],
+                QueryCodes::Int16,
+                &mut hi[..1],
+                &mut lo[..1]
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn sixteen_bit_codes_split_into_int8_halves_exactly() {
+        // Every code the quantizer can produce splits into halves in range.
+        for c in -32639i32..=32639 {
+            let high = (c + 128) >> 8;
+            let low = c - 256 * high;
+            assert!(
+                (-128..=127).contains(&high) && (-128..=127).contains(&low),
+                "{c}"
+            );
+        }
     }
 }

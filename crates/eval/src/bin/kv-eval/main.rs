@@ -66,8 +66,9 @@ struct BackendArgs {
     /// Tokens per block of the paged backend.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// How attention scores integer-coded keys: `exact` (f32) or `int8`
-    /// (int8-quantized queries, integer dot products) [default: attention's].
+    /// How attention scores integer-coded keys: `exact` (f32), `int8`
+    /// (int8-quantized queries, integer dot products) or `int16` (16-bit
+    /// query codes as two int8 halves) [default: attention's].
     #[arg(long, value_enum)]
     numerics: Option<NumericsArg>,
 }
@@ -76,6 +77,7 @@ struct BackendArgs {
 enum NumericsArg {
     Exact,
     Int8,
+    Int16,
 }
 
 impl NumericsArg {
@@ -83,6 +85,7 @@ impl NumericsArg {
         match self {
             Self::Exact => attention::Numerics::Exact,
             Self::Int8 => attention::Numerics::Int8Query,
+            Self::Int16 => attention::Numerics::Int16Query,
         }
     }
 }
