@@ -70,6 +70,10 @@ pub struct AttentionStats {
     pub values: KvDecodeStats,
     /// Distinct tiles read (each holds up to `tile_tokens` rows of K and of V).
     pub tiles: u64,
+    /// Of those, tiles whose keys or values had erased values: decoded to
+    /// f32 rows with the erasure policy applied and attended exactly, not
+    /// read as stored levels (nor scored with integer dot products).
+    pub erased_tiles: u64,
 }
 
 /// What a call into caller-owned buffers ([`Attention::decode_into`],
@@ -497,6 +501,7 @@ impl Attention {
         for &(start, k, v) in tiles.iter() {
             if last != Some(start) {
                 stats.tiles += 1;
+                stats.erased_tiles += u64::from(k.erased_values + v.erased_values > 0);
                 stats.keys += k;
                 stats.values += v;
                 last = Some(start);

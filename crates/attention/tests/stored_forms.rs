@@ -122,6 +122,10 @@ fn in_loop_equals_up_front(shape: HeadShape, forms: &[&str]) {
             assert_eq!(in_loop.stats.keys, kd.stats, "{ctx}: key stats");
             assert_eq!(in_loop.stats.values, vd.stats, "{ctx}: value stats");
             assert_eq!(in_loop.stats.tiles, TOKENS.div_ceil(32) as u64);
+            // Tiles with erased values (attended from decoded f32 rows) are counted.
+            let erased = kd.stats.erased_values + vd.stats.erased_values;
+            assert_eq!(erased == 0, in_loop.stats.erased_tiles == 0, "{ctx}");
+            assert!(in_loop.stats.erased_tiles <= in_loop.stats.tiles.min(erased));
 
             let up_front = attn
                 .prefill(&q, &positions, &k_dense, &v_dense, &Mask::Causal)
