@@ -203,7 +203,7 @@ pub(crate) fn pack_row(bits: u8, levels: &[u8], out: &mut [u8]) {
 }
 
 /// Unpacks one row of levels (the inverse of [`pack_row`]).
-#[inline(always)]
+#[inline]
 pub(crate) fn unpack_row(bits: u8, packed: &[u8], levels: &mut [u8]) {
     match bits {
         8 => levels.copy_from_slice(packed),

@@ -229,13 +229,9 @@ impl Section {
             // Unprotected level forms: 8-bit codes are read in place.
             if bits < 8 {
                 let levels = grow(&mut scratch.levels, count * codes);
-                // AVX2 halves the instructions of the nibble split (measured
-                // with `perf` under decode attention).
-                crate::simd::with_avx2(|| {
-                    for (lv, row) in levels.chunks_exact_mut(codes).zip(rows.chunks_exact(rb)) {
-                        int::unpack_row(bits, row, lv);
-                    }
-                });
+                for (lv, row) in levels.chunks_exact_mut(codes).zip(rows.chunks_exact(rb)) {
+                    int::unpack_row(bits, row, lv);
+                }
             }
             return Ok(all_clean((count * codes) as u64));
         };
