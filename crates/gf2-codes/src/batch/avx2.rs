@@ -62,26 +62,6 @@ impl ChunkKernel for SecdedAvx2 {
 
     #[inline(always)]
     unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
-        // SAFETY: as below; at realistic error rates nearly every chunk is
-        // clean (all 64 syndromes zero) and its values are the low nibbles.
-        unsafe {
-            let nib = _mm256_set1_epi8(0x0F);
-            let r = [0, 32].map(|o| _mm256_loadu_si256(encoded.add(o).cast()));
-            let syndrome = |r: __m256i| {
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(r), nib);
-                _mm256_xor_si256(
-                    _mm256_shuffle_epi8(self.syn_lo, _mm256_and_si256(r, nib)),
-                    _mm256_shuffle_epi8(self.syn_hi, hi),
-                )
-            };
-            let any = _mm256_or_si256(syndrome(r[0]), syndrome(r[1]));
-            if _mm256_testz_si256(any, any) == 1 {
-                for (half, r) in r.iter().enumerate() {
-                    _mm256_storeu_si256(out.add(32 * half).cast(), _mm256_and_si256(*r, nib));
-                }
-                return (0, 0);
-            }
-        }
         let mut masks = [(0u32, 0u32); 2];
         for (half, m) in masks.iter_mut().enumerate() {
             // SAFETY: the caller guarantees AVX2, 64 readable bytes at `encoded`
@@ -161,26 +141,6 @@ impl ChunkKernel for HammingAvx2 {
 
     #[inline(always)]
     unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
-        // SAFETY: as below; at realistic error rates nearly every chunk is
-        // clean (all 64 syndromes zero) and its values are the low nibbles.
-        unsafe {
-            let nib = _mm256_set1_epi8(0x0F);
-            let r = [0, 32].map(|o| _mm256_loadu_si256(encoded.add(o).cast()));
-            let syndrome = |r: __m256i| {
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(r), nib);
-                _mm256_xor_si256(
-                    _mm256_shuffle_epi8(self.syn_lo, _mm256_and_si256(r, nib)),
-                    _mm256_shuffle_epi8(self.syn_hi, hi),
-                )
-            };
-            let any = _mm256_or_si256(syndrome(r[0]), syndrome(r[1]));
-            if _mm256_testz_si256(any, any) == 1 {
-                for (half, r) in r.iter().enumerate() {
-                    _mm256_storeu_si256(out.add(32 * half).cast(), _mm256_and_si256(*r, nib));
-                }
-                return (0, 0);
-            }
-        }
         let mut masks = [(0u32, 0u32); 2];
         for (half, m) in masks.iter_mut().enumerate() {
             // SAFETY: AVX2 is guaranteed by the caller; the second half reads
