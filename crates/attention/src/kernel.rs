@@ -426,23 +426,53 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
     } = args;
     let TileGeometry { group, kv_heads, d } = geometry;
     let (ch, heads) = (kv_heads * d, kv_heads * group);
+    three_passes::<FMA>(
+        geometry,
+        rows,
+        scratch,
+        partial,
+        |scratch| {
+            if let Some(keys) = keys {
+                score_rows::<FMA>(q, keys, geometry, &mut scratch.weights[..heads * rows]);
+            }
+        },
+        |scratch| {
+            // Up to four heads of the group per pass over the value rows.
+            let mut pass = ValuePass::<FMA, ISA> {
+                acc: &mut scratch.acc[..heads * d],
+                weights: &scratch.weights[..heads * rows],
+                values,
+                ch,
+                d,
+                rows,
+            };
+            for_head_blocks(geometry, &mut pass);
+        },
+    );
+}
+
+/// The three passes of a tile, written once for every instruction set:
+/// `scores` fills `scratch.weights` (`heads × rows`; it may leave them as
+/// the integer path wrote them), softmax turns each head's row into
+/// `exp(s − m)` with its maximum and sum, `values` writes the weighted sums
+/// to `scratch.acc` (`heads × d`), and each head is folded into `partial`.
+#[inline(always)]
+pub(crate) fn three_passes<const FMA: bool>(
+    geometry: TileGeometry,
+    rows: usize,
+    scratch: &mut KernelScratch,
+    partial: &mut Partial,
+    scores: impl FnOnce(&mut KernelScratch),
+    values: impl FnOnce(&mut KernelScratch),
+) {
+    let d = geometry.d;
+    let heads = geometry.kv_heads * geometry.group;
+    scores(scratch);
     let weights = &mut scratch.weights[..heads * rows];
-    if let Some(keys) = keys {
-        score_rows::<FMA>(q, keys, geometry, weights);
-    }
     let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
     softmax_rows::<FMA>(weights, rows, m, l);
-    // Up to four heads of the group per pass over the value rows.
-    let mut pass = ValuePass::<FMA, ISA> {
-        acc: &mut scratch.acc[..heads * d],
-        weights,
-        values,
-        ch,
-        d,
-        rows,
-    };
-    for_head_blocks(geometry, &mut pass);
-    let acc = &scratch.acc[..heads * d];
+    values(scratch);
+    let (m, l, acc) = (&scratch.maxima, &scratch.sums, &scratch.acc);
     for h in 0..heads {
         partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
     }

@@ -28,7 +28,7 @@ use kv_quant::{LevelMap, LevelRows};
 
 use super::{
     HeadBlockPass, KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming,
-    for_head_blocks, softmax_rows, widen_rows,
+    for_head_blocks, three_passes, widen_rows,
 };
 use crate::source::TileRows;
 
@@ -311,29 +311,30 @@ pub(super) unsafe fn attend_tile_avx512(
     // Every load below stays inside these lengths.
     assert!(values.len() == rows * ch && tile.q.len() == heads * d);
     let (kb, vb) = wide.buffers();
-    if let Some(keys) = keys {
-        assert_eq!(keys.len(), rows * ch);
-        // The next tile's lines are requested during the score passes.
-        let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
-        let mut prefetch = Prefetcher::new(tile.upcoming, steps);
-        match Side::new(keys, ch, kb) {
-            Side::F32(k) => score_pass(tile, k, scratch, &mut prefetch),
-            Side::F16(k) => score_pass(tile, k, scratch, &mut prefetch),
-            Side::Levels(k) => score_pass(tile, k, scratch, &mut prefetch),
-        }
-    }
-    let weights = &mut scratch.weights[..heads * rows];
-    let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
-    softmax_rows::<true>(weights, rows, m, l);
-    match Side::new(values, ch, vb) {
-        Side::F32(v) => value_pass(tile, v, scratch),
-        Side::F16(v) => value_pass(tile, v, scratch),
-        Side::Levels(v) => value_pass(tile, v, scratch),
-    }
-    let (m, l, acc) = (&scratch.maxima, &scratch.sums, &scratch.acc);
-    for h in 0..heads {
-        partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
-    }
+    three_passes::<true>(
+        tile.geometry,
+        rows,
+        scratch,
+        partial,
+        |scratch| {
+            if let Some(keys) = keys {
+                assert_eq!(keys.len(), rows * ch);
+                // The next tile's lines are requested during the score passes.
+                let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
+                let mut prefetch = Prefetcher::new(tile.upcoming, steps);
+                match Side::new(keys, ch, kb) {
+                    Side::F32(k) => score_pass(tile, k, scratch, &mut prefetch),
+                    Side::F16(k) => score_pass(tile, k, scratch, &mut prefetch),
+                    Side::Levels(k) => score_pass(tile, k, scratch, &mut prefetch),
+                }
+            }
+        },
+        |scratch| match Side::new(values, ch, vb) {
+            Side::F32(v) => value_pass(tile, v, scratch),
+            Side::F16(v) => value_pass(tile, v, scratch),
+            Side::Levels(v) => value_pass(tile, v, scratch),
+        },
+    );
     scratch.wide = wide;
 }
 
