@@ -19,6 +19,7 @@ const FORMS: &[&str] = &[
     "int4-sym-g64",
     "int4-ch",
     "int4-ch64",
+    "int4-ch48",
     "int4-t",
     "int3-g32",
     "int2",

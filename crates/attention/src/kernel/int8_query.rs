@@ -56,24 +56,39 @@ pub(crate) struct IntScratch {
     /// One head's query times its per-channel scales.
     folded: Vec<f32>,
     /// What `codes`, `scale` and `constant` were computed from: the
-    /// query's address and, for per-channel groups, the block of tokens.
-    coded_for: Option<(usize, usize)>,
+    /// query's address (the queries do not change within a block of work)
+    /// and, for per-channel groups, a copy of the block's scales and
+    /// offsets (compared by value, so tiles of any store are safe).
+    coded_for: Option<usize>,
+    coded_params: Vec<f32>,
 }
 
 impl IntScratch {
-    /// Forgets the codes: called whenever the queries' buffer or the keys
-    /// may have changed (at the start of each block of attention work),
-    /// since the codes are keyed by addresses.
+    /// Forgets the codes: called whenever the queries' buffer may have
+    /// changed (at the start of each block of attention work), since the
+    /// codes are keyed by the query's address.
     pub(crate) fn forget(&mut self) {
         self.coded_for = None;
     }
 
-    /// Whether the codes were computed for `query` and token block `block`;
-    /// if not, records them for the codes about to be computed.
-    fn reuse(&mut self, query: &[f32], block: usize) -> bool {
-        let key = (query.as_ptr() as usize, block);
-        let same = self.coded_for == Some(key);
-        self.coded_for = Some(key);
+    /// Whether the codes were computed for `query` and the per-channel
+    /// parameters `params` (empty for groups along rows); if not, records
+    /// them for the codes about to be computed.
+    fn reuse(&mut self, query: &[f32], params: [&[f32]; 2]) -> bool {
+        let key = query.as_ptr() as usize;
+        let n = params[0].len();
+        let same_params = self.coded_params.len() == 2 * n
+            && params
+                .iter()
+                .zip(self.coded_params.chunks_exact(n.max(1)))
+                .all(|(p, c)| p.iter().zip(c).all(|(a, b)| a.to_bits() == b.to_bits()));
+        let same = self.coded_for == Some(key) && same_params;
+        if !same {
+            self.coded_for = Some(key);
+            self.coded_params.clear();
+            self.coded_params.extend_from_slice(params[0]);
+            self.coded_params.extend_from_slice(params[1]);
+        }
         same
     }
 }
@@ -197,7 +212,7 @@ fn along_rows(
 ) -> bool {
     let (q, keys, d) = (ctx.q, ctx.keys, ctx.geometry.d);
     let rows = keys.rows();
-    if !scratch.reuse(q, usize::MAX) {
+    if !scratch.reuse(q, [&[], &[]]) {
         for (h, q) in q.chunks_exact(d).enumerate() {
             let (hi, lo) = (
                 &mut scratch.codes[h * d..][..d],
@@ -337,7 +352,7 @@ fn per_channel_runs(
         ) else {
             return false;
         };
-        if !scratch.reuse(q, (keys.first_row() + t0) / keys.tokens_per_group()) {
+        if !scratch.reuse(q, [scale, offset]) {
             for (h, q) in q.chunks_exact(d).enumerate() {
                 let kvh = h / group;
                 let (a, b) = (&scale[kvh * d..][..d], &offset[kvh * d..][..d]);

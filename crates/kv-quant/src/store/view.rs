@@ -55,13 +55,6 @@ impl LevelRows<'_> {
         self.section.channels
     }
 
-    /// The index of the first row held within its section of the store
-    /// (rows of one view and another of the same store with equal
-    /// `first_row() + t` are the same stored row).
-    pub fn first_row(&self) -> usize {
-        self.start
-    }
-
     /// Consecutive channels of a row sharing one group (1 for per-channel
     /// groups, the whole row for per-token ones).
     pub fn channels_per_group(&self) -> usize {
