@@ -133,9 +133,11 @@ impl Load for Halves<'_> {
     }
 }
 
-/// Integer levels with their group parameters ([`LevelRows`]), dequantized
-/// in registers as kv-quant does it: `b + level·a` (product, then sum) or
-/// `(level − mid)·a`. Only for layouts where 16 consecutive channels of a
+/// Integer levels or FP8 codes with their group parameters
+/// ([`LevelRows`]), dequantized in registers as kv-quant does it:
+/// `b + level·a` (product, then sum), `(level − mid)·a`, or
+/// `value(code)·a` for FP8, the code widened exactly through IEEE half
+/// precision ([`fp8_values`]). Only for layouts where 16 consecutive channels of a
 /// row share one group (`channels_per_group` a multiple of 16, like
 /// SmolLM2's whole-row groups of 192) or each have their own
 /// (`channels_per_group == 1`).
@@ -146,8 +148,8 @@ struct Levels<'a> {
     /// Channel → group within a row for shared groups; `None` for one
     /// group per channel.
     shared: Option<GroupDivisor>,
-    /// `Some(mid)` for symmetric levels.
-    mid: Option<f32>,
+    /// How a level becomes a value.
+    map: LevelMap,
     /// Groups per row when every row has its own (per-token groups): row
     /// `t` starts at group `t·per_row`, found without a division.
     per_row: Option<usize>,
@@ -161,16 +163,12 @@ impl<'a> Levels<'a> {
             n if n % 16 == 0 => Some(GroupDivisor::new(n, rows.channels())?),
             _ => return None,
         };
-        let mid = match rows.map {
-            LevelMap::Affine => None,
-            LevelMap::Centered { mid } => Some(mid),
-        };
         let per_row = (rows.tokens_per_group() == 1).then(|| rows.channels() / cpg);
         Some(Self {
             ch: rows.channels(),
+            map: rows.map,
             rows,
             shared,
-            mid,
             per_row,
         })
     }
@@ -196,10 +194,49 @@ impl<'a> Levels<'a> {
                     _mm512_maskz_loadu_ps(mask(n), o.add(g + col)),
                 )
             };
-            let level = _mm512_cvtepi32_ps(levels);
-            match self.mid {
-                None => _mm512_add_ps(b, _mm512_mul_ps(level, a)),
-                Some(mid) => _mm512_mul_ps(_mm512_sub_ps(level, _mm512_set1_ps(mid)), a),
+            match self.map {
+                LevelMap::Affine => _mm512_add_ps(b, _mm512_mul_ps(_mm512_cvtepi32_ps(levels), a)),
+                LevelMap::Centered { mid } => {
+                    let level = _mm512_cvtepi32_ps(levels);
+                    _mm512_mul_ps(_mm512_sub_ps(level, _mm512_set1_ps(mid)), a)
+                }
+                LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => {
+                    _mm512_mul_ps(fp8_values(kv_quant::Fp8Format::E5M2, levels), a)
+                }
+                // `value·a` with value = half·2^8: `half·(2^8·a)` rounds the
+                // same exact product once (scaling by 2^8 is exact).
+                LevelMap::Fp8(kv_quant::Fp8Format::E4M3) => {
+                    let half = fp8_values(kv_quant::Fp8Format::E4M3, levels);
+                    _mm512_mul_ps(half, _mm512_mul_ps(a, _mm512_set1_ps(256.0)))
+                }
+            }
+        }
+    }
+}
+
+/// The values of 16 FP8 codes (i32 lanes) without a table: for E5M2
+/// exactly what [`Fp8Format::decode`](kv_quant::Fp8Format::decode) gives
+/// (the code is the top byte of the IEEE half with the same value); for
+/// E4M3 that value times 2^-8 (its exponent and mantissa moved into a
+/// half's fields: the biases differ by 8, subnormals included), with
+/// `S.1111.111` NaN.
+#[inline(always)]
+unsafe fn fp8_values(format: kv_quant::Fp8Format, codes: __m512i) -> __m512 {
+    // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F/BW/VL); no
+    // memory is touched.
+    unsafe {
+        match format {
+            kv_quant::Fp8Format::E5M2 => {
+                let half = _mm512_cvtepi32_epi16(_mm512_slli_epi32::<8>(codes));
+                _mm512_cvtph_ps(half)
+            }
+            kv_quant::Fp8Format::E4M3 => {
+                let magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7F));
+                let sign = _mm512_slli_epi32::<8>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
+                let bits = _mm512_or_si512(_mm512_slli_epi32::<7>(magnitude), sign);
+                let value = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits));
+                let nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+                _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(f32::NAN))
             }
         }
     }
@@ -716,6 +753,48 @@ fn store_block<const H: usize, const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::GroupDivisor;
+
+    /// `fp8_values` of 16 codes, compiled with the kernel's features.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    fn fp8_lanes(format: kv_quant::Fp8Format, codes: [i32; 16]) -> [f32; 16] {
+        use std::arch::x86_64::*;
+        let mut out = [0.0f32; 16];
+        // SAFETY: the caller checked the features; `codes` and `out` hold 16 lanes.
+        unsafe {
+            let v = super::fp8_values(format, _mm512_loadu_si512(codes.as_ptr().cast()));
+            _mm512_storeu_ps(out.as_mut_ptr(), v);
+        }
+        out
+    }
+
+    #[test]
+    fn fp8_codes_widen_to_their_values_exactly() {
+        if super::super::isa() != super::super::Isa::Avx512 {
+            test_support::skip(
+                test_support::Requirement::Isa,
+                "attention",
+                "fp8_codes_widen_to_their_values_exactly",
+                "no AVX-512 F/BW/VL: the in-register FP8 widening is not used here",
+            );
+            return;
+        }
+        use kv_quant::Fp8Format;
+        for (format, scale) in [(Fp8Format::E5M2, 1.0f32), (Fp8Format::E4M3, 256.0)] {
+            for base in (0..256).step_by(16) {
+                let codes: [i32; 16] = std::array::from_fn(|i| base + i as i32);
+                // SAFETY: AVX-512 F/BW/VL and FMA were detected above.
+                let got = unsafe { fp8_lanes(format, codes) };
+                for (&code, &v) in codes.iter().zip(&got) {
+                    let want = format.decode(code as u8);
+                    let v = v * scale;
+                    assert!(
+                        v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()),
+                        "{format:?} code {code:#04x}: {v} vs {want}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn group_divisors_divide_every_channel_of_a_row_exactly() {

@@ -151,6 +151,8 @@ pub(crate) fn scores(
     let mid = match keys.map {
         LevelMap::Affine => None,
         LevelMap::Centered { mid } => Some(mid),
+        // FP8 codes are not proportional to their values: scored exactly.
+        LevelMap::Fp8(_) => return false,
     };
     let cpg = keys.channels_per_group();
     let ctx = Context {

@@ -67,7 +67,7 @@ impl Kind {
         }
     }
 
-    /// How a level becomes a value, for the integer forms (the one
+    /// How a level becomes a value, for the integer and FP8 forms (the one
     /// description attention's in-register dequantisation and the GPU
     /// kernels read); `None` for every other kind.
     pub(crate) fn level_map(self) -> Option<super::LevelMap> {
@@ -76,6 +76,7 @@ impl Kind {
             Kind::Sym(bits) => Some(super::LevelMap::Centered {
                 mid: f32::from(1u8 << (bits - 1)),
             }),
+            Kind::Fp8(format) => Some(super::LevelMap::Fp8(format)),
             _ => None,
         }
     }

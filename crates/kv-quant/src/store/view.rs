@@ -25,10 +25,13 @@ pub enum LevelMap {
         /// The level that stands for zero.
         mid: f32,
     },
+    /// FP8 codes: `value(code) · a`, the OCP value of the code
+    /// ([`Fp8Format::decode`](crate::Fp8Format::decode)) times the group scale.
+    Fp8(crate::Fp8Format),
 }
 
-/// Levels of rows `start..start + count` of an integer form and the
-/// parameters of their groups.
+/// Levels (integer levels or FP8 codes, one byte each) of rows
+/// `start..start + count` and the parameters of their groups.
 #[derive(Clone, Copy, Debug)]
 pub struct LevelRows<'s> {
     section: &'s Section,
