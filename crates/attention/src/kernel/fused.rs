@@ -137,7 +137,7 @@ impl Load for Halves<'_> {
 /// ([`LevelRows`]), dequantized in registers as kv-quant does it:
 /// `b + level·a` (product, then sum), `(level − mid)·a`, or
 /// `value(code)·a` for FP8, the code widened exactly through IEEE half
-/// precision ([`fp8_values`]). Only for layouts where 16 consecutive channels of a
+/// precision ([`fp8_values`]), and `NF4_LEVELS[code]·a` from a register. Only for layouts where 16 consecutive channels of a
 /// row share one group (`channels_per_group` a multiple of 16, like
 /// SmolLM2's whole-row groups of 192) or each have their own
 /// (`channels_per_group == 1`).
@@ -199,6 +199,12 @@ impl<'a> Levels<'a> {
                 LevelMap::Centered { mid } => {
                     let level = _mm512_cvtepi32_ps(levels);
                     _mm512_mul_ps(_mm512_sub_ps(level, _mm512_set1_ps(mid)), a)
+                }
+                // The 16 NF4 levels in one register: `vpermps` reads each
+                // lane's low 4 bits, the `& 15` of kv-quant's lookup.
+                LevelMap::Nf4 => {
+                    let table = _mm512_loadu_ps(kv_quant::NF4_LEVELS.as_ptr());
+                    _mm512_mul_ps(_mm512_permutexvar_ps(levels, table), a)
                 }
                 LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => {
                     _mm512_mul_ps(fp8_values(kv_quant::Fp8Format::E5M2, levels), a)

@@ -152,7 +152,7 @@ pub(crate) fn scores(
         LevelMap::Affine => None,
         LevelMap::Centered { mid } => Some(mid),
         // FP8 codes are not proportional to their values: scored exactly.
-        LevelMap::Fp8(_) => return false,
+        LevelMap::Fp8(_) | LevelMap::Nf4 => return false,
     };
     let cpg = keys.channels_per_group();
     let ctx = Context {

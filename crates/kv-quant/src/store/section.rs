@@ -67,7 +67,7 @@ impl Kind {
         }
     }
 
-    /// How a level becomes a value, for the integer and FP8 forms (the one
+    /// How a level becomes a value, for the integer, FP8 and NF4 forms (the one
     /// description attention's in-register dequantisation and the GPU
     /// kernels read); `None` for every other kind.
     pub(crate) fn level_map(self) -> Option<super::LevelMap> {
@@ -77,6 +77,7 @@ impl Kind {
                 mid: f32::from(1u8 << (bits - 1)),
             }),
             Kind::Fp8(format) => Some(super::LevelMap::Fp8(format)),
+            Kind::Nf4 => Some(super::LevelMap::Nf4),
             _ => None,
         }
     }

@@ -28,6 +28,8 @@ pub enum LevelMap {
     /// FP8 codes: `value(code) · a`, the OCP value of the code
     /// ([`Fp8Format::decode`](crate::Fp8Format::decode)) times the group scale.
     Fp8(crate::Fp8Format),
+    /// NF4 codes: `NF4_LEVELS[code & 15] · a` ([`NF4_LEVELS`](crate::NF4_LEVELS)).
+    Nf4,
 }
 
 /// Levels (integer levels or FP8 codes, one byte each) of rows
