@@ -39,9 +39,11 @@ use rayon::prelude::*;
 
 const THREADS: usize = 2;
 
-const FORMS: [&str; 9] = [
+const FORMS: [&str; 11] = [
     "fp16",
     "fp8-e4m3",
+    "fp8-e5m2",
+    "nf4",
     "int8",
     "int4",
     "int4-ch",
