@@ -13,101 +13,16 @@
 #[cfg(target_arch = "x86_64")]
 mod fused;
 mod int8_query;
+mod partial;
+mod prefetch;
+
+pub(crate) use partial::Partial;
+pub(crate) use prefetch::{Prefetcher, Upcoming};
 
 use crate::numerics::Numerics;
 use crate::source::TileRows;
 
 const LANES: usize = 16;
-
-/// Running softmax state of a set of query heads: per head the running
-/// maximum score `m`, the sum `l = Σ exp(s − m)` and `acc = Σ exp(s − m)·v`.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Partial {
-    d: usize,
-    m: Vec<f32>,
-    l: Vec<f64>,
-    acc: Vec<f64>,
-}
-
-impl Partial {
-    /// The empty state (every key masked so far) of `heads` heads of `d` channels.
-    pub(crate) fn new(heads: usize, d: usize) -> Self {
-        Self {
-            d,
-            m: vec![f32::NEG_INFINITY; heads],
-            l: vec![0.0; heads],
-            acc: vec![0.0; heads * d],
-        }
-    }
-
-    /// Makes this the empty state of `heads` heads of `d` channels, reusing
-    /// its buffers.
-    pub(crate) fn reset(&mut self, heads: usize, d: usize) {
-        self.d = d;
-        self.m.clear();
-        self.m.resize(heads, f32::NEG_INFINITY);
-        self.l.clear();
-        self.l.resize(heads, 0.0);
-        self.acc.clear();
-        self.acc.resize(heads * d, 0.0);
-    }
-
-    /// Folds in one head's tile result: maximum `m`, `Σ exp(s − m)` and the weighted sum.
-    fn fold(&mut self, head: usize, m: f32, l: f32, acc: &[f32]) {
-        self.fold_f64(head, m, f64::from(l), acc.iter().map(|&a| f64::from(a)));
-    }
-
-    fn fold_f64(&mut self, head: usize, m: f32, l: f64, acc: impl Iterator<Item = f64>) {
-        if l == 0.0 {
-            return;
-        }
-        let acc_run = &mut self.acc[head * self.d..][..self.d];
-        let m_run = self.m[head];
-        if self.l[head] == 0.0 {
-            self.m[head] = m;
-            self.l[head] = l;
-            acc_run.iter_mut().zip(acc).for_each(|(r, a)| *r = a);
-            return;
-        }
-        let m_new = m_run.max(m);
-        let (a, b) = (
-            (f64::from(m_run) - f64::from(m_new)).exp(),
-            (f64::from(m) - f64::from(m_new)).exp(),
-        );
-        self.m[head] = m_new;
-        self.l[head] = self.l[head] * a + l * b;
-        acc_run
-            .iter_mut()
-            .zip(acc)
-            .for_each(|(r, x)| *r = *r * a + x * b);
-    }
-
-    /// Merges another partial over other keys (log-sum-exp merge; exact up
-    /// to the f64 rounding of the rescaling).
-    pub(crate) fn merge(&mut self, other: &Partial) {
-        for h in 0..self.m.len() {
-            let acc = other.acc[h * self.d..][..self.d].iter().copied();
-            self.fold_f64(h, other.m[h], other.l[h], acc);
-        }
-    }
-
-    /// Writes the normalised output (`acc / l`, zero where every key was
-    /// masked) and the log-sum-exp (`m + ln l`, `-inf` there).
-    pub(crate) fn finish(&self, out: &mut [f32], lse: &mut [f32]) {
-        for (h, (o, lse)) in out.chunks_exact_mut(self.d).zip(lse).enumerate() {
-            let l = self.l[h];
-            if l == 0.0 {
-                o.fill(0.0);
-                *lse = f32::NEG_INFINITY;
-            } else {
-                for (o, a) in o.iter_mut().zip(&self.acc[h * self.d..][..self.d]) {
-                    *o = (a / l) as f32;
-                }
-                *lse = (f64::from(self.m[h]) + l.ln()) as f32;
-            }
-        }
-    }
-}
 
 /// Per-thread buffers of [`attend_tile`].
 #[derive(Clone, Debug, Default)]
@@ -265,55 +180,6 @@ pub(crate) fn for_head_blocks<P: HeadBlockPass>(geometry: TileGeometry, pass: &m
                 _ => pass.run::<4>(kvh, h0),
             }
             g += n;
-        }
-    }
-}
-
-/// Address ranges of the next tile's stored keys and values (either unknown),
-/// to prefetch while the current tile is worked on.
-pub(crate) type Upcoming = [Option<std::ops::Range<usize>>; 2];
-
-/// Walks the cache lines of an [`Upcoming`] a few at a time, asking the
-/// CPU to bring each into its L2 cache, so that the next tile's rows
-/// arrive while this tile's arithmetic runs (the hardware prefetcher alone
-/// left the AVX-512 kernel waiting on memory for most of its time at 64K
-/// tokens, measured with `perf annotate`).
-#[derive(Clone, Debug)]
-pub(crate) struct Prefetcher {
-    ranges: [std::ops::Range<usize>; 2],
-    per_step: usize,
-}
-
-impl Prefetcher {
-    const LINE: usize = 64;
-
-    /// Spreads the lines of `upcoming` over `steps` calls of [`step`](Self::step).
-    pub(crate) fn new(upcoming: Option<&Upcoming>, steps: usize) -> Self {
-        let ranges = upcoming.map_or([0..0, 0..0], |[k, v]| {
-            [k.clone().unwrap_or(0..0), v.clone().unwrap_or(0..0)]
-        });
-        let lines: usize = ranges.iter().map(|r| r.len().div_ceil(Self::LINE)).sum();
-        Self {
-            ranges,
-            per_step: lines.div_ceil(steps.max(1)),
-        }
-    }
-
-    /// Prefetches the next few lines.
-    #[inline(always)]
-    pub(crate) fn step(&mut self) {
-        for _ in 0..self.per_step {
-            let Some(r) = self.ranges.iter_mut().find(|r| r.start < r.end) else {
-                return;
-            };
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: a prefetch never faults, whatever the address; nothing is read.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                    r.start as *const i8,
-                );
-            }
-            r.start = (r.start + Self::LINE).min(r.end);
         }
     }
 }
@@ -1020,31 +886,5 @@ mod tests {
             }
             assert!(generic.0.iter().all(|x| x.is_finite()));
         }
-    }
-
-    #[test]
-    fn merging_two_halves_equals_one_pass() {
-        let mut whole = Partial::new(1, 2);
-        whole.fold(0, 3.0, 2.0, &[1.0, 4.0]);
-        whole.fold(0, 1.0, 5.0, &[2.0, -1.0]);
-        let mut first = Partial::new(1, 2);
-        first.fold(0, 3.0, 2.0, &[1.0, 4.0]);
-        let mut second = Partial::new(1, 2);
-        second.fold(0, 1.0, 5.0, &[2.0, -1.0]);
-        let mut merged = Partial::new(1, 2);
-        merged.merge(&first);
-        merged.merge(&second);
-        assert_eq!(merged, whole);
-        // l = 2 + 5e^-2, acc = [1 + 2e^-2, 4 − e^-2], relative to m = 3.
-        let e = (-2f64).exp();
-        let (mut out, mut lse) = ([0.0f32; 2], [0.0f32]);
-        whole.finish(&mut out, &mut lse);
-        let l = 2.0 + 5.0 * e;
-        assert!((f64::from(out[0]) - (1.0 + 2.0 * e) / l).abs() < 1e-7);
-        assert!((f64::from(out[1]) - (4.0 - e) / l).abs() < 1e-7);
-        assert!((f64::from(lse[0]) - (3.0 + l.ln())).abs() < 1e-6);
-        // An empty state finishes as zeros and -inf.
-        Partial::new(1, 2).finish(&mut out, &mut lse);
-        assert_eq!((out, lse), ([0.0; 2], [f32::NEG_INFINITY]));
     }
 }
