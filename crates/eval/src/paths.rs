@@ -8,6 +8,16 @@ use std::path::PathBuf;
 
 /// File name of the default model inside the cache folder.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name of the second model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M)
+/// inside the cache folder.
+pub const QWEN_MODEL_FILE: &str = "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf";
+
+/// The models `cargo xtask fetch-model --model NAME` fetches, by the name
+/// `kv-eval --model NAME` also takes: `(name, file in the cache folder)`.
+pub const NAMED_MODELS: [(&str, &str); 2] = [
+    ("smollm2-135m", DEFAULT_MODEL_FILE),
+    ("qwen2.5-0.5b", QWEN_MODEL_FILE),
+];
 /// File name of the default corpus inside the cache folder.
 pub const DEFAULT_TEXT_FILE: &str = "python3.11-tutorial.txt";
 /// File name of the default calibration text (disjoint from the corpus:
@@ -29,6 +39,14 @@ pub fn cache_dir() -> PathBuf {
 /// The default model file.
 pub fn default_model() -> PathBuf {
     cache_dir().join(DEFAULT_MODEL_FILE)
+}
+
+/// The cache file of the model named `name` (one of [`NAMED_MODELS`]).
+pub fn named_model(name: &str) -> Option<PathBuf> {
+    NAMED_MODELS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, file)| cache_dir().join(file))
 }
 
 /// The default corpus file.

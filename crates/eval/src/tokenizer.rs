@@ -6,7 +6,9 @@
 //! order) and `tokenizer.ggml.pre` naming llama.cpp's pre-tokenizer. For
 //! `smollm` that pre-tokenizer splits every digit on its own and then applies
 //! the GPT-2 regex, which is `Digits(individual) → ByteLevel(regex)` here,
-//! the pre-tokenizer of SmolLM2's own `tokenizer.json`. Special tokens are
+//! the pre-tokenizer of SmolLM2's own `tokenizer.json`; `qwen2` splits with
+//! llama.cpp's Qwen2 regex ([`QWEN2_REGEX`]) and maps the pieces to bytes,
+//! as Qwen2's `tokenizer.json` does. Special tokens are
 //! not parsed from text, matching `llama-perplexity`, which tokenizes with
 //! `parse_special = false`.
 
@@ -16,11 +18,19 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::tokenizer::SplitDelimiterBehavior;
 
 use std::io::Read;
 
 use crate::error::{EvalError, Result};
 use crate::load::gguf::{GgufFile, MetaValue};
+
+/// llama.cpp's pre-tokenizer regex for `tokenizer.ggml.pre = "qwen2"`
+/// (`llama-vocab.cpp`): English contractions, letter runs with one leading
+/// non-letter, single digits, punctuation runs with their line breaks,
+/// line-break runs, and whitespace.
+pub const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A text tokenizer with the vocabulary of a model.
 pub struct TextTokenizer {
@@ -95,9 +105,21 @@ impl TextTokenizer {
                 Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
             }
             Some("gpt-2" | "default") | None => byte_level.into(),
+            // The regex does the splitting; the byte-level step only maps bytes.
+            Some("qwen2") => Sequence::new(vec![
+                Split::new(
+                    SplitPattern::Regex(QWEN2_REGEX.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(tok_err)?
+                .into(),
+                ByteLevel::new(false, true, false).into(),
+            ])
+            .into(),
             Some(other) => {
                 return Err(EvalError::Tokenizer(format!(
-                    "pre-tokenizer {other:?} is not supported (smollm, starcoder, refact, gpt-2 are)"
+                    "pre-tokenizer {other:?} is not supported (smollm, starcoder, refact, gpt-2, qwen2 are)"
                 )));
             }
         };

@@ -13,7 +13,8 @@ use crate::models::{CausalLm, LlamaModel};
 use crate::tokenizer::TextTokenizer;
 use gguf::GgufFile;
 
-/// Opens a model: a GGUF file (Llama architecture) or a Hugging Face folder.
+/// Opens a model: a GGUF file (`llama` or `qwen2` architecture) or a Hugging
+/// Face folder.
 pub fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     if path.is_dir() {
         return load_hf(path);

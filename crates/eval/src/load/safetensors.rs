@@ -1,7 +1,7 @@
 //! Hugging Face checkpoints: a folder with `config.json`,
 //! `model.safetensors` and `tokenizer.json`, for Llama-family
-//! (`model_type: "llama"`, rotate-half RoPE) and GPT-2 models, read with the
-//! `safetensors` and `tokenizers` crates.
+//! (`model_type` `"llama"` or `"qwen2"`, rotate-half RoPE) and GPT-2 models,
+//! read with the `safetensors` and `tokenizers` crates.
 
 use std::path::Path;
 
@@ -12,7 +12,8 @@ use serde_json::Value;
 
 use crate::error::{EvalError, Result};
 use crate::models::{
-    CausalLm, Gpt2Config, Gpt2Layer, Gpt2Model, LlamaConfig, LlamaLayer, LlamaModel, Matrix,
+    CausalLm, Gpt2Config, Gpt2Layer, Gpt2Model, LlamaArch, LlamaConfig, LlamaLayer, LlamaModel,
+    Matrix,
 };
 use crate::tokenizer::TextTokenizer;
 
@@ -103,11 +104,12 @@ pub fn load_hf(dir: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
         .and_then(Value::as_str)
         .unwrap_or("");
     let model: Box<dyn CausalLm> = match model_type {
-        "llama" => Box::new(llama(&config, st)?),
+        "llama" => Box::new(llama(&config, st, LlamaArch::Llama)?),
+        "qwen2" => Box::new(llama(&config, st, LlamaArch::Qwen2)?),
         "gpt2" => Box::new(gpt2(&config, st)?),
         other => {
             return Err(EvalError::Model(format!(
-                "config.json: model_type {other:?} (llama and gpt2 are read)"
+                "config.json: model_type {other:?} (llama, qwen2 and gpt2 are read)"
             )));
         }
     };
@@ -121,7 +123,9 @@ pub fn load_hf(dir: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     Ok((model, tokenizer))
 }
 
-fn llama(config: &Value, st: SafeTensors<'_>) -> Result<LlamaModel> {
+/// A `llama` or `qwen2` checkpoint (Hugging Face's rotate-half RoPE; Qwen2
+/// adds biases to the Q, K and V projections).
+fn llama(config: &Value, st: SafeTensors<'_>, arch: LlamaArch) -> Result<LlamaModel> {
     let dim = field(config, "hidden_size")?;
     let q_heads = field(config, "num_attention_heads")?;
     let kv_heads = field(config, "num_key_value_heads").unwrap_or(q_heads);
@@ -132,6 +136,7 @@ fn llama(config: &Value, st: SafeTensors<'_>) -> Result<LlamaModel> {
     }
     let head_dim = field(config, "head_dim").unwrap_or(dim / q_heads);
     let c = LlamaConfig {
+        arch,
         vocab: field(config, "vocab_size")?,
         dim,
         layers: field(config, "num_hidden_layers")?,
@@ -150,6 +155,18 @@ fn llama(config: &Value, st: SafeTensors<'_>) -> Result<LlamaModel> {
     let layers = (0..c.layers)
         .map(|l| {
             let n = |s: &str| format!("model.layers.{l}.{s}.weight");
+            let bias = |s: &str| format!("model.layers.{l}.self_attn.{s}.bias");
+            let qkv_bias = match arch {
+                LlamaArch::Qwen2 => Some(
+                    [
+                        w.get(&bias("q_proj"), &[q_heads * head_dim])?,
+                        w.get(&bias("k_proj"), &[kvc])?,
+                        w.get(&bias("v_proj"), &[kvc])?,
+                    ]
+                    .concat(),
+                ),
+                _ => None,
+            };
             Ok(LlamaLayer {
                 attn_norm: w.get(&n("input_layernorm"), &[dim])?,
                 qkv: Matrix::stack(&[
@@ -157,6 +174,7 @@ fn llama(config: &Value, st: SafeTensors<'_>) -> Result<LlamaModel> {
                     w.matrix(&n("self_attn.k_proj"), kvc, dim)?,
                     w.matrix(&n("self_attn.v_proj"), kvc, dim)?,
                 ])?,
+                qkv_bias,
                 out: w.matrix(&n("self_attn.o_proj"), dim, q_heads * head_dim)?,
                 ffn_norm: w.get(&n("post_attention_layernorm"), &[dim])?,
                 gate_up: Matrix::stack(&[

@@ -1,7 +1,13 @@
 //! The Llama-family forward pass (RMSNorm, RoPE in either pair layout, GQA,
-//! SwiGLU, tied or untied output head) in f32, with batched prefill through
-//! faer's GEMM and attention through the `attention` crate, reading K and V
-//! from whatever the [`ModelCache`] (any [`KvBackend`](attention::KvBackend)) stores.
+//! SwiGLU, tied or untied output head, optional Q/K/V biases) in f32, with
+//! batched prefill through faer's GEMM and attention through the `attention`
+//! crate, reading K and V from whatever the [`ModelCache`] (any
+//! [`KvBackend`](attention::KvBackend)) stores.
+//!
+//! Two GGUF architectures run on it ([`LlamaArch`]): `llama` (SmolLM2 and
+//! the Llama models; Q/K rows permuted by llama.cpp's converter, so RoPE
+//! rotates adjacent pairs) and `qwen2` (Qwen2, Qwen2.5: biases on Q, K and
+//! V, rows as trained, so RoPE rotates halves as llama.cpp's NeoX mode does).
 //!
 //! Weights are dequantised to f32 once at load (the 135M default model takes
 //! 0.6 GB that way), so every projection is one dense GEMM; Q, K and V share
@@ -19,9 +25,40 @@ use super::{
 use crate::error::{EvalError, Result};
 use crate::load::gguf::GgufFile;
 
+/// The member of the Llama family a model is (its GGUF
+/// `general.architecture`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LlamaArch {
+    /// `llama`: no projection biases, adjacent-pair RoPE in GGUF files.
+    Llama,
+    /// `qwen2`: biases on the Q, K and V projections, rotate-half RoPE.
+    Qwen2,
+}
+
+impl LlamaArch {
+    /// The GGUF architecture name (also the prefix of its metadata keys).
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+
+    /// The RoPE pair layout of the architecture's GGUF files.
+    pub fn gguf_rope_layout(self) -> RopeLayout {
+        match self {
+            Self::Llama => RopeLayout::Adjacent,
+            Self::Qwen2 => RopeLayout::RotateHalf,
+        }
+    }
+}
+
 /// Architecture hyper-parameters of a Llama-family model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// Which member of the family (decides the projection biases).
+    pub arch: LlamaArch,
     /// Vocabulary size.
     pub vocab: usize,
     /// Model width.
@@ -49,31 +86,40 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
-    /// Reads the `llama.*` hyper-parameters of a GGUF file.
+    /// Reads the `<arch>.*` hyper-parameters of a GGUF file whose
+    /// `general.architecture` is `llama` or `qwen2`.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
-        let arch = file.meta_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(EvalError::Model(format!(
-                "architecture {arch:?} (this reader runs \"llama\")"
-            )));
-        }
-        let u = |k: &str| file.meta_u64(&format!("llama.{k}")).map(|v| v as usize);
+        let arch = match file.meta_str("general.architecture")? {
+            "llama" => LlamaArch::Llama,
+            "qwen2" => LlamaArch::Qwen2,
+            other => {
+                return Err(EvalError::Model(format!(
+                    "architecture {other:?} (this reader runs \"llama\" and \"qwen2\")"
+                )));
+            }
+        };
+        let key = |k: &str| format!("{}.{k}", arch.gguf_name());
+        let u = |k: &str| file.meta_u64(&key(k)).map(|v| v as usize);
         let dim = u("embedding_length")?;
         let q_heads = u("attention.head_count")?;
-        let kv_heads = file
-            .meta_u64("llama.attention.head_count_kv")
-            .map_or(q_heads, |v| v as usize);
+        let kv_heads = u("attention.head_count_kv").unwrap_or(q_heads);
         if q_heads == 0 || dim % q_heads != 0 {
             return Err(EvalError::Model(format!(
                 "embedding length {dim} is not a multiple of {q_heads} heads"
             )));
         }
+        if kv_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(EvalError::Model(format!(
+                "{q_heads} query heads are not a multiple of {kv_heads} KV heads"
+            )));
+        }
         let head_dim = dim / q_heads;
-        let vocab = match file.meta_u64("llama.vocab_size") {
-            Ok(v) => v as usize,
+        let vocab = match u("vocab_size") {
+            Ok(v) => v,
             Err(_) => file.tensor("token_embd.weight")?.info.rows(),
         };
         Ok(Self {
+            arch,
             vocab,
             dim,
             layers: u("block_count")?,
@@ -81,13 +127,11 @@ impl LlamaConfig {
             q_heads,
             kv_heads,
             head_dim,
-            rope_base: file.meta_f64("llama.rope.freq_base").unwrap_or(10_000.0),
-            rope_dims: file
-                .meta_u64("llama.rope.dimension_count")
-                .map_or(head_dim, |v| v as usize),
-            rope_layout: RopeLayout::Adjacent,
+            rope_base: file.meta_f64(&key("rope.freq_base")).unwrap_or(10_000.0),
+            rope_dims: u("rope.dimension_count").unwrap_or(head_dim),
+            rope_layout: arch.gguf_rope_layout(),
             norm_eps: file
-                .meta_f64("llama.attention.layer_norm_rms_epsilon")
+                .meta_f64(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-5) as f32,
             context: u("context_length").unwrap_or(2048),
         })
@@ -106,6 +150,9 @@ pub struct LlamaLayer {
     pub attn_norm: Vec<f32>,
     /// Q, K and V projections stacked (`(q + 2·kv channels) × dim`).
     pub qkv: Matrix,
+    /// Biases added to the Q, K and V projections, stacked as `qkv`'s rows
+    /// (Qwen2; `None` for Llama).
+    pub qkv_bias: Option<Vec<f32>>,
     /// Attention output projection.
     pub out: Matrix,
     /// RMSNorm weight before the MLP.
@@ -142,7 +189,7 @@ struct Buffers {
 }
 
 impl LlamaModel {
-    /// Loads a Llama GGUF file, dequantising every matrix to f32.
+    /// Loads a `llama` or `qwen2` GGUF file, dequantising every matrix to f32.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let config = LlamaConfig::from_gguf(file)?;
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
@@ -164,6 +211,18 @@ impl LlamaModel {
         let layers = (0..c.layers)
             .map(|l| {
                 let n = |s: &str| format!("blk.{l}.{s}.weight");
+                let bias = |s: &str| format!("blk.{l}.{s}.bias");
+                let qkv_bias = match c.arch {
+                    LlamaArch::Llama => None,
+                    LlamaArch::Qwen2 => Some(
+                        [
+                            vector(&bias("attn_q"), c.dim)?,
+                            vector(&bias("attn_k"), kvc)?,
+                            vector(&bias("attn_v"), kvc)?,
+                        ]
+                        .concat(),
+                    ),
+                };
                 Ok(LlamaLayer {
                     attn_norm: vector(&n("attn_norm"), c.dim)?,
                     qkv: Matrix::stack(&[
@@ -171,6 +230,7 @@ impl LlamaModel {
                         matrix(&n("attn_k"), kvc, c.dim)?,
                         matrix(&n("attn_v"), kvc, c.dim)?,
                     ])?,
+                    qkv_bias,
                     out: matrix(&n("attn_output"), c.dim, c.dim)?,
                     ffn_norm: vector(&n("ffn_norm"), c.dim)?,
                     gate_up: Matrix::stack(&[
@@ -225,6 +285,10 @@ impl LlamaModel {
             let ok = layer.attn_norm.len() == c.dim
                 && layer.ffn_norm.len() == c.dim
                 && (layer.qkv.rows, layer.qkv.cols) == (c.dim + 2 * kvc, c.dim)
+                && layer
+                    .qkv_bias
+                    .as_ref()
+                    .is_none_or(|b| b.len() == c.dim + 2 * kvc)
                 && (layer.out.rows, layer.out.cols) == (c.dim, c.dim)
                 && (layer.gate_up.rows, layer.gate_up.cols) == (2 * c.ffn, c.dim)
                 && (layer.down.rows, layer.down.cols) == (c.dim, c.ffn);
@@ -304,6 +368,13 @@ impl LlamaModel {
             rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
             project(&mut b.qkv, &b.h, &layer.qkv, false, checks)?;
             let width = c.dim + 2 * kvc;
+            if let Some(bias) = &layer.qkv_bias {
+                for row in b.qkv.chunks_exact_mut(width) {
+                    for (x, &b) in row.iter_mut().zip(bias) {
+                        *x += b;
+                    }
+                }
+            }
             for (i, row) in b.qkv.chunks_exact(width).enumerate() {
                 b.q[i * c.dim..(i + 1) * c.dim].copy_from_slice(&row[..c.dim]);
                 b.k[i * kvc..(i + 1) * kvc].copy_from_slice(&row[c.dim..c.dim + kvc]);
@@ -402,8 +473,14 @@ impl CausalLm for LlamaModel {
     fn describe(&self) -> String {
         let c = &self.config;
         format!(
-            "llama: {} layers, {} heads / {} KV heads × {}, RoPE {:?} base {}",
-            c.layers, c.q_heads, c.kv_heads, c.head_dim, c.rope_layout, c.rope_base
+            "{}: {} layers, {} heads / {} KV heads × {}, RoPE {:?} base {}",
+            c.arch.gguf_name(),
+            c.layers,
+            c.q_heads,
+            c.kv_heads,
+            c.head_dim,
+            c.rope_layout,
+            c.rope_base
         )
     }
 

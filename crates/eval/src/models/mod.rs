@@ -7,7 +7,7 @@ pub mod gpt2;
 pub mod llama;
 
 pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
-pub use llama::{LlamaConfig, LlamaLayer, LlamaModel};
+pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel};
 
 pub use abft_gemm::Matrix;
 use attention::{KvBackend, Rope};

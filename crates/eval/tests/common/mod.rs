@@ -3,6 +3,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub(crate) mod qwen2;
 pub(crate) mod tiny;
 
 /// xorshift64*: deterministic test weights without a dependency.

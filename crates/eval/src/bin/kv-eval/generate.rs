@@ -15,7 +15,8 @@ use crate::{
 /// The flags of `kv-eval generate`.
 #[derive(clap::Args)]
 pub(crate) struct GenerateArgs {
-    /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
+    /// GGUF model file, Hugging Face folder or fetched model name
+    /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
     #[arg(long)]
     model: Option<PathBuf>,
     /// The prompt.

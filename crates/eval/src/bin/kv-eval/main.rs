@@ -238,7 +238,8 @@ enum Command {
     /// RoPE, values) over the calibration text: ranks at 90/99/99.9% of the
     /// energy; lowrank.md, lowrank.json and lowrank.svg in --out.
     LowrankReport {
-        /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
+        /// GGUF model file, Hugging Face folder or fetched model name
+        /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
         #[arg(long)]
         model: Option<PathBuf>,
         #[command(flatten)]
@@ -250,7 +251,8 @@ enum Command {
     /// Fits the codebooks (vq) and PCA bases (pca-*) of calibrated forms
     /// on a calibration text and writes them to a file for --calibration.
     Calibrate {
-        /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
+        /// GGUF model file, Hugging Face folder or fetched model name
+        /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
         #[arg(long)]
         model: Option<PathBuf>,
         /// Comma-separated forms to fit codebooks (vq) and bases (pca-*) for.
@@ -270,7 +272,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// The top-k next tokens of a prompt with their logits and probabilities.
     Top {
-        /// GGUF model file or Hugging Face folder [default: the fetched GGUF].
+        /// GGUF model file, Hugging Face folder or fetched model name
+        /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
         #[arg(long)]
         model: Option<PathBuf>,
         /// The prompt.

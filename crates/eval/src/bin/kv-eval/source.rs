@@ -19,8 +19,10 @@ use crate::calib::needs_calibration;
 /// What the model reads and how the corpus is cut.
 #[derive(clap::Args, Clone)]
 pub(crate) struct Source {
-    /// GGUF model file or Hugging Face folder (config.json, model.safetensors,
-    /// tokenizer.json) [default: the GGUF `cargo xtask fetch-model` put in the cache folder].
+    /// GGUF model file, Hugging Face folder (config.json, model.safetensors,
+    /// tokenizer.json) or the name of a fetched model (smollm2-135m,
+    /// qwen2.5-0.5b) [default: smollm2-135m, the GGUF `cargo xtask
+    /// fetch-model` put in the cache folder].
     #[arg(long)]
     pub(crate) model: Option<PathBuf>,
     /// UTF-8 corpus [default: the fetched Python 3.11 tutorial].
@@ -50,8 +52,26 @@ pub(crate) enum Method {
     Sliding,
 }
 
+/// The model `--model` names: a path, else a fetched model's name, else the
+/// default model.
 pub(crate) fn model_path(p: &Option<PathBuf>) -> Result<PathBuf, Error> {
-    let path = p.clone().unwrap_or_else(paths::default_model);
+    let path = match p {
+        None => paths::default_model(),
+        Some(p) if p.exists() => p.clone(),
+        Some(p) => match p.to_str().and_then(paths::named_model) {
+            Some(named) if !named.is_file() => {
+                return Err(format!(
+                    "model {} ({}) is not fetched (run `cargo xtask fetch-model --model {}`)",
+                    p.display(),
+                    named.display(),
+                    p.display()
+                )
+                .into());
+            }
+            Some(named) => named,
+            None => p.clone(),
+        },
+    };
     if !path.is_file() && !path.is_dir() {
         return Err(format!(
             "model {} not found (run `cargo xtask fetch-model`, or pass --model with a GGUF \

@@ -1,10 +1,14 @@
 //! Dequantisation of GGUF tensors to f32, block by block, exactly as ggml
-//! defines each type's block layout.
+//! defines each type's block layout: the plain and 32-value types here, the
+//! k-quants' super-blocks in `kquants.rs`.
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::Tensor;
+use super::kquants::{
+    dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k, dequant_q6_k, dequant_q8_k,
+};
 use crate::error::{EvalError, Result};
 
 impl Tensor<'_> {
@@ -63,6 +67,14 @@ impl Tensor<'_> {
             "Q8_0" => dequant_q8_0,
             "Q4_0" => dequant_q4_0,
             "Q4_1" => dequant_q4_1,
+            "Q5_0" => dequant_q5_0,
+            "Q5_1" => dequant_q5_1,
+            "Q2_K" => dequant_q2_k,
+            "Q3_K" => dequant_q3_k,
+            "Q4_K" => dequant_q4_k,
+            "Q5_K" => dequant_q5_k,
+            "Q6_K" => dequant_q6_k,
+            "Q8_K" => dequant_q8_k,
             other => {
                 return Err(EvalError::UnsupportedType {
                     name: self.info.name.clone(),
@@ -117,5 +129,37 @@ pub(super) fn dequant_q4_1(b: &[u8], out: &mut [f32]) {
     for (j, &q) in b[4..20].iter().enumerate() {
         out[j] = f32::from(q & 0x0f) * d + m;
         out[j + 16] = f32::from(q >> 4) * d + m;
+    }
+}
+
+/// The fifth bits of a `Q5_0`/`Q5_1` block (`qh`, little-endian u32: bit
+/// `j` belongs to element `j`) merged into the nibbles of `qs` (laid out as
+/// in Q4_0): the 5-bit codes of elements `j` and `j + 16`.
+fn q5_codes(qh: &[u8], qs: &[u8]) -> impl Iterator<Item = (usize, u8, u8)> {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    qs.iter().enumerate().map(move |(j, &q)| {
+        let hi0 = ((qh >> j) & 1) as u8;
+        let hi1 = ((qh >> (j + 16)) & 1) as u8;
+        (j, (q & 0x0f) | (hi0 << 4), (q >> 4) | (hi1 << 4))
+    })
+}
+
+/// `block_q5_0`: f16 `d`, `qh[4]`, then 16 bytes of nibbles; `x = (q − 16)·d`.
+pub(super) fn dequant_q5_0(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (j, q0, q1) in q5_codes(&b[2..6], &b[6..22]) {
+        out[j] = f32::from(q0 as i8 - 16) * d;
+        out[j + 16] = f32::from(q1 as i8 - 16) * d;
+    }
+}
+
+/// `block_q5_1`: f16 `d`, f16 `m`, `qh[4]`, then 16 bytes of nibbles;
+/// `x = q·d + m`.
+pub(super) fn dequant_q5_1(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let m = f16_at(b, 2);
+    for (j, q0, q1) in q5_codes(&b[4..8], &b[8..24]) {
+        out[j] = f32::from(q0) * d + m;
+        out[j + 16] = f32::from(q1) * d + m;
     }
 }

@@ -1,13 +1,14 @@
 //! A GGUF reader (versions 2 and 3): metadata of every type, tensor infos,
-//! alignment, and dequantisation of F32, F16, BF16, Q8_0, Q4_0 and Q4_1
-//! exactly as ggml defines them.
+//! alignment, and dequantisation of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+//! Q5_1 and the k-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and Q8_K exactly as
+//! ggml defines them.
 //!
 //! The file format follows ggml's `docs/gguf.md`: magic `GGUF`, a `u32`
 //! version, `u64` tensor and metadata counts, the metadata key/value pairs,
 //! the tensor infos, padding to `general.alignment` (32 when absent), then the
 //! tensor data, each tensor at an aligned offset from the data section's start.
 //! The cursor lives in `read.rs`, the block dequantisers in `dequant.rs` and
-//! the writer in `write.rs`.
+//! `kquants.rs`, and the writer in `write.rs`.
 //!
 //! Every length, count and offset read from the file is checked against what
 //! is left of the file before anything is allocated, so a malformed or hostile
@@ -19,6 +20,7 @@ use std::path::Path;
 use crate::error::{EvalError, Result};
 
 mod dequant;
+mod kquants;
 mod read;
 mod write;
 
@@ -120,7 +122,7 @@ pub struct GgmlType {
 
 /// The ggml types this reader knows (`ggml.h`'s `ggml_type` ids and block
 /// sizes). Tensors of any of them can be listed; [`Tensor::to_f32`] handles
-/// F32, F16, BF16, Q8_0, Q4_0 and Q4_1.
+/// all but Q8_1 and the integer types.
 const GGML_TYPES: &[GgmlType] = &[
     GgmlType::new(0, "F32", 1, 4),
     GgmlType::new(1, "F16", 1, 2),
