@@ -97,3 +97,36 @@ fn a_k_quant_tensor_whose_size_does_not_match_its_shape_is_refused() {
         }
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// Byte flips and truncations of the k-quant fixture: a typed error or a
+    /// file whose tensors all dequantise, never a panic (random scale bits
+    /// may decode to ∞ or NaN; the values are not checked here).
+    #[test]
+    fn corrupted_k_quant_files_never_panic(
+        flips in proptest::collection::vec(
+            (proptest::prelude::any::<proptest::sample::Index>(), 1u8..),
+            1..8,
+        ),
+        cut in proptest::prelude::any::<proptest::sample::Index>(),
+        truncate in proptest::prelude::any::<bool>(),
+    ) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gguf_quants.gguf");
+        let mut b = std::fs::read(path).unwrap();
+        for (i, x) in flips {
+            let i = i.index(b.len());
+            b[i] ^= x;
+        }
+        if truncate {
+            let n = cut.index(b.len());
+            b.truncate(n);
+        }
+        if let Ok(f) = GgufFile::from_bytes(b) {
+            for t in f.tensors() {
+                let _ = f.tensor(&t.name).map(|t| t.to_f32());
+            }
+        }
+    }
+}

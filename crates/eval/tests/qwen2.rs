@@ -26,7 +26,7 @@ use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::load::gguf::{GgufFile, GgufWriter, MetaValue};
 use kv_eval::models::{CausalLm, LlamaArch, LlamaModel};
-use kv_eval::tokenizer::TextTokenizer;
+use kv_eval::tokenizer::{ReadLimits, TextTokenizer};
 use sha2::{Digest, Sha256};
 
 /// The paragraph both tokenizers and both forward passes read: words,
@@ -99,6 +99,18 @@ fn the_tokenizer_equals_llama_cpp_id_for_id() {
     let ids = tok.encode(PARAGRAPH).unwrap();
     assert_eq!(ids, LLAMA_CPP_IDS);
     assert_eq!(tok.decode(&ids).unwrap(), PARAGRAPH);
+    // Read a few bytes at a time, the text splits only where the qwen2
+    // regex ends a piece anyway: the same ids.
+    let text = PARAGRAPH.repeat(5) + "a.\nb;\nc\n1\n2 x\ny";
+    let whole = tok.encode(&text).unwrap();
+    for block_bytes in [1, 7, 16, 64] {
+        let limits = ReadLimits {
+            block_bytes,
+            ..ReadLimits::default()
+        };
+        let read = tok.encode_reader(text.as_bytes(), limits).unwrap();
+        assert_eq!(read, whole, "blocks of {block_bytes} bytes");
+    }
 }
 
 /// The positions whose logits the reference holds: 7, 15, 23, ... and the last.
