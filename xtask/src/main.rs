@@ -201,8 +201,8 @@ fn main() -> Result<()> {
                 "test",
                 "--workspace",
                 "--release",
-                "--features",
-                "gpu-kernels/cuda",
+                // gpu-kernels' `cuda` and the binaries' `cli` features.
+                "--all-features",
             ]);
             // NVRTC lets gpu-kernels' CPU-side test compile every CUDA
             // source; without it that test says it skipped.

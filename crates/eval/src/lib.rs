@@ -17,3 +17,8 @@ pub mod metrics;
 pub mod models;
 pub mod paths;
 pub mod sweep;
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

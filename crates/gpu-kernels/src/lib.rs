@@ -37,3 +37,8 @@ pub mod gemm;
 pub use device::{DeviceInfo, Gpu};
 pub use error::{GpuError, Result};
 pub use layout::{BlockBytes, KernelForm, ValueCoding};
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

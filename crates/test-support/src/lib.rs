@@ -145,3 +145,8 @@ mod tests {
         assert_eq!(Requirement::Nvrtc.variable(), "REQUIRE_GPU");
     }
 }
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

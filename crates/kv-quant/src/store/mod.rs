@@ -46,6 +46,7 @@ mod encode;
 mod erasure;
 mod inject;
 mod ledger;
+mod levels;
 mod row_range;
 mod rows;
 pub(crate) mod section;
