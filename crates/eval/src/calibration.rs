@@ -350,7 +350,7 @@ impl Calibration {
             .map(|(name, bytes, shape)| {
                 TensorView::new(Dtype::F32, shape.clone(), bytes)
                     .map(|v| (name.clone(), v))
-                    .map_err(|e| EvalError::Safetensors(e.to_string()))
+                    .map_err(crate::load::safetensors::st_err(name.clone()))
             })
             .collect::<Result<_>>()?;
         let metadata: HashMap<String, String> = [
@@ -375,10 +375,13 @@ impl Calibration {
             path: path.to_path_buf(),
             source,
         })?;
-        let bad = |reason: String| {
-            EvalError::Safetensors(format!("calibration file {}: {reason}", path.display()))
+        let bad = |reason: String| EvalError::Safetensors {
+            context: format!("calibration file {}: {reason}", path.display()),
+            source: None,
         };
-        let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(e.to_string()))?;
+        let header_err =
+            crate::load::safetensors::st_err(format!("calibration file {}", path.display()));
+        let (_, header) = SafeTensors::read_metadata(&bytes).map_err(header_err)?;
         let meta = header.metadata().clone().unwrap_or_default();
         let field = |k: &str| {
             meta.get(k)
@@ -394,7 +397,9 @@ impl Calibration {
                 .map_err(|_| bad(format!("`{k}` is not a number")))
         };
         let (layers, kv_channels) = (number("layers")?, number("kv_channels")?);
-        let tensors = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+        let tensors = SafeTensors::deserialize(&bytes).map_err(
+            crate::load::safetensors::st_err(format!("calibration file {}", path.display())),
+        )?;
         let mut codebooks = BTreeMap::new();
         let mut basis_parts: BTreeMap<(String, usize, Part, usize), BasisParts> = BTreeMap::new();
         let floats = |view: &TensorView<'_>| -> Vec<f32> {

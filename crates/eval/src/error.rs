@@ -73,9 +73,16 @@ pub enum EvalError {
     /// A fault channel could not be built.
     #[error(transparent)]
     Channel(#[from] gf2_codes::Gf2Error),
-    /// A safetensors checkpoint is malformed.
-    #[error("safetensors: {0}")]
-    Safetensors(String),
+    /// A safetensors file (checkpoint or calibration) is malformed: what is
+    /// wrong, and the safetensors crate's own error when it found it.
+    #[error("safetensors: {context}")]
+    Safetensors {
+        /// What is wrong, and where.
+        context: String,
+        /// The safetensors crate's error, when the problem was found there.
+        #[source]
+        source: Option<safetensors::SafeTensorError>,
+    },
     /// Writing a report failed.
     #[error("report: {0}")]
     Report(String),

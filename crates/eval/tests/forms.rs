@@ -161,7 +161,7 @@ fn calibration_files_round_trip_and_refuse_bad_ones() {
         let p = dir.join(format!("{name}.safetensors"));
         std::fs::write(&p, content).unwrap();
         let e = Calibration::load(&p).unwrap_err();
-        assert!(matches!(e, EvalError::Safetensors(_)), "{name}: {e}");
+        assert!(matches!(e, EvalError::Safetensors { .. }), "{name}: {e}");
         assert!(e.to_string().contains(needle), "{name}: {e}");
     }
     let missing = Calibration::load(&dir.join("missing.safetensors")).unwrap_err();

@@ -533,18 +533,18 @@ fn broken_folders_get_typed_errors() {
         "n_positions": P, "vocab_size": V
     });
     std::fs::write(d.join("config.json"), config.to_string()).unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors(_))));
+    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors { .. })));
     // A truncated safetensors file.
     write_gpt2(&d, &w, "");
     let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
     std::fs::write(d.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors(_))));
+    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors { .. })));
     std::fs::write(
         d.join("model.safetensors"),
         b"\xff\xff\xff\xff\xff\xff\xff\xff{",
     )
     .unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors(_))));
+    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors { .. })));
     // A broken tokenizer.json.
     write_gpt2(&d, &w, "");
     std::fs::write(d.join("tokenizer.json"), "{}").unwrap();

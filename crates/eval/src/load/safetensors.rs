@@ -17,8 +17,23 @@ use crate::models::{
 };
 use crate::tokenizer::TextTokenizer;
 
-fn st_err(e: impl std::fmt::Display) -> EvalError {
-    EvalError::Safetensors(e.to_string())
+/// A malformed file, found by this crate's checks.
+fn malformed(context: String) -> EvalError {
+    EvalError::Safetensors {
+        context,
+        source: None,
+    }
+}
+
+/// A malformed file, found by the safetensors crate.
+pub(crate) fn st_err(
+    context: impl Into<String>,
+) -> impl FnOnce(safetensors::SafeTensorError) -> EvalError {
+    let context = context.into();
+    move |source| EvalError::Safetensors {
+        context,
+        source: Some(source),
+    }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {
@@ -38,12 +53,9 @@ impl Weights<'_> {
     /// Tensor `name` (with the checkpoint's prefix) as f32, checked to have `shape`.
     fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let full = format!("{}{name}", self.prefix);
-        let t = self
-            .st
-            .tensor(&full)
-            .map_err(|e| EvalError::Safetensors(format!("{full}: {e}")))?;
+        let t = self.st.tensor(&full).map_err(st_err(full.clone()))?;
         if t.shape() != shape {
-            return Err(EvalError::Safetensors(format!(
+            return Err(malformed(format!(
                 "{full} has shape {:?}, expected {shape:?}",
                 t.shape()
             )));
@@ -63,7 +75,7 @@ impl Weights<'_> {
                 .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             other => {
-                return Err(EvalError::Safetensors(format!(
+                return Err(malformed(format!(
                     "{full}: dtype {other:?} (F32, F16 and BF16 are read)"
                 )));
             }
@@ -97,7 +109,7 @@ pub fn load_hf(dir: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     let config: Value = serde_json::from_slice(&read(&dir.join("config.json"))?)
         .map_err(|e| EvalError::Model(format!("config.json: {e}")))?;
     let bytes = read(&dir.join("model.safetensors"))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(st_err)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(st_err("model.safetensors"))?;
     let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
     let model_type = config
         .get("model_type")
