@@ -80,6 +80,9 @@ pub enum AttentionError {
     /// Reading a stored form failed.
     #[error(transparent)]
     Store(#[from] KvQuantError),
+    /// Reading a low-rank store failed.
+    #[error(transparent)]
+    LowRank(#[from] kv_lowrank::LowRankError),
 }
 
 /// Result alias of this crate.

@@ -44,13 +44,6 @@ impl LowRankScratch {
     }
 }
 
-fn lowrank_error(e: kv_lowrank::LowRankError) -> AttentionError {
-    AttentionError::InvalidParameter {
-        name: "low-rank store",
-        reason: e.to_string(),
-    }
-}
-
 /// Reconstructed rows, tile by tile (keys projected after RoPE, or values).
 impl KvSource for LowRankStore {
     type Scratch = LowRankScratch;
@@ -74,9 +67,7 @@ impl KvSource for LowRankStore {
         scratch: &'s mut LowRankScratch,
     ) -> Result<Tile<'s>> {
         let (rows, store) = scratch.tile(count * self.channels());
-        let stats = self
-            .decode_rows_into(start, count, rows, store)
-            .map_err(lowrank_error)?;
+        let stats = self.decode_rows_into(start, count, rows, store)?;
         Ok(Tile {
             rows: TileRows::F32(rows),
             stats,
@@ -128,10 +119,7 @@ impl KvSource for PreRopeKeys<'_> {
     ) -> Result<Tile<'s>> {
         let ch = self.store.channels();
         let (rows, store) = scratch.tile(count * ch);
-        let stats = self
-            .store
-            .decode_rows_into(start, count, rows, store)
-            .map_err(lowrank_error)?;
+        let stats = self.store.decode_rows_into(start, count, rows, store)?;
         for (i, row) in rows.chunks_exact_mut(ch).enumerate() {
             self.rope.apply(row, self.first_position + start + i)?;
         }

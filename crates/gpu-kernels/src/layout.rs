@@ -127,8 +127,7 @@ impl KernelForm {
         };
         // Row bytes, groups, scale type and the level map come from
         // kv-quant's own row encoder: the kernel re-derives none of them.
-        let encoder = RowEncoder::new(form, channels, None)
-            .map_err(|e| unsupported(format!("not a row-local form ({e})")))?;
+        let encoder = RowEncoder::new(form, channels, None)?;
         let (scale, symmetric, channels_per_group) = match coding {
             ValueCoding::F16 => (ScaleType::F16, false, 0),
             ValueCoding::Int4 | ValueCoding::Int4Secded84 => {
