@@ -15,7 +15,7 @@ fn small() -> (Matrix, Matrix) {
 }
 
 fn close(got: f64, want: f64) {
-    assert!((got - want).abs() <= 1e-12 * want.abs(), "{got} vs {want}");
+    approx::assert_relative_eq!(got, want, epsilon = 0.0, max_relative = 1e-12);
 }
 
 #[test]

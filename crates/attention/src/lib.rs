@@ -51,6 +51,8 @@ mod backend;
 mod error;
 mod kernel;
 mod low_rank;
+#[cfg(feature = "ndarray")]
+mod ndarray_views;
 mod numerics;
 mod reference;
 mod rope;

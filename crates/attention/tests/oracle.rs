@@ -138,7 +138,11 @@ fn very_long_context_does_not_overflow_or_drift() {
         "output error {out}, lse error {lse}"
     );
     // Head 0's scores are 200: the log-sum-exp is 200 + ln(300000).
-    assert!((f64::from(got.lse[0]) - (200.0 + (tokens as f64).ln())).abs() < 1e-3);
+    approx::assert_abs_diff_eq!(
+        f64::from(got.lse[0]),
+        200.0 + (tokens as f64).ln(),
+        epsilon = 1e-3
+    );
     assert!(got.out.iter().all(|x| x.is_finite()));
 }
 

@@ -56,7 +56,7 @@ fn per_layer_and_per_part_forms_are_what_attention_reads() {
     let key_bits = 8.0 * s.part_bytes[0] as f64 / values as f64;
     let value_bits = 8.0 * s.part_bytes[1] as f64 / values as f64;
     // int8 over 16 channels: 8 bits + f16 scale and offset per row.
-    assert!((key_bits - (8.0 + 32.0 / 16.0)).abs() < 1e-9, "{key_bits}");
+    approx::assert_abs_diff_eq!(key_bits, 8.0 + 32.0 / 16.0, epsilon = 1e-9);
     assert_eq!(value_bits, 32.0);
     // The first layer in fp32, the rest in int4, differs from both.
     let (first_wide, _) = forward(&m, CacheMode::parse("0:fp32;*:int4").unwrap()).unwrap();

@@ -252,7 +252,7 @@ fn perplexity_matches_an_f64_recomputation() {
         got.nll_mean,
         nll / n as f64
     );
-    assert!((got.ppl - (nll / n as f64).exp()).abs() < 1e-5 * got.ppl);
+    approx::assert_relative_eq!(got.ppl, (nll / n as f64).exp(), max_relative = 1e-5);
     assert_eq!((got.kl_mean, got.top1_agreement), (0.0, 1.0));
 }
 

@@ -44,6 +44,8 @@ mod basis;
 pub mod certificate;
 mod error;
 pub mod fd;
+#[cfg(feature = "ndarray")]
+mod ndarray_views;
 mod projector;
 mod store;
 

@@ -34,6 +34,8 @@ pub mod int;
 mod layout;
 pub mod lloyd_max;
 pub mod meta;
+#[cfg(feature = "ndarray")]
+mod ndarray_views;
 pub mod nf4;
 pub mod qjl;
 pub mod rotation;

@@ -110,7 +110,7 @@ fn vq_decodes_gain_times_centroid_and_beats_scalar_codes_of_equal_bits() {
     assert_eq!(cb.stored_bytes(), 2 * 256 * 4 * 2);
     let expected_bits =
         8.0 * (store.stored_bytes() + cb.stored_bytes()) as f64 / (256 * channels) as f64;
-    assert!((store.bits_per_value() - expected_bits).abs() < 1e-12);
+    approx::assert_abs_diff_eq!(store.bits_per_value(), expected_bits, epsilon = 1e-12);
     // Decoded rotated rows are gain × centroid, group by group.
     let mut rotated = vec![0.0; channels];
     store

@@ -240,6 +240,6 @@ fn rotation_keeps_dot_products_of_decoded_rows() {
     {
         let s1: f32 = a.iter().zip(&q).map(|(x, y)| x * y).sum();
         let s2: f32 = b.iter().zip(&rq).map(|(x, y)| x * y).sum();
-        assert!((s1 - s2).abs() < 1e-4 * (1.0 + s1.abs()), "{s1} {s2}");
+        approx::assert_relative_eq!(s1, s2, epsilon = 1e-4, max_relative = 1e-4);
     }
 }

@@ -70,7 +70,7 @@ fn fp32_pages_equal_the_dense_oracle() {
     for (g, w) in got.iter().zip(&want) {
         assert_eq!(g.len(), w.len());
         for (a, b) in g.iter().zip(w) {
-            assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{a} vs {b}");
+            approx::assert_relative_eq!(a, b, epsilon = 1e-6, max_relative = 1e-6);
         }
     }
 }
