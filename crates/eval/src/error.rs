@@ -36,9 +36,37 @@ pub enum EvalError {
     /// The tokenizer could not be built or failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// Lengths or shapes do not fit.
+    /// Weights or configurations whose shapes do not fit each other.
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// A buffer or count does not have the size the call needs.
+    #[error("{what}: {got}, expected {expected}")]
+    ShapeMismatch {
+        /// What was measured.
+        what: &'static str,
+        /// The size the call needs.
+        expected: usize,
+        /// The size it got.
+        got: usize,
+    },
+    /// An index past the end of what it indexes.
+    #[error("{what} {index} is past the {len} there are")]
+    OutOfRange {
+        /// What is indexed (`"row of blk.0.attn_q.weight"`).
+        what: String,
+        /// The index asked for.
+        index: usize,
+        /// How many there are.
+        len: usize,
+    },
+    /// A forward call with no tokens, or logits asked from past its tokens.
+    #[error("{tokens} tokens with logits from token {logits_from}")]
+    EmptyForward {
+        /// Tokens in the call.
+        tokens: usize,
+        /// The first token whose logits were asked for.
+        logits_from: usize,
+    },
     /// A parameter is out of its domain.
     #[error("invalid {name}: {reason}")]
     InvalidParameter {

@@ -159,6 +159,68 @@ pub struct RunMetrics {
     pub stats: StatsReport,
 }
 
+/// Two runs' quality figures compared with a tolerance (`approx`):
+/// perplexity, mean NLL, KL, accuracies and agreements within `epsilon`
+/// (absolute) or `max_relative`, and the counts of predictions scored,
+/// tokens processed and non-finite predictions equal. Timings and codec
+/// statistics are not compared.
+impl approx::AbsDiffEq for RunMetrics {
+    type Epsilon = f64;
+
+    fn default_epsilon() -> f64 {
+        f64::EPSILON
+    }
+
+    fn abs_diff_eq(&self, other: &Self, epsilon: f64) -> bool {
+        self.counts() == other.counts()
+            && self
+                .quality()
+                .iter()
+                .zip(other.quality())
+                .all(|(a, b)| a.abs_diff_eq(&b, epsilon))
+    }
+}
+
+impl approx::RelativeEq for RunMetrics {
+    fn default_max_relative() -> f64 {
+        f64::EPSILON
+    }
+
+    fn relative_eq(&self, other: &Self, epsilon: f64, max_relative: f64) -> bool {
+        self.counts() == other.counts()
+            && self
+                .quality()
+                .iter()
+                .zip(other.quality())
+                .all(|(a, b)| a.relative_eq(&b, epsilon, max_relative))
+    }
+}
+
+impl RunMetrics {
+    /// The figures [`approx`] compares with a tolerance.
+    fn quality(&self) -> [f64; 8] {
+        [
+            self.ppl,
+            self.nll_mean,
+            self.kl_mean,
+            self.top1_accuracy,
+            self.top5_accuracy,
+            self.top1_agreement,
+            self.top5_agreement,
+            f64::from(u8::from(self.ppl.is_finite())),
+        ]
+    }
+
+    /// The counts [`approx`] compares exactly.
+    fn counts(&self) -> [u64; 3] {
+        [
+            self.tokens_scored,
+            self.tokens_processed,
+            self.non_finite_predictions,
+        ]
+    }
+}
+
 /// The codec statistics of a run in report form.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct StatsReport {
@@ -521,6 +583,36 @@ pub fn evaluate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn run_metrics_compare_with_a_tolerance_and_counts_exactly() {
+        let a = RunMetrics {
+            ppl: 10.0,
+            nll_mean: 10f64.ln(),
+            tokens_scored: 100,
+            tokens_processed: 200,
+            seconds: 1.0,
+            ..RunMetrics::default()
+        };
+        let close = RunMetrics {
+            ppl: 10.0 * (1.0 + 1e-7),
+            seconds: 5.0,
+            ..a.clone()
+        };
+        assert!(approx::relative_eq!(a, close, max_relative = 1e-6));
+        assert!(!approx::relative_eq!(a, close, max_relative = 1e-9));
+        let far = RunMetrics {
+            ppl: 10.1,
+            ..a.clone()
+        };
+        assert!(!approx::relative_eq!(a, far, max_relative = 1e-3));
+        assert!(approx::abs_diff_eq!(a, far, epsilon = 0.2));
+        let fewer = RunMetrics {
+            tokens_scored: 99,
+            ..a.clone()
+        };
+        assert!(!approx::abs_diff_eq!(a, fewer, epsilon = 1.0));
+    }
 
     #[test]
     fn llamacpp_windows_score_the_second_half() {

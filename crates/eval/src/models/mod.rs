@@ -74,9 +74,10 @@ pub(crate) fn forward_step(
 ) -> Result<Vec<f32>> {
     let t = tokens.len();
     if t == 0 || logits_from > t {
-        return Err(EvalError::Shape(format!(
-            "{t} tokens with logits from {logits_from}"
-        )));
+        return Err(EvalError::EmptyForward {
+            tokens: t,
+            logits_from,
+        });
     }
     if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
         return Err(EvalError::TokenId { id, vocab });

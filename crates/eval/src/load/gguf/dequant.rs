@@ -37,13 +37,19 @@ impl Tensor<'_> {
     /// Dequantises row `row` (`dims[0]` values) into `out`.
     pub fn row_to_f32(&self, row: usize, out: &mut [f32]) -> Result<()> {
         let len = self.info.row_len();
-        if row >= self.info.rows() || out.len() != len {
-            return Err(EvalError::Shape(format!(
-                "row {row} of {} ({} rows of {len}) into {} values",
-                self.info.name,
-                self.info.rows(),
-                out.len()
-            )));
+        if row >= self.info.rows() {
+            return Err(EvalError::OutOfRange {
+                what: format!("row of {}", self.info.name),
+                index: row,
+                len: self.info.rows(),
+            });
+        }
+        if out.len() != len {
+            return Err(EvalError::ShapeMismatch {
+                what: "values of a dequantised row",
+                expected: len,
+                got: out.len(),
+            });
         }
         let dequant = self.dequantizer()?;
         let block_elems = self.info.ty.block_elems as usize;

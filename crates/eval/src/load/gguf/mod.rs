@@ -500,7 +500,11 @@ mod tests {
         assert!(matches!(f.tensor("nope"), Err(EvalError::Model(_))));
         assert!(matches!(
             t.row_to_f32(2, &mut row),
-            Err(EvalError::Shape(_))
+            Err(EvalError::OutOfRange {
+                index: 2,
+                len: 2,
+                ..
+            })
         ));
     }
 }
