@@ -40,12 +40,12 @@ proptest! {
         rope.undo(&mut y, position).unwrap();
         let norm = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         for (a, b) in x.iter().zip(&y) {
-            prop_assert!((a - b).abs() <= 1e-6 * norm.max(1.0), "{a} vs {b}");
+            prop_assert!(approx::abs_diff_eq!(a, b, epsilon = 1e-6 * norm.max(1.0)), "{a} vs {b}");
         }
         // A rotation keeps each head's norm.
         rope.apply(&mut y, position).unwrap();
         for (hx, hy) in x.chunks(d).zip(y.chunks(d)) {
-            prop_assert!((dot(hx, hx) - dot(hy, hy)).abs() <= 1e-5 * dot(hx, hx).max(1.0));
+            prop_assert!(approx::abs_diff_eq!(dot(hx, hx), dot(hy, hy), epsilon = 1e-5 * dot(hx, hx).max(1.0)));
         }
     }
 
@@ -69,7 +69,7 @@ proptest! {
         };
         let a = score(p, s);
         let b = score(p + shift, s + shift);
-        prop_assert!((a - b).abs() <= 1e-5 * (d as f64), "{a} vs {b}");
+        prop_assert!(approx::abs_diff_eq!(a, b, epsilon = 1e-5 * d as f64), "{a} vs {b}");
         // The per-pair identity with Δ = s − p on the unrotated halves.
         let delta = s as f64 - p as f64;
         let identity: f64 = (0..half)
@@ -80,7 +80,10 @@ proptest! {
                 (a * c + b * e) * cos + (b * c - a * e) * sin
             })
             .sum();
-        prop_assert!((a - identity).abs() <= 1e-5 * (d as f64), "{a} vs identity {identity}");
+        prop_assert!(
+            approx::abs_diff_eq!(a, identity, epsilon = 1e-5 * d as f64),
+            "{a} vs identity {identity}"
+        );
     }
 
     #[test]

@@ -69,10 +69,7 @@ fn rotated_decodes_are_rotations_of_the_decodes() {
         let mut expect = whole.values[8 * channels..24 * channels].to_vec();
         store.rotation().unwrap().unwrap().rotate(&mut expect);
         for (a, b) in rotated.iter().zip(&expect) {
-            assert!(
-                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                "{spelling}: {a} {b}"
-            );
+            approx::assert_relative_eq!(a, b, epsilon = 1e-5, max_relative = 1e-5);
         }
         // Back in the original coordinates the error is a quantization
         // error: at most lm2's distortion (0.1175) of the signal's power.

@@ -111,10 +111,7 @@ fn encoded_pages_equal_the_same_form_stored_whole() {
         }
         assert_eq!(got[l].len(), want.len());
         for (a, b) in got[l].iter().zip(&want) {
-            assert!(
-                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                "layer {l}: {a} vs {b}"
-            );
+            approx::assert_relative_eq!(a, b, epsilon = 1e-5, max_relative = 1e-5);
         }
     }
     let stats = paged.read_stats();
