@@ -14,6 +14,8 @@
 //!   concatenated in byte-wise sorted name order.
 //! - Calibration text (disjoint from the corpus, for forms fitted on data):
 //!   the `howto/*.rst.txt` files of the same package, concatenated the same way.
+//! - The needle test's haystack: the Jargon File 4.4.7 (public domain), from
+//!   Debian's `jargon-text` (`jargon.txt.gz`, unpacked).
 //!
 //! The cache folder follows the rule of `kv_eval::paths` (mirrored here so
 //! that fetching does not compile the evaluation crate): `$KV_EVAL_CACHE`,
@@ -272,29 +274,26 @@ fn fetch_corpus(cache: &Path) -> Result<PathBuf> {
     Ok(cache.join(CORPUS_FILE))
 }
 
-/// Downloads the documentation package once and writes the given texts.
-fn extract_doc_texts(cache: &Path, texts: &[&DocText]) -> Result<()> {
-    if Command::new("apt-get").arg("--version").output().is_err() {
-        bail!(
-            "apt-get is not available to fetch {CORPUS_PACKAGE}; pass kv-eval --text FILE (and --calib-text FILE) with any UTF-8 text instead"
-        );
-    }
-    eprintln!("corpus: apt-get download {CORPUS_PACKAGE}");
-    let tmp = scratch(cache, "corpus")?;
+/// Downloads the Debian package `package` with apt-get (refreshing the
+/// package lists once if the first try fails) and unpacks it; returns the
+/// scratch folder (removed when dropped) and the unpacked root.
+fn apt_unpack(cache: &Path, package: &str, what: &str) -> Result<(Scratch, PathBuf)> {
+    eprintln!("{what}: apt-get download {package}");
+    let tmp = scratch(cache, what)?;
     let download = |tmp: &Path| {
         Command::new("apt-get")
-            .args(["download", "-q", CORPUS_PACKAGE])
+            .args(["download", "-q", package])
             .current_dir(tmp)
             .status()
     };
     if !download(&tmp.0).is_ok_and(|s| s.success()) {
-        eprintln!("corpus: apt-get download failed; refreshing the package lists once");
+        eprintln!("{what}: apt-get download failed; refreshing the package lists once");
         run(
             Command::new("apt-get").args(["update", "-q"]),
             "apt-get update",
         )?;
         if !download(&tmp.0).is_ok_and(|s| s.success()) {
-            bail!("apt-get download {CORPUS_PACKAGE} failed");
+            bail!("apt-get download {package} failed");
         }
     }
     let deb = std::fs::read_dir(&tmp.0)?
@@ -306,6 +305,65 @@ fn extract_doc_texts(cache: &Path, texts: &[&DocText]) -> Result<()> {
         Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root),
         "dpkg-deb -x",
     )?;
+    Ok((tmp, root))
+}
+
+/// Debian package that carries the needle test's haystack (public domain).
+const HAYSTACK_PACKAGE: &str = "jargon-text";
+/// The haystack inside the package (gzip-compressed).
+const HAYSTACK_MEMBER: &str = "usr/share/doc/jargon-text/jargon.txt.gz";
+/// File name in the cache folder (`kv_eval::paths::HAYSTACK_FILE`).
+pub(crate) const HAYSTACK_FILE: &str = "jargon-4.4.7.txt";
+/// Size and SHA-256 of the unpacked text (package version 4.4.7-4.1).
+const HAYSTACK_BYTES: u64 = 1_681_817;
+const HAYSTACK_SHA256: &str = "40dfb4b98191a670a09a183d5798d50f243d23fdbd1495dcc0aca2ce5895ba97";
+
+/// Fetches the Jargon File (Debian `jargon-text`), the haystack of
+/// `kv-eval niah`, when it is missing or its hash is wrong.
+fn fetch_haystack(cache: &Path) -> Result<PathBuf> {
+    let target = cache.join(HAYSTACK_FILE);
+    if target.is_file() && sha256_file(&target)? == HAYSTACK_SHA256 {
+        eprintln!("haystack: {} (verified)", target.display());
+        return Ok(target);
+    }
+    if Command::new("apt-get").arg("--version").output().is_err() {
+        bail!(
+            "apt-get is not available to fetch {HAYSTACK_PACKAGE}; pass kv-eval niah --haystack FILE with any long UTF-8 text instead"
+        );
+    }
+    let (tmp, root) = apt_unpack(cache, HAYSTACK_PACKAGE, "haystack")?;
+    let staged = tmp.0.join(HAYSTACK_FILE);
+    let out = std::fs::File::create(&staged)?;
+    let status = Command::new("gzip")
+        .arg("-dc")
+        .arg(root.join(HAYSTACK_MEMBER))
+        .stdout(out)
+        .status()
+        .context("starting gzip")?;
+    if !status.success() {
+        bail!("gzip -dc {HAYSTACK_MEMBER} failed ({status})");
+    }
+    let size = std::fs::metadata(&staged)?.len();
+    let hash = sha256_file(&staged)?;
+    if size != HAYSTACK_BYTES || hash != HAYSTACK_SHA256 {
+        bail!(
+            "{HAYSTACK_PACKAGE} gave {size} bytes, sha256 {hash}; expected {HAYSTACK_BYTES}, {HAYSTACK_SHA256} \
+             (another package version: pass kv-eval niah --haystack FILE, or update the reference here)"
+        );
+    }
+    std::fs::rename(&staged, &target)?;
+    eprintln!("haystack: {} (verified)", target.display());
+    Ok(target)
+}
+
+/// Downloads the documentation package once and writes the given texts.
+fn extract_doc_texts(cache: &Path, texts: &[&DocText]) -> Result<()> {
+    if Command::new("apt-get").arg("--version").output().is_err() {
+        bail!(
+            "apt-get is not available to fetch {CORPUS_PACKAGE}; pass kv-eval --text FILE (and --calib-text FILE) with any UTF-8 text instead"
+        );
+    }
+    let (tmp, root) = apt_unpack(cache, CORPUS_PACKAGE, "corpus")?;
     for t in texts {
         let dir = root.join(t.dir);
         let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -411,7 +469,9 @@ pub(crate) fn fetch(models: &[&ModelSource]) -> Result<(PathBuf, PathBuf)> {
         paths.push(fetch_model(&cache, m)?);
     }
     let first = paths.into_iter().next().context("no model to fetch")?;
-    Ok((first, fetch_corpus(&cache)?))
+    let corpus = fetch_corpus(&cache)?;
+    fetch_haystack(&cache)?;
+    Ok((first, corpus))
 }
 
 #[cfg(test)]
@@ -454,6 +514,7 @@ mod tests {
             assert!(src.contains(&format!("(\"{}\",", m.name)), "{}", m.name);
         }
         assert!(src.contains(&format!("\"{CORPUS_FILE}\"")));
+        assert!(src.contains(&format!("HAYSTACK_FILE: &str = \"{HAYSTACK_FILE}\"")));
         assert!(src.contains("\"KV_EVAL_CACHE\"") && src.contains("\"reliable-kv\""));
     }
 }

@@ -15,6 +15,8 @@ pub mod load;
 pub mod lowrank_report;
 pub mod metrics;
 pub mod models;
+pub mod niah;
+mod niah_plot;
 pub mod paths;
 pub mod sweep;
 

@@ -24,6 +24,10 @@ pub const DEFAULT_TEXT_FILE: &str = "python3.11-tutorial.txt";
 /// the Python 3.11 HOWTOs of the same package) inside the cache folder.
 pub const DEFAULT_CALIBRATION_FILE: &str = "python3.11-howto.txt";
 
+/// File name of the needle test's haystack (the Jargon File 4.4.7, from
+/// Debian's `jargon-text`) inside the cache folder.
+pub const HAYSTACK_FILE: &str = "jargon-4.4.7.txt";
+
 /// The cache folder.
 pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("KV_EVAL_CACHE").filter(|d| !d.is_empty()) {
@@ -57,4 +61,9 @@ pub fn default_text() -> PathBuf {
 /// The default calibration text.
 pub fn default_calibration_text() -> PathBuf {
     cache_dir().join(DEFAULT_CALIBRATION_FILE)
+}
+
+/// The default haystack of the needle test.
+pub fn default_haystack() -> PathBuf {
+    cache_dir().join(HAYSTACK_FILE)
 }

@@ -202,8 +202,33 @@ impl TextTokenizer {
     /// up to `max_bytes` and encodes it once.
     pub fn encode_reader(
         &self,
+        reader: impl std::io::Read,
+        limits: ReadLimits,
+    ) -> Result<Vec<u32>> {
+        self.read_ids(reader, limits, true)
+    }
+
+    /// [`encode_reader`](Self::encode_reader) without special tokens (no
+    /// BOS): the ids of a text that continues a prompt.
+    pub fn encode_reader_plain(
+        &self,
+        reader: impl std::io::Read,
+        limits: ReadLimits,
+    ) -> Result<Vec<u32>> {
+        self.read_ids(reader, limits, false)
+    }
+
+    /// Ids of `text` without special tokens (no BOS): a text that continues
+    /// a prompt.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_part(text, false)
+    }
+
+    fn read_ids(
+        &self,
         mut reader: impl std::io::Read,
         limits: ReadLimits,
+        special: bool,
     ) -> Result<Vec<u32>> {
         let io = |e: std::io::Error| EvalError::Tokenizer(format!("reading the text: {e}"));
         let block = if self.post_process {
@@ -213,7 +238,7 @@ impl TextTokenizer {
         };
         let mut pending: Vec<u8> = Vec::new();
         let mut ids: Vec<u32> = Vec::new();
-        let (mut read, mut eof, mut first) = (0usize, false, true);
+        let (mut read, mut eof, mut first) = (0usize, false, special);
         // Bytes of `pending` known to hold no split point (all but the last two).
         let mut scanned = 0usize;
         loop {

@@ -39,6 +39,17 @@ fn hostile_flags_are_refused_before_any_work() {
         ),
         (&["sweep", "--out", out], out),
         (&["ppl", "--model", missing], missing),
+        (
+            &["niah", "--depths", "0,2", "--out", "x"],
+            "2 is not in [0, 1]",
+        ),
+        (&["niah", "--lengths", "0", "--out", "x"], "--lengths"),
+        (&["niah", "--digits", "0", "--out", "x"], "digits"),
+        (&["niah", "--forms", "int4+bogus", "--out", "x"], "bogus"),
+        (
+            &["niah", "--haystack", "/nonexistent/hay.txt", "--out", "x"],
+            "cargo xtask fetch-model",
+        ),
     ] {
         let o = Command::new(env!("CARGO_BIN_EXE_kv-eval"))
             .args(args)

@@ -450,3 +450,50 @@ fn forms_the_model_cannot_run_fail_before_the_corpus_is_read() {
         assert!(!stderr.contains("tokens read"), "{form}: {stderr}");
     }
 }
+
+/// The needle test on the default model: a 5-digit passkey at the start,
+/// middle and end of 1,024-token haystacks of the Jargon File, with the
+/// plain cache and with `int4+secded84` on the paged backend. Measured: all
+/// found (the README has the whole grid).
+#[test]
+fn niah_finds_the_passkey_in_1k_haystacks() {
+    use kv_eval::backend::BackendKind;
+    use kv_eval::generate::{GenerateConfig, Sampling};
+    use kv_eval::niah::{Haystack, NiahConfig, run_grid};
+    let Some((model, tok)) = load() else { return };
+    let path = paths::default_haystack();
+    if !path.is_file() {
+        let msg = format!("{} is missing; run `cargo xtask fetch-model`", path.display());
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
+        test_support::skip(test_support::Requirement::Data, "kv-eval", "niah", &msg);
+        return;
+    }
+    let hay = Haystack::open(&path).unwrap().tokens(&tok, 1024).unwrap();
+    let config = NiahConfig {
+        lengths: vec![1024],
+        depths: vec![0.0, 0.5, 1.0],
+        ..NiahConfig::default()
+    };
+    for form in ["plain", "int4+secded84"] {
+        let mode = CacheMode::parse(form).unwrap();
+        let base = GenerateConfig {
+            mode: mode.clone(),
+            backend: BackendKind::Paged { block_size: 16 },
+            context: 1024,
+            max_new: 0,
+            sampling: Sampling::default(),
+            faults: None,
+        };
+        let base = if form == "plain" {
+            GenerateConfig {
+                backend: BackendKind::Dense,
+                ..base
+            }
+        } else {
+            base
+        };
+        let grid = run_grid(&model, &tok, &hay, &config, &mode, &base, |_| {}).unwrap();
+        let answers: Vec<&str> = grid.cells.iter().map(|c| c.answer.as_str()).collect();
+        assert_eq!(grid.found, 3, "{form}: {answers:?}");
+    }
+}

@@ -5,6 +5,7 @@
 
 mod calib;
 mod generate;
+mod niah;
 mod source;
 
 use calib::{Calib, calibration_for, calibration_rows, fit_calibration, needs_calibration};
@@ -270,6 +271,10 @@ enum Command {
     /// On the paged backend faults can accumulate over the decode steps
     /// (--ber-per-step), with a scrubber (--scrub-every).
     Generate(generate::GenerateArgs),
+    /// Needle in a haystack: a passkey hidden at several depths of
+    /// haystacks of several lengths, found or not by greedy generation, for
+    /// each cache form; niah.md, niah.json and niah.svg (heat maps) in --out.
+    Niah(niah::NiahArgs),
     /// The top-k next tokens of a prompt with their logits and probabilities.
     Top {
         /// GGUF model file, Hugging Face folder or fetched model name
@@ -775,6 +780,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             println!("wrote {} ({:?})", out.display(), cal.shapes());
         }
         Command::Generate(args) => generate::run(args)?,
+        Command::Niah(args) => niah::run(args)?,
         Command::Top { model, prompt, k } => {
             if prompt.is_empty() {
                 return Err("the prompt is empty".into());
