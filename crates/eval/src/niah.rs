@@ -143,8 +143,10 @@ impl Haystack {
     /// The first `n` token ids of the haystack; a haystack too short for
     /// `n` is refused, naming the shortfall.
     pub fn tokens(&self, tokenizer: &TextTokenizer, n: usize) -> Result<Vec<u32>> {
+        // Small blocks: a few thousand tokens are read, not the whole text.
         let limits = ReadLimits {
             max_tokens: Some(n),
+            block_bytes: 64 << 10,
             ..ReadLimits::default()
         };
         let ids = tokenizer.encode_reader_plain(self.text.as_bytes(), limits)?;
