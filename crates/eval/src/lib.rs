@@ -6,6 +6,7 @@ pub mod error;
 pub mod tokenizer;
 
 pub use error::{EvalError, Result};
+pub mod accumulate;
 pub mod backend;
 pub mod cache;
 pub mod calibration;

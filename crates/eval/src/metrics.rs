@@ -358,13 +358,13 @@ struct Sums {
 }
 
 /// Per-row facts of one logits row.
-struct Row {
-    lse: f64,
-    top5: [u32; 5],
-    finite: bool,
+pub(crate) struct Row {
+    pub(crate) lse: f64,
+    pub(crate) top5: [u32; 5],
+    pub(crate) finite: bool,
 }
 
-fn row_facts(logits: &[f32]) -> Row {
+pub(crate) fn row_facts(logits: &[f32]) -> Row {
     let finite = logits.iter().all(|x| x.is_finite());
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // exp in f32 (relative error ~1e-7), summed in f64.
@@ -389,7 +389,7 @@ fn row_facts(logits: &[f32]) -> Row {
 }
 
 /// The clean distribution of a row, `p = exp(logit − lse)` in f32.
-fn probabilities(logits: &[f32], lse: f64) -> Vec<f32> {
+pub(crate) fn probabilities(logits: &[f32], lse: f64) -> Vec<f32> {
     logits
         .iter()
         .map(|&a| (f64::from(a) - lse).exp() as f32)
@@ -400,7 +400,7 @@ fn probabilities(logits: &[f32], lse: f64) -> Vec<f32> {
 /// `probs`) and a row `q` with log-sum-exp `lq`:
 /// `Σ pᵢ((aᵢ − lp) − (bᵢ − lq)) = Σ pᵢ(aᵢ − bᵢ) + (lq − lp)·Σ pᵢ`, which needs
 /// no exponential per configuration.
-fn kl(p: &[f32], lp: f64, probs: &[f32], q: &[f32], lq: f64) -> f64 {
+pub(crate) fn kl(p: &[f32], lp: f64, probs: &[f32], q: &[f32], lq: f64) -> f64 {
     let mut dot = 0.0f64;
     let mut mass = 0.0f64;
     for ((&a, &b), &pi) in p.iter().zip(q).zip(probs) {

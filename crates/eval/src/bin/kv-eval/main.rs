@@ -3,6 +3,7 @@
 //! codebooks of calibrated forms (`calibrate`), and the next-token top-k of
 //! a prompt (`top`).
 
+mod accumulate;
 mod calib;
 mod generate;
 mod niah;
@@ -275,6 +276,10 @@ enum Command {
     /// haystacks of several lengths, found or not by greedy generation, for
     /// each cache form; niah.md, niah.json and niah.svg (heat maps) in --out.
     Niah(niah::NiahArgs),
+    /// Faults accumulating in the paged cache while the model generates,
+    /// with and without scrubbing: top-1 agreement and KL per step against
+    /// the same form without faults; accumulate.md and .json in --out.
+    Accumulate(accumulate::AccumulateArgs),
     /// The top-k next tokens of a prompt with their logits and probabilities.
     Top {
         /// GGUF model file, Hugging Face folder or fetched model name
@@ -781,6 +786,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         }
         Command::Generate(args) => generate::run(args)?,
         Command::Niah(args) => niah::run(args)?,
+        Command::Accumulate(args) => accumulate::run_accumulate(args)?,
         Command::Top { model, prompt, k } => {
             if prompt.is_empty() {
                 return Err("the prompt is empty".into());

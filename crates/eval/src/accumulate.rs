@@ -1,0 +1,258 @@
+//! Faults that accumulate while the model generates (beyond the ECC
+//! KV-cache paper, which faults a cache once): every decode step, each bit
+//! of the resident blocks of a paged cache flips with a small probability,
+//! and a scrubber may rewrite what its code corrects every few steps, before
+//! single errors pair up into uncorrectable ones.
+//!
+//! For each form the clean run generates `steps` tokens greedily after the
+//! prompt (the same form, no faults). Each faulty run then replays those
+//! tokens (teacher forcing: the same context at every step, so the runs can
+//! be compared step by step) while faults accumulate, and measures at every
+//! step the KL divergence of its next-token distribution from the clean
+//! run's, and whether its top-1 token is still the clean one.
+
+use std::path::{Path, PathBuf};
+
+use gf2_codes::channel::FaultChannel;
+use kv_quant::{FaultTarget, ScrubStats};
+use serde::Serialize;
+
+use crate::backend::paged_backend;
+use crate::cache::{CacheMode, ChannelKind};
+use crate::error::{EvalError, Result};
+use crate::metrics::{kl, probabilities, row_facts};
+use crate::models::CausalLm;
+
+/// The experiment's fixed settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AccumulateConfig {
+    /// Decode steps after the prompt.
+    pub steps: usize,
+    /// Tokens per paged block.
+    pub block_size: usize,
+    /// Bit error rate applied to every resident block before each step.
+    pub ber_per_step: f64,
+    /// The fault channel.
+    pub channel: ChannelKind,
+    /// Which stored bits are exposed.
+    pub target: FaultTarget,
+    /// Seed; step `s` draws from its own stream of it.
+    pub seed: u64,
+}
+
+/// One form × scrub interval.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AccumulateRow {
+    /// The form.
+    pub form: String,
+    /// Scrub every this many steps (`None`: never).
+    pub scrub_every: Option<usize>,
+    /// Fraction of steps whose top-1 token is the clean run's.
+    pub agreement: f64,
+    /// Mean KL(clean ‖ faulty) over the steps (nats).
+    pub kl_mean: f64,
+    /// Mean KL over the last quarter of the steps (where faults have piled up).
+    pub kl_last_quarter: f64,
+    /// KL at every step.
+    pub kl_per_step: Vec<f64>,
+    /// Bits flipped into the resident blocks.
+    pub injected_flips: u64,
+    /// Value codewords the scrubber rewrote.
+    pub scrub_corrected: u64,
+    /// Value codewords the scrubber found uncorrectable.
+    pub scrub_detected: u64,
+    /// Value codewords attention's reads corrected.
+    pub read_corrected: u64,
+    /// Value codewords attention's reads found uncorrectable.
+    pub read_detected: u64,
+}
+
+/// The experiment's rows, with its settings.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AccumulateReport {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Decode steps.
+    pub steps: usize,
+    /// Bit error rate per step.
+    pub ber_per_step: f64,
+    /// Rows, form-major.
+    pub rows: Vec<AccumulateRow>,
+}
+
+/// Runs every form of `forms` with every scrub interval of `scrubs` after
+/// `prompt` (see the module docs).
+pub fn run(
+    model: &dyn CausalLm,
+    prompt: &[u32],
+    forms: &[CacheMode],
+    scrubs: &[Option<usize>],
+    config: &AccumulateConfig,
+    mut on_row: impl FnMut(&AccumulateRow),
+) -> Result<AccumulateReport> {
+    if prompt.is_empty() || config.steps == 0 {
+        return Err(EvalError::InvalidParameter {
+            name: "accumulate",
+            reason: "a prompt and at least one step are needed".into(),
+        });
+    }
+    if scrubs.contains(&Some(0)) {
+        return Err(EvalError::InvalidParameter {
+            name: "scrub-every",
+            reason: "scrub every 1 or more steps".into(),
+        });
+    }
+    if !(0.0..=1.0).contains(&config.ber_per_step) {
+        return Err(EvalError::InvalidParameter {
+            name: "ber-per-step",
+            reason: format!("{} is not in [0, 1]", config.ber_per_step),
+        });
+    }
+    let channel = config.channel.build(config.ber_per_step)?;
+    let vocab = model.vocab();
+    let tokens = prompt.len() + config.steps;
+    let mut rows = Vec::new();
+    for mode in forms {
+        // The clean run: greedy tokens and their logits, same form, no faults.
+        let mut cache =
+            crate::backend::Adapted(paged_backend(model, mode, None, config.block_size, tokens)?);
+        let first = model.forward(prompt, &mut cache, prompt.len() - 1)?;
+        let mut next = argmax(&first[..vocab]);
+        let mut forced = Vec::with_capacity(config.steps);
+        let mut clean = Vec::with_capacity(config.steps * vocab);
+        for _ in 0..config.steps {
+            forced.push(next);
+            let logits = model.forward(&[next], &mut cache, 0)?;
+            next = argmax(&logits);
+            clean.extend_from_slice(&logits);
+        }
+        for &scrub_every in scrubs {
+            let row = faulty_run(
+                model,
+                prompt,
+                &forced,
+                &clean,
+                mode,
+                scrub_every,
+                config,
+                channel.as_ref(),
+            )?;
+            on_row(&row);
+            rows.push(row);
+        }
+    }
+    Ok(AccumulateReport {
+        prompt_tokens: prompt.len(),
+        steps: config.steps,
+        ber_per_step: config.ber_per_step,
+        rows,
+    })
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    row_facts(logits).top5[0]
+}
+
+/// One faulty replay of the clean tokens `forced`.
+#[allow(clippy::too_many_arguments)]
+fn faulty_run(
+    model: &dyn CausalLm,
+    prompt: &[u32],
+    forced: &[u32],
+    clean: &[f32],
+    mode: &CacheMode,
+    scrub_every: Option<usize>,
+    config: &AccumulateConfig,
+    channel: &(dyn FaultChannel + Send + Sync),
+) -> Result<AccumulateRow> {
+    let vocab = model.vocab();
+    let backend = paged_backend(
+        model,
+        mode,
+        None,
+        config.block_size,
+        prompt.len() + forced.len(),
+    )?;
+    let mut cache = crate::backend::Adapted(backend);
+    model.forward(prompt, &mut cache, prompt.len() - 1)?;
+    let mut injected = 0;
+    let mut scrubbed = ScrubStats::default();
+    let mut kls = Vec::with_capacity(forced.len());
+    let mut agree = 0usize;
+    for (step, (&token, clean)) in forced.iter().zip(clean.chunks_exact(vocab)).enumerate() {
+        let seed = config.seed ^ (step as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+        injected += cache.0.inject(channel, seed, config.target)?;
+        if scrub_every.is_some_and(|n| (step + 1) % n == 0) {
+            scrubbed += cache.0.scrub()?;
+        }
+        let logits = model.forward(&[token], &mut cache, 0)?;
+        let p = row_facts(clean);
+        let q = row_facts(&logits);
+        let d = if q.finite {
+            kl(clean, p.lse, &probabilities(clean, p.lse), &logits, q.lse)
+        } else {
+            f64::INFINITY
+        };
+        kls.push(d);
+        agree += usize::from(q.top5[0] == p.top5[0]);
+    }
+    let n = kls.len();
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+    let reads = cache.0.read_stats();
+    Ok(AccumulateRow {
+        form: mode.label(),
+        scrub_every,
+        agreement: agree as f64 / n as f64,
+        kl_mean: mean(&kls),
+        kl_last_quarter: mean(&kls[n - n.div_ceil(4)..]),
+        kl_per_step: kls,
+        injected_flips: injected,
+        scrub_corrected: scrubbed.values.corrected,
+        scrub_detected: scrubbed.values.detected,
+        read_corrected: reads.keys.values.corrected + reads.values.values.corrected,
+        read_detected: reads.keys.values.detected + reads.values.values.detected,
+    })
+}
+
+impl AccumulateReport {
+    /// The table as Markdown.
+    pub fn markdown(&self) -> String {
+        let mut s = format!(
+            "## Faults accumulating during generation\n\n{} prompt tokens, {} greedy steps replayed \
+             while every resident bit flips with probability {:e} before each step; KL and top-1 \
+             agreement against the same form without faults.\n\n\
+             | form | scrub every | top-1 agreement | mean KL | KL, last quarter | flips | scrub corrected | scrub detected | reads corrected | reads detected |\n\
+             |---|---|---|---|---|---|---|---|---|---|\n",
+            self.prompt_tokens, self.steps, self.ber_per_step
+        );
+        for r in &self.rows {
+            s.push_str(&format!(
+                "| `{}` | {} | {:.2}% | {:.4} | {:.4} | {} | {} | {} | {} | {} |\n",
+                r.form,
+                r.scrub_every
+                    .map_or("never".to_string(), |n| format!("{n} steps")),
+                100.0 * r.agreement,
+                r.kl_mean,
+                r.kl_last_quarter,
+                r.injected_flips,
+                r.scrub_corrected,
+                r.scrub_detected,
+                r.read_corrected,
+                r.read_detected
+            ));
+        }
+        s
+    }
+
+    /// Writes `accumulate.md` and `accumulate.json` into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>> {
+        let report = |e: &dyn std::fmt::Display| EvalError::Report(e.to_string());
+        std::fs::create_dir_all(dir).map_err(|e| report(&e))?;
+        let md = dir.join("accumulate.md");
+        std::fs::write(&md, self.markdown()).map_err(|e| report(&e))?;
+        let json = dir.join("accumulate.json");
+        let text = serde_json::to_string_pretty(self).map_err(|e| report(&e))?;
+        std::fs::write(&json, text).map_err(|e| report(&e))?;
+        Ok(vec![md, json])
+    }
+}
