@@ -207,7 +207,12 @@ fn eval(args: &EvalArgs) -> Result<()> {
     .arg("--text")
     .arg(&text)
     .args(["--steps", steps, "--prompt-tokens", "256"])
-    .args(["--forms", "int4+secded84,int4+golay24", "--scrub", "never,64,16,4"])
+    .args([
+        "--forms",
+        "int4+secded84,int4+golay24",
+        "--scrub",
+        "never,64,16,4",
+    ])
     .args(["--ber-per-step", "1e-5"])
     .arg("--out")
     .arg(&args.out);

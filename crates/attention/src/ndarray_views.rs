@@ -12,7 +12,7 @@
 use ndarray::{Array1, Array2, Array3, ArrayView2, ArrayView3};
 
 use crate::attend::Attention;
-use crate::error::{AttentionError, Result};
+use crate::error::{AttentionError, Result, check_len};
 use crate::shape::Mask;
 use crate::source::{DenseKv, KvSource};
 
@@ -50,8 +50,8 @@ impl Attention {
         mask: &Mask<'_>,
     ) -> Result<(Array2<f32>, Array1<f32>)> {
         let shape = *self.shape();
-        check_dim("query heads", shape.q_heads(), query.dim().0)?;
-        check_dim("query head_dim", shape.head_dim(), query.dim().1)?;
+        check_len("query heads", shape.q_heads(), query.dim().0)?;
+        check_len("query head_dim", shape.head_dim(), query.dim().1)?;
         let q = row_major("query view", &query)?;
         let out = self.decode(q, position, keys, values, mask)?;
         let dims = (shape.q_heads(), shape.head_dim());
@@ -74,27 +74,15 @@ impl Attention {
     ) -> Result<(Array3<f32>, Array2<f32>)> {
         let shape = *self.shape();
         let (n, heads, dim) = queries.dim();
-        check_dim("queries", positions.len(), n)?;
-        check_dim("query heads", shape.q_heads(), heads)?;
-        check_dim("query head_dim", shape.head_dim(), dim)?;
+        check_len("queries", positions.len(), n)?;
+        check_len("query heads", shape.q_heads(), heads)?;
+        check_len("query head_dim", shape.head_dim(), dim)?;
         let q = row_major("query view", &queries)?;
         let out = self.prefill(q, positions, keys, values, mask)?;
         Ok((
             Array3::from_shape_vec((n, heads, dim), out.out).expect("prefill output shape"),
             Array2::from_shape_vec((n, heads), out.lse).expect("one lse per query and head"),
         ))
-    }
-}
-
-fn check_dim(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(AttentionError::ShapeMismatch {
-            what,
-            expected,
-            got,
-        })
     }
 }
 

@@ -36,12 +36,27 @@ fn prompt() -> Vec<u32> {
 fn without_faults_the_replay_is_the_clean_run() {
     let m = model();
     let forms = [CacheMode::parse("int4+secded84").unwrap()];
-    let r = run(&m, &prompt(), &forms, &[None, Some(4)], &config(0.0), |_| {}).unwrap();
+    let r = run(
+        &m,
+        &prompt(),
+        &forms,
+        &[None, Some(4)],
+        &config(0.0),
+        |_| {},
+    )
+    .unwrap();
     assert_eq!(r.rows.len(), 2);
     for row in &r.rows {
         assert_eq!(row.agreement, 1.0);
-        assert!(row.kl_per_step.iter().all(|&k| k == 0.0), "{:?}", row.kl_per_step);
-        assert_eq!((row.injected_flips, row.read_corrected, row.read_detected), (0, 0, 0));
+        assert!(
+            row.kl_per_step.iter().all(|&k| k == 0.0),
+            "{:?}",
+            row.kl_per_step
+        );
+        assert_eq!(
+            (row.injected_flips, row.read_corrected, row.read_detected),
+            (0, 0, 0)
+        );
     }
 }
 
@@ -78,8 +93,22 @@ fn bad_settings_are_refused() {
     let m = model();
     let forms = [CacheMode::parse("int4+secded84").unwrap()];
     let bad = |r: kv_eval::Result<_>| matches!(r, Err(EvalError::InvalidParameter { .. }));
-    assert!(bad(run(&m, &prompt(), &forms, &[Some(0)], &config(0.0), |_| {})));
-    assert!(bad(run(&m, &prompt(), &forms, &[None], &config(2.0), |_| {})));
+    assert!(bad(run(
+        &m,
+        &prompt(),
+        &forms,
+        &[Some(0)],
+        &config(0.0),
+        |_| {}
+    )));
+    assert!(bad(run(
+        &m,
+        &prompt(),
+        &forms,
+        &[None],
+        &config(2.0),
+        |_| {}
+    )));
     assert!(bad(run(&m, &[], &forms, &[None], &config(0.0), |_| {})));
     let zero = AccumulateConfig {
         steps: 0,

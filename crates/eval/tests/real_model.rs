@@ -463,7 +463,10 @@ fn niah_finds_the_passkey_in_1k_haystacks() {
     let Some((model, tok)) = load() else { return };
     let path = paths::default_haystack();
     if !path.is_file() {
-        let msg = format!("{} is missing; run `cargo xtask fetch-model`", path.display());
+        let msg = format!(
+            "{} is missing; run `cargo xtask fetch-model`",
+            path.display()
+        );
         assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
         test_support::skip(test_support::Requirement::Data, "kv-eval", "niah", &msg);
         return;

@@ -10,19 +10,7 @@ use ndarray::{Array2, ArrayView2};
 use kv_quant::RankRule;
 
 use crate::basis::{Basis, BasisStorage, Spectrum};
-use crate::error::{LowRankError, Result};
-
-fn check_width(what: &'static str, expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(LowRankError::ShapeMismatch {
-            what,
-            expected,
-            found,
-        })
-    }
-}
+use crate::error::{Result, check_len};
 
 impl Basis {
     /// [`Basis::fit`] of the rows of an `n × d` view.
@@ -44,7 +32,7 @@ impl Basis {
 
     /// The coefficients (`n × rank`) of the rows of an `n × dim` view.
     pub fn project_array(&self, rows: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
-        check_width("rows to project (columns)", self.dim(), rows.ncols())?;
+        check_len("rows to project (columns)", self.dim(), rows.ncols())?;
         let mut out = Array2::zeros((rows.nrows(), self.rank()));
         let mut x = vec![0.0; self.dim()];
         for (row, mut c) in rows.rows().into_iter().zip(out.rows_mut()) {
@@ -60,7 +48,7 @@ impl Basis {
 
     /// The rows (`n × dim`) of coefficients given as an `n × rank` view.
     pub fn reconstruct_array(&self, coeffs: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
-        check_width("coefficients (columns)", self.rank(), coeffs.ncols())?;
+        check_len("coefficients (columns)", self.rank(), coeffs.ncols())?;
         let mut out = Array2::zeros((coeffs.nrows(), self.dim()));
         let mut c = vec![0.0; self.rank()];
         for (row, mut o) in coeffs.rows().into_iter().zip(out.rows_mut()) {
@@ -78,6 +66,7 @@ impl Basis {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::LowRankError;
 
     /// Rows on a rank-3 subspace of 8 dimensions plus a mean.
     fn low_rank_rows(n: usize) -> Array2<f32> {

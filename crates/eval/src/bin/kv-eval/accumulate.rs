@@ -28,7 +28,11 @@ pub(crate) struct AccumulateArgs {
     #[arg(long, default_value_t = 128)]
     steps: usize,
     /// Comma-separated per-token forms (paged blocks).
-    #[arg(long, value_delimiter = ',', default_value = "int4+secded84,int4+golay24")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "int4+secded84,int4+golay24"
+    )]
     forms: Vec<String>,
     /// Comma-separated scrub intervals in steps, `never` for none.
     #[arg(long, value_delimiter = ',', default_value = "never,64,16,4")]
