@@ -258,7 +258,7 @@ mod tests {
             3
         );
         for (a, b) in c.iter().zip(&out) {
-            assert!((a - b).abs() <= 1e-3 * b.abs().max(1.0));
+            approx::assert_abs_diff_eq!(a, b, epsilon = 1e-3 * b.abs().max(1.0));
         }
         assert!(
             checked

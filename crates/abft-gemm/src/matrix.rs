@@ -208,8 +208,8 @@ mod tests {
                 // Var of N(0,1) truncated to [-1,1]: 1 − 2φ(1)/(2Φ(1) − 1) = 0.29112.
                 Distribution::TruncatedNormal => (0.0, 0.291_125),
             };
-            assert!((mean - want_mean).abs() < 0.01, "{d:?} mean {mean}");
-            assert!((var - want_var).abs() < 0.01, "{d:?} var {var}");
+            approx::assert_abs_diff_eq!(mean, want_mean, epsilon = 0.01);
+            approx::assert_abs_diff_eq!(var, want_var, epsilon = 0.01);
         }
         assert_eq!(
             Matrix::random(3, 4, Distribution::Uniform, 1.0, Precision::Bf16, 9),

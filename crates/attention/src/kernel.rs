@@ -735,8 +735,8 @@ mod tests {
             .zip(&b)
             .map(|(&x, &y)| f64::from(x) * f64::from(y))
             .sum();
-        assert!((f64::from(dot::<true>(&a, &b)) - want).abs() < 1e-5);
-        assert!((f64::from(dot::<false>(&a, &b)) - want).abs() < 1e-5);
+        approx::assert_abs_diff_eq!(f64::from(dot::<true>(&a, &b)), want, epsilon = 1e-5);
+        approx::assert_abs_diff_eq!(f64::from(dot::<false>(&a, &b)), want, epsilon = 1e-5);
         assert_eq!(max(&a), a.iter().copied().fold(f32::MIN, f32::max));
         assert_eq!(max(&[]), f32::NEG_INFINITY);
     }
@@ -864,7 +864,7 @@ mod tests {
                 }
                 for fused in avx2.iter().chain(&avx512) {
                     for (x, y) in fused.0.iter().zip(&generic.0) {
-                        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+                        approx::assert_abs_diff_eq!(x, y, epsilon = 1e-5);
                     }
                 }
                 let skipped = match (&avx2, &avx512) {

@@ -97,9 +97,9 @@ mod tests {
         let v = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0];
         let r = reference_attention(&q, &[1], &k, &v, 2, &shape, &Mask::Causal).unwrap();
         let e = 1f64.exp();
-        assert!((r.out[0] - 1.0 / (1.0 + e)).abs() < 1e-15);
-        assert!((r.out[1] - e / (1.0 + e)).abs() < 1e-15);
-        assert!((r.lse[0] - (1f64.exp() + 2f64.exp()).ln()).abs() < 1e-14);
+        approx::assert_abs_diff_eq!(r.out[0], 1.0 / (1.0 + e), epsilon = 1e-15);
+        approx::assert_abs_diff_eq!(r.out[1], e / (1.0 + e), epsilon = 1e-15);
+        approx::assert_abs_diff_eq!(r.lse[0], (1f64.exp() + 2f64.exp()).ln(), epsilon = 1e-14);
         // Causal at position 0 sees only the first key.
         let r0 = reference_attention(&q, &[0], &k, &v, 2, &shape, &Mask::Causal).unwrap();
         assert_eq!(&r0.out, &[1.0, 0.0, 0.0, 0.0]);

@@ -159,7 +159,7 @@ mod tests {
             [(0, 4), (1, 5), (2, 6), (3, 7)]
         );
         assert_eq!(a.inv_freq()[0], 1.0);
-        assert!((a.inv_freq()[1] - 0.1).abs() < 1e-15); // 10000^(-2/8)
+        approx::assert_abs_diff_eq!(a.inv_freq()[1], 0.1, epsilon = 1e-15); // 10000^(-2/8)
     }
 
     #[test]

@@ -396,7 +396,7 @@ mod tests {
         assert_eq!(front, ["d", "b", "a"]);
         assert_eq!(report.best_under(256, 4.2).unwrap().config, "b");
         assert!(report.best_under(256, 1.0).is_none());
-        assert!((report.points[1].delta_ppl_percent - 3.0).abs() < 1e-9);
+        approx::assert_abs_diff_eq!(report.points[1].delta_ppl_percent, 3.0, epsilon = 1e-9);
         let md = report.markdown();
         assert!(md.contains("**b**") && md.contains("| c |"), "{md}");
         assert!(md.contains("llama.cpp `q4_0` is dominated by: b"), "{md}");

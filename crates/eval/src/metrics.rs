@@ -666,13 +666,13 @@ mod tests {
         let f = row_facts(&row);
         assert_eq!(f.top5, [5, 1, 3, 4, 0]);
         let lse = row.iter().map(|&x| f64::from(x).exp()).sum::<f64>().ln();
-        assert!((f.lse - lse).abs() < 1e-6);
+        approx::assert_abs_diff_eq!(f.lse, lse, epsilon = 1e-6);
         let probs = probabilities(&row, f.lse);
         assert!(kl(&row, f.lse, &probs, &row, f.lse).abs() < 1e-12);
         let other = [0.0f32; 7];
         let lo = 7f64.ln();
         let p: Vec<f64> = row.iter().map(|&x| (f64::from(x) - lse).exp()).collect();
         let want: f64 = p.iter().map(|&p| p * (p.ln() + lo)).sum();
-        assert!((kl(&row, f.lse, &probs, &other, lo) - want).abs() < 1e-6);
+        approx::assert_abs_diff_eq!(kl(&row, f.lse, &probs, &other, lo), want, epsilon = 1e-6);
     }
 }

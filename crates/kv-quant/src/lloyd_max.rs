@@ -166,7 +166,11 @@ mod tests {
             );
         }
         let c = LloydMax::of(1).centroids();
-        assert!((f64::from(c[1]) - (2.0 / std::f64::consts::PI).sqrt()).abs() < 1e-6);
+        approx::assert_abs_diff_eq!(
+            f64::from(c[1]),
+            (2.0 / std::f64::consts::PI).sqrt(),
+            epsilon = 1e-6
+        );
     }
 
     #[test]

@@ -172,7 +172,7 @@ mod tests {
                 for (i, &v) in col.iter().enumerate() {
                     let expect =
                         hadamard_entry(i, j) * f64::from(r.signs()[j]) / (block as f64).sqrt();
-                    assert!((f64::from(v) - expect).abs() < 1e-6, "{block}: ({i},{j})");
+                    approx::assert_abs_diff_eq!(f64::from(v), expect, epsilon = 1e-6);
                 }
             }
             for a in 0..block {
@@ -183,7 +183,7 @@ mod tests {
                         .map(|(x, y)| f64::from(*x) * f64::from(*y))
                         .sum();
                     let expect = if a == b { 1.0 } else { 0.0 };
-                    assert!((dot - expect).abs() < 1e-5, "{block}: <{a},{b}> = {dot}");
+                    approx::assert_abs_diff_eq!(dot, expect, epsilon = 1e-5);
                 }
             }
         }
@@ -214,10 +214,10 @@ mod tests {
             r.rotate(&mut ry);
             let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| f64::from(*p) * f64::from(*q)).sum::<f64>();
             let norm = dot(&x, &x).sqrt() * dot(&y, &y).sqrt();
-            prop_assert!((dot(&x, &y) - dot(&rx, &ry)).abs() <= 1e-5 * norm.max(1.0));
+            prop_assert!(approx::abs_diff_eq!(dot(&x, &y), dot(&rx, &ry), epsilon = 1e-5 * norm.max(1.0)));
             r.unrotate(&mut rx);
             for (a, b) in rx.iter().zip(&x) {
-                prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
+                prop_assert!(approx::abs_diff_eq!(a, b, epsilon = 1e-5 * (1.0 + b.abs())));
             }
         }
     }

@@ -103,7 +103,7 @@ fn exact_rows_decode_to_their_f16_values_and_tiles_match_the_whole() {
                 } else {
                     (f16::from_f32(b).to_f32() - b).abs()
                 };
-                assert!((a - b).abs() <= tol + 1e-6, "{spelling}: ({t},{c}) {a} {b}");
+                approx::assert_abs_diff_eq!(a, b, epsilon = tol + 1e-6);
             }
         }
         // Every tile, also across segment borders, equals the whole decode.

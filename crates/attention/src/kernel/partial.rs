@@ -115,9 +115,9 @@ mod tests {
         let (mut out, mut lse) = ([0.0f32; 2], [0.0f32]);
         whole.finish(&mut out, &mut lse);
         let l = 2.0 + 5.0 * e;
-        assert!((f64::from(out[0]) - (1.0 + 2.0 * e) / l).abs() < 1e-7);
-        assert!((f64::from(out[1]) - (4.0 - e) / l).abs() < 1e-7);
-        assert!((f64::from(lse[0]) - (3.0 + l.ln())).abs() < 1e-6);
+        approx::assert_abs_diff_eq!(f64::from(out[0]), (1.0 + 2.0 * e) / l, epsilon = 1e-7);
+        approx::assert_abs_diff_eq!(f64::from(out[1]), (4.0 - e) / l, epsilon = 1e-7);
+        approx::assert_abs_diff_eq!(f64::from(lse[0]), 3.0 + l.ln(), epsilon = 1e-6);
         // An empty state finishes as zeros and -inf.
         Partial::new(1, 2).finish(&mut out, &mut lse);
         assert_eq!((out, lse), ([0.0; 2], [f32::NEG_INFINITY]));
