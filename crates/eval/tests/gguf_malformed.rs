@@ -159,18 +159,21 @@ fn truncated_data_and_bad_alignment() {
 
 #[test]
 fn unsupported_tensor_types_error_on_dequantisation() {
-    let mut w = GgufWriter::new();
-    w.tensor(
-        "k",
-        &[256],
-        GgmlType::from_name("Q4_K").unwrap(),
-        vec![0; 144],
-    );
-    let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
-    assert!(matches!(
-        f.tensor("k").unwrap().to_f32(),
-        Err(EvalError::UnsupportedType { .. })
-    ));
+    // Q8_1 (an activation type, never stored in model files) and the
+    // integer types are listed but not dequantised.
+    for (ty, bytes) in [("Q8_1", 36), ("I8", 32)] {
+        let t = GgmlType::from_name(ty).unwrap();
+        let mut w = GgufWriter::new();
+        w.tensor("k", &[t.block_elems().max(32)], t, vec![0; bytes]);
+        let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
+        assert!(
+            matches!(
+                f.tensor("k").unwrap().to_f32(),
+                Err(EvalError::UnsupportedType { .. })
+            ),
+            "{ty}"
+        );
+    }
 }
 
 proptest! {
