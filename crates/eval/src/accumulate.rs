@@ -118,19 +118,22 @@ pub fn run(
             crate::backend::Adapted(paged_backend(model, mode, None, config.block_size, tokens)?);
         let first = model.forward(prompt, &mut cache, prompt.len() - 1)?;
         let mut next = argmax(&first[..vocab]);
-        let mut forced = Vec::with_capacity(config.steps);
-        let mut clean = Vec::with_capacity(config.steps * vocab);
+        let mut clean = CleanRun::default();
         for _ in 0..config.steps {
-            forced.push(next);
+            clean.forced.push(next);
             let logits = model.forward(&[next], &mut cache, 0)?;
-            next = argmax(&logits);
-            clean.extend_from_slice(&logits);
+            // Each clean row's facts once, for every faulty replay.
+            let facts = row_facts(&logits);
+            next = facts.top5[0];
+            clean.probs.extend(probabilities(&logits, facts.lse));
+            clean.logits.extend_from_slice(&logits);
+            clean.lse.push(facts.lse);
+            clean.top.push(next);
         }
         for &scrub_every in scrubs {
             let row = faulty_run(
                 model,
                 prompt,
-                &forced,
                 &clean,
                 mode,
                 scrub_every,
@@ -153,13 +156,23 @@ fn argmax(logits: &[f32]) -> u32 {
     row_facts(logits).top5[0]
 }
 
-/// One faulty replay of the clean tokens `forced`.
-#[allow(clippy::too_many_arguments)]
+/// The clean run of one form: the tokens it picked (replayed by the faulty
+/// runs) and, per step, its logits, their log-sum-exp, probabilities and
+/// top-1 token.
+#[derive(Default)]
+struct CleanRun {
+    forced: Vec<u32>,
+    logits: Vec<f32>,
+    probs: Vec<f32>,
+    lse: Vec<f64>,
+    top: Vec<u32>,
+}
+
+/// One faulty replay of the clean run's tokens.
 fn faulty_run(
     model: &dyn CausalLm,
     prompt: &[u32],
-    forced: &[u32],
-    clean: &[f32],
+    clean: &CleanRun,
     mode: &CacheMode,
     scrub_every: Option<usize>,
     config: &AccumulateConfig,
@@ -171,30 +184,33 @@ fn faulty_run(
         mode,
         None,
         config.block_size,
-        prompt.len() + forced.len(),
+        prompt.len() + clean.forced.len(),
     )?;
     let mut cache = crate::backend::Adapted(backend);
     model.forward(prompt, &mut cache, prompt.len() - 1)?;
     let mut injected = 0;
     let mut scrubbed = ScrubStats::default();
-    let mut kls = Vec::with_capacity(forced.len());
+    let mut kls = Vec::with_capacity(clean.forced.len());
     let mut agree = 0usize;
-    for (step, (&token, clean)) in forced.iter().zip(clean.chunks_exact(vocab)).enumerate() {
+    let rows = clean
+        .logits
+        .chunks_exact(vocab)
+        .zip(clean.probs.chunks_exact(vocab));
+    for (step, (&token, (p_logits, p_probs))) in clean.forced.iter().zip(rows).enumerate() {
         let seed = config.seed ^ (step as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
         injected += cache.0.inject(channel, seed, config.target)?;
         if scrub_every.is_some_and(|n| (step + 1) % n == 0) {
             scrubbed += cache.0.scrub()?;
         }
         let logits = model.forward(&[token], &mut cache, 0)?;
-        let p = row_facts(clean);
         let q = row_facts(&logits);
         let d = if q.finite {
-            kl(clean, p.lse, &probabilities(clean, p.lse), &logits, q.lse)
+            kl(p_logits, clean.lse[step], p_probs, &logits, q.lse)
         } else {
             f64::INFINITY
         };
         kls.push(d);
-        agree += usize::from(q.top5[0] == p.top5[0]);
+        agree += usize::from(q.top5[0] == clean.top[step]);
     }
     let n = kls.len();
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;

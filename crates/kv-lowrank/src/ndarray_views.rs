@@ -33,34 +33,37 @@ impl Basis {
     /// The coefficients (`n × rank`) of the rows of an `n × dim` view.
     pub fn project_array(&self, rows: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
         check_len("rows to project (columns)", self.dim(), rows.ncols())?;
-        let mut out = Array2::zeros((rows.nrows(), self.rank()));
-        let mut x = vec![0.0; self.dim()];
-        for (row, mut c) in rows.rows().into_iter().zip(out.rows_mut()) {
-            x.iter_mut().zip(row.iter()).for_each(|(x, &r)| *x = r);
-            self.project(
-                &x,
-                c.as_slice_mut()
-                    .expect("rows of a new array are contiguous"),
-            );
-        }
-        Ok(out)
+        Ok(map_rows(rows, self.rank(), |x, c| self.project(x, c)))
     }
 
     /// The rows (`n × dim`) of coefficients given as an `n × rank` view.
     pub fn reconstruct_array(&self, coeffs: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
         check_len("coefficients (columns)", self.rank(), coeffs.ncols())?;
-        let mut out = Array2::zeros((coeffs.nrows(), self.dim()));
-        let mut c = vec![0.0; self.rank()];
-        for (row, mut o) in coeffs.rows().into_iter().zip(out.rows_mut()) {
-            c.iter_mut().zip(row.iter()).for_each(|(c, &r)| *c = r);
-            self.reconstruct(
-                &c,
-                o.as_slice_mut()
-                    .expect("rows of a new array are contiguous"),
-            );
-        }
-        Ok(out)
+        Ok(map_rows(coeffs, self.dim(), |c, x| self.reconstruct(c, x)))
     }
+}
+
+/// An `n × width` array whose row `i` is `f(row i of input)`; each input
+/// row is gathered into one reused contiguous buffer (views may be strided).
+fn map_rows(
+    input: ArrayView2<'_, f32>,
+    width: usize,
+    f: impl Fn(&[f32], &mut [f32]),
+) -> Array2<f32> {
+    let mut out = Array2::zeros((input.nrows(), width));
+    let mut row_buf = vec![0.0; input.ncols()];
+    for (row, mut o) in input.rows().into_iter().zip(out.rows_mut()) {
+        row_buf
+            .iter_mut()
+            .zip(row.iter())
+            .for_each(|(b, &r)| *b = r);
+        f(
+            &row_buf,
+            o.as_slice_mut()
+                .expect("rows of a new array are contiguous"),
+        );
+    }
+    out
 }
 
 #[cfg(test)]
