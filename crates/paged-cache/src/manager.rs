@@ -521,12 +521,18 @@ impl<P: PrefixCache> KvCacheManager<P> {
             .collect()
     }
 
-    /// One scrubbing pass over every block that holds content.
-    pub fn scrub(&self) -> Result<ScrubStats> {
+    /// One scrubbing pass over every block that holds content: device
+    /// blocks in use or cached, and the host tier's swapped-out copies (a
+    /// flip left there would meet a second one in the same word after the
+    /// sequence is swapped back in).
+    pub fn scrub(&mut self) -> Result<ScrubStats> {
         let storage = self.storage.as_ref().ok_or(PagedCacheError::NoStorage)?;
         let mut stats = ScrubStats::default();
         for b in self.live_blocks() {
             stats += storage.scrub(b)?;
+        }
+        for data in self.host.data.iter_mut().flatten() {
+            stats += data.scrub()?;
         }
         Ok(stats)
     }

@@ -83,6 +83,16 @@ impl BlockData {
             .map(KvStore::stored_bytes)
             .sum()
     }
+
+    /// One scrubbing pass over every store of the block (see
+    /// [`KvStore::scrub`]): swapped-out blocks collect faults too.
+    pub fn scrub(&mut self) -> Result<ScrubStats> {
+        let mut stats = ScrubStats::default();
+        for store in self.layers.iter_mut().flatten() {
+            stats += store.scrub()?;
+        }
+        Ok(stats)
+    }
 }
 
 /// A layer's row encoders and the buffers one token's rows are encoded

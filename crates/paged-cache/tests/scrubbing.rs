@@ -122,7 +122,7 @@ fn truth_copy(storage: &BlockStorage) -> BlockStorage {
 
 #[test]
 fn words_hit_once_in_each_round_are_all_corrected_with_scrubbing_between() {
-    let (cache, storage) = filled();
+    let (mut cache, storage) = filled();
     let truth = truth_copy(&storage);
     let first = inject(&storage, 1);
     let pass = cache.scrub().unwrap();
@@ -148,6 +148,79 @@ fn words_hit_once_in_each_round_are_all_corrected_with_scrubbing_between() {
     inject(&unscrubbed, 1);
     inject(&unscrubbed, 2);
     assert!(corrected(&unscrubbed, &truth, &words).iter().all(|&c| !c));
+}
+
+#[test]
+fn a_scrubbing_pass_reaches_swapped_out_blocks() {
+    let layers = [LayerSpec::uniform("int4-g32+secded84".parse().unwrap(), CH)];
+    let storage = Arc::new(BlockStorage::new(4, BS, &layers).unwrap());
+    let config = CacheConfig {
+        num_blocks: 4,
+        block_size: BS,
+        host_blocks: 2,
+    };
+    let mut cache =
+        KvCacheManager::with_storage(config, HashPrefixCache::new(BS), storage.clone()).unwrap();
+    let prompt: Vec<u32> = (0..2 * BS as u32).collect();
+    let (id, _) = cache.add_sequence(&prompt, 0).unwrap();
+    for t in 0..prompt.len() {
+        let row: Vec<f32> = (0..CH)
+            .map(|c| ((t * CH + c) as f32 * 0.11).cos())
+            .collect();
+        cache.write_kv(id, t, 0, &row, &row).unwrap();
+    }
+    let clean: Vec<_> = cache
+        .block_table(id)
+        .unwrap()
+        .iter()
+        .map(|&b| storage.snapshot(b).unwrap())
+        .collect();
+    // One flip in each of the two blocks' keys, then the sequence leaves the device.
+    let channel = BinarySymmetric::new(0.5).unwrap();
+    let mut flipped = 0;
+    for &b in cache.block_table(id).unwrap() {
+        let one = kv_quant::FaultTarget::Values;
+        let flips = storage
+            .inject(b, 0, KvPart::Keys, &FirstBit(&channel), 7, one)
+            .unwrap();
+        flipped += flips.total();
+    }
+    assert_eq!(flipped, 2);
+    cache.swap_out(id).unwrap();
+    let pass = cache.scrub().unwrap();
+    assert_eq!(
+        pass.values.corrected, 2,
+        "the host tier's copies are scrubbed"
+    );
+    assert_eq!(cache.scrub().unwrap().values.corrected, 0);
+    cache.swap_in(id).unwrap();
+    let back: Vec<_> = cache
+        .block_table(id)
+        .unwrap()
+        .iter()
+        .map(|&b| storage.snapshot(b).unwrap())
+        .collect();
+    assert_eq!(back, clean, "swapped back in bit for bit clean");
+}
+
+/// Keeps only the first flip `inner` would make (so exactly one per store).
+#[derive(Debug)]
+struct FirstBit<'a>(&'a BinarySymmetric);
+
+impl gf2_codes::channel::FaultChannel for FirstBit<'_> {
+    fn inject_with(
+        &self,
+        data: &mut [u8],
+        rng: &mut gf2_codes::channel::FaultRng,
+    ) -> gf2_codes::channel::Flips {
+        let mut copy = data.to_vec();
+        let flips = self.0.inject_with(&mut copy, rng);
+        let first: Vec<u64> = flips.positions().iter().take(1).copied().collect();
+        for &bit in &first {
+            data[(bit / 8) as usize] ^= 1 << (bit % 8);
+        }
+        gf2_codes::channel::Flips::from_events(first)
+    }
 }
 
 #[test]
