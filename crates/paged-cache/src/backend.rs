@@ -149,29 +149,71 @@ impl<P: PrefixCache> PagedBackend<P> {
     }
 
     fn layer_spec(&self, layer: usize) -> Result<&LayerSpec> {
-        self.storage
-            .layers()
-            .get(layer)
-            .ok_or_else(|| PagedCacheError::InvalidParameter {
-                name: "layer",
-                reason: format!("layer {layer} of {}", self.storage.layers().len()),
-            })
+        layer_spec(&self.storage, layer)
     }
+}
+
+/// The spec of `layer`, or an error naming the layers there are.
+pub(crate) fn layer_spec(storage: &BlockStorage, layer: usize) -> Result<&LayerSpec> {
+    storage
+        .layers()
+        .get(layer)
+        .ok_or_else(|| PagedCacheError::InvalidParameter {
+            name: "layer",
+            reason: format!("layer {layer} of {}", storage.layers().len()),
+        })
+}
+
+/// [`KvBackend::fit`] for a cache on `storage`: its layers share one width
+/// that fits `model`.
+pub(crate) fn fit_storage(storage: &BlockStorage, model: &ModelKvShape<'_>) -> Result<()> {
+    let layers = storage.layers();
+    let channels = layers[0].channels;
+    if layers.iter().any(|l| l.channels != channels) {
+        return Err(PagedCacheError::InvalidParameter {
+            name: "layers",
+            reason: "a model's layers share one K/V width".into(),
+        });
+    }
+    Ok(check_fit(layers.len(), channels, model)?)
+}
+
+/// Queries, their positions and the mask of one attention call.
+pub(crate) type Queries<'q, 'm> = (&'q [f32], &'q [usize], &'q Mask<'m>);
+
+/// Attention of `queries` over the first `visible` tokens of a sequence
+/// whose block table is `blocks`, through its pages; adds what the reads
+/// decoded to `stats`.
+pub(crate) fn attend_blocks(
+    storage: &BlockStorage,
+    blocks: &[crate::pool::BlockId],
+    visible: usize,
+    layer: usize,
+    attention: &Attention,
+    (queries, positions, mask): Queries<'_, '_>,
+    stats: &mut PagedReadStats,
+) -> Result<AttentionOutput> {
+    let bs = storage.block_size();
+    let blocks = blocks
+        .get(..visible.div_ceil(bs))
+        .ok_or(PagedCacheError::PositionOutOfRange {
+            position: visible,
+            tokens: blocks.len() * bs,
+        })?;
+    let table = PageTable::from_tables(&[(blocks, visible)], bs)?;
+    let keys = PagedKv::new(storage, &table, 0, layer, KvPart::Keys)?;
+    let values = PagedKv::new(storage, &table, 0, layer, KvPart::Values)?;
+    let out = attention.prefill(queries, positions, &keys, &values, mask)?;
+    stats.keys += out.stats.keys;
+    stats.values += out.stats.values;
+    Ok(out)
 }
 
 impl<P: PrefixCache> KvBackend for PagedBackend<P> {
     type Error = PagedCacheError;
 
     fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<()> {
-        let layers = self.storage.layers();
-        let channels = layers[0].channels;
-        if layers.iter().any(|l| l.channels != channels) {
-            return Err(PagedCacheError::InvalidParameter {
-                name: "layers",
-                reason: "a model's layers share one K/V width".into(),
-            });
-        }
-        Ok(check_fit(layers.len(), channels, model)?)
+        fit_storage(&self.storage, model)
     }
 
     fn tokens(&self) -> usize {
@@ -229,15 +271,17 @@ impl<P: PrefixCache> KvBackend for PagedBackend<P> {
         // The layer sees its committed rows and the rows it appended in
         // this step, like every other backend.
         let visible = self.tokens + self.step.pending(layer);
-        let bs = self.storage.block_size();
-        let blocks = &self.manager.block_table(seq)?[..visible.div_ceil(bs)];
-        let table = PageTable::from_tables(&[(blocks, visible)], bs)?;
-        let keys = PagedKv::new(&self.storage, &table, 0, layer, KvPart::Keys)?;
-        let values = PagedKv::new(&self.storage, &table, 0, layer, KvPart::Values)?;
-        let out = attention.prefill(queries, positions, &keys, &values, mask)?;
-        self.stats.keys += out.stats.keys;
-        self.stats.values += out.stats.values;
-        Ok(out)
+        let blocks = self.manager.block_table(seq)?;
+        let (storage, stats) = (&self.storage, &mut self.stats);
+        attend_blocks(
+            storage,
+            blocks,
+            visible,
+            layer,
+            attention,
+            (queries, positions, mask),
+            stats,
+        )
     }
 
     fn commit(&mut self) -> Result<()> {

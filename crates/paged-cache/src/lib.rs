@@ -17,8 +17,12 @@
 //!   [`paged_decode`]: attention read through pages.
 //! - [`PagedBackend`]: one sequence's paged cache as an
 //!   [`attention::KvBackend`], the cache a model's forward pass runs on.
-//! - [`scheduler`]: a continuous-batching simulation with preemption by
-//!   recompute or swap, and its report (`paged-cache simulate`).
+//! - [`scheduler`]: continuous batching with preemption by recompute or
+//!   swap, driving an [`Engine`](scheduler::Engine) ([`serve`](scheduler::serve):
+//!   kv-eval's real model; [`simulate`](scheduler::simulate): fixed tokens,
+//!   `paged-cache simulate`), and its report; [`ReservedSlots`]: the
+//!   slots it reserved for one sequence, as the backend a batched forward
+//!   pass writes.
 //!
 //! ```
 //! use paged_cache::{CacheConfig, HashPrefixCache, KvCacheManager};
@@ -49,6 +53,7 @@ mod prefix;
 mod radix;
 pub mod scheduler;
 mod scrub;
+mod slots;
 mod storage;
 
 pub use backend::{PagedBackend, PagedReadStats};
@@ -60,6 +65,7 @@ pub use pool::{Allocated, BlockId, BlockPool, FreeList, MAX_SLOTS};
 pub use prefix::{NoPrefixCache, PrefixCache, PrefixHit, PrefixLock};
 pub use radix::RadixPrefixCache;
 pub use scrub::{ScrubTotals, Scrubber};
+pub use slots::ReservedSlots;
 pub use storage::{BlockData, BlockStorage, KvPart, LayerSpec, check_pageable};
 
 /// The README's example, compiled and run as a doctest.
