@@ -97,8 +97,19 @@ pub fn paged_backend(
     tokens: usize,
 ) -> Result<PagedBackend> {
     BackendKind::Paged { block_size }.check(mode, faults)?;
+    let specs = layer_specs(model, mode)?;
+    Ok(PagedBackend::new(
+        &specs,
+        block_size,
+        tokens.div_ceil(block_size).max(1),
+    )?)
+}
+
+/// The paged cache's layer specs for `model` in `mode`'s forms (`plain`
+/// keeps `fp32` rows).
+pub fn layer_specs(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<LayerSpec>> {
     let channels = model.kv_channels();
-    let specs: Vec<LayerSpec> = match mode {
+    Ok(match mode {
         CacheMode::Plain => vec![LayerSpec::uniform("fp32".parse()?, channels); model.layers()],
         CacheMode::Stored(s) => s
             .layers
@@ -110,12 +121,7 @@ pub fn paged_backend(
                 channels,
             })
             .collect(),
-    };
-    Ok(PagedBackend::new(
-        &specs,
-        block_size,
-        tokens.div_ceil(block_size).max(1),
-    )?)
+    })
 }
 
 /// The statistics of a paged backend that held `tokens` tokens, in the

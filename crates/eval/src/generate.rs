@@ -140,7 +140,7 @@ impl GenCache {
 }
 
 /// Picks the next token from one row of logits.
-fn pick(logits: &[f32], sampling: &Sampling, rng: &mut FaultRng) -> u32 {
+pub(crate) fn pick(logits: &[f32], sampling: &Sampling, rng: &mut FaultRng) -> u32 {
     let argmax = || {
         logits
             .iter()

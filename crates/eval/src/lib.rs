@@ -8,6 +8,7 @@ pub mod tokenizer;
 pub use error::{EvalError, Result};
 pub mod accumulate;
 pub mod backend;
+pub mod batch;
 pub mod cache;
 pub mod calibration;
 pub mod frontier;

@@ -50,6 +50,45 @@ fn hostile_flags_are_refused_before_any_work() {
             &["niah", "--haystack", "/nonexistent/hay.txt", "--out", "x"],
             "cargo xtask fetch-model",
         ),
+        (&["batch", "--out", "x"], "--requests"),
+        (
+            &["batch", "--requests", "/nonexistent/r.jsonl", "--out", "x"],
+            "cannot read requests /nonexistent/r.jsonl",
+        ),
+        (
+            &["batch", "--workload", "--watermark", "1", "--out", "x"],
+            "watermark",
+        ),
+        (
+            &["batch", "--workload", "--max-running", "0", "--out", "x"],
+            "max_running",
+        ),
+        (
+            &["batch", "--workload", "--block-size", "0", "--out", "x"],
+            "block_size",
+        ),
+        (
+            &[
+                "batch",
+                "--workload",
+                "--prompt-len",
+                "300,10",
+                "--out",
+                "x",
+            ],
+            "prompt_len",
+        ),
+        (
+            &[
+                "batch",
+                "--workload",
+                "--num-requests",
+                "1000000000000",
+                "--out",
+                "x",
+            ],
+            "budget",
+        ),
     ] {
         let o = Command::new(env!("CARGO_BIN_EXE_kv-eval"))
             .args(args)

@@ -166,6 +166,16 @@ impl PrefixCache for RadixPrefixCache {
             let key = &self.node(child).key;
             let m = common_prefix(key, &tokens[pos..limit]);
             let whole = m == key.len();
+            // A partial match splits the node, so that the lock taken below
+            // pins the matched tokens' blocks only: a lock on the whole node
+            // would keep its unmatched tail from eviction while this
+            // sequence lives, and a pool short of blocks could then admit
+            // nothing (SGLang's match_prefix splits the same way).
+            let child = if whole {
+                child
+            } else {
+                self.split(pool, child, m)?
+            };
             path.push((child, m));
             pos += m;
             if !whole {

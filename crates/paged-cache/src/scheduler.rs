@@ -86,6 +86,9 @@ pub struct Request {
     pub priority: u32,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
+    /// The shared prefix the prompt starts with (index into the workload's
+    /// prefixes), if any.
+    pub shared_prefix: Option<usize>,
     /// Decode steps to run (tokens appended after the prompt). A model
     /// engine samples a token from the prefill's logits too, so it
     /// generates `output_len + 1` tokens.
@@ -167,9 +170,12 @@ impl Workload {
             clock += -(1.0 - rng.next_f64()).ln() / config.arrivals_per_step;
             let len = uniform(&mut rng, config.prompt_len);
             let mut prompt = Vec::with_capacity(len);
+            let mut shared_prefix = None;
             if !prefixes.is_empty() && rng.next_f64() < config.shared_fraction {
-                let p = &prefixes[rng.below(prefixes.len() as u64) as usize];
+                let i = rng.below(prefixes.len() as u64) as usize;
+                let p = &prefixes[i];
                 prompt.extend_from_slice(&p[..p.len().min(len - 1)]);
+                shared_prefix = Some(i);
             }
             while prompt.len() < len {
                 prompt.push(rng.below(u64::from(config.vocab)) as u32);
@@ -179,6 +185,7 @@ impl Workload {
                 arrival: clock as u64,
                 priority: rng.below(u64::from(config.priorities)) as u32,
                 prompt,
+                shared_prefix,
                 output_len: uniform(&mut rng, config.output_len),
             });
         }
@@ -324,8 +331,35 @@ pub trait Engine<P: PrefixCache> {
     /// Request `request` joined the waiting queue (its arrival step came).
     fn arrived(&mut self, _request: usize) {}
 
-    /// Request `request` ran its last decode step.
-    fn finished(&mut self, _request: usize) {}
+    /// Request `request` ran its last decode step (an engine may deliver
+    /// its output now; an error stops the serving with it).
+    fn finished(&mut self, _request: usize) -> std::result::Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+impl SchedulerConfig {
+    /// Refuses a watermark outside [0, 1) and `max_running` 0 (the
+    /// scheduler's own parameters; `cache` is checked where a cache is
+    /// made).
+    pub fn check(&self) -> Result<()> {
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "watermark",
+                reason: format!(
+                    "{}: the fraction of blocks kept free must be in [0, 1)",
+                    self.watermark
+                ),
+            });
+        }
+        if self.max_running == 0 {
+            return Err(PagedCacheError::InvalidParameter {
+                name: "max_running",
+                reason: "0: no request could ever run".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The simulation's engine: request `r`'s token `i` is a fixed function of
@@ -372,16 +406,7 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
     config: &SchedulerConfig,
     engine: &mut E,
 ) -> std::result::Result<Report, E::Error> {
-    if !(0.0..1.0).contains(&config.watermark) {
-        return Err(PagedCacheError::InvalidParameter {
-            name: "watermark",
-            reason: format!(
-                "{}: the fraction of blocks kept free must be in [0, 1)",
-                config.watermark
-            ),
-        }
-        .into());
-    }
+    config.check()?;
     let bs = cache.block_size();
     let total = cache.pool().num_blocks();
     let watermark = (config.watermark * total as f64).ceil() as usize;
@@ -429,8 +454,9 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
         swapped.sort_by_key(|&(r, _)| (std::cmp::Reverse(reqs[r].priority), r));
         while let Some(&(r, seq)) = swapped.first() {
             let blocks = cache.tokens(seq)?.len().div_ceil(bs);
-            if cache.available_blocks() < blocks + watermark || running.len() >= config.max_running
-            {
+            // Alone, a request may dip into the watermark (as admission does).
+            let reserve = if running.is_empty() { 0 } else { watermark };
+            if cache.available_blocks() < blocks + reserve || running.len() >= config.max_running {
                 break;
             }
             cache.swap_in(seq)?;
@@ -481,6 +507,22 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                 generated: generated[r],
                 appended: false,
             });
+        }
+        if running.is_empty() && next_arrival == reqs.len() {
+            // Nothing runs, nothing more arrives, and nothing was
+            // admitted or swapped in: every later step would be this one.
+            return Err(PagedCacheError::InvalidParameter {
+                name: "workload",
+                reason: format!(
+                    "no progress at step {step}: {} waiting, {} swapped out, {} of {total} \
+                     blocks available, {} host blocks free",
+                    waiting.len(),
+                    swapped.len(),
+                    cache.available_blocks(),
+                    cache.host_free()
+                ),
+            }
+            .into());
         }
         // Decode: one token per running request, preempting when short.
         let mut i = 0;
@@ -555,7 +597,7 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                 let len = cache.tokens(seq)?.len();
                 cache.cache_prefix(seq, len)?;
                 cache.free(seq)?;
-                engine.finished(r);
+                engine.finished(r)?;
                 report.finished += 1;
             } else {
                 j += 1;

@@ -196,9 +196,14 @@ fn radix_locks_keep_used_prefixes_from_eviction() {
     c.free(a).unwrap();
     let (b, hit) = c.add_sequence(&p, 0).unwrap();
     assert_eq!(hit, 2 * BS);
-    // b holds a lock: nothing can be evicted while it runs.
+    // b locks the two blocks it uses; the cached tail past them (the third
+    // block, which b did not match) can go, and nothing else can.
+    assert_eq!(c.prefix_cache().evictable_blocks(c.pool()), 1);
+    assert_eq!(c.evict(usize::MAX).unwrap(), 1);
     assert_eq!(c.prefix_cache().evictable_blocks(c.pool()), 0);
     assert_eq!(c.evict(usize::MAX).unwrap(), 0);
+    assert_eq!(c.tokens(b).unwrap(), p.as_slice());
+    c.check_invariants().unwrap();
     c.free(b).unwrap();
     assert!(c.prefix_cache().evictable_blocks(c.pool()) > 0);
     assert!(c.evict(usize::MAX).unwrap() > 0);

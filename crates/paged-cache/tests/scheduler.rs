@@ -167,6 +167,17 @@ fn sizes_that_cannot_fit_are_refused_before_allocating() {
             })
         ));
     }
+    let config = SchedulerConfig {
+        max_running: 0,
+        ..config(64, Preemption::Swap)
+    };
+    assert!(matches!(
+        simulate(&w, c.vocab, &config, NoPrefixCache),
+        Err(PagedCacheError::InvalidParameter {
+            name: "max_running",
+            ..
+        })
+    ));
     for (blocks, host, name) in [
         (4_000_000_000, 0, "num_blocks"),
         (MAX_SLOTS / 16 + 1, 0, "num_blocks"),

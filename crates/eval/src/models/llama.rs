@@ -19,8 +19,8 @@ use attention::{
 use rayon::prelude::*;
 
 use super::{
-    CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix, ModelCache,
-    check_norm_eps, forward_step, project,
+    BatchItem, CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix,
+    ModelCache, check_norm_eps, forward_steps, project,
 };
 use crate::error::{EvalError, Result};
 use crate::load::gguf::GgufFile;
@@ -184,6 +184,7 @@ struct Buffers {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    attended: Vec<f32>,
     gu: Vec<f32>,
     act: Vec<f32>,
 }
@@ -324,30 +325,48 @@ impl LlamaModel {
         &self.config
     }
 
-    /// See [`CausalLm::forward`].
+    /// See [`CausalLm::forward`]: a batch of one.
     pub fn forward(
         &self,
         tokens: &[u32],
         cache: &mut ModelCache,
         logits_from: usize,
     ) -> Result<Vec<f32>> {
+        let mut batch = [BatchItem {
+            tokens,
+            cache,
+            logits_from,
+        }];
+        let mut logits = self.forward_batch(&mut batch)?;
+        Ok(logits.pop().expect("one item, one result"))
+    }
+
+    /// See [`CausalLm::forward_batch`].
+    pub fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let shape = ModelKvShape {
             layers: c.layers,
             heads: *self.attention.shape(),
             rope: Some(&self.rope),
         };
-        forward_step(tokens, c.vocab, logits_from, &shape, cache, |cache| {
-            self.step(tokens, cache, logits_from)
-        })
+        forward_steps(batch, c.vocab, &shape, |batch| self.step(batch))
     }
 
-    /// The forward pass inside one cache step.
-    fn step(&self, tokens: &[u32], cache: &mut ModelCache, logits_from: usize) -> Result<Vec<f32>> {
+    /// The forward pass of a batch inside its items' cache steps: every
+    /// row of every item through each projection's one GEMM, attention per
+    /// item over its own cache.
+    fn step(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
-        let t = tokens.len();
-        let start = cache.tokens();
         let kvc = c.kv_channels();
+        // Each item's rows in the batch, and every row's position.
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut positions = Vec::new();
+        for item in batch.iter() {
+            let start = item.cache.tokens();
+            spans.push(positions.len()..positions.len() + item.tokens.len());
+            positions.extend(start..start + item.tokens.len());
+        }
+        let t = positions.len();
         let mut b = Buffers {
             x: vec![0.0; t * c.dim],
             h: vec![0.0; t * c.dim],
@@ -355,14 +374,15 @@ impl LlamaModel {
             q: vec![0.0; t * c.dim],
             k: vec![0.0; t * kvc],
             v: vec![0.0; t * kvc],
+            attended: vec![0.0; t * c.dim],
             gu: vec![0.0; t * 2 * c.ffn],
             act: vec![0.0; t * c.ffn],
         };
-        for (row, &id) in b.x.chunks_exact_mut(c.dim).zip(tokens) {
+        let ids = batch.iter().flat_map(|item| item.tokens);
+        for (row, &id) in b.x.chunks_exact_mut(c.dim).zip(ids) {
             let id = id as usize;
             row.copy_from_slice(&self.embed.data[id * c.dim..(id + 1) * c.dim]);
         }
-        let positions: Vec<usize> = (start..start + t).collect();
         let checks = self.checks.0.as_deref();
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
@@ -389,9 +409,22 @@ impl LlamaModel {
                     rope.apply(k, p)?;
                     Ok(())
                 })?;
-            cache.append(l, &b.k, &b.v)?;
-            let attended = cache.attend(l, &self.attention, &b.q, &positions, &Mask::Causal)?;
-            project(&mut b.x, &attended.out, &layer.out, true, checks)?;
+            for (item, span) in batch.iter_mut().zip(&spans) {
+                let (kv, qs) = (
+                    span.start * kvc..span.end * kvc,
+                    span.start * c.dim..span.end * c.dim,
+                );
+                item.cache.append(l, &b.k[kv.clone()], &b.v[kv])?;
+                let out = item.cache.attend(
+                    l,
+                    &self.attention,
+                    &b.q[qs.clone()],
+                    &positions[span.clone()],
+                    &Mask::Causal,
+                )?;
+                b.attended[qs].copy_from_slice(&out.out);
+            }
+            project(&mut b.x, &b.attended, &layer.out, true, checks)?;
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
             project(&mut b.gu, &b.h, &layer.gate_up, false, checks)?;
             b.act
@@ -405,15 +438,19 @@ impl LlamaModel {
                 });
             project(&mut b.x, &b.act, &layer.down, true, checks)?;
         }
-        let rows = t - logits_from;
-        let mut h = vec![0.0; rows * c.dim];
-        rms_norm(
-            &mut h,
-            &b.x[logits_from * c.dim..],
-            &self.output_norm,
-            c.norm_eps,
-        );
-        let mut logits = vec![0.0; rows * c.vocab];
+        // The rows whose logits are asked for, through one output GEMM.
+        let rows: Vec<usize> = batch
+            .iter()
+            .zip(&spans)
+            .flat_map(|(item, span)| span.start + item.logits_from..span.end)
+            .collect();
+        let mut x = Vec::with_capacity(rows.len() * c.dim);
+        for &r in &rows {
+            x.extend_from_slice(&b.x[r * c.dim..(r + 1) * c.dim]);
+        }
+        let mut h = vec![0.0; x.len()];
+        rms_norm(&mut h, &x, &self.output_norm, c.norm_eps);
+        let mut logits = vec![0.0; rows.len() * c.vocab];
         project(
             &mut logits,
             &h,
@@ -421,7 +458,16 @@ impl LlamaModel {
             false,
             checks,
         )?;
-        Ok(logits)
+        let mut rest = logits.as_slice();
+        Ok(batch
+            .iter()
+            .zip(&spans)
+            .map(|(item, span)| {
+                let (mine, tail) = rest.split_at((span.len() - item.logits_from) * c.vocab);
+                rest = tail;
+                mine.to_vec()
+            })
+            .collect())
     }
 }
 
@@ -491,6 +537,10 @@ impl CausalLm for LlamaModel {
         logits_from: usize,
     ) -> Result<Vec<f32>> {
         LlamaModel::forward(self, tokens, cache, logits_from)
+    }
+
+    fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        LlamaModel::forward_batch(self, batch)
     }
 }
 

@@ -58,6 +58,95 @@ pub trait CausalLm: Send + Sync {
         cache: &mut ModelCache,
         logits_from: usize,
     ) -> Result<Vec<f32>>;
+
+    /// Runs several sequences as one batch: each item's tokens after what
+    /// its cache holds, its logits from `logits_from` on (as
+    /// [`forward`](Self::forward) returns them, one vector per item).
+    /// Llama-family models share every projection's GEMM across the batch
+    /// (the weights are read once per step, not once per sequence) and
+    /// attend per sequence; an error rolls every item's step back. This
+    /// default runs the items one after the other (an error leaves the
+    /// items before it committed).
+    fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        batch
+            .iter_mut()
+            .map(|item| self.forward(item.tokens, &mut *item.cache, item.logits_from))
+            .collect()
+    }
+}
+
+/// One sequence of a batched forward pass ([`CausalLm::forward_batch`]).
+pub struct BatchItem<'a> {
+    /// Its new tokens.
+    pub tokens: &'a [u32],
+    /// Its cache.
+    pub cache: &'a mut ModelCache,
+    /// Index of its first token whose logits are returned.
+    pub logits_from: usize,
+}
+
+impl std::fmt::Debug for BatchItem<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchItem")
+            .field("tokens", &self.tokens)
+            .field("cached", &self.cache.tokens())
+            .field("logits_from", &self.logits_from)
+            .finish()
+    }
+}
+
+/// Refuses an empty call, a `logits_from` past the tokens and ids outside
+/// the vocabulary.
+fn check_tokens(tokens: &[u32], vocab: usize, logits_from: usize) -> Result<()> {
+    let t = tokens.len();
+    if t == 0 || logits_from > t {
+        return Err(EvalError::EmptyForward {
+            tokens: t,
+            logits_from,
+        });
+    }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+        return Err(EvalError::TokenId { id, vocab });
+    }
+    Ok(())
+}
+
+/// [`forward_step`] for a batch: checks every item and sizes its cache,
+/// opens a step on each, runs `step` over them all, then commits every
+/// step, or rolls every open step back if anything failed.
+pub(crate) fn forward_steps(
+    batch: &mut [BatchItem<'_>],
+    vocab: usize,
+    model: &attention::ModelKvShape<'_>,
+    step: impl FnOnce(&mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>>,
+) -> Result<Vec<Vec<f32>>> {
+    for item in batch.iter_mut() {
+        check_tokens(item.tokens, vocab, item.logits_from)?;
+        item.cache.fit(model)?;
+    }
+    for i in 0..batch.len() {
+        let item = &mut batch[i];
+        if let Err(e) = item.cache.begin(item.tokens) {
+            for open in &mut batch[..i] {
+                open.cache.rollback();
+            }
+            return Err(e);
+        }
+    }
+    match step(batch) {
+        Ok(out) => {
+            for item in batch.iter_mut() {
+                item.cache.commit()?;
+            }
+            Ok(out)
+        }
+        Err(e) => {
+            for item in batch.iter_mut() {
+                item.cache.rollback();
+            }
+            Err(e)
+        }
+    }
 }
 
 /// The set-up every forward pass shares: refuses an empty call, a
@@ -72,16 +161,7 @@ pub(crate) fn forward_step(
     cache: &mut ModelCache,
     step: impl FnOnce(&mut ModelCache) -> Result<Vec<f32>>,
 ) -> Result<Vec<f32>> {
-    let t = tokens.len();
-    if t == 0 || logits_from > t {
-        return Err(EvalError::EmptyForward {
-            tokens: t,
-            logits_from,
-        });
-    }
-    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
-        return Err(EvalError::TokenId { id, vocab });
-    }
+    check_tokens(tokens, vocab, logits_from)?;
     cache.fit(model)?;
     attention::run_step(cache, tokens, step)
 }

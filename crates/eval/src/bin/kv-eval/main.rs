@@ -4,6 +4,7 @@
 //! a prompt (`top`).
 
 mod accumulate;
+mod batch;
 mod calib;
 mod generate;
 mod niah;
@@ -272,6 +273,10 @@ enum Command {
     /// On the paged backend faults can accumulate over the decode steps
     /// (--ber-per-step), with a scrubber (--scrub-every).
     Generate(generate::GenerateArgs),
+    /// Continuous batching of the model on the paged cache (paged-cache's
+    /// scheduler, prefix cache, preemption by recompute or swap) for a
+    /// requests file or the seeded workload; outputs and report in --out.
+    Batch(batch::BatchArgs),
     /// Needle in a haystack: a passkey hidden at several depths of
     /// haystacks of several lengths, found or not by greedy generation, for
     /// each cache form; niah.md, niah.json and niah.svg (heat maps) in --out.
@@ -785,6 +790,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             println!("wrote {} ({:?})", out.display(), cal.shapes());
         }
         Command::Generate(args) => generate::run(args)?,
+        Command::Batch(args) => batch::run(args)?,
         Command::Niah(args) => niah::run(args)?,
         Command::Accumulate(args) => accumulate::run_accumulate(args)?,
         Command::Top { model, prompt, k } => {
