@@ -387,40 +387,20 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
         cached: usize,
     ) -> Result<()> {
         let started = Instant::now();
-        let held = cache.tokens(seq)?.to_vec();
-        let mut slots = Adapted(ReservedSlots::new(cache, seq, cached)?);
-        let tokens = &held[cached..];
-        let logits = self.model.forward(tokens, &mut slots, tokens.len() - 1)?;
-        self.record(request, held.len(), &logits);
+        let logits = prefill(self.model, cache, seq, cached)?;
+        let held = cache.tokens(seq)?.len();
+        self.record(request, held, &logits);
         self.prefill_seconds += started.elapsed().as_secs_f64();
         Ok(())
     }
 
     fn decode(&mut self, cache: &mut KvCacheManager<P>, batch: &[(usize, SeqId)]) -> Result<()> {
         let started = Instant::now();
-        let mut slots = Vec::with_capacity(batch.len());
-        let mut last = Vec::with_capacity(batch.len());
-        for &(_, seq) in batch {
-            let held = cache.tokens(seq)?;
-            last.push([held[held.len() - 1]]);
-            slots.push((
-                held.len(),
-                Adapted(ReservedSlots::new(cache, seq, held.len() - 1)?),
-            ));
-        }
-        let mut items: Vec<BatchItem<'_>> = slots
-            .iter_mut()
-            .zip(&last)
-            .map(|((_, slots), token)| BatchItem {
-                tokens: token,
-                cache: slots,
-                logits_from: 0,
-            })
-            .collect();
-        let logits = self.model.forward_batch(&mut items)?;
-        drop(items);
-        for ((&(request, _), (held, _)), logits) in batch.iter().zip(&slots).zip(&logits) {
-            self.record(request, *held, logits);
+        let seqs: Vec<SeqId> = batch.iter().map(|&(_, seq)| seq).collect();
+        let logits = decode_step(self.model, cache, &seqs)?;
+        for (&(request, seq), logits) in batch.iter().zip(&logits) {
+            let held = cache.tokens(seq)?.len();
+            self.record(request, held, logits);
         }
         self.decode_seconds += started.elapsed().as_secs_f64();
         self.decode_steps += 1;
@@ -434,6 +414,81 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
     fn finished(&mut self, request: usize) -> Result<()> {
         (self.on_finished)(request, &self.outputs[request])
     }
+}
+
+/// A paged cache whose blocks hold `model`'s K/V in `mode`'s forms
+/// (every layer's key and value form must be pageable).
+pub fn paged_cache<P: PrefixCache>(
+    model: &dyn CausalLm,
+    mode: &CacheMode,
+    config: CacheConfig,
+    prefix: P,
+) -> Result<KvCacheManager<P>> {
+    let specs = layer_specs(model, mode)?;
+    for spec in &specs {
+        paged_cache::check_pageable(&spec.key)?;
+        paged_cache::check_pageable(&spec.value)?;
+    }
+    let storage = BlockStorage::new(config.num_blocks, config.block_size, &specs)?;
+    Ok(KvCacheManager::with_storage(
+        config,
+        prefix,
+        std::sync::Arc::new(storage),
+    )?)
+}
+
+/// Computes sequence `seq`'s K/V after its first `cached` tokens (which a
+/// prefix hit holds already) in its reserved slots, and returns the logits
+/// of its last token.
+pub fn prefill<P: PrefixCache>(
+    model: &dyn CausalLm,
+    cache: &mut KvCacheManager<P>,
+    seq: SeqId,
+    cached: usize,
+) -> Result<Vec<f32>> {
+    let held = cache.tokens(seq)?.to_vec();
+    let tokens = held
+        .get(cached..)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| EvalError::InvalidParameter {
+            name: "cached",
+            reason: format!("{cached} of the sequence's {} tokens", held.len()),
+        })?;
+    let mut slots = Adapted(ReservedSlots::new(cache, seq, cached)?);
+    model.forward(tokens, &mut slots, tokens.len() - 1)
+}
+
+/// One batched decode step: each sequence of `seqs` has appended one token
+/// whose K/V is not computed yet; computes them all in one forward pass
+/// and returns each sequence's logits.
+pub fn decode_step<P: PrefixCache>(
+    model: &dyn CausalLm,
+    cache: &mut KvCacheManager<P>,
+    seqs: &[SeqId],
+) -> Result<Vec<Vec<f32>>> {
+    let mut last = Vec::with_capacity(seqs.len());
+    let mut slots = Vec::with_capacity(seqs.len());
+    for &seq in seqs {
+        let held = cache.tokens(seq)?;
+        let Some(&token) = held.last() else {
+            return Err(EvalError::InvalidParameter {
+                name: "seqs",
+                reason: format!("{seq:?} holds no token to decode"),
+            });
+        };
+        last.push([token]);
+        slots.push(Adapted(ReservedSlots::new(cache, seq, held.len() - 1)?));
+    }
+    let mut items: Vec<BatchItem<'_>> = slots
+        .iter_mut()
+        .zip(&last)
+        .map(|(slots, token)| BatchItem {
+            tokens: token,
+            cache: slots,
+            logits_from: 0,
+        })
+        .collect();
+    model.forward_batch(&mut items)
 }
 
 /// Serves `requests` on `model` with continuous batching (see the module
@@ -485,12 +540,6 @@ pub fn run_batch_with<'a>(
         }
     }
     let bs = config.cache.block_size;
-    let specs = layer_specs(model, &config.mode)?;
-    for spec in &specs {
-        paged_cache::check_pageable(&spec.key)?;
-        paged_cache::check_pageable(&spec.value)?;
-    }
-    let storage = std::sync::Arc::new(BlockStorage::new(config.cache.num_blocks, bs, &specs)?);
     let workload = Workload {
         requests: requests
             .iter()
@@ -507,14 +556,14 @@ pub fn run_batch_with<'a>(
     };
     let mut engine = ModelEngine::new(model, requests, on_finished);
     let scheduler = match config.prefix {
-        PrefixKind::None => serve_on(NoPrefixCache, config, &storage, &workload, &mut engine)?,
+        PrefixKind::None => serve_on(NoPrefixCache, config, &workload, &mut engine)?,
         PrefixKind::Hash => {
             let prefix = HashPrefixCache::new(bs);
-            serve_on(prefix, config, &storage, &workload, &mut engine)?
+            serve_on(prefix, config, &workload, &mut engine)?
         }
         PrefixKind::Radix => {
             let prefix = RadixPrefixCache::new(bs);
-            serve_on(prefix, config, &storage, &workload, &mut engine)?
+            serve_on(prefix, config, &workload, &mut engine)?
         }
     };
     let seconds = engine.start.elapsed().as_secs_f64();
@@ -537,10 +586,9 @@ pub fn run_batch_with<'a>(
 fn serve_on<P: PrefixCache>(
     prefix: P,
     config: &BatchConfig,
-    storage: &std::sync::Arc<BlockStorage>,
     workload: &Workload,
     engine: &mut ModelEngine<'_>,
 ) -> Result<Report> {
-    let mut cache = KvCacheManager::with_storage(config.cache, prefix, storage.clone())?;
+    let mut cache = paged_cache(engine.model, &config.mode, config.cache, prefix)?;
     serve(&mut cache, workload, &config.scheduler, engine)
 }

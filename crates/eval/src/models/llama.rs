@@ -401,14 +401,22 @@ impl LlamaModel {
                 b.v[i * kvc..(i + 1) * kvc].copy_from_slice(&row[c.dim + kvc..]);
             }
             let rope = &self.rope;
-            b.q.par_chunks_mut(c.dim)
-                .zip(b.k.par_chunks_mut(kvc))
-                .zip(&positions)
-                .try_for_each(|((q, k), &p)| -> Result<()> {
-                    rope.apply(q, p)?;
-                    rope.apply(k, p)?;
-                    Ok(())
-                })?;
+            let rotate = |((q, k), &p): ((&mut [f32], &mut [f32]), &usize)| -> Result<()> {
+                rope.apply(q, p)?;
+                rope.apply(k, p)?;
+                Ok(())
+            };
+            if t >= PARALLEL_ROWS {
+                b.q.par_chunks_mut(c.dim)
+                    .zip(b.k.par_chunks_mut(kvc))
+                    .zip(&positions)
+                    .try_for_each(rotate)?;
+            } else {
+                b.q.chunks_mut(c.dim)
+                    .zip(b.k.chunks_mut(kvc))
+                    .zip(&positions)
+                    .try_for_each(rotate)?;
+            }
             for (item, span) in batch.iter_mut().zip(&spans) {
                 let (kv, qs) = (
                     span.start * kvc..span.end * kvc,
@@ -427,15 +435,12 @@ impl LlamaModel {
             project(&mut b.x, &b.attended, &layer.out, true, checks)?;
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
             project(&mut b.gu, &b.h, &layer.gate_up, false, checks)?;
-            b.act
-                .par_chunks_mut(c.ffn)
-                .zip(b.gu.par_chunks(2 * c.ffn))
-                .for_each(|(a, gu)| {
-                    let (g, u) = gu.split_at(c.ffn);
-                    for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
-                        *a = g / (1.0 + (-g).exp()) * u;
-                    }
-                });
+            for_each_row(&mut b.act, c.ffn, &b.gu, 2 * c.ffn, |a, gu| {
+                let (g, u) = gu.split_at(c.ffn);
+                for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                    *a = g / (1.0 + (-g).exp()) * u;
+                }
+            });
             project(&mut b.x, &b.act, &layer.down, true, checks)?;
         }
         // The rows whose logits are asked for, through one output GEMM.
@@ -548,14 +553,38 @@ impl CausalLm for LlamaModel {
 /// ggml's `rms_norm` does.
 fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     let d = w.len();
-    out.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .for_each(|(o, x)| {
-            let sum: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
-            let mean = (sum / d as f64) as f32;
-            let scale = 1.0 / (mean + eps).sqrt();
-            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-                *o = x * scale * w;
-            }
-        });
+    for_each_row(out, d, x, d, |o, x| {
+        let sum: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
+        let mean = (sum / d as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+            *o = x * scale * w;
+        }
+    });
+}
+
+/// Rows from which the element-wise steps (norms, RoPE, activation) run on
+/// the thread pool: below it, waking the pool between two GEMMs costs more
+/// than the work (measured: the activation of 16 decode rows took 1.6 ms
+/// in parallel, 0.09 ms on one thread). Rows are independent, so the result
+/// is the same either way.
+const PARALLEL_ROWS: usize = 64;
+
+/// `f(out row, input row)` over rows of widths `ow` and `iw`.
+fn for_each_row(
+    out: &mut [f32],
+    ow: usize,
+    input: &[f32],
+    iw: usize,
+    f: impl Fn(&mut [f32], &[f32]) + Send + Sync,
+) {
+    if out.len() / ow >= PARALLEL_ROWS {
+        out.par_chunks_mut(ow)
+            .zip(input.par_chunks(iw))
+            .for_each(|(o, i)| f(o, i));
+    } else {
+        out.chunks_mut(ow)
+            .zip(input.chunks(iw))
+            .for_each(|(o, i)| f(o, i));
+    }
 }

@@ -232,7 +232,9 @@ fn workload(args: &BatchArgs, tokenizer: &TextTokenizer) -> Result<Vec<BatchRequ
 fn workload_config(args: &BatchArgs) -> Result<WorkloadConfig, Error> {
     let pair = |flag: &str, v: &[usize]| match v {
         &[a, b] => Ok((a, b)),
-        _ => Err(format!("--{flag} takes two numbers, MIN,MAX (or COUNT,TOKENS)")),
+        _ => Err(format!(
+            "--{flag} takes two numbers, MIN,MAX (or COUNT,TOKENS)"
+        )),
     };
     let (shared_prefixes, shared_prefix_len) = pair("shared-prefixes", &args.shared_prefixes)?;
     Ok(WorkloadConfig {
