@@ -147,8 +147,16 @@ impl TextTokenizer {
     /// Reads a Hugging Face `tokenizer.json`; its post-processor decides
     /// which special tokens `encode` adds.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
+        let bytes = std::fs::read(path)
             .map_err(|e| EvalError::Tokenizer(format!("{}: {e}", path.display())))?;
+        Self::from_json(&bytes, &path.display().to_string())
+    }
+
+    /// [`from_file`](Self::from_file) over the file's bytes; `name` (a
+    /// path) names them in errors.
+    pub fn from_json(bytes: &[u8], name: &str) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| EvalError::Tokenizer(format!("{name}: {e}")))?;
         let vocab = inner.get_vocab_size(true);
         Ok(Self {
             inner,

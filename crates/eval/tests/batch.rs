@@ -541,3 +541,49 @@ fn the_cli_writes_every_output_and_the_report_and_names_a_bad_line() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// One requests-file line: valid JSON objects with fields of any value
+/// (some out of range, some misspelt), or arbitrary text.
+fn request_line() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let field = prop_oneof![
+        "[a-z ]{0,12}".prop_map(|s| format!("\"prompt\": \"{s}\"")),
+        any::<i64>().prop_map(|n| format!("\"max_new_tokens\": {n}")),
+        (0u64..100).prop_map(|n| format!("\"max_new_tokens\": {n}")),
+        any::<i64>().prop_map(|n| format!("\"arrival_step\": {n}")),
+        any::<u32>().prop_map(|n| format!("\"priority\": {n}")),
+        any::<f64>().prop_map(|x| format!("\"temperature\": {x:e}")),
+        (-1.0f64..2.0).prop_map(|x| format!("\"top_p\": {x}")),
+        any::<u64>().prop_map(|n| format!("\"seed\": {n}")),
+        Just("\"temprature\": 1".to_string()),
+    ];
+    prop_oneof![
+        3 => proptest::collection::vec(field, 0..6).prop_map(|f| format!("{{{}}}", f.join(", "))),
+        1 => ".{0,40}",
+    ]
+}
+
+proptest::proptest! {
+    /// Whatever a requests file holds, reading it never panics: it gives
+    /// requests that keep every promise, or an error naming a line.
+    #[test]
+    fn reading_any_requests_file_never_panics(
+        lines in proptest::collection::vec(request_line(), 0..6),
+    ) {
+        let text = lines.join("\n");
+        let encode = |s: &str| Ok(s.bytes().map(u32::from).collect());
+        match parse_requests(&text, 64, encode) {
+            Ok(requests) => {
+                for q in requests {
+                    proptest::prop_assert!(!q.prompt.is_empty() && q.max_new_tokens > 0);
+                    proptest::prop_assert!(q.prompt.len() + q.max_new_tokens <= 64);
+                    proptest::prop_assert!(q.sampling.check().is_ok());
+                }
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                proptest::prop_assert!(msg.contains("line ") || msg.contains("no request"), "{}", msg);
+            }
+        }
+    }
+}

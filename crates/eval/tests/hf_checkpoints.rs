@@ -551,3 +551,100 @@ fn broken_folders_get_typed_errors() {
     assert!(matches!(load_hf(&d), Err(EvalError::Tokenizer(_))));
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// A valid GPT-2 checkpoint's three files, as bytes.
+fn gpt2_files() -> &'static (Vec<u8>, Vec<u8>, Vec<u8>) {
+    static FILES: std::sync::OnceLock<(Vec<u8>, Vec<u8>, Vec<u8>)> = std::sync::OnceLock::new();
+    FILES.get_or_init(|| {
+        let d = dir("proptest");
+        write_gpt2(&d, &gpt2_weights(), "");
+        let read = |name: &str| std::fs::read(d.join(name)).unwrap();
+        let files = (
+            read("config.json"),
+            read("model.safetensors"),
+            read("tokenizer.json"),
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+        files
+    })
+}
+
+/// A config with each hyperparameter drawn from sane, absurd and wrong
+/// values (zero, huge, negative, a string) for either architecture.
+fn any_config() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let number = prop_oneof![
+        Just(serde_json::json!(D)),
+        Just(serde_json::json!(HEADS)),
+        Just(serde_json::json!(L)),
+        (0u64..200).prop_map(|n| serde_json::json!(n)),
+        any::<u64>().prop_map(|n| serde_json::json!(n)),
+        any::<i64>().prop_map(|n| serde_json::json!(n)),
+        any::<f64>().prop_map(|x| serde_json::json!(x)),
+        Just(serde_json::json!("32")),
+    ];
+    let keys = [
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_positions",
+        "vocab_size",
+        "layer_norm_epsilon",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+    ];
+    (
+        prop_oneof![Just("gpt2"), Just("llama"), Just("qwen2"), Just("bert")],
+        proptest::collection::vec(number, keys.len()),
+        proptest::collection::vec(any::<bool>(), keys.len()),
+    )
+        .prop_map(move |(arch, values, present)| {
+            let mut config = serde_json::Map::new();
+            config.insert("model_type".into(), arch.into());
+            for ((key, value), keep) in keys.iter().zip(values).zip(present) {
+                if keep {
+                    config.insert((*key).into(), value);
+                }
+            }
+            serde_json::Value::Object(config).to_string()
+        })
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+    /// Whatever the config says and however the weights and tokenizer bytes
+    /// are corrupted, loading gives a model that runs (or refuses a forward
+    /// pass with a typed error) or a typed error, never a panic or a huge
+    /// allocation.
+    #[test]
+    fn loading_any_hf_checkpoint_never_panics(
+        config in any_config(),
+        keep_config in proptest::prelude::any::<bool>(),
+        weight_flips in proptest::collection::vec((0usize..4096, 0u8..8), 0..3),
+        cut in proptest::option::weighted(0.25, 0usize..4096),
+        tokenizer_cut in proptest::option::weighted(0.25, 0usize..512),
+    ) {
+        let (good_config, weights, tokenizer) = gpt2_files();
+        let config = if keep_config { good_config.clone() } else { config.into_bytes() };
+        let mut weights = weights.clone();
+        for (at, bit) in weight_flips {
+            let at = at % weights.len();
+            weights[at] ^= 1 << bit;
+        }
+        if let Some(cut) = cut {
+            weights.truncate(cut.min(weights.len()));
+        }
+        let tokenizer = &tokenizer[..tokenizer_cut.map_or(tokenizer.len(), |c| c.min(tokenizer.len()))];
+        if let Ok((model, _)) = kv_eval::load::safetensors::load_hf_bytes(&config, &weights, tokenizer) {
+            let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
+            let _ = model.forward(&[0, 1, 2], &mut cache, 0);
+        }
+    }
+}

@@ -106,11 +106,33 @@ fn float(config: &Value, key: &str, default: f64) -> f64 {
 /// Loads a Hugging Face folder (`config.json`, `model.safetensors`,
 /// `tokenizer.json`).
 pub fn load_hf(dir: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
-    let config: Value = serde_json::from_slice(&read(&dir.join("config.json"))?)
+    let config = read(&dir.join("config.json"))?;
+    let weights = read(&dir.join("model.safetensors"))?;
+    let path = dir.join("tokenizer.json");
+    let tokenizer = std::fs::read(&path)
+        .map_err(|e| EvalError::Tokenizer(format!("{}: {e}", path.display())))?;
+    let tokenizer = TextTokenizer::from_json(&tokenizer, &path.display().to_string())?;
+    load_hf_parts(&config, &weights, tokenizer)
+}
+
+/// [`load_hf`] over the three files' bytes (what the fuzz target feeds).
+pub fn load_hf_bytes(
+    config: &[u8],
+    weights: &[u8],
+    tokenizer: &[u8],
+) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
+    let tokenizer = TextTokenizer::from_json(tokenizer, "tokenizer.json")?;
+    load_hf_parts(config, weights, tokenizer)
+}
+
+fn load_hf_parts(
+    config: &[u8],
+    weights: &[u8],
+    tokenizer: TextTokenizer,
+) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
+    let config: Value = serde_json::from_slice(config)
         .map_err(|e| EvalError::Model(format!("config.json: {e}")))?;
-    let bytes = read(&dir.join("model.safetensors"))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(st_err("model.safetensors"))?;
-    let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let st = SafeTensors::deserialize(weights).map_err(st_err("model.safetensors"))?;
     let model_type = config
         .get("model_type")
         .and_then(Value::as_str)
