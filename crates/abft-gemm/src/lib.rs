@@ -31,7 +31,7 @@ pub use check::{
 };
 pub use error::{AbftError, Result};
 pub use gemm::{Checksums, Product, col_checksums, gemm, linear_into, row_checksums};
-pub use linear_check::{CheckedLinear, LinearVerdict};
+pub use linear_check::{CheckedLinear, LinearRule, LinearVerdict};
 pub use matrix::{Distribution, Matrix};
 pub use precision::{FlipDirection, Precision, flip_bit};
 pub use threshold::{AAbft, FixedThreshold, Sampling, Stats, Threshold, VAbft, VarianceEstimator};

@@ -26,6 +26,27 @@ fn hostile_flags_are_refused_before_any_work() {
         (&["ppl", "--abft-correct"], "need --abft"),
         (&["ppl", "--abft", "--gemm-flips", "2"], "--gemm-flips 2"),
         (&["ppl", "--abft", "--abft-emax=-1"], "--abft-emax"),
+        (
+            &["ppl", "--abft", "fixed", "--abft-tau=-1"],
+            "--abft-tau -1",
+        ),
+        (
+            &["ppl", "--abft", "fixed", "--abft-tau", "inf"],
+            "--abft-tau inf",
+        ),
+        (
+            &["ppl", "--abft", "a-abft", "--abft-emax", "1e-6"],
+            "--abft-emax goes with --abft v-abft",
+        ),
+        (
+            &["ppl", "--abft", "--abft-tau", "1e-3"],
+            "--abft-tau with --abft fixed",
+        ),
+        (
+            &["ppl", "--abft-tau", "1e-3"],
+            "--abft-tau with --abft fixed",
+        ),
+        (&["ppl", "--abft", "z-abft"], "z-abft"),
         (&["top", "-k", "0", "--prompt", "hi"], "-k 0"),
         (&["top", "--prompt", ""], "the prompt is empty"),
         (&["generate", "--prompt", ""], "the prompt is empty"),

@@ -482,32 +482,39 @@ fn bad_epsilons_and_empty_scores_are_errors() {
 fn gemm_checks_cover_every_projection_without_false_alarms() {
     use kv_eval::models::CausalLm;
     let plain = model();
-    let mut checked = model();
-    let rule = abft_gemm::VAbft::design(abft_gemm::Precision::Fp32.e_max_ascend());
-    checked.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-        rule,
-        flips: None,
-        correct: false,
-    }));
     let ids = tokens(48);
     let run = |m: &LlamaModel| {
         let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
         CausalLm::forward(m, &ids, &mut cache, 0).unwrap()
     };
-    let (a, b) = (run(&plain), run(&checked));
-    let worst = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    assert!(worst < 1e-4, "{worst}");
-    let stats = checked.gemm_checks().unwrap();
-    assert_eq!(stats.products, 4 * LAYERS as u64 + 1);
-    assert_eq!(stats.rows, 48 * (4 * LAYERS as u64 + 1));
-    assert_eq!(stats.flagged, 0);
+    let rules: [abft_gemm::LinearRule; 3] = [
+        abft_gemm::VAbft::design(abft_gemm::Precision::Fp32.e_max_ascend()).into(),
+        abft_gemm::AAbft::for_precision(abft_gemm::Precision::Fp32).into(),
+        abft_gemm::FixedThreshold { tau: 1e-3 }.into(),
+    ];
+    for rule in rules {
+        let mut checked = model();
+        checked.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+            rule,
+            flips: None,
+            correct: false,
+        }));
+        let (a, b) = (run(&plain), run(&checked));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{worst}");
+        let stats = checked.gemm_checks().unwrap();
+        assert_eq!(stats.products, 4 * LAYERS as u64 + 1);
+        assert_eq!(stats.rows, 48 * (4 * LAYERS as u64 + 1));
+        assert_eq!(stats.flagged, 0, "{}", rule.name());
+        // A clone starts with the checks off.
+        assert!(checked.clone().gemm_checks().is_none());
+    }
     assert!(plain.gemm_checks().is_none());
-    // A clone starts with the checks off.
-    assert!(checked.clone().gemm_checks().is_none());
+    let rule = rules[0];
 
     // Flips injected into the products: every one is counted at its bit,
     // exponent flips are caught, low mantissa bits of large sums are not,

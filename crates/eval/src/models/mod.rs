@@ -209,8 +209,8 @@ pub struct GemmFlips {
 /// How a model's projections are checked.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmCheckConfig {
-    /// The V-ABFT bound.
-    pub rule: abft_gemm::VAbft,
+    /// The threshold rule (V-ABFT, A-ABFT or a fixed tolerance).
+    pub rule: abft_gemm::LinearRule,
     /// Faults injected into the products, if any.
     pub flips: Option<GemmFlips>,
     /// Correct flagged rows (one corrupted element each, located by
@@ -218,11 +218,11 @@ pub struct GemmCheckConfig {
     pub correct: bool,
 }
 
-/// Every projection of a model's forward pass checked by V-ABFT row
-/// checksums (abft-gemm), the weight side prepared once per matrix.
+/// Every projection of a model's forward pass checked by row checksums
+/// (abft-gemm) under one threshold rule, the weight side prepared once per
+/// matrix.
 #[derive(Debug)]
 pub struct GemmChecks {
-    rule: abft_gemm::VAbft,
     flips: Option<GemmFlips>,
     correct: bool,
     corrected: std::sync::atomic::AtomicU64,
@@ -256,7 +256,7 @@ pub struct GemmCheckStats {
     pub products: u64,
     /// Rows (token × product) checked.
     pub rows: u64,
-    /// Rows whose checksum exceeded the V-ABFT bound.
+    /// Rows whose checksum exceeded the rule's bound.
     pub flagged: u64,
     /// Rows that fired before any flip was injected into their product
     /// (false alarms, or inputs corrupted by an earlier product's flip).
@@ -280,7 +280,6 @@ impl GemmChecks {
     pub fn new(config: GemmCheckConfig, weights: &[&Matrix]) -> Self {
         let rule = config.rule;
         Self {
-            rule,
             flips: config.flips,
             correct: config.correct,
             corrected: Default::default(),
@@ -290,7 +289,7 @@ impl GemmChecks {
                 .map(|w| {
                     (
                         w.data.as_ptr() as usize,
-                        abft_gemm::CheckedLinear::new(w, &rule),
+                        abft_gemm::CheckedLinear::new(w, rule),
                     )
                 })
                 .collect(),
@@ -318,14 +317,14 @@ impl GemmChecks {
         // The checks of the product as computed: a row that fires here has
         // no injected flip (a false alarm, or inputs already corrupted by
         // an earlier product's flip).
-        let before = prepared.flags(&self.rule, x, product)?;
+        let before = prepared.flags(x, product)?;
         let flags = match self.flips {
             Some(f) => {
                 let hits = flip_elements(product, f, index);
                 let after = if hits.is_empty() {
                     before.clone()
                 } else {
-                    prepared.flags(&self.rule, x, product)?
+                    prepared.flags(x, product)?
                 };
                 let outputs = w.rows.max(1);
                 let mut per_row = vec![0u32; before.len()];
@@ -351,7 +350,7 @@ impl GemmChecks {
         let count = |f: &[bool]| f.iter().filter(|&&f| f).count() as u64;
         if self.correct && flags.contains(&true) {
             let rows: Vec<usize> = (0..flags.len()).filter(|&r| flags[r]).collect();
-            let fixed = prepared.correct_rows(&self.rule, x, w, product, &rows)?;
+            let fixed = prepared.correct_rows(x, w, product, &rows)?;
             self.corrected.fetch_add(fixed as u64, Relaxed);
             self.uncorrected
                 .fetch_add((rows.len() - fixed) as u64, Relaxed);

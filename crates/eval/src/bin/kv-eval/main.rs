@@ -3,6 +3,7 @@
 //! codebooks of calibrated forms (`calibrate`), and the next-token top-k of
 //! a prompt (`top`).
 
+mod abft;
 mod accumulate;
 mod batch;
 mod calib;
@@ -10,6 +11,7 @@ mod generate;
 mod niah;
 mod source;
 
+use abft::{AbftRule, abft_rule};
 use calib::{Calib, calibration_for, calibration_rows, fit_calibration, needs_calibration};
 use source::{Prepared, Source, load_model, method, method_name, model_path, prepare};
 
@@ -163,13 +165,17 @@ enum Command {
         /// Fault seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Check every matrix product of the forward pass with V-ABFT row
-        /// checksums (abft-gemm) and report how many rows fired.
-        #[arg(long)]
-        abft: bool,
+        /// Check every matrix product of the forward pass with row checksums
+        /// (abft-gemm) under this rule [`--abft` alone: v-abft] and report
+        /// how many rows fired.
+        #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "v-abft")]
+        abft: Option<AbftRule>,
         /// V-ABFT's e_max [default: the design's FP32 value].
         #[arg(long)]
         abft_emax: Option<f64>,
+        /// The fixed rule's relative tolerance τ (bound τ·Σ|row|) [default: 1e-3].
+        #[arg(long)]
+        abft_tau: Option<f64>,
         /// With --abft: flip one random bit of each GEMM output element
         /// with this probability (seeded by --seed), and report the
         /// detection rate per bit position.
@@ -403,6 +409,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             seed,
             abft,
             abft_emax,
+            abft_tau,
             gemm_flips,
             abft_correct,
             json,
@@ -411,16 +418,13 @@ fn run(cli: Cli) -> Result<(), Error> {
             if !(0.0..=1.0).contains(&gemm_flips) {
                 return Err(format!("--gemm-flips {gemm_flips} is not in [0, 1]").into());
             }
-            if (gemm_flips > 0.0 || abft_correct) && !abft {
+            if (gemm_flips > 0.0 || abft_correct) && abft.is_none() {
                 return Err(
                     "--gemm-flips and --abft-correct need --abft (they act on checked products)"
                         .into(),
                 );
             }
-            let e_max = abft_emax.unwrap_or(abft_gemm::Precision::Fp32.e_max_ascend());
-            if !(e_max.is_finite() && e_max > 0.0) {
-                return Err(format!("--abft-emax {e_max} is not a positive number").into());
-            }
+            let rule = abft_rule(abft, abft_emax, abft_tau)?;
             let mode = mode_of(&forms)?;
             check_segments(&mode, source.ctx)?;
             let channel: ChannelKind = channel.parse()?;
@@ -459,13 +463,13 @@ fn run(cli: Cli) -> Result<(), Error> {
             if let Some(n) = numerics {
                 model.set_numerics(n.numerics());
             }
-            if abft {
+            if let Some(rule) = rule {
                 let flips = (gemm_flips > 0.0).then_some(kv_eval::models::GemmFlips {
                     rate: gemm_flips,
                     seed,
                 });
                 model.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-                    rule: abft_gemm::VAbft::design(e_max),
+                    rule,
                     flips,
                     correct: abft_correct,
                 }));
@@ -496,8 +500,12 @@ fn run(cli: Cli) -> Result<(), Error> {
             let checks = model.gemm_checks();
             if let Some(c) = checks {
                 println!(
-                    "  GEMM checks (V-ABFT, e_max {e_max:.3e}): {} products, {} rows, {} flagged ({} before any flip of their own)",
-                    c.products, c.rows, c.flagged, c.false_alarms
+                    "  GEMM checks ({}): {} products, {} rows, {} flagged ({} before any flip of their own)",
+                    rule.map(|r| r.name()).unwrap_or_default(),
+                    c.products,
+                    c.rows,
+                    c.flagged,
+                    c.false_alarms
                 );
                 if abft_correct {
                     println!(
@@ -534,7 +542,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     "key_bits_per_value": m.stats.key_bits_per_value,
                     "value_bits_per_value": m.stats.value_bits_per_value,
                     "tokens_per_second": m.tokens_per_second, "metrics": m,
-                    "gemm_checks": checks,
+                    "gemm_checks": checks, "abft_rule": rule.map(|r| r.name()),
                 });
                 std::fs::write(&path, serde_json::to_string_pretty(&value)?)
                     .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
