@@ -47,6 +47,21 @@ fn hostile_flags_are_refused_before_any_work() {
             "--abft-tau with --abft fixed",
         ),
         (&["ppl", "--abft", "z-abft"], "z-abft"),
+        (
+            &["ppl", "--abft", "--gemm-flip-site", "weight"],
+            "--gemm-flip-site goes with --gemm-flips",
+        ),
+        (
+            &[
+                "ppl",
+                "--abft",
+                "--gemm-flips",
+                "1e-6",
+                "--gemm-flip-site",
+                "bus",
+            ],
+            "bus",
+        ),
         (&["top", "-k", "0", "--prompt", "hi"], "-k 0"),
         (&["top", "--prompt", ""], "the prompt is empty"),
         (&["generate", "--prompt", ""], "the prompt is empty"),

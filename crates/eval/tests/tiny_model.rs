@@ -523,6 +523,7 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
     let flips = Some(kv_eval::models::GemmFlips {
         rate: 0.01,
         seed: 3,
+        site: kv_eval::models::FlipSite::Output,
     });
     faulty.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
         rule,
@@ -552,10 +553,46 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
         flips: Some(kv_eval::models::GemmFlips {
             rate: 0.0005,
             seed: 5,
+            site: kv_eval::models::FlipSite::Output,
         }),
         correct: true,
     }));
     let _ = run(&fixed);
     let f = fixed.gemm_checks().unwrap();
     assert!(f.corrected > 0, "{f:?}");
+
+    // Flips in running sums and in weights: every one counted, none of the
+    // clean rows fires, and flips of the top exponent bit are caught far
+    // more often than flips of the low mantissa bits.
+    for (site, rate) in [
+        (kv_eval::models::FlipSite::Accumulator, 0.01),
+        (kv_eval::models::FlipSite::Weight, 0.0005),
+    ] {
+        let mut faulty = model();
+        faulty.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+            rule,
+            flips: Some(kv_eval::models::GemmFlips {
+                rate,
+                seed: 11,
+                site,
+            }),
+            correct: false,
+        }));
+        let _ = run(&faulty);
+        let s = faulty.gemm_checks().unwrap();
+        let share = |bits: std::ops::Range<usize>| {
+            let (d, e) = bits.fold((0, 0), |(d, e), b| (d + s.detected[b], e + s.eligible[b]));
+            (d as f64 / e.max(1) as f64, e)
+        };
+        let (high, seen_high) = share(23..31);
+        let (low, seen_low) = share(0..12);
+        assert!(seen_high > 0 && seen_low > 0, "{} {s:?}", site.name());
+        assert!(
+            high > 0.5 && low < 0.2,
+            "{}: {high} {low} {s:?}",
+            site.name()
+        );
+        assert_eq!(s.false_alarms, 0, "{}", site.name());
+        assert!(s.detected.iter().zip(&s.eligible).all(|(d, e)| d <= e));
+    }
 }

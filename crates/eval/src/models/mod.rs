@@ -195,15 +195,46 @@ pub(crate) fn project(
     Ok(())
 }
 
-/// Faults injected into the checked products: each output element flips
-/// one uniformly chosen bit of its f32 with probability `rate` (after the
-/// GEMM, before the check, so the model computes on).
+/// Faults injected into the checked products: each element of the chosen
+/// site flips one uniformly chosen bit of its f32 with probability `rate`
+/// (before the check; the model computes on with the faulty product).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmFlips {
-    /// Probability that an output element is hit.
+    /// Probability that an element of the site is hit.
     pub rate: f64,
     /// Seed (product `i` draws from stream `i`).
     pub seed: u64,
+    /// Where the flips land.
+    pub site: FlipSite,
+}
+
+/// Where an injected GEMM flip lands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlipSite {
+    /// An element of the product, after the GEMM.
+    #[default]
+    Output,
+    /// An output element's running sum after a uniformly chosen number
+    /// `j ∈ 1..=K` of its terms: the partial sum `Σ_{k<j} x_k·w_k` is
+    /// recomputed in f32, flipped, and the product moves by the difference,
+    /// as if the remaining terms had been added to the flipped sum.
+    Accumulator,
+    /// A weight element (the f32 the GEMM reads) while this product is
+    /// computed: every row of its output column moves by `x_k·(w' − w)`.
+    /// The stored weights stay clean, so the next product reads them
+    /// correctly.
+    Weight,
+}
+
+impl FlipSite {
+    /// The site's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Output => "output",
+            Self::Accumulator => "accumulator",
+            Self::Weight => "weight",
+        }
+    }
 }
 
 /// How a model's projections are checked.
@@ -320,25 +351,32 @@ impl GemmChecks {
         let before = prepared.flags(x, product)?;
         let flags = match self.flips {
             Some(f) => {
-                let hits = flip_elements(product, f, index);
+                let hits = inject(product, x, w, f, index);
                 let after = if hits.is_empty() {
                     before.clone()
                 } else {
                     prepared.flags(x, product)?
                 };
                 let outputs = w.rows.max(1);
+                // The rows each flip moves: its own for output and
+                // accumulator flips, every row for a weight flip.
+                let rows_of = |at: usize| match f.site {
+                    FlipSite::Weight => 0..before.len(),
+                    _ => at / outputs..at / outputs + 1,
+                };
                 let mut per_row = vec![0u32; before.len()];
-                for &(i, _) in &hits {
-                    per_row[i / outputs] += 1;
+                for &(at, _) in &hits {
+                    for r in rows_of(at) {
+                        per_row[r] += 1;
+                    }
                 }
-                for &(i, bit) in &hits {
-                    let row = i / outputs;
+                for &(at, bit) in &hits {
                     self.injected[bit as usize].fetch_add(1, Relaxed);
-                    // Only a flip alone in a row that passed before it can
+                    // Only a flip alone in rows that passed before it can
                     // tell whether a flip of its bit is caught.
-                    if !before[row] && per_row[row] == 1 {
+                    if rows_of(at).all(|r| !before[r] && per_row[r] == 1) {
                         self.eligible[bit as usize].fetch_add(1, Relaxed);
-                        if after[row] {
+                        if rows_of(at).any(|r| after[r]) {
                             self.detected[bit as usize].fetch_add(1, Relaxed);
                         }
                     }
@@ -378,18 +416,63 @@ impl GemmChecks {
     }
 }
 
-/// Flips one uniformly chosen bit of each element of `product` hit with
-/// probability `flips.rate` (geometric gaps, stream `index` of the seed);
-/// returns `(element, bit)` of every flip.
-fn flip_elements(product: &mut [f32], flips: GemmFlips, index: u64) -> Vec<(usize, u32)> {
+/// Injects the flips of product `index` at `flips.site` into `product`
+/// (`x · wᵀ`, computed); returns `(element of the site, bit)` of each.
+fn inject(
+    product: &mut [f32],
+    x: &[f32],
+    w: &Matrix,
+    flips: GemmFlips,
+    index: u64,
+) -> Vec<(usize, u32)> {
+    let (outputs, terms) = (w.rows, w.cols);
     let mut rng = gf2_codes::channel::FaultRng::with_stream(flips.seed, index);
+    let flip = |v: f32, bit: u32| f32::from_bits(v.to_bits() ^ (1 << bit));
+    match flips.site {
+        FlipSite::Output => {
+            let hits = draw_hits(product.len(), flips.rate, &mut rng);
+            for &(i, bit) in &hits {
+                product[i] = flip(product[i], bit);
+            }
+            hits
+        }
+        FlipSite::Accumulator => {
+            let hits = draw_hits(product.len(), flips.rate, &mut rng);
+            for &(i, bit) in &hits {
+                let (row, col) = (i / outputs, i % outputs);
+                let done = 1 + rng.below(terms.max(1) as u64) as usize;
+                let partial = x[row * terms..][..done]
+                    .iter()
+                    .zip(&w.data[col * terms..][..done])
+                    .fold(0f32, |acc, (a, b)| acc + a * b);
+                product[i] += flip(partial, bit) - partial;
+            }
+            hits
+        }
+        FlipSite::Weight => {
+            let hits = draw_hits(w.data.len(), flips.rate, &mut rng);
+            for &(j, bit) in &hits {
+                let (col, k) = (j / terms, j % terms);
+                let delta = flip(w.data[j], bit) - w.data[j];
+                for (row, out) in product.chunks_exact_mut(outputs).enumerate() {
+                    out[col] += x[row * terms + k] * delta;
+                }
+            }
+            hits
+        }
+    }
+}
+
+/// The elements of a site of `len` hit with probability `rate` each
+/// (geometric gaps), each with a uniformly chosen bit.
+fn draw_hits(len: usize, rate: f64, rng: &mut gf2_codes::channel::FaultRng) -> Vec<(usize, u32)> {
     let mut hits = Vec::new();
-    if flips.rate <= 0.0 {
+    if rate <= 0.0 {
         return hits;
     }
-    let ln_q = (-flips.rate).ln_1p();
+    let ln_q = (-rate).ln_1p();
     let gap = |rng: &mut gf2_codes::channel::FaultRng| -> usize {
-        if flips.rate >= 1.0 {
+        if rate >= 1.0 {
             return 0;
         }
         let g = (1.0 - rng.next_f64()).ln() / ln_q;
@@ -399,12 +482,10 @@ fn flip_elements(product: &mut [f32], flips: GemmFlips, index: u64) -> Vec<(usiz
             usize::MAX
         }
     };
-    let mut i = gap(&mut rng);
-    while i < product.len() {
-        let bit = rng.below(32) as u32;
-        product[i] = f32::from_bits(product[i].to_bits() ^ (1 << bit));
-        hits.push((i, bit));
-        i = i.saturating_add(1).saturating_add(gap(&mut rng));
+    let mut i = gap(rng);
+    while i < len {
+        hits.push((i, rng.below(32) as u32));
+        i = i.saturating_add(1).saturating_add(gap(rng));
     }
     hits
 }
@@ -418,5 +499,110 @@ pub(crate) fn check_norm_eps(eps: f32) -> Result<()> {
         Err(crate::error::EvalError::Model(format!(
             "normalisation epsilon {eps} is not a positive finite number"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `x · wᵀ` for a seeded `t × k` input and `n × k` weights.
+    fn product(t: usize, k: usize, n: usize) -> (Vec<f32>, Matrix, Vec<f32>) {
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let w = Matrix::new(
+            n,
+            k,
+            (0..n * k)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 60.0)
+                .collect(),
+        )
+        .unwrap();
+        let mut out = vec![0.0; t * n];
+        abft_gemm::linear_into(&mut out, &x, &w, false).unwrap();
+        (x, w, out)
+    }
+
+    fn flips(site: FlipSite) -> GemmFlips {
+        GemmFlips {
+            rate: 0.02,
+            seed: 9,
+            site,
+        }
+    }
+
+    fn flip(v: f32, bit: u32) -> f32 {
+        f32::from_bits(v.to_bits() ^ (1 << bit))
+    }
+
+    #[test]
+    fn output_flips_change_exactly_their_elements() {
+        let (x, w, clean) = product(6, 40, 30);
+        let mut faulty = clean.clone();
+        let hits = inject(&mut faulty, &x, &w, flips(FlipSite::Output), 4);
+        assert!(hits.len() > 1);
+        let mut expected = clean.clone();
+        for &(i, bit) in &hits {
+            expected[i] = flip(expected[i], bit);
+        }
+        assert_eq!(
+            faulty.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        // The same seed and product index give the same flips.
+        let mut again = clean.clone();
+        assert_eq!(inject(&mut again, &x, &w, flips(FlipSite::Output), 4), hits);
+    }
+
+    #[test]
+    fn accumulator_flips_move_an_element_by_a_flipped_partial_sum() {
+        let (x, w, clean) = product(6, 40, 30);
+        let mut faulty = clean.clone();
+        let hits = inject(&mut faulty, &x, &w, flips(FlipSite::Accumulator), 2);
+        assert!(hits.len() > 1);
+        let (n, k) = (w.rows, w.cols);
+        for (i, (&f, &c)) in faulty.iter().zip(&clean).enumerate() {
+            let Some(&(_, bit)) = hits.iter().find(|h| h.0 == i) else {
+                assert_eq!(f.to_bits(), c.to_bits(), "element {i} has no flip");
+                continue;
+            };
+            let (row, col) = (i / n, i % n);
+            // Some count of accumulated terms explains the value exactly.
+            let explained = (1..=k).any(|j| {
+                let p = (0..j).fold(0f32, |a, m| a + x[row * k + m] * w.data[col * k + m]);
+                let moved = c + (flip(p, bit) - p);
+                moved.to_bits() == f.to_bits() || moved.is_nan() && f.is_nan()
+            });
+            assert!(explained, "element {i} bit {bit}: {c} -> {f}");
+        }
+    }
+
+    #[test]
+    fn weight_flips_equal_the_product_with_the_flipped_weights() {
+        let (x, w, clean) = product(5, 24, 20);
+        let mut faulty = clean.clone();
+        let hits = inject(&mut faulty, &x, &w, flips(FlipSite::Weight), 7);
+        assert!(hits.len() > 1);
+        let mut bad = w.data.clone();
+        for &(j, bit) in &hits {
+            bad[j] = flip(bad[j], bit);
+        }
+        let (n, k) = (w.rows, w.cols);
+        for (i, &f) in faulty.iter().enumerate() {
+            let (row, col) = (i / n, i % n);
+            let terms = (0..k).map(|m| x[row * k + m] as f64 * bad[col * k + m] as f64);
+            let (exact, scale) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
+            if !scale.is_finite() || scale > 1e30 {
+                // An exponent flip made a weight huge: the row is huge too.
+                assert!(f.abs() > 1e20 || !f.is_finite(), "element {i}: {f}");
+                continue;
+            }
+            let tol = 1e-5 * scale + 1e-6;
+            assert!(
+                (f as f64 - exact).abs() <= tol,
+                "element {i}: {f} against {exact}"
+            );
+        }
     }
 }

@@ -11,6 +11,30 @@ pub(crate) enum AbftRule {
     Fixed,
 }
 
+/// `kv-eval ppl --gemm-flip-site`: where injected GEMM flips land.
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+pub(crate) enum FlipSite {
+    Output,
+    Accumulator,
+    Weight,
+}
+
+impl From<FlipSite> for kv_eval::models::FlipSite {
+    fn from(site: FlipSite) -> Self {
+        match site {
+            FlipSite::Output => Self::Output,
+            FlipSite::Accumulator => Self::Accumulator,
+            FlipSite::Weight => Self::Weight,
+        }
+    }
+}
+
+impl FlipSite {
+    pub(crate) fn name(self) -> &'static str {
+        kv_eval::models::FlipSite::from(self).name()
+    }
+}
+
 /// The checks' rule from `--abft`, `--abft-emax` and `--abft-tau`, each
 /// parameter refused where its rule is not the one chosen.
 pub(crate) fn abft_rule(
@@ -46,4 +70,40 @@ pub(crate) fn abft_rule(
             .into(),
         ),
     })
+}
+
+/// Prints what the GEMM checks of a run found: the counts, the corrections,
+/// and the per-bit detection table when flips were injected.
+pub(crate) fn print_checks(
+    rule: Option<abft_gemm::LinearRule>,
+    c: &kv_eval::models::GemmCheckStats,
+    corrected: bool,
+    flipped: bool,
+) {
+    println!(
+        "  GEMM checks ({}): {} products, {} rows, {} flagged ({} before any flip of their own)",
+        rule.map(|r| r.name()).unwrap_or_default(),
+        c.products,
+        c.rows,
+        c.flagged,
+        c.false_alarms
+    );
+    if corrected {
+        println!(
+            "  corrected {} flagged rows, left {} as they were",
+            c.corrected, c.uncorrected
+        );
+    }
+    if flipped {
+        println!("  | bit | flips | alone in passing rows | detected of those |");
+        println!("  |---|---|---|---|");
+        for b in (0..32).rev().filter(|&b| c.injected[b] > 0) {
+            println!(
+                "  | {b} | {} | {} | {:.1}% |",
+                c.injected[b],
+                c.eligible[b],
+                100.0 * c.detected[b] as f64 / c.eligible[b].max(1) as f64
+            );
+        }
+    }
 }

@@ -11,7 +11,7 @@ mod generate;
 mod niah;
 mod source;
 
-use abft::{AbftRule, abft_rule};
+use abft::{AbftRule, FlipSite, abft_rule};
 use calib::{Calib, calibration_for, calibration_rows, fit_calibration, needs_calibration};
 use source::{Prepared, Source, load_model, method, method_name, model_path, prepare};
 
@@ -181,6 +181,10 @@ enum Command {
         /// detection rate per bit position.
         #[arg(long, default_value_t = 0.0)]
         gemm_flips: f64,
+        /// Where --gemm-flips land: product elements, running sums, or
+        /// weights [default: output].
+        #[arg(long, value_enum)]
+        gemm_flip_site: Option<FlipSite>,
         /// With --abft: correct flagged rows (one corrupted element each,
         /// located by column checksums and rewritten).
         #[arg(long)]
@@ -411,6 +415,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             abft_emax,
             abft_tau,
             gemm_flips,
+            gemm_flip_site,
             abft_correct,
             json,
         } => {
@@ -424,6 +429,10 @@ fn run(cli: Cli) -> Result<(), Error> {
                         .into(),
                 );
             }
+            if gemm_flip_site.is_some() && gemm_flips == 0.0 {
+                return Err("--gemm-flip-site goes with --gemm-flips".into());
+            }
+            let gemm_flip_site = gemm_flip_site.unwrap_or(FlipSite::Output);
             let rule = abft_rule(abft, abft_emax, abft_tau)?;
             let mode = mode_of(&forms)?;
             check_segments(&mode, source.ctx)?;
@@ -467,6 +476,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 let flips = (gemm_flips > 0.0).then_some(kv_eval::models::GemmFlips {
                     rate: gemm_flips,
                     seed,
+                    site: gemm_flip_site.into(),
                 });
                 model.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
                     rule,
@@ -499,34 +509,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             print_metrics(&label, ber, &m);
             let checks = model.gemm_checks();
             if let Some(c) = checks {
-                println!(
-                    "  GEMM checks ({}): {} products, {} rows, {} flagged ({} before any flip of their own)",
-                    rule.map(|r| r.name()).unwrap_or_default(),
-                    c.products,
-                    c.rows,
-                    c.flagged,
-                    c.false_alarms
-                );
-                if abft_correct {
-                    println!(
-                        "  corrected {} flagged rows, left {} as they were",
-                        c.corrected, c.uncorrected
-                    );
-                }
-                if gemm_flips > 0.0 {
-                    println!("  | bit | flips | alone in a passing row | detected of those |");
-                    println!("  |---|---|---|---|");
-                    for b in (0..32).rev() {
-                        if c.injected[b] > 0 {
-                            println!(
-                                "  | {b} | {} | {} | {:.1}% |",
-                                c.injected[b],
-                                c.eligible[b],
-                                100.0 * c.detected[b] as f64 / c.eligible[b].max(1) as f64
-                            );
-                        }
-                    }
-                }
+                abft::print_checks(rule, &c, abft_correct, gemm_flips > 0.0);
             }
             if let Some(path) = json {
                 let value = serde_json::json!({
@@ -543,6 +526,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     "value_bits_per_value": m.stats.value_bits_per_value,
                     "tokens_per_second": m.tokens_per_second, "metrics": m,
                     "gemm_checks": checks, "abft_rule": rule.map(|r| r.name()),
+                    "gemm_flip_site": (gemm_flips > 0.0).then_some(gemm_flip_site.name()),
                 });
                 std::fs::write(&path, serde_json::to_string_pretty(&value)?)
                     .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
