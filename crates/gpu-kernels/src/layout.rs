@@ -146,6 +146,9 @@ impl KernelForm {
             }
         };
         let (meta_checks, policy) = match form.protection() {
+            Some(p) if p.metadata == MetaProtection::ReedMuller => {
+                return Err(unsupported("RM(2,5) metadata (+meta-rm)".into()));
+            }
             Some(p) => (p.metadata == MetaProtection::Secded, p.policy),
             None => (false, ErasurePolicy::Keep),
         };
@@ -308,6 +311,7 @@ mod tests {
             (f("int4-ch"), 256, 128),
             (f("int4-g8"), 256, 128),
             (f("int4+golay24"), 256, 128),
+            (f("int4+secded84+meta-rm"), 256, 128),
             (f("int8"), 256, 128),
             (f("fp8-e4m3"), 256, 128),
         ] {

@@ -95,7 +95,8 @@ impl MetaColumns {
             .enumerate()
             .take(code.data_bits() as usize)
         {
-            *c = code.check(1 << i);
+            // SECDED check words fit a byte (the device decodes no other code).
+            *c = code.check(1 << i) as u8;
         }
         Self {
             width: code.data_bits(),
@@ -215,7 +216,11 @@ mod tests {
                             for e in [0, 1u64 << a, 1u64 << a ^ 1u64 << b, e] {
                                 let rx = cw ^ e;
                                 let (d, chk) = (rx as u32 & mask, (rx >> w) as u8);
-                                assert_eq!(cols.decode(d, chk), code.decode(d, chk), "{e:#x}");
+                                assert_eq!(
+                                    cols.decode(d, chk),
+                                    code.decode(d, u32::from(chk)),
+                                    "{e:#x}"
+                                );
                             }
                         }
                     }

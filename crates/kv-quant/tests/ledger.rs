@@ -11,7 +11,7 @@ use proptest::prelude::*;
 const TOKENS: usize = 24;
 
 /// Row-local forms (every operation applies) and two that are not.
-const FORMS: [(&str, usize); 8] = [
+const FORMS: [(&str, usize); 10] = [
     ("int4+secded84", 64),
     ("int4+hamming74+interp", 40),
     ("int4+golay24", 33),
@@ -20,6 +20,8 @@ const FORMS: [(&str, usize); 8] = [
     ("int4", 48),
     ("int4-ch+secded84", 32),
     ("int4+secded84+sink2+win4", 32),
+    ("int4+golay24+meta-rm", 33),
+    ("nf4-sf32+secded84+meta-rm", 64),
 ];
 
 #[derive(Clone, Debug)]

@@ -337,6 +337,49 @@ fn metadata_faults_are_corrected_detected_or_counted() {
     assert_ne!(d.values, reference.values);
 }
 
+/// Under RM(2,5) metadata a scale survives three flips and a fourth is
+/// detected: the group is erased and interpolated instead of changed.
+#[test]
+fn rm_metadata_corrects_three_flips_and_detects_four() {
+    let (tokens, channels) = (6, 16);
+    let clean = store("int4-g8+secded84+interp+meta-rm", tokens, channels);
+    let reference = clean.decode().unwrap();
+    // Scale 4 (token 2, channels 0..8): its bits start at 16·4, its check
+    // word's at 16·4 in the check buffer (two bytes per word).
+    let base = 16 * 4;
+    let mut three = clean.clone();
+    let flips = FlipsPerCall {
+        positions: vec![vec![base + 3, base + 10, base + 14], Vec::new(), Vec::new()],
+        calls: Default::default(),
+    };
+    three.inject(&flips, 0, FaultTarget::Metadata);
+    let d = three.decode().unwrap();
+    assert_eq!(d.values, reference.values);
+    assert_eq!(
+        (d.stats.metadata.corrected, d.stats.metadata.detected),
+        (1, 0)
+    );
+    let mut four = clean.clone();
+    let flips = FlipsPerCall {
+        positions: vec![
+            vec![base + 3, base + 10, base + 14],
+            Vec::new(),
+            vec![base + 5],
+        ],
+        calls: Default::default(),
+    };
+    four.inject(&flips, 0, FaultTarget::Metadata);
+    let d = four.decode().unwrap();
+    assert_eq!(d.stats.metadata.detected, 1);
+    assert_eq!(d.stats.erased_values, 8);
+    for c in 0..8 {
+        let expect = 0.5 * (reference.values[channels + c] + reference.values[3 * channels + c]);
+        assert_eq!(d.values[2 * channels + c], expect);
+    }
+    // The bytes: two check bytes per scale and per offset.
+    assert_eq!(clean.meta_checks().len(), 2 * 2 * tokens * channels / 8);
+}
+
 /// Flips the given positions in the buffer of each call (scales, offsets,
 /// checks for a metadata injection).
 #[derive(Debug)]
@@ -380,10 +423,7 @@ fn implausible_protected_scales_are_erased() {
             positions: vec![
                 bits(orig ^ target, 16 * g as u64),
                 Vec::new(),
-                bits(
-                    u32::from(code.check(orig) ^ code.check(target)),
-                    8 * g as u64,
-                ),
+                bits(code.check(orig) ^ code.check(target), 8 * g as u64),
             ],
             calls: Default::default(),
         };

@@ -21,7 +21,7 @@ fn data(tokens: usize, channels: usize) -> Vec<f32> {
         .collect()
 }
 
-const FORMS: [&str; 16] = [
+const FORMS: [&str; 18] = [
     "int4",
     "int4+secded84",
     "int4-g32+golay24+interp",
@@ -38,6 +38,8 @@ const FORMS: [&str; 16] = [
     "lm3+qjl+secded84",
     "int4-ch1",
     "vq-k16",
+    "int4-g32+golay24+interp+meta-rm",
+    "nf4-sf32+secded84+meta-rm",
 ];
 
 fn codebook(form: &CacheForm, channels: usize) -> Option<Arc<VqCodebook>> {

@@ -385,6 +385,10 @@ pub enum MetaProtection {
     /// double flips detected, and a detected word erases its whole group.
     /// The default of every ECC-protected form.
     Secded,
+    /// Each 16 bits of a metadata word carry two check bytes of the
+    /// Reed-Muller RM(2,5) [32,16,8] code (`+meta-rm`): up to three flips per
+    /// codeword corrected, four detected, a detected word erases its group.
+    ReedMuller,
 }
 
 /// The error-correcting code of a protected form and its recovery. The code

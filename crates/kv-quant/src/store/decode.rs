@@ -197,7 +197,7 @@ impl Section {
     }
 
     /// Metadata word `g` of `buffer` (the scales or the offsets) after SECDED
-    /// decoding with check byte `check_index`, if the form has one.
+    /// decoding with check word `check_index`, if the form has one.
     #[inline]
     pub(crate) fn meta_word(
         &self,
@@ -208,7 +208,10 @@ impl Section {
         let width = self.coding.scale_type().bytes();
         let raw = read_word(&buffer[g * width..][..width]);
         match self.coding.meta_code() {
-            Some(code) => code.decode(raw, self.checks[check_index]),
+            Some(code) => {
+                let cb = code.check_bytes();
+                code.decode(raw, read_word(&self.checks[check_index * cb..][..cb]))
+            }
             None => (raw, DecodeOutcome::Clean),
         }
     }

@@ -41,9 +41,9 @@ pub struct RowBuffersMut<'a> {
     pub scales: &'a mut [u8],
     /// Offsets (QJL residual norms) for forms that have them, else empty.
     pub offsets: &'a mut [u8],
-    /// SECDED check bytes of the scales (forms with protected metadata).
+    /// Check words of the scales (forms with protected metadata).
     pub scale_checks: &'a mut [u8],
-    /// SECDED check bytes of the offsets.
+    /// Check words of the offsets.
     pub offset_checks: &'a mut [u8],
 }
 
@@ -240,13 +240,13 @@ impl RowEncoder {
         let words = rows * self.groups;
         let width = self.coding.scale_type().bytes();
         let offsets = if self.coding.has_offsets() { words } else { 0 };
-        let checked = self.meta.is_some();
+        let cb = self.meta.map_or(0, MetaCode::check_bytes);
         RowBufferSizes {
             data: rows * self.row_bytes(),
             scales: words * width,
             offsets: offsets * width,
-            scale_checks: if checked { words } else { 0 },
-            offset_checks: if checked { offsets } else { 0 },
+            scale_checks: words * cb,
+            offset_checks: offsets * cb,
         }
     }
 
@@ -312,14 +312,17 @@ impl RowEncoder {
                 },
             )?;
             if let Some(code) = self.meta {
+                let cb = code.check_bytes();
                 let words = out.scales[r * g * width..][..g * width].chunks_exact(width);
-                for (c, w) in out.scale_checks[r * g..][..g].iter_mut().zip(words) {
-                    *c = code.check(read_word(w));
+                let checks = out.scale_checks[r * g * cb..][..g * cb].chunks_exact_mut(cb);
+                for (c, w) in checks.zip(words) {
+                    c.copy_from_slice(&code.check(read_word(w)).to_le_bytes()[..cb]);
                 }
                 if !out.offsets.is_empty() {
                     let words = out.offsets[r * g * width..][..g * width].chunks_exact(width);
-                    for (c, w) in out.offset_checks[r * g..][..g].iter_mut().zip(words) {
-                        *c = code.check(read_word(w));
+                    let checks = out.offset_checks[r * g * cb..][..g * cb].chunks_exact_mut(cb);
+                    for (c, w) in checks.zip(words) {
+                        c.copy_from_slice(&code.check(read_word(w)).to_le_bytes()[..cb]);
                     }
                 }
             }
@@ -750,11 +753,12 @@ pub(crate) fn quantize_section(
         }
     }
     if let Some(code) = coding.meta_code() {
+        let cb = code.check_bytes();
         let checks: Vec<u8> = section
             .scales
             .chunks_exact(width)
             .chain(section.offsets.chunks_exact(width))
-            .map(|w| code.check(read_word(w)))
+            .flat_map(|w| code.check(read_word(w)).to_le_bytes().into_iter().take(cb))
             .collect();
         section.checks = checks;
     }

@@ -229,7 +229,8 @@ impl Section {
             return;
         }
         let (data, meta, groups, total) = row_span(self, &rows);
-        let g = groups.len() as u64;
+        let cb = self.coding.check_bytes() as u64;
+        let g = groups.len() as u64 * cb;
         let ledger = self.ledger_mut();
         ledger.toggle(
             Buffer::Values,
@@ -248,11 +249,15 @@ impl Section {
         );
         let checks = injection.checks.positions();
         let split = checks.partition_point(|&b| b < 8 * g);
-        ledger.toggle(Buffer::Checks, 8 * groups.start as u64, &checks[..split]);
+        ledger.toggle(
+            Buffer::Checks,
+            8 * groups.start as u64 * cb,
+            &checks[..split],
+        );
         let offset_checks: Vec<u64> = checks[split..].iter().map(|b| b - 8 * g).collect();
         ledger.toggle(
             Buffer::Checks,
-            8 * (total + groups.start) as u64,
+            8 * (total + groups.start) as u64 * cb,
             &offset_checks,
         );
     }
@@ -263,13 +268,14 @@ impl Section {
             return Injection::default();
         };
         let (data, meta, groups, total) = row_span(self, &rows);
-        let g = groups.len() as u64;
-        let mut checks = ledger.of_bytes(Buffer::Checks, groups.clone());
+        let [scale_checks, offset_checks] = self.check_spans(&groups, total);
+        let g = 8 * scale_checks.len() as u64;
+        let mut checks = ledger.of_bytes(Buffer::Checks, scale_checks);
         checks.extend(
             ledger
-                .of_bytes(Buffer::Checks, total + groups.start..total + groups.end)
+                .of_bytes(Buffer::Checks, offset_checks)
                 .into_iter()
-                .map(|b| b + 8 * g),
+                .map(|b| b + g),
         );
         Injection {
             values: Flips::from_events(ledger.of_bytes(Buffer::Values, data)),
@@ -286,12 +292,13 @@ impl Section {
             return;
         }
         let (data, meta, groups, total) = row_span(self, &rows);
+        let [scale_checks, offset_checks] = self.check_spans(&groups, total);
         let ledger = self.ledger_mut();
         ledger.clear(Buffer::Values, data);
         ledger.clear(Buffer::Scales, meta.clone());
         ledger.clear(Buffer::Offsets, meta);
-        ledger.clear(Buffer::Checks, groups.clone());
-        ledger.clear(Buffer::Checks, total + groups.start..total + groups.end);
+        ledger.clear(Buffer::Checks, scale_checks);
+        ledger.clear(Buffer::Checks, offset_checks);
     }
 
     /// Whether any fault of rows `rows` is recorded.
@@ -300,11 +307,22 @@ impl Section {
             return false;
         };
         let (data, meta, groups, total) = row_span(self, &rows);
+        let [scale_checks, offset_checks] = self.check_spans(&groups, total);
         ledger.touches(Buffer::Values, data)
             || ledger.touches(Buffer::Scales, meta.clone())
             || ledger.touches(Buffer::Offsets, meta)
-            || ledger.touches(Buffer::Checks, groups.clone())
-            || ledger.touches(Buffer::Checks, total + groups.start..total + groups.end)
+            || ledger.touches(Buffer::Checks, scale_checks)
+            || ledger.touches(Buffer::Checks, offset_checks)
+    }
+
+    /// The check bytes of the scales and of the offsets of `groups` (of
+    /// `total` groups in all).
+    fn check_spans(&self, groups: &Range<usize>, total: usize) -> [Range<usize>; 2] {
+        let cb = self.coding.check_bytes();
+        [
+            groups.start * cb..groups.end * cb,
+            (total + groups.start) * cb..(total + groups.end) * cb,
+        ]
     }
 
     /// Corrects the statistics of a decode of rows `start..end` with the
@@ -408,8 +426,9 @@ impl Section {
             );
             for (buffer, bytes, check) in words {
                 let at = g * width..(g + 1) * width;
-                let check_hit =
-                    !self.checks.is_empty() && ledger.touches(Buffer::Checks, check..check + 1);
+                let cb = self.coding.check_bytes();
+                let check_hit = !self.checks.is_empty()
+                    && ledger.touches(Buffer::Checks, check * cb..(check + 1) * cb);
                 if !ledger.touches(buffer, at.clone()) && !check_hit {
                     continue;
                 }

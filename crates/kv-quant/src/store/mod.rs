@@ -27,8 +27,9 @@
 //!   gain of a Lloyd-Max or VQ rotation block.
 //! - **offsets**: asymmetric integer forms (the offset) and QJL forms (the
 //!   residual norm) only, one per group, same type.
-//! - **checks**: forms with [`MetaProtection::Secded`](crate::MetaProtection)
-//!   only: one check byte ([`MetaCode`](crate::MetaCode)) per scale, then one per offset.
+//! - **checks**: forms with protected metadata ([`MetaProtection`](crate::MetaProtection))
+//!   only: one check word ([`MetaCode`](crate::MetaCode); one byte under
+//!   SECDED, two per 16 bits under RM(2,5)) per scale, then one per offset.
 //!
 //! Rotated forms store every row (exact ones too) in rotated coordinates;
 //! [`KvStore::decode_rows_into`] rotates back, and

@@ -76,11 +76,13 @@ impl KvStore {
             m.offsets.copy_from_slice(&s.offsets[src.meta]);
         }
         if !m.checks.is_empty() {
-            let g = src.groups.len();
-            m.checks[..g].copy_from_slice(&s.checks[src.groups.clone()]);
+            let (g, cb) = (src.groups.len(), s.coding.check_bytes());
+            let at = |w: Range<usize>| w.start * cb..w.end * cb;
+            m.checks[..g * cb].copy_from_slice(&s.checks[at(src.groups.clone())]);
             if !m.offsets.is_empty() {
                 let t = src.total_groups;
-                m.checks[g..].copy_from_slice(&s.checks[t + src.groups.start..t + src.groups.end]);
+                m.checks[g * cb..]
+                    .copy_from_slice(&s.checks[at(t + src.groups.start..t + src.groups.end)]);
             }
         }
         out.middle.record(&self.middle.ledger_rows(rows), 0..count);
@@ -137,16 +139,18 @@ impl KvStore {
 /// checks, then its offset checks: the coordinates of
 /// [`Injection::checks`] for a row range) and writes them back.
 fn with_range_checks<T>(m: &mut Section, r: &RowBytes, f: impl FnOnce(&mut [u8]) -> T) -> T {
-    let (g, t) = (r.groups.len(), r.total_groups);
-    let offsets = !m.offsets.is_empty();
-    let mut checks = m.checks[r.groups.clone()].to_vec();
-    if offsets {
-        checks.extend_from_slice(&m.checks[t + r.groups.start..t + r.groups.end]);
+    let (g, t, cb) = (r.groups.len(), r.total_groups, m.coding.check_bytes());
+    let scales = r.groups.start * cb..r.groups.end * cb;
+    let offsets = (t + r.groups.start) * cb..(t + r.groups.end) * cb;
+    let has_offsets = !m.offsets.is_empty();
+    let mut checks = m.checks[scales.clone()].to_vec();
+    if has_offsets {
+        checks.extend_from_slice(&m.checks[offsets.clone()]);
     }
     let out = f(&mut checks);
-    m.checks[r.groups.clone()].copy_from_slice(&checks[..g]);
-    if offsets {
-        m.checks[t + r.groups.start..t + r.groups.end].copy_from_slice(&checks[g..]);
+    m.checks[scales].copy_from_slice(&checks[..g * cb]);
+    if has_offsets {
+        m.checks[offsets].copy_from_slice(&checks[g * cb..]);
     }
     out
 }

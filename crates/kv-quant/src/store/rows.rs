@@ -218,10 +218,11 @@ impl KvStore {
             }
             if !m.checks.is_empty() {
                 let (total, g) = (layout.groups(), groups.len());
-                m.checks[groups.clone()].copy_from_slice(&s.checks[..g]);
+                let cb = m.coding.check_bytes();
+                m.checks[groups.start * cb..groups.end * cb].copy_from_slice(&s.checks[..g * cb]);
                 if !m.offsets.is_empty() {
-                    m.checks[total + groups.start..total + groups.end]
-                        .copy_from_slice(&s.checks[g..]);
+                    m.checks[(total + groups.start) * cb..(total + groups.end) * cb]
+                        .copy_from_slice(&s.checks[g * cb..]);
                 }
             }
         }
@@ -263,13 +264,15 @@ fn row_buffers(m: &mut Section, start: usize, end: usize) -> RowBuffersMut<'_> {
     let (scale_checks, offset_checks): (&mut [u8], &mut [u8]) = if m.checks.is_empty() {
         (&mut [], &mut [])
     } else {
-        let (s, o) = m.checks.split_at_mut(total);
+        let cb = m.coding.check_bytes();
+        let at = groups.start * cb..groups.end * cb;
+        let (s, o) = m.checks.split_at_mut(total * cb);
         let o: &mut [u8] = if o.is_empty() {
             &mut []
         } else {
-            &mut o[groups.clone()]
+            &mut o[at.clone()]
         };
-        (&mut s[groups.clone()], o)
+        (&mut s[at], o)
     };
     RowBuffersMut {
         data: &mut m.data[start * rb..end * rb],
@@ -329,18 +332,20 @@ pub(super) fn scrub_section(
         for (i, (total, buffer)) in buffers.into_iter().enumerate() {
             let base = i * total + groups.start;
             let kind = [Buffer::Scales, Buffer::Offsets][i];
+            let cb = code.check_bytes();
             for (g, word) in buffer.chunks_exact_mut(width).enumerate() {
-                let check = &mut m.checks[base + g];
-                let (fixed, outcome) = code.decode(read_word(word), *check);
+                let check = &mut m.checks[(base + g) * cb..][..cb];
+                let (fixed, outcome) = code.decode(read_word(word), read_word(check));
                 stats.metadata.record(outcome);
                 if outcome == DecodeOutcome::Corrected {
-                    let (old_word, old_check) = (read_word(word), *check);
+                    let (old_word, old_check) = (read_word(word), read_word(check));
                     word.copy_from_slice(&fixed.to_le_bytes()[..width]);
-                    *check = code.check(fixed);
+                    check.copy_from_slice(&code.check(fixed).to_le_bytes()[..cb]);
                     if let Some(l) = m.ledger.as_deref_mut() {
                         let at = (groups.start + g) * width;
                         l.toggle_changes(kind, at, &old_word.to_le_bytes()[..width], word);
-                        l.toggle_changes(Buffer::Checks, base + g, &[old_check], &[*check]);
+                        let old_check = &old_check.to_le_bytes()[..cb];
+                        l.toggle_changes(Buffer::Checks, (base + g) * cb, old_check, check);
                     }
                 }
             }

@@ -22,7 +22,7 @@ use crate::fp8::Fp8Format;
 use crate::layout::GroupLayout;
 use crate::meta::MetaCode;
 use crate::rotation::Hadamard;
-use crate::spec::{CacheForm, Granularity, MetaProtection, Protection, Quantizer, ScaleType};
+use crate::spec::{CacheForm, Granularity, Protection, Quantizer, ScaleType};
 use crate::vq::VqCodebook;
 
 use super::ledger::FaultLedger;
@@ -184,13 +184,13 @@ impl Coding {
     }
 
     pub(crate) fn meta_code(&self) -> Option<&'static MetaCode> {
-        match self.form.protection() {
-            Some(Protection {
-                metadata: MetaProtection::Secded,
-                ..
-            }) => Some(MetaCode::for_width(8 * self.scale_type().bytes())),
-            _ => None,
-        }
+        let p = self.form.protection()?;
+        MetaCode::for_protection(p.metadata, 8 * self.scale_type().bytes())
+    }
+
+    /// Bytes of one metadata word's check word (0 when unprotected).
+    pub(crate) fn check_bytes(&self) -> usize {
+        self.meta_code().map_or(0, MetaCode::check_bytes)
     }
 
     pub(crate) fn hadamard(&self) -> Result<Option<&'static Hadamard>> {
@@ -333,7 +333,7 @@ impl Section {
                 Vec::new()
             },
             checks: if coding.meta_code().is_some() {
-                vec![0; words]
+                vec![0; words * coding.check_bytes()]
             } else {
                 Vec::new()
             },
