@@ -13,7 +13,7 @@ use paged_cache::{
 };
 use proptest::prelude::*;
 
-const FORMS: [&str; 7] = [
+const FORMS: [&str; 8] = [
     "fp32",
     "fp16",
     "int8",
@@ -21,6 +21,7 @@ const FORMS: [&str; 7] = [
     "int4-g32",
     "int4+secded84+interp",
     "int4-g16+golay24",
+    "int4+secded84+interp+meta-rm",
 ];
 
 fn rows(tokens: usize, channels: usize, seed: u64) -> Vec<f32> {

@@ -170,7 +170,9 @@ impl Section {
         // offset that decodes to NaN or ±∞, or a negative scale (every
         // form's scale, absmax or gain is ≥ 0), is an undetected error the
         // code let through, and erasing its group lets the erasure policy
-        // rebuild the values instead of spreading a non-finite row.
+        // rebuild the values instead of spreading a non-finite row. The
+        // word itself reads as 0, so even `keep` (which leaves erased values
+        // as decoded) gets finite values from it.
         let checked = self.coding.meta_code().is_some();
         for (i, g) in groups.enumerate() {
             let counted = (start..end).contains(&layout.first_token(g));
@@ -181,6 +183,7 @@ impl Section {
                 }
                 let v = int::from_bits(ty, word);
                 let implausible = checked && (!v.is_finite() || (is_scale && v < 0.0));
+                let v = if implausible { 0.0 } else { v };
                 (v, outcome == DecodeOutcome::Detected || implausible)
             };
             let (s, s_bad) = read(&self.scales, g, true);
