@@ -7,8 +7,21 @@ use gf2_codes::channel::{BinarySymmetric, FaultChannel, FaultRng};
 use gf2_codes::{DecodeOutcome, DecodeStats, Gf2Error, Golay24, Hamming74, Int4Code, Secded84};
 use proptest::prelude::*;
 
-/// Reads codeword `i` of a buffer in the code's layout.
+/// Reads codeword `i` of a buffer in the code's layout. Interleaved
+/// layouts, from their definition: in a whole block of eight codewords,
+/// bit `b` of codeword `k` is bit `k` of the block's byte `b`.
 fn codeword(code: Int4Code, enc: &[u8], i: usize) -> u64 {
+    if code.is_interleaved() {
+        let bits = code.linear_code().n();
+        let block_bytes = bits; // eight codewords of `bits` bits
+        let (block, k) = (i / 8, i % 8);
+        if (block + 1) * block_bytes > enc.len() {
+            return codeword(code.base(), enc, i);
+        }
+        return (0..bits).fold(0, |w, b| {
+            w | u64::from(enc[block * block_bytes + b] >> k & 1) << b
+        });
+    }
     match code {
         Int4Code::Secded84 => u64::from(enc[i]),
         Int4Code::Golay24 => enc[3 * i..3 * i + 3]
@@ -26,6 +39,7 @@ fn codeword(code: Int4Code, enc: &[u8], i: usize) -> u64 {
             }
             w
         }
+        _ => unreachable!("interleaved layouts are read above"),
     }
 }
 
@@ -117,7 +131,7 @@ fn every_received_word_matches_the_generic_decoder() {
 #[test]
 fn one_flip_anywhere_in_a_clean_buffer_matches_the_reference() {
     let mut rng = FaultRng::new(11);
-    for code in Int4Code::ALL {
+    for code in Int4Code::ALL.into_iter().chain(Int4Code::INTERLEAVED) {
         let n = 3 * 64 + 17;
         let truth: Vec<u8> = (0..n).map(|_| (rng.next_u64() & 0xF) as u8).collect();
         let clean = code.codec().encode(&truth).unwrap();
@@ -163,7 +177,11 @@ fn golay_every_received_word_matches_the_generic_decoder() {
 }
 
 fn any_code() -> impl Strategy<Value = Int4Code> {
-    prop::sample::select(Int4Code::ALL.to_vec())
+    let every: Vec<Int4Code> = Int4Code::ALL
+        .into_iter()
+        .chain(Int4Code::INTERLEAVED)
+        .collect();
+    prop::sample::select(every)
 }
 
 proptest! {
@@ -215,7 +233,7 @@ proptest! {
 
 #[test]
 fn bad_input_is_a_typed_error() {
-    for code in Int4Code::ALL {
+    for code in Int4Code::ALL.into_iter().chain(Int4Code::INTERLEAVED) {
         let codec = code.codec();
         let n = 10;
         assert!(matches!(

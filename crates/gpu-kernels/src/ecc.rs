@@ -91,6 +91,12 @@ impl Gpu {
                 expected: words,
             });
         }
+        if code.is_interleaved() {
+            return Err(GpuError::Unsupported {
+                what: "code",
+                reason: format!("{code}: interleaved layouts are decoded on the CPU only"),
+            });
+        }
         let n = u32::try_from(count).map_err(|_| GpuError::Unsupported {
             what: "batch size",
             reason: format!("{count} values exceed u32 indexing"),
@@ -106,6 +112,7 @@ impl Gpu {
             Int4Code::Secded84 => count.div_ceil(4),
             Int4Code::Hamming74 => count.div_ceil(8),
             Int4Code::Golay24 => count.div_ceil(3),
+            Int4Code::Secded84x8 | Int4Code::Golay24x8 => unreachable!("refused above"),
         };
         let cfg = LaunchConfig {
             grid_dim: (self.grid_for(units, THREADS), 1, 1),
@@ -116,6 +123,7 @@ impl Gpu {
             Int4Code::Secded84 => "secded84_decode",
             Int4Code::Hamming74 => "hamming74_decode",
             Int4Code::Golay24 => "golay24_decode",
+            Int4Code::Secded84x8 | Int4Code::Golay24x8 => unreachable!("refused above"),
         };
         let f = self.function(&ECC_DECODE, name)?;
         let mut b = s.launch_builder(&f);
@@ -124,6 +132,7 @@ impl Gpu {
             Int4Code::Secded84 => b.arg(&tables.secded),
             Int4Code::Hamming74 => b.arg(&tables.hamming),
             Int4Code::Golay24 => b.arg(&tables.golay_parity).arg(&tables.golay_leader),
+            Int4Code::Secded84x8 | Int4Code::Golay24x8 => unreachable!("refused above"),
         };
         b.arg(values).arg(erasures).arg(&mut stats);
         // SAFETY: the argument list matches the kernel's signature in

@@ -11,7 +11,7 @@ use proptest::prelude::*;
 const TOKENS: usize = 24;
 
 /// Row-local forms (every operation applies) and two that are not.
-const FORMS: [(&str, usize); 10] = [
+const FORMS: [(&str, usize); 12] = [
     ("int4+secded84", 64),
     ("int4+hamming74+interp", 40),
     ("int4+golay24", 33),
@@ -22,6 +22,8 @@ const FORMS: [(&str, usize); 10] = [
     ("int4+secded84+sink2+win4", 32),
     ("int4+golay24+meta-rm", 33),
     ("nf4-sf32+secded84+meta-rm", 64),
+    ("int4+secded84x8+interp", 40),
+    ("int4-g16+golay24x8", 64),
 ];
 
 #[derive(Clone, Debug)]

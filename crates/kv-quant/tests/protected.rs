@@ -450,6 +450,9 @@ fn tiles_decode_exactly_like_the_whole_matrix() {
     for (spelling, channels) in [
         ("int4+secded84+interp", 64),
         ("int4+secded84+interp", 30),
+        ("int4+secded84x8+interp", 30),
+        ("int4+secded84x8", 64),
+        ("int4-g16+golay24x8+interp", 64),
         ("int4+hamming74+zero", 40),
         ("int4-ch5+golay24+interp", 33),
         ("int4-sym-g16+golay24+interp3", 64),
@@ -624,4 +627,36 @@ fn interpolation_reads_only_the_rows_it_is_limited_to() {
         .decode_rows_into(4, 4, &mut out, &mut scratch)
         .unwrap();
     assert_eq!(out[2], at(5, 2));
+}
+
+/// Multi-bit upsets confined to one byte: every SECDED codeword is one byte,
+/// so plain SECDED sees two or three flips in one word (detected or
+/// miscorrected), while the interleaved layout sees one flip in each of
+/// two or three words and corrects them all.
+#[test]
+fn interleaving_turns_byte_upsets_into_single_flips() {
+    let (tokens, channels) = (64, 64);
+    let upsets = gf2_codes::channel::MultiBitUpset::new(2e-3, 1, 2, 3).unwrap();
+    let outcome = |spelling: &str| {
+        let clean = store(spelling, tokens, channels);
+        let reference = clean.decode().unwrap().values;
+        let mut hit = clean.clone();
+        hit.inject(&upsets, 3, FaultTarget::Values);
+        let d = hit.decode().unwrap();
+        (d.stats.values, d.values == reference)
+    };
+    let (plain, plain_exact) = outcome("int4+secded84");
+    let (woven, woven_exact) = outcome("int4+secded84x8");
+    assert!(plain.detected + plain.miscorrected > 0, "{plain:?}");
+    assert!(!plain_exact);
+    assert_eq!(
+        (woven.detected, woven.miscorrected, woven.silent),
+        (0, 0, 0),
+        "{woven:?}"
+    );
+    assert!(
+        woven.corrected >= 2 * (plain.detected + plain.miscorrected),
+        "{woven:?} {plain:?}"
+    );
+    assert!(woven_exact);
 }

@@ -21,7 +21,7 @@ fn data(tokens: usize, channels: usize) -> Vec<f32> {
         .collect()
 }
 
-const FORMS: [&str; 18] = [
+const FORMS: [&str; 20] = [
     "int4",
     "int4+secded84",
     "int4-g32+golay24+interp",
@@ -40,6 +40,8 @@ const FORMS: [&str; 18] = [
     "vq-k16",
     "int4-g32+golay24+interp+meta-rm",
     "nf4-sf32+secded84+meta-rm",
+    "int4+secded84x8+interp",
+    "int8-g32+golay24x8",
 ];
 
 fn codebook(form: &CacheForm, channels: usize) -> Option<Arc<VqCodebook>> {

@@ -25,6 +25,7 @@ mod avx2;
 mod avx512;
 mod golay24;
 mod hamming74;
+pub mod interleaved;
 mod nibble;
 mod secded84;
 
@@ -35,6 +36,7 @@ use crate::stats::DecodeStats;
 
 pub use golay24::Golay24;
 pub use hamming74::Hamming74;
+pub use interleaved::Interleaved;
 pub use secded84::Secded84;
 
 /// Which implementation of a batch kernel runs.
@@ -234,11 +236,33 @@ pub enum Int4Code {
     Secded84,
     /// Extended Golay(24,12), 24 bits per 3 values.
     Golay24,
+    /// SECDED(8,4) with eight codewords bit-interleaved over their 8 bytes
+    /// ([`interleaved`]): one byte holds one bit of each.
+    Secded84x8,
+    /// Golay(24,12) with eight codewords bit-interleaved over their 24 bytes.
+    Golay24x8,
 }
 
 impl Int4Code {
-    /// All three, weakest first.
+    /// The paper's three codes, weakest first.
     pub const ALL: [Int4Code; 3] = [Int4Code::Hamming74, Int4Code::Secded84, Int4Code::Golay24];
+
+    /// The interleaved layouts of SECDED and Golay.
+    pub const INTERLEAVED: [Int4Code; 2] = [Int4Code::Secded84x8, Int4Code::Golay24x8];
+
+    /// The code whose codewords this one stores (itself unless interleaved).
+    pub fn base(self) -> Int4Code {
+        match self {
+            Int4Code::Secded84x8 => Int4Code::Secded84,
+            Int4Code::Golay24x8 => Int4Code::Golay24,
+            other => other,
+        }
+    }
+
+    /// Whether codewords are bit-interleaved across bytes.
+    pub fn is_interleaved(self) -> bool {
+        self.base() != self
+    }
 
     /// The codec as a trait object.
     pub fn codec(self) -> &'static dyn Int4Codec {
@@ -246,15 +270,19 @@ impl Int4Code {
             Int4Code::Hamming74 => &Hamming74,
             Int4Code::Secded84 => &Secded84,
             Int4Code::Golay24 => &Golay24,
+            Int4Code::Secded84x8 => &interleaved::SECDED84_X8,
+            Int4Code::Golay24x8 => &interleaved::GOLAY24_X8,
         }
     }
 
-    /// The generic [`LinearCode`](crate::LinearCode) with the paper's matrices.
+    /// The generic [`LinearCode`](crate::LinearCode) with the paper's
+    /// matrices (of the base code for interleaved layouts: interleaving
+    /// moves bits, the codewords are the same).
     pub fn linear_code(self) -> &'static crate::LinearCode {
-        match self {
+        match self.base() {
             Int4Code::Hamming74 => hamming74::code(),
             Int4Code::Secded84 => secded84::code(),
-            Int4Code::Golay24 => golay24::code(),
+            _ => golay24::code(),
         }
     }
 }
@@ -271,10 +299,14 @@ impl FromStr for Int4Code {
     fn from_str(s: &str) -> Result<Self> {
         Int4Code::ALL
             .into_iter()
+            .chain(Int4Code::INTERLEAVED)
             .find(|c| c.codec().name() == s)
             .ok_or_else(|| Gf2Error::InvalidParameter {
                 name: "code",
-                reason: format!("unknown code {s:?}; expected one of hamming74, secded84, golay24"),
+                reason: format!(
+                    "unknown code {s:?}; expected one of hamming74, secded84, golay24, \
+                     secded84x8, golay24x8"
+                ),
             })
     }
 }

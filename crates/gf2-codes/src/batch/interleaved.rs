@@ -1,0 +1,366 @@
+//! Bit-interleaved layouts: eight codewords spread over the bytes they
+//! occupy, so that a fault confined to one byte, or a burst of up to eight
+//! adjacent bits, touches each codeword at most once.
+//!
+//! A block is eight consecutive codewords of the inner code (8 bytes of
+//! SECDED(8,4), 24 of Golay(24,12)). Stored byte `8p + j` of a block holds,
+//! in bit `i`, bit `8p + j` of codeword `i` (codeword bits as the inner
+//! layout stores them, LSB first): plane `p` of the block is the 8×8 bit
+//! transpose of byte `p` of the eight codewords. A final partial block (fewer
+//! than eight codewords) keeps the inner layout.
+//!
+//! Decoding transposes a chunk of blocks back into the inner layout on the
+//! stack and runs the inner codec's decoder on it, so every backend of the
+//! inner code serves the interleaved one and the two cannot disagree on
+//! anything but the byte order.
+
+use super::{Backend, Int4Code, Int4Codec, check_decode_shapes};
+use crate::error::{Result, check_len};
+use crate::stats::DecodeStats;
+
+/// Codewords per interleaving block.
+pub const DEPTH: usize = 8;
+
+/// Bytes decoded per pass through the stack buffer: whole blocks of both
+/// codes (8 and 24 bytes) and whole 64-value words of the erasure bitmap
+/// (both codes store 8 bits per value).
+const CHUNK: usize = 384;
+
+/// SECDED(8,4) or Golay(24,12) with eight codewords bit-interleaved per
+/// block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Interleaved {
+    inner: Int4Code,
+    name: &'static str,
+}
+
+/// SECDED(8,4), eight codewords (8 bytes) per block.
+pub const SECDED84_X8: Interleaved = Interleaved {
+    inner: Int4Code::Secded84,
+    name: "secded84x8",
+};
+
+/// Golay(24,12), eight codewords (24 bytes) per block.
+pub const GOLAY24_X8: Interleaved = Interleaved {
+    inner: Int4Code::Golay24,
+    name: "golay24x8",
+};
+
+impl Interleaved {
+    /// The code whose codewords are interleaved.
+    pub fn inner(&self) -> Int4Code {
+        self.inner
+    }
+
+    /// Bytes of one inner codeword.
+    fn codeword_bytes(&self) -> usize {
+        self.inner
+            .codec()
+            .encoded_len(self.inner.codec().values_per_codeword())
+    }
+
+    /// Bytes of one block of [`DEPTH`] codewords.
+    pub fn block_bytes(&self) -> usize {
+        DEPTH * self.codeword_bytes()
+    }
+
+    /// Rewrites the whole blocks of `bytes` from the inner layout to the
+    /// interleaved one (`forward`) or back.
+    fn permute(&self, bytes: &mut [u8], forward: bool) {
+        let cb = self.codeword_bytes();
+        let block = DEPTH * cb;
+        let mut natural = [0u8; 24];
+        for b in bytes.chunks_exact_mut(block) {
+            if forward {
+                natural[..block].copy_from_slice(b);
+                for p in 0..cb {
+                    let rows =
+                        (0..DEPTH).fold(0u64, |w, i| w | u64::from(natural[cb * i + p]) << (8 * i));
+                    b[8 * p..8 * p + 8].copy_from_slice(&transpose8(rows).to_le_bytes());
+                }
+            } else {
+                for p in 0..cb {
+                    let plane =
+                        u64::from_le_bytes(b[8 * p..8 * p + 8].try_into().expect("8 bytes"));
+                    for (i, byte) in transpose8(plane).to_le_bytes().into_iter().enumerate() {
+                        natural[cb * i + p] = byte;
+                    }
+                }
+                b.copy_from_slice(&natural[..block]);
+            }
+        }
+    }
+
+    /// Runs `f` on each chunk of `encoded` brought back to the inner layout:
+    /// `f(inner bytes, first value, values)`.
+    fn for_each_chunk(
+        &self,
+        encoded: &[u8],
+        values: usize,
+        mut f: impl FnMut(&[u8], usize, usize) -> Result<DecodeStats>,
+    ) -> Result<DecodeStats> {
+        let codec = self.inner.codec();
+        let mut stats = DecodeStats::default();
+        let mut buffer = [0u8; CHUNK];
+        let mut first = 0;
+        while first < values {
+            let count = (values - first).min(CHUNK);
+            let at = codec.encoded_len(first);
+            let len = codec.encoded_len(first + count) - at;
+            let chunk = &mut buffer[..len];
+            chunk.copy_from_slice(&encoded[at..at + len]);
+            self.permute(chunk, false);
+            stats += f(chunk, first, count)?;
+            first += count;
+        }
+        Ok(stats)
+    }
+}
+
+/// Transposes the 8×8 bit matrix whose row `i` is byte `i` of `x` (bit
+/// `8i + j` ↔ bit `8j + i`), by three delta swaps (Hacker's Delight, 7-3).
+#[inline]
+pub fn transpose8(mut x: u64) -> u64 {
+    let t = (x ^ (x >> 7)) & 0x00AA_00AA_00AA_00AA;
+    x ^= t ^ (t << 7);
+    let t = (x ^ (x >> 14)) & 0x0000_CCCC_0000_CCCC;
+    x ^= t ^ (t << 14);
+    let t = (x ^ (x >> 28)) & 0x0000_0000_F0F0_F0F0;
+    x ^ t ^ (t << 28)
+}
+
+impl Int4Codec for Interleaved {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn values_per_codeword(&self) -> usize {
+        self.inner.codec().values_per_codeword()
+    }
+
+    fn bits_per_value(&self) -> u32 {
+        self.inner.codec().bits_per_value()
+    }
+
+    fn encoded_len(&self, values: usize) -> usize {
+        self.inner.codec().encoded_len(values)
+    }
+
+    fn encode_into(&self, values: &[u8], encoded: &mut [u8]) -> Result<()> {
+        self.inner.codec().encode_into(values, encoded)?;
+        self.permute(encoded, true);
+        Ok(())
+    }
+
+    fn decode_into_with(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        check_decode_shapes(self, encoded.len(), values.len(), erasures.len(), None)?;
+        let codec = self.inner.codec();
+        self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
+            codec.decode_into_with(
+                backend,
+                chunk,
+                &mut values[first..first + count],
+                &mut erasures[first / 64..(first + count).div_ceil(64)],
+            )
+        })
+    }
+
+    fn decode_with_truth_into_with(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        truth: &[u8],
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        let shapes = (
+            encoded.len(),
+            values.len(),
+            erasures.len(),
+            Some(truth.len()),
+        );
+        check_decode_shapes(self, shapes.0, shapes.1, shapes.2, shapes.3)?;
+        let codec = self.inner.codec();
+        self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
+            codec.decode_with_truth_into_with(
+                backend,
+                chunk,
+                &truth[first..first + count],
+                &mut values[first..first + count],
+                &mut erasures[first / 64..(first + count).div_ceil(64)],
+            )
+        })
+    }
+
+    fn scrub(&self, encoded: &mut [u8], values: usize) -> Result<DecodeStats> {
+        check_len("encoded", self.encoded_len(values), encoded.len())?;
+        let codec = self.inner.codec();
+        let mut stats = DecodeStats::default();
+        let mut first = 0;
+        while first < values {
+            let count = (values - first).min(CHUNK);
+            let at = codec.encoded_len(first);
+            let len = codec.encoded_len(first + count) - at;
+            let chunk = &mut encoded[at..at + len];
+            self.permute(chunk, false);
+            stats += codec.scrub(chunk, count)?;
+            self.permute(chunk, true);
+            first += count;
+        }
+        Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<u8> {
+        (0..n as u64)
+            .map(|i| ((i.wrapping_mul(0x9E37_79B9) ^ seed) >> 7) as u8 & 0xF)
+            .collect()
+    }
+
+    #[test]
+    fn transpose_swaps_rows_and_columns() {
+        for x in [
+            0u64,
+            1,
+            0x8000_0000_0000_0000,
+            0x0123_4567_89AB_CDEF,
+            u64::MAX,
+            0xF0E1_D2C3_B4A5_9687,
+        ] {
+            let t = transpose8(x);
+            for (i, j) in (0..8).flat_map(|i| (0..8).map(move |j| (i, j))) {
+                assert_eq!(
+                    t >> (8 * j + i) & 1,
+                    x >> (8 * i + j) & 1,
+                    "{x:#x} ({i},{j})"
+                );
+            }
+            assert_eq!(transpose8(t), x);
+        }
+    }
+
+    /// Stored byte `8p + j`, bit `i`, is bit `8p + j` of codeword `i`.
+    #[test]
+    fn a_block_holds_one_bit_of_each_codeword_per_byte() {
+        for code in [SECDED84_X8, GOLAY24_X8] {
+            let v = values(3 * 8 * 2, 1);
+            let plain = code.inner.codec().encode(&v).unwrap();
+            let woven = code.encode(&v).unwrap();
+            let cb = code.codeword_bytes();
+            for block in 0..plain.len() / code.block_bytes() {
+                let base = block * code.block_bytes();
+                for (i, bit) in (0..DEPTH).flat_map(|i| (0..8 * cb).map(move |b| (i, b))) {
+                    let codeword_bit = plain[base + cb * i + bit / 8] >> (bit % 8) & 1;
+                    assert_eq!(woven[base + bit] >> i & 1, codeword_bit, "{}", code.name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_length_round_trips_on_every_backend() {
+        for code in [SECDED84_X8, GOLAY24_X8] {
+            for n in [0, 1, 7, 8, 23, 24, 25, 383, 384, 385, 1000, 2 * CHUNK + 17] {
+                let v = values(n, n as u64);
+                let encoded = code.encode(&v).unwrap();
+                for backend in Backend::available() {
+                    let mut out = vec![0xFF; n];
+                    let mut erasures = vec![!0; n.div_ceil(64)];
+                    let stats = code
+                        .decode_into_with(backend, &encoded, &mut out, &mut erasures)
+                        .unwrap();
+                    assert_eq!(out, v, "{} n={n} {backend:?}", code.name());
+                    assert!(erasures.iter().all(|&w| w == 0));
+                    assert_eq!(stats.clean, code.codewords(n) as u64);
+                }
+            }
+        }
+    }
+
+    /// Every fault confined to one byte (all 255 patterns, every byte of a
+    /// two-block buffer) touches each codeword at most once: SECDED corrects
+    /// all of them, which it cannot do without interleaving.
+    #[test]
+    fn every_multi_bit_upset_in_one_byte_is_corrected() {
+        for code in [SECDED84_X8, GOLAY24_X8] {
+            let v = values(2 * DEPTH * code.values_per_codeword(), 5);
+            let clean = code.encode(&v).unwrap();
+            for byte in 0..clean.len() {
+                for pattern in 1..=255u8 {
+                    let mut hit = clean.clone();
+                    hit[byte] ^= pattern;
+                    let d = code.decode(&hit, v.len()).unwrap();
+                    assert_eq!(d.values, v, "{} byte {byte} {pattern:#x}", code.name());
+                    assert_eq!(d.stats.corrected, u64::from(pattern.count_ones()));
+                    let mut scrubbed = hit.clone();
+                    code.scrub(&mut scrubbed, v.len()).unwrap();
+                    assert_eq!(scrubbed, clean);
+                }
+            }
+        }
+    }
+
+    /// Every burst of 2 to 8 adjacent bits, at every start, is corrected too:
+    /// a burst of at most eight bits reaches each codeword once.
+    #[test]
+    fn every_burst_of_up_to_eight_bits_is_corrected() {
+        for code in [SECDED84_X8, GOLAY24_X8] {
+            let v = values(2 * DEPTH * code.values_per_codeword(), 9);
+            let clean = code.encode(&v).unwrap();
+            for len in 2..=8 {
+                for start in 0..8 * clean.len() - len + 1 {
+                    let mut hit = clean.clone();
+                    for b in start..start + len {
+                        hit[b / 8] ^= 1 << (b % 8);
+                    }
+                    let truth = v.clone();
+                    let mut out = vec![0; v.len()];
+                    let mut erasures = vec![0; v.len().div_ceil(64)];
+                    let stats = code
+                        .decode_with_truth_into(&hit, &truth, &mut out, &mut erasures)
+                        .unwrap();
+                    assert_eq!(out, v, "{} burst {len} at {start}", code.name());
+                    assert_eq!((stats.detected, stats.miscorrected), (0, 0));
+                }
+            }
+        }
+    }
+
+    /// Past its promise the layout still reports what the code sees: two
+    /// upsets in one byte pair hit SECDED codewords twice and are detected.
+    #[test]
+    fn two_flips_of_one_codeword_are_detected() {
+        let code = SECDED84_X8;
+        let v = values(8, 2);
+        let mut hit = code.encode(&v).unwrap();
+        // Bits 0 and 1 of codeword 3 live in bytes 0 and 1, bit 3.
+        hit[0] ^= 1 << 3;
+        hit[1] ^= 1 << 3;
+        let d = code.decode(&hit, 8).unwrap();
+        assert_eq!(d.stats.detected, 1);
+        assert!(d.is_erased(3) && !d.is_erased(2));
+        // The same two flips without interleaving would be two single flips
+        // of codewords 0 and 1, both corrected: the layouts differ.
+        assert_eq!(d.values[..3], v[..3]);
+    }
+
+    #[test]
+    fn wrong_lengths_are_errors() {
+        let code = GOLAY24_X8;
+        let encoded = code.encode(&values(30, 0)).unwrap();
+        assert!(code.decode(&encoded[..29], 30).is_err());
+        assert!(code.decode_into(&encoded, &mut [0; 30], &mut []).is_err());
+        assert!(code.scrub(&mut encoded.clone()[..10], 30).is_err());
+        assert!(code.encode_into(&[16], &mut [0; 3]).is_err());
+    }
+}
