@@ -95,17 +95,17 @@ __device__ __forceinline__ bool rkv_group_params(const RkvPagedParams& P, const 
     }
     *a = rkv_word_to_float(s, P.scale_bytes);
     *b = P.symmetric ? 0.0f : rkv_word_to_float(o, P.scale_bytes);
-    // kv-quant's plausibility check of protected metadata: a NaN, infinite
-    // or negative scale, or a non-finite offset, is an error the code let
-    // through; it reads as 0 and erases the group.
-    bool implausible = false;
+    // kv-quant's rules for protected metadata: a NaN, infinite or negative
+    // scale, or a non-finite offset, is an error the code let through; it
+    // and a detected word read as 0 and erase the group.
     if (P.meta_checks) {
-        bool bad_a = !isfinite(*a) || *a < 0.0f, bad_b = !isfinite(*b);
+        bool bad_a = so == 2 || !isfinite(*a) || *a < 0.0f;
+        bool bad_b = oo == 2 || !isfinite(*b);
         if (bad_a) *a = 0.0f;
         if (bad_b) *b = 0.0f;
-        implausible = bad_a || bad_b;
+        return bad_a || bad_b;
     }
-    return so == 2 || oo == 2 || implausible;
+    return false;
 }
 
 // The value of channel `ch` of row `row` of a block if neither its codeword

@@ -393,7 +393,11 @@ fn stored_bytes_of_every_form() {
         ("int4+hamming74", n * 7 / 8 + t * 4 + 2 * t),
         ("int4+secded84", n + t * 4 + 2 * t),
         ("int4+secded84+meta-none", n + t * 4),
-        ("int4+golay24", t * 66 + t * 4 + 2 * t),
+        // Golay forms default to RM(2,5) metadata: two check bytes per word.
+        ("int4+golay24", t * 66 + t * 4 + 2 * 2 * t),
+        ("int4+golay24+meta-secded", t * 66 + t * 4 + 2 * t),
+        ("int4+secded84+meta-rm", n + t * 4 + 2 * 2 * t),
+        ("int4-sf32+golay24x8", t * 66 + t * 8 + 2 * 4 * t),
         ("int4-sf32+secded84", n + t * 8 + 2 * t),
     ] {
         let form: CacheForm = spelling.parse().unwrap();

@@ -383,12 +383,25 @@ pub enum MetaProtection {
     /// Each metadata word carries one check byte of an extended Hamming code
     /// (SECDED (22,16) for f16, (39,32) for f32): single flips corrected,
     /// double flips detected, and a detected word erases its whole group.
-    /// The default of every ECC-protected form.
+    /// The default under Hamming and SECDED values (`+meta-secded`).
     Secded,
     /// Each 16 bits of a metadata word carry two check bytes of the
     /// Reed-Muller RM(2,5) [32,16,8] code (`+meta-rm`): up to three flips per
     /// codeword corrected, four detected, a detected word erases its group.
+    /// The default under Golay values: metadata as strong as the values.
     ReedMuller,
+}
+
+impl MetaProtection {
+    /// The metadata code a form gets unless its spelling names one: of the
+    /// values' distance (SECDED's 4 under Hamming and SECDED, RM(2,5)'s 8
+    /// under Golay, whose distance is 8).
+    pub const fn default_for(code: Int4Code) -> Self {
+        match code {
+            Int4Code::Golay24 | Int4Code::Golay24x8 => MetaProtection::ReedMuller,
+            _ => MetaProtection::Secded,
+        }
+    }
 }
 
 /// The error-correcting code of a protected form and its recovery. The code
@@ -407,12 +420,13 @@ pub struct Protection {
 }
 
 impl Protection {
-    /// The code with the paper's defaults: keep detected values, SECDED metadata.
+    /// The code with the defaults: keep detected values (the paper's),
+    /// metadata under [`MetaProtection::default_for`] the code.
     pub const fn new(code: Int4Code) -> Self {
         Protection {
             code,
             policy: ErasurePolicy::Keep,
-            metadata: MetaProtection::Secded,
+            metadata: MetaProtection::default_for(code),
         }
     }
 }

@@ -26,7 +26,7 @@ nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre], and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
 +sink<S> | +win<W> | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
-+interp[<reach>] | +meta-none | +meta-rm (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
++interp[<reach>] | +meta-none | +meta-secded | +meta-rm (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
 vq, int4-ch32+win32, int4+secded84+interp, int8+golay24, lm3+sink4+win64)";
 
 /// Longest part of a rejected spelling quoted back in an error message.
@@ -173,10 +173,12 @@ impl fmt::Display for CacheForm {
                 } => f.write_str("+interp")?,
                 ErasurePolicy::Interpolate { reach } => write!(f, "+interp{reach}")?,
             }
-            match p.metadata {
-                MetaProtection::Unprotected => f.write_str("+meta-none")?,
-                MetaProtection::Secded => {}
-                MetaProtection::ReedMuller => f.write_str("+meta-rm")?,
+            if p.metadata != MetaProtection::default_for(p.code) {
+                f.write_str(match p.metadata {
+                    MetaProtection::Unprotected => "+meta-none",
+                    MetaProtection::Secded => "+meta-secded",
+                    MetaProtection::ReedMuller => "+meta-rm",
+                })?;
             }
         }
         Ok(())
@@ -580,7 +582,9 @@ impl FromStr for CacheForm {
         let protection = suffixes.code.map(|code| Protection {
             code,
             policy: suffixes.policy.unwrap_or(ErasurePolicy::Keep),
-            metadata: suffixes.metadata.unwrap_or(MetaProtection::Secded),
+            metadata: suffixes
+                .metadata
+                .unwrap_or(MetaProtection::default_for(code)),
         });
         let segments = Segments {
             sink: suffixes.sink.unwrap_or(0),

@@ -61,6 +61,47 @@ fn issue_spellings_parse_and_print_back() {
     }
 }
 
+/// The metadata code follows the value code unless spelled: SECDED under
+/// Hamming and SECDED, RM(2,5) under Golay; a spelled default is dropped
+/// and a spelled other code is kept.
+#[test]
+fn metadata_defaults_follow_the_value_code() {
+    for (spelling, metadata, printed) in [
+        ("int4+secded84", MetaProtection::Secded, "int4+secded84"),
+        ("int4+golay24", MetaProtection::ReedMuller, "int4+golay24"),
+        (
+            "int4+golay24x8+interp",
+            MetaProtection::ReedMuller,
+            "int4+golay24x8+interp",
+        ),
+        (
+            "int4+golay24+meta-rm",
+            MetaProtection::ReedMuller,
+            "int4+golay24",
+        ),
+        (
+            "int4+golay24+meta-secded",
+            MetaProtection::Secded,
+            "int4+golay24+meta-secded",
+        ),
+        (
+            "int4+secded84+meta-rm",
+            MetaProtection::ReedMuller,
+            "int4+secded84+meta-rm",
+        ),
+        (
+            "int4+hamming74+meta-none",
+            MetaProtection::Unprotected,
+            "int4+hamming74+meta-none",
+        ),
+    ] {
+        let f: CacheForm = spelling.parse().unwrap();
+        assert_eq!(f.protection().unwrap().metadata, metadata, "{spelling}");
+        assert_eq!(f.to_string(), printed);
+        assert_eq!(printed.parse::<CacheForm>().unwrap(), f);
+    }
+}
+
 #[test]
 fn defaults_are_dropped_when_printing() {
     let f: CacheForm = "int4-asym-sf16+secded84+keep+meta-secded".parse().unwrap();

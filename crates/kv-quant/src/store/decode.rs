@@ -170,9 +170,12 @@ impl Section {
         // offset that decodes to NaN or ±∞, or a negative scale (every
         // form's scale, absmax or gain is ≥ 0), is an undetected error the
         // code let through, and erasing its group lets the erasure policy
-        // rebuild the values instead of spreading a non-finite row. The
-        // word itself reads as 0, so even `keep` (which leaves erased values
-        // as decoded) gets finite values from it.
+        // rebuild the values instead of spreading a non-finite row. Such a
+        // word, and a detected one, reads as 0: `keep` leaves a detected
+        // value codeword as received because a wrong level is a bounded
+        // error, but a scale or offset as received is not bounded (one
+        // exponent flip multiplies a whole group), so under `keep` the
+        // group's values fall back to its offset or to 0.
         let checked = self.coding.meta_code().is_some();
         for (i, g) in groups.enumerate() {
             let counted = (start..end).contains(&layout.first_token(g));
@@ -183,8 +186,8 @@ impl Section {
                 }
                 let v = int::from_bits(ty, word);
                 let implausible = checked && (!v.is_finite() || (is_scale && v < 0.0));
-                let v = if implausible { 0.0 } else { v };
-                (v, outcome == DecodeOutcome::Detected || implausible)
+                let erased = outcome == DecodeOutcome::Detected || implausible;
+                (if erased { 0.0 } else { v }, erased)
             };
             let (s, s_bad) = read(&self.scales, g, true);
             let (o, o_bad) = if has_offsets {
