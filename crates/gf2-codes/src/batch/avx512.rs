@@ -92,6 +92,61 @@ pub(crate) unsafe fn secded_decode_avx512(
     }
 }
 
+/// SECDED over the interleaved layout: each 64-byte chunk (eight whole
+/// blocks) is transposed back in registers (a byte reversal per plane and
+/// one `vgf2p8affineqb`, as `interleaved`'s permutation does) before the
+/// plain kernel's correction.
+struct SecdedX8Avx512 {
+    plain: SecdedAvx512,
+    reverse: __m512i,
+    units: __m512i,
+}
+
+impl ChunkKernel for SecdedX8Avx512 {
+    const CHUNK_BYTES: usize = 64;
+
+    #[inline(always)]
+    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
+        // SAFETY: as for the plain kernel (trait contract).
+        unsafe {
+            let x = _mm512_loadu_si512(encoded.cast());
+            let x = _mm512_permutexvar_epi8(self.reverse, x);
+            let x = _mm512_gf2p8affine_epi64_epi8::<0>(self.units, x);
+            correct64(x, self.plain.affine, self.plain.action, out)
+        }
+    }
+}
+
+/// SECDED decode of the interleaved layout (`secded84x8`) with AVX-512 +
+/// GFNI, for a whole number of 64-value chunks.
+///
+/// # Safety
+/// As [`secded_decode_avx512`]; `values.len()` must be a multiple of 64.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,gfni,popcnt")]
+pub(crate) unsafe fn secded_x8_decode_avx512(
+    t: &SecdedTables,
+    reverse: &[u8; 64],
+    encoded: &[u8],
+    values: &mut [u8],
+    truth: Option<&[u8]>,
+    erasures: &mut [u64],
+) -> DecodeStats {
+    debug_assert!(values.len().is_multiple_of(64));
+    let kernel = SecdedX8Avx512 {
+        plain: SecdedAvx512 {
+            affine: _mm512_set1_epi64(t.syndrome_affine as i64),
+            action: table16(&t.action),
+        },
+        // SAFETY: 64 readable bytes.
+        reverse: unsafe { _mm512_loadu_si512(reverse.as_ptr().cast()) },
+        units: _mm512_set1_epi64(0x8040_2010_0804_0201_u64 as i64),
+    };
+    match truth {
+        None => drive_chunks(&kernel, encoded, values, None, erasures),
+        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
+    }
+}
+
 struct HammingAvx512 {
     group: __m512i,
     offsets: __m512i,

@@ -116,6 +116,42 @@ impl Interleaved {
         }
     }
 
+    /// Decodes the longest prefix of whole 64-value chunks in one pass where
+    /// a fused kernel exists (SECDED on AVX-512: the transpose in registers
+    /// before the correction) and the backend asked for is that one; returns
+    /// the values decoded and their statistics. Backends are checked by the
+    /// inner decoder for the rest.
+    fn fused_head(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        truth: Option<&[u8]>,
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> (usize, DecodeStats) {
+        #[cfg(target_arch = "x86_64")]
+        if self.inner == Int4Code::Secded84 && backend == Backend::Avx512 && backend.is_supported()
+        {
+            let head = values.len() / 64 * 64;
+            // SAFETY: the CPU supports the kernel's features (checked just
+            // above); shapes were checked by the caller (one byte per value)
+            // and `head` is a multiple of 64.
+            let stats = unsafe {
+                super::avx512::secded_x8_decode_avx512(
+                    super::secded84::tables(),
+                    &gfni::REVERSE,
+                    &encoded[..head],
+                    &mut values[..head],
+                    truth.map(|t| &t[..head]),
+                    &mut erasures[..head / 64],
+                )
+            };
+            return (head, stats);
+        }
+        let _ = (backend, encoded, truth, values, erasures);
+        (0, DecodeStats::default())
+    }
+
     /// Runs `f` on each chunk of `encoded` brought back to the inner layout:
     /// `f(inner bytes, first value, values)`.
     fn for_each_chunk(
@@ -178,7 +214,7 @@ mod gfni {
     const GOLAY_TO_CODEWORDS: [u8; 64] = index(3, true);
 
     /// Reverses the bytes of every 8-byte plane.
-    const REVERSE: [u8; 64] = {
+    pub(super) const REVERSE: [u8; 64] = {
         let mut out = [0u8; 64];
         let mut k = 0;
         while k < 64 {
@@ -224,10 +260,18 @@ mod gfni {
         while at < whole {
             let len = window.min(whole - at);
             let mask: u64 = if len == 64 { !0 } else { (1 << len) - 1 };
-            // SAFETY: the masked load reads bytes at..at + len of `src` and
-            // the masked store writes the same bytes of `dst` (masked-out
-            // lanes are neither read nor written).
-            let v = unsafe { _mm512_maskz_loadu_epi8(mask, src.as_ptr().add(at).cast()) };
+            // A full load where 64 bytes are readable: masked loads from
+            // memory not in cache ran Golay's 48-byte windows at 0.6 of the
+            // speed (masked and full stores measured the same).
+            // SAFETY: the full load reads at..at + 64 ⊆ src, the masked one
+            // bytes at..at + len (masked-out lanes are not read).
+            let v = unsafe {
+                if at + 64 <= src.len() {
+                    _mm512_loadu_si512(src.as_ptr().add(at).cast())
+                } else {
+                    _mm512_maskz_loadu_epi8(mask, src.as_ptr().add(at).cast())
+                }
+            };
             let v = if forward && cb > 1 {
                 _mm512_permutexvar_epi8(gather, v)
             } else {
@@ -239,6 +283,8 @@ mod gfni {
             } else {
                 t
             };
+            // SAFETY: writes bytes at..at + len of `dst` (same length as
+            // `src`); masked-out lanes are not written.
             unsafe { _mm512_mask_storeu_epi8(dst.as_mut_ptr().add(at).cast(), mask, t) };
             at += len;
         }
@@ -289,15 +335,22 @@ impl Int4Codec for Interleaved {
         erasures: &mut [u64],
     ) -> Result<DecodeStats> {
         check_decode_shapes(self, encoded.len(), values.len(), erasures.len(), None)?;
+        let (head, mut stats) = self.fused_head(backend, encoded, None, values, erasures);
+        let (encoded, values, erasures) = (
+            &encoded[head..],
+            &mut values[head..],
+            &mut erasures[head / 64..],
+        );
         let codec = self.inner.codec();
-        self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
+        stats += self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
             codec.decode_into_with(
                 backend,
                 chunk,
                 &mut values[first..first + count],
                 &mut erasures[first / 64..(first + count).div_ceil(64)],
             )
-        })
+        })?;
+        Ok(stats)
     }
 
     fn decode_with_truth_into_with(
@@ -315,8 +368,11 @@ impl Int4Codec for Interleaved {
             Some(truth.len()),
         );
         check_decode_shapes(self, shapes.0, shapes.1, shapes.2, shapes.3)?;
+        let (head, mut stats) = self.fused_head(backend, encoded, Some(truth), values, erasures);
+        let (encoded, truth) = (&encoded[head..], &truth[head..]);
+        let (values, erasures) = (&mut values[head..], &mut erasures[head / 64..]);
         let codec = self.inner.codec();
-        self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
+        stats += self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
             codec.decode_with_truth_into_with(
                 backend,
                 chunk,
@@ -324,7 +380,8 @@ impl Int4Codec for Interleaved {
                 &mut values[first..first + count],
                 &mut erasures[first / 64..(first + count).div_ceil(64)],
             )
-        })
+        })?;
+        Ok(stats)
     }
 
     fn scrub(&self, encoded: &mut [u8], values: usize) -> Result<DecodeStats> {
