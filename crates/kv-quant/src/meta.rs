@@ -13,7 +13,7 @@
 //!   when it is one of the `n` single-error syndromes and is flagged as
 //!   detected otherwise.
 //! - **Reed-Muller RM(2,5)** (two check bytes per 16 data bits): the
-//!   [32,16,8] code of the polynomials of degree ≤ 2 in five variables, put
+//!   \[32,16,8\] code of the polynomials of degree ≤ 2 in five variables, put
 //!   in systematic form (an equivalent code: its coordinates permuted so the
 //!   16 information positions come first). It corrects every pattern of up
 //!   to three flips and detects every pattern of four, like the values'
@@ -195,7 +195,7 @@ impl MetaCode {
 
     /// One codeword of this code as a [`LinearCode`]: codeword bit `i < w`
     /// is data bit `i`, bit `w + j` is check bit `j`. RM(2,5) over f32 words
-    /// stores two independent codewords, so its codeword is the [32,16,8]
+    /// stores two independent codewords, so its codeword is the \[32,16,8\]
     /// code of one half (the same as [`rm_f16`](Self::rm_f16)'s).
     pub fn linear_code(&self) -> LinearCode {
         let width = match self.decoder {

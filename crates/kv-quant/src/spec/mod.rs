@@ -386,7 +386,7 @@ pub enum MetaProtection {
     /// The default under Hamming and SECDED values (`+meta-secded`).
     Secded,
     /// Each 16 bits of a metadata word carry two check bytes of the
-    /// Reed-Muller RM(2,5) [32,16,8] code (`+meta-rm`): up to three flips per
+    /// Reed-Muller RM(2,5) \[32,16,8\] code (`+meta-rm`): up to three flips per
     /// codeword corrected, four detected, a detected word erases its group.
     /// The default under Golay values: metadata as strong as the values.
     ReedMuller,
