@@ -152,6 +152,41 @@ impl Interleaved {
         (0, DecodeStats::default())
     }
 
+    /// Decodes (comparing with `truth` when given): the fused head, then
+    /// the rest chunk by chunk through the inner decoder.
+    fn run(
+        &self,
+        backend: Backend,
+        encoded: &[u8],
+        truth: Option<&[u8]>,
+        values: &mut [u8],
+        erasures: &mut [u64],
+    ) -> Result<DecodeStats> {
+        let truth_len = truth.map(<[u8]>::len);
+        check_decode_shapes(self, encoded.len(), values.len(), erasures.len(), truth_len)?;
+        let (head, mut stats) = self.fused_head(backend, encoded, truth, values, erasures);
+        let (encoded, truth) = (&encoded[head..], truth.map(|t| &t[head..]));
+        let (values, erasures) = (&mut values[head..], &mut erasures[head / 64..]);
+        let codec = self.inner.codec();
+        stats += self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
+            let (values, erasures) = (
+                &mut values[first..first + count],
+                &mut erasures[first / 64..(first + count).div_ceil(64)],
+            );
+            match truth {
+                None => codec.decode_into_with(backend, chunk, values, erasures),
+                Some(t) => codec.decode_with_truth_into_with(
+                    backend,
+                    chunk,
+                    &t[first..first + count],
+                    values,
+                    erasures,
+                ),
+            }
+        })?;
+        Ok(stats)
+    }
+
     /// Runs `f` on each chunk of `encoded` brought back to the inner layout:
     /// `f(inner bytes, first value, values)`.
     fn for_each_chunk(
@@ -334,23 +369,7 @@ impl Int4Codec for Interleaved {
         values: &mut [u8],
         erasures: &mut [u64],
     ) -> Result<DecodeStats> {
-        check_decode_shapes(self, encoded.len(), values.len(), erasures.len(), None)?;
-        let (head, mut stats) = self.fused_head(backend, encoded, None, values, erasures);
-        let (encoded, values, erasures) = (
-            &encoded[head..],
-            &mut values[head..],
-            &mut erasures[head / 64..],
-        );
-        let codec = self.inner.codec();
-        stats += self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
-            codec.decode_into_with(
-                backend,
-                chunk,
-                &mut values[first..first + count],
-                &mut erasures[first / 64..(first + count).div_ceil(64)],
-            )
-        })?;
-        Ok(stats)
+        self.run(backend, encoded, None, values, erasures)
     }
 
     fn decode_with_truth_into_with(
@@ -361,27 +380,7 @@ impl Int4Codec for Interleaved {
         values: &mut [u8],
         erasures: &mut [u64],
     ) -> Result<DecodeStats> {
-        let shapes = (
-            encoded.len(),
-            values.len(),
-            erasures.len(),
-            Some(truth.len()),
-        );
-        check_decode_shapes(self, shapes.0, shapes.1, shapes.2, shapes.3)?;
-        let (head, mut stats) = self.fused_head(backend, encoded, Some(truth), values, erasures);
-        let (encoded, truth) = (&encoded[head..], &truth[head..]);
-        let (values, erasures) = (&mut values[head..], &mut erasures[head / 64..]);
-        let codec = self.inner.codec();
-        stats += self.for_each_chunk(encoded, values.len(), |chunk, first, count| {
-            codec.decode_with_truth_into_with(
-                backend,
-                chunk,
-                &truth[first..first + count],
-                &mut values[first..first + count],
-                &mut erasures[first / 64..(first + count).div_ceil(64)],
-            )
-        })?;
-        Ok(stats)
+        self.run(backend, encoded, Some(truth), values, erasures)
     }
 
     fn scrub(&self, encoded: &mut [u8], values: usize) -> Result<DecodeStats> {
