@@ -55,6 +55,18 @@ struct SecdedAvx512 {
     action: __m512i,
 }
 
+impl SecdedAvx512 {
+    /// The kernel's constants from the tables.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,gfni,popcnt")]
+    fn new(t: &SecdedTables) -> Self {
+        Self {
+            affine: _mm512_set1_epi64(t.syndrome_affine as i64),
+            action: table16(&t.action),
+        }
+    }
+}
+
 impl ChunkKernel for SecdedAvx512 {
     const CHUNK_BYTES: usize = 64;
 
@@ -82,10 +94,7 @@ pub(crate) unsafe fn secded_decode_avx512(
     truth: Option<&[u8]>,
     erasures: &mut [u64],
 ) -> DecodeStats {
-    let kernel = SecdedAvx512 {
-        affine: _mm512_set1_epi64(t.syndrome_affine as i64),
-        action: table16(&t.action),
-    };
+    let kernel = SecdedAvx512::new(t);
     match truth {
         None => drive_chunks(&kernel, encoded, values, None, erasures),
         Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
@@ -133,10 +142,7 @@ pub(crate) unsafe fn secded_x8_decode_avx512(
 ) -> DecodeStats {
     debug_assert!(values.len().is_multiple_of(64));
     let kernel = SecdedX8Avx512 {
-        plain: SecdedAvx512 {
-            affine: _mm512_set1_epi64(t.syndrome_affine as i64),
-            action: table16(&t.action),
-        },
+        plain: SecdedAvx512::new(t),
         // SAFETY: 64 readable bytes.
         reverse: unsafe { _mm512_loadu_si512(reverse.as_ptr().cast()) },
         units: _mm512_set1_epi64(0x8040_2010_0804_0201_u64 as i64),
