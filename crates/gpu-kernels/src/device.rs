@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use gf2_codes::Int4Code;
-use kv_quant::MetaCode;
 
 use crate::error::{GpuError, Result};
 use crate::sources::KernelModule;
@@ -211,7 +210,7 @@ impl Gpu {
         }
         let up = driver("cuMemcpyHtoD (tables)");
         let golay = GolayTables::build();
-        let meta = |c: &MetaCode| self.stream.clone_htod(&MetaColumns::of(c).columns);
+        let meta = |wide: bool| self.stream.clone_htod(&MetaColumns::secded(wide).columns);
         let t = DeviceTables {
             secded: self
                 .stream
@@ -223,10 +222,7 @@ impl Gpu {
                 .map_err(&up)?,
             golay_parity: self.stream.clone_htod(&golay.parity).map_err(&up)?,
             golay_leader: self.stream.clone_htod(&golay.leader).map_err(&up)?,
-            meta: [
-                meta(MetaCode::f16()).map_err(&up)?,
-                meta(MetaCode::f32()).map_err(&up)?,
-            ],
+            meta: [meta(false).map_err(&up)?, meta(true).map_err(&up)?],
         };
         Ok(self.tables.get_or_init(|| t))
     }

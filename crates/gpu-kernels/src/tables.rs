@@ -87,15 +87,21 @@ pub struct MetaColumns {
 }
 
 impl MetaColumns {
-    /// The columns of kv-quant's code for `width`-bit words (16 or 32).
-    pub fn of(code: &MetaCode) -> Self {
+    /// The columns of kv-quant's SECDED metadata code for f16 words, or for
+    /// f32 words when `wide` (the only metadata code the kernels decode).
+    pub fn secded(wide: bool) -> Self {
+        let code = if wide {
+            MetaCode::f32()
+        } else {
+            MetaCode::f16()
+        };
         let mut columns = [0u8; 32];
         for (i, c) in columns
             .iter_mut()
             .enumerate()
             .take(code.data_bits() as usize)
         {
-            // SECDED check words fit a byte (the device decodes no other code).
+            // SECDED check words fit a byte (6 or 7 bits).
             *c = code.check(1 << i) as u8;
         }
         Self {
@@ -202,8 +208,8 @@ mod tests {
     /// up to three flips of a few words, for both widths.
     #[test]
     fn meta_columns_decode_like_kv_quant() {
-        for code in [MetaCode::f16(), MetaCode::f32()] {
-            let cols = MetaColumns::of(code);
+        for (code, wide) in [(MetaCode::f16(), false), (MetaCode::f32(), true)] {
+            let cols = MetaColumns::secded(wide);
             let w = code.data_bits();
             let n = w + code.check_bits();
             let mask = if w == 32 { u32::MAX } else { (1 << w) - 1 };

@@ -14,7 +14,8 @@
 //!   per channel, per group, per tensor; f16 or f32 scales), FP8 E4M3/E5M2
 //!   ([`Fp8Format`]), NF4 ([`NF4_LEVELS`]).
 //! - Protection: INT4 or NF4 codes under Hamming(7,4), SECDED(8,4) or
-//!   Golay(24,12) from `gf2-codes`, metadata under SECDED ([`MetaCode`]).
+//!   Golay(24,12) from `gf2-codes` (plain or bit-interleaved), metadata
+//!   under SECDED or Reed-Muller RM(2,5) ([`MetaCode`]).
 //!
 //! ```
 //! use kv_quant::{CacheForm, KvStore};

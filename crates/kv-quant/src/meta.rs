@@ -121,9 +121,12 @@ impl MetaCode {
         CODE.get_or_init(|| MetaCode::reed_muller(32))
     }
 
-    /// The code `protection` names for words of `width` bits (16 or 32);
-    /// `None` for unprotected metadata.
-    pub fn for_protection(protection: MetaProtection, width: usize) -> Option<&'static MetaCode> {
+    /// The code `protection` names for words of `width` bits (16, else 32:
+    /// the widths of kv-quant's scale types); `None` for unprotected metadata.
+    pub(crate) fn for_protection(
+        protection: MetaProtection,
+        width: usize,
+    ) -> Option<&'static MetaCode> {
         match (protection, width == 16) {
             (MetaProtection::Unprotected, _) => None,
             (MetaProtection::Secded, true) => Some(Self::f16()),

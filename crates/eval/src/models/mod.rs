@@ -168,7 +168,7 @@ pub(crate) fn forward_step(
 
 /// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`: abft-gemm's linear layer,
 /// so the projections are the GEMMs that crate checks. With `checks`, the
-/// product is verified by V-ABFT row checks before it is added: it is then
+/// product is verified by row checks (the configured rule) before it is added: it is then
 /// computed alone (not accumulated into `out` by the GEMM), which can change
 /// the last bit of a residual sum.
 pub(crate) fn project(

@@ -7,12 +7,17 @@
 //! in bit `i`, bit `8p + j` of codeword `i` (codeword bits as the inner
 //! layout stores them, LSB first): plane `p` of the block is the 8×8 bit
 //! transpose of byte `p` of the eight codewords. A final partial block (fewer
-//! than eight codewords) keeps the inner layout.
+//! than eight codewords) keeps the inner layout, so it has the inner code's
+//! protection against clustered faults only: buffers of a multiple of eight
+//! codewords are interleaved throughout.
 //!
 //! Decoding transposes a chunk of blocks back into the inner layout on the
 //! stack and runs the inner codec's decoder on it, so every backend of the
 //! inner code serves the interleaved one and the two cannot disagree on
-//! anything but the byte order.
+//! anything but the byte order. SECDED on AVX-512 skips the buffer: its
+//! kernel transposes each 64-byte chunk in registers before correcting it.
+//! (The permutation itself uses GFNI whenever the CPU has it, whatever
+//! backend is asked for: it is exact either way.)
 
 use super::{Backend, Int4Code, Int4Codec, check_decode_shapes};
 use crate::error::{Result, check_len};
@@ -23,7 +28,7 @@ pub const DEPTH: usize = 8;
 
 /// Bytes decoded per pass through the stack buffer: whole blocks of both
 /// codes (8 and 24 bytes) and whole 64-value words of the erasure bitmap
-/// (both codes store 8 bits per value), 16 × lcm(8, 24, 64).
+/// (both codes store 8 bits per value): 64 × lcm(8, 24, 64).
 const CHUNK: usize = 12288;
 
 /// SECDED(8,4) or Golay(24,12) with eight codewords bit-interleaved per
@@ -164,6 +169,7 @@ impl Interleaved {
     ) -> Result<DecodeStats> {
         let truth_len = truth.map(<[u8]>::len);
         check_decode_shapes(self, encoded.len(), values.len(), erasures.len(), truth_len)?;
+        backend.ensure_supported()?;
         let (head, mut stats) = self.fused_head(backend, encoded, truth, values, erasures);
         let (encoded, truth) = (&encoded[head..], truth.map(|t| &t[head..]));
         let (values, erasures) = (&mut values[head..], &mut erasures[head / 64..]);

@@ -141,7 +141,8 @@ impl Decoded {
 /// The `_into` calls work on caller-provided slices and never allocate; the
 /// others are conveniences over them. On error nothing useful is written.
 pub trait Int4Codec {
-    /// Short name, as used in cache-form spellings (`hamming74`, `secded84`, `golay24`).
+    /// Short name, as used in cache-form spellings (`hamming74`, `secded84`,
+    /// `golay24`, `secded84x8`, `golay24x8`).
     fn name(&self) -> &'static str;
 
     /// INT4 values held by one codeword.
@@ -227,7 +228,8 @@ pub trait Int4Codec {
     }
 }
 
-/// The three codes of the paper, for choosing one at run time.
+/// The three codes of the paper and the interleaved layouts of two of them,
+/// for choosing one at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Int4Code {
     /// Hamming(7,4), 7 bits per value.

@@ -1,6 +1,6 @@
 //! Decoding a section's rows back to f32 in its stored domain (rotated
-//! coordinates for rotated forms): metadata words (SECDED-decoded where
-//! protected), codes (ECC-decoded where protected, with an erasure bit per
+//! coordinates for rotated forms): metadata words (decoded by their code
+//! where protected), codes (ECC-decoded where protected, with an erasure bit per
 //! value), values, and the erasure policy ([`super::erasure`]).
 
 use gf2_codes::batch::{Backend, erasure_words, interleaved};
@@ -148,7 +148,7 @@ impl Section {
         Ok(stats)
     }
 
-    /// Reads (and for SECDED metadata decodes) the parameters of the groups of
+    /// Reads (and for protected metadata decodes) the parameters of the groups of
     /// rows `start..end` into the scratch, returning metadata statistics.
     fn load_params(
         &self,

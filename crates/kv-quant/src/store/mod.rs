@@ -37,8 +37,9 @@
 //!
 //! # What is protected by default
 //! Forms with a code protect the values (and exact rows) with that code and
-//! the scales and offsets with SECDED check bytes (`+meta-none` turns the
-//! latter off). Forms without a code protect nothing. Faults can be
+//! the scales and offsets with a metadata code: SECDED check bytes under
+//! Hamming and SECDED values, RM(2,5) check words under Golay values
+//! (`+meta-secded`, `+meta-rm` choose, `+meta-none` turns it off). Forms without a code protect nothing. Faults can be
 //! injected into the values and the metadata separately ([`FaultTarget`]).
 
 mod bits;
@@ -401,7 +402,8 @@ impl KvStore {
         &self.middle.offsets
     }
 
-    /// The metadata check bytes (forms with SECDED metadata).
+    /// The metadata check words (forms with protected metadata): one per
+    /// scale, then one per offset, each [`MetaCode::check_bytes`](crate::MetaCode::check_bytes) long.
     pub fn meta_checks(&self) -> &[u8] {
         &self.middle.checks
     }

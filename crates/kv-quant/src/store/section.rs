@@ -256,7 +256,8 @@ pub(crate) struct Section {
     pub(crate) scales: Vec<u8>,
     /// One offset (QJL residual norm) per group, for forms that have them.
     pub(crate) offsets: Vec<u8>,
-    /// One check byte per scale, then one per offset (SECDED metadata).
+    /// One check word per scale, then one per offset (protected metadata;
+    /// one, two or four bytes each, little-endian).
     pub(crate) checks: Vec<u8>,
     /// The codebooks of a vq form (shared, not counted in `stored_bytes`).
     pub(crate) codebook: Option<Arc<VqCodebook>>,

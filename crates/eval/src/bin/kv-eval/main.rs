@@ -176,9 +176,10 @@ enum Command {
         /// The fixed rule's relative tolerance τ (bound τ·Σ|row|) [default: 1e-3].
         #[arg(long)]
         abft_tau: Option<f64>,
-        /// With --abft: flip one random bit of each GEMM output element
-        /// with this probability (seeded by --seed), and report the
-        /// detection rate per bit position.
+        /// With --abft: flip one random bit of each element of the
+        /// --gemm-flip-site (output, running sum or weight) with this
+        /// probability (seeded by --seed), and report the detection rate per
+        /// bit position.
         #[arg(long, default_value_t = 0.0)]
         gemm_flips: f64,
         /// Where --gemm-flips land: product elements, running sums, or
