@@ -214,11 +214,16 @@ pub(crate) unsafe fn hamming_decode_avx512(
 
 /// Golay batch decode with AVX-512 + GFNI, 64 codewords per block: syndromes
 /// for all, the leader table only for the words whose syndrome is non-zero.
+/// `INTERLEAVED` reads `golay24x8`'s layout: each 192-byte block is eight
+/// interleaving blocks, whose 8-byte planes are transposed back in registers
+/// (byte reversal and one `vgf2p8affineqb`, as `interleaved` does) before
+/// the byte planes are gathered from where the transpose leaves them.
 ///
 /// # Safety
-/// As [`secded_decode_avx512`].
+/// As [`secded_decode_avx512`]; with `INTERLEAVED`, `values.len()` must be
+/// a multiple of 192 (the plain layout's tail is decoded as such).
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,gfni,popcnt")]
-pub(crate) unsafe fn golay_decode_avx512(
+pub(crate) unsafe fn golay_decode_avx512<const INTERLEAVED: bool>(
     t: &GolayTables,
     encoded: &[u8],
     values: &mut [u8],
@@ -226,14 +231,30 @@ pub(crate) unsafe fn golay_decode_avx512(
 ) -> DecodeStats {
     const BLOCK_VALUES: usize = 192; // 64 codewords, 192 bytes, 3 erasure words
     let blocks = values.len() / BLOCK_VALUES;
+    debug_assert!(!INTERLEAVED || values.len().is_multiple_of(BLOCK_VALUES));
+    // SAFETY: every array is 64 readable bytes.
+    let load = |a: &[u8; 64]| unsafe { _mm512_loadu_si512(a.as_ptr().cast()) };
 
     // Byte-plane r of the block: byte i is input byte 3i + r. `vpermi2b` covers
     // input bytes 0..128 with the low 7 index bits; lanes reading 128..192 are
     // then replaced from the third vector by `vpermb` (low 6 bits: 3i + r − 128).
+    // Interleaved: after the transposes, byte r of codeword i = 8B + k sits
+    // at 24B + 8r + k.
+    let source = |i: usize, r: usize| match INTERLEAVED {
+        false => 3 * i + r,
+        true => 24 * (i / 8) + 8 * r + i % 8,
+    };
     let plane_idx: [[u8; 64]; 3] =
-        std::array::from_fn(|r| std::array::from_fn(|i| (3 * i + r) as u8));
+        std::array::from_fn(|r| std::array::from_fn(|i| source(i, r) as u8));
     let plane_hi: [u64; 3] =
-        std::array::from_fn(|r| (0..64).fold(0u64, |m, i| m | u64::from(3 * i + r >= 128) << i));
+        std::array::from_fn(|r| (0..64).fold(0u64, |m, i| m | u64::from(source(i, r) >= 128) << i));
+    let reverse: [u8; 64] = std::array::from_fn(|k| (k / 8 * 8 + 7 - k % 8) as u8);
+    let reverse = load(&reverse);
+    let units = _mm512_set1_epi64(0x8040_2010_0804_0201_u64 as i64);
+    let transpose = |z: __m512i| match INTERLEAVED {
+        false => z,
+        true => _mm512_gf2p8affine_epi64_epi8::<0>(units, _mm512_permutexvar_epi8(reverse, z)),
+    };
     // Output vector k, byte b: value 64k + b = codeword c, role ρ. Roles 0 and 1
     // come from planes V0/V1 by `vpermi2b` (bit 6 picks V1), role 2 from V2.
     let out_idx: [[u8; 64]; 3] = std::array::from_fn(|k| {
@@ -245,8 +266,6 @@ pub(crate) unsafe fn golay_decode_avx512(
     let out_role2: [u64; 3] = std::array::from_fn(|k| {
         (0..64).fold(0u64, |m, b| m | u64::from((64 * k + b) % 3 == 2) << b)
     });
-    // SAFETY: every array is 64 readable bytes.
-    let load = |a: &[u8; 64]| unsafe { _mm512_loadu_si512(a.as_ptr().cast()) };
     let plane_idx = plane_idx.each_ref().map(load);
     let out_idx = out_idx.each_ref().map(load);
     let affine = t
@@ -269,6 +288,7 @@ pub(crate) unsafe fn golay_decode_avx512(
                 _mm512_loadu_si512(p.add(128).cast()),
             )
         };
+        let (z0, z1, z2) = (transpose(z0), transpose(z1), transpose(z2));
         let planes: [__m512i; 3] = std::array::from_fn(|r| {
             let low = _mm512_permutex2var_epi8(z0, plane_idx[r], z1);
             _mm512_mask_permutexvar_epi8(low, plane_hi[r], plane_idx[r], z2)

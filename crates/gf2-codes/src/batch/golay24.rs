@@ -227,7 +227,9 @@ impl Int4Codec for Golay24 {
             #[cfg(target_arch = "x86_64")]
             Backend::Avx512 => {
                 // SAFETY: `ensure_supported` checked the CPU features.
-                unsafe { super::avx512::golay_decode_avx512(tables(), encoded, values, erasures) }
+                unsafe {
+                    super::avx512::golay_decode_avx512::<false>(tables(), encoded, values, erasures)
+                }
             }
             // No byte shuffle reaches a 4096-entry table: AVX2 runs the scalar loop.
             _ => decode_all(tables(), encoded, values, None, erasures),

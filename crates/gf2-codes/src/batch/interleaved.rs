@@ -121,9 +121,10 @@ impl Interleaved {
         }
     }
 
-    /// Decodes the longest prefix of whole 64-value chunks in one pass where
-    /// a fused kernel exists (SECDED on AVX-512: the transpose in registers
-    /// before the correction) and the backend asked for is that one; returns
+    /// Decodes the longest prefix of whole chunks in one pass where a fused
+    /// kernel exists (on AVX-512: SECDED in chunks of 64 values, Golay
+    /// without truth in blocks of 192; the transposes in registers before
+    /// the correction) and the backend asked for is that one; returns
     /// the values decoded and their statistics. Backends are checked by the
     /// inner decoder for the rest.
     fn fused_head(
@@ -148,6 +149,25 @@ impl Interleaved {
                     &encoded[..head],
                     &mut values[..head],
                     truth.map(|t| &t[..head]),
+                    &mut erasures[..head / 64],
+                )
+            };
+            return (head, stats);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.inner == Int4Code::Golay24
+            && truth.is_none()
+            && backend == Backend::Avx512
+            && backend.is_supported()
+        {
+            let head = values.len() / 192 * 192;
+            // SAFETY: as above; `head` values are `head` bytes (64 codewords
+            // per 192) and a multiple of 192.
+            let stats = unsafe {
+                super::avx512::golay_decode_avx512::<true>(
+                    super::golay24::tables(),
+                    &encoded[..head],
+                    &mut values[..head],
                     &mut erasures[..head / 64],
                 )
             };
@@ -504,15 +524,18 @@ mod tests {
         }
     }
 
-    /// Every fault confined to one byte (all 255 patterns, every byte of a
-    /// two-block buffer) touches each codeword at most once: SECDED corrects
-    /// all of them, which it cannot do without interleaving.
+    /// Every fault confined to one byte (all 255 patterns, every byte of 24
+    /// whole blocks followed by a partial one) touches each codeword at most
+    /// once: SECDED corrects all of them, which it cannot do without
+    /// interleaving.
     #[test]
     fn every_multi_bit_upset_in_one_byte_is_corrected() {
         for code in [SECDED84_X8, GOLAY24_X8] {
-            let v = values(2 * DEPTH * code.values_per_codeword(), 5);
+            // 192 codewords and a partial block: the fused AVX-512 kernels
+            // and the chunked path both see faults.
+            let v = values((24 * DEPTH + 3) * code.values_per_codeword(), 5);
             let clean = code.encode(&v).unwrap();
-            for byte in 0..clean.len() {
+            for byte in 0..24 * code.block_bytes() {
                 for pattern in 1..=255u8 {
                     let mut hit = clean.clone();
                     hit[byte] ^= pattern;
@@ -532,7 +555,7 @@ mod tests {
     #[test]
     fn every_burst_of_up_to_eight_bits_is_corrected() {
         for code in [SECDED84_X8, GOLAY24_X8] {
-            let v = values(2 * DEPTH * code.values_per_codeword(), 9);
+            let v = values(24 * DEPTH * code.values_per_codeword(), 9);
             let clean = code.encode(&v).unwrap();
             for len in 2..=8 {
                 for start in 0..8 * clean.len() - len + 1 {
