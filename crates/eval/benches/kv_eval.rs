@@ -38,6 +38,7 @@ fn bench(c: &mut Criterion) {
         ber,
         seed: 0,
         target: FaultTarget::Values,
+        hot: None,
     };
     let mut cases = vec![("baseline-plain".to_string(), CacheMode::Plain, None)];
     for form in [

@@ -215,6 +215,7 @@ mod tests {
                 ber,
                 seed: 0,
                 target: FaultTarget::Values,
+                hot: None,
             })
         };
         let paged = BackendKind::Paged { block_size: 16 };

@@ -14,6 +14,7 @@
 //! costs O(T²) over a token-by-token generation; the evaluation prefills
 //! whole windows, one call each, where it costs one encode per layer.
 
+pub use crate::adaptive::{HotLayers, LayerCodewords};
 use std::sync::Arc;
 
 use attention::{
@@ -416,6 +417,9 @@ pub struct FaultSpec {
     pub seed: u64,
     /// Which buffers of a store are hit.
     pub target: FaultTarget,
+    /// Layers whose memory is worse: they see `hot.ber` instead of `ber`
+    /// (a non-uniform fault map; the re-encode backend only).
+    pub hot: Option<HotLayers>,
 }
 
 /// Codec statistics summed over every store read.
@@ -441,6 +445,9 @@ pub struct CacheStats {
     pub part_bytes: [u64; 2],
     /// Runtime error certificates of the low-rank layers, per layer.
     pub certificates: Vec<CertificateSums>,
+    /// Value codewords read, corrected and detected, per layer: what a
+    /// scrubber sees of each layer's memory.
+    pub layers: Vec<LayerCodewords>,
 }
 
 /// Sums and maxima of the error certificates of one layer (every query
@@ -480,6 +487,15 @@ impl std::ops::AddAssign for CacheStats {
         self.codebook_bytes += r.codebook_bytes;
         self.part_bytes[0] += r.part_bytes[0];
         self.part_bytes[1] += r.part_bytes[1];
+        if self.layers.len() < r.layers.len() {
+            self.layers
+                .resize(r.layers.len(), LayerCodewords::default());
+        }
+        for (a, b) in self.layers.iter_mut().zip(&r.layers) {
+            a.words += b.words;
+            a.corrected += b.corrected;
+            a.detected += b.detected;
+        }
         if self.certificates.len() < r.certificates.len() {
             self.certificates
                 .resize(r.certificates.len(), CertificateSums::default());
@@ -493,7 +509,7 @@ impl std::ops::AddAssign for CacheStats {
 /// The K/V cache of one sequence.
 pub struct KvCache {
     mode: CacheMode,
-    faults: Option<(FaultSpec, Box<dyn FaultChannel + Send + Sync>)>,
+    faults: Option<Faults>,
     stream: u64,
     /// The f32 rows, committed and pending: the truth every call encodes.
     rows: DenseBackend,
@@ -509,11 +525,18 @@ impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvCache")
             .field("mode", &self.mode)
-            .field("faults", &self.faults.as_ref().map(|f| f.0))
+            .field("faults", &self.faults.as_ref().map(|f| f.spec))
             .field("stream", &self.stream)
             .field("tokens", &self.rows.tokens())
             .finish()
     }
+}
+
+/// A run's fault channels: every layer's, and the hot layers' if any.
+struct Faults {
+    spec: FaultSpec,
+    channel: Box<dyn FaultChannel + Send + Sync>,
+    hot: Option<Box<dyn FaultChannel + Send + Sync>>,
 }
 
 /// splitmix64's finaliser, to derive independent seeds.
@@ -536,7 +559,21 @@ impl KvCache {
                         reason: "the plain cache has no stored bits to corrupt; use a form".into(),
                     });
                 }
-                Some((f, f.channel.build(f.ber)?))
+                let hot = match f.hot {
+                    Some(h) if (0.0..=1.0).contains(&h.ber) => Some(f.channel.build(h.ber)?),
+                    Some(h) => {
+                        return Err(EvalError::InvalidParameter {
+                            name: "hot ber",
+                            reason: format!("{} is not in [0, 1]", h.ber),
+                        });
+                    }
+                    None => None,
+                };
+                Some(Faults {
+                    spec: f,
+                    channel: f.channel.build(f.ber)?,
+                    hot,
+                })
             }
             Some(f) if f.ber.is_nan() || f.ber < 0.0 => {
                 return Err(EvalError::InvalidParameter {
@@ -675,7 +712,12 @@ impl KvBackend for KvCache {
                 // reads the faulted stores through the same fused kernels as
                 // clean ones, and the statistics still separate corrected,
                 // miscorrected and silent words.
-                if let Some((spec, channel)) = &self.faults {
+                if let Some(faults) = &self.faults {
+                    let spec = faults.spec;
+                    let channel = match (&faults.hot, spec.hot) {
+                        (Some(hot), Some(h)) if h.contains(layer) => hot,
+                        _ => &faults.channel,
+                    };
                     let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
                     let seed_k = mix(base ^ mix(2 * layer as u64));
                     let seed_v = mix(base ^ mix(2 * layer as u64 + 1));
@@ -729,6 +771,17 @@ impl KvBackend for KvCache {
         };
         self.stats.keys += out.stats.keys;
         self.stats.values += out.stats.values;
+        if self.stats.layers.len() <= layer {
+            self.stats
+                .layers
+                .resize(layer + 1, LayerCodewords::default());
+        }
+        let seen = &mut self.stats.layers[layer];
+        for s in [out.stats.keys.values, out.stats.values.values] {
+            seen.words += s.words;
+            seen.corrected += s.corrected;
+            seen.detected += s.detected;
+        }
         self.stats.non_finite += out.non_finite as u64;
         Ok(out)
     }

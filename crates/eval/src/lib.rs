@@ -7,6 +7,7 @@ pub mod tokenizer;
 
 pub use error::{EvalError, Result};
 pub mod accumulate;
+pub mod adaptive;
 pub mod backend;
 pub mod batch;
 pub mod cache;

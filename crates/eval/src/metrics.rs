@@ -255,6 +255,9 @@ pub struct StatsReport {
     /// Mean and largest runtime error certificates of each low-rank layer
     /// (empty for runs without low-rank forms).
     pub certificates: Vec<LayerCertificate>,
+    /// Value codewords read, corrected and detected per layer (what a
+    /// scrubber sees of each layer's memory; re-encode backend).
+    pub layers: Vec<crate::cache::LayerCodewords>,
 }
 
 impl StatsReport {
@@ -328,6 +331,7 @@ impl From<&CacheStats> for StatsReport {
                     output_max: c.output_max,
                 })
                 .collect(),
+            layers: s.layers.clone(),
         }
     }
 }

@@ -48,6 +48,27 @@ fn hostile_flags_are_refused_before_any_work() {
         ),
         (&["ppl", "--abft", "z-abft"], "z-abft"),
         (
+            &[
+                "adapt",
+                "--hot-layers",
+                "3",
+                "--promote-at",
+                "1e-6",
+                "--demote-at",
+                "1e-4",
+            ],
+            "demote-at",
+        ),
+        (&["adapt", "--hot-layers", "70"], "layers 0..64"),
+        (
+            &["adapt", "--hot-layers", "3", "--ber", "0"],
+            "--ber 0 is not in (0, 1]",
+        ),
+        (
+            &["adapt", "--hot-layers", "3", "--hot-ber", "2"],
+            "--hot-ber 2 is not in (0, 1]",
+        ),
+        (
             &["ppl", "--abft", "--gemm-flip-site", "weight"],
             "--gemm-flip-site goes with --gemm-flips",
         ),

@@ -331,6 +331,7 @@ fn ledger_statistics_equal_the_clean_twin_numbers() {
                         ber,
                         seed: 7,
                         target: FaultTarget::Everything,
+                        hot: None,
                     }),
                 )
             })

@@ -5,6 +5,7 @@
 
 mod abft;
 mod accumulate;
+mod adapt;
 mod batch;
 mod calib;
 mod generate;
@@ -296,6 +297,10 @@ enum Command {
     /// with and without scrubbing: top-1 agreement and KL per step against
     /// the same form without faults; accumulate.md and .json in --out.
     Accumulate(accumulate::AccumulateArgs),
+    /// Adaptive protection on a non-uniform fault map: each layer's code
+    /// (Hamming, SECDED, Golay) chosen from what reading it under SECDED
+    /// showed, scored against uniform codes under the same faults.
+    Adapt(adapt::AdaptArgs),
     /// The top-k next tokens of a prompt with their logits and probabilities.
     Top {
         /// GGUF model file, Hugging Face folder or fetched model name
@@ -443,6 +448,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 ber,
                 seed,
                 target: target.into(),
+                hot: None,
             };
             // GEMM flips can make K/V non-finite, which the paged cache
             // refuses to store: `auto` keeps them on the re-encode backend.
@@ -593,6 +599,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                                 ber,
                                 seed,
                                 target: target.into(),
+                                hot: None,
                             }),
                         ));
                         keys.push((form.clone(), ber, seed));
@@ -786,6 +793,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Batch(args) => batch::run(args)?,
         Command::Niah(args) => niah::run(args)?,
         Command::Accumulate(args) => accumulate::run_accumulate(args)?,
+        Command::Adapt(args) => adapt::run_adapt(args)?,
         Command::Top { model, prompt, k } => {
             if prompt.is_empty() {
                 return Err("the prompt is empty".into());

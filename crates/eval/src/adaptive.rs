@@ -1,0 +1,188 @@
+//! Adaptive protection (the ECC paper's future work): each layer's code
+//! chosen from what reading that layer under a detecting code showed.
+//!
+//! A first pass stores every layer under SECDED(8,4) and counts, per layer,
+//! the value codewords corrected and detected (a scrubber's view of the
+//! layer's memory: [`LayerCodewords`]). From those counts each layer's raw
+//! bit error rate is estimated, and the layer is promoted to Golay(24,12)
+//! where the estimate reaches `promote_at`, demoted to Hamming(7,4) (one
+//! byte in eight less, no detection) where it stays below `demote_at`, and
+//! kept under SECDED between. The re-encode backend writes every window's
+//! stores anew, so the chosen codes take effect at the next write.
+
+use crate::error::{EvalError, Result};
+
+/// Layers hit at a bit error rate of their own.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HotLayers {
+    /// Bit `l` set for layer `l` (layers 0..64).
+    pub layers: u64,
+    /// Their bit error rate.
+    pub ber: f64,
+}
+
+impl HotLayers {
+    /// Whether `layer` is hot.
+    pub fn contains(&self, layer: usize) -> bool {
+        layer < 64 && self.layers >> layer & 1 == 1
+    }
+}
+
+/// Value-codeword statistics of one layer's stores (keys and values).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LayerCodewords {
+    /// Codewords read.
+    pub words: u64,
+    /// Of those, corrected.
+    pub corrected: u64,
+    /// Of those, detected as uncorrectable.
+    pub detected: u64,
+}
+
+/// A layer's protection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Level {
+    /// Hamming(7,4): 7 bits per value, single flips corrected, nothing
+    /// detected.
+    Hamming,
+    /// SECDED(8,4): 8 bits per value, single flips corrected, double detected.
+    Secded,
+    /// Golay(24,12): 8 bits per value, three flips per word corrected.
+    Golay,
+}
+
+/// When a layer moves up or down.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdaptRule {
+    /// Promote to Golay at an estimated bit error rate of at least this.
+    pub promote_at: f64,
+    /// Demote to Hamming below this.
+    pub demote_at: f64,
+}
+
+impl AdaptRule {
+    /// Refuses thresholds that are not `0 ≤ demote_at ≤ promote_at ≤ 1`.
+    pub fn check(&self) -> Result<()> {
+        let ok = (0.0..=1.0).contains(&self.demote_at)
+            && (0.0..=1.0).contains(&self.promote_at)
+            && self.demote_at <= self.promote_at;
+        if ok {
+            Ok(())
+        } else {
+            Err(EvalError::InvalidParameter {
+                name: "adaptive thresholds",
+                reason: format!(
+                    "need 0 ≤ demote-at ({}) ≤ promote-at ({}) ≤ 1",
+                    self.demote_at, self.promote_at
+                ),
+            })
+        }
+    }
+}
+
+/// A layer's raw bit error rate estimated from its SECDED(8,4) statistics:
+/// a word with one flip is corrected (probability ≈ 8p), one with two is
+/// detected (≈ 28p²), so `p ≈ (corrected + 2·detected) / (8·words)`.
+/// `None` for a layer nothing was read from.
+pub fn estimate(layer: &LayerCodewords) -> Option<f64> {
+    (layer.words > 0)
+        .then(|| (layer.corrected + 2 * layer.detected) as f64 / (8 * layer.words) as f64)
+}
+
+/// Each layer's level under `rule`, from its observed statistics.
+pub fn choose(layers: &[LayerCodewords], rule: AdaptRule) -> Result<Vec<Level>> {
+    rule.check()?;
+    layers
+        .iter()
+        .enumerate()
+        .map(|(l, s)| {
+            let p = estimate(s).ok_or_else(|| EvalError::InvalidParameter {
+                name: "observation",
+                reason: format!("layer {l} was never read: observe more tokens"),
+            })?;
+            Ok(if p >= rule.promote_at {
+                Level::Golay
+            } else if p < rule.demote_at {
+                Level::Hamming
+            } else {
+                Level::Secded
+            })
+        })
+        .collect()
+}
+
+/// The per-layer spelling (kv-quant's `LayerForms`) storing each layer in
+/// `base` under its level's code with `suffix` (for example `+interp`):
+/// `0,5:int4+golay24+interp;1-4:...`, every level that occurs, no `*`.
+pub fn layer_forms(levels: &[Level], base: &str, suffix: &str) -> String {
+    [
+        (Level::Hamming, "hamming74"),
+        (Level::Secded, "secded84"),
+        (Level::Golay, "golay24"),
+    ]
+    .into_iter()
+    .filter_map(|(level, code)| {
+        let layers: Vec<String> = (0..levels.len())
+            .filter(|&l| levels[l] == level)
+            .map(|l| l.to_string())
+            .collect();
+        (!layers.is_empty()).then(|| format!("{}:{base}+{code}{suffix}", layers.join(",")))
+    })
+    .collect::<Vec<_>>()
+    .join(";")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(words: u64, corrected: u64, detected: u64) -> LayerCodewords {
+        LayerCodewords {
+            words,
+            corrected,
+            detected,
+        }
+    }
+
+    #[test]
+    fn layers_move_by_their_estimated_rate() {
+        let rule = AdaptRule {
+            promote_at: 1e-4,
+            demote_at: 1e-6,
+        };
+        // 1e6 words with 800 corrected: p = 800 / 8e6 = 1e-4.
+        let layers = [
+            seen(1_000_000, 800, 0),
+            seen(1_000_000, 7, 0),
+            seen(1_000_000, 80, 1),
+        ];
+        assert_eq!(estimate(&layers[0]), Some(1e-4));
+        assert_eq!(
+            choose(&layers, rule).unwrap(),
+            [Level::Golay, Level::Hamming, Level::Secded]
+        );
+        assert_eq!(
+            layer_forms(&choose(&layers, rule).unwrap(), "int4", "+interp"),
+            "1:int4+hamming74+interp;2:int4+secded84+interp;0:int4+golay24+interp"
+        );
+    }
+
+    #[test]
+    fn bad_rules_and_unread_layers_are_errors() {
+        let bad = AdaptRule {
+            promote_at: 1e-6,
+            demote_at: 1e-4,
+        };
+        assert!(choose(&[seen(10, 0, 0)], bad).is_err());
+        let nan = AdaptRule {
+            promote_at: f64::NAN,
+            demote_at: 0.0,
+        };
+        assert!(nan.check().is_err());
+        let rule = AdaptRule {
+            promote_at: 1e-4,
+            demote_at: 1e-6,
+        };
+        assert!(choose(&[seen(0, 0, 0)], rule).is_err());
+    }
+}
