@@ -9,6 +9,8 @@
 //! byte in eight less, no detection) where it stays below `demote_at`, and
 //! kept under SECDED between. The re-encode backend writes every window's
 //! stores anew, so the chosen codes take effect at the next write.
+//! [`HotLayers`] is the non-uniform fault map it is measured on (through
+//! `FaultSpec::hot`); `kv-eval adapt` runs the whole experiment.
 
 use crate::error::{EvalError, Result};
 
