@@ -336,3 +336,56 @@ fn unsupported_backend_is_an_error_not_a_crash() {
     assert!(Backend::available().contains(&Backend::Scalar));
     assert!(Backend::detect().is_supported());
 }
+
+/// `codeword_of_bit` names the codeword a stored bit belongs to: two flips
+/// in the codeword it names are detected by SECDED, two flips in different
+/// codewords are both corrected, in the plain and the interleaved layout
+/// (a partial final block included).
+#[test]
+fn codeword_of_bit_names_the_codeword_a_flip_lands_in() {
+    for code in [Int4Code::Secded84, Int4Code::Secded84x8] {
+        let codec = code.codec();
+        let n = 8 * 3 + 3;
+        let truth: Vec<u8> = (0..n).map(|i| (i * 5 % 16) as u8).collect();
+        let clean = codec.encode(&truth).unwrap();
+        let bits = 8 * clean.len() as u64;
+        for a in 0..bits {
+            for b in a + 1..bits {
+                let mut hit = clean.clone();
+                for x in [a, b] {
+                    hit[(x / 8) as usize] ^= 1 << (x % 8);
+                }
+                let d = codec.decode(&hit, n).unwrap();
+                let same = codec.codeword_of_bit(a, n) == codec.codeword_of_bit(b, n);
+                let expect = if same { (0, 1) } else { (2, 0) };
+                assert_eq!(
+                    (d.stats.corrected, d.stats.detected),
+                    expect,
+                    "{code} bits {a}, {b}"
+                );
+            }
+        }
+    }
+}
+
+/// Encodings of `n` values each laid end to end equal the encoding of all
+/// the values exactly where `concatenates(n)` says so.
+#[test]
+fn concatenation_is_promised_only_where_it_holds() {
+    let every = Int4Code::ALL.into_iter().chain(Int4Code::INTERLEAVED);
+    for code in every {
+        let codec = code.codec();
+        for n in [1, 3, 5, 8, 24, 27, 64, 72, 192, 200] {
+            // Eight parts: enough to fill an interleaving block from one value each.
+            let parts: Vec<Vec<u8>> = (0..8)
+                .map(|p| (0..n).map(|i| ((i * 7 + 3 * p + 1) % 16) as u8).collect())
+                .collect();
+            let joined: Vec<u8> = parts
+                .iter()
+                .flat_map(|p| codec.encode(p).unwrap())
+                .collect();
+            let whole = codec.encode(&parts.concat()).unwrap();
+            assert_eq!(codec.concatenates(n), joined == whole, "{code} n = {n}");
+        }
+    }
+}

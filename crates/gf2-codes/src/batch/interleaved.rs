@@ -19,7 +19,9 @@
 //! (The permutation itself uses GFNI whenever the CPU has it, whatever
 //! backend is asked for: it is exact either way.)
 
-use super::{Backend, Int4Code, Int4Codec, check_decode_shapes};
+use std::ops::Range;
+
+use super::{Backend, Int4Code, Int4Codec, check_decode_shapes, check_nibbles};
 use crate::error::{Result, check_len};
 use crate::stats::DecodeStats;
 
@@ -110,15 +112,15 @@ impl Interleaved {
         }
     }
 
-    /// Moves the whole blocks of `bytes` in place, through a stack buffer
-    /// chunk by chunk.
-    fn permute(&self, bytes: &mut [u8], forward: bool) {
-        let mut buffer = [0u8; CHUNK];
-        for chunk in bytes.chunks_mut(CHUNK) {
-            let copy = &mut buffer[..chunk.len()];
-            copy.copy_from_slice(chunk);
-            self.permute_into(copy, chunk, forward);
-        }
+    /// The chunks of an encoding of `values` values: first value, value
+    /// count and encoded byte range of each (whole blocks but for the last).
+    fn chunk_spans(&self, values: usize) -> impl Iterator<Item = (usize, usize, Range<usize>)> {
+        let codec = self.inner.codec();
+        (0..values).step_by(CHUNK).map(move |first| {
+            let count = (values - first).min(CHUNK);
+            let span = codec.encoded_len(first)..codec.encoded_len(first + count);
+            (first, count, span)
+        })
     }
 
     /// Decodes the longest prefix of whole chunks in one pass where a fused
@@ -221,18 +223,12 @@ impl Interleaved {
         values: usize,
         mut f: impl FnMut(&[u8], usize, usize) -> Result<DecodeStats>,
     ) -> Result<DecodeStats> {
-        let codec = self.inner.codec();
         let mut stats = DecodeStats::default();
         let mut buffer = [0u8; CHUNK];
-        let mut first = 0;
-        while first < values {
-            let count = (values - first).min(CHUNK);
-            let at = codec.encoded_len(first);
-            let len = codec.encoded_len(first + count) - at;
-            let chunk = &mut buffer[..len];
-            self.permute_into(&encoded[at..at + len], chunk, false);
+        for (first, count, span) in self.chunk_spans(values) {
+            let chunk = &mut buffer[..span.len()];
+            self.permute_into(&encoded[span], chunk, false);
             stats += f(chunk, first, count)?;
-            first += count;
         }
         Ok(stats)
     }
@@ -383,8 +379,15 @@ impl Int4Codec for Interleaved {
     }
 
     fn encode_into(&self, values: &[u8], encoded: &mut [u8]) -> Result<()> {
-        self.inner.codec().encode_into(values, encoded)?;
-        self.permute(encoded, true);
+        check_len("encoded", self.encoded_len(values.len()), encoded.len())?;
+        check_nibbles(values)?;
+        let codec = self.inner.codec();
+        let mut buffer = [0u8; CHUNK];
+        for (first, count, span) in self.chunk_spans(values.len()) {
+            let chunk = &mut buffer[..span.len()];
+            codec.encode_into(&values[first..first + count], chunk)?;
+            self.permute_into(chunk, &mut encoded[span], true);
+        }
         Ok(())
     }
 
@@ -413,18 +416,31 @@ impl Int4Codec for Interleaved {
         check_len("encoded", self.encoded_len(values), encoded.len())?;
         let codec = self.inner.codec();
         let mut stats = DecodeStats::default();
-        let mut first = 0;
-        while first < values {
-            let count = (values - first).min(CHUNK);
-            let at = codec.encoded_len(first);
-            let len = codec.encoded_len(first + count) - at;
-            let chunk = &mut encoded[at..at + len];
-            self.permute(chunk, false);
+        let mut buffer = [0u8; CHUNK];
+        for (_, count, span) in self.chunk_spans(values) {
+            let chunk = &mut buffer[..span.len()];
+            self.permute_into(&encoded[span.clone()], chunk, false);
             stats += codec.scrub(chunk, count)?;
-            self.permute(chunk, true);
-            first += count;
+            self.permute_into(chunk, &mut encoded[span], true);
         }
         Ok(stats)
+    }
+
+    /// In a whole block of eight codewords bit `j` of every byte belongs to
+    /// codeword `j` of the block; a final partial block lies end to end.
+    fn codeword_of_bit(&self, bit: u64, values: usize) -> usize {
+        let block_bits = 8 * self.block_bytes() as u64;
+        let whole_blocks = (self.codewords(values) / DEPTH) as u64;
+        if bit / block_bits < whole_blocks {
+            (DEPTH as u64 * (bit / block_bits) + bit % 8) as usize
+        } else {
+            self.inner.codec().codeword_of_bit(bit, values)
+        }
+    }
+
+    /// Blocks start with each encoding: rows join only as whole blocks.
+    fn concatenates(&self, values: usize) -> bool {
+        self.inner.codec().concatenates(values) && self.codewords(values).is_multiple_of(DEPTH)
     }
 }
 

@@ -159,6 +159,23 @@ pub trait Int4Codec {
         values.div_ceil(self.values_per_codeword())
     }
 
+    /// The codeword of an encoding of `values` values that stored bit `bit`
+    /// belongs to (bit `8i + j` is bit `j` of byte `i`). In the plain
+    /// layouts codewords lie end to end.
+    fn codeword_of_bit(&self, bit: u64, values: usize) -> usize {
+        let _ = values;
+        let per_codeword = u64::from(self.bits_per_value()) * self.values_per_codeword() as u64;
+        (bit / per_codeword) as usize
+    }
+
+    /// Whether encodings of `values` values each, laid end to end, are the
+    /// encoding of all their values (so several can be decoded in one call).
+    /// True for the plain layouts once `values` fills whole codewords.
+    fn concatenates(&self, values: usize) -> bool {
+        values.is_multiple_of(self.values_per_codeword())
+            && self.encoded_len(values) * 8 == values * self.bits_per_value() as usize
+    }
+
     /// Encodes `values` (each `<= 15`) into `encoded` (`encoded_len(values.len())` bytes).
     fn encode_into(&self, values: &[u8], encoded: &mut [u8]) -> Result<()>;
 

@@ -3,7 +3,7 @@
 //! where protected), codes (ECC-decoded where protected, with an erasure bit per
 //! value), values, and the erasure policy ([`super::erasure`]).
 
-use gf2_codes::batch::{Backend, erasure_words, interleaved};
+use gf2_codes::batch::{Backend, erasure_words};
 use gf2_codes::{DecodeOutcome, DecodeStats};
 use half::bf16;
 
@@ -251,15 +251,8 @@ impl Section {
         // multiple of 3); the rows of a tile form one codeword stream
         // unless a row ends inside a byte (Hamming(7,4) with n % 8 ≠ 0).
         let padded = codec.codewords(n) * codec.values_per_codeword();
-        // (Interleaved codes lay out whole blocks of eight codewords from the
-        // start of each row: rows join into one stream only when they hold
-        // whole blocks.)
-        let whole_blocks = !self
-            .coding
-            .protection()
-            .is_some_and(|p| p.code.is_interleaved())
-            || codec.codewords(n).is_multiple_of(interleaved::DEPTH);
-        let one_stream = codec.encoded_len(padded * count) == rb * count && whole_blocks;
+        let one_stream =
+            codec.concatenates(padded) && codec.encoded_len(padded * count) == rb * count;
         if one_stream && self.coding.nibbles_are_levels() && padded == ch && ch % 64 == 0 {
             // Same layout as the tile: decode straight into it.
             let levels = grow(&mut scratch.levels, count * ch);

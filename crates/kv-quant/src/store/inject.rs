@@ -2,7 +2,6 @@
 //! every flipped bit ([`Injection`]), and the map from a flipped bit to the
 //! value word it hit.
 
-use gf2_codes::Int4Code;
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
 
 use super::KvStore;
@@ -123,20 +122,9 @@ impl KvStore {
         if row >= m.tokens {
             return None;
         }
-        let code = m.coding.protection().map(|p| p.code);
-        let word_bits = match code.map(Int4Code::base) {
-            Some(Int4Code::Hamming74) => 7,
-            Some(Int4Code::Secded84) => 8,
-            Some(_) => 24,
-            None => u64::from(m.coding.code_bits),
-        };
-        // Interleaved rows: in a whole block of eight codewords, bit k of
-        // every byte belongs to codeword k of the block.
-        let block_bits = 8 * word_bits;
-        let whole_blocks = (m.words_per_row() / 8) as u64;
-        let word = match code.is_some_and(Int4Code::is_interleaved) {
-            true if b / block_bits < whole_blocks => (8 * (b / block_bits) + b % 8) as usize,
-            _ => (b / word_bits) as usize,
+        let word = match m.coding.codec() {
+            Some(codec) => codec.codeword_of_bit(b, m.coding.nibbles(m.channels)),
+            None => (b / u64::from(m.coding.code_bits)) as usize,
         };
         (word < m.words_per_row()).then_some(row * m.words_per_row() + word)
     }

@@ -9,11 +9,11 @@ use std::path::PathBuf;
 use kv_eval::adaptive::{AdaptRule, choose, estimate, layer_forms};
 use kv_eval::backend::BackendKind;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, HotLayers};
-use kv_eval::metrics::{RunConfig, evaluate};
+use kv_eval::metrics::RunConfig;
 use kv_quant::{FaultTarget, LayerForms};
 
 use crate::source::{Source, method, prepare};
-use crate::{Error, progress_bar};
+use crate::{Error, evaluate_with_bar};
 
 /// The flags of `kv-eval adapt`.
 #[derive(clap::Args)]
@@ -109,22 +109,17 @@ pub(crate) fn run_adapt(args: AdaptArgs) -> Result<(), Error> {
         backend: BackendKind::Reencode,
     };
     let ppl_method = method(&args.source);
-    let bar = progress_bar("observing");
-    let seen = evaluate(
+    let seen = evaluate_with_bar(
+        "observing",
         model.as_ref(),
         &tokens[..observe],
         args.source.ctx,
         ppl_method,
         &[run(uniform[1].clone())],
-        |d, n| {
-            bar.set_length(n as u64);
-            bar.set_position(d as u64);
-        },
     )?
     .remove(0)
     .stats
     .layers;
-    bar.finish_and_clear();
     let levels = choose(&seen, rule)?;
     let spelling = layer_forms(&levels, &args.base, &args.policy);
     println!("observed on {observe} tokens under {}:", forms[1]);
@@ -136,19 +131,14 @@ pub(crate) fn run_adapt(args: AdaptArgs) -> Result<(), Error> {
     let mut runs: Vec<RunConfig> = uniform.into_iter().map(run).collect();
     runs.push(run(adaptive));
     let labels = [&forms[0], &forms[1], &forms[2], "adaptive"];
-    let bar = progress_bar("scoring");
-    let scored = evaluate(
+    let scored = evaluate_with_bar(
+        "scoring",
         model.as_ref(),
         &tokens[observe..],
         args.source.ctx,
         ppl_method,
         &runs,
-        |d, n| {
-            bar.set_length(n as u64);
-            bar.set_position(d as u64);
-        },
     )?;
-    bar.finish_and_clear();
     println!("adaptive: {spelling}");
     println!("| form | bits/value | PPL | detected | miscorrected + silent |");
     println!("|---|---|---|---|---|");

@@ -393,6 +393,24 @@ fn check_ber(ber: f64) -> Result<(), Error> {
     Ok(())
 }
 
+/// [`evaluate`] with a progress bar labelled `what`, cleared at the end.
+fn evaluate_with_bar(
+    what: &str,
+    model: &dyn kv_eval::models::CausalLm,
+    tokens: &[u32],
+    ctx: usize,
+    method: kv_eval::metrics::PplMethod,
+    runs: &[RunConfig],
+) -> Result<Vec<RunMetrics>, Error> {
+    let bar = progress_bar(what);
+    let metrics = evaluate(model, tokens, ctx, method, runs, |d, n| {
+        bar.set_length(n as u64);
+        bar.set_position(d as u64);
+    })?;
+    bar.finish_and_clear();
+    Ok(metrics)
+}
+
 fn progress_bar(what: &str) -> ProgressBar {
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -498,21 +516,16 @@ fn run(cli: Cli) -> Result<(), Error> {
                 faults: Some(faults),
                 backend,
             };
-            let bar = progress_bar(&label);
             eprintln!("backend: {}", backend.name());
-            let m = evaluate(
+            let m = evaluate_with_bar(
+                &label,
                 model.as_ref(),
                 &tokens,
                 source.ctx,
                 method(&source),
                 &[run],
-                |d, n| {
-                    bar.set_length(n as u64);
-                    bar.set_position(d as u64);
-                },
             )?
             .remove(0);
-            bar.finish_and_clear();
             print_metrics(&label, ber, &m);
             let checks = model.gemm_checks();
             if let Some(c) = checks {
@@ -607,20 +620,15 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
             }
             eprintln!("{} configurations over {} tokens", runs.len(), tokens.len());
-            let bar = progress_bar("sweep");
             let started = Instant::now();
-            let mut metrics = evaluate(
+            let mut metrics = evaluate_with_bar(
+                "sweep",
                 model.as_ref(),
                 &tokens,
                 source.ctx,
                 method(&source),
                 &runs,
-                |d, n| {
-                    bar.set_length(n as u64);
-                    bar.set_position(d as u64);
-                },
             )?;
-            bar.finish_and_clear();
             let oracle = metrics.remove(0);
             let report = SweepReport {
                 model: model_file,
@@ -713,19 +721,14 @@ fn run(cli: Cli) -> Result<(), Error> {
             for &ctx in &contexts {
                 let mut runs = vec![RunConfig::new(CacheMode::Plain, None)];
                 runs.extend(modes.iter().map(|m| RunConfig::new(m.clone(), None)));
-                let bar = progress_bar(&format!("frontier at {ctx}"));
-                let mut metrics = evaluate(
+                let mut metrics = evaluate_with_bar(
+                    &format!("frontier at {ctx}"),
                     model.as_ref(),
                     &tokens,
                     ctx,
                     method(&source),
                     &runs,
-                    |d, n| {
-                        bar.set_length(n as u64);
-                        bar.set_position(d as u64);
-                    },
                 )?;
-                bar.finish_and_clear();
                 let plain = metrics.remove(0);
                 for (config, m) in configs.iter().zip(metrics) {
                     report
