@@ -57,7 +57,7 @@ pub use simd::f16_to_f32 as widen_f16;
 pub use spec::{
     CacheForm, CoeffCode, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms, LloydMaxSpec,
     LowRankMethod, LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer, RankRule, Rotation,
-    ScaleType, Segments, VqSpec,
+    ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, LevelMap,

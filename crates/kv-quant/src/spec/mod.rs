@@ -234,6 +234,81 @@ pub struct LowRankSpec {
     pub pre_rope: bool,
 }
 
+/// Bits per key value of a `shard` form's compressed middle when a spelling
+/// gives none, in millionths (1.0 bit: the coefficient bits of a token over
+/// its key channels).
+pub const DEFAULT_SHARD_KEY_BUDGET: u32 = 1_000_000;
+
+/// Principal components per bit-allocation group of a `shard` form when a
+/// spelling gives none.
+pub const DEFAULT_SHARD_GROUP: usize = 16;
+
+/// Exact sink tokens of a `shard` form when a spelling gives none (the
+/// blog's four attention sinks, section 7).
+pub const DEFAULT_SHARD_SINK: usize = 4;
+
+/// Exact recent tokens of a `shard` form when a spelling gives none (the
+/// blog's 64-token residual window, section 7).
+pub const DEFAULT_SHARD_WINDOW: usize = 64;
+
+/// Bits of a `shard` form's decode stream when a spelling gives none (the
+/// blog's lossless 8-bit stream, section 8).
+pub const DEFAULT_SHARD_STREAM: u8 = 8;
+
+/// How a `shard` form stores the values of its compressed middle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ShardValues {
+    /// Hadamard rotation per head, per-channel max scaling, k-means vector
+    /// quantization of groups of 4 channels with 256 centroids fitted on the
+    /// middle itself (2 bits per value; section 6, option 3).
+    Vq,
+    /// Hadamard rotation per head and NF4 (section 6, option 2; `-vnf4`).
+    Nf4,
+}
+
+/// The Shard pipeline (`shard`, `shard-k0.75-g16-s4`): keys with RoPE
+/// undone, projected on one per-layer PCA basis over all KV heads and
+/// stored as coefficients whose bits per group of components come from a
+/// dynamic program under a budget; values Hadamard-rotated and vector
+/// quantized; the form's [`Segments`] (default 4 sink and 64 window
+/// tokens) exact; tokens written after the compressed prefill in a
+/// data-oblivious decode stream. Stored by the `attention` crate's
+/// `ShardLayer`, from kv-lowrank's keys and this crate's values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ShardSpec {
+    /// Coefficient bits per key value of the middle, in millionths.
+    pub key_budget: u32,
+    /// Principal components per bit-allocation group (a multiple of 4, so
+    /// every group's codes fill whole bytes).
+    pub group: usize,
+    /// Most principal components considered (all key channels when `None`).
+    pub rank: Option<usize>,
+    /// How the middle's values are stored.
+    pub values: ShardValues,
+    /// Bits of the Lloyd-Max decode stream (Hadamard + Lloyd-Max per
+    /// token); `None` keeps generated tokens in f16 (the blog's "off").
+    pub stream: Option<u8>,
+}
+
+impl Default for ShardSpec {
+    fn default() -> Self {
+        Self {
+            key_budget: DEFAULT_SHARD_KEY_BUDGET,
+            group: DEFAULT_SHARD_GROUP,
+            rank: None,
+            values: ShardValues::Vq,
+            stream: Some(DEFAULT_SHARD_STREAM),
+        }
+    }
+}
+
+impl ShardSpec {
+    /// The key budget in bits per key value.
+    pub fn key_bits(&self) -> f64 {
+        f64::from(self.key_budget) / 1e6
+    }
+}
+
 /// Default largest chunk of `fd` forms.
 pub const DEFAULT_FD_CHUNK: usize = 128;
 
@@ -261,6 +336,8 @@ pub enum Quantizer {
     Vq(VqSpec),
     /// Low-rank subspace coefficients (stored by `kv-lowrank`).
     LowRank(LowRankSpec),
+    /// The Shard pipeline (stored by the `attention` crate's `ShardLayer`).
+    Shard(ShardSpec),
 }
 
 impl Quantizer {
@@ -277,6 +354,7 @@ impl Quantizer {
             Quantizer::LloydMax(s) => s.bits as u32 + s.qjl as u32,
             Quantizer::Vq(s) => s.index_bits(),
             Quantizer::LowRank(s) => s.coeffs.bits(),
+            Quantizer::Shard(_) => 4,
         }
     }
 
@@ -309,6 +387,12 @@ impl Quantizer {
     /// rather than by [`KvStore`](crate::KvStore).
     pub const fn is_low_rank(&self) -> bool {
         matches!(self, Quantizer::LowRank(_))
+    }
+
+    /// Whether this is the Shard pipeline, stored by the `attention` crate
+    /// rather than by [`KvStore`](crate::KvStore).
+    pub const fn is_shard(&self) -> bool {
+        matches!(self, Quantizer::Shard(_))
     }
 
     /// Whether the form needs bases fitted on a calibration text (`pca-*`).
@@ -578,6 +662,7 @@ impl CacheForm {
                 | Quantizer::LloydMax(_)
                 | Quantizer::Vq(_)
                 | Quantizer::LowRank(_) => true,
+                Quantizer::Shard(_) => false,
                 Quantizer::Fp8(s) => s.per_token,
                 Quantizer::Int(s) => match s.granularity {
                     Granularity::PerToken { .. } => true,
@@ -669,6 +754,45 @@ impl CacheForm {
                 }
                 if self.rotation.is_some() || !self.segments.is_empty() {
                     return Err("low-rank forms take no +rot, +sink or +win".into());
+                }
+            }
+            Quantizer::Shard(s) => {
+                let bits = s.key_bits();
+                if s.key_budget == 0 || bits > 8.0 {
+                    return Err(format!(
+                        "a key budget of {bits} bits per value cannot be met (more than 0, at most 8)"
+                    ));
+                }
+                if s.group == 0 || !s.group.is_multiple_of(4) {
+                    return Err(format!(
+                        "bit-allocation groups of {} components are not a positive multiple of 4",
+                        s.group
+                    ));
+                }
+                if let Some(r) = s.rank
+                    && (r == 0 || !r.is_multiple_of(s.group))
+                {
+                    return Err(format!(
+                        "a rank of {r} is not a positive multiple of the group of {}",
+                        s.group
+                    ));
+                }
+                if let Some(b) = s.stream
+                    && !(1..=8).contains(&b)
+                {
+                    return Err(format!("a decode stream of {b} bits (1 to 8)"));
+                }
+                if self.rotation.is_some() {
+                    return Err("shard rotates its values itself and takes no +rot".into());
+                }
+                if self.segments.sink == 0 {
+                    return Err("shard keeps at least one sink token exact".into());
+                }
+                if self.protection.is_some() {
+                    return Err(
+                        "shard's coefficients and indices take no code yet (use the plain form)"
+                            .into(),
+                    );
                 }
             }
             Quantizer::Vq(s) => {

@@ -12,9 +12,11 @@ use gf2_codes::Int4Code;
 
 use super::{
     CacheForm, CoeffCode, DEFAULT_FD_CHUNK, DEFAULT_FD_THRESHOLD, DEFAULT_INTERP_REACH,
-    DEFAULT_NF4_GROUP, DEFAULT_ROTATION_BLOCK, DEFAULT_VQ_CENTROIDS, DEFAULT_VQ_DIM, ErasurePolicy,
-    Fp8Spec, Granularity, IntSpec, LloydMaxSpec, LowRankMethod, LowRankSpec, MetaProtection,
-    Nf4Spec, Protection, Quantizer, RankRule, Rotation, ScaleType, Segments, VqSpec,
+    DEFAULT_NF4_GROUP, DEFAULT_ROTATION_BLOCK, DEFAULT_SHARD_GROUP, DEFAULT_SHARD_KEY_BUDGET,
+    DEFAULT_SHARD_SINK, DEFAULT_SHARD_STREAM, DEFAULT_SHARD_WINDOW, DEFAULT_VQ_CENTROIDS,
+    DEFAULT_VQ_DIM, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LloydMaxSpec, LowRankMethod,
+    LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer, RankRule, Rotation, ScaleType,
+    Segments, ShardSpec, ShardValues, VqSpec,
 };
 use crate::error::{KvQuantError, Result};
 use crate::fp8::Fp8Format;
@@ -23,7 +25,8 @@ use crate::fp8::Fp8Format;
 pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 | \
 fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
 nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
-pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre], and SUFFIX one of \
+pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
+shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>|-soff] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
 +sink<S> | +win<W> | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
 +interp[<reach>] | +meta-none | +meta-secded | +meta-rm (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
@@ -127,6 +130,27 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
             }
             Ok(())
         }
+        Quantizer::Shard(s) => {
+            f.write_str("shard")?;
+            if s.key_budget != DEFAULT_SHARD_KEY_BUDGET {
+                write!(f, "-k{}", millionths(s.key_budget))?;
+            }
+            if s.group != DEFAULT_SHARD_GROUP {
+                write!(f, "-g{}", s.group)?;
+            }
+            if let Some(r) = s.rank {
+                write!(f, "-r{r}")?;
+            }
+            if s.values == ShardValues::Nf4 {
+                f.write_str("-vnf4")?;
+            }
+            match s.stream {
+                Some(DEFAULT_SHARD_STREAM) => {}
+                Some(b) => write!(f, "-s{b}")?,
+                None => f.write_str("-soff")?,
+            }
+            Ok(())
+        }
         Quantizer::Vq(s) => {
             f.write_str("vq")?;
             if s.dim != DEFAULT_VQ_DIM {
@@ -157,10 +181,14 @@ impl fmt::Display for CacheForm {
         if let Quantizer::LloydMax(LloydMaxSpec { qjl: true, .. }) = self.quantizer {
             f.write_str("+qjl")?;
         }
-        if self.segments.sink > 0 {
+        let (sink, window) = match self.quantizer {
+            Quantizer::Shard(_) => (DEFAULT_SHARD_SINK, DEFAULT_SHARD_WINDOW),
+            _ => (0, 0),
+        };
+        if self.segments.sink != sink {
             write!(f, "+sink{}", self.segments.sink)?;
         }
-        if self.segments.window > 0 {
+        if self.segments.window != window {
             write!(f, "+win{}", self.segments.window)?;
         }
         if let Some(p) = &self.protection {
@@ -323,6 +351,7 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
             Ok(Quantizer::Nf4(spec))
         }
         "pca" | "fd" => parse_low_rank(head, &options),
+        "shard" => parse_shard(&options),
         "vq" => {
             let mut spec = VqSpec {
                 dim: DEFAULT_VQ_DIM,
@@ -467,6 +496,38 @@ fn parse_low_rank(head: &str, options: &[&str]) -> std::result::Result<Quantizer
     }))
 }
 
+fn parse_shard(options: &[&str]) -> std::result::Result<Quantizer, String> {
+    let mut spec = ShardSpec::default();
+    for &o in options {
+        match o {
+            "vnf4" => spec.values = ShardValues::Nf4,
+            "vvq" => spec.values = ShardValues::Vq,
+            "soff" => spec.stream = None,
+            _ => {
+                if let Some(k) = share_after(o, "k") {
+                    spec.key_budget = k?;
+                } else if let Some(g) = number_after(o, "g") {
+                    spec.group = g?;
+                } else if let Some(r) = number_after(o, "r") {
+                    spec.rank = Some(r?);
+                } else if let Some(b) = number_after(o, "s") {
+                    let b = b?;
+                    spec.stream = Some(
+                        u8::try_from(b)
+                            .map_err(|_| format!("a decode stream of {b} bits (1 to 8)"))?,
+                    );
+                } else {
+                    return Err(format!(
+                        "unknown shard option -{} (-k<bits>, -g<G>, -r<R>, -vnf4, -s<bits>, -soff)",
+                        quote(o)
+                    ));
+                }
+            }
+        }
+    }
+    Ok(Quantizer::Shard(spec))
+}
+
 /// The suffixes of one spelling, each at most once.
 #[derive(Default)]
 struct Suffixes {
@@ -586,9 +647,13 @@ impl FromStr for CacheForm {
                 .metadata
                 .unwrap_or(MetaProtection::default_for(code)),
         });
+        let (sink, window) = match quantizer {
+            Quantizer::Shard(_) => (DEFAULT_SHARD_SINK, DEFAULT_SHARD_WINDOW),
+            _ => (0, 0),
+        };
         let segments = Segments {
-            sink: suffixes.sink.unwrap_or(0),
-            window: suffixes.window.unwrap_or(0),
+            sink: suffixes.sink.unwrap_or(sink),
+            window: suffixes.window.unwrap_or(window),
         };
         let form = CacheForm {
             quantizer,

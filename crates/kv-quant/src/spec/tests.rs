@@ -55,6 +55,11 @@ fn issue_spellings_parse_and_print_back() {
         "pca-r32-pre",
         "fd-r16",
         "fd-r16-m48-l256-t0.25-c8",
+        // The Shard pipeline (stored by attention's ShardLayer).
+        "shard",
+        "shard-k0.75-g32-r64-vnf4-s4",
+        "shard-soff+sink8+win128",
+        "shard-k2+win16",
     ] {
         let form: CacheForm = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
         assert_eq!(form.to_string(), s);
@@ -199,6 +204,15 @@ fn bad_spellings_are_rejected_with_the_valid_choices() {
         ("pca-r8-m16", "unknown pca option"),
         ("pca-r8+rot", "no +rot"),
         ("fd-r8+sink4", "no +rot, +sink"),
+        ("shard-k9", "cannot be met"),
+        ("shard-k0", "not a positive number"),
+        ("shard-g6", "multiple of 4"),
+        ("shard-r40", "multiple of the group"),
+        ("shard-s9", "1 to 8"),
+        ("shard-s300", "1 to 8"),
+        ("shard-x", "unknown shard option"),
+        ("shard+rot", "no +rot"),
+        ("shard+secded84", "no code yet"),
     ] {
         let e = s.parse::<CacheForm>().unwrap_err().to_string();
         assert!(e.contains(needle), "{s}: {e}");
@@ -330,4 +344,18 @@ proptest! {
             prop_assert!(e.to_string().contains("valid forms"));
         }
     }
+}
+
+#[test]
+fn shard_defaults_are_the_blogs() {
+    let form: CacheForm = "shard".parse().unwrap();
+    let Quantizer::Shard(spec) = *form.quantizer() else {
+        panic!("{form:?}")
+    };
+    assert_eq!(spec, ShardSpec::default());
+    assert_eq!((form.segments().sink, form.segments().window), (4, 64));
+    assert_eq!(spec.stream, Some(8));
+    assert!(!form.is_row_local());
+    let other: CacheForm = "shard-k0.5+sink4+win64".parse().unwrap();
+    assert_eq!(other.to_string(), "shard-k0.5");
 }

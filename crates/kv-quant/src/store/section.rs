@@ -63,7 +63,7 @@ impl Kind {
                 qjl: s.qjl,
             },
             Quantizer::Vq(s) => Kind::Vq { dim: s.dim },
-            Quantizer::LowRank(_) => Kind::LowRank,
+            Quantizer::LowRank(_) | Quantizer::Shard(_) => Kind::LowRank,
         }
     }
 
@@ -233,6 +233,15 @@ impl Coding {
                     name: "form",
                     reason: format!(
                         "{} is a low-rank form: the kv-lowrank crate stores it (LowRankStore)",
+                        self.form
+                    ),
+                });
+            }
+            Quantizer::Shard(_) => {
+                return Err(KvQuantError::InvalidParameter {
+                    name: "form",
+                    reason: format!(
+                        "{} is the Shard pipeline: the attention crate stores it (ShardLayer)",
                         self.form
                     ),
                 });
