@@ -13,6 +13,9 @@
 //!   rollover for `fd-*` forms), the coefficients in a kv-quant store (f16,
 //!   int8, int4, protectable and fault-injectable like every other form),
 //!   and per-token residual norms.
+//! - [`ShardKeys`]: Shard's key path: one PCA basis per layer over all KV
+//!   heads' de-RoPEd keys, bits per group of components from a dynamic
+//!   program under a budget, symmetric integer coefficients, an int8 basis.
 //! - [`Certificate`]: runtime bounds on logit, softmax and output errors
 //!   from those residual norms.
 //!
@@ -47,6 +50,7 @@ pub mod fd;
 #[cfg(feature = "ndarray")]
 mod ndarray_views;
 mod projector;
+pub mod shard_keys;
 mod store;
 
 pub use basis::{Basis, BasisStorage, Spectrum};
@@ -54,6 +58,7 @@ pub use certificate::Certificate;
 pub use error::{LowRankError, Result};
 pub use fd::FrequentDirections;
 pub use projector::Projector;
+pub use shard_keys::ShardKeys;
 pub use store::{Chunk, HeadBases, LowRankStore, StoreScratch, coefficient_form, low_rank_spec};
 
 /// The README's example, compiled and run as a doctest.

@@ -1,0 +1,549 @@
+//! Shard's key path (`shard-kv-compression-blog.md`, section 5): one PCA
+//! basis per layer over the keys of all KV heads concatenated, with RoPE
+//! undone by the caller; a dynamic program that gives each group of
+//! principal components 0, 2, 4, 6 or 8 bits under a budget, dropping a
+//! component costing four times its variance; symmetric integer
+//! coefficients with one f16 scale per component; an int8 basis with one
+//! f16 scale per component.
+//!
+//! Layout of the stored codes: one row of `row_bytes` bytes per token, the
+//! kept groups one after another in component order, each group's codes
+//! packed least-significant bit first at its width, biased by `2^(b−1)` so a
+//! `b`-bit code `u ∈ [1, 2^b − 1]` stands for `(u − 2^(b−1))·scale`. Group
+//! sizes are multiples of 4, so every group fills whole bytes.
+
+use crate::basis::{Basis, BasisStorage, Spectrum};
+use crate::error::{LowRankError, Result, check_finite, check_len};
+use half::f16;
+use kv_quant::RankRule;
+
+/// Bit widths a group of components can get.
+pub const BIT_OPTIONS: [u8; 5] = [0, 2, 4, 6, 8];
+
+/// Multiplier of a dropped group's variance in the allocation's error (the
+/// blog's `DROP_PENALTY`: dropping a direction is worse than quantizing it).
+pub const DROP_PENALTY: f64 = 4.0;
+
+/// The error the allocation charges a group of total variance `variance`
+/// at `bits` bits: `4·v` when dropped, the uniform quantizer's `v/(3·4^b)`
+/// otherwise (section 5's one line).
+pub fn allocation_error(variance: f64, bits: u8) -> f64 {
+    if bits == 0 {
+        variance * DROP_PENALTY
+    } else {
+        variance / (3.0 * f64::from(1u32 << (2 * u32::from(bits))))
+    }
+}
+
+/// Bits per group (one of [`BIT_OPTIONS`]) minimising the summed
+/// [`allocation_error`] with at most `budget` code bits per token, the
+/// groups holding `sizes[g]` components of total variance `variances[g]`.
+/// Exact (a dynamic program over the budget in steps of 2 bits per
+/// component); ties go to fewer bits.
+pub fn allocate_bits(variances: &[f64], sizes: &[usize], budget: usize) -> Result<Vec<u8>> {
+    check_len("group sizes", variances.len(), sizes.len())?;
+    if let Some(g) = variances.iter().position(|v| !(v.is_finite() && *v >= 0.0)) {
+        return Err(LowRankError::InvalidParameter {
+            name: "group variance",
+            reason: format!("group {g} has variance {}", variances[g]),
+        });
+    }
+    // Every cost is a multiple of 2 bits per component.
+    let unit = 2;
+    let units = budget / unit;
+    let n = variances.len();
+    // best[g][u]: least error of groups g.. with u units left.
+    let mut best = vec![vec![0.0f64; units + 1]; n + 1];
+    let mut choice = vec![vec![0u8; units + 1]; n];
+    for g in (0..n).rev() {
+        for u in 0..=units {
+            let mut least = f64::INFINITY;
+            for &b in &BIT_OPTIONS {
+                let cost = usize::from(b) / unit * sizes[g];
+                if cost > u {
+                    break;
+                }
+                let e = allocation_error(variances[g], b) + best[g + 1][u - cost];
+                if e < least {
+                    least = e;
+                    choice[g][u] = b;
+                }
+            }
+            best[g][u] = least;
+        }
+    }
+    let mut bits = Vec::with_capacity(n);
+    let mut u = units;
+    for row in &choice {
+        let b = row[u];
+        u -= usize::from(b) / unit * sizes[bits.len()];
+        bits.push(b);
+    }
+    Ok(bits)
+}
+
+/// One group of kept components as stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyGroup {
+    /// First kept component of the group.
+    pub start: usize,
+    /// Components in the group (a multiple of 4).
+    pub len: usize,
+    /// Bits per coefficient (2, 4, 6 or 8).
+    pub bits: u8,
+    /// Byte offset of the group within a token's row of codes.
+    pub offset: usize,
+}
+
+/// The keys of one layer's compressed middle (`tokens × dim`, RoPE undone,
+/// all KV heads concatenated) as Shard stores them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardKeys {
+    dim: usize,
+    tokens: usize,
+    basis: Basis,
+    spectrum: Spectrum,
+    allocation: Vec<u8>,
+    groups: Vec<KeyGroup>,
+    /// Per kept component, f16-rounded.
+    scales: Vec<f32>,
+    /// `tokens × row_bytes`.
+    codes: Vec<u8>,
+    row_bytes: usize,
+}
+
+impl ShardKeys {
+    /// Fits the basis on `rows` (`tokens × dim`), allocates `budget` code
+    /// bits per key value (of `dim` values per token) over groups of
+    /// `group` components among the first `rank` (all when `None`, at most
+    /// `tokens − 1`), and stores the coefficients.
+    pub fn fit(
+        rows: &[f32],
+        tokens: usize,
+        dim: usize,
+        budget: f64,
+        group: usize,
+        rank: Option<usize>,
+    ) -> Result<Self> {
+        check_len("key rows (tokens × dim)", tokens * dim, rows.len())?;
+        check_finite(rows, dim)?;
+        if dim == 0 || !dim.is_multiple_of(4) {
+            return Err(LowRankError::InvalidParameter {
+                name: "key dimension",
+                reason: format!("{dim} key channels are not a positive multiple of 4"),
+            });
+        }
+        if group == 0 || !group.is_multiple_of(4) {
+            return Err(LowRankError::InvalidParameter {
+                name: "group",
+                reason: format!("{group} components per group are not a positive multiple of 4"),
+            });
+        }
+        let considered = rank.unwrap_or(dim);
+        if considered > dim {
+            return Err(LowRankError::InvalidParameter {
+                name: "rank",
+                reason: format!("a rank of {considered} is above the key dimension {dim}"),
+            });
+        }
+        if !(budget.is_finite() && budget > 0.0 && budget <= 8.0) {
+            return Err(LowRankError::InvalidParameter {
+                name: "key budget",
+                reason: format!("{budget} bits per value cannot be met (more than 0, at most 8)"),
+            });
+        }
+        // PCA needs more rows than components.
+        let considered = considered.min(tokens.saturating_sub(1) / 4 * 4);
+        if considered == 0 {
+            return Err(LowRankError::TooFewRows {
+                rows: tokens,
+                rank: 4,
+            });
+        }
+        let budget_bits = (budget * dim as f64).floor() as usize;
+        let sizes: Vec<usize> = (0..considered)
+            .step_by(group)
+            .map(|s| group.min(considered - s))
+            .collect();
+        let cheapest = 2 * sizes.iter().copied().min().unwrap_or(group);
+        if budget_bits < cheapest {
+            return Err(LowRankError::InvalidParameter {
+                name: "key budget",
+                reason: format!(
+                    "{budget} bits per value ({budget_bits} bits per token of {dim} channels) \
+                     cannot pay for one group of components at 2 bits ({cheapest} bits)"
+                ),
+            });
+        }
+        let (full, spectrum) = Basis::fit(
+            rows,
+            tokens,
+            dim,
+            RankRule::Fixed(considered),
+            BasisStorage::Int8,
+        )?;
+        let mut variances = Vec::with_capacity(sizes.len());
+        let mut start = 0;
+        for &len in &sizes {
+            variances.push(spectrum.eigenvalues[start..start + len].iter().sum());
+            start += len;
+        }
+        let allocation = allocate_bits(&variances, &sizes, budget_bits)?;
+        // The kept components' rows, in order.
+        let (mut kept_rows, mut groups, mut offset, mut first) = (Vec::new(), Vec::new(), 0, 0);
+        let mut start = 0;
+        for (&len, &bits) in sizes.iter().zip(&allocation) {
+            if bits > 0 {
+                kept_rows.extend_from_slice(&full.rows()[start * dim..(start + len) * dim]);
+                groups.push(KeyGroup {
+                    start: first,
+                    len,
+                    bits,
+                    offset,
+                });
+                first += len;
+                offset += len * usize::from(bits) / 8;
+            }
+            start += len;
+        }
+        let basis = Basis::from_parts(dim, &kept_rows, full.mean(), BasisStorage::Int8)?;
+        let kept = basis.rank();
+        let mut coeffs = vec![0.0f32; tokens * kept];
+        for (row, c) in rows.chunks_exact(dim).zip(coeffs.chunks_exact_mut(kept)) {
+            basis.project(row, c);
+        }
+        let mut scales = vec![0.0f32; kept];
+        for g in &groups {
+            let qmax = f64::from((1u32 << (g.bits - 1)) - 1);
+            for (j, s) in scales[g.start..g.start + g.len].iter_mut().enumerate() {
+                let max = coeffs
+                    .chunks_exact(kept)
+                    .map(|c| c[g.start + j].abs())
+                    .fold(0.0f32, f32::max);
+                *s = f16::from_f64(f64::from(max) / qmax).to_f32();
+            }
+        }
+        let row_bytes = offset;
+        let mut codes = vec![0u8; tokens * row_bytes];
+        for (c, out) in coeffs
+            .chunks_exact(kept)
+            .zip(codes.chunks_exact_mut(row_bytes.max(1)))
+        {
+            for g in &groups {
+                let bias = 1i32 << (g.bits - 1);
+                let qmax = bias - 1;
+                let codes = c[g.start..g.start + g.len]
+                    .iter()
+                    .zip(&scales[g.start..g.start + g.len])
+                    .map(|(&x, &s)| {
+                        let q = if s > 0.0 {
+                            ((x / s).round() as i32).clamp(-qmax, qmax)
+                        } else {
+                            0
+                        };
+                        (q + bias) as u8
+                    });
+                pack(
+                    codes,
+                    g.bits,
+                    &mut out[g.offset..g.offset + g.len * usize::from(g.bits) / 8],
+                );
+            }
+        }
+        Ok(Self {
+            dim,
+            tokens,
+            basis,
+            spectrum,
+            allocation,
+            groups,
+            scales,
+            codes,
+            row_bytes,
+        })
+    }
+
+    /// Key channels per token (all KV heads).
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Tokens stored.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Components kept (those of groups with bits).
+    pub fn kept(&self) -> usize {
+        self.basis.rank()
+    }
+
+    /// The kept basis (`kept × dim`, int8 with f16 scales) and the mean.
+    pub fn basis(&self) -> &Basis {
+        &self.basis
+    }
+
+    /// The eigenvalues of the fitted covariance, descending.
+    pub fn spectrum(&self) -> &Spectrum {
+        &self.spectrum
+    }
+
+    /// Bits of each considered group, in component order (0: dropped).
+    pub fn allocation(&self) -> &[u8] {
+        &self.allocation
+    }
+
+    /// The kept groups as stored.
+    pub fn groups(&self) -> &[KeyGroup] {
+        &self.groups
+    }
+
+    /// Per kept component, the step of its codes.
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+
+    /// The packed codes, `tokens × row_bytes`.
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// Bytes of one token's codes.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// Bytes held: codes, per-component scales (f16) and the basis
+    /// (int8 rows, f16 row scales, f16 mean).
+    pub fn stored_bytes(&self) -> usize {
+        self.codes.len() + 2 * self.scales.len() + self.basis.stored_bytes()
+    }
+
+    /// Coefficients of tokens `start..start + count` (`count × kept`).
+    pub fn coefficients_into(&self, start: usize, count: usize, out: &mut [f32]) -> Result<()> {
+        let kept = self.kept();
+        check_len("coefficient tile (count × kept)", count * kept, out.len())?;
+        if start + count > self.tokens {
+            return Err(LowRankError::InvalidParameter {
+                name: "token range",
+                reason: format!("{start}..{} of {} tokens", start + count, self.tokens),
+            });
+        }
+        if kept == 0 {
+            return Ok(());
+        }
+        let rows = self.codes[start * self.row_bytes..(start + count) * self.row_bytes]
+            .chunks_exact(self.row_bytes);
+        for (row, c) in rows.zip(out.chunks_exact_mut(kept)) {
+            for g in &self.groups {
+                let bias = 1i32 << (g.bits - 1);
+                let bytes = &row[g.offset..g.offset + g.len * usize::from(g.bits) / 8];
+                let scales = &self.scales[g.start..g.start + g.len];
+                let dst = &mut c[g.start..g.start + g.len];
+                unpack(bytes, g.bits, |j, u| {
+                    dst[j] = (i32::from(u) - bias) as f32 * scales[j];
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The stored key of token `t` (`dim` values): `μ + c·B`.
+    pub fn reconstruct_into(&self, t: usize, out: &mut [f32]) -> Result<()> {
+        check_len("key row", self.dim, out.len())?;
+        let mut c = vec![0.0f32; self.kept()];
+        self.coefficients_into(t, 1, &mut c)?;
+        self.basis.reconstruct(&c, out);
+        Ok(())
+    }
+}
+
+/// Packs `b`-bit codes least-significant bit first into `out`.
+fn pack(codes: impl Iterator<Item = u8>, bits: u8, out: &mut [u8]) {
+    let (mut acc, mut held, mut at) = (0u32, 0u8, 0);
+    for u in codes {
+        acc |= u32::from(u) << held;
+        held += bits;
+        while held >= 8 {
+            out[at] = acc as u8;
+            at += 1;
+            acc >>= 8;
+            held -= 8;
+        }
+    }
+}
+
+/// Calls `f(j, code)` for each `b`-bit code packed in `bytes`.
+#[inline]
+fn unpack(bytes: &[u8], bits: u8, mut f: impl FnMut(usize, u8)) {
+    let mask = (1u32 << bits) - 1;
+    let (mut acc, mut held, mut j) = (0u32, 0u8, 0);
+    for &byte in bytes {
+        acc |= u32::from(byte) << held;
+        held += 8;
+        while held >= bits {
+            f(j, (acc & mask) as u8);
+            j += 1;
+            acc >>= bits;
+            held -= bits;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The least allocation error over every assignment, by enumeration.
+    fn brute_force(variances: &[f64], sizes: &[usize], budget: usize) -> f64 {
+        let n = variances.len();
+        let mut least = f64::INFINITY;
+        for mut k in 0..5usize.pow(n as u32) {
+            let (mut cost, mut err) = (0, 0.0);
+            for g in 0..n {
+                let b = BIT_OPTIONS[k % 5];
+                k /= 5;
+                cost += usize::from(b) * sizes[g];
+                err += allocation_error(variances[g], b);
+            }
+            if cost <= budget {
+                least = least.min(err);
+            }
+        }
+        least
+    }
+
+    proptest! {
+        #[test]
+        fn allocation_is_optimal_and_within_budget(
+            groups in prop::collection::vec((0.0f64..100.0, 1usize..4), 1..6),
+            budget in 0usize..200,
+        ) {
+            let variances: Vec<f64> = groups.iter().map(|g| g.0).collect();
+            let sizes: Vec<usize> = groups.iter().map(|g| 4 * g.1).collect();
+            let bits = allocate_bits(&variances, &sizes, budget).unwrap();
+            let cost: usize = bits.iter().zip(&sizes).map(|(&b, &s)| usize::from(b) * s).sum();
+            prop_assert!(cost <= budget);
+            let err: f64 = bits.iter().zip(&variances).map(|(&b, &v)| allocation_error(v, b)).sum();
+            let best = brute_force(&variances, &sizes, budget);
+            prop_assert!((err - best).abs() <= 1e-9 * best.max(1.0), "{err} vs {best}");
+        }
+
+        #[test]
+        fn packing_round_trips(bits in prop::sample::select(vec![2u8, 4, 6, 8]), n in 1usize..8, seed: u64) {
+            let len = 4 * n;
+            let mut x = seed;
+            let codes: Vec<u8> = (0..len).map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) as u32 & ((1 << bits) - 1)) as u8
+            }).collect();
+            let mut out = vec![0u8; len * usize::from(bits) / 8];
+            pack(codes.iter().copied(), bits, &mut out);
+            let mut back = vec![0u8; len];
+            unpack(&out, bits, |j, u| back[j] = u);
+            prop_assert_eq!(back, codes);
+        }
+    }
+
+    #[test]
+    fn the_drop_penalty_keeps_components_quantized() {
+        // A budget of one group at 2 bits: the larger variance gets it.
+        let bits = allocate_bits(&[10.0, 1.0], &[4, 4], 8).unwrap();
+        assert_eq!(bits, vec![2, 0]);
+        // With room for both at 2 bits, dropping (4·v) loses to quantizing.
+        let bits = allocate_bits(&[10.0, 1.0], &[4, 4], 16).unwrap();
+        assert_eq!(bits, vec![2, 2]);
+        assert!(allocate_bits(&[f64::NAN], &[4], 8).is_err());
+    }
+
+    /// Keys near a 6-dimensional subspace of 16 channels.
+    fn low_rank_keys(tokens: usize) -> Vec<f32> {
+        (0..tokens * 16)
+            .map(|i| {
+                let (t, c) = (i / 16, i % 16);
+                let mut v = 0.0;
+                for k in 0..6 {
+                    let w = ((c * 7 + k * 3) % 11) as f32 / 11.0 - 0.5;
+                    v += w * ((t * (k + 1)) as f32 * 0.37 + k as f32).sin() * (6 - k) as f32;
+                }
+                v + 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_round_trip_within_their_quantization() {
+        let (tokens, dim) = (300, 16);
+        let rows = low_rank_keys(tokens);
+        let keys = ShardKeys::fit(&rows, tokens, dim, 4.0, 4, None).unwrap();
+        assert!(keys.kept() >= 6, "{:?}", keys.allocation());
+        let mut out = vec![0.0f32; dim];
+        let mut worst = 0.0f32;
+        for t in 0..tokens {
+            keys.reconstruct_into(t, &mut out).unwrap();
+            for (a, b) in out.iter().zip(&rows[t * dim..][..dim]) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+        // 8-bit coefficients of an int8 basis: about 1% of the scale (~10).
+        assert!(worst < 0.15, "{worst}");
+        let bytes = keys.stored_bytes();
+        assert_eq!(
+            bytes,
+            tokens * keys.row_bytes()
+                + 2 * keys.kept()
+                + keys.kept() * dim
+                + 2 * keys.kept()
+                + 2 * dim
+        );
+        // The budget holds: at most 4 bits per value of codes.
+        assert!(keys.row_bytes() * 8 <= 4 * dim);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error() {
+        let rows = low_rank_keys(100);
+        let fit = |b: f64, g: usize, r: Option<usize>| ShardKeys::fit(&rows, 100, 16, b, g, r);
+        assert!(matches!(
+            fit(1.0, 4, Some(32)),
+            Err(LowRankError::InvalidParameter { name: "rank", .. })
+        ));
+        assert!(matches!(
+            fit(0.1, 4, None),
+            Err(LowRankError::InvalidParameter {
+                name: "key budget",
+                ..
+            })
+        ));
+        assert!(matches!(
+            fit(9.0, 4, None),
+            Err(LowRankError::InvalidParameter {
+                name: "key budget",
+                ..
+            })
+        ));
+        assert!(matches!(
+            fit(1.0, 6, None),
+            Err(LowRankError::InvalidParameter { name: "group", .. })
+        ));
+        assert!(matches!(
+            ShardKeys::fit(&rows[..16], 1, 16, 1.0, 4, None),
+            Err(LowRankError::TooFewRows { .. })
+        ));
+        let mut bad = rows.clone();
+        bad[37] = f32::NAN;
+        assert!(matches!(
+            ShardKeys::fit(&bad, 100, 16, 1.0, 4, None),
+            Err(LowRankError::NonFinite {
+                row: 2,
+                channel: 5,
+                ..
+            })
+        ));
+        assert!(matches!(
+            ShardKeys::fit(&rows, 99, 16, 1.0, 4, None),
+            Err(LowRankError::ShapeMismatch { .. })
+        ));
+    }
+}
