@@ -29,6 +29,7 @@
 //! # Ok::<(), kv_quant::KvQuantError>(())
 //! ```
 
+pub mod channel_vq;
 mod error;
 pub mod fp8;
 pub mod int;
@@ -45,6 +46,7 @@ pub mod spec;
 mod store;
 pub mod vq;
 
+pub use channel_vq::ChannelVq;
 pub use error::{KvQuantError, Result};
 pub use fp8::Fp8Format;
 pub use layout::GroupLayout;

@@ -258,7 +258,7 @@ fn rms(y: &[f32]) -> f32 {
 /// Index of the column-major (`dim × k`) centroid nearest `x`; ties go to
 /// the lower index.
 #[inline]
-fn nearest_in(columns: &[f32], k: usize, x: &[f32]) -> usize {
+pub(crate) fn nearest_in(columns: &[f32], k: usize, x: &[f32]) -> usize {
     const LANES: usize = 16;
     let mut best = (f32::INFINITY, 0usize);
     let mut dist = [0.0f32; LANES];
@@ -282,7 +282,12 @@ fn nearest_in(columns: &[f32], k: usize, x: &[f32]) -> usize {
 }
 
 /// A seeded sample of at most `max` groups (partial Fisher–Yates).
-fn subsample(mut samples: Vec<f32>, d: usize, max: usize, rng: &mut FaultRng) -> Vec<f32> {
+pub(crate) fn subsample(
+    mut samples: Vec<f32>,
+    d: usize,
+    max: usize,
+    rng: &mut FaultRng,
+) -> Vec<f32> {
     let n = samples.len() / d;
     if n <= max {
         return samples;
@@ -298,7 +303,13 @@ fn subsample(mut samples: Vec<f32>, d: usize, max: usize, rng: &mut FaultRng) ->
 }
 
 /// k-means++ seeding then Lloyd iterations; returns `k × d` centroids.
-fn kmeans(samples: &[f32], d: usize, k: usize, iterations: usize, rng: &mut FaultRng) -> Vec<f32> {
+pub(crate) fn kmeans(
+    samples: &[f32],
+    d: usize,
+    k: usize,
+    iterations: usize,
+    rng: &mut FaultRng,
+) -> Vec<f32> {
     let n = samples.len() / d;
     let point = |i: usize| &samples[i * d..][..d];
     let dist2 = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f32>();

@@ -1,0 +1,279 @@
+//! Shard's value path (`shard-kv-compression-blog.md`, section 6, option
+//! 3): each head's channels rotated by the randomized Hadamard transform,
+//! divided by the per-channel maximum over the stored tokens, and cut into
+//! groups of 4 channels, each replaced by the index of its nearest centroid
+//! in one 256-entry codebook per layer fitted by k-means on the data
+//! itself: 2 bits per value, plus the codebook and one f16 maximum per
+//! channel amortised over the tokens.
+//!
+//! A value row is `v = H⁻¹(ṽ)` with `ṽ[c] = centroid[idx][c mod 4]·max[c]`:
+//! attention sums the rotated rows `ṽ` with the softmax weights and
+//! rotates the sum back once (section 10); [`ChannelVq::rotated_group_sums`]
+//! gives the per-channel factors that sum needs.
+//!
+//! Layout: `tokens × channels/4` indices, one byte each, token after token.
+
+use gf2_codes::channel::FaultRng;
+use half::f16;
+
+use crate::error::{KvQuantError, Result, check_len};
+use crate::rotation::Hadamard;
+use crate::vq::{FitOptions, kmeans, nearest_in, subsample};
+
+/// Channels per code.
+pub const GROUP: usize = 4;
+
+/// Centroids in the codebook (one byte per index).
+pub const CENTROIDS: usize = 256;
+
+/// One layer's values as Shard stores them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChannelVq {
+    channels: usize,
+    tokens: usize,
+    hadamard: &'static Hadamard,
+    /// Per rotated channel, f16-rounded.
+    max: Vec<f32>,
+    /// `CENTROIDS × GROUP`, f16-rounded.
+    centroids: Vec<f32>,
+    /// `tokens × channels/GROUP`.
+    indices: Vec<u8>,
+}
+
+impl ChannelVq {
+    /// Rotates `rows` (`tokens × channels`) per head of `head_dim` channels
+    /// (a power of two), scales each channel by its maximum, fits the
+    /// codebook on the groups (a seeded sample of at most
+    /// `options.max_samples`) and stores each group's nearest centroid.
+    pub fn fit(
+        rows: &[f32],
+        tokens: usize,
+        channels: usize,
+        head_dim: usize,
+        options: FitOptions,
+    ) -> Result<Self> {
+        check_len(
+            "value rows (tokens × channels)",
+            tokens * channels,
+            rows.len(),
+        )?;
+        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+            return Err(KvQuantError::NonFinite {
+                token: i / channels,
+                channel: i % channels,
+                value: rows[i],
+            });
+        }
+        if head_dim == 0 || !channels.is_multiple_of(head_dim) || !head_dim.is_multiple_of(GROUP) {
+            return Err(KvQuantError::InvalidParameter {
+                name: "head_dim",
+                reason: format!(
+                    "{channels} channels are not whole heads of {head_dim} (a multiple of {GROUP})"
+                ),
+            });
+        }
+        let hadamard = Hadamard::of(head_dim)?;
+        let mut rotated = rows.to_vec();
+        for row in rotated.chunks_exact_mut(channels) {
+            hadamard.rotate(row);
+        }
+        let mut max = vec![0.0f32; channels];
+        for row in rotated.chunks_exact(channels) {
+            for (m, v) in max.iter_mut().zip(row) {
+                *m = m.max(v.abs());
+            }
+        }
+        for m in &mut max {
+            *m = f16::from_f32(*m).to_f32();
+        }
+        let inverse: Vec<f32> = max
+            .iter()
+            .map(|&m| if m > 0.0 { 1.0 / m } else { 0.0 })
+            .collect();
+        for row in rotated.chunks_exact_mut(channels) {
+            for (v, i) in row.iter_mut().zip(&inverse) {
+                *v *= i;
+            }
+        }
+        let groups = tokens * channels / GROUP;
+        if groups < CENTROIDS {
+            return Err(KvQuantError::Calibration {
+                form: "shard values".into(),
+                what: "enough groups to fit a codebook",
+                reason: format!("{groups} groups of {GROUP} for {CENTROIDS} centroids"),
+            });
+        }
+        let mut rng = FaultRng::with_stream(options.seed, 0);
+        let samples = subsample(rotated.clone(), GROUP, options.max_samples, &mut rng);
+        let centroids: Vec<f32> = kmeans(&samples, GROUP, CENTROIDS, options.iterations, &mut rng)
+            .iter()
+            .map(|&c| f16::from_f32(c).to_f32())
+            .collect();
+        let mut columns = vec![0.0f32; CENTROIDS * GROUP];
+        for (c, centroid) in centroids.chunks_exact(GROUP).enumerate() {
+            for (j, &v) in centroid.iter().enumerate() {
+                columns[j * CENTROIDS + c] = v;
+            }
+        }
+        let indices = rotated
+            .chunks_exact(GROUP)
+            .map(|g| nearest_in(&columns, CENTROIDS, g) as u8)
+            .collect();
+        Ok(Self {
+            channels,
+            tokens,
+            hadamard,
+            max,
+            centroids,
+            indices,
+        })
+    }
+
+    /// Tokens stored.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Channels per token.
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+
+    /// The rotation of each head.
+    pub fn hadamard(&self) -> &'static Hadamard {
+        self.hadamard
+    }
+
+    /// Per rotated channel, its maximum magnitude (the scale of its coordinate).
+    pub fn max(&self) -> &[f32] {
+        &self.max
+    }
+
+    /// The codebook, `CENTROIDS × GROUP`.
+    pub fn centroids(&self) -> &[f32] {
+        &self.centroids
+    }
+
+    /// The indices, `tokens × channels/GROUP`.
+    pub fn indices(&self) -> &[u8] {
+        &self.indices
+    }
+
+    /// Bytes held: indices, the f16 codebook and the f16 channel maxima.
+    pub fn stored_bytes(&self) -> usize {
+        self.indices.len() + 2 * self.centroids.len() + 2 * self.max.len()
+    }
+
+    /// Rows `start..start + count` in the rotated space (`ṽ`, `count × channels`).
+    pub fn rotated_rows_into(&self, start: usize, count: usize, out: &mut [f32]) -> Result<()> {
+        check_len(
+            "rotated rows (count × channels)",
+            count * self.channels,
+            out.len(),
+        )?;
+        self.check_range(start, count)?;
+        let per = self.channels / GROUP;
+        for (idx, row) in self.indices[start * per..(start + count) * per]
+            .chunks_exact(per)
+            .zip(out.chunks_exact_mut(self.channels))
+        {
+            for ((&i, g), m) in idx
+                .iter()
+                .zip(row.chunks_exact_mut(GROUP))
+                .zip(self.max.chunks_exact(GROUP))
+            {
+                let c = &self.centroids[usize::from(i) * GROUP..][..GROUP];
+                for ((o, &c), &m) in g.iter_mut().zip(c).zip(m) {
+                    *o = c * m;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows `start..start + count` as values (`count × channels`).
+    pub fn decode_rows_into(&self, start: usize, count: usize, out: &mut [f32]) -> Result<()> {
+        self.rotated_rows_into(start, count, out)?;
+        for row in out.chunks_exact_mut(self.channels) {
+            self.hadamard.unrotate(row);
+        }
+        Ok(())
+    }
+
+    fn check_range(&self, start: usize, count: usize) -> Result<()> {
+        if start + count > self.tokens {
+            return Err(KvQuantError::InvalidParameter {
+                name: "token range",
+                reason: format!("{start}..{} of {} tokens", start + count, self.tokens),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(tokens: usize, channels: usize) -> Vec<f32> {
+        let mut rng = FaultRng::with_stream(7, 1);
+        (0..tokens * channels)
+            .map(|i| (rng.next_f64() as f32 - 0.5) * (1.0 + (i % channels) as f32 * 0.1))
+            .collect()
+    }
+
+    #[test]
+    fn values_round_trip_near_the_data_and_count_their_bytes() {
+        let (tokens, channels, head_dim) = (512, 32, 16);
+        let x = rows(tokens, channels);
+        let vq = ChannelVq::fit(&x, tokens, channels, head_dim, FitOptions::default()).unwrap();
+        let mut back = vec![0.0; x.len()];
+        vq.decode_rows_into(0, tokens, &mut back).unwrap();
+        let err: f32 = x.iter().zip(&back).map(|(a, b)| (a - b) * (a - b)).sum();
+        let energy: f32 = x.iter().map(|a| a * a).sum();
+        // 2 bits per value of near-uniform data: well under a tenth of the energy.
+        assert!(err / energy < 0.1, "{}", err / energy);
+        assert_eq!(
+            vq.stored_bytes(),
+            tokens * channels / 4 + 2 * 1024 + 2 * channels
+        );
+        // Rotated rows are the values before the inverse rotation.
+        let mut rot = vec![0.0; channels];
+        vq.rotated_rows_into(5, 1, &mut rot).unwrap();
+        vq.hadamard().unrotate(&mut rot);
+        assert_eq!(rot, back[5 * channels..6 * channels]);
+        // Same seed, same bytes.
+        let again = ChannelVq::fit(&x, tokens, channels, head_dim, FitOptions::default()).unwrap();
+        assert_eq!(again, vq);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error() {
+        let x = rows(512, 32);
+        let fit = |x: &[f32], t, c, h| ChannelVq::fit(x, t, c, h, FitOptions::default());
+        assert!(matches!(
+            fit(&x, 512, 32, 12),
+            Err(KvQuantError::InvalidParameter { .. })
+        ));
+        assert!(matches!(
+            fit(&x, 511, 32, 16),
+            Err(KvQuantError::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            fit(&x[..32 * 8], 8, 32, 16),
+            Err(KvQuantError::Calibration { .. })
+        ));
+        let mut bad = x.clone();
+        bad[40] = f32::INFINITY;
+        assert!(matches!(
+            fit(&bad, 512, 32, 16),
+            Err(KvQuantError::NonFinite {
+                token: 1,
+                channel: 8,
+                ..
+            })
+        ));
+        let vq = fit(&x, 512, 32, 16).unwrap();
+        assert!(vq.rotated_rows_into(510, 4, &mut [0.0; 128]).is_err());
+    }
+}
