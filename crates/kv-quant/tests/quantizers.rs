@@ -278,9 +278,10 @@ fn extremes(store: &KvStore, t: usize, c: usize) -> (f32, f32) {
                 (nearest, o + ((1u32 << spec.bits) - 1) as f32 * s)
             }
         }
-        Quantizer::LloydMax(_) | Quantizer::Vq(_) | Quantizer::LowRank(_) => {
+        Quantizer::LloydMax(_) | Quantizer::Vq(_) | Quantizer::LowRank(_) | Quantizer::Shard(_) => {
             unreachable!(
-                "rotated forms saturate per block (tests/rotated.rs); low-rank forms live in kv-lowrank"
+                "rotated forms saturate per block (tests/rotated.rs); low-rank and shard forms \
+                 are stored outside KvStore"
             )
         }
     }

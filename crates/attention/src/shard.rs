@@ -1,0 +1,760 @@
+//! The Shard cache form of one layer ([`ShardLayer`],
+//! `shard-kv-compression-blog.md` sections 5-10) and attention computed on
+//! its compressed forms.
+//!
+//! Segments, by token: the first `sink` tokens and the last `window` tokens
+//! of the prefill exact (f16); the middle between them compressed (keys
+//! through kv-lowrank's [`ShardKeys`] after RoPE is undone, values through
+//! kv-quant's [`ChannelVq`] or NF4 after a Hadamard rotation); tokens
+//! written after the prefill in the decode stream (Hadamard + Lloyd-Max per
+//! token, data-oblivious, or f16 when the stream is off). A middle too short
+//! to fit a basis and a codebook stays exact.
+//!
+//! Scores of middle keys never see a rotated key. The score of a query at
+//! `p` against a key at `t` depends on `Δ = t − p` only (section 9):
+//! `Σᵢ (aᵢcᵢ + bᵢdᵢ)·cos θᵢΔ + (bᵢcᵢ − aᵢdᵢ)·sin θᵢΔ`, with `(a, b)` the
+//! de-rotated query pair and `(c, d)` the key pair `μ + c·B` rebuilt from
+//! the coefficients of one tile. Splitting `Δ = (t₀ − p) + (t − t₀)` for a
+//! tile starting at `t₀` evaluates it as one dot product: the query
+//! rotated back by `t₀` (once per tile and head) against the tile's keys
+//! rotated by their offset `t − t₀` within the tile (one table of `cos`,
+//! `sin` per call). Values are summed in the rotated space and rotated back
+//! once per output (section 10): `Σ w·H⁻¹(ṽ) = H⁻¹(Σ w·ṽ)`, and the
+//! per-channel maxima of the VQ form multiply the sum, not each token.
+
+use std::ops::Range;
+
+use half::f16;
+use kv_lowrank::ShardKeys;
+use kv_quant::{
+    CacheForm, ChannelVq, DecodeScratch, FitOptions, KvStore, LloydMaxSpec, Nf4Spec, Quantizer,
+    Rotation, ScaleType, ShardSpec, ShardValues,
+};
+use rayon::prelude::*;
+
+use crate::attend::{Attention, AttentionOutput, AttentionStats};
+use crate::error::{AttentionError, Result, check_len};
+use crate::rope::Rope;
+use crate::shape::Mask;
+
+/// Middle tokens per tile (rebuilt keys of one KV head at a time).
+const TILE: usize = 64;
+
+/// Queries per work item: each tile rebuilt serves all of them.
+const QUERY_BLOCK: usize = 16;
+
+/// Fewest middle tokens that are compressed (below, the middle stays exact).
+const MIN_MIDDLE: usize = 16;
+
+/// How the middle's values are stored.
+#[derive(Clone, Debug)]
+enum MiddleValues {
+    Vq(ChannelVq),
+    Nf4(Box<KvStore>),
+}
+
+/// One layer's keys and values in a `shard` form.
+#[derive(Clone, Debug)]
+pub struct ShardLayer {
+    form: CacheForm,
+    kv_heads: usize,
+    head_dim: usize,
+    tokens: usize,
+    prefill: usize,
+    middle: Range<usize>,
+    rope: Rope,
+    /// Exact rows (f16 bits) of every token outside the middle and the
+    /// Lloyd-Max stream, token order: row of token `t` is `t − middle.len()`.
+    exact_keys: Vec<u16>,
+    exact_values: Vec<u16>,
+    keys: Option<ShardKeys>,
+    values: Option<MiddleValues>,
+    /// Keys and values of tokens `prefill..tokens` in the Lloyd-Max stream.
+    stream: Option<(KvStore, KvStore)>,
+}
+
+/// The pieces of a stored layer, by bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShardBytes {
+    /// Exact f16 rows (sink, window, and the stream when it is off).
+    pub exact: usize,
+    /// Middle keys: codes, scales, int8 basis and mean.
+    pub keys: usize,
+    /// Middle values: indices, codebook and channel maxima (or NF4).
+    pub values: usize,
+    /// The Lloyd-Max decode stream.
+    pub stream: usize,
+}
+
+impl ShardBytes {
+    /// Every byte held.
+    pub fn total(&self) -> usize {
+        self.exact + self.keys + self.values + self.stream
+    }
+}
+
+impl ShardLayer {
+    /// Stores `keys` and `values` (`tokens × kv_heads·head_dim`, keys with
+    /// RoPE applied at their row's position) of which the first `prefill`
+    /// tokens were prefilled (sink, middle, window) and the rest generated
+    /// (the decode stream). Bases and codebooks are fitted on the middle.
+    pub fn build(
+        form: CacheForm,
+        keys: &[f32],
+        values: &[f32],
+        tokens: usize,
+        prefill: usize,
+        rope: &Rope,
+    ) -> Result<Self> {
+        let Quantizer::Shard(spec) = *form.quantizer() else {
+            return Err(AttentionError::InvalidParameter {
+                name: "form",
+                reason: format!("{form} is not a shard form"),
+            });
+        };
+        let head_dim = rope.head_dim();
+        let channels = keys.len().checked_div(tokens).unwrap_or(0);
+        if tokens == 0 || channels == 0 || !channels.is_multiple_of(head_dim) {
+            return Err(AttentionError::InvalidParameter {
+                name: "rows",
+                reason: format!(
+                    "{} key values are not {tokens} tokens of whole heads of {head_dim}",
+                    keys.len()
+                ),
+            });
+        }
+        check_len("keys (tokens × channels)", tokens * channels, keys.len())?;
+        check_len(
+            "values (tokens × channels)",
+            tokens * channels,
+            values.len(),
+        )?;
+        if prefill > tokens {
+            return Err(AttentionError::InvalidParameter {
+                name: "prefill",
+                reason: format!("{prefill} prefilled tokens of {tokens}"),
+            });
+        }
+        for (what, rows) in [("key", keys), ("value", values)] {
+            if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+                return Err(AttentionError::InvalidParameter {
+                    name: "rows",
+                    reason: format!(
+                        "{what} of token {}, channel {} is {}",
+                        i / channels,
+                        i % channels,
+                        rows[i]
+                    ),
+                });
+            }
+        }
+        if let Some(r) = spec.rank
+            && r > channels
+        {
+            return Err(AttentionError::InvalidParameter {
+                name: "rank",
+                reason: format!("a rank of {r} is above the key dimension {channels} ({form})"),
+            });
+        }
+        let seg = form.segments();
+        let sink_end = seg.sink.min(prefill);
+        let window_start = prefill.saturating_sub(seg.window).max(sink_end);
+        let mut middle = sink_end..window_start;
+        let fits = middle.len() >= MIN_MIDDLE
+            && middle.len() * channels >= kv_quant::channel_vq::CENTROIDS * 4;
+        if !fits {
+            middle = sink_end..sink_end;
+        }
+        let (mut exact_keys, mut exact_values) = (Vec::new(), Vec::new());
+        let exact_end = if spec.stream.is_some() {
+            prefill
+        } else {
+            tokens
+        };
+        for t in (0..exact_end).filter(|t| !middle.contains(t)) {
+            let row = t * channels..(t + 1) * channels;
+            exact_keys.extend(
+                keys[row.clone()]
+                    .iter()
+                    .map(|&x| f16::from_f32(x).to_bits()),
+            );
+            exact_values.extend(values[row].iter().map(|&x| f16::from_f32(x).to_bits()));
+        }
+        let (mut shard_keys, mut shard_values) = (None, None);
+        if !middle.is_empty() {
+            let rows = middle.start * channels..middle.end * channels;
+            let mut unrotated = keys[rows.clone()].to_vec();
+            for (t, row) in middle.clone().zip(unrotated.chunks_exact_mut(channels)) {
+                rope.undo(row, t)?;
+            }
+            shard_keys = Some(ShardKeys::fit(
+                &unrotated,
+                middle.len(),
+                channels,
+                spec.key_bits(),
+                spec.group,
+                spec.rank,
+            )?);
+            let v = &values[rows];
+            shard_values = Some(match spec.values {
+                ShardValues::Vq => MiddleValues::Vq(ChannelVq::fit(
+                    v,
+                    middle.len(),
+                    channels,
+                    head_dim,
+                    FitOptions {
+                        seed: 0,
+                        iterations: 20,
+                        max_samples: 1 << 15,
+                    },
+                )?),
+                ShardValues::Nf4 => {
+                    let nf4 = nf4_form(head_dim)?;
+                    MiddleValues::Nf4(Box::new(KvStore::quantize(nf4, v, middle.len(), channels)?))
+                }
+            });
+        }
+        let stream = match spec.stream {
+            Some(bits) if tokens > prefill => {
+                let lm = stream_form(bits, head_dim)?;
+                let rows = prefill * channels..tokens * channels;
+                let n = tokens - prefill;
+                Some((
+                    KvStore::quantize(lm, &keys[rows.clone()], n, channels)?,
+                    KvStore::quantize(lm, &values[rows], n, channels)?,
+                ))
+            }
+            _ => None,
+        };
+        Ok(Self {
+            form,
+            kv_heads: channels / head_dim,
+            head_dim,
+            tokens,
+            prefill,
+            middle,
+            rope: rope.clone(),
+            exact_keys,
+            exact_values,
+            keys: shard_keys,
+            values: shard_values,
+            stream,
+        })
+    }
+
+    /// The form.
+    pub fn form(&self) -> &CacheForm {
+        &self.form
+    }
+
+    /// The form's parameters.
+    pub fn spec(&self) -> ShardSpec {
+        match self.form.quantizer() {
+            Quantizer::Shard(s) => *s,
+            _ => unreachable!("built from shard forms only"),
+        }
+    }
+
+    /// Tokens stored.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Tokens of the prefill (sink, middle and window).
+    pub fn prefill(&self) -> usize {
+        self.prefill
+    }
+
+    /// The compressed tokens (empty when the prefill was too short).
+    pub fn middle(&self) -> Range<usize> {
+        self.middle.clone()
+    }
+
+    /// Channels per token (all KV heads).
+    pub fn channels(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// The middle's keys, when compressed.
+    pub fn keys(&self) -> Option<&ShardKeys> {
+        self.keys.as_ref()
+    }
+
+    /// Bytes held, by piece.
+    pub fn bytes(&self) -> ShardBytes {
+        ShardBytes {
+            exact: 2 * (self.exact_keys.len() + self.exact_values.len()),
+            keys: self.keys.as_ref().map_or(0, ShardKeys::stored_bytes),
+            values: match &self.values {
+                Some(MiddleValues::Vq(v)) => v.stored_bytes(),
+                Some(MiddleValues::Nf4(s)) => s.stored_bytes(),
+                None => 0,
+            },
+            stream: self
+                .stream
+                .as_ref()
+                .map_or(0, |(k, v)| k.stored_bytes() + v.stored_bytes()),
+        }
+    }
+
+    /// Bytes held.
+    pub fn stored_bytes(&self) -> usize {
+        self.bytes().total()
+    }
+
+    /// Every key (RoPE applied at its position) and value as stored, f32:
+    /// the dequantise-then-attend oracle of [`ShardLayer::attend`].
+    pub fn dequantize(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let ch = self.channels();
+        let (k, v) = self.plain_rows()?;
+        let m = self.middle.len();
+        let (mut keys, mut values) = (
+            vec![0.0f32; self.tokens * ch],
+            vec![0.0f32; self.tokens * ch],
+        );
+        for t in (0..self.tokens).filter(|t| !self.middle.contains(t)) {
+            let r = (t - if t >= self.middle.end { m } else { 0 }) * ch;
+            keys[t * ch..(t + 1) * ch].copy_from_slice(&k[r..r + ch]);
+            values[t * ch..(t + 1) * ch].copy_from_slice(&v[r..r + ch]);
+        }
+        if let (Some(sk), Some(sv)) = (&self.keys, &self.values) {
+            for t in self.middle.clone() {
+                let row = &mut keys[t * ch..(t + 1) * ch];
+                sk.reconstruct_into(t - self.middle.start, row)?;
+                self.rope.apply(row, t)?;
+            }
+            let rows = &mut values[self.middle.start * ch..self.middle.end * ch];
+            match sv {
+                MiddleValues::Vq(vq) => vq.decode_rows_into(0, m, rows)?,
+                MiddleValues::Nf4(s) => {
+                    s.decode_rows_into(0, m, rows, &mut DecodeScratch::new())?;
+                }
+            }
+        }
+        Ok((keys, values))
+    }
+
+    /// Rows of every token outside the middle, f32, in token order (the
+    /// exact rows, then the decoded stream).
+    fn plain_rows(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let widen = |b: &[u16]| {
+            b.iter()
+                .map(|&x| f16::from_bits(x).to_f32())
+                .collect::<Vec<_>>()
+        };
+        let (mut k, mut v) = (widen(&self.exact_keys), widen(&self.exact_values));
+        if let Some((sk, sv)) = &self.stream {
+            let n = sk.tokens() * self.channels();
+            let mut scratch = DecodeScratch::new();
+            for (store, out) in [(sk, &mut k), (sv, &mut v)] {
+                let at = out.len();
+                out.resize(at + n, 0.0);
+                store.decode_rows_into(0, store.tokens(), &mut out[at..], &mut scratch)?;
+            }
+        }
+        Ok((k, v))
+    }
+
+    /// Attention of queries (`queries × q_heads × head_dim`, RoPE applied
+    /// at `positions`) over the layer under `mask`, computed on the
+    /// compressed forms (module docs). `attention`'s shape must read this
+    /// layer's KV heads and head dimension.
+    pub fn attend(
+        &self,
+        attention: &Attention,
+        queries: &[f32],
+        positions: &[usize],
+        mask: &Mask<'_>,
+    ) -> Result<AttentionOutput> {
+        let shape = *attention.shape();
+        if shape.kv_heads() != self.kv_heads || shape.head_dim() != self.head_dim {
+            return Err(AttentionError::InvalidParameter {
+                name: "shape",
+                reason: format!(
+                    "{} KV heads of {} channels read a layer of {} heads of {}",
+                    shape.kv_heads(),
+                    shape.head_dim(),
+                    self.kv_heads,
+                    self.head_dim
+                ),
+            });
+        }
+        check_len(
+            "queries (positions × q_heads × head_dim)",
+            positions.len() * shape.q_len(),
+            queries.len(),
+        )?;
+        let ranges = mask.ranges(positions, self.tokens)?;
+        let (plain_k, plain_v) = self.plain_rows()?;
+        let offsets = OffsetTable::new(&self.rope);
+        let blocks: Vec<(usize, Range<usize>)> = (0..self.kv_heads)
+            .flat_map(|g| {
+                (0..positions.len())
+                    .step_by(QUERY_BLOCK)
+                    .map(move |s| (g, s..(s + QUERY_BLOCK).min(positions.len())))
+            })
+            .collect();
+        let ctx = Context {
+            layer: self,
+            queries,
+            ranges: &ranges,
+            plain_k: &plain_k,
+            plain_v: &plain_v,
+            offsets: &offsets,
+            group: shape.group(),
+            q_heads: shape.q_heads(),
+            scale: shape.scale() as f32,
+        };
+        let parts: Vec<BlockOutput> = blocks
+            .par_iter()
+            .map(|(g, qs)| ctx.block(*g, qs.clone()))
+            .collect::<Result<_>>()?;
+        let d = self.head_dim;
+        let n = positions.len();
+        let mut out = vec![0.0f32; n * shape.q_len()];
+        let mut lse = vec![f32::NEG_INFINITY; n * shape.q_heads()];
+        for ((g, qs), part) in blocks.iter().zip(parts) {
+            for (bi, i) in qs.clone().enumerate() {
+                for hh in 0..shape.group() {
+                    let h = g * shape.group() + hh;
+                    let at = bi * shape.group() + hh;
+                    out[(i * shape.q_heads() + h) * d..][..d]
+                        .copy_from_slice(&part.out[at * d..][..d]);
+                    lse[i * shape.q_heads() + h] = part.lse[at];
+                }
+            }
+        }
+        let non_finite = out.iter().filter(|x| !x.is_finite()).count();
+        Ok(AttentionOutput {
+            out,
+            lse,
+            stats: AttentionStats::default(),
+            non_finite,
+        })
+    }
+}
+
+/// The NF4 form of the middle's values: per head Hadamard, groups of 64.
+fn nf4_form(head_dim: usize) -> Result<CacheForm> {
+    let nf4 = CacheForm::plain(Quantizer::Nf4(Nf4Spec {
+        group: kv_quant::spec::DEFAULT_NF4_GROUP.min(head_dim),
+        scale: ScaleType::F16,
+    }))?;
+    Ok(nf4.with_rotation(Some(Rotation { block: head_dim }))?)
+}
+
+/// The Lloyd-Max form of the decode stream, rotated per head.
+fn stream_form(bits: u8, head_dim: usize) -> Result<CacheForm> {
+    let lm = CacheForm::plain(Quantizer::LloydMax(LloydMaxSpec {
+        bits,
+        qjl: false,
+        scale: ScaleType::F16,
+    }))?;
+    Ok(lm.with_rotation(Some(Rotation { block: head_dim }))?)
+}
+
+/// `cos`, `sin` of `θᵢ·j` for offsets `j < TILE` within a tile, per pair.
+struct OffsetTable {
+    pairs: usize,
+    /// `TILE × pairs` each.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl OffsetTable {
+    fn new(rope: &Rope) -> Self {
+        let pairs = rope.inv_freq().len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(TILE * pairs),
+            Vec::with_capacity(TILE * pairs),
+        );
+        for j in 0..TILE {
+            for &f in rope.inv_freq() {
+                let (s, c) = (j as f64 * f).sin_cos();
+                cos.push(c as f32);
+                sin.push(s as f32);
+            }
+        }
+        Self { pairs, cos, sin }
+    }
+}
+
+/// `cos`, `sin` of `θᵢ·t₀` for successive tile starts `t₀`: exact (f64)
+/// every [`TileStart::ANCHOR`] tiles, advanced by one f64 rotation of
+/// `θᵢ·TILE` in between.
+struct TileStart {
+    inv_freq: Vec<f64>,
+    start: usize,
+    tiles: usize,
+    /// Current angle's cos and sin, f64.
+    z: Vec<(f64, f64)>,
+    step: Vec<(f64, f64)>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl TileStart {
+    /// Tiles between exact anchors.
+    const ANCHOR: usize = 16;
+
+    fn new(rope: &Rope, start: usize) -> Self {
+        let inv_freq = rope.inv_freq().to_vec();
+        let step = inv_freq
+            .iter()
+            .map(|&f| {
+                let (s, c) = (f * TILE as f64).sin_cos();
+                (c, s)
+            })
+            .collect();
+        let n = inv_freq.len();
+        Self {
+            inv_freq,
+            start,
+            tiles: 0,
+            z: vec![(1.0, 0.0); n],
+            step,
+            cos: vec![0.0; n],
+            sin: vec![0.0; n],
+        }
+    }
+
+    /// The trig of the next tile's start.
+    fn next(&mut self) -> (&[f32], &[f32]) {
+        if self.tiles.is_multiple_of(Self::ANCHOR) {
+            let t0 = (self.start + self.tiles * TILE) as f64;
+            for (z, &f) in self.z.iter_mut().zip(&self.inv_freq) {
+                let (s, c) = (t0 * f).sin_cos();
+                *z = (c, s);
+            }
+        } else {
+            for (z, &(c, s)) in self.z.iter_mut().zip(&self.step) {
+                *z = (z.0 * c - z.1 * s, z.0 * s + z.1 * c);
+            }
+        }
+        self.tiles += 1;
+        for ((z, c), s) in self.z.iter().zip(&mut self.cos).zip(&mut self.sin) {
+            *c = z.0 as f32;
+            *s = z.1 as f32;
+        }
+        (&self.cos, &self.sin)
+    }
+}
+
+/// What every work item of one call reads.
+struct Context<'a> {
+    layer: &'a ShardLayer,
+    queries: &'a [f32],
+    ranges: &'a [Range<usize>],
+    plain_k: &'a [f32],
+    plain_v: &'a [f32],
+    offsets: &'a OffsetTable,
+    group: usize,
+    q_heads: usize,
+    scale: f32,
+}
+
+/// Outputs of one work item: `queries × group` heads.
+struct BlockOutput {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+impl Context<'_> {
+    /// Row of the plain tables holding token `t` (outside the middle).
+    fn plain_row(&self, t: usize) -> usize {
+        let m = &self.layer.middle;
+        if t >= m.end { t - m.len() } else { t }
+    }
+
+    /// Attention of queries `qs` for the query heads of KV head `g`.
+    fn block(&self, g: usize, qs: Range<usize>) -> Result<BlockOutput> {
+        let layer = self.layer;
+        let (d, ch) = (layer.head_dim, layer.channels());
+        let heads = qs.len() * self.group;
+        // Scores of each (query, head) over its visible range.
+        let mut scores: Vec<Vec<f32>> = Vec::with_capacity(heads);
+        for i in qs.clone() {
+            for hh in 0..self.group {
+                let h = g * self.group + hh;
+                let q = &self.queries[(i * self.q_heads + h) * d..][..d];
+                let r = &self.ranges[i];
+                let mut s = vec![f32::NEG_INFINITY; r.len()];
+                for t in r.clone().filter(|t| !layer.middle.contains(t)) {
+                    let k = &self.plain_k[self.plain_row(t) * ch + g * d..][..d];
+                    s[t - r.start] = dot(q, k) * self.scale;
+                }
+                scores.push(s);
+            }
+        }
+        // Middle scores, tile by tile.
+        let mid = layer.middle.clone();
+        let lo = qs
+            .clone()
+            .map(|i| self.ranges[i].start)
+            .min()
+            .unwrap_or(0)
+            .max(mid.start);
+        let hi = qs
+            .clone()
+            .map(|i| self.ranges[i].end)
+            .max()
+            .unwrap_or(0)
+            .min(mid.end);
+        if let Some(keys) = &layer.keys
+            && lo < hi
+        {
+            let kept = keys.kept();
+            let basis = keys.basis();
+            let (rows, mean) = (basis.rows(), &basis.mean()[g * d..][..d]);
+            let mut coeffs = vec![0.0f32; TILE * kept];
+            let mut tile = vec![0.0f32; TILE * d];
+            let mut qv = vec![0.0f32; d];
+            let first = mid.start + (lo - mid.start) / TILE * TILE;
+            let mut back = TileStart::new(&layer.rope, first);
+            for t0 in (first..hi).step_by(TILE) {
+                let (cos0, sin0) = back.next();
+                let n = TILE.min(mid.end - t0);
+                keys.coefficients_into(t0 - mid.start, n, &mut coeffs[..n * kept])?;
+                // The de-RoPEd keys of head g, rotated by their offset in the tile.
+                for (j, (c, k)) in coeffs
+                    .chunks_exact(kept)
+                    .zip(tile.chunks_exact_mut(d))
+                    .take(n)
+                    .enumerate()
+                {
+                    k.copy_from_slice(mean);
+                    for (&cr, b) in c.iter().zip(rows.chunks_exact(ch)) {
+                        for (x, &b) in k.iter_mut().zip(&b[g * d..][..d]) {
+                            *x += cr * b;
+                        }
+                    }
+                    self.rotate_pairs(k, j);
+                }
+                for (bi, i) in qs.clone().enumerate() {
+                    let r = &self.ranges[i];
+                    let span = t0.max(r.start)..(t0 + n).min(r.end);
+                    if span.is_empty() {
+                        continue;
+                    }
+                    for hh in 0..self.group {
+                        let h = g * self.group + hh;
+                        qv.copy_from_slice(&self.queries[(i * self.q_heads + h) * d..][..d]);
+                        // The query (at angle θp) rotated back by θt₀: the
+                        // pair products then carry θ(t₀ − p) + θ(t − t₀) = θΔ.
+                        for (k, (&c, &s)) in cos0.iter().zip(sin0).enumerate() {
+                            let (a, b) = layer.rope.pair(k);
+                            let (x, y) = (qv[a], qv[b]);
+                            qv[a] = x * c + y * s;
+                            qv[b] = y * c - x * s;
+                        }
+                        let s = &mut scores[bi * self.group + hh];
+                        for t in span.clone() {
+                            s[t - r.start] = dot(&qv, &tile[(t - t0) * d..][..d]) * self.scale;
+                        }
+                    }
+                }
+            }
+        }
+        // Softmax and the value sums.
+        let mut out = vec![0.0f32; heads * d];
+        let mut lse = vec![f32::NEG_INFINITY; heads];
+        let mut rot = vec![0.0f32; d];
+        let mut rows = vec![0.0f32; TILE * ch];
+        let mut scratch = DecodeScratch::new();
+        for (bi, i) in qs.clone().enumerate() {
+            let r = &self.ranges[i];
+            for hh in 0..self.group {
+                let at = bi * self.group + hh;
+                let s = &scores[at];
+                if s.is_empty() {
+                    continue;
+                }
+                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let o = &mut out[at * d..][..d];
+                rot.fill(0.0);
+                let mut l = 0.0f64;
+                for t in r.clone().filter(|t| !mid.contains(t)) {
+                    let w = (s[t - r.start] - m).exp();
+                    l += f64::from(w);
+                    let v = &self.plain_v[self.plain_row(t) * ch + g * d..][..d];
+                    for (o, &v) in o.iter_mut().zip(v) {
+                        *o += w * v;
+                    }
+                }
+                let span = r.start.max(mid.start)..r.end.min(mid.end);
+                match &layer.values {
+                    Some(MiddleValues::Vq(vq)) if !span.is_empty() => {
+                        let per = ch / kv_quant::channel_vq::GROUP;
+                        let groups = d / kv_quant::channel_vq::GROUP;
+                        let centroids = vq.centroids();
+                        for t in span.clone() {
+                            let w = (s[t - r.start] - m).exp();
+                            l += f64::from(w);
+                            let idx = &vq.indices()[(t - mid.start) * per + g * groups..][..groups];
+                            for (&k, acc) in idx.iter().zip(rot.chunks_exact_mut(4)) {
+                                let c = &centroids[usize::from(k) * 4..][..4];
+                                for (a, &c) in acc.iter_mut().zip(c) {
+                                    *a += w * c;
+                                }
+                            }
+                        }
+                        for (x, &mx) in rot.iter_mut().zip(&vq.max()[g * d..][..d]) {
+                            *x *= mx;
+                        }
+                        vq.hadamard().unrotate(&mut rot);
+                    }
+                    Some(MiddleValues::Nf4(store)) if !span.is_empty() => {
+                        for t0 in span.clone().step_by(TILE) {
+                            let n = TILE.min(span.end - t0);
+                            let tile = &mut rows[..n * ch];
+                            store.decode_rows_rotated_into(
+                                t0 - mid.start,
+                                n,
+                                tile,
+                                &mut scratch,
+                            )?;
+                            for (j, row) in tile.chunks_exact(ch).enumerate() {
+                                let w = (s[t0 + j - r.start] - m).exp();
+                                l += f64::from(w);
+                                for (a, &v) in rot.iter_mut().zip(&row[g * d..][..d]) {
+                                    *a += w * v;
+                                }
+                            }
+                        }
+                        if let Some(h) = store.rotation()? {
+                            h.unrotate(&mut rot);
+                        }
+                    }
+                    _ => {}
+                }
+                let inv = (1.0 / l) as f32;
+                for (o, &x) in o.iter_mut().zip(&rot) {
+                    *o = (*o + x) * inv;
+                }
+                lse[at] = m + l.ln() as f32;
+            }
+        }
+        Ok(BlockOutput { out, lse })
+    }
+
+    /// Rotates each RoPE pair of one head by its angle at offset `j`.
+    #[inline]
+    fn rotate_pairs(&self, k: &mut [f32], j: usize) {
+        let t = self.offsets;
+        let (cos, sin) = (
+            &t.cos[j * t.pairs..][..t.pairs],
+            &t.sin[j * t.pairs..][..t.pairs],
+        );
+        for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+            let (a, b) = self.layer.rope.pair(i);
+            let (x, y) = (k[a], k[b]);
+            k[a] = x * c - y * s;
+            k[b] = x * s + y * c;
+        }
+    }
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}

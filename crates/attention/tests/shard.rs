@@ -1,0 +1,148 @@
+//! Attention over Shard layers computed on the compressed forms (the
+//! per-pair relative-position identity for keys, rotated-space value sums)
+//! equals the f64 oracle over the same layer dequantised (keys rebuilt and
+//! rotated to their positions, values decoded) within 1e-5 relative, for
+//! both RoPE pair layouts, partial rotary dimensions, GQA and MHA, queries
+//! at every position (so every segment boundary: sink, middle, window,
+//! stream), VQ and NF4 values, the stream on and off; and bad input is a
+//! typed error.
+
+mod common;
+
+use attention::{Attention, HeadShape, Mask, Rope, RopeLayout, ShardLayer};
+use common::{error_against, oracle, uniform};
+use kv_quant::CacheForm;
+
+/// Keys near a low-rank subspace with RoPE applied at their positions, and values.
+fn rows(seed: u64, tokens: usize, channels: usize, rope: &Rope) -> (Vec<f32>, Vec<f32>) {
+    let rank = 6;
+    let c = uniform(seed, tokens * rank, 2.0);
+    let dirs = uniform(seed ^ 1, rank * channels, 1.0);
+    let noise = uniform(seed ^ 2, tokens * channels, 0.05);
+    let mut keys = vec![0.0f32; tokens * channels];
+    for t in 0..tokens {
+        let row = &mut keys[t * channels..][..channels];
+        for (ch, x) in row.iter_mut().enumerate() {
+            *x = 0.2
+                + noise[t * channels + ch]
+                + (0..rank)
+                    .map(|j| c[t * rank + j] * dirs[j * channels + ch])
+                    .sum::<f32>();
+        }
+        rope.apply(row, t).unwrap();
+    }
+    (keys, uniform(seed ^ 3, tokens * channels, 1.5))
+}
+
+fn check(spec: &str, layout: RopeLayout, rotary: usize, q_heads: usize, kv_heads: usize) {
+    let (d, tokens, prefill) = (16, 300, 260);
+    let shape = HeadShape::new(q_heads, kv_heads, d).unwrap();
+    let rope = Rope::new(layout, d, rotary, 10_000.0).unwrap();
+    let (k, v) = rows(7, tokens, shape.kv_channels(), &rope);
+    let form: CacheForm = spec.parse().unwrap();
+    let layer = ShardLayer::build(form, &k, &v, tokens, prefill, &rope).unwrap();
+    assert!(!layer.middle().is_empty(), "{spec}");
+    let (dk, dv) = layer.dequantize().unwrap();
+    let positions: Vec<usize> = (0..tokens).collect();
+    let q = uniform(11, tokens * shape.q_len(), 1.0);
+    let mut queries = q.clone();
+    for (p, row) in queries.chunks_exact_mut(shape.q_len()).enumerate() {
+        rope.apply(row, p).unwrap();
+    }
+    let attention = Attention::new(shape);
+    for mask in [Mask::Causal, Mask::SlidingWindow(100)] {
+        let got = layer
+            .attend(&attention, &queries, &positions, &mask)
+            .unwrap();
+        let want = oracle(&queries, &positions, &dk, &dv, tokens, &shape, &mask);
+        let (out, lse) = error_against(&got, &want, &dv);
+        assert!(
+            out < 1e-5 && lse < 1e-5,
+            "{spec} {layout:?} {rotary} {mask:?}: {out:e} {lse:e}"
+        );
+    }
+}
+
+#[test]
+fn compressed_attention_equals_the_dequantised_oracle() {
+    for layout in [RopeLayout::Adjacent, RopeLayout::RotateHalf] {
+        check("shard-k2-g4+win32", layout, 16, 4, 2);
+        check("shard-k1-g4-s4+sink3+win20", layout, 16, 2, 2);
+        check("shard-k3-g8-vnf4-soff+win40", layout, 8, 6, 2);
+    }
+}
+
+#[test]
+fn the_stored_keys_and_values_stay_close_to_the_rows() {
+    let (d, tokens) = (16, 400);
+    let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).unwrap();
+    let (k, v) = rows(3, tokens, 2 * d, &rope);
+    let layer = ShardLayer::build(
+        "shard-k4-g4".parse().unwrap(),
+        &k,
+        &v,
+        tokens,
+        tokens,
+        &rope,
+    )
+    .unwrap();
+    let (dk, dv) = layer.dequantize().unwrap();
+    let rel = |a: &[f32], b: &[f32]| {
+        let e: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        (e / b.iter().map(|x| x * x).sum::<f32>()).sqrt()
+    };
+    assert!(rel(&dk, &k) < 0.05, "keys {}", rel(&dk, &k));
+    // Uniform noise values at 2 bits per value.
+    assert!(rel(&dv, &v) < 0.4, "values {}", rel(&dv, &v));
+    // Sink and window exact to f16.
+    for t in (0..4).chain(tokens - 64..tokens) {
+        for c in 0..2 * d {
+            let x = k[t * 2 * d + c];
+            assert!((dk[t * 2 * d + c] - x).abs() <= x.abs() * 1e-3, "token {t}");
+        }
+    }
+    let b = layer.bytes();
+    assert_eq!(b.exact, 2 * 2 * 68 * 2 * d);
+    // Keys at 4 bits per value and 2-bit values: under half of f16's bytes.
+    assert!(b.total() * 2 < 2 * tokens * 2 * d * 2, "{b:?}");
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let (d, tokens) = (16, 100);
+    let rope = Rope::new(RopeLayout::Adjacent, d, d, 10_000.0).unwrap();
+    let (k, mut v) = rows(5, tokens, d, &rope);
+    let shard: CacheForm = "shard-k1-g4".parse().unwrap();
+    let build =
+        |f: CacheForm, k: &[f32], v: &[f32], p| ShardLayer::build(f, k, v, tokens, p, &rope);
+    assert!(build("int4".parse().unwrap(), &k, &v, tokens).is_err());
+    assert!(build(shard, &k, &v, tokens + 1).is_err());
+    assert!(build(shard, &k[..d * 50], &v, tokens).is_err());
+    let too_big: CacheForm = "shard-k1-g4-r32".parse().unwrap();
+    let e = match build(too_big, &k, &v, tokens) {
+        Ok(_) => panic!("a rank of 32 over 16 channels was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("above the key dimension"), "{e}");
+    v[7] = f32::NAN;
+    assert!(build(shard, &k, &v, tokens).is_err());
+    v[7] = 0.0;
+    let layer = build(shard, &k, &v, tokens).unwrap();
+    let wrong = Attention::new(HeadShape::new(2, 2, 8).unwrap());
+    assert!(
+        layer
+            .attend(&wrong, &[0.0; 16], &[0], &Mask::Causal)
+            .is_err()
+    );
+    let right = Attention::new(HeadShape::new(2, 1, 16).unwrap());
+    assert!(
+        layer
+            .attend(&right, &[0.0; 32], &[tokens], &Mask::Causal)
+            .is_err()
+    );
+    assert!(
+        layer
+            .attend(&right, &[0.0; 31], &[0], &Mask::Causal)
+            .is_err()
+    );
+}
