@@ -27,6 +27,10 @@
 //! and values (f16 coefficients), against FP16 decode attention
 //! (`baseline-fp16`) in the same run; throughput in tokens per second, so
 //! each ratio is the speed-up over FP16.
+//!
+//! `attention/shard-<q>x<kv>x<d>-<context>` (4K, 16K, 64K tokens): decode
+//! attention over `shard` layers computed on their compressed forms,
+//! against FP16 decode attention (`baseline-fp16`) in the same run.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -321,5 +325,75 @@ fn low_rank(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, decode, low_rank);
+/// `attention/shard-<q>x<kv>x<d>-<context>k`: decode attention over a whole
+/// `shard` layer (4 sink and 64 window tokens exact, the middle compressed:
+/// scores from the coefficients, values summed rotated) against FP16
+/// decode attention over the same rows (`baseline-fp16`) in the same run;
+/// throughput in tokens per second, so each ratio is the speed-up over FP16.
+fn shard(c: &mut Criterion) {
+    use attention::{Rope, RopeLayout, ShardLayer};
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(THREADS)
+        .build()
+        .expect("pool");
+    for &(q_heads, kv_heads, d) in &SHAPES {
+        let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
+        let ch = shape.kv_channels();
+        let attn = Attention::new(shape);
+        let q = matrix(1, shape.q_len(), 0.3);
+        let rope = Rope::new(RopeLayout::Adjacent, d, d, 100_000.0).expect("rope");
+        for tokens in contexts(d).into_iter().filter(|&t| t <= 65536) {
+            let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
+            let mut group = c.benchmark_group(format!(
+                "attention/shard-{q_heads}x{kv_heads}x{d}-{}k",
+                tokens / 1024
+            ));
+            group
+                .sample_size(10)
+                .warm_up_time(Duration::from_millis(500))
+                .measurement_time(Duration::from_secs(2))
+                .throughput(Throughput::Elements(tokens as u64));
+            let fp16: CacheForm = "fp16".parse().expect("form");
+            let (ks, vs) = pool.install(|| {
+                (
+                    KvStore::quantize(fp16, &k, tokens, ch).expect("k"),
+                    KvStore::quantize(fp16, &v, tokens, ch).expect("v"),
+                )
+            });
+            let position = tokens - 1;
+            group.bench_function("baseline-fp16", |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        attn.decode(black_box(&q), position, &ks, &vs, &Mask::Causal)
+                            .expect("decode")
+                            .out[0]
+                    })
+                })
+            });
+            for spec in ["shard", "shard-k3"] {
+                let form: CacheForm = spec.parse().expect("form");
+                let layer = pool.install(|| {
+                    ShardLayer::build(form, &k, &v, tokens, tokens, &rope).expect("shard")
+                });
+                eprintln!(
+                    "{spec} at {tokens} tokens: {:.2}x smaller than f16",
+                    (2 * tokens * ch * 2) as f64 / layer.stored_bytes() as f64
+                );
+                group.bench_function(spec, |b| {
+                    b.iter(|| {
+                        pool.install(|| {
+                            layer
+                                .attend(&attn, black_box(&q), &[position], &Mask::Causal)
+                                .expect("decode")
+                                .out[0]
+                        })
+                    })
+                });
+            }
+            group.finish();
+        }
+    }
+}
+
+criterion_group!(benches, decode, low_rank, shard);
 criterion_main!(benches);

@@ -23,7 +23,10 @@
 //! per-channel maxima of the VQ form multiply the sum, not each token.
 
 use std::ops::Range;
+use std::sync::Arc;
 
+use faer::linalg::matmul::matmul;
+use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
@@ -67,8 +70,8 @@ pub struct ShardLayer {
     /// Lloyd-Max stream, token order: row of token `t` is `t − middle.len()`.
     exact_keys: Vec<u16>,
     exact_values: Vec<u16>,
-    keys: Option<ShardKeys>,
-    values: Option<MiddleValues>,
+    keys: Option<Arc<ShardKeys>>,
+    values: Option<Arc<MiddleValues>>,
     /// Keys and values of tokens `prefill..tokens` in the Lloyd-Max stream.
     stream: Option<(KvStore, KvStore)>,
 }
@@ -187,16 +190,16 @@ impl ShardLayer {
             for (t, row) in middle.clone().zip(unrotated.chunks_exact_mut(channels)) {
                 rope.undo(row, t)?;
             }
-            shard_keys = Some(ShardKeys::fit(
+            shard_keys = Some(Arc::new(ShardKeys::fit(
                 &unrotated,
                 middle.len(),
                 channels,
                 spec.key_bits(),
                 spec.group,
                 spec.rank,
-            )?);
+            )?));
             let v = &values[rows];
-            shard_values = Some(match spec.values {
+            shard_values = Some(Arc::new(match spec.values {
                 ShardValues::Vq => MiddleValues::Vq(ChannelVq::fit(
                     v,
                     middle.len(),
@@ -212,20 +215,9 @@ impl ShardLayer {
                     let nf4 = nf4_form(head_dim)?;
                     MiddleValues::Nf4(Box::new(KvStore::quantize(nf4, v, middle.len(), channels)?))
                 }
-            });
+            }));
         }
-        let stream = match spec.stream {
-            Some(bits) if tokens > prefill => {
-                let lm = stream_form(bits, head_dim)?;
-                let rows = prefill * channels..tokens * channels;
-                let n = tokens - prefill;
-                Some((
-                    KvStore::quantize(lm, &keys[rows.clone()], n, channels)?,
-                    KvStore::quantize(lm, &values[rows], n, channels)?,
-                ))
-            }
-            _ => None,
-        };
+        let stream = stream(spec, keys, values, tokens, prefill, channels, head_dim)?;
         Ok(Self {
             form,
             kv_heads: channels / head_dim,
@@ -240,6 +232,46 @@ impl ShardLayer {
             values: shard_values,
             stream,
         })
+    }
+
+    /// The same layer after generation: `keys` and `values` hold every
+    /// token (`tokens × channels`), of which the first
+    /// [`prefill`](Self::prefill) are those this layer was built from (not
+    /// read again: the fitted middle, sink and window are kept); the rest
+    /// go to the decode stream.
+    pub fn extended(&self, keys: &[f32], values: &[f32], tokens: usize) -> Result<Self> {
+        let ch = self.channels();
+        check_len("keys (tokens × channels)", tokens * ch, keys.len())?;
+        check_len("values (tokens × channels)", tokens * ch, values.len())?;
+        if tokens < self.prefill {
+            return Err(AttentionError::InvalidParameter {
+                name: "tokens",
+                reason: format!(
+                    "{tokens} tokens, fewer than the prefill of {}",
+                    self.prefill
+                ),
+            });
+        }
+        let spec = self.spec();
+        let kept = (self.prefill - self.middle.len()) * ch;
+        let mut out = Self {
+            tokens,
+            exact_keys: self.exact_keys[..kept].to_vec(),
+            exact_values: self.exact_values[..kept].to_vec(),
+            stream: stream(spec, keys, values, tokens, self.prefill, ch, self.head_dim)?,
+            ..self.clone()
+        };
+        if spec.stream.is_none() {
+            let rows = self.prefill * ch..tokens * ch;
+            out.exact_keys.extend(
+                keys[rows.clone()]
+                    .iter()
+                    .map(|&x| f16::from_f32(x).to_bits()),
+            );
+            out.exact_values
+                .extend(values[rows].iter().map(|&x| f16::from_f32(x).to_bits()));
+        }
+        Ok(out)
     }
 
     /// The form.
@@ -277,15 +309,15 @@ impl ShardLayer {
 
     /// The middle's keys, when compressed.
     pub fn keys(&self) -> Option<&ShardKeys> {
-        self.keys.as_ref()
+        self.keys.as_deref()
     }
 
     /// Bytes held, by piece.
     pub fn bytes(&self) -> ShardBytes {
         ShardBytes {
             exact: 2 * (self.exact_keys.len() + self.exact_values.len()),
-            keys: self.keys.as_ref().map_or(0, ShardKeys::stored_bytes),
-            values: match &self.values {
+            keys: self.keys.as_ref().map_or(0, |k| k.stored_bytes()),
+            values: match self.values.as_deref() {
                 Some(MiddleValues::Vq(v)) => v.stored_bytes(),
                 Some(MiddleValues::Nf4(s)) => s.stored_bytes(),
                 None => 0,
@@ -317,7 +349,7 @@ impl ShardLayer {
             keys[t * ch..(t + 1) * ch].copy_from_slice(&k[r..r + ch]);
             values[t * ch..(t + 1) * ch].copy_from_slice(&v[r..r + ch]);
         }
-        if let (Some(sk), Some(sv)) = (&self.keys, &self.values) {
+        if let (Some(sk), Some(sv)) = (&self.keys, self.values.as_deref()) {
             for t in self.middle.clone() {
                 let row = &mut keys[t * ch..(t + 1) * ch];
                 sk.reconstruct_into(t - self.middle.start, row)?;
@@ -394,17 +426,39 @@ impl ShardLayer {
                     .map(move |s| (g, s..(s + QUERY_BLOCK).min(positions.len())))
             })
             .collect();
-        let ctx = Context {
+        let mut ctx = Context {
             layer: self,
             queries,
             ranges: &ranges,
             plain_k: &plain_k,
             plain_v: &plain_v,
             offsets: &offsets,
+            tiles: None,
             group: shape.group(),
             q_heads: shape.q_heads(),
             scale: shape.scale() as f32,
         };
+        // Many queries: each middle tile is built once and read by all.
+        let tiles = match &self.keys {
+            Some(keys) if positions.len() > QUERY_BLOCK => {
+                let (d, m) = (self.head_dim, self.middle.len());
+                let mut tiles = vec![0.0f32; self.kv_heads * m * d];
+                for (g, head) in tiles.chunks_exact_mut(m * d).enumerate() {
+                    head.par_chunks_mut(TILE * d)
+                        .enumerate()
+                        .try_for_each(|(i, tile)| {
+                            let mut coeffs = vec![0.0f32; tile.len() / d * keys.kept()];
+                            let t0 = self.middle.start + i * TILE;
+                            ctx.key_tile(keys, g, t0, &mut coeffs, tile)
+                        })?;
+                }
+                tiles
+            }
+            _ => Vec::new(),
+        };
+        if !tiles.is_empty() {
+            ctx.tiles = Some(&tiles);
+        }
         let parts: Vec<BlockOutput> = blocks
             .par_iter()
             .map(|(g, qs)| ctx.block(*g, qs.clone()))
@@ -434,6 +488,30 @@ impl ShardLayer {
     }
 }
 
+/// The Lloyd-Max stream of tokens `prefill..tokens` (none when off or empty).
+fn stream(
+    spec: ShardSpec,
+    keys: &[f32],
+    values: &[f32],
+    tokens: usize,
+    prefill: usize,
+    channels: usize,
+    head_dim: usize,
+) -> Result<Option<(KvStore, KvStore)>> {
+    match spec.stream {
+        Some(bits) if tokens > prefill => {
+            let lm = stream_form(bits, head_dim)?;
+            let rows = prefill * channels..tokens * channels;
+            let n = tokens - prefill;
+            Ok(Some((
+                KvStore::quantize(lm, &keys[rows.clone()], n, channels)?,
+                KvStore::quantize(lm, &values[rows], n, channels)?,
+            )))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// The NF4 form of the middle's values: per head Hadamard, groups of 64.
 fn nf4_form(head_dim: usize) -> Result<CacheForm> {
     let nf4 = CacheForm::plain(Quantizer::Nf4(Nf4Spec {
@@ -456,6 +534,8 @@ fn stream_form(bits: u8, head_dim: usize) -> Result<CacheForm> {
 /// `cos`, `sin` of `θᵢ·j` for offsets `j < TILE` within a tile, per pair.
 struct OffsetTable {
     pairs: usize,
+    /// The two channels of each pair within a head.
+    index: Vec<(usize, usize)>,
     /// `TILE × pairs` each.
     cos: Vec<f32>,
     sin: Vec<f32>,
@@ -475,7 +555,13 @@ impl OffsetTable {
                 sin.push(s as f32);
             }
         }
-        Self { pairs, cos, sin }
+        let index = (0..pairs).map(|i| rope.pair(i)).collect();
+        Self {
+            pairs,
+            index,
+            cos,
+            sin,
+        }
     }
 }
 
@@ -548,6 +634,9 @@ struct Context<'a> {
     plain_k: &'a [f32],
     plain_v: &'a [f32],
     offsets: &'a OffsetTable,
+    /// Every middle key tile of every KV head (`kv_heads × middle × d`),
+    /// built once when many queries read them (prefill).
+    tiles: Option<&'a [f32]>,
     group: usize,
     q_heads: usize,
     scale: f32,
@@ -604,32 +693,21 @@ impl Context<'_> {
             && lo < hi
         {
             let kept = keys.kept();
-            let basis = keys.basis();
-            let (rows, mean) = (basis.rows(), &basis.mean()[g * d..][..d]);
             let mut coeffs = vec![0.0f32; TILE * kept];
-            let mut tile = vec![0.0f32; TILE * d];
+            let mut own = vec![0.0f32; if self.tiles.is_some() { 0 } else { TILE * d }];
             let mut qv = vec![0.0f32; d];
             let first = mid.start + (lo - mid.start) / TILE * TILE;
             let mut back = TileStart::new(&layer.rope, first);
             for t0 in (first..hi).step_by(TILE) {
                 let (cos0, sin0) = back.next();
                 let n = TILE.min(mid.end - t0);
-                keys.coefficients_into(t0 - mid.start, n, &mut coeffs[..n * kept])?;
-                // The de-RoPEd keys of head g, rotated by their offset in the tile.
-                for (j, (c, k)) in coeffs
-                    .chunks_exact(kept)
-                    .zip(tile.chunks_exact_mut(d))
-                    .take(n)
-                    .enumerate()
-                {
-                    k.copy_from_slice(mean);
-                    for (&cr, b) in c.iter().zip(rows.chunks_exact(ch)) {
-                        for (x, &b) in k.iter_mut().zip(&b[g * d..][..d]) {
-                            *x += cr * b;
-                        }
+                let tile: &[f32] = match self.tiles {
+                    Some(all) => &all[(g * mid.len() + t0 - mid.start) * d..][..n * d],
+                    None => {
+                        self.key_tile(keys, g, t0, &mut coeffs[..n * kept], &mut own[..n * d])?;
+                        &own[..n * d]
                     }
-                    self.rotate_pairs(k, j);
-                }
+                };
                 for (bi, i) in qs.clone().enumerate() {
                     let r = &self.ranges[i];
                     let span = t0.max(r.start)..(t0 + n).min(r.end);
@@ -641,8 +719,7 @@ impl Context<'_> {
                         qv.copy_from_slice(&self.queries[(i * self.q_heads + h) * d..][..d]);
                         // The query (at angle θp) rotated back by θt₀: the
                         // pair products then carry θ(t₀ − p) + θ(t − t₀) = θΔ.
-                        for (k, (&c, &s)) in cos0.iter().zip(sin0).enumerate() {
-                            let (a, b) = layer.rope.pair(k);
+                        for ((&c, &s), &(a, b)) in cos0.iter().zip(sin0).zip(&self.offsets.index) {
                             let (x, y) = (qv[a], qv[b]);
                             qv[a] = x * c + y * s;
                             qv[b] = y * c - x * s;
@@ -682,7 +759,7 @@ impl Context<'_> {
                     }
                 }
                 let span = r.start.max(mid.start)..r.end.min(mid.end);
-                match &layer.values {
+                match layer.values.as_deref() {
                     Some(MiddleValues::Vq(vq)) if !span.is_empty() => {
                         let per = ch / kv_quant::channel_vq::GROUP;
                         let groups = d / kv_quant::channel_vq::GROUP;
@@ -737,6 +814,47 @@ impl Context<'_> {
         Ok(BlockOutput { out, lse })
     }
 
+    /// The keys of KV head `g` for middle tokens `t0..t0 + n` (`t0` a tile
+    /// start, `n = tile.len() / d`): `μ + c·B` with RoPE undone (one small
+    /// GEMM per tile, faer's kernels), each turned by its offset in the tile.
+    fn key_tile(
+        &self,
+        keys: &ShardKeys,
+        g: usize,
+        t0: usize,
+        coeffs: &mut [f32],
+        tile: &mut [f32],
+    ) -> Result<()> {
+        let layer = self.layer;
+        let (d, ch, kept) = (layer.head_dim, layer.channels(), keys.kept());
+        let n = tile.len() / d;
+        let basis = keys.basis();
+        let (rows, mean) = (basis.rows(), &basis.mean()[g * d..][..d]);
+        keys.coefficients_into(t0 - layer.middle.start, n, coeffs)?;
+        for k in tile.chunks_exact_mut(d) {
+            k.copy_from_slice(mean);
+        }
+        if kept > 0 {
+            matmul(
+                MatMut::from_row_major_slice_mut(tile, n, d),
+                Accum::Add,
+                MatRef::from_row_major_slice(coeffs, n, kept),
+                MatRef::from_row_major_slice_with_stride(
+                    &rows[g * d..(kept - 1) * ch + (g + 1) * d],
+                    kept,
+                    d,
+                    ch,
+                ),
+                1.0f32,
+                Par::Seq,
+            );
+        }
+        for (j, k) in tile.chunks_exact_mut(d).enumerate() {
+            self.rotate_pairs(k, j);
+        }
+        Ok(())
+    }
+
     /// Rotates each RoPE pair of one head by its angle at offset `j`.
     #[inline]
     fn rotate_pairs(&self, k: &mut [f32], j: usize) {
@@ -745,8 +863,7 @@ impl Context<'_> {
             &t.cos[j * t.pairs..][..t.pairs],
             &t.sin[j * t.pairs..][..t.pairs],
         );
-        for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
-            let (a, b) = self.layer.rope.pair(i);
+        for ((&c, &s), &(a, b)) in cos.iter().zip(sin).zip(&t.index) {
             let (x, y) = (k[a], k[b]);
             k[a] = x * c - y * s;
             k[b] = x * s + y * c;
@@ -754,7 +871,21 @@ impl Context<'_> {
     }
 }
 
+/// Dot product with eight partial sums (so the compiler can vectorise it).
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for ((s, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *s += x * y;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }

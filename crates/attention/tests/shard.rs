@@ -146,3 +146,33 @@ fn bad_input_is_a_typed_error() {
             .is_err()
     );
 }
+
+#[test]
+fn extending_after_the_prefill_equals_building_at_once() {
+    let (d, tokens, prefill) = (16, 300, 250);
+    let shape = HeadShape::new(4, 2, d).unwrap();
+    let rope = Rope::new(RopeLayout::Adjacent, d, d, 10_000.0).unwrap();
+    let (k, v) = rows(9, tokens, shape.kv_channels(), &rope);
+    for spec in ["shard-k2-g4+win32", "shard-k2-g4-soff+win32"] {
+        let form: CacheForm = spec.parse().unwrap();
+        let whole = ShardLayer::build(form, &k, &v, tokens, prefill, &rope).unwrap();
+        let ch = shape.kv_channels();
+        let first = ShardLayer::build(
+            form,
+            &k[..prefill * ch],
+            &v[..prefill * ch],
+            prefill,
+            prefill,
+            &rope,
+        )
+        .unwrap();
+        let grown = first.extended(&k, &v, tokens).unwrap();
+        assert_eq!(
+            grown.dequantize().unwrap(),
+            whole.dequantize().unwrap(),
+            "{spec}"
+        );
+        assert_eq!(grown.bytes(), whole.bytes(), "{spec}");
+        assert!(first.extended(&k[..10 * ch], &v[..10 * ch], 10).is_err());
+    }
+}

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use attention::{
     Attention, AttentionOutput, DenseBackend, KvBackend, KvSource, LowRankScratch, Mask,
-    ModelKvShape, PreRopeKeys, Rope, StoreScratch, Tile, certificates,
+    ModelKvShape, PreRopeKeys, Rope, ShardLayer, StoreScratch, Tile, certificates,
 };
 use gf2_codes::channel::{
     BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
@@ -519,6 +519,11 @@ pub struct KvCache {
     stats: CacheStats,
     /// The statistics when the open step began.
     checkpoint: Option<CacheStats>,
+    /// Tokens of the first committed step: a `shard` form's prefill.
+    prefill: Option<usize>,
+    /// Per layer, the `shard` layer built at the prefill (its fitted
+    /// middle is kept; later steps only add to its decode stream).
+    shard: Vec<Option<Arc<ShardLayer>>>,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -559,6 +564,14 @@ impl KvCache {
                         reason: "the plain cache has no stored bits to corrupt; use a form".into(),
                     });
                 }
+                if mode.forms().iter().any(|(f, _)| f.quantizer().is_shard()) {
+                    return Err(EvalError::InvalidParameter {
+                        name: "faults",
+                        reason: "shard forms take no fault injection yet (their coefficients \
+                                 and indices carry no code)"
+                            .into(),
+                    });
+                }
                 let hot = match f.hot {
                     Some(h) if (0.0..=1.0).contains(&h.ber) => Some(f.channel.build(h.ber)?),
                     Some(h) => {
@@ -593,6 +606,8 @@ impl KvCache {
             calls: 0,
             stats: CacheStats::default(),
             checkpoint: None,
+            prefill: None,
+            shard: Vec::new(),
         })
     }
 
@@ -660,12 +675,16 @@ impl KvBackend for KvCache {
         }
         self.calls += 1;
         self.checkpoint = None;
+        self.prefill.get_or_insert(self.rows.tokens());
         Ok(())
     }
 
     /// Drops the step's rows and the statistics its attention calls added.
     fn rollback(&mut self) {
         self.rows.rollback();
+        if self.prefill.is_none() {
+            self.shard.clear();
+        }
         if let Some(stats) = self.checkpoint.take() {
             self.stats = stats;
         }
@@ -699,6 +718,43 @@ impl KvBackend for KvCache {
                 let rope = self.rope.as_ref();
                 let codes = &self.codes[layer];
                 let head_dim = attention.shape().head_dim();
+                if codes.key.form.quantizer().is_shard() || codes.value.form.quantizer().is_shard()
+                {
+                    let form = codes.key.form;
+                    if codes.value.form != form {
+                        return Err(EvalError::InvalidParameter {
+                            name: "form",
+                            reason: format!(
+                                "shard stores keys and values together: {} / {} must be one shard form",
+                                codes.key.form, codes.value.form
+                            ),
+                        });
+                    }
+                    let rope = rope.ok_or_else(|| EvalError::InvalidParameter {
+                        name: "form",
+                        reason: format!("{form} undoes RoPE; this model has none"),
+                    })?;
+                    let prefill = self.prefill.unwrap_or(tokens);
+                    if self.shard.len() <= layer {
+                        self.shard.resize(layer + 1, None);
+                    }
+                    let built = match &self.shard[layer] {
+                        Some(s) if s.prefill() == prefill => s.extended(k, v, tokens)?,
+                        _ => {
+                            let s = ShardLayer::build(form, k, v, tokens, prefill, rope)?;
+                            self.shard[layer] = Some(Arc::new(s.clone()));
+                            s
+                        }
+                    };
+                    let b = built.bytes();
+                    self.stats.stored_bytes += b.total() as u64;
+                    self.stats.part_bytes[0] += (b.keys + (b.exact + b.stream) / 2) as u64;
+                    self.stats.part_bytes[1] += (b.values + (b.exact + b.stream) / 2) as u64;
+                    self.stats.stored_values += 2 * (tokens * ch) as u64;
+                    let out = built.attend(attention, queries, positions, mask)?;
+                    self.stats.non_finite += out.non_finite as u64;
+                    return Ok(out);
+                }
                 let mut read_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
                 let mut read_v = StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
                 for (part, i) in [(&read_k, 0), (&read_v, 1)] {

@@ -340,9 +340,25 @@ impl ShardKeys {
                 let bytes = &row[g.offset..g.offset + g.len * usize::from(g.bits) / 8];
                 let scales = &self.scales[g.start..g.start + g.len];
                 let dst = &mut c[g.start..g.start + g.len];
-                unpack(bytes, g.bits, |j, u| {
-                    dst[j] = (i32::from(u) - bias) as f32 * scales[j];
-                });
+                let value = |u: u8, s: f32| (i32::from(u) - bias) as f32 * s;
+                match g.bits {
+                    8 => {
+                        for ((o, &u), &s) in dst.iter_mut().zip(bytes).zip(scales) {
+                            *o = value(u, s);
+                        }
+                    }
+                    4 => {
+                        for ((o, &u), s) in dst
+                            .chunks_exact_mut(2)
+                            .zip(bytes)
+                            .zip(scales.chunks_exact(2))
+                        {
+                            o[0] = value(u & 15, s[0]);
+                            o[1] = value(u >> 4, s[1]);
+                        }
+                    }
+                    _ => unpack(bytes, g.bits, |j, u| dst[j] = value(u, scales[j])),
+                }
             }
         }
         Ok(())
