@@ -37,6 +37,7 @@ use rayon::prelude::*;
 
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
+use crate::kernel::exp;
 use crate::rope::Rope;
 use crate::shape::Mask;
 
@@ -742,17 +743,20 @@ impl Context<'_> {
             let r = &self.ranges[i];
             for hh in 0..self.group {
                 let at = bi * self.group + hh;
-                let s = &scores[at];
+                let s = &mut scores[at];
                 if s.is_empty() {
                     continue;
                 }
                 let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                // Weights in place (the kernels' branch-free exp vectorises).
+                for x in s.iter_mut() {
+                    *x = exp::<false>(*x - m);
+                }
+                let l: f64 = s.iter().map(|&w| f64::from(w)).sum();
                 let o = &mut out[at * d..][..d];
                 rot.fill(0.0);
-                let mut l = 0.0f64;
                 for t in r.clone().filter(|t| !mid.contains(t)) {
-                    let w = (s[t - r.start] - m).exp();
-                    l += f64::from(w);
+                    let w = s[t - r.start];
                     let v = &self.plain_v[self.plain_row(t) * ch + g * d..][..d];
                     for (o, &v) in o.iter_mut().zip(v) {
                         *o += w * v;
@@ -765,8 +769,7 @@ impl Context<'_> {
                         let groups = d / kv_quant::channel_vq::GROUP;
                         let centroids = vq.centroids();
                         for t in span.clone() {
-                            let w = (s[t - r.start] - m).exp();
-                            l += f64::from(w);
+                            let w = s[t - r.start];
                             let idx = &vq.indices()[(t - mid.start) * per + g * groups..][..groups];
                             for (&k, acc) in idx.iter().zip(rot.chunks_exact_mut(4)) {
                                 let c = &centroids[usize::from(k) * 4..][..4];
@@ -791,8 +794,7 @@ impl Context<'_> {
                                 &mut scratch,
                             )?;
                             for (j, row) in tile.chunks_exact(ch).enumerate() {
-                                let w = (s[t0 + j - r.start] - m).exp();
-                                l += f64::from(w);
+                                let w = s[t0 + j - r.start];
                                 for (a, &v) in rot.iter_mut().zip(&row[g * d..][..d]) {
                                     *a += w * v;
                                 }
