@@ -21,6 +21,7 @@ pub mod models;
 pub mod niah;
 mod niah_plot;
 pub mod paths;
+pub mod stream_drift;
 pub mod sweep;
 
 /// The README's example, compiled and run as a doctest.

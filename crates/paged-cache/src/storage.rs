@@ -410,7 +410,10 @@ impl BlockStorage {
 /// fitted data (codebooks, bases) the storage does not carry.
 pub fn check_pageable(form: &CacheForm) -> Result<()> {
     let q = form.quantizer();
-    let reason = if !form.is_row_local() {
+    let reason = if q.is_shard() {
+        "is a shard form: its middle is fitted on the whole prefill and stored by attention's \
+         ShardLayer, not written a token at a time into blocks (use --backend reencode)"
+    } else if !form.is_row_local() {
         "shares scales across tokens (or keeps exact sink/window tokens); paged blocks are \
          written one token at a time and need a per-token form (fp16, fp8-e4m3-tok, int8, \
          int4, int4-g64, int4+secded84, …)"

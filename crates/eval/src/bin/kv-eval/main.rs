@@ -11,6 +11,7 @@ mod calib;
 mod generate;
 mod niah;
 mod source;
+mod stream;
 
 use abft::{AbftRule, FlipSite, abft_rule};
 use calib::{Calib, calibration_for, calibration_rows, fit_calibration, needs_calibration};
@@ -301,6 +302,9 @@ enum Command {
     /// (Hamming, SECDED, Golay) chosen from what reading it under SECDED
     /// showed, scored against uniform codes under the same faults.
     Adapt(adapt::AdaptArgs),
+    /// The drift of a `shard` cache's decode stream: greedy generations
+    /// with the stream off, 4-bit and 8-bit, matched against an fp16 cache.
+    ShardStream(stream::StreamArgs),
     /// The top-k next tokens of a prompt with their logits and probabilities.
     Top {
         /// GGUF model file, Hugging Face folder or fetched model name
@@ -797,6 +801,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Niah(args) => niah::run(args)?,
         Command::Accumulate(args) => accumulate::run_accumulate(args)?,
         Command::Adapt(args) => adapt::run_adapt(args)?,
+        Command::ShardStream(args) => stream::run_stream(args)?,
         Command::Top { model, prompt, k } => {
             if prompt.is_empty() {
                 return Err("the prompt is empty".into());

@@ -1,0 +1,93 @@
+//! The `shard` form on the tiny random Llama: a prefill through the
+//! re-encode cache gives finite logits near the plain pass and counts true
+//! bytes; tokens generated after a prefill go to the decode stream and give
+//! finite logits (that a layer extended after its prefill equals one stored
+//! at once is attention's `tests/shard.rs`); bad input (faults, mixed key/value forms, a window covering
+//! the context, the paged backend) is a typed error.
+
+mod common;
+
+use attention::KvBackend;
+use kv_eval::backend::BackendKind;
+use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
+use kv_quant::{CacheForm, FaultTarget};
+
+use common::tiny::{DIM, HEADS, KV_HEADS, VOCAB, model, tokens};
+
+const SPEC: &str = "shard-k4-g4+win8";
+
+#[test]
+fn a_prefill_gives_finite_logits_near_the_plain_pass_and_counts_bytes() {
+    let m = model();
+    let toks = tokens(120);
+    let mut plain = KvCache::new(CacheMode::Plain, None, 0).unwrap();
+    let want = m.forward(&toks, &mut plain, 0).unwrap();
+    let mut cache = KvCache::new(CacheMode::form(SPEC.parse().unwrap()), None, 0).unwrap();
+    let got = m.forward(&toks, &mut cache, 0).unwrap();
+    assert!(got.iter().all(|x| x.is_finite()));
+    let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(worst < 0.5 * scale, "{worst} of {scale}");
+    let s = cache.stats();
+    // Two layers, keys and values of 120 tokens × 16 channels.
+    assert_eq!(
+        s.stored_values,
+        2 * 2 * 120 * (KV_HEADS * DIM / HEADS) as u64
+    );
+    assert!(
+        s.stored_bytes > 0 && s.stored_bytes < s.stored_values * 2,
+        "{s:?}"
+    );
+    assert_eq!(s.part_bytes[0] + s.part_bytes[1], s.stored_bytes);
+}
+
+#[test]
+fn decode_steps_go_to_the_stream_of_the_prefilled_layer() {
+    let m = model();
+    let toks = tokens(110);
+    let form: CacheForm = SPEC.parse().unwrap();
+    let mut cache = KvCache::new(CacheMode::form(form), None, 0).unwrap();
+    m.forward(&toks[..100], &mut cache, 99).unwrap();
+    for &t in &toks[100..] {
+        let logits = m.forward(&[t], &mut cache, 0).unwrap();
+        assert_eq!(logits.len(), VOCAB);
+        assert!(logits.iter().all(|x| x.is_finite()));
+    }
+    assert_eq!(cache.tokens(), 110);
+    // The statistics count every step's stored bytes: the prefill's
+    // layers, then ten steps each holding them plus their stream.
+    let per_call = cache.stats().stored_bytes;
+    assert!(per_call > 0);
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let m = model();
+    let toks = tokens(120);
+    let faults = FaultSpec {
+        channel: ChannelKind::Bsc,
+        ber: 1e-3,
+        seed: 0,
+        target: FaultTarget::Values,
+        hot: None,
+    };
+    let shard = CacheMode::form(SPEC.parse().unwrap());
+    let e = KvCache::new(shard.clone(), Some(faults), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shard"), "{e}");
+    let mixed = CacheMode::key_value(SPEC.parse().unwrap(), "int4".parse().unwrap());
+    let mut cache = KvCache::new(mixed, None, 0).unwrap();
+    let e = m.forward(&toks, &mut cache, 0).unwrap_err().to_string();
+    assert!(e.contains("one shard form"), "{e}");
+    let e = shard.check_context(12).unwrap_err().to_string();
+    assert!(e.contains("cover the whole context"), "{e}");
+    let e = BackendKind::Paged { block_size: 16 }
+        .check(&shard, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shard"), "{e}");
+}
