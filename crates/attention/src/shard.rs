@@ -110,6 +110,21 @@ impl ShardLayer {
         prefill: usize,
         rope: &Rope,
     ) -> Result<Self> {
+        Self::build_with(form, keys, values, tokens, prefill, rope, None)
+    }
+
+    /// [`build`](Self::build) with the key basis of a `-cal` form: fitted
+    /// on a calibration text's keys (all KV heads, RoPE undone), required
+    /// by `-cal` forms and refused by the others.
+    pub fn build_with(
+        form: CacheForm,
+        keys: &[f32],
+        values: &[f32],
+        tokens: usize,
+        prefill: usize,
+        rope: &Rope,
+        basis: Option<&kv_lowrank::Basis>,
+    ) -> Result<Self> {
         let Quantizer::Shard(spec) = *form.quantizer() else {
             return Err(AttentionError::InvalidParameter {
                 name: "form",
@@ -152,6 +167,15 @@ impl ShardLayer {
                 });
             }
         }
+        if spec.calibrated != basis.is_some() {
+            return Err(AttentionError::InvalidParameter {
+                name: "basis",
+                reason: format!(
+                    "{form} {} a calibrated key basis",
+                    if spec.calibrated { "needs" } else { "takes no" }
+                ),
+            });
+        }
         if let Some(r) = spec.rank
             && r > channels
         {
@@ -191,14 +215,19 @@ impl ShardLayer {
             for (t, row) in middle.clone().zip(unrotated.chunks_exact_mut(channels)) {
                 rope.undo(row, t)?;
             }
-            shard_keys = Some(Arc::new(ShardKeys::fit(
-                &unrotated,
-                middle.len(),
-                channels,
-                spec.key_bits(),
-                spec.group,
-                spec.rank,
-            )?));
+            shard_keys = Some(Arc::new(match basis {
+                Some(b) => {
+                    ShardKeys::with_basis(&unrotated, middle.len(), b, spec.key_bits(), spec.group)?
+                }
+                None => ShardKeys::fit(
+                    &unrotated,
+                    middle.len(),
+                    channels,
+                    spec.key_bits(),
+                    spec.group,
+                    spec.rank,
+                )?,
+            }));
             let v = &values[rows];
             shard_values = Some(Arc::new(match spec.values {
                 ShardValues::Vq => MiddleValues::Vq(ChannelVq::fit(

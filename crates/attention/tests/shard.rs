@@ -124,6 +124,43 @@ fn bad_input_is_a_typed_error() {
         Err(e) => e.to_string(),
     };
     assert!(e.contains("above the key dimension"), "{e}");
+    // A calibrated form needs its basis, of this layer's width.
+    let cal: CacheForm = "shard-k1-g4-cal".parse().unwrap();
+    assert!(build(cal, &k, &v, tokens).is_err());
+    let (narrow, _) = kv_lowrank::Basis::fit(
+        &k[..100 * 8],
+        100,
+        8,
+        kv_quant::RankRule::Fixed(4),
+        kv_lowrank::BasisStorage::F16,
+    )
+    .unwrap();
+    let with = |f, b| ShardLayer::build_with(f, &k, &v, tokens, tokens, &rope, Some(b));
+    assert!(with(shard, &narrow).is_err());
+    let long: Vec<f32> = (0..300 * d).map(|i| (i as f32 * 0.1).sin()).collect();
+    let v300: Vec<f32> = long.iter().map(|x| x * 0.5).collect();
+    let (wide, _) = kv_lowrank::Basis::fit(
+        &long[..100 * d],
+        100,
+        d,
+        kv_quant::RankRule::Fixed(8),
+        kv_lowrank::BasisStorage::F16,
+    )
+    .unwrap();
+    let e = match ShardLayer::build_with(
+        cal,
+        &long[..299 * d],
+        &v300[..299 * d],
+        299,
+        299,
+        &rope,
+        Some(&narrow),
+    ) {
+        Ok(_) => panic!("a basis of 8 channels stored rows of 16"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("another model"), "{e}");
+    assert!(ShardLayer::build_with(cal, &long, &v300, 300, 300, &rope, Some(&wide)).is_ok());
     v[7] = f32::NAN;
     assert!(build(shard, &k, &v, tokens).is_err());
     v[7] = 0.0;

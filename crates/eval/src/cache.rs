@@ -30,7 +30,7 @@ use kv_quant::{
     Quantizer, VqCodebook,
 };
 
-use crate::calibration::{Calibration, Part};
+use crate::calibration::{Calibration, Part, basis_shape};
 use crate::error::{EvalError, Result};
 
 /// Where attention reads K and V from.
@@ -741,7 +741,16 @@ impl KvBackend for KvCache {
                     let built = match &self.shard[layer] {
                         Some(s) if s.prefill() == prefill => s.extended(k, v, tokens)?,
                         _ => {
-                            let s = ShardLayer::build(form, k, v, tokens, prefill, rope)?;
+                            let basis = codes.key.bases.as_ref().and_then(|b| b.heads.first());
+                            let s = ShardLayer::build_with(
+                                form,
+                                k,
+                                v,
+                                tokens,
+                                prefill,
+                                rope,
+                                basis.map(|b| b.as_ref()),
+                            )?;
                             self.shard[layer] = Some(Arc::new(s.clone()));
                             s
                         }
@@ -904,7 +913,7 @@ fn resolve(stored: &StoredForms, layers: usize, channels: usize) -> Result<Vec<L
                 cb.check_fits(&form, channels)?;
                 code.codebook = Some(cb);
             }
-            if form.quantizer().needs_bases() {
+            if form.quantizer().needs_bases() && basis_shape(&form, part).is_some() {
                 let cal = stored
                     .calibration
                     .as_ref()

@@ -88,6 +88,30 @@ pub fn codebook_shape(form: &CacheForm) -> Option<String> {
 /// share bases. Coefficient codes and protection do not change a basis; the
 /// values have no RoPE, so `-pre` is dropped for them.
 pub fn basis_shape(form: &CacheForm, part: Part) -> Option<String> {
+    if let Quantizer::Shard(spec) = *form.quantizer() {
+        // One key basis per layer over all KV heads; its rank and groups
+        // are what two forms must share.
+        if !(spec.calibrated && part == Part::Key) {
+            return None;
+        }
+        let shape = kv_quant::ShardSpec {
+            rank: spec.rank,
+            group: spec.group,
+            calibrated: true,
+            ..Default::default()
+        };
+        let f = CacheForm::build(
+            Quantizer::Shard(shape),
+            None,
+            Segments {
+                sink: kv_quant::spec::DEFAULT_SHARD_SINK,
+                window: kv_quant::spec::DEFAULT_SHARD_WINDOW,
+            },
+            None,
+        )
+        .expect("a valid form's basis shape is valid");
+        return Some(f.to_string());
+    }
     let Quantizer::LowRank(spec) = *form.quantizer() else {
         return None;
     };
@@ -245,8 +269,26 @@ impl Calibration {
         let bases: Vec<((String, usize, Part), Arc<HeadBases>)> = basis_jobs
             .into_par_iter()
             .map(|(shape, form, l, part)| {
+                if let Quantizer::Shard(spec) = *form.quantizer() {
+                    // All KV heads' keys, RoPE undone, as one row per token.
+                    let ch = rows.channels;
+                    let data = rows.head_rows(l, Part::Key, 0, ch, model.rope())?;
+                    let rank = spec
+                        .rank
+                        .unwrap_or(ch)
+                        .min(rows.tokens.saturating_sub(1) / 4 * 4);
+                    let (b, _) = Basis::fit(
+                        &data,
+                        rows.tokens,
+                        ch,
+                        kv_quant::RankRule::Fixed(rank.max(4)),
+                        BasisStorage::Int8,
+                    )?;
+                    let heads = vec![Arc::new(b)];
+                    return Ok(((shape, l, part), Arc::new(HeadBases { heads })));
+                }
                 let Quantizer::LowRank(spec) = *form.quantizer() else {
-                    unreachable!("basis shapes come from low-rank forms")
+                    unreachable!("basis shapes come from low-rank and shard forms")
                 };
                 let kv_quant::LowRankMethod::Pca(rule) = spec.method else {
                     unreachable!("bases are fitted for pca forms")

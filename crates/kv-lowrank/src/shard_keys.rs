@@ -160,6 +160,58 @@ impl ShardKeys {
                 rank: 4,
             });
         }
+        let (full, _) = Basis::fit(
+            rows,
+            tokens,
+            dim,
+            RankRule::Fixed(considered),
+            BasisStorage::Int8,
+        )?;
+        Self::encode(rows, tokens, full, budget, group)
+    }
+
+    /// Stores `rows` (`tokens × dim`) on a basis fitted elsewhere (a
+    /// calibration text's keys, RoPE undone), allocating `budget` bits per
+    /// key value over groups of `group` of its components.
+    pub fn with_basis(
+        rows: &[f32],
+        tokens: usize,
+        basis: &Basis,
+        budget: f64,
+        group: usize,
+    ) -> Result<Self> {
+        let dim = basis.dim();
+        if rows.len() != tokens * dim {
+            return Err(LowRankError::Bases(format!(
+                "a basis of {dim} channels cannot store {tokens} rows of {} values \
+                 (a calibration of another model?)",
+                rows.len().checked_div(tokens).unwrap_or(0)
+            )));
+        }
+        check_finite(rows, dim)?;
+        if group == 0 || !group.is_multiple_of(4) || !basis.rank().is_multiple_of(4) {
+            return Err(LowRankError::InvalidParameter {
+                name: "group",
+                reason: format!(
+                    "groups of {group} over a basis of rank {} (both multiples of 4)",
+                    basis.rank()
+                ),
+            });
+        }
+        if !(budget.is_finite() && budget > 0.0 && budget <= 8.0) {
+            return Err(LowRankError::InvalidParameter {
+                name: "key budget",
+                reason: format!("{budget} bits per value cannot be met (more than 0, at most 8)"),
+            });
+        }
+        Self::encode(rows, tokens, basis.clone(), budget, group)
+    }
+
+    /// Allocates bits over the components of `full` from their energies
+    /// over `rows` and stores the kept ones' coefficients.
+    fn encode(rows: &[f32], tokens: usize, full: Basis, budget: f64, group: usize) -> Result<Self> {
+        let dim = full.dim();
+        let considered = full.rank();
         let budget_bits = (budget * dim as f64).floor() as usize;
         let sizes: Vec<usize> = (0..considered)
             .step_by(group)
@@ -175,14 +227,23 @@ impl ShardKeys {
                 ),
             });
         }
-        let (full, spectrum) = Basis::fit(
-            rows,
-            tokens,
-            dim,
-            RankRule::Fixed(considered),
-            BasisStorage::Int8,
-        )?;
-        let mut variances = Vec::with_capacity(sizes.len());
+        // Each component's energy over these rows (its eigenvalue when the
+        // basis was fitted on them).
+        let mut energy = vec![0.0f64; considered];
+        let mut c = vec![0.0f32; considered];
+        for row in rows.chunks_exact(dim) {
+            full.project(row, &mut c);
+            for (e, &x) in energy.iter_mut().zip(&c) {
+                *e += f64::from(x) * f64::from(x);
+            }
+        }
+        for e in &mut energy {
+            *e /= tokens.max(1) as f64;
+        }
+        let spectrum = Spectrum {
+            eigenvalues: energy,
+        };
+        let mut variances: Vec<f64> = Vec::with_capacity(sizes.len());
         let mut start = 0;
         for &len in &sizes {
             variances.push(spectrum.eigenvalues[start..start + len].iter().sum());
@@ -515,6 +576,34 @@ mod tests {
         );
         // The budget holds: at most 4 bits per value of codes.
         assert!(keys.row_bytes() * 8 <= 4 * dim);
+    }
+
+    #[test]
+    fn a_basis_fitted_elsewhere_stores_other_rows() {
+        let (tokens, dim) = (300, 16);
+        let rows = low_rank_keys(tokens);
+        let (basis, _) = Basis::fit(
+            &rows[..200 * dim],
+            200,
+            dim,
+            RankRule::Fixed(8),
+            BasisStorage::F16,
+        )
+        .unwrap();
+        let keys = ShardKeys::with_basis(&rows[200 * dim..], 100, &basis, 4.0, 4).unwrap();
+        assert_eq!(keys.tokens(), 100);
+        let mut out = vec![0.0f32; dim];
+        keys.reconstruct_into(50, &mut out).unwrap();
+        let want = &rows[250 * dim..251 * dim];
+        let err: f32 = out
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(err < 0.2, "{err}");
+        // A basis of another width (a calibration of another model).
+        let e = ShardKeys::with_basis(&rows[..100 * 12], 100, &basis, 4.0, 4).unwrap_err();
+        assert!(matches!(e, LowRankError::Bases(_)), "{e}");
     }
 
     #[test]

@@ -288,6 +288,9 @@ pub struct ShardSpec {
     /// Bits of the Lloyd-Max decode stream (Hadamard + Lloyd-Max per
     /// token); `None` keeps generated tokens in f16 (the blog's "off").
     pub stream: Option<u8>,
+    /// The key basis comes from a calibration text (`-cal`) rather than
+    /// from the prefill itself (the blog's choice).
+    pub calibrated: bool,
 }
 
 impl Default for ShardSpec {
@@ -298,6 +301,7 @@ impl Default for ShardSpec {
             rank: None,
             values: ShardValues::Vq,
             stream: Some(DEFAULT_SHARD_STREAM),
+            calibrated: false,
         }
     }
 }
@@ -395,12 +399,16 @@ impl Quantizer {
         matches!(self, Quantizer::Shard(_))
     }
 
-    /// Whether the form needs bases fitted on a calibration text (`pca-*`).
+    /// Whether the form needs bases fitted on a calibration text (`pca-*`,
+    /// `shard-cal`).
     pub const fn needs_bases(&self) -> bool {
         matches!(
             self,
             Quantizer::LowRank(LowRankSpec {
                 method: LowRankMethod::Pca(_),
+                ..
+            }) | Quantizer::Shard(ShardSpec {
+                calibrated: true,
                 ..
             })
         )

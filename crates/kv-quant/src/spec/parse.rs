@@ -26,7 +26,7 @@ pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 
 fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
 nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
-shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>|-soff] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
+shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>|-soff][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
 +sink<S> | +win<W> | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
 +interp[<reach>] | +meta-none | +meta-secded | +meta-rm (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
@@ -148,6 +148,9 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
                 Some(DEFAULT_SHARD_STREAM) => {}
                 Some(b) => write!(f, "-s{b}")?,
                 None => f.write_str("-soff")?,
+            }
+            if s.calibrated {
+                f.write_str("-cal")?;
             }
             Ok(())
         }
@@ -503,6 +506,7 @@ fn parse_shard(options: &[&str]) -> std::result::Result<Quantizer, String> {
             "vnf4" => spec.values = ShardValues::Nf4,
             "vvq" => spec.values = ShardValues::Vq,
             "soff" => spec.stream = None,
+            "cal" => spec.calibrated = true,
             _ => {
                 if let Some(k) = share_after(o, "k") {
                     spec.key_budget = k?;
@@ -518,7 +522,7 @@ fn parse_shard(options: &[&str]) -> std::result::Result<Quantizer, String> {
                     );
                 } else {
                     return Err(format!(
-                        "unknown shard option -{} (-k<bits>, -g<G>, -r<R>, -vnf4, -s<bits>, -soff)",
+                        "unknown shard option -{} (-k<bits>, -g<G>, -r<R>, -vnf4, -s<bits>, -soff, -cal)",
                         quote(o)
                     ));
                 }

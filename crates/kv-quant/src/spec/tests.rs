@@ -60,6 +60,7 @@ fn issue_spellings_parse_and_print_back() {
         "shard-k0.75-g32-r64-vnf4-s4",
         "shard-soff+sink8+win128",
         "shard-k2+win16",
+        "shard-r64-cal",
     ] {
         let form: CacheForm = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
         assert_eq!(form.to_string(), s);
