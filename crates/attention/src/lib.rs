@@ -71,7 +71,7 @@ pub use numerics::Numerics;
 pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};
-pub use shard::{ShardBytes, ShardLayer};
+pub use shard::{ShardBytes, ShardFaults, ShardLayer};
 pub use source::{DenseKv, KvSource, StoreScratch, Tile, TileRows};
 pub use workspace::Workspace;
 

@@ -213,3 +213,58 @@ fn extending_after_the_prefill_equals_building_at_once() {
         assert!(first.extended(&k[..10 * ch], &v[..10 * ch], 10).is_err());
     }
 }
+
+#[test]
+fn faults_are_seeded_accounted_and_corrected_under_a_code() {
+    use gf2_codes::channel::BinarySymmetric;
+    let (d, tokens) = (16, 400);
+    let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).unwrap();
+    let (k, v) = rows(4, tokens, 2 * d, &rope);
+    let build =
+        |s: &str| ShardLayer::build(s.parse().unwrap(), &k, &v, tokens, tokens, &rope).unwrap();
+    let plain = build("shard-k2-g4");
+    let clean = plain.dequantize().unwrap();
+    // Unprotected: every flip lands in a code; changed bytes are silent.
+    let channel = BinarySymmetric::new(1e-3).unwrap();
+    let mut hit = plain.clone();
+    let f = hit.inject(&channel, 7).unwrap();
+    assert!(f.flips > 0);
+    assert!(f.keys.silent + f.values.silent > 0 && f.keys.silent + f.values.silent <= f.flips);
+    assert_eq!(f.keys.words, plain.keys().unwrap().codes().len() as u64);
+    assert_ne!(hit.dequantize().unwrap(), clean);
+    // The same seed, the same flips and the same layer.
+    let mut again = plain.clone();
+    assert_eq!(again.inject(&channel, 7).unwrap(), f);
+    assert_eq!(again.dequantize().unwrap(), hit.dequantize().unwrap());
+    // SECDED: code bytes double; single flips per word are all corrected.
+    let secded = build("shard-k2-g4+secded84");
+    let (b0, b1) = (plain.bytes(), secded.bytes());
+    let codes = plain.keys().unwrap().codes().len();
+    assert_eq!(b1.keys - b0.keys, codes);
+    assert_eq!(b1.exact, b0.exact);
+    let sparse = BinarySymmetric::new(1e-4).unwrap();
+    let mut hit = secded.clone();
+    let f = hit.inject(&sparse, 3).unwrap();
+    let (kw, vw) = (f.keys, f.values);
+    assert!(f.flips > 0);
+    assert_eq!(
+        kw.corrected
+            + vw.corrected
+            + 2 * (kw.detected + vw.detected)
+            + kw.miscorrected
+            + vw.miscorrected,
+        f.flips,
+        "{f:?}: at 1e-4 each hit word holds one or two flips"
+    );
+    // This seed puts at most one flip in each word: all corrected, the
+    // layer reads exactly as written.
+    assert_eq!(
+        kw.detected + vw.detected + kw.miscorrected + vw.miscorrected,
+        0,
+        "{f:?}"
+    );
+    assert_eq!(hit.dequantize().unwrap(), secded.dequantize().unwrap());
+    // NF4 values are not exposed.
+    let mut nf4 = build("shard-k2-g4-vnf4");
+    assert!(nf4.inject(&channel, 1).is_err());
+}

@@ -2,8 +2,10 @@
 //! re-encode cache gives finite logits near the plain pass and counts true
 //! bytes; tokens generated after a prefill go to the decode stream and give
 //! finite logits (that a layer extended after its prefill equals one stored
-//! at once is attention's `tests/shard.rs`); bad input (faults, mixed key/value forms, a window covering
-//! the context, the paged backend) is a typed error.
+//! at once is attention's `tests/shard.rs`); seeded faults go through the
+//! form's code and are accounted; bad input (faults on what a shard form
+//! does not expose, mixed key/value forms, a window covering the context,
+//! the paged backend) is a typed error.
 
 mod common;
 
@@ -64,6 +66,38 @@ fn decode_steps_go_to_the_stream_of_the_prefilled_layer() {
 }
 
 #[test]
+fn faults_are_injected_through_the_code_and_accounted() {
+    let m = model();
+    let toks = tokens(120);
+    let faults = FaultSpec {
+        channel: ChannelKind::Bsc,
+        ber: 1e-3,
+        seed: 5,
+        target: FaultTarget::Values,
+        hot: None,
+    };
+    let run = |spec: &str| {
+        let mut cache =
+            KvCache::new(CacheMode::form(spec.parse().unwrap()), Some(faults), 0).unwrap();
+        let logits = m.forward(&toks, &mut cache, 0).unwrap();
+        (logits, cache.stats().clone())
+    };
+    let (a, sa) = run("shard-k4-g4+win8+secded84");
+    let (b, sb) = run("shard-k4-g4+win8+secded84");
+    assert_eq!(a, b, "a seed gives the same run");
+    assert_eq!(sa, sb);
+    assert!(sa.injected_flips > 0);
+    let mut w = sa.keys.values;
+    w += sa.values.values;
+    assert!(w.corrected > 0, "{w:?}");
+    assert!(w.corrected + w.detected + w.miscorrected <= sa.injected_flips);
+    let (_, plain) = run("shard-k4-g4+win8");
+    let mut p = plain.keys.values;
+    p += plain.values.values;
+    assert!(p.silent > 0 && p.corrected == 0, "{p:?}");
+}
+
+#[test]
 fn bad_input_is_a_typed_error() {
     let m = model();
     let toks = tokens(120);
@@ -75,9 +109,14 @@ fn bad_input_is_a_typed_error() {
         hot: None,
     };
     let shard = CacheMode::form(SPEC.parse().unwrap());
-    let e = KvCache::new(shard.clone(), Some(faults), 0)
-        .unwrap_err()
-        .to_string();
+    let everything = FaultSpec {
+        target: FaultTarget::Everything,
+        ..faults
+    };
+    let e = match KvCache::new(shard.clone(), Some(everything), 0) {
+        Ok(_) => panic!("faults on a shard form's metadata were accepted"),
+        Err(e) => e.to_string(),
+    };
     assert!(e.contains("shard"), "{e}");
     let mixed = CacheMode::key_value(SPEC.parse().unwrap(), "int4".parse().unwrap());
     let mut cache = KvCache::new(mixed, None, 0).unwrap();

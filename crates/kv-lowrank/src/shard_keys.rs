@@ -369,6 +369,12 @@ impl ShardKeys {
         &self.codes
     }
 
+    /// The packed codes, writable (fault injection, decoding through an
+    /// error-correcting code).
+    pub fn codes_mut(&mut self) -> &mut [u8] {
+        &mut self.codes
+    }
+
     /// Bytes of one token's codes.
     pub fn row_bytes(&self) -> usize {
         self.row_bytes

@@ -159,6 +159,12 @@ impl ChannelVq {
         &self.indices
     }
 
+    /// The indices, writable (fault injection, decoding through an
+    /// error-correcting code).
+    pub fn indices_mut(&mut self) -> &mut [u8] {
+        &mut self.indices
+    }
+
     /// Bytes held: indices, the f16 codebook and the f16 channel maxima.
     pub fn stored_bytes(&self) -> usize {
         self.indices.len() + 2 * self.centroids.len() + 2 * self.max.len()

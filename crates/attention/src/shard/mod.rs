@@ -36,6 +36,9 @@ use crate::error::{AttentionError, Result, check_len};
 use crate::rope::Rope;
 
 mod attend;
+mod faults;
+
+pub use faults::ShardFaults;
 
 /// Middle tokens per tile (rebuilt keys of one KV head at a time).
 const TILE: usize = 64;
@@ -340,11 +343,17 @@ impl ShardLayer {
 
     /// Bytes held, by piece.
     pub fn bytes(&self) -> ShardBytes {
+        let code = self.form.protection().map(|p| p.code);
         ShardBytes {
             exact: 2 * (self.exact_keys.len() + self.exact_values.len()),
-            keys: self.keys.as_ref().map_or(0, |k| k.stored_bytes()),
+            keys: self.keys.as_ref().map_or(0, |k| {
+                k.stored_bytes() - k.codes().len() + faults::protected_len(k.codes().len(), code)
+            }),
             values: match self.values.as_deref() {
-                Some(MiddleValues::Vq(v)) => v.stored_bytes(),
+                Some(MiddleValues::Vq(v)) => {
+                    v.stored_bytes() - v.indices().len()
+                        + faults::protected_len(v.indices().len(), code)
+                }
                 Some(MiddleValues::Nf4(s)) => s.stored_bytes(),
                 None => 0,
             },
@@ -456,4 +465,3 @@ fn stream_form(bits: u8, head_dim: usize) -> Result<CacheForm> {
     }))?;
     Ok(lm.with_rotation(Some(Rotation { block: head_dim }))?)
 }
-

@@ -796,9 +796,12 @@ impl CacheForm {
                 if self.segments.sink == 0 {
                     return Err("shard keeps at least one sink token exact".into());
                 }
-                if self.protection.is_some() {
+                if let Some(p) = &self.protection
+                    && p.policy != ErasurePolicy::Keep
+                {
                     return Err(
-                        "shard's coefficients and indices take no code yet (use the plain form)"
+                        "shard keeps the received codes of detected words (+keep): a code \
+                         covers coefficients and indices, not values to zero or interpolate"
                             .into(),
                     );
                 }

@@ -61,6 +61,8 @@ fn issue_spellings_parse_and_print_back() {
         "shard-soff+sink8+win128",
         "shard-k2+win16",
         "shard-r64-cal",
+        "shard+secded84",
+        "shard-k3+golay24x8",
     ] {
         let form: CacheForm = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
         assert_eq!(form.to_string(), s);
@@ -213,7 +215,8 @@ fn bad_spellings_are_rejected_with_the_valid_choices() {
         ("shard-s300", "1 to 8"),
         ("shard-x", "unknown shard option"),
         ("shard+rot", "no +rot"),
-        ("shard+secded84", "no code yet"),
+        ("shard+secded84+interp", "+keep"),
+        ("shard+golay24+zero", "+keep"),
     ] {
         let e = s.parse::<CacheForm>().unwrap_err().to_string();
         assert!(e.contains(needle), "{s}: {e}");

@@ -13,6 +13,13 @@
 //! miscorrected words and silent changes. Re-encoding on every call
 //! costs O(T²) over a token-by-token generation; the evaluation prefills
 //! whole windows, one call each, where it costs one encode per layer.
+//! `shard` forms (`shard.rs`) are built once at the prefill and extended
+//! after; each call faults a fresh copy of their compressed codes.
+
+mod mode;
+mod shard;
+
+pub use mode::{CacheMode, StoredForms};
 
 pub use crate::adaptive::{HotLayers, LayerCodewords};
 use std::sync::Arc;
@@ -26,121 +33,12 @@ use gf2_codes::channel::{
 };
 use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
-    CacheForm, FaultTarget, KvDecodeStats, KvStore, LayerForms, NonFinite, QuantizeOptions,
-    Quantizer, VqCodebook,
+    CacheForm, FaultTarget, KvDecodeStats, KvStore, NonFinite, QuantizeOptions, Quantizer,
+    VqCodebook,
 };
 
-use crate::calibration::{Calibration, Part, basis_shape};
+use crate::calibration::{Part, basis_shape};
 use crate::error::{EvalError, Result};
-
-/// Where attention reads K and V from.
-#[derive(Clone, Debug, PartialEq)]
-pub enum CacheMode {
-    /// The f32 rows as computed (no store).
-    Plain,
-    /// kv-quant stores, in forms chosen per layer for keys and values.
-    Stored(StoredForms),
-}
-
-/// The forms of a stored cache and the fitted data they need.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StoredForms {
-    /// Key and value forms per layer.
-    pub layers: LayerForms,
-    /// Codebooks (and other calibrated data) for the forms that need them.
-    pub calibration: Option<Arc<Calibration>>,
-}
-
-impl CacheMode {
-    /// One form for keys and values of every layer.
-    pub fn form(form: CacheForm) -> Self {
-        Self::key_value(form, form)
-    }
-
-    /// A key form and a value form for every layer.
-    pub fn key_value(key: CacheForm, value: CacheForm) -> Self {
-        Self::Stored(StoredForms {
-            layers: LayerForms::uniform(key, value),
-            calibration: None,
-        })
-    }
-
-    /// Per-layer forms with the calibration they need.
-    pub fn layered(layers: LayerForms, calibration: Option<Arc<Calibration>>) -> Self {
-        Self::Stored(StoredForms {
-            layers,
-            calibration,
-        })
-    }
-
-    /// The same forms with this calibration (plain stays plain).
-    pub fn with_calibration(self, calibration: Option<Arc<Calibration>>) -> Self {
-        match self {
-            Self::Plain => Self::Plain,
-            Self::Stored(s) => Self::Stored(StoredForms { calibration, ..s }),
-        }
-    }
-
-    /// The spelling of the mode: `plain`, a form (`int4`), a key/value pair
-    /// (`int4-ch/int4`) or a layer policy (`0,29:fp16;*:int4`).
-    pub fn label(&self) -> String {
-        match self {
-            Self::Plain => "plain".into(),
-            Self::Stored(s) => match s.layers.rules() {
-                [rule] if rule.layers.is_none() && rule.key == rule.value => rule.key.to_string(),
-                [rule] if rule.layers.is_none() => format!("{}/{}", rule.key, rule.value),
-                _ => s.layers.to_string(),
-            },
-        }
-    }
-
-    /// Every form the mode names, with the part it stores.
-    pub fn forms(&self) -> Vec<(CacheForm, Part)> {
-        match self {
-            Self::Plain => Vec::new(),
-            Self::Stored(s) => s
-                .layers
-                .rules()
-                .iter()
-                .flat_map(|r| [(r.key, Part::Key), (r.value, Part::Value)])
-                .collect(),
-        }
-    }
-
-    /// Refuses exact sinks and windows that cover a whole context of `ctx`
-    /// tokens (nothing would be quantized).
-    pub fn check_context(&self, ctx: usize) -> Result<()> {
-        for (f, _) in self.forms() {
-            let seg = f.segments();
-            if seg.sink + seg.window >= ctx {
-                return Err(EvalError::InvalidParameter {
-                    name: "form",
-                    reason: format!(
-                        "{f}: a sink of {} and a window of {} tokens cover the whole context of {ctx}",
-                        seg.sink, seg.window
-                    ),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// Parses `plain`, `FORM`, `KEY_FORM/VALUE_FORM` or a layer policy
-    /// (`LAYERS:FORM[/FORM];...`).
-    pub fn parse(text: &str) -> Result<Self> {
-        let text = text.trim();
-        if text == "plain" {
-            return Ok(Self::Plain);
-        }
-        if text.contains(':') {
-            return Ok(Self::layered(text.parse()?, None));
-        }
-        Ok(match text.split_once('/') {
-            Some((k, v)) => Self::key_value(k.parse()?, v.parse()?),
-            None => Self::form(text.parse()?),
-        })
-    }
-}
 
 /// The form of one part of a layer and the fitted data it needs.
 #[derive(Clone, Debug)]
@@ -564,11 +462,13 @@ impl KvCache {
                         reason: "the plain cache has no stored bits to corrupt; use a form".into(),
                     });
                 }
-                if mode.forms().iter().any(|(f, _)| f.quantizer().is_shard()) {
+                if f.target != FaultTarget::Values
+                    && mode.forms().iter().any(|(f, _)| f.quantizer().is_shard())
+                {
                     return Err(EvalError::InvalidParameter {
-                        name: "faults",
-                        reason: "shard forms take no fault injection yet (their coefficients \
-                                 and indices carry no code)"
+                        name: "target",
+                        reason: "faults reach a shard form's coefficient codes and VQ indices \
+                                 only (--target values)"
                             .into(),
                     });
                 }
@@ -720,118 +620,104 @@ impl KvBackend for KvCache {
                 let head_dim = attention.shape().head_dim();
                 if codes.key.form.quantizer().is_shard() || codes.value.form.quantizer().is_shard()
                 {
-                    let form = codes.key.form;
-                    if codes.value.form != form {
-                        return Err(EvalError::InvalidParameter {
-                            name: "form",
-                            reason: format!(
-                                "shard stores keys and values together: {} / {} must be one shard form",
-                                codes.key.form, codes.value.form
-                            ),
-                        });
-                    }
-                    let rope = rope.ok_or_else(|| EvalError::InvalidParameter {
-                        name: "form",
-                        reason: format!("{form} undoes RoPE; this model has none"),
-                    })?;
+                    let faults = self.faults.as_ref().map(|f| {
+                        let channel = match (&f.hot, f.spec.hot) {
+                            (Some(hot), Some(h)) if h.contains(layer) => hot,
+                            _ => &f.channel,
+                        };
+                        let base = mix(f.spec.seed ^ mix(self.stream ^ mix(self.calls)));
+                        (channel.as_ref(), mix(base ^ mix(2 * layer as u64)))
+                    });
                     let prefill = self.prefill.unwrap_or(tokens);
-                    if self.shard.len() <= layer {
-                        self.shard.resize(layer + 1, None);
-                    }
-                    let built = match &self.shard[layer] {
-                        Some(s) if s.prefill() == prefill => s.extended(k, v, tokens)?,
-                        _ => {
-                            let basis = codes.key.bases.as_ref().and_then(|b| b.heads.first());
-                            let s = ShardLayer::build_with(
-                                form,
-                                k,
-                                v,
-                                tokens,
-                                prefill,
-                                rope,
-                                basis.map(|b| b.as_ref()),
-                            )?;
-                            self.shard[layer] = Some(Arc::new(s.clone()));
-                            s
-                        }
-                    };
-                    let b = built.bytes();
+                    let run = shard::attend(
+                        &mut self.shard,
+                        layer,
+                        codes,
+                        prefill,
+                        rope,
+                        (k, v, tokens),
+                        attention,
+                        (queries, positions, mask),
+                        faults,
+                    )?;
+                    let b = run.bytes;
                     self.stats.stored_bytes += b.total() as u64;
                     self.stats.part_bytes[0] += (b.keys + (b.exact + b.stream) / 2) as u64;
                     self.stats.part_bytes[1] += (b.values + (b.exact + b.stream) / 2) as u64;
                     self.stats.stored_values += 2 * (tokens * ch) as u64;
-                    let out = built.attend(attention, queries, positions, mask)?;
-                    self.stats.non_finite += out.non_finite as u64;
-                    return Ok(out);
-                }
-                let mut read_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
-                let mut read_v = StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
-                for (part, i) in [(&read_k, 0), (&read_v, 1)] {
-                    let (own, shared) = part.bytes();
-                    self.stats.stored_bytes += own + shared;
-                    self.stats.codebook_bytes += shared;
-                    self.stats.part_bytes[i] += own + shared;
-                }
-                self.stats.stored_values += 2 * (tokens * ch) as u64;
-                // The stores' fault ledgers record every flip: attention
-                // reads the faulted stores through the same fused kernels as
-                // clean ones, and the statistics still separate corrected,
-                // miscorrected and silent words.
-                if let Some(faults) = &self.faults {
-                    let spec = faults.spec;
-                    let channel = match (&faults.hot, spec.hot) {
-                        (Some(hot), Some(h)) if h.contains(layer) => hot,
-                        _ => &faults.channel,
+                    self.stats.injected_flips += run.flips;
+                    run.out
+                } else {
+                    let mut read_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
+                    let mut read_v =
+                        StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
+                    for (part, i) in [(&read_k, 0), (&read_v, 1)] {
+                        let (own, shared) = part.bytes();
+                        self.stats.stored_bytes += own + shared;
+                        self.stats.codebook_bytes += shared;
+                        self.stats.part_bytes[i] += own + shared;
+                    }
+                    self.stats.stored_values += 2 * (tokens * ch) as u64;
+                    // The stores' fault ledgers record every flip: attention
+                    // reads the faulted stores through the same fused kernels as
+                    // clean ones, and the statistics still separate corrected,
+                    // miscorrected and silent words.
+                    if let Some(faults) = &self.faults {
+                        let spec = faults.spec;
+                        let channel = match (&faults.hot, spec.hot) {
+                            (Some(hot), Some(h)) if h.contains(layer) => hot,
+                            _ => &faults.channel,
+                        };
+                        let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
+                        let seed_k = mix(base ^ mix(2 * layer as u64));
+                        let seed_v = mix(base ^ mix(2 * layer as u64 + 1));
+                        self.stats.injected_flips +=
+                            read_k.inject(channel.as_ref(), seed_k, spec.target)
+                                + read_v.inject(channel.as_ref(), seed_v, spec.target);
+                    }
+                    let (read_k, read_v) = (&read_k, &read_v);
+                    let out = match coefficient_path(read_k, read_v) {
+                        Some((ks, vs)) => {
+                            attention.attend_low_rank(queries, positions, ks, vs, mask)?
+                        }
+                        None => {
+                            let keys = Source::of(read_k, rope);
+                            let values = Source::of(read_v, None);
+                            attention.prefill(queries, positions, &keys, &values, mask)?
+                        }
                     };
-                    let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                    let seed_k = mix(base ^ mix(2 * layer as u64));
-                    let seed_v = mix(base ^ mix(2 * layer as u64 + 1));
-                    self.stats.injected_flips +=
-                        read_k.inject(channel.as_ref(), seed_k, spec.target)
-                            + read_v.inject(channel.as_ref(), seed_v, spec.target);
+                    if read_k.low_rank().is_some() || read_v.low_rank().is_some() {
+                        let value_norm = if read_v.low_rank().is_some() {
+                            0.0
+                        } else {
+                            max_head_norm(v, head_dim)
+                        };
+                        let certs = certificates(
+                            attention.shape(),
+                            queries,
+                            positions,
+                            tokens,
+                            read_k.low_rank(),
+                            read_v.low_rank(),
+                            value_norm,
+                            mask,
+                        )?;
+                        if self.stats.certificates.len() <= layer {
+                            self.stats
+                                .certificates
+                                .resize(layer + 1, CertificateSums::default());
+                        }
+                        let sums = &mut self.stats.certificates[layer];
+                        for c in certs {
+                            sums.count += 1;
+                            sums.logit_sum += f64::from(c.logit);
+                            sums.logit_max = sums.logit_max.max(f64::from(c.logit));
+                            sums.output_sum += f64::from(c.output);
+                            sums.output_max = sums.output_max.max(f64::from(c.output));
+                        }
+                    }
+                    out
                 }
-                let (read_k, read_v) = (&read_k, &read_v);
-                let out = match coefficient_path(read_k, read_v) {
-                    Some((ks, vs)) => {
-                        attention.attend_low_rank(queries, positions, ks, vs, mask)?
-                    }
-                    None => {
-                        let keys = Source::of(read_k, rope);
-                        let values = Source::of(read_v, None);
-                        attention.prefill(queries, positions, &keys, &values, mask)?
-                    }
-                };
-                if read_k.low_rank().is_some() || read_v.low_rank().is_some() {
-                    let value_norm = if read_v.low_rank().is_some() {
-                        0.0
-                    } else {
-                        max_head_norm(v, head_dim)
-                    };
-                    let certs = certificates(
-                        attention.shape(),
-                        queries,
-                        positions,
-                        tokens,
-                        read_k.low_rank(),
-                        read_v.low_rank(),
-                        value_norm,
-                        mask,
-                    )?;
-                    if self.stats.certificates.len() <= layer {
-                        self.stats
-                            .certificates
-                            .resize(layer + 1, CertificateSums::default());
-                    }
-                    let sums = &mut self.stats.certificates[layer];
-                    for c in certs {
-                        sums.count += 1;
-                        sums.logit_sum += f64::from(c.logit);
-                        sums.logit_max = sums.logit_max.max(f64::from(c.logit));
-                        sums.output_sum += f64::from(c.output);
-                        sums.output_max = sums.output_max.max(f64::from(c.output));
-                    }
-                }
-                out
             }
         };
         self.stats.keys += out.stats.keys;

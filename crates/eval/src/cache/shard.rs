@@ -1,0 +1,89 @@
+//! `shard` forms on the re-encode cache: each layer is built at the
+//! prefill (its basis and codebook fitted on the prefill's middle, or its
+//! basis read from a calibration) and kept; later calls extend its decode
+//! stream with the tokens generated since, and attention reads it on its
+//! compressed forms. Faults land in a fresh copy of the middle's codes on
+//! every call (the paper's protocol), never in the kept layer.
+
+use std::sync::Arc;
+
+use attention::{Attention, AttentionOutput, Mask, Rope, ShardBytes, ShardLayer};
+use gf2_codes::channel::FaultChannel;
+
+use super::LayerCodes;
+use crate::error::{EvalError, Result};
+
+/// What one call did.
+pub(super) struct ShardRun {
+    /// The attention output, with the decode statistics of the injected codes.
+    pub(super) out: AttentionOutput,
+    /// The layer's bytes.
+    pub(super) bytes: ShardBytes,
+    /// Bits flipped.
+    pub(super) flips: u64,
+}
+
+/// Attends `layer` (rows `k`, `v` of `tokens` tokens, the first `prefill`
+/// of them prefilled) in its `shard` form, building it on first use and
+/// extending it after.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend(
+    cached: &mut Vec<Option<Arc<ShardLayer>>>,
+    layer: usize,
+    codes: &LayerCodes,
+    prefill: usize,
+    rope: Option<&Rope>,
+    (k, v, tokens): (&[f32], &[f32], usize),
+    attention: &Attention,
+    (queries, positions, mask): (&[f32], &[usize], &Mask<'_>),
+    faults: Option<(&(dyn FaultChannel + Send + Sync), u64)>,
+) -> Result<ShardRun> {
+    let form = codes.key.form;
+    if codes.value.form != form {
+        return Err(EvalError::InvalidParameter {
+            name: "form",
+            reason: format!(
+                "shard stores keys and values together: {} / {} must be one shard form",
+                codes.key.form, codes.value.form
+            ),
+        });
+    }
+    let rope = rope.ok_or_else(|| EvalError::InvalidParameter {
+        name: "form",
+        reason: format!("{form} undoes RoPE; this model has none"),
+    })?;
+    if cached.len() <= layer {
+        cached.resize(layer + 1, None);
+    }
+    let mut built = match &cached[layer] {
+        Some(s) if s.prefill() == prefill => s.extended(k, v, tokens)?,
+        _ => {
+            let basis = codes.key.bases.as_ref().and_then(|b| b.heads.first());
+            let s = ShardLayer::build_with(
+                form,
+                k,
+                v,
+                tokens,
+                prefill,
+                rope,
+                basis.map(|b| b.as_ref()),
+            )?;
+            cached[layer] = Some(Arc::new(s.clone()));
+            s
+        }
+    };
+    let injected = match faults {
+        Some((channel, seed)) => Some(built.inject(channel, seed)?),
+        None => None,
+    };
+    let mut out = built.attend(attention, queries, positions, mask)?;
+    if let Some(f) = injected {
+        out.stats.keys.values = f.keys;
+        out.stats.values.values = f.values;
+    }
+    Ok(ShardRun {
+        out,
+        bytes: built.bytes(),
+        flips: injected.map_or(0, |f| f.flips),
+    })
+}
