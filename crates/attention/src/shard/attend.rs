@@ -16,7 +16,7 @@ use super::{MiddleValues, QUERY_BLOCK, ShardLayer, TILE};
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
 use crate::kernel::exp;
-use crate::rope::Rope;
+use crate::rope::{Rope, RopeLayout};
 use crate::shape::Mask;
 
 impl ShardLayer {
@@ -52,17 +52,37 @@ impl ShardLayer {
         let ranges = mask.ranges(positions, self.tokens)?;
         let (plain_k, plain_v) = self.plain_rows()?;
         let offsets = OffsetTable::new(&self.rope);
-        let blocks: Vec<(usize, Range<usize>)> = (0..self.kv_heads)
+        // Few queries (decode): split the keys too, so every thread has
+        // work; chunks are merged exactly by their log-sum-exp.
+        let chunk = if positions.len() <= QUERY_BLOCK {
+            KEY_CHUNK
+        } else {
+            self.tokens.max(1)
+        };
+        let chunks: Vec<Vec<Range<usize>>> = (0..self.tokens.max(1))
+            .step_by(chunk)
+            .map(|c0| {
+                let c = c0..(c0 + chunk).min(self.tokens);
+                ranges
+                    .iter()
+                    .map(|r| r.start.max(c.start)..r.end.min(c.end).max(r.start.max(c.start)))
+                    .collect()
+            })
+            .collect();
+        let n_chunks = chunks.len();
+        let blocks: Vec<(usize, Range<usize>, usize)> = (0..self.kv_heads)
             .flat_map(|g| {
                 (0..positions.len())
                     .step_by(QUERY_BLOCK)
-                    .map(move |s| (g, s..(s + QUERY_BLOCK).min(positions.len())))
+                    .flat_map(move |s| {
+                        let qs = s..(s + QUERY_BLOCK).min(positions.len());
+                        (0..n_chunks).map(move |c| (g, qs.clone(), c))
+                    })
             })
             .collect();
         let mut ctx = Context {
             layer: self,
             queries,
-            ranges: &ranges,
             plain_k: &plain_k,
             plain_v: &plain_v,
             offsets: &offsets,
@@ -94,23 +114,37 @@ impl ShardLayer {
         }
         let parts: Vec<BlockOutput> = blocks
             .par_iter()
-            .map(|(g, qs)| ctx.block(*g, qs.clone()))
+            .map(|(g, qs, c)| ctx.block(*g, qs.clone(), &chunks[*c]))
             .collect::<Result<_>>()?;
         let d = self.head_dim;
         let n = positions.len();
-        let mut out = vec![0.0f32; n * shape.q_len()];
+        // Merge the chunks of each (query, head): weights e^(lse_c − lse).
+        let mut acc = vec![0.0f64; n * shape.q_len()];
         let mut lse = vec![f32::NEG_INFINITY; n * shape.q_heads()];
-        for ((g, qs), part) in blocks.iter().zip(parts) {
-            for (bi, i) in qs.clone().enumerate() {
-                for hh in 0..shape.group() {
-                    let h = g * shape.group() + hh;
-                    let at = bi * shape.group() + hh;
-                    out[(i * shape.q_heads() + h) * d..][..d]
-                        .copy_from_slice(&part.out[at * d..][..d]);
-                    lse[i * shape.q_heads() + h] = part.lse[at];
+        for merge in [false, true] {
+            for ((g, qs, _), part) in blocks.iter().zip(&parts) {
+                for (bi, i) in qs.clone().enumerate() {
+                    for hh in 0..shape.group() {
+                        let h = i * shape.q_heads() + g * shape.group() + hh;
+                        let at = bi * shape.group() + hh;
+                        let l = part.lse[at];
+                        if !merge {
+                            // First pass: the total log-sum-exp.
+                            lse[h] = log_add(lse[h], l);
+                            continue;
+                        }
+                        if l == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let w = f64::from(l - lse[h]).exp();
+                        for (a, &o) in acc[h * d..][..d].iter_mut().zip(&part.out[at * d..][..d]) {
+                            *a += w * f64::from(o);
+                        }
+                    }
                 }
             }
         }
+        let out: Vec<f32> = acc.iter().map(|&a| a as f32).collect();
         let non_finite = out.iter().filter(|x| !x.is_finite()).count();
         Ok(AttentionOutput {
             out,
@@ -124,6 +158,8 @@ impl ShardLayer {
 /// `cos`, `sin` of `θᵢ·j` for offsets `j < TILE` within a tile, per pair.
 struct OffsetTable {
     pairs: usize,
+    /// The pair layout (`rotate_pairs` has a contiguous loop for each).
+    layout: RopeLayout,
     /// The two channels of each pair within a head.
     index: Vec<(usize, usize)>,
     /// `TILE × pairs` each.
@@ -148,6 +184,7 @@ impl OffsetTable {
         let index = (0..pairs).map(|i| rope.pair(i)).collect();
         Self {
             pairs,
+            layout: rope.layout(),
             index,
             cos,
             sin,
@@ -220,7 +257,6 @@ impl TileStart {
 struct Context<'a> {
     layer: &'a ShardLayer,
     queries: &'a [f32],
-    ranges: &'a [Range<usize>],
     plain_k: &'a [f32],
     plain_v: &'a [f32],
     offsets: &'a OffsetTable,
@@ -246,7 +282,7 @@ impl Context<'_> {
     }
 
     /// Attention of queries `qs` for the query heads of KV head `g`.
-    fn block(&self, g: usize, qs: Range<usize>) -> Result<BlockOutput> {
+    fn block(&self, g: usize, qs: Range<usize>, ranges: &[Range<usize>]) -> Result<BlockOutput> {
         let layer = self.layer;
         let (d, ch) = (layer.head_dim, layer.channels());
         let heads = qs.len() * self.group;
@@ -256,7 +292,7 @@ impl Context<'_> {
             for hh in 0..self.group {
                 let h = g * self.group + hh;
                 let q = &self.queries[(i * self.q_heads + h) * d..][..d];
-                let r = &self.ranges[i];
+                let r = &ranges[i];
                 let mut s = vec![f32::NEG_INFINITY; r.len()];
                 for t in r.clone().filter(|t| !layer.middle.contains(t)) {
                     let k = &self.plain_k[self.plain_row(t) * ch + g * d..][..d];
@@ -269,13 +305,13 @@ impl Context<'_> {
         let mid = layer.middle.clone();
         let lo = qs
             .clone()
-            .map(|i| self.ranges[i].start)
+            .map(|i| ranges[i].start)
             .min()
             .unwrap_or(0)
             .max(mid.start);
         let hi = qs
             .clone()
-            .map(|i| self.ranges[i].end)
+            .map(|i| ranges[i].end)
             .max()
             .unwrap_or(0)
             .min(mid.end);
@@ -299,7 +335,7 @@ impl Context<'_> {
                     }
                 };
                 for (bi, i) in qs.clone().enumerate() {
-                    let r = &self.ranges[i];
+                    let r = &ranges[i];
                     let span = t0.max(r.start)..(t0 + n).min(r.end);
                     if span.is_empty() {
                         continue;
@@ -326,10 +362,11 @@ impl Context<'_> {
         let mut out = vec![0.0f32; heads * d];
         let mut lse = vec![f32::NEG_INFINITY; heads];
         let mut rot = vec![0.0f32; d];
+        let mut hist = Vec::new();
         let mut rows = vec![0.0f32; TILE * ch];
         let mut scratch = DecodeScratch::new();
         for (bi, i) in qs.clone().enumerate() {
-            let r = &self.ranges[i];
+            let r = &ranges[i];
             for hh in 0..self.group {
                 let at = bi * self.group + hh;
                 let s = &mut scores[at];
@@ -354,19 +391,8 @@ impl Context<'_> {
                 let span = r.start.max(mid.start)..r.end.min(mid.end);
                 match layer.values.as_deref() {
                     Some(MiddleValues::Vq(vq)) if !span.is_empty() => {
-                        let per = ch / kv_quant::channel_vq::GROUP;
-                        let groups = d / kv_quant::channel_vq::GROUP;
-                        let centroids = vq.centroids();
-                        for t in span.clone() {
-                            let w = s[t - r.start];
-                            let idx = &vq.indices()[(t - mid.start) * per + g * groups..][..groups];
-                            for (&k, acc) in idx.iter().zip(rot.chunks_exact_mut(4)) {
-                                let c = &centroids[usize::from(k) * 4..][..4];
-                                for (a, &c) in acc.iter_mut().zip(c) {
-                                    *a += w * c;
-                                }
-                            }
-                        }
+                        let w = &s[span.start - r.start..span.end - r.start];
+                        vq_sum(vq, g, d, mid.start, span.clone(), w, &mut hist, &mut rot);
                         for (x, &mx) in rot.iter_mut().zip(&vq.max()[g * d..][..d]) {
                             *x *= mx;
                         }
@@ -454,10 +480,88 @@ impl Context<'_> {
             &t.cos[j * t.pairs..][..t.pairs],
             &t.sin[j * t.pairs..][..t.pairs],
         );
-        for ((&c, &s), &(a, b)) in cos.iter().zip(sin).zip(&t.index) {
-            let (x, y) = (k[a], k[b]);
-            k[a] = x * c - y * s;
-            k[b] = x * s + y * c;
+        // Both layouts as contiguous loops, so they vectorise.
+        match t.layout {
+            RopeLayout::RotateHalf => {
+                let (lo, hi) = k[..2 * t.pairs].split_at_mut(t.pairs);
+                for (((x, y), &c), &s) in lo.iter_mut().zip(hi).zip(cos).zip(sin) {
+                    let (a, b) = (*x, *y);
+                    *x = a * c - b * s;
+                    *y = a * s + b * c;
+                }
+            }
+            RopeLayout::Adjacent => {
+                let (pairs, _) = k[..2 * t.pairs].as_chunks_mut::<2>();
+                for ((p, &c), &s) in pairs.iter_mut().zip(cos).zip(sin) {
+                    let [a, b] = *p;
+                    *p = [a * c - b * s, a * s + b * c];
+                }
+            }
+        }
+    }
+}
+
+/// Keys per work item of a decode call (few queries).
+const KEY_CHUNK: usize = 2048;
+
+/// `ln(e^a + e^b)`, exact at `-inf`.
+fn log_add(a: f32, b: f32) -> f32 {
+    let (hi, lo) = if a >= b { (a, b) } else { (b, a) };
+    if lo == f32::NEG_INFINITY {
+        return hi;
+    }
+    hi + (1.0 + (lo - hi).exp()).ln()
+}
+
+/// Spans at least this long sum VQ values through per-centroid weight
+/// histograms; shorter ones centroid by centroid.
+const HISTOGRAM_SPAN: usize = 512;
+
+/// `rot = Σ_t w[t]·centroid[idx[t]]` over the middle tokens `span` for KV
+/// head `g` (its `d/4` groups), before the channel maxima. Long spans add
+/// each token's weight into a 256-bin histogram per group (one scalar add
+/// per code instead of four multiply-adds, since all groups share one
+/// codebook) and multiply the histograms by the codebook once.
+#[allow(clippy::too_many_arguments)]
+fn vq_sum(
+    vq: &kv_quant::ChannelVq,
+    g: usize,
+    d: usize,
+    first: usize,
+    span: Range<usize>,
+    w: &[f32],
+    hist: &mut Vec<f32>,
+    rot: &mut [f32],
+) {
+    use kv_quant::channel_vq::{CENTROIDS, GROUP};
+    let per = vq.channels() / GROUP;
+    let groups = d / GROUP;
+    let (centroids, _) = vq.centroids().as_chunks::<GROUP>();
+    let (acc, _) = rot.as_chunks_mut::<GROUP>();
+    let rows = vq.indices()[(span.start - first) * per..(span.end - first) * per].chunks_exact(per);
+    if span.len() < HISTOGRAM_SPAN {
+        for (row, &w) in rows.zip(w) {
+            for (&k, a) in row[g * groups..][..groups].iter().zip(acc.iter_mut()) {
+                let c = &centroids[usize::from(k)];
+                for e in 0..GROUP {
+                    a[e] += w * c[e];
+                }
+            }
+        }
+        return;
+    }
+    hist.clear();
+    hist.resize(groups * CENTROIDS, 0.0);
+    for (row, &w) in rows.zip(w) {
+        for (j, &k) in row[g * groups..][..groups].iter().enumerate() {
+            hist[j * CENTROIDS + usize::from(k)] += w;
+        }
+    }
+    for (h, a) in hist.chunks_exact(CENTROIDS).zip(acc.iter_mut()) {
+        for (&hw, c) in h.iter().zip(centroids) {
+            for e in 0..GROUP {
+                a[e] += hw * c[e];
+            }
         }
     }
 }
