@@ -11,6 +11,12 @@
 //!   16 own tokens are computed), in request tokens per second, against the
 //!   same request on a cache without the prefix (the baseline). A ratio of
 //!   r saves 1 − 1/r of the prefill time; the goal is 90% (r ≥ 10).
+//! - `serving/generation-2k`: end-to-end generation, one decode step of
+//!   one sequence after a 2,048-token prompt, in generated tokens per
+//!   second: `shard-k3` and `shard` on the re-encode cache (the layer fitted
+//!   at the prefill, each new token in its 8-bit decode stream; the cache
+//!   grows by one token per iteration) against `fp16` on the paged cache
+//!   (the baseline, each step's token taken back).
 //!
 //! Needs the model of `cargo xtask fetch-model`; without it nothing runs and
 //! the reason is printed.
@@ -142,5 +148,53 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// Tokens of the generation prompt.
+const PROMPT: usize = 2048;
+
+fn generation(c: &mut Criterion) {
+    use kv_eval::cache::KvCache;
+    let path = paths::default_model();
+    let Ok(file) = GgufFile::open(&path) else {
+        eprintln!(
+            "generation bench skipped: {} is missing (run `cargo xtask fetch-model`)",
+            path.display()
+        );
+        return;
+    };
+    let model = LlamaModel::from_gguf(&file).unwrap();
+    let tok = TextTokenizer::from_gguf(&file).unwrap();
+    let text = std::fs::read_to_string(paths::default_text())
+        .unwrap_or_else(|_| "The capital of France is Paris. ".repeat(2048));
+    let ids = tok.encode(&text).unwrap();
+    let prompt = &ids[..PROMPT];
+    let mut g = c.benchmark_group("serving/generation-2k");
+    g.sample_size(10).throughput(Throughput::Elements(1));
+    let fp16 = CacheMode::parse("fp16").unwrap();
+    let mut cache = paged_cache(&model, &fp16, config_for(PROMPT + 64), NoPrefixCache).unwrap();
+    let (seq, _) = cache.add_sequence(prompt, 0).unwrap();
+    prefill(&model, &mut cache, seq, 0).unwrap();
+    g.bench_function("baseline-fp16", |b| {
+        b.iter(|| step(&model, &mut cache, &[seq]))
+    });
+    drop(cache);
+    for form in ["shard-k3", "shard"] {
+        let mut cache = KvCache::new(CacheMode::parse(form).unwrap(), None, 0).unwrap();
+        model.forward(prompt, &mut cache, PROMPT - 1).unwrap();
+        g.bench_function(form, |b| {
+            b.iter(|| black_box(model.forward(&[42], &mut cache, 0).unwrap()))
+        });
+    }
+    g.finish();
+}
+
+/// A pool holding one sequence of `tokens` tokens.
+fn config_for(tokens: usize) -> CacheConfig {
+    CacheConfig {
+        num_blocks: tokens.div_ceil(BLOCK) + 1,
+        block_size: BLOCK,
+        host_blocks: 0,
+    }
+}
+
+criterion_group!(benches, bench, generation);
 criterion_main!(benches);
