@@ -8,8 +8,9 @@
 //!
 //! A value row is `v = H⁻¹(ṽ)` with `ṽ[c] = centroid[idx][c mod 4]·max[c]`:
 //! attention sums the rotated rows `ṽ` with the softmax weights and
-//! rotates the sum back once (section 10); [`ChannelVq::rotated_group_sums`]
-//! gives the per-channel factors that sum needs.
+//! rotates the sum back once (section 10), reading [`ChannelVq::indices`],
+//! [`ChannelVq::centroids`] and [`ChannelVq::max`];
+//! [`ChannelVq::rotated_rows_into`] gives the rotated rows themselves.
 //!
 //! Layout: `tokens × channels/4` indices, one byte each, token after token.
 
