@@ -269,32 +269,12 @@ fn low_rank(c: &mut Criterion) {
         };
         for &tokens in &contexts {
             let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
-            let mut group = c.benchmark_group(format!(
+            let name = format!(
                 "attention/low-rank-{q_heads}x{kv_heads}x{d}-{}k",
                 tokens / 1024
-            ));
-            group
-                .sample_size(10)
-                .warm_up_time(Duration::from_millis(500))
-                .measurement_time(Duration::from_secs(2))
-                .throughput(Throughput::Elements(tokens as u64));
-            let fp16: CacheForm = "fp16".parse().expect("form");
-            let (ks, vs) = pool.install(|| {
-                (
-                    KvStore::quantize(fp16, &k, tokens, ch).expect("k"),
-                    KvStore::quantize(fp16, &v, tokens, ch).expect("v"),
-                )
-            });
+            );
+            let mut group = fp16_group(c, name, &pool, &attn, &q, (&k, &v, tokens));
             let position = tokens - 1;
-            group.bench_function("baseline-fp16", |b| {
-                b.iter(|| {
-                    pool.install(|| {
-                        attn.decode(black_box(&q), position, &ks, &vs, &Mask::Causal)
-                            .expect("decode")
-                            .out[0]
-                    })
-                })
-            });
             for r in [d / 4, d / 2] {
                 let form: CacheForm = format!("pca-r{r}").parse().expect("form");
                 let (bk, bv) = (fit(r, 0.0), fit(r, 1.0));
@@ -325,6 +305,44 @@ fn low_rank(c: &mut Criterion) {
     }
 }
 
+/// A group of `tokens`-token decode calls (10 samples, throughput in
+/// tokens) whose first function is FP16 decode attention over `k`, `v`
+/// (`baseline-fp16`).
+fn fp16_group<'c>(
+    c: &'c mut Criterion,
+    name: String,
+    pool: &rayon::ThreadPool,
+    attn: &Attention,
+    q: &[f32],
+    (k, v, tokens): (&[f32], &[f32], usize),
+) -> BenchmarkGroup<'c, WallTime> {
+    let ch = k.len() / tokens;
+    let mut group = c.benchmark_group(name);
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .throughput(Throughput::Elements(tokens as u64));
+    let fp16: CacheForm = "fp16".parse().expect("form");
+    let (ks, vs) = pool.install(|| {
+        (
+            KvStore::quantize(fp16, k, tokens, ch).expect("k"),
+            KvStore::quantize(fp16, v, tokens, ch).expect("v"),
+        )
+    });
+    let position = tokens - 1;
+    group.bench_function("baseline-fp16", |b| {
+        b.iter(|| {
+            pool.install(|| {
+                attn.decode(black_box(q), position, &ks, &vs, &Mask::Causal)
+                    .expect("decode")
+                    .out[0]
+            })
+        })
+    });
+    group
+}
+
 /// `attention/shard-<q>x<kv>x<d>-<context>k`: decode attention over a whole
 /// `shard` layer (4 sink and 64 window tokens exact, the middle compressed:
 /// scores from the coefficients, values summed rotated) against FP16
@@ -344,32 +362,12 @@ fn shard(c: &mut Criterion) {
         let rope = Rope::new(RopeLayout::Adjacent, d, d, 100_000.0).expect("rope");
         for tokens in contexts(d).into_iter().filter(|&t| t <= 65536) {
             let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
-            let mut group = c.benchmark_group(format!(
+            let name = format!(
                 "attention/shard-{q_heads}x{kv_heads}x{d}-{}k",
                 tokens / 1024
-            ));
-            group
-                .sample_size(10)
-                .warm_up_time(Duration::from_millis(500))
-                .measurement_time(Duration::from_secs(2))
-                .throughput(Throughput::Elements(tokens as u64));
-            let fp16: CacheForm = "fp16".parse().expect("form");
-            let (ks, vs) = pool.install(|| {
-                (
-                    KvStore::quantize(fp16, &k, tokens, ch).expect("k"),
-                    KvStore::quantize(fp16, &v, tokens, ch).expect("v"),
-                )
-            });
+            );
+            let mut group = fp16_group(c, name, &pool, &attn, &q, (&k, &v, tokens));
             let position = tokens - 1;
-            group.bench_function("baseline-fp16", |b| {
-                b.iter(|| {
-                    pool.install(|| {
-                        attn.decode(black_box(&q), position, &ks, &vs, &Mask::Causal)
-                            .expect("decode")
-                            .out[0]
-                    })
-                })
-            });
             for spec in ["shard", "shard-k3"] {
                 let form: CacheForm = spec.parse().expect("form");
                 let layer = pool.install(|| {

@@ -92,20 +92,29 @@ fn serve_prefill<P: PrefixCache>(
     cache.free(seq).unwrap();
 }
 
-fn bench(c: &mut Criterion) {
+/// The default model and the corpus' token ids; `None` (with the reason
+/// printed) when the model is not fetched.
+fn load(what: &str) -> Option<(LlamaModel, Vec<u32>)> {
     let path = paths::default_model();
     let Ok(file) = GgufFile::open(&path) else {
         eprintln!(
-            "serving bench skipped: {} is missing (run `cargo xtask fetch-model`)",
+            "{what} bench skipped: {} is missing (run `cargo xtask fetch-model`)",
             path.display()
         );
-        return;
+        return None;
     };
     let model = LlamaModel::from_gguf(&file).unwrap();
     let tok = TextTokenizer::from_gguf(&file).unwrap();
     let text = std::fs::read_to_string(paths::default_text())
         .unwrap_or_else(|_| "The capital of France is Paris. ".repeat(2048));
     let ids = tok.encode(&text).unwrap();
+    Some((model, ids))
+}
+
+fn bench(c: &mut Criterion) {
+    let Some((model, ids)) = load("serving") else {
+        return;
+    };
     let mode = CacheMode::parse(FORM).unwrap();
 
     let mut g = c.benchmark_group("serving/batched-decode");
@@ -153,19 +162,9 @@ const PROMPT: usize = 2048;
 
 fn generation(c: &mut Criterion) {
     use kv_eval::cache::KvCache;
-    let path = paths::default_model();
-    let Ok(file) = GgufFile::open(&path) else {
-        eprintln!(
-            "generation bench skipped: {} is missing (run `cargo xtask fetch-model`)",
-            path.display()
-        );
+    let Some((model, ids)) = load("generation") else {
         return;
     };
-    let model = LlamaModel::from_gguf(&file).unwrap();
-    let tok = TextTokenizer::from_gguf(&file).unwrap();
-    let text = std::fs::read_to_string(paths::default_text())
-        .unwrap_or_else(|_| "The capital of France is Paris. ".repeat(2048));
-    let ids = tok.encode(&text).unwrap();
     let prompt = &ids[..PROMPT];
     let mut g = c.benchmark_group("serving/generation-2k");
     g.sample_size(10).throughput(Throughput::Elements(1));
