@@ -99,11 +99,14 @@ impl ShardLayer {
                 for (g, head) in tiles.chunks_exact_mut(m * d).enumerate() {
                     head.par_chunks_mut(TILE * d)
                         .enumerate()
-                        .try_for_each(|(i, tile)| {
-                            let mut coeffs = vec![0.0f32; tile.len() / d * keys.kept()];
-                            let t0 = self.middle.start + i * TILE;
-                            ctx.key_tile(keys, g, t0, &mut coeffs, tile)
-                        })?;
+                        .try_for_each_init(
+                            || vec![0.0f32; TILE * keys.kept()],
+                            |coeffs, (i, tile)| {
+                                let n = tile.len() / d * keys.kept();
+                                let t0 = self.middle.start + i * TILE;
+                                ctx.key_tile(keys, g, t0, &mut coeffs[..n], tile)
+                            },
+                        )?;
                 }
                 tiles
             }
