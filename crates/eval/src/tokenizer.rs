@@ -155,8 +155,12 @@ impl TextTokenizer {
     /// [`from_file`](Self::from_file) over the file's bytes; `name` (a
     /// path) names them in errors.
     pub fn from_json(bytes: &[u8], name: &str) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| EvalError::Tokenizer(format!("{name}: {e}")))?;
+        // tokenizers 0.22 unwraps some nested deserialisation errors (a cut
+        // `decoder` object panics in `decoders/mod.rs`): a malformed file
+        // must be an error, so such a panic becomes one.
+        let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes))
+            .map_err(|_| EvalError::Tokenizer(format!("{name}: malformed tokenizer JSON")))?;
+        let inner = parsed.map_err(|e| EvalError::Tokenizer(format!("{name}: {e}")))?;
         let vocab = inner.get_vocab_size(true);
         Ok(Self {
             inner,
