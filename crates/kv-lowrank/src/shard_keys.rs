@@ -12,6 +12,8 @@
 //! `b`-bit code `u ∈ [1, 2^b − 1]` stands for `(u − 2^(b−1))·scale`. Group
 //! sizes are multiples of 4, so every group fills whole bytes.
 
+use std::sync::Arc;
+
 use crate::basis::{Basis, BasisStorage, Spectrum};
 use crate::error::{LowRankError, Result, check_finite, check_len};
 use half::f16;
@@ -101,7 +103,7 @@ pub struct KeyGroup {
 pub struct ShardKeys {
     dim: usize,
     tokens: usize,
-    basis: Basis,
+    basis: Arc<Basis>,
     spectrum: Spectrum,
     allocation: Vec<u8>,
     groups: Vec<KeyGroup>,
@@ -267,50 +269,14 @@ impl ShardKeys {
             }
             start += len;
         }
-        let basis = Basis::from_parts(dim, &kept_rows, full.mean(), BasisStorage::Int8)?;
-        let kept = basis.rank();
-        let mut coeffs = vec![0.0f32; tokens * kept];
-        for (row, c) in rows.chunks_exact(dim).zip(coeffs.chunks_exact_mut(kept)) {
-            basis.project(row, c);
-        }
-        let mut scales = vec![0.0f32; kept];
-        for g in &groups {
-            let qmax = f64::from((1u32 << (g.bits - 1)) - 1);
-            for (j, s) in scales[g.start..g.start + g.len].iter_mut().enumerate() {
-                let max = coeffs
-                    .chunks_exact(kept)
-                    .map(|c| c[g.start + j].abs())
-                    .fold(0.0f32, f32::max);
-                *s = f16::from_f64(f64::from(max) / qmax).to_f32();
-            }
-        }
+        let basis = Arc::new(Basis::from_parts(
+            dim,
+            &kept_rows,
+            full.mean(),
+            BasisStorage::Int8,
+        )?);
         let row_bytes = offset;
-        let mut codes = vec![0u8; tokens * row_bytes];
-        for (c, out) in coeffs
-            .chunks_exact(kept)
-            .zip(codes.chunks_exact_mut(row_bytes.max(1)))
-        {
-            for g in &groups {
-                let bias = 1i32 << (g.bits - 1);
-                let qmax = bias - 1;
-                let codes = c[g.start..g.start + g.len]
-                    .iter()
-                    .zip(&scales[g.start..g.start + g.len])
-                    .map(|(&x, &s)| {
-                        let q = if s > 0.0 {
-                            ((x / s).round() as i32).clamp(-qmax, qmax)
-                        } else {
-                            0
-                        };
-                        (q + bias) as u8
-                    });
-                pack(
-                    codes,
-                    g.bits,
-                    &mut out[g.offset..g.offset + g.len * usize::from(g.bits) / 8],
-                );
-            }
-        }
+        let (scales, codes) = quantize(&basis, &groups, row_bytes, rows, tokens);
         Ok(Self {
             dim,
             tokens,
@@ -322,6 +288,37 @@ impl ShardKeys {
             codes,
             row_bytes,
         })
+    }
+
+    /// Stores `rows` (`tokens × dim`, RoPE undone) on this basis and bit
+    /// allocation, with scales of their own: a chunk of tokens folded into
+    /// the compressed middle after the fit. The basis is shared, not copied
+    /// ([`ShardKeys::shared_bytes`]).
+    pub fn encode_chunk(&self, rows: &[f32], tokens: usize) -> Result<Self> {
+        check_len("key rows (tokens × dim)", tokens * self.dim, rows.len())?;
+        check_finite(rows, self.dim)?;
+        let (scales, codes) = quantize(&self.basis, &self.groups, self.row_bytes, rows, tokens);
+        Ok(Self {
+            tokens,
+            scales,
+            codes,
+            ..self.clone_header()
+        })
+    }
+
+    /// Everything but the per-token codes and the scales.
+    fn clone_header(&self) -> Self {
+        Self {
+            dim: self.dim,
+            tokens: 0,
+            basis: Arc::clone(&self.basis),
+            spectrum: self.spectrum.clone(),
+            allocation: self.allocation.clone(),
+            groups: self.groups.clone(),
+            scales: Vec::new(),
+            codes: Vec::new(),
+            row_bytes: self.row_bytes,
+        }
     }
 
     /// Key channels per token (all KV heads).
@@ -383,7 +380,13 @@ impl ShardKeys {
     /// Bytes held: codes, per-component scales (f16) and the basis
     /// (int8 rows, f16 row scales, f16 mean).
     pub fn stored_bytes(&self) -> usize {
-        self.codes.len() + 2 * self.scales.len() + self.basis.stored_bytes()
+        self.codes.len() + 2 * self.scales.len() + self.shared_bytes()
+    }
+
+    /// Bytes of the basis, which chunks encoded by
+    /// [`encode_chunk`](Self::encode_chunk) share with this store.
+    pub fn shared_bytes(&self) -> usize {
+        self.basis.stored_bytes()
     }
 
     /// Coefficients of tokens `start..start + count` (`count × kept`).
@@ -442,6 +445,62 @@ impl ShardKeys {
 }
 
 /// Packs `b`-bit codes least-significant bit first into `out`.
+/// Projects `rows` (`tokens × dim`) on `basis` and stores each kept
+/// component's coefficients in its group's bits: the scale of a component
+/// is its largest magnitude over these rows over the group's largest code
+/// (f16-rounded), the codes symmetric and biased, packed per group.
+fn quantize(
+    basis: &Basis,
+    groups: &[KeyGroup],
+    row_bytes: usize,
+    rows: &[f32],
+    tokens: usize,
+) -> (Vec<f32>, Vec<u8>) {
+    let (dim, kept) = (basis.dim(), basis.rank());
+    let mut coeffs = vec![0.0f32; tokens * kept];
+    for (row, c) in rows.chunks_exact(dim).zip(coeffs.chunks_exact_mut(kept)) {
+        basis.project(row, c);
+    }
+    let mut scales = vec![0.0f32; kept];
+    for g in groups {
+        let qmax = f64::from((1u32 << (g.bits - 1)) - 1);
+        for (j, s) in scales[g.start..g.start + g.len].iter_mut().enumerate() {
+            let max = coeffs
+                .chunks_exact(kept)
+                .map(|c| c[g.start + j].abs())
+                .fold(0.0f32, f32::max);
+            *s = f16::from_f64(f64::from(max) / qmax).to_f32();
+        }
+    }
+    let mut codes = vec![0u8; tokens * row_bytes];
+    for (c, out) in coeffs
+        .chunks_exact(kept)
+        .zip(codes.chunks_exact_mut(row_bytes.max(1)))
+    {
+        for g in groups {
+            let bias = 1i32 << (g.bits - 1);
+            let qmax = bias - 1;
+            let codes = c[g.start..g.start + g.len]
+                .iter()
+                .zip(&scales[g.start..g.start + g.len])
+                .map(|(&x, &s)| {
+                    let q = if s > 0.0 {
+                        ((x / s).round() as i32).clamp(-qmax, qmax)
+                    } else {
+                        0
+                    };
+                    (q + bias) as u8
+                });
+            pack(
+                codes,
+                g.bits,
+                &mut out[g.offset..g.offset + g.len * usize::from(g.bits) / 8],
+            );
+        }
+    }
+    (scales, codes)
+}
+
 fn pack(codes: impl Iterator<Item = u8>, bits: u8, out: &mut [u8]) {
     let (mut acc, mut held, mut at) = (0u32, 0u8, 0);
     for u in codes {
@@ -610,6 +669,57 @@ mod tests {
         // A basis of another width (a calibration of another model).
         let e = ShardKeys::with_basis(&rows[..100 * 12], 100, &basis, 4.0, 4).unwrap_err();
         assert!(matches!(e, LowRankError::Bases(_)), "{e}");
+    }
+
+    #[test]
+    fn folded_chunks_share_the_basis_and_carry_their_own_scales() {
+        let (tokens, dim) = (300, 16);
+        let rows = low_rank_keys(tokens);
+        let keys = ShardKeys::fit(&rows[..200 * dim], 200, dim, 4.0, 4, None).unwrap();
+        // The fit's own rows again: the same codes and scales.
+        let again = keys.encode_chunk(&rows[..200 * dim], 200).unwrap();
+        assert_eq!(again, keys);
+        // Later rows on the same basis and allocation, scaled by their own maxima.
+        let chunk = keys.encode_chunk(&rows[200 * dim..], 100).unwrap();
+        assert_eq!((chunk.tokens(), chunk.allocation()), (100, keys.allocation()));
+        assert!(std::ptr::eq(chunk.basis(), keys.basis()));
+        assert_eq!(
+            chunk.stored_bytes() - chunk.shared_bytes(),
+            100 * keys.row_bytes() + 2 * keys.kept()
+        );
+        let (mut out, mut worst) = (vec![0.0f32; dim], 0.0f32);
+        for t in 0..100 {
+            chunk.reconstruct_into(t, &mut out).unwrap();
+            for (a, b) in out.iter().zip(&rows[(200 + t) * dim..][..dim]) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+        assert!(worst < 0.2, "{worst}");
+        for g in keys.groups() {
+            let qmax = f64::from((1u32 << (g.bits - 1)) - 1);
+            for j in g.start..g.start + g.len {
+                let mut c = vec![0.0f32; keys.kept()];
+                let max = rows[200 * dim..]
+                    .chunks_exact(dim)
+                    .map(|r| {
+                        keys.basis().project(r, &mut c);
+                        c[j].abs()
+                    })
+                    .fold(0.0f32, f32::max);
+                let want = f16::from_f64(f64::from(max) / qmax).to_f32();
+                assert_eq!(chunk.scales()[j], want);
+            }
+        }
+        assert!(matches!(
+            keys.encode_chunk(&rows[..10 * dim], 11),
+            Err(LowRankError::ShapeMismatch { .. })
+        ));
+        let mut bad = rows[..dim].to_vec();
+        bad[3] = f32::INFINITY;
+        assert!(matches!(
+            keys.encode_chunk(&bad, 1),
+            Err(LowRankError::NonFinite { .. })
+        ));
     }
 
     #[test]

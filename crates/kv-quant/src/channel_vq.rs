@@ -14,6 +14,8 @@
 //!
 //! Layout: `tokens × channels/4` indices, one byte each, token after token.
 
+use std::sync::Arc;
+
 use gf2_codes::channel::FaultRng;
 use half::f16;
 
@@ -35,8 +37,10 @@ pub struct ChannelVq {
     hadamard: &'static Hadamard,
     /// Per rotated channel, f16-rounded.
     max: Vec<f32>,
-    /// `CENTROIDS × GROUP`, f16-rounded.
-    centroids: Vec<f32>,
+    /// `CENTROIDS × GROUP`, f16-rounded; shared by folded chunks.
+    centroids: Arc<Vec<f32>>,
+    /// The codebook by coordinate (`GROUP × CENTROIDS`), for the search.
+    columns: Arc<Vec<f32>>,
     /// `tokens × channels/GROUP`.
     indices: Vec<u8>,
 }
@@ -58,13 +62,7 @@ impl ChannelVq {
             tokens * channels,
             rows.len(),
         )?;
-        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
-            return Err(KvQuantError::NonFinite {
-                token: i / channels,
-                channel: i % channels,
-                value: rows[i],
-            });
-        }
+        check_finite(rows, channels)?;
         if head_dim == 0 || !channels.is_multiple_of(head_dim) || !head_dim.is_multiple_of(GROUP) {
             return Err(KvQuantError::InvalidParameter {
                 name: "head_dim",
@@ -74,28 +72,7 @@ impl ChannelVq {
             });
         }
         let hadamard = Hadamard::of(head_dim)?;
-        let mut rotated = rows.to_vec();
-        for row in rotated.chunks_exact_mut(channels) {
-            hadamard.rotate(row);
-        }
-        let mut max = vec![0.0f32; channels];
-        for row in rotated.chunks_exact(channels) {
-            for (m, v) in max.iter_mut().zip(row) {
-                *m = m.max(v.abs());
-            }
-        }
-        for m in &mut max {
-            *m = f16::from_f32(*m).to_f32();
-        }
-        let inverse: Vec<f32> = max
-            .iter()
-            .map(|&m| if m > 0.0 { 1.0 / m } else { 0.0 })
-            .collect();
-        for row in rotated.chunks_exact_mut(channels) {
-            for (v, i) in row.iter_mut().zip(&inverse) {
-                *v *= i;
-            }
-        }
+        let (rotated, max) = rotate_and_scale(hadamard, rows, channels);
         let groups = tokens * channels / GROUP;
         if groups < CENTROIDS {
             return Err(KvQuantError::Calibration {
@@ -110,23 +87,40 @@ impl ChannelVq {
             .iter()
             .map(|&c| f16::from_f32(c).to_f32())
             .collect();
-        let mut columns = vec![0.0f32; CENTROIDS * GROUP];
-        for (c, centroid) in centroids.chunks_exact(GROUP).enumerate() {
-            for (j, &v) in centroid.iter().enumerate() {
-                columns[j * CENTROIDS + c] = v;
-            }
-        }
-        let indices = rotated
-            .chunks_exact(GROUP)
-            .map(|g| nearest_in(&columns, CENTROIDS, g) as u8)
-            .collect();
+        let columns = columns_of(&centroids);
+        let indices = assign(&columns, &rotated);
         Ok(Self {
             channels,
             tokens,
             hadamard,
             max,
-            centroids,
+            centroids: Arc::new(centroids),
+            columns: Arc::new(columns),
             indices,
+        })
+    }
+
+    /// Stores `rows` (`tokens × channels`) on this codebook, scaled by their
+    /// own per-channel maxima: a chunk of tokens folded into the compressed
+    /// middle after the fit. The codebook is shared, not copied
+    /// ([`ChannelVq::shared_bytes`]).
+    pub fn encode_chunk(&self, rows: &[f32], tokens: usize) -> Result<Self> {
+        let channels = self.channels;
+        check_len(
+            "value rows (tokens × channels)",
+            tokens * channels,
+            rows.len(),
+        )?;
+        check_finite(rows, channels)?;
+        let (rotated, max) = rotate_and_scale(self.hadamard, rows, channels);
+        Ok(Self {
+            channels,
+            tokens,
+            hadamard: self.hadamard,
+            max,
+            centroids: Arc::clone(&self.centroids),
+            columns: Arc::clone(&self.columns),
+            indices: assign(&self.columns, &rotated),
         })
     }
 
@@ -168,7 +162,13 @@ impl ChannelVq {
 
     /// Bytes held: indices, the f16 codebook and the f16 channel maxima.
     pub fn stored_bytes(&self) -> usize {
-        self.indices.len() + 2 * self.centroids.len() + 2 * self.max.len()
+        self.indices.len() + 2 * self.max.len() + self.shared_bytes()
+    }
+
+    /// Bytes of the f16 codebook, which chunks encoded by
+    /// [`encode_chunk`](Self::encode_chunk) share with this store.
+    pub fn shared_bytes(&self) -> usize {
+        2 * self.centroids.len()
     }
 
     /// Rows `start..start + count` in the rotated space (`ṽ`, `count × channels`).
@@ -218,6 +218,64 @@ impl ChannelVq {
     }
 }
 
+fn check_finite(rows: &[f32], channels: usize) -> Result<()> {
+    match rows.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(KvQuantError::NonFinite {
+            token: i / channels,
+            channel: i % channels,
+            value: rows[i],
+        }),
+        None => Ok(()),
+    }
+}
+
+/// `rows` rotated per head and divided by each channel's maximum magnitude
+/// over them, with the maxima (f16-rounded).
+fn rotate_and_scale(hadamard: &Hadamard, rows: &[f32], channels: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut rotated = rows.to_vec();
+    for row in rotated.chunks_exact_mut(channels) {
+        hadamard.rotate(row);
+    }
+    let mut max = vec![0.0f32; channels];
+    for row in rotated.chunks_exact(channels) {
+        for (m, v) in max.iter_mut().zip(row) {
+            *m = m.max(v.abs());
+        }
+    }
+    for m in &mut max {
+        *m = f16::from_f32(*m).to_f32();
+    }
+    let inverse: Vec<f32> = max
+        .iter()
+        .map(|&m| if m > 0.0 { 1.0 / m } else { 0.0 })
+        .collect();
+    for row in rotated.chunks_exact_mut(channels) {
+        for (v, i) in row.iter_mut().zip(&inverse) {
+            *v *= i;
+        }
+    }
+    (rotated, max)
+}
+
+/// The codebook by coordinate, `GROUP × CENTROIDS`.
+fn columns_of(centroids: &[f32]) -> Vec<f32> {
+    let mut columns = vec![0.0f32; CENTROIDS * GROUP];
+    for (c, centroid) in centroids.chunks_exact(GROUP).enumerate() {
+        for (j, &v) in centroid.iter().enumerate() {
+            columns[j * CENTROIDS + c] = v;
+        }
+    }
+    columns
+}
+
+/// Each group of `GROUP` scaled rotated values' nearest centroid.
+fn assign(columns: &[f32], rotated: &[f32]) -> Vec<u8> {
+    rotated
+        .chunks_exact(GROUP)
+        .map(|g| nearest_in(columns, CENTROIDS, g) as u8)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +310,47 @@ mod tests {
         // Same seed, same bytes.
         let again = ChannelVq::fit(&x, tokens, channels, head_dim, FitOptions::default()).unwrap();
         assert_eq!(again, vq);
+    }
+
+    #[test]
+    fn folded_chunks_share_the_codebook_and_carry_their_own_maxima() {
+        let (tokens, channels, head_dim) = (512, 32, 16);
+        let x = rows(tokens + 64, channels);
+        let (fit_rows, later) = x.split_at(tokens * channels);
+        let vq = ChannelVq::fit(fit_rows, tokens, channels, head_dim, FitOptions::default())
+            .unwrap();
+        assert_eq!(vq.encode_chunk(fit_rows, tokens).unwrap(), vq);
+        let chunk = vq.encode_chunk(later, 64).unwrap();
+        assert!(std::ptr::eq(chunk.centroids(), vq.centroids()));
+        assert_eq!(chunk.stored_bytes() - chunk.shared_bytes(), 64 * 8 + 2 * 32);
+        // Each channel's maximum is the chunk's own.
+        let mut rotated = later.to_vec();
+        for row in rotated.chunks_exact_mut(channels) {
+            vq.hadamard().rotate(row);
+        }
+        for (c, &m) in chunk.max().iter().enumerate() {
+            let want = rotated
+                .chunks_exact(channels)
+                .map(|r| r[c].abs())
+                .fold(0.0f32, f32::max);
+            assert_eq!(m, f16::from_f32(want).to_f32());
+        }
+        let mut back = vec![0.0; later.len()];
+        chunk.decode_rows_into(0, 64, &mut back).unwrap();
+        let err: f32 = later.iter().zip(&back).map(|(a, b)| (a - b) * (a - b)).sum();
+        let energy: f32 = later.iter().map(|a| a * a).sum();
+        // A codebook fitted on other rows: a little above the fit's own error.
+        assert!(err / energy < 0.15, "{}", err / energy);
+        assert!(matches!(
+            vq.encode_chunk(&later[..31], 1),
+            Err(KvQuantError::ShapeMismatch { .. })
+        ));
+        let mut bad = later[..32].to_vec();
+        bad[1] = f32::NAN;
+        assert!(matches!(
+            vq.encode_chunk(&bad, 1),
+            Err(KvQuantError::NonFinite { channel: 1, .. })
+        ));
     }
 
     #[test]

@@ -255,6 +255,13 @@ pub const DEFAULT_SHARD_WINDOW: usize = 64;
 /// blog's lossless 8-bit stream, section 8).
 pub const DEFAULT_SHARD_STREAM: u8 = 8;
 
+/// Fewest tokens per folded chunk of a `shard` form (`-f<C>`): each chunk
+/// stores its own per-component and per-channel scales.
+pub const MIN_SHARD_FOLD: usize = 16;
+
+/// Most tokens per folded chunk of a `shard` form.
+pub const MAX_SHARD_FOLD: usize = 1 << 16;
+
 /// How a `shard` form stores the values of its compressed middle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ShardValues {
@@ -288,6 +295,14 @@ pub struct ShardSpec {
     /// Bits of the Lloyd-Max decode stream (Hadamard + Lloyd-Max per
     /// token); `None` keeps generated tokens in f16 (the blog's "off").
     pub stream: Option<u8>,
+    /// The stream adds a 1-bit QJL sketch of each token's residual
+    /// (`-s<b>q`, [`crate::qjl`]; `b` at most 7).
+    pub stream_qjl: bool,
+    /// Generated tokens are folded into the compressed middle in chunks of
+    /// this many (`-f<C>`: keys on the prefill's basis and bit allocation,
+    /// values on its codebook, each chunk with its own scales); `None` keeps
+    /// them in the stream (the blog's choice, section 8).
+    pub fold: Option<usize>,
     /// The key basis comes from a calibration text (`-cal`) rather than
     /// from the prefill itself (the blog's choice).
     pub calibrated: bool,
@@ -301,6 +316,8 @@ impl Default for ShardSpec {
             rank: None,
             values: ShardValues::Vq,
             stream: Some(DEFAULT_SHARD_STREAM),
+            stream_qjl: false,
+            fold: None,
             calibrated: false,
         }
     }
@@ -789,6 +806,22 @@ impl CacheForm {
                     && !(1..=8).contains(&b)
                 {
                     return Err(format!("a decode stream of {b} bits (1 to 8)"));
+                }
+                match s.stream {
+                    Some(8) if s.stream_qjl => {
+                        return Err("a QJL stream adds a bit to the code: -s1q to -s7q".into());
+                    }
+                    None if s.stream_qjl => {
+                        return Err("-soff keeps f16 rows and takes no QJL sketch".into());
+                    }
+                    _ => {}
+                }
+                if let Some(c) = s.fold
+                    && !(MIN_SHARD_FOLD..=MAX_SHARD_FOLD).contains(&c)
+                {
+                    return Err(format!(
+                        "folding chunks of {c} tokens ({MIN_SHARD_FOLD} to {MAX_SHARD_FOLD})"
+                    ));
                 }
                 if self.rotation.is_some() {
                     return Err("shard rotates its values itself and takes no +rot".into());

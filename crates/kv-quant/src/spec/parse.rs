@@ -26,7 +26,7 @@ pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 
 fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
 nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
-shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>|-soff][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
+shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>[q]|-soff][-f<fold chunk>][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
 +sink<S> | +win<W> | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
 +interp[<reach>] | +meta-none | +meta-secded | +meta-rm (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
@@ -145,9 +145,12 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
                 f.write_str("-vnf4")?;
             }
             match s.stream {
-                Some(DEFAULT_SHARD_STREAM) => {}
-                Some(b) => write!(f, "-s{b}")?,
+                Some(DEFAULT_SHARD_STREAM) if !s.stream_qjl => {}
+                Some(b) => write!(f, "-s{b}{}", if s.stream_qjl { "q" } else { "" })?,
                 None => f.write_str("-soff")?,
+            }
+            if let Some(c) = s.fold {
+                write!(f, "-f{c}")?;
             }
             if s.calibrated {
                 f.write_str("-cal")?;
@@ -514,15 +517,20 @@ fn parse_shard(options: &[&str]) -> std::result::Result<Quantizer, String> {
                     spec.group = g?;
                 } else if let Some(r) = number_after(o, "r") {
                     spec.rank = Some(r?);
-                } else if let Some(b) = number_after(o, "s") {
+                } else if let Some(c) = number_after(o, "f") {
+                    spec.fold = Some(c?);
+                } else if let Some(b) = number_after(o, "s")
+                    .or_else(|| number_after(o.strip_suffix('q')?, "s"))
+                {
                     let b = b?;
+                    spec.stream_qjl = o.ends_with('q');
                     spec.stream = Some(
                         u8::try_from(b)
                             .map_err(|_| format!("a decode stream of {b} bits (1 to 8)"))?,
                     );
                 } else {
                     return Err(format!(
-                        "unknown shard option -{} (-k<bits>, -g<G>, -r<R>, -vnf4, -s<bits>, -soff, -cal)",
+                        "unknown shard option -{} (-k<bits>, -g<G>, -r<R>, -vnf4, -s<bits>[q], -soff, -f<C>, -cal)",
                         quote(o)
                     ));
                 }

@@ -63,6 +63,10 @@ fn issue_spellings_parse_and_print_back() {
         "shard-r64-cal",
         "shard+secded84",
         "shard-k3+golay24x8",
+        "shard-s3q",
+        "shard-s4-f256",
+        "shard-k3-soff-f16",
+        "shard-s7q-f64",
     ] {
         let form: CacheForm = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
         assert_eq!(form.to_string(), s);
@@ -213,6 +217,11 @@ fn bad_spellings_are_rejected_with_the_valid_choices() {
         ("shard-r40", "multiple of the group"),
         ("shard-s9", "1 to 8"),
         ("shard-s300", "1 to 8"),
+        ("shard-s8q", "-s1q to -s7q"),
+        ("shard-sq", "unknown shard option"),
+        ("shard-f8", "16 to 65536"),
+        ("shard-f100000", "16 to 65536"),
+        ("shard-f0", "at least 1"),
         ("shard-x", "unknown shard option"),
         ("shard+rot", "no +rot"),
         ("shard+secded84+interp", "+keep"),
@@ -359,7 +368,15 @@ fn shard_defaults_are_the_blogs() {
     assert_eq!(spec, ShardSpec::default());
     assert_eq!((form.segments().sink, form.segments().window), (4, 64));
     assert_eq!(spec.stream, Some(8));
+    assert_eq!((spec.stream_qjl, spec.fold), (false, None));
     assert!(!form.is_row_local());
+    let Quantizer::Shard(qjl) = *"shard-s3q-f128".parse::<CacheForm>().unwrap().quantizer() else {
+        panic!("not shard")
+    };
+    assert_eq!(
+        (qjl.stream, qjl.stream_qjl, qjl.fold),
+        (Some(3), true, Some(128))
+    );
     let other: CacheForm = "shard-k0.5+sink4+win64".parse().unwrap();
     assert_eq!(other.to_string(), "shard-k0.5");
 }
