@@ -42,6 +42,9 @@ fn check(spec: &str, layout: RopeLayout, rotary: usize, q_heads: usize, kv_heads
     let form: CacheForm = spec.parse().unwrap();
     let layer = ShardLayer::build(form, &k, &v, tokens, prefill, &rope).unwrap();
     assert!(!layer.middle().is_empty(), "{spec}");
+    // 40 generated tokens: two chunks of 16 folded under -f16, 8 in the stream.
+    let folds = if spec.contains("-f16") { 32 } else { 0 };
+    assert_eq!(layer.folded(), folds, "{spec}");
     let (dk, dv) = layer.dequantize().unwrap();
     let positions: Vec<usize> = (0..tokens).collect();
     let q = uniform(11, tokens * shape.q_len(), 1.0);
@@ -69,6 +72,10 @@ fn compressed_attention_equals_the_dequantised_oracle() {
         check("shard-k2-g4+win32", layout, 16, 4, 2);
         check("shard-k1-g4-s4+sink3+win20", layout, 16, 2, 2);
         check("shard-k3-g8-vnf4-soff+win40", layout, 8, 6, 2);
+        // Generated tokens folded into the middle; a QJL stream.
+        check("shard-k2-g4-f16+win32", layout, 16, 4, 2);
+        check("shard-k3-g8-vnf4-soff-f16+win40", layout, 8, 6, 2);
+        check("shard-k1-g4-s3q-f16+sink3+win20", layout, 16, 2, 2);
     }
 }
 
@@ -190,7 +197,13 @@ fn extending_after_the_prefill_equals_building_at_once() {
     let shape = HeadShape::new(4, 2, d).unwrap();
     let rope = Rope::new(RopeLayout::Adjacent, d, d, 10_000.0).unwrap();
     let (k, v) = rows(9, tokens, shape.kv_channels(), &rope);
-    for spec in ["shard-k2-g4+win32", "shard-k2-g4-soff+win32"] {
+    for spec in [
+        "shard-k2-g4+win32",
+        "shard-k2-g4-soff+win32",
+        "shard-k2-g4-f16+win32",
+        "shard-k2-g4-soff-f16+win32",
+        "shard-k2-g4-vnf4-s4q-f16+win32",
+    ] {
         let form: CacheForm = spec.parse().unwrap();
         let whole = ShardLayer::build(form, &k, &v, tokens, prefill, &rope).unwrap();
         let ch = shape.kv_channels();
@@ -210,8 +223,62 @@ fn extending_after_the_prefill_equals_building_at_once() {
             "{spec}"
         );
         assert_eq!(grown.bytes(), whole.bytes(), "{spec}");
+        // Step by step, keeping the chunks folded so far, and back.
+        let mid = first.extended(&k[..275 * ch], &v[..275 * ch], 275).unwrap();
+        let stepped = mid.extended(&k, &v, tokens).unwrap();
+        assert_eq!(stepped.dequantize().unwrap(), whole.dequantize().unwrap());
+        assert_eq!(stepped.bytes(), whole.bytes(), "{spec}");
+        let back = grown.extended(&k[..260 * ch], &v[..260 * ch], 260).unwrap();
+        let at_260 =
+            ShardLayer::build(form, &k[..260 * ch], &v[..260 * ch], 260, prefill, &rope).unwrap();
+        assert_eq!(back.dequantize().unwrap(), at_260.dequantize().unwrap());
+        if spec.contains("-f16") {
+            // 50 generated: three chunks folded (their own codes and scales,
+            // the basis and codebook shared), two tokens left over.
+            assert_eq!(whole.folded(), 48, "{spec}");
+            assert_eq!(mid.folded(), 16, "{spec}");
+            let unfolded: CacheForm = spec.replace("-f16", "").parse().unwrap();
+            let plain = ShardLayer::build(unfolded, &k, &v, tokens, prefill, &rope).unwrap();
+            let (f, p) = (whole.bytes(), plain.bytes());
+            let keys = plain.keys().unwrap();
+            assert_eq!(
+                f.keys - p.keys,
+                3 * (16 * keys.row_bytes() + 2 * keys.kept()),
+                "{spec}"
+            );
+            assert!(f.stream + f.exact < p.stream + p.exact, "{f:?} {p:?}");
+        }
+        // Non-finite generated rows are refused.
+        let mut bad = k.clone();
+        bad[(prefill + 3) * ch + 1] = f32::NAN;
+        assert!(first.extended(&bad, &v, tokens).is_err());
         assert!(first.extended(&k[..10 * ch], &v[..10 * ch], 10).is_err());
     }
+}
+
+#[test]
+fn faults_reach_folded_chunks_too() {
+    use gf2_codes::channel::BinarySymmetric;
+    let (d, tokens, prefill) = (16, 400, 300);
+    let rope = Rope::new(RopeLayout::Adjacent, d, d, 10_000.0).unwrap();
+    let (k, v) = rows(6, tokens, 2 * d, &rope);
+    let build =
+        |s: &str| ShardLayer::build(s.parse().unwrap(), &k, &v, tokens, prefill, &rope).unwrap();
+    let folded = build("shard-k2-g4-f32+secded84");
+    assert_eq!(folded.folded(), 96);
+    let keys = folded.keys().unwrap();
+    let channel = BinarySymmetric::new(1e-2).unwrap();
+    let mut hit = folded.clone();
+    let f = hit.inject(&channel, 5).unwrap();
+    // Every compressed token's codes are codewords (one per nibble): the
+    // middle's and three chunks'.
+    let compressed = (folded.middle().len() + 96) as u64;
+    assert_eq!(f.keys.words, 2 * compressed * keys.row_bytes() as u64);
+    assert_eq!(f.values.words, 2 * compressed * (2 * d / 4) as u64);
+    assert!(f.keys.corrected > 0 && f.values.corrected > 0, "{f:?}");
+    let mut again = folded.clone();
+    assert_eq!(again.inject(&channel, 5).unwrap(), f);
+    assert_eq!(again.dequantize().unwrap(), hit.dequantize().unwrap());
 }
 
 #[test]

@@ -2,7 +2,10 @@
 //! section 8): prompts cut from the corpus are prefilled into a `shard`
 //! cache, then the model generates greedily; tokens generated after the
 //! prefill go to the decode stream, kept in f16 (`-soff`) or quantised per
-//! token by Hadamard + Lloyd-Max (`-s4`, `-s8`). Each run's tokens are
+//! token by Hadamard + Lloyd-Max (`-s4`, `-s8`, and the blog's "4-bit +
+//! QJL" as `-s3q`: three Lloyd-Max bits and the sketch's bit), or, under a
+//! fold chunk `C`, folded into the compressed middle every `C` tokens
+//! (`-f<C>`, from the 8-bit stream and from f16). Each run's tokens are
 //! compared position by position with a reference run (an `fp16` cache)
 //! and with the same `shard` prefill whose stream is off, so the stream's
 //! own drift is seen apart from the prefill's compression.
@@ -27,6 +30,8 @@ pub struct DriftConfig {
     pub new_tokens: usize,
     /// Generated-token counts at which matches are reported (the blog's 20, 60, 150).
     pub checkpoints: Vec<usize>,
+    /// Also fold generated tokens into the middle in chunks of this many.
+    pub fold: Option<usize>,
 }
 
 /// One stream setting.
@@ -59,18 +64,34 @@ pub struct DriftReport {
     pub rows: Vec<DriftRow>,
 }
 
-/// The stream settings of a `shard` form: off, 4-bit and 8-bit Lloyd-Max.
-pub fn stream_variants(form: &CacheForm) -> Result<Vec<CacheForm>> {
+/// The stream settings of a `shard` form: off, 3-bit Lloyd-Max + QJL,
+/// 4-bit and 8-bit Lloyd-Max, then, with a `fold` chunk, folding from the
+/// 8-bit stream and from f16 (stream off).
+pub fn stream_variants(form: &CacheForm, fold: Option<usize>) -> Result<Vec<CacheForm>> {
     let Quantizer::Shard(spec) = *form.quantizer() else {
         return Err(EvalError::InvalidParameter {
             name: "form",
             reason: format!("{form} is not a shard form"),
         });
     };
-    [None, Some(4), Some(8)]
+    let mut settings = vec![
+        (None, false, None),
+        (Some(3), true, None),
+        (Some(4), false, None),
+        (Some(8), false, None),
+    ];
+    if fold.is_some() {
+        settings.extend([(Some(8), false, fold), (None, false, fold)]);
+    }
+    settings
         .into_iter()
-        .map(|stream| {
-            let q = Quantizer::Shard(kv_quant::ShardSpec { stream, ..spec });
+        .map(|(stream, stream_qjl, fold)| {
+            let q = Quantizer::Shard(kv_quant::ShardSpec {
+                stream,
+                stream_qjl,
+                fold,
+                ..spec
+            });
             Ok(CacheForm::build(q, None, form.segments(), None)?)
         })
         .collect()
@@ -107,7 +128,7 @@ pub fn run(
             ),
         });
     }
-    let variants = stream_variants(form)?;
+    let variants = stream_variants(form, config.fold)?;
     let stride = (tokens.len() - config.prefix) / config.prompts;
     let greedy = |mode: CacheMode, prompt: &[u32]| -> Result<Vec<u32>> {
         let c = GenerateConfig {
@@ -214,15 +235,28 @@ mod tests {
     #[test]
     fn variants_set_only_the_stream() {
         let f: CacheForm = "shard-k2+win32".parse().unwrap();
-        let v: Vec<String> = stream_variants(&f)
-            .unwrap()
-            .iter()
-            .map(|f| f.to_string())
-            .collect();
-        assert_eq!(
-            v,
-            ["shard-k2-soff+win32", "shard-k2-s4+win32", "shard-k2+win32"]
-        );
-        assert!(stream_variants(&"int4".parse().unwrap()).is_err());
+        let names = |fold| -> Vec<String> {
+            stream_variants(&f, fold)
+                .unwrap()
+                .iter()
+                .map(|f| f.to_string())
+                .collect()
+        };
+        let unfolded = [
+            "shard-k2-soff+win32",
+            "shard-k2-s3q+win32",
+            "shard-k2-s4+win32",
+            "shard-k2+win32",
+        ];
+        assert_eq!(names(None), unfolded);
+        let mut folded = unfolded.map(String::from).to_vec();
+        folded.extend([
+            "shard-k2-f64+win32".into(),
+            "shard-k2-soff-f64+win32".into(),
+        ]);
+        assert_eq!(names(Some(64)), folded);
+        assert!(stream_variants(&"int4".parse().unwrap(), None).is_err());
+        // A fold chunk the form cannot take is the form's error.
+        assert!(stream_variants(&f, Some(3)).is_err());
     }
 }

@@ -1,8 +1,9 @@
 //! The `shard` form on the tiny random Llama: a prefill through the
 //! re-encode cache gives finite logits near the plain pass and counts true
 //! bytes; tokens generated after a prefill go to the decode stream and give
-//! finite logits (that a layer extended after its prefill equals one stored
-//! at once is attention's `tests/shard.rs`); seeded faults go through the
+//! finite logits, and folded into the middle hold fewer bytes (that a
+//! layer extended after its prefill equals one stored at once is
+//! attention's `tests/shard.rs`); seeded faults go through the
 //! form's code and are accounted; bad input (faults on what a shard form
 //! does not expose, mixed key/value forms, a window covering the context,
 //! the paged backend) is a typed error.
@@ -63,6 +64,24 @@ fn decode_steps_go_to_the_stream_of_the_prefilled_layer() {
     // layers, then ten steps each holding them plus their stream.
     let per_call = cache.stats().stored_bytes;
     assert!(per_call > 0);
+}
+
+#[test]
+fn folded_decode_steps_hold_fewer_bytes_than_the_stream() {
+    let m = model();
+    let toks = tokens(140);
+    let mut bytes = Vec::new();
+    for spec in ["shard-k4-g4+win8", "shard-k4-g4-f16+win8"] {
+        let mut cache = KvCache::new(CacheMode::form(spec.parse().unwrap()), None, 0).unwrap();
+        m.forward(&toks[..100], &mut cache, 99).unwrap();
+        for &t in &toks[100..] {
+            let logits = m.forward(&[t], &mut cache, 0).unwrap();
+            assert!(logits.iter().all(|x| x.is_finite()), "{spec}");
+        }
+        bytes.push(cache.stats().stored_bytes);
+    }
+    // Forty steps: from the 17th on, 16 or 32 generated tokens are folded.
+    assert!(bytes[1] < bytes[0], "{bytes:?}");
 }
 
 #[test]

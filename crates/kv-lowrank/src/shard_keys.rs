@@ -681,7 +681,10 @@ mod tests {
         assert_eq!(again, keys);
         // Later rows on the same basis and allocation, scaled by their own maxima.
         let chunk = keys.encode_chunk(&rows[200 * dim..], 100).unwrap();
-        assert_eq!((chunk.tokens(), chunk.allocation()), (100, keys.allocation()));
+        assert_eq!(
+            (chunk.tokens(), chunk.allocation()),
+            (100, keys.allocation())
+        );
         assert!(std::ptr::eq(chunk.basis(), keys.basis()));
         assert_eq!(
             chunk.stored_bytes() - chunk.shared_bytes(),

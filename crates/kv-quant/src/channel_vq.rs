@@ -317,8 +317,8 @@ mod tests {
         let (tokens, channels, head_dim) = (512, 32, 16);
         let x = rows(tokens + 64, channels);
         let (fit_rows, later) = x.split_at(tokens * channels);
-        let vq = ChannelVq::fit(fit_rows, tokens, channels, head_dim, FitOptions::default())
-            .unwrap();
+        let vq =
+            ChannelVq::fit(fit_rows, tokens, channels, head_dim, FitOptions::default()).unwrap();
         assert_eq!(vq.encode_chunk(fit_rows, tokens).unwrap(), vq);
         let chunk = vq.encode_chunk(later, 64).unwrap();
         assert!(std::ptr::eq(chunk.centroids(), vq.centroids()));
@@ -337,7 +337,11 @@ mod tests {
         }
         let mut back = vec![0.0; later.len()];
         chunk.decode_rows_into(0, 64, &mut back).unwrap();
-        let err: f32 = later.iter().zip(&back).map(|(a, b)| (a - b) * (a - b)).sum();
+        let err: f32 = later
+            .iter()
+            .zip(&back)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum();
         let energy: f32 = later.iter().map(|a| a * a).sum();
         // A codebook fitted on other rows: a little above the fit's own error.
         assert!(err / energy < 0.15, "{}", err / energy);

@@ -8,11 +8,10 @@ use std::ops::Range;
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
-use kv_lowrank::ShardKeys;
 use kv_quant::DecodeScratch;
 use rayon::prelude::*;
 
-use super::{MiddleValues, QUERY_BLOCK, ShardLayer, TILE};
+use super::{Compressed, MiddleValues, QUERY_BLOCK, ShardLayer, TILE};
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
 use crate::kernel::exp;
@@ -80,38 +79,43 @@ impl ShardLayer {
                     })
             })
             .collect();
+        let plain = self.plain_spans();
+        let total: usize = self.compressed.iter().map(|c| c.tokens.len()).sum();
         let mut ctx = Context {
             layer: self,
             queries,
+            plain: &plain,
             plain_k: &plain_k,
             plain_v: &plain_v,
             offsets: &offsets,
             tiles: None,
+            compressed: total,
             group: shape.group(),
             q_heads: shape.q_heads(),
             scale: shape.scale() as f32,
         };
-        // Many queries: each middle tile is built once and read by all.
-        let tiles = match &self.keys {
-            Some(keys) if positions.len() > QUERY_BLOCK => {
-                let (d, m) = (self.head_dim, self.middle.len());
-                let mut tiles = vec![0.0f32; self.kv_heads * m * d];
-                for (g, head) in tiles.chunks_exact_mut(m * d).enumerate() {
-                    head.par_chunks_mut(TILE * d)
+        // Many queries: each compressed key tile is built once and read by all.
+        let mut tiles = Vec::new();
+        if positions.len() > QUERY_BLOCK && total > 0 {
+            let d = self.head_dim;
+            tiles = vec![0.0f32; self.kv_heads * total * d];
+            for (g, head) in tiles.chunks_exact_mut(total * d).enumerate() {
+                for c in &self.compressed {
+                    let kept = c.keys.kept();
+                    head[c.first * d..(c.first + c.tokens.len()) * d]
+                        .par_chunks_mut(TILE * d)
                         .enumerate()
                         .try_for_each_init(
-                            || vec![0.0f32; TILE * keys.kept()],
+                            || vec![0.0f32; TILE * kept],
                             |coeffs, (i, tile)| {
-                                let n = tile.len() / d * keys.kept();
-                                let t0 = self.middle.start + i * TILE;
-                                ctx.key_tile(keys, g, t0, &mut coeffs[..n], tile)
+                                let n = tile.len() / d * kept;
+                                let t0 = c.tokens.start + i * TILE;
+                                ctx.key_tile(c, g, t0, &mut coeffs[..n], tile)
                             },
                         )?;
                 }
-                tiles
             }
-            _ => Vec::new(),
-        };
+        }
         if !tiles.is_empty() {
             ctx.tiles = Some(&tiles);
         }
@@ -260,12 +264,16 @@ impl TileStart {
 struct Context<'a> {
     layer: &'a ShardLayer,
     queries: &'a [f32],
+    /// The runs of plain tokens and their first rows in `plain_k`, `plain_v`.
+    plain: &'a [(Range<usize>, usize)],
     plain_k: &'a [f32],
     plain_v: &'a [f32],
     offsets: &'a OffsetTable,
-    /// Every middle key tile of every KV head (`kv_heads × middle × d`),
-    /// built once when many queries read them (prefill).
+    /// Every compressed key tile of every KV head (`kv_heads × compressed
+    /// × d`), built once when many queries read them (prefill).
     tiles: Option<&'a [f32]>,
+    /// Compressed tokens in all.
+    compressed: usize,
     group: usize,
     q_heads: usize,
     scale: f32,
@@ -278,12 +286,6 @@ struct BlockOutput {
 }
 
 impl Context<'_> {
-    /// Row of the plain tables holding token `t` (outside the middle).
-    fn plain_row(&self, t: usize) -> usize {
-        let m = &self.layer.middle;
-        if t >= m.end { t - m.len() } else { t }
-    }
-
     /// Attention of queries `qs` for the query heads of KV head `g`.
     fn block(&self, g: usize, qs: Range<usize>, ranges: &[Range<usize>]) -> Result<BlockOutput> {
         let layer = self.layer;
@@ -297,74 +299,24 @@ impl Context<'_> {
                 let q = &self.queries[(i * self.q_heads + h) * d..][..d];
                 let r = &ranges[i];
                 let mut s = vec![f32::NEG_INFINITY; r.len()];
-                for t in r.clone().filter(|t| !layer.middle.contains(t)) {
-                    let k = &self.plain_k[self.plain_row(t) * ch + g * d..][..d];
-                    s[t - r.start] = dot(q, k) * self.scale;
+                for (span, row) in self.plain {
+                    for t in span.start.max(r.start)..span.end.min(r.end) {
+                        let k = &self.plain_k[(row + t - span.start) * ch + g * d..][..d];
+                        s[t - r.start] = dot(q, k) * self.scale;
+                    }
                 }
                 scores.push(s);
             }
         }
-        // Middle scores, tile by tile.
-        let mid = layer.middle.clone();
-        let lo = qs
-            .clone()
-            .map(|i| ranges[i].start)
-            .min()
-            .unwrap_or(0)
-            .max(mid.start);
-        let hi = qs
-            .clone()
-            .map(|i| ranges[i].end)
-            .max()
-            .unwrap_or(0)
-            .min(mid.end);
-        if let Some(keys) = &layer.keys
-            && lo < hi
-        {
-            let kept = keys.kept();
-            let mut coeffs = vec![0.0f32; TILE * kept];
-            let mut own = vec![0.0f32; if self.tiles.is_some() { 0 } else { TILE * d }];
-            let mut qv = vec![0.0f32; d];
-            let first = mid.start + (lo - mid.start) / TILE * TILE;
-            let mut back = TileStart::new(&layer.rope, first);
-            for t0 in (first..hi).step_by(TILE) {
-                let (cos0, sin0) = back.next();
-                let n = TILE.min(mid.end - t0);
-                let tile: &[f32] = match self.tiles {
-                    Some(all) => &all[(g * mid.len() + t0 - mid.start) * d..][..n * d],
-                    None => {
-                        self.key_tile(keys, g, t0, &mut coeffs[..n * kept], &mut own[..n * d])?;
-                        &own[..n * d]
-                    }
-                };
-                for (bi, i) in qs.clone().enumerate() {
-                    let r = &ranges[i];
-                    let span = t0.max(r.start)..(t0 + n).min(r.end);
-                    if span.is_empty() {
-                        continue;
-                    }
-                    for hh in 0..self.group {
-                        let h = g * self.group + hh;
-                        qv.copy_from_slice(&self.queries[(i * self.q_heads + h) * d..][..d]);
-                        // The query (at angle θp) rotated back by θt₀: the
-                        // pair products then carry θ(t₀ − p) + θ(t − t₀) = θΔ.
-                        for ((&c, &s), &(a, b)) in cos0.iter().zip(sin0).zip(&self.offsets.index) {
-                            let (x, y) = (qv[a], qv[b]);
-                            qv[a] = x * c + y * s;
-                            qv[b] = y * c - x * s;
-                        }
-                        let s = &mut scores[bi * self.group + hh];
-                        for t in span.clone() {
-                            s[t - r.start] = dot(&qv, &tile[(t - t0) * d..][..d]) * self.scale;
-                        }
-                    }
-                }
-            }
+        let lo = qs.clone().map(|i| ranges[i].start).min().unwrap_or(0);
+        let hi = qs.clone().map(|i| ranges[i].end).max().unwrap_or(0);
+        for c in &layer.compressed {
+            self.compressed_scores(c, g, &qs, ranges, lo..hi, &mut scores)?;
         }
         // Softmax and the value sums.
         let mut out = vec![0.0f32; heads * d];
         let mut lse = vec![f32::NEG_INFINITY; heads];
-        let mut rot = vec![0.0f32; d];
+        let (mut rot, mut part) = (vec![0.0f32; d], vec![0.0f32; d]);
         let mut hist = Vec::new();
         let mut rows = vec![0.0f32; TILE * ch];
         let mut scratch = DecodeScratch::new();
@@ -383,46 +335,58 @@ impl Context<'_> {
                 }
                 let l: f64 = s.iter().map(|&w| f64::from(w)).sum();
                 let o = &mut out[at * d..][..d];
-                rot.fill(0.0);
-                for t in r.clone().filter(|t| !mid.contains(t)) {
-                    let w = s[t - r.start];
-                    let v = &self.plain_v[self.plain_row(t) * ch + g * d..][..d];
-                    for (o, &v) in o.iter_mut().zip(v) {
-                        *o += w * v;
+                for (span, row) in self.plain {
+                    for t in span.start.max(r.start)..span.end.min(r.end) {
+                        let w = s[t - r.start];
+                        let v = &self.plain_v[(row + t - span.start) * ch + g * d..][..d];
+                        for (o, &v) in o.iter_mut().zip(v) {
+                            *o += w * v;
+                        }
                     }
                 }
-                let span = r.start.max(mid.start)..r.end.min(mid.end);
-                match layer.values.as_deref() {
-                    Some(MiddleValues::Vq(vq)) if !span.is_empty() => {
-                        let w = &s[span.start - r.start..span.end - r.start];
-                        vq_sum(vq, g, d, mid.start, span.clone(), w, &mut hist, &mut rot);
-                        for (x, &mx) in rot.iter_mut().zip(&vq.max()[g * d..][..d]) {
-                            *x *= mx;
-                        }
-                        vq.hadamard().unrotate(&mut rot);
+                // Compressed values summed in the rotated space, rotated back once.
+                rot.fill(0.0);
+                let mut rotation = None;
+                for c in &layer.compressed {
+                    let span = r.start.max(c.tokens.start)..r.end.min(c.tokens.end);
+                    if span.is_empty() {
+                        continue;
                     }
-                    Some(MiddleValues::Nf4(store)) if !span.is_empty() => {
-                        for t0 in span.clone().step_by(TILE) {
-                            let n = TILE.min(span.end - t0);
-                            let tile = &mut rows[..n * ch];
-                            store.decode_rows_rotated_into(
-                                t0 - mid.start,
-                                n,
-                                tile,
-                                &mut scratch,
-                            )?;
-                            for (j, row) in tile.chunks_exact(ch).enumerate() {
-                                let w = s[t0 + j - r.start];
-                                for (a, &v) in rot.iter_mut().zip(&row[g * d..][..d]) {
-                                    *a += w * v;
+                    match &*c.values {
+                        MiddleValues::Vq(vq) => {
+                            let w = &s[span.start - r.start..span.end - r.start];
+                            part.fill(0.0);
+                            vq_sum(vq, g, d, c.tokens.start, span, w, &mut hist, &mut part);
+                            for ((x, &p), &mx) in
+                                rot.iter_mut().zip(&part).zip(&vq.max()[g * d..][..d])
+                            {
+                                *x += p * mx;
+                            }
+                            rotation = Some(vq.hadamard());
+                        }
+                        MiddleValues::Nf4(store) => {
+                            for t0 in span.clone().step_by(TILE) {
+                                let n = TILE.min(span.end - t0);
+                                let tile = &mut rows[..n * ch];
+                                store.decode_rows_rotated_into(
+                                    t0 - c.tokens.start,
+                                    n,
+                                    tile,
+                                    &mut scratch,
+                                )?;
+                                for (j, row) in tile.chunks_exact(ch).enumerate() {
+                                    let w = s[t0 + j - r.start];
+                                    for (a, &v) in rot.iter_mut().zip(&row[g * d..][..d]) {
+                                        *a += w * v;
+                                    }
                                 }
                             }
-                        }
-                        if let Some(h) = store.rotation()? {
-                            h.unrotate(&mut rot);
+                            rotation = store.rotation()?;
                         }
                     }
-                    _ => {}
+                }
+                if let Some(h) = rotation {
+                    h.unrotate(&mut rot);
                 }
                 let inv = (1.0 / l) as f32;
                 for (o, &x) in o.iter_mut().zip(&rot) {
@@ -434,23 +398,90 @@ impl Context<'_> {
         Ok(BlockOutput { out, lse })
     }
 
-    /// The keys of KV head `g` for middle tokens `t0..t0 + n` (`t0` a tile
-    /// start, `n = tile.len() / d`): `μ + c·B` with RoPE undone (one small
-    /// GEMM per tile, faer's kernels), each turned by its offset in the tile.
+    /// Scores of queries `qs` (query heads of KV head `g`) against the keys
+    /// of the compressed run `c` within `visible`, tile by tile: each tile
+    /// rebuilt (or read from the prefill's tiles) and scored through the
+    /// relative-position identity.
+    fn compressed_scores(
+        &self,
+        c: &Compressed,
+        g: usize,
+        qs: &Range<usize>,
+        ranges: &[Range<usize>],
+        visible: Range<usize>,
+        scores: &mut [Vec<f32>],
+    ) -> Result<()> {
+        let layer = self.layer;
+        let d = layer.head_dim;
+        let (lo, hi) = (
+            visible.start.max(c.tokens.start),
+            visible.end.min(c.tokens.end),
+        );
+        if lo >= hi {
+            return Ok(());
+        }
+        let kept = c.keys.kept();
+        let mut coeffs = vec![0.0f32; TILE * kept];
+        let mut own = vec![0.0f32; if self.tiles.is_some() { 0 } else { TILE * d }];
+        let mut qv = vec![0.0f32; d];
+        let first = c.tokens.start + (lo - c.tokens.start) / TILE * TILE;
+        let mut back = TileStart::new(&layer.rope, first);
+        for t0 in (first..hi).step_by(TILE) {
+            let (cos0, sin0) = back.next();
+            let n = TILE.min(c.tokens.end - t0);
+            let tile: &[f32] = match self.tiles {
+                Some(all) => {
+                    &all[(g * self.compressed + c.first + t0 - c.tokens.start) * d..][..n * d]
+                }
+                None => {
+                    self.key_tile(c, g, t0, &mut coeffs[..n * kept], &mut own[..n * d])?;
+                    &own[..n * d]
+                }
+            };
+            for (bi, i) in qs.clone().enumerate() {
+                let r = &ranges[i];
+                let span = t0.max(r.start)..(t0 + n).min(r.end);
+                if span.is_empty() {
+                    continue;
+                }
+                for hh in 0..self.group {
+                    let h = g * self.group + hh;
+                    qv.copy_from_slice(&self.queries[(i * self.q_heads + h) * d..][..d]);
+                    // The query (at angle θp) rotated back by θt₀: the
+                    // pair products then carry θ(t₀ − p) + θ(t − t₀) = θΔ.
+                    for ((&c, &s), &(a, b)) in cos0.iter().zip(sin0).zip(&self.offsets.index) {
+                        let (x, y) = (qv[a], qv[b]);
+                        qv[a] = x * c + y * s;
+                        qv[b] = y * c - x * s;
+                    }
+                    let s = &mut scores[bi * self.group + hh];
+                    for t in span.clone() {
+                        s[t - r.start] = dot(&qv, &tile[(t - t0) * d..][..d]) * self.scale;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The keys of KV head `g` for tokens `t0..t0 + n` of the compressed
+    /// run `c` (`t0` a tile start, `n = tile.len() / d`): `μ + c·B` with
+    /// RoPE undone (one small GEMM per tile, faer's kernels), each turned by
+    /// its offset in the tile.
     fn key_tile(
         &self,
-        keys: &ShardKeys,
+        c: &Compressed,
         g: usize,
         t0: usize,
         coeffs: &mut [f32],
         tile: &mut [f32],
     ) -> Result<()> {
         let layer = self.layer;
-        let (d, ch, kept) = (layer.head_dim, layer.channels(), keys.kept());
+        let (d, ch, kept) = (layer.head_dim, layer.channels(), c.keys.kept());
         let n = tile.len() / d;
-        let basis = keys.basis();
+        let basis = c.keys.basis();
         let (rows, mean) = (basis.rows(), &basis.mean()[g * d..][..d]);
-        keys.coefficients_into(t0 - layer.middle.start, n, coeffs)?;
+        c.keys.coefficients_into(t0 - c.tokens.start, n, coeffs)?;
         for k in tile.chunks_exact_mut(d) {
             k.copy_from_slice(mean);
         }

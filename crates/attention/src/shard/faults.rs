@@ -1,5 +1,5 @@
-//! Faults in a [`ShardLayer`]'s compressed middle: the key coefficient
-//! codes and the VQ indices (the bulk of its bytes). Under a form with a
+//! Faults in a [`ShardLayer`]'s compressed middle and folded chunks: the
+//! key coefficient codes and the VQ indices (the bulk of its bytes). Under a form with a
 //! code (`shard+secded84`, `shard+golay24`, their interleaved layouts) each
 //! buffer is stored as its 4-bit nibbles (low then high of each byte)
 //! encoded by the gf2-codes codec; flips land in the encoded bytes, the
@@ -38,7 +38,9 @@ impl ShardLayer {
     /// of the compressed middle (module docs), decodes them through the
     /// form's code, and keeps the decoded codes for attention.
     pub fn inject(&mut self, channel: &dyn FaultChannel, seed: u64) -> Result<ShardFaults> {
-        if matches!(self.values.as_deref(), Some(MiddleValues::Nf4(_))) {
+        if let Some(c) = self.compressed.first()
+            && matches!(&*c.values, MiddleValues::Nf4(_))
+        {
             return Err(AttentionError::InvalidParameter {
                 name: "faults",
                 reason: format!("{}: faults reach VQ values only, not NF4", self.form),
@@ -46,18 +48,18 @@ impl ShardLayer {
         }
         let code = self.form.protection().map(|p| p.code);
         let mut out = ShardFaults::default();
-        if let Some(keys) = self.keys.as_mut() {
-            let (flips, stats) = hit(Arc::make_mut(keys).codes_mut(), code, channel, seed)?;
+        for (i, c) in self.compressed.iter_mut().enumerate() {
+            // The middle draws from `seed` itself, each folded chunk from its own stream.
+            let seed = seed ^ (i as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+            let (flips, stats) = hit(Arc::make_mut(&mut c.keys).codes_mut(), code, channel, seed)?;
             out.flips += flips;
-            out.keys = stats;
-        }
-        if let Some(values) = self.values.as_mut()
-            && let MiddleValues::Vq(vq) = Arc::make_mut(values)
-        {
-            let seed = seed ^ 0x9e37_79b9_7f4a_7c15;
-            let (flips, stats) = hit(vq.indices_mut(), code, channel, seed)?;
-            out.flips += flips;
-            out.values = stats;
+            out.keys += stats;
+            if let MiddleValues::Vq(vq) = Arc::make_mut(&mut c.values) {
+                let seed = seed ^ 0x9e37_79b9_7f4a_7c15;
+                let (flips, stats) = hit(vq.indices_mut(), code, channel, seed)?;
+                out.flips += flips;
+                out.values += stats;
+            }
         }
         Ok(out)
     }

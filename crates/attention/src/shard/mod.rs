@@ -7,8 +7,13 @@
 //! through kv-lowrank's [`ShardKeys`] after RoPE is undone, values through
 //! kv-quant's [`ChannelVq`] or NF4 after a Hadamard rotation); tokens
 //! written after the prefill in the decode stream (Hadamard + Lloyd-Max per
-//! token, data-oblivious, or f16 when the stream is off). A middle too short
-//! to fit a basis and a codebook stays exact.
+//! token, data-oblivious, optionally with a QJL sketch, or f16 when the
+//! stream is off). A middle too short to fit a basis and a codebook stays
+//! exact. Under `-f<C>` every whole chunk of `C` generated tokens leaves
+//! the stream and is folded into the compressed middle: its rows as the
+//! stream held them, RoPE undone, stored on the prefill's basis, bit
+//! allocation and codebook with scales of their own (the blog's first
+//! attempt at decode tokens, section 8, at chunk granularity).
 //!
 //! Scores of middle keys never see a rotated key. The score of a query at
 //! `p` against a key at `t` depends on `Δ = t − p` only (section 9):
@@ -56,6 +61,17 @@ enum MiddleValues {
     Nf4(Box<KvStore>),
 }
 
+/// One compressed run of tokens: the prefill's middle, or a chunk of
+/// generated tokens folded in after it (sharing its basis and codebook).
+#[derive(Clone, Debug)]
+struct Compressed {
+    tokens: Range<usize>,
+    /// Compressed tokens before this run (its first row among them all).
+    first: usize,
+    keys: Arc<ShardKeys>,
+    values: Arc<MiddleValues>,
+}
+
 /// One layer's keys and values in a `shard` form.
 #[derive(Clone, Debug)]
 pub struct ShardLayer {
@@ -66,13 +82,15 @@ pub struct ShardLayer {
     prefill: usize,
     middle: Range<usize>,
     rope: Rope,
-    /// Exact rows (f16 bits) of every token outside the middle and the
-    /// Lloyd-Max stream, token order: row of token `t` is `t − middle.len()`.
+    /// Exact rows (f16 bits) of every token outside the compressed runs and
+    /// the Lloyd-Max stream, in token order.
     exact_keys: Vec<u16>,
     exact_values: Vec<u16>,
-    keys: Option<Arc<ShardKeys>>,
-    values: Option<Arc<MiddleValues>>,
-    /// Keys and values of tokens `prefill..tokens` in the Lloyd-Max stream.
+    /// The prefill's middle first (when compressed), then the folded
+    /// chunks, in token order.
+    compressed: Vec<Compressed>,
+    /// Keys and values of the tokens after the folded chunks in the
+    /// Lloyd-Max stream.
     stream: Option<(KvStore, KvStore)>,
 }
 
@@ -192,29 +210,32 @@ impl ShardLayer {
         if !fits {
             middle = sink_end..sink_end;
         }
-        let (mut exact_keys, mut exact_values) = (Vec::new(), Vec::new());
-        let exact_end = if spec.stream.is_some() {
-            prefill
-        } else {
-            tokens
+        let mut layer = Self {
+            form,
+            kv_heads: channels / head_dim,
+            head_dim,
+            tokens,
+            prefill,
+            middle: middle.clone(),
+            rope: rope.clone(),
+            exact_keys: Vec::new(),
+            exact_values: Vec::new(),
+            compressed: Vec::new(),
+            stream: None,
         };
-        for t in (0..exact_end).filter(|t| !middle.contains(t)) {
-            let row = t * channels..(t + 1) * channels;
-            exact_keys.extend(
-                keys[row.clone()]
-                    .iter()
-                    .map(|&x| f16::from_f32(x).to_bits()),
+        for t in (0..prefill).filter(|t| !middle.contains(t)) {
+            layer.push_exact(
+                &keys[t * channels..(t + 1) * channels],
+                &values[t * channels..(t + 1) * channels],
             );
-            exact_values.extend(values[row].iter().map(|&x| f16::from_f32(x).to_bits()));
         }
-        let (mut shard_keys, mut shard_values) = (None, None);
         if !middle.is_empty() {
             let rows = middle.start * channels..middle.end * channels;
             let mut unrotated = keys[rows.clone()].to_vec();
             for (t, row) in middle.clone().zip(unrotated.chunks_exact_mut(channels)) {
                 rope.undo(row, t)?;
             }
-            shard_keys = Some(Arc::new(match basis {
+            let shard_keys = match basis {
                 Some(b) => {
                     ShardKeys::with_basis(&unrotated, middle.len(), b, spec.key_bits(), spec.group)?
                 }
@@ -226,9 +247,9 @@ impl ShardLayer {
                     spec.group,
                     spec.rank,
                 )?,
-            }));
+            };
             let v = &values[rows];
-            shard_values = Some(Arc::new(match spec.values {
+            let shard_values = match spec.values {
                 ShardValues::Vq => MiddleValues::Vq(ChannelVq::fit(
                     v,
                     middle.len(),
@@ -240,34 +261,31 @@ impl ShardLayer {
                         max_samples: 1 << 15,
                     },
                 )?),
-                ShardValues::Nf4 => {
-                    let nf4 = nf4_form(head_dim)?;
-                    MiddleValues::Nf4(Box::new(KvStore::quantize(nf4, v, middle.len(), channels)?))
-                }
-            }));
+                ShardValues::Nf4 => MiddleValues::Nf4(Box::new(KvStore::quantize(
+                    nf4_form(head_dim)?,
+                    v,
+                    middle.len(),
+                    channels,
+                )?)),
+            };
+            layer.compressed.push(Compressed {
+                tokens: middle,
+                first: 0,
+                keys: Arc::new(shard_keys),
+                values: Arc::new(shard_values),
+            });
         }
-        let stream = stream(spec, keys, values, tokens, prefill, channels, head_dim)?;
-        Ok(Self {
-            form,
-            kv_heads: channels / head_dim,
-            head_dim,
-            tokens,
-            prefill,
-            middle,
-            rope: rope.clone(),
-            exact_keys,
-            exact_values,
-            keys: shard_keys,
-            values: shard_values,
-            stream,
-        })
+        layer.append_generated(keys, values)?;
+        Ok(layer)
     }
 
     /// The same layer after generation: `keys` and `values` hold every
     /// token (`tokens × channels`), of which the first
     /// [`prefill`](Self::prefill) are those this layer was built from (not
-    /// read again: the fitted middle, sink and window are kept); the rest
-    /// go to the decode stream.
+    /// read again: the fitted middle, sink and window are kept), and so are
+    /// the chunks this layer has folded that end by `tokens`; the rest go
+    /// to folded chunks and the decode stream. Equal to building the layer
+    /// from all `tokens` at once.
     pub fn extended(&self, keys: &[f32], values: &[f32], tokens: usize) -> Result<Self> {
         let ch = self.channels();
         check_len("keys (tokens × channels)", tokens * ch, keys.len())?;
@@ -281,26 +299,108 @@ impl ShardLayer {
                 ),
             });
         }
-        let spec = self.spec();
+        let rows = self.prefill * ch..tokens * ch;
+        for (what, rows) in [("key", &keys[rows.clone()]), ("value", &values[rows])] {
+            if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+                return Err(AttentionError::InvalidParameter {
+                    name: "rows",
+                    reason: format!(
+                        "{what} of token {}, channel {} is {}",
+                        self.prefill + i / ch,
+                        i % ch,
+                        rows[i]
+                    ),
+                });
+            }
+        }
         let kept = (self.prefill - self.middle.len()) * ch;
         let mut out = Self {
             tokens,
             exact_keys: self.exact_keys[..kept].to_vec(),
             exact_values: self.exact_values[..kept].to_vec(),
-            stream: stream(spec, keys, values, tokens, self.prefill, ch, self.head_dim)?,
+            compressed: self
+                .compressed
+                .iter()
+                .filter(|c| c.tokens.end <= tokens)
+                .cloned()
+                .collect(),
+            stream: None,
             ..self.clone()
         };
-        if spec.stream.is_none() {
-            let rows = self.prefill * ch..tokens * ch;
-            out.exact_keys.extend(
-                keys[rows.clone()]
-                    .iter()
-                    .map(|&x| f16::from_f32(x).to_bits()),
-            );
-            out.exact_values
-                .extend(values[rows].iter().map(|&x| f16::from_f32(x).to_bits()));
-        }
+        out.append_generated(keys, values)?;
         Ok(out)
+    }
+
+    /// Stores the tokens after the folded chunks (every token past the
+    /// prefill when none are): whole chunks folded under `-f<C>` (when the
+    /// middle is compressed), the rest in the stream (or exact).
+    fn append_generated(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        let spec = self.spec();
+        let (ch, d) = (self.channels(), self.head_dim);
+        let mut start = self.folded_end();
+        if let (Some(c), Some(middle)) = (spec.fold, self.compressed.first().cloned()) {
+            while start + c <= self.tokens {
+                let rows = start * ch..(start + c) * ch;
+                let (mut k, v) = as_stored(spec, &keys[rows.clone()], &values[rows], c, ch, d)?;
+                for (t, row) in (start..start + c).zip(k.chunks_exact_mut(ch)) {
+                    self.rope.undo(row, t)?;
+                }
+                let folded = match &*middle.values {
+                    MiddleValues::Vq(vq) => MiddleValues::Vq(vq.encode_chunk(&v, c)?),
+                    MiddleValues::Nf4(_) => {
+                        MiddleValues::Nf4(Box::new(KvStore::quantize(nf4_form(d)?, &v, c, ch)?))
+                    }
+                };
+                let last = self.compressed.last().unwrap_or(&middle);
+                let first = last.first + last.tokens.len();
+                self.compressed.push(Compressed {
+                    tokens: start..start + c,
+                    first,
+                    keys: Arc::new(middle.keys.encode_chunk(&k, c)?),
+                    values: Arc::new(folded),
+                });
+                start += c;
+            }
+        }
+        let rest = start * ch..self.tokens * ch;
+        match spec.stream {
+            Some(_) if !rest.is_empty() => {
+                let lm = stream_form(spec, d)?;
+                let n = self.tokens - start;
+                self.stream = Some((
+                    KvStore::quantize(lm, &keys[rest.clone()], n, ch)?,
+                    KvStore::quantize(lm, &values[rest], n, ch)?,
+                ));
+            }
+            None => {
+                for t in start..self.tokens {
+                    let row = t * ch..(t + 1) * ch;
+                    self.push_exact(&keys[row.clone()], &values[row]);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Appends one exact row of keys and values (f16).
+    fn push_exact(&mut self, keys: &[f32], values: &[f32]) {
+        self.exact_keys
+            .extend(keys.iter().map(|&x| f16::from_f32(x).to_bits()));
+        self.exact_values
+            .extend(values.iter().map(|&x| f16::from_f32(x).to_bits()));
+    }
+
+    /// The first token after the prefill and the folded chunks.
+    fn folded_end(&self) -> usize {
+        self.compressed
+            .last()
+            .map_or(self.prefill, |c| c.tokens.end.max(self.prefill))
+    }
+
+    /// Generated tokens folded into the compressed middle.
+    pub fn folded(&self) -> usize {
+        self.folded_end() - self.prefill
     }
 
     /// The form.
@@ -338,30 +438,38 @@ impl ShardLayer {
 
     /// The middle's keys, when compressed.
     pub fn keys(&self) -> Option<&ShardKeys> {
-        self.keys.as_deref()
+        self.compressed.first().map(|c| &*c.keys)
     }
 
-    /// Bytes held, by piece.
+    /// Bytes held, by piece (a folded chunk's keys and values without the
+    /// basis and codebook it shares with the middle).
     pub fn bytes(&self) -> ShardBytes {
         let code = self.form.protection().map(|p| p.code);
-        ShardBytes {
+        let mut bytes = ShardBytes {
             exact: 2 * (self.exact_keys.len() + self.exact_values.len()),
-            keys: self.keys.as_ref().map_or(0, |k| {
-                k.stored_bytes() - k.codes().len() + faults::protected_len(k.codes().len(), code)
-            }),
-            values: match self.values.as_deref() {
-                Some(MiddleValues::Vq(v)) => {
-                    v.stored_bytes() - v.indices().len()
-                        + faults::protected_len(v.indices().len(), code)
-                }
-                Some(MiddleValues::Nf4(s)) => s.stored_bytes(),
-                None => 0,
-            },
             stream: self
                 .stream
                 .as_ref()
                 .map_or(0, |(k, v)| k.stored_bytes() + v.stored_bytes()),
+            ..ShardBytes::default()
+        };
+        for (i, c) in self.compressed.iter().enumerate() {
+            let k = &c.keys;
+            bytes.keys +=
+                k.stored_bytes() - k.codes().len() + faults::protected_len(k.codes().len(), code);
+            bytes.values += match &*c.values {
+                MiddleValues::Vq(v) => {
+                    v.stored_bytes() - v.indices().len()
+                        + faults::protected_len(v.indices().len(), code)
+                        - if i > 0 { v.shared_bytes() } else { 0 }
+                }
+                MiddleValues::Nf4(s) => s.stored_bytes(),
+            };
+            if i > 0 {
+                bytes.keys -= k.shared_bytes();
+            }
         }
+        bytes
     }
 
     /// Bytes held.
@@ -374,35 +482,57 @@ impl ShardLayer {
     pub fn dequantize(&self) -> Result<(Vec<f32>, Vec<f32>)> {
         let ch = self.channels();
         let (k, v) = self.plain_rows()?;
-        let m = self.middle.len();
         let (mut keys, mut values) = (
             vec![0.0f32; self.tokens * ch],
             vec![0.0f32; self.tokens * ch],
         );
-        for t in (0..self.tokens).filter(|t| !self.middle.contains(t)) {
-            let r = (t - if t >= self.middle.end { m } else { 0 }) * ch;
-            keys[t * ch..(t + 1) * ch].copy_from_slice(&k[r..r + ch]);
-            values[t * ch..(t + 1) * ch].copy_from_slice(&v[r..r + ch]);
+        for (span, row) in self.plain_spans() {
+            let (from, to) = (
+                row * ch..(row + span.len()) * ch,
+                span.start * ch..span.end * ch,
+            );
+            keys[to.clone()].copy_from_slice(&k[from.clone()]);
+            values[to].copy_from_slice(&v[from]);
         }
-        if let (Some(sk), Some(sv)) = (&self.keys, self.values.as_deref()) {
-            for t in self.middle.clone() {
+        for c in &self.compressed {
+            for t in c.tokens.clone() {
                 let row = &mut keys[t * ch..(t + 1) * ch];
-                sk.reconstruct_into(t - self.middle.start, row)?;
+                c.keys.reconstruct_into(t - c.tokens.start, row)?;
                 self.rope.apply(row, t)?;
             }
-            let rows = &mut values[self.middle.start * ch..self.middle.end * ch];
-            match sv {
-                MiddleValues::Vq(vq) => vq.decode_rows_into(0, m, rows)?,
+            let n = c.tokens.len();
+            let rows = &mut values[c.tokens.start * ch..c.tokens.end * ch];
+            match &*c.values {
+                MiddleValues::Vq(vq) => vq.decode_rows_into(0, n, rows)?,
                 MiddleValues::Nf4(s) => {
-                    s.decode_rows_into(0, m, rows, &mut DecodeScratch::new())?;
+                    s.decode_rows_into(0, n, rows, &mut DecodeScratch::new())?;
                 }
             }
         }
         Ok((keys, values))
     }
 
-    /// Rows of every token outside the middle, f32, in token order (the
-    /// exact rows, then the decoded stream).
+    /// The runs of tokens outside the compressed ones, in order, each with
+    /// the row of its first token in [`plain_rows`](Self::plain_rows).
+    fn plain_spans(&self) -> Vec<(Range<usize>, usize)> {
+        let (mut spans, mut at, mut row) = (Vec::new(), 0, 0);
+        for c in self
+            .compressed
+            .iter()
+            .map(|c| c.tokens.clone())
+            .chain(std::iter::once(self.tokens..self.tokens))
+        {
+            if c.start > at {
+                spans.push((at..c.start, row));
+                row += c.start - at;
+            }
+            at = c.end;
+        }
+        spans
+    }
+
+    /// Rows of every token outside the compressed runs, f32, in token
+    /// order (the exact rows, then the decoded stream).
     fn plain_rows(&self) -> Result<(Vec<f32>, Vec<f32>)> {
         let widen = |b: &[u16]| {
             b.iter()
@@ -423,28 +553,29 @@ impl ShardLayer {
     }
 }
 
-/// The Lloyd-Max stream of tokens `prefill..tokens` (none when off or empty).
-fn stream(
+/// Rows of `tokens` generated tokens as the decode stream holds them (its
+/// Lloyd-Max codes decoded, or f16 when it is off): what a folded chunk
+/// is encoded from.
+fn as_stored(
     spec: ShardSpec,
     keys: &[f32],
     values: &[f32],
     tokens: usize,
-    prefill: usize,
     channels: usize,
     head_dim: usize,
-) -> Result<Option<(KvStore, KvStore)>> {
-    match spec.stream {
-        Some(bits) if tokens > prefill => {
-            let lm = stream_form(bits, head_dim)?;
-            let rows = prefill * channels..tokens * channels;
-            let n = tokens - prefill;
-            Ok(Some((
-                KvStore::quantize(lm, &keys[rows.clone()], n, channels)?,
-                KvStore::quantize(lm, &values[rows], n, channels)?,
-            )))
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let mut out = (vec![0.0f32; keys.len()], vec![0.0f32; values.len()]);
+    for (rows, to) in [(keys, &mut out.0), (values, &mut out.1)] {
+        if spec.stream.is_some() {
+            let store = KvStore::quantize(stream_form(spec, head_dim)?, rows, tokens, channels)?;
+            store.decode_rows_into(0, tokens, to, &mut DecodeScratch::new())?;
+        } else {
+            for (o, &x) in to.iter_mut().zip(rows) {
+                *o = f16::from_f32(x).to_f32();
+            }
         }
-        _ => Ok(None),
     }
+    Ok(out)
 }
 
 /// The NF4 form of the middle's values: per head Hadamard, groups of 64.
@@ -456,11 +587,12 @@ fn nf4_form(head_dim: usize) -> Result<CacheForm> {
     Ok(nf4.with_rotation(Some(Rotation { block: head_dim }))?)
 }
 
-/// The Lloyd-Max form of the decode stream, rotated per head.
-fn stream_form(bits: u8, head_dim: usize) -> Result<CacheForm> {
+/// The Lloyd-Max form of the decode stream, rotated per head (the form's
+/// stream must be on).
+fn stream_form(spec: ShardSpec, head_dim: usize) -> Result<CacheForm> {
     let lm = CacheForm::plain(Quantizer::LloydMax(LloydMaxSpec {
-        bits,
-        qjl: false,
+        bits: spec.stream.unwrap_or(kv_quant::spec::DEFAULT_SHARD_STREAM),
+        qjl: spec.stream_qjl,
         scale: ScaleType::F16,
     }))?;
     Ok(lm.with_rotation(Some(Rotation { block: head_dim }))?)

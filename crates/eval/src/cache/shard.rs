@@ -1,8 +1,8 @@
 //! `shard` forms on the re-encode cache: each layer is built at the
 //! prefill (its basis and codebook fitted on the prefill's middle, or its
 //! basis read from a calibration) and kept; later calls extend its decode
-//! stream with the tokens generated since, and attention reads it on its
-//! compressed forms. Faults land in a fresh copy of the middle's codes on
+//! stream (or fold them into the middle) with the tokens generated since,
+//! and attention reads it on its compressed forms. Faults land in a fresh copy of the middle's codes on
 //! every call (the paper's protocol), never in the kept layer.
 
 use std::sync::Arc;
@@ -56,7 +56,12 @@ pub(super) fn attend(
         cached.resize(layer + 1, None);
     }
     let mut built = match &cached[layer] {
-        Some(s) if s.prefill() == prefill => s.extended(k, v, tokens)?,
+        Some(s) if s.prefill() == prefill => {
+            // Kept grown, so chunks folded on earlier calls are not encoded again.
+            let grown = s.extended(k, v, tokens)?;
+            cached[layer] = Some(Arc::new(grown.clone()));
+            grown
+        }
         _ => {
             let basis = codes.key.bases.as_ref().and_then(|b| b.heads.first());
             let s = ShardLayer::build_with(

@@ -519,8 +519,8 @@ fn parse_shard(options: &[&str]) -> std::result::Result<Quantizer, String> {
                     spec.rank = Some(r?);
                 } else if let Some(c) = number_after(o, "f") {
                     spec.fold = Some(c?);
-                } else if let Some(b) = number_after(o, "s")
-                    .or_else(|| number_after(o.strip_suffix('q')?, "s"))
+                } else if let Some(b) =
+                    number_after(o, "s").or_else(|| number_after(o.strip_suffix('q')?, "s"))
                 {
                     let b = b?;
                     spec.stream_qjl = o.ends_with('q');

@@ -1,7 +1,8 @@
 //! `kv-eval shard-stream`: the drift of a `shard` cache's decode stream
 //! (kv_eval::stream_drift): greedy generations after prompts cut from the
 //! corpus, under an `fp16` cache and under the form with its stream off,
-//! 4-bit and 8-bit, matched token by token.
+//! 3-bit + QJL, 4-bit and 8-bit (and, with `--fold`, folded into the
+//! middle), matched token by token.
 
 use std::path::PathBuf;
 
@@ -35,6 +36,11 @@ pub(crate) struct StreamArgs {
     /// Generated-token counts at which matches are reported.
     #[arg(long, value_delimiter = ',', default_value = "20,60,150")]
     checkpoints: Vec<usize>,
+    /// Also fold generated tokens into the compressed middle in chunks of
+    /// this many (from the 8-bit stream and from f16), beside the unfolded
+    /// stream settings.
+    #[arg(long)]
+    fold: Option<usize>,
     /// Also write the result as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -45,13 +51,18 @@ pub(crate) fn run_stream(args: StreamArgs) -> Result<(), Error> {
     let form: CacheForm = args.form.parse()?;
     let reference: CacheForm = args.reference.parse()?;
     let mut modes = vec![CacheMode::form(reference)];
-    modes.extend(stream_variants(&form)?.into_iter().map(CacheMode::form));
+    modes.extend(
+        stream_variants(&form, args.fold)?
+            .into_iter()
+            .map(CacheMode::form),
+    );
     let prepared = prepare(&args.source, &modes)?;
     let config = DriftConfig {
         prompts: args.prompts,
         prefix: args.prefix,
         new_tokens: args.new_tokens,
         checkpoints: args.checkpoints,
+        fold: args.fold,
     };
     if let Some(trained) = prepared.model.context()
         && config.prefix + config.new_tokens > trained
