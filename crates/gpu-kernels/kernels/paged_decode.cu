@@ -129,13 +129,15 @@ __device__ bool rkv_valid_value(const RkvPagedParams& P, const RkvPool& pool, co
 }
 
 // What an erased value (channel `ch` of row `row`, decoded as `received`)
-// becomes under the form's policy. Out of line: it runs only on erasures.
+// becomes under the form's policy; under keep, a value whose group's
+// metadata was erased (`meta`) has nothing to keep and is interpolated
+// (kv-quant's apply_policy). Out of line: it runs only on erasures.
 template <u32 CODING>
 __device__ __noinline__ float rkv_erased_value(const RkvPagedParams& P, const RkvPool& pool,
                                                const u8* table, u32 page, u32 row, u32 ch,
-                                               float received) {
+                                               float received, bool meta) {
     if (P.policy == 1) return 0.0f;
-    if (P.policy != 2) return received;
+    if (P.policy == 0 && !meta) return received;
     u32 dl = 0, dr = 0;
     float l = 0.0f, r = 0.0f, x;
     for (u32 d = 1; d <= P.reach && d <= row; ++d)
@@ -203,7 +205,8 @@ __device__ __forceinline__ void rkv_load16(const RkvPagedParams& P, const RkvPoo
         c[8] += __popc(detected);
         #pragma unroll
         for (int i = 0; i < 16; ++i)
-            if ((detected >> i) & 1u) v[i] = rkv_erased_value<CODING>(P, pool, table, page, row, ch0 + i, v[i]);
+            if ((detected >> i) & 1u)
+                v[i] = rkv_erased_value<CODING>(P, pool, table, page, row, ch0 + i, v[i], meta_bad);
     }
 }
 

@@ -191,10 +191,11 @@ impl KernelForm {
     }
 
     /// The erasure policy as the device reads it: `(kind, reach)` with kind
-    /// 0 keep, 1 zero, 2 interpolate.
+    /// 0 keep, 1 zero, 2 interpolate; under keep the reach is the one that
+    /// rebuilds groups whose metadata was erased (kv-quant's rule).
     pub fn policy_code(&self) -> (u32, u32) {
         match self.policy {
-            ErasurePolicy::Keep => (0, 0),
+            ErasurePolicy::Keep => (0, kv_quant::spec::DEFAULT_INTERP_REACH),
             ErasurePolicy::Zero => (1, 0),
             ErasurePolicy::Interpolate { reach } => (2, reach),
         }

@@ -337,6 +337,48 @@ fn metadata_faults_are_corrected_detected_or_counted() {
     assert_ne!(d.values, reference.values);
 }
 
+/// Under `keep` a detected value codeword stays as received, but a group
+/// whose scale was erased has no value to keep: it is interpolated from
+/// its neighbours along the tokens, as under `+interp`.
+#[test]
+fn keep_interpolates_groups_whose_metadata_was_erased() {
+    let (tokens, channels) = (6, 16);
+    for form in ["int4-g8+secded84", "int4-g8+golay24+meta-secded"] {
+        let clean = store(form, tokens, channels);
+        let reference = clean.decode().unwrap();
+        let mut two = clean.clone();
+        let bit = 8 * 2 * 4 + 9;
+        two.inject(
+            &FlipsInCall::new(0, vec![bit, bit + 2]),
+            0,
+            FaultTarget::Metadata,
+        );
+        let d = two.decode().unwrap();
+        assert_eq!(d.stats.metadata.detected, 1, "{form}");
+        assert_eq!(d.stats.erased_values, 8, "{form}");
+        for c in 0..channels {
+            let expect = if c < 8 {
+                0.5 * (reference.values[channels + c] + reference.values[3 * channels + c])
+            } else {
+                reference.values[2 * channels + c]
+            };
+            assert_eq!(d.values[2 * channels + c], expect, "{form} channel {c}");
+        }
+        // Rows of the other tokens untouched.
+        let others = (0..tokens * channels)
+            .filter(|i| i / channels != 2)
+            .all(|i| d.values[i] == reference.values[i]);
+        assert!(others, "{form}");
+        // The fused tile view reads the same values.
+        let mut scratch = kv_quant::DecodeScratch::new();
+        let (view, _) = two.decode_rows_view(0, tokens, &mut scratch).unwrap();
+        match view {
+            kv_quant::RowsView::Values(v) => assert_eq!(v, &d.values[..], "{form}"),
+            _ => panic!("{form}: a tile with erased values is read as values"),
+        }
+    }
+}
+
 /// Under RM(2,5) metadata a scale survives three flips and a fourth is
 /// detected: the group is erased and interpolated instead of changed.
 #[test]

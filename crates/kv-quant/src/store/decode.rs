@@ -36,6 +36,11 @@ pub struct DecodeScratch {
     pub(crate) scale: Vec<f32>,
     pub(crate) offset: Vec<f32>,
     meta_erased: Vec<bool>,
+    /// The erasure bits that come from a group's metadata (a subset of
+    /// `erasures`), valid for `count` rows when `meta_erasures_rows` is.
+    pub(crate) meta_erasures: Vec<u64>,
+    /// Rows `meta_erasures` holds (0 when no group's metadata was erased).
+    pub(crate) meta_erasures_rows: usize,
     /// Decoded values when a view cannot return levels.
     pub(crate) values: Vec<f32>,
     /// Rows decoded for interpolation across tile borders.
@@ -120,6 +125,7 @@ impl Section {
         if !float || self.coding.codec().is_some() {
             stats.values = crate::simd::with_avx2(|| self.load_codes(start, end, scratch))?;
         }
+        scratch.meta_erasures_rows = 0;
         if let Some(layout) = &self.layout {
             let erasures = &mut scratch.erasures[..count * ew];
             let groups = layout.groups_of_rows(start, end);
@@ -128,16 +134,22 @@ impl Section {
                 .enumerate()
                 .filter(|e| *e.1)
             {
+                if scratch.meta_erasures_rows == 0 {
+                    grow(&mut scratch.meta_erasures, count * ew).fill(0);
+                    scratch.meta_erasures_rows = count;
+                }
                 let g = groups.start + i;
                 let t0 = layout.first_token(g).max(start);
                 let t1 = (layout.first_token(g) + layout.tokens_per_block).min(end);
                 let c0 = g % layout.groups_per_block * layout.channels_per_group;
                 for t in t0..t1 {
-                    set_bits(
-                        &mut erasures[(t - start) * ew..][..ew],
-                        c0,
-                        layout.channels_per_group,
-                    );
+                    for bits in [&mut *erasures, &mut scratch.meta_erasures[..count * ew]] {
+                        set_bits(
+                            &mut bits[(t - start) * ew..][..ew],
+                            c0,
+                            layout.channels_per_group,
+                        );
+                    }
                 }
             }
         }
@@ -175,7 +187,7 @@ impl Section {
         // value codeword as received because a wrong level is a bounded
         // error, but a scale or offset as received is not bounded (one
         // exponent flip multiplies a whole group), so under `keep` the
-        // group's values fall back to its offset or to 0.
+        // group's values are interpolated (`apply_policy`).
         let checked = self.coding.meta_code().is_some();
         for (i, g) in groups.enumerate() {
             let counted = (start..end).contains(&layout.first_token(g));

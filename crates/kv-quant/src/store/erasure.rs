@@ -1,6 +1,9 @@
 //! The erasure policies ([`ErasurePolicy`]): what a decoded tile holds in
 //! place of values whose codeword or group metadata was detected as
-//! corrupted. Interpolation reads neighbours along the token axis, in the
+//! corrupted. `keep` leaves a value whose codeword was detected as
+//! received (a wrong level is a bounded error), but a group whose scale or
+//! offset was erased has no value to keep: its values are interpolated as
+//! under `+interp` (default reach). Interpolation reads neighbours along the token axis, in the
 //! section's stored (for rotated forms, rotated) coordinates; neighbours
 //! outside the tile are decoded a row at a time and kept for the rest of
 //! the tile ([`Neighbours`]), so a tile's values equal those of a whole
@@ -11,7 +14,7 @@ use gf2_codes::batch::erasure_words;
 use super::decode::{DecodeScratch, grow};
 use super::section::Section;
 use crate::error::Result;
-use crate::spec::ErasurePolicy;
+use crate::spec::{DEFAULT_INTERP_REACH, ErasurePolicy};
 
 /// Rows outside a tile decoded (without the policy) for interpolation.
 #[derive(Clone, Debug, Default)]
@@ -72,9 +75,19 @@ impl Section {
         let Some(protection) = self.coding.protection() else {
             return Ok(());
         };
-        let policy = protection.policy;
         let ch = self.channels;
         let ew = erasure_words(ch);
+        // Under `keep` only the groups whose metadata was erased change.
+        let (policy, rebuilt) = match protection.policy {
+            ErasurePolicy::Keep if scratch.meta_erasures_rows != end - start => return Ok(()),
+            ErasurePolicy::Keep => (
+                ErasurePolicy::Interpolate {
+                    reach: DEFAULT_INTERP_REACH,
+                },
+                &scratch.meta_erasures[..(end - start) * ew],
+            ),
+            p => (p, &scratch.erasures[..(end - start) * ew]),
+        };
         let (lo, hi) = scratch.neighbour_rows.unwrap_or((0, self.tokens));
         let (lo, hi) = (lo.min(start), hi.max(end).min(self.tokens));
         let erasures = &scratch.erasures[..(end - start) * ew];
@@ -82,7 +95,7 @@ impl Section {
         neighbours.tokens.clear();
         let erased = |t: usize, c: usize| erasures[(t - start) * ew + c / 64] >> (c % 64) & 1 == 1;
         for r in 0..end - start {
-            for (w, &word) in erasures[r * ew..][..ew].iter().enumerate() {
+            for (w, &word) in rebuilt[r * ew..][..ew].iter().enumerate() {
                 let mut bits = word;
                 while bits != 0 {
                     let c = 64 * w + bits.trailing_zeros() as usize;
