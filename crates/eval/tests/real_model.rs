@@ -309,11 +309,12 @@ fn ledger_statistics_equal_the_clean_twin_numbers() {
         "fp8-e4m3",
         "int4-ch",
         "int4+hamming74",
-        "int4+secded84",
-        "int4+secded84+interp",
-        // Pinned with SECDED metadata, which Golay forms had by default then.
+        // Pinned with SECDED metadata, which SECDED and Golay forms had by
+        // default then.
+        "int4+secded84+meta-secded",
+        "int4+secded84+interp+meta-secded",
         "int4+golay24+meta-secded",
-        "int4+secded84+sink4+win16",
+        "int4+secded84+sink4+win16+meta-secded",
     ];
     let faults = [
         (ChannelKind::Bsc, 1e-3),
@@ -357,18 +358,18 @@ fn ledger_statistics_equal_the_clean_twin_numbers() {
         ("int4+hamming74", ChannelKind::Bsc, 1e-3, [63953, 8812800, 61405, 0, 170, 1, 3840], [1969, 20, 0, 0]),
         ("int4+hamming74", ChannelKind::Bsc, 1e-2, [639022, 8812800, 580903, 0, 17766, 64, 352704], [16347, 1854, 71, 1]),
         ("int4+hamming74", ChannelKind::Burst, 1e-3, [65041, 8812800, 3535, 0, 12304, 3877, 59904], [67, 312, 158, 14]),
-        ("int4+secded84", ChannelKind::Bsc, 1e-3, [72753, 8812800, 70079, 233, 1, 0, 4073], [1969, 20, 0, 0]),
-        ("int4+secded84", ChannelKind::Bsc, 1e-2, [727098, 8812800, 656829, 23325, 476, 1, 375133], [16347, 1854, 71, 1]),
-        ("int4+secded84", ChannelKind::Burst, 1e-3, [73604, 8812800, 3460, 9746, 7685, 497, 69593], [67, 312, 158, 14]),
-        ("int4+secded84+interp", ChannelKind::Bsc, 1e-3, [72753, 8812800, 70079, 233, 1, 0, 4073], [1969, 20, 0, 0]),
-        ("int4+secded84+interp", ChannelKind::Bsc, 1e-2, [727098, 8812800, 656829, 23325, 476, 1, 375133], [16347, 1854, 71, 1]),
-        ("int4+secded84+interp", ChannelKind::Burst, 1e-3, [73604, 8812800, 3460, 9746, 7685, 497, 69593], [67, 312, 158, 14]),
+        ("int4+secded84+meta-secded", ChannelKind::Bsc, 1e-3, [72753, 8812800, 70079, 233, 1, 0, 4073], [1969, 20, 0, 0]),
+        ("int4+secded84+meta-secded", ChannelKind::Bsc, 1e-2, [727098, 8812800, 656829, 23325, 476, 1, 375133], [16347, 1854, 71, 1]),
+        ("int4+secded84+meta-secded", ChannelKind::Burst, 1e-3, [73604, 8812800, 3460, 9746, 7685, 497, 69593], [67, 312, 158, 14]),
+        ("int4+secded84+interp+meta-secded", ChannelKind::Bsc, 1e-3, [72753, 8812800, 70079, 233, 1, 0, 4073], [1969, 20, 0, 0]),
+        ("int4+secded84+interp+meta-secded", ChannelKind::Bsc, 1e-2, [727098, 8812800, 656829, 23325, 476, 1, 375133], [16347, 1854, 71, 1]),
+        ("int4+secded84+interp+meta-secded", ChannelKind::Burst, 1e-3, [73604, 8812800, 3460, 9746, 7685, 497, 69593], [67, 312, 158, 14]),
         ("int4+golay24+meta-secded", ChannelKind::Bsc, 1e-3, [72753, 2937600, 69722, 0, 0, 0, 3840], [1969, 20, 0, 0]),
         ("int4+golay24+meta-secded", ChannelKind::Bsc, 1e-2, [727098, 2937600, 629007, 288, 12, 0, 353538], [16347, 1854, 71, 1]),
         ("int4+golay24+meta-secded", ChannelKind::Burst, 1e-3, [73604, 2937600, 6804, 5789, 3981, 0, 77148], [67, 312, 158, 14]),
-        ("int4+sink4+win16+secded84", ChannelKind::Bsc, 1e-3, [89151, 10886400, 86554, 278, 1, 0, 2966], [1826, 14, 0, 0]),
-        ("int4+sink4+win16+secded84", ChannelKind::Bsc, 1e-2, [891580, 10886400, 811585, 28904, 578, 1, 350448], [15082, 1696, 66, 1]),
-        ("int4+sink4+win16+secded84", ChannelKind::Burst, 1e-3, [89367, 10886400, 4274, 11953, 9385, 597, 66849], [61, 288, 143, 12]),
+        ("int4+sink4+win16+secded84+meta-secded", ChannelKind::Bsc, 1e-3, [89151, 10886400, 86554, 278, 1, 0, 2966], [1826, 14, 0, 0]),
+        ("int4+sink4+win16+secded84+meta-secded", ChannelKind::Bsc, 1e-2, [891580, 10886400, 811585, 28904, 578, 1, 350448], [15082, 1696, 66, 1]),
+        ("int4+sink4+win16+secded84+meta-secded", ChannelKind::Burst, 1e-3, [89367, 10886400, 4274, 11953, 9385, 597, 66849], [61, 288, 143, 12]),
     ];
     let m = evaluate(
         &model,

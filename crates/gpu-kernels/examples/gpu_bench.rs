@@ -71,7 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\n| form | context | batch | time (ms) | per token (µs) | GB/s | of copy |");
     println!("|---|---|---|---|---|---|---|");
     let mut int4_ms = std::collections::HashMap::new();
-    for spelling in ["fp16", "int4", "int4+secded84+interp"] {
+    for spelling in ["fp16", "int4", "int4+secded84+interp+meta-secded"] {
         let form: CacheForm = spelling.parse()?;
         let storage = BlockStorage::new(POOL_BLOCKS, BLOCK, &[LayerSpec::uniform(form, channels)])?;
         for b in 0..POOL_BLOCKS {
@@ -122,7 +122,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("|---|---|---|---|---|");
     for &ctx_len in contexts {
         for &batch in batches {
-            let (p, pb) = int4_ms[&("int4+secded84+interp", ctx_len, batch)];
+            let (p, pb) = int4_ms[&("int4+secded84+interp+meta-secded", ctx_len, batch)];
             let (u, ub) = int4_ms[&("int4", ctx_len, batch)];
             println!(
                 "| {ctx_len} | {batch} | {:.2} | {:.2} | {:.2} |",

@@ -147,7 +147,11 @@ impl KernelForm {
         };
         let (meta_checks, policy) = match form.protection() {
             Some(p) if p.metadata == MetaProtection::ReedMuller => {
-                return Err(unsupported("RM(2,5) metadata (+meta-rm)".into()));
+                return Err(unsupported(
+                    "RM(2,5) metadata (the default under +secded84): the device decodes \
+                     SECDED metadata; spell +meta-secded"
+                        .into(),
+                ));
             }
             Some(p) => (p.metadata == MetaProtection::Secded, p.policy),
             None => (false, ErasurePolicy::Keep),
@@ -246,7 +250,12 @@ mod tests {
     #[test]
     fn block_pools_are_every_blocks_buffers_in_block_order() {
         use paged_cache::{BlockId, BlockStorage, KvPart, LayerSpec};
-        for form in ["int4+secded84", "int4", "fp16", "int4-sym-g32+secded84"] {
+        for form in [
+            "int4+secded84+meta-secded",
+            "int4",
+            "fp16",
+            "int4-sym-g32+secded84+meta-secded",
+        ] {
             let ch = 128;
             let spec = LayerSpec::uniform(form.parse().unwrap(), ch);
             let storage = BlockStorage::new(5, 4, &[spec]).unwrap();
@@ -289,8 +298,8 @@ mod tests {
             "int4-g64",
             "int4-sym-g32",
             "int4-g128-sf32",
-            "int4+secded84",
-            "int4-g64+secded84+interp",
+            "int4+secded84+meta-secded",
+            "int4-g64+secded84+interp+meta-secded",
             "int4+secded84+zero+meta-none",
         ] {
             let form: CacheForm = spelling.parse().unwrap();
@@ -312,6 +321,7 @@ mod tests {
             (f("int4-ch"), 256, 128),
             (f("int4-g8"), 256, 128),
             (f("int4+golay24"), 256, 128),
+            (f("int4+secded84"), 256, 128),
             (f("int4+secded84+meta-rm"), 256, 128),
             (f("int8"), 256, 128),
             (f("fp8-e4m3"), 256, 128),

@@ -143,10 +143,10 @@ fn paged_decode_matches_the_cpu_in_every_variant() {
                 ("int4", 0.0),
                 ("int4-g64", 0.0),
                 ("int4-sym-g32-sf32", 0.0),
-                ("int4+secded84", 1e-3),
-                ("int4+secded84+zero", 1e-3),
-                ("int4-g64+secded84+interp", 1e-3),
-                ("int4+secded84+interp", 1e-2),
+                ("int4+secded84+meta-secded", 1e-3),
+                ("int4+secded84+zero+meta-secded", 1e-3),
+                ("int4-g64+secded84+interp+meta-secded", 1e-3),
+                ("int4+secded84+interp+meta-secded", 1e-2),
             ] {
                 let case = format!("{spelling} hd {hd} group {group}");
                 paged_decode_case(

@@ -152,9 +152,9 @@ fn protected_coefficients_take_faults_like_every_form() {
         assert_eq!(truth.words, truth.clean + truth.corrected + truth.detected);
         assert!(truth.corrected + truth.detected + truth.miscorrected + truth.silent >= 1);
     }
-    // Bytes: one SECDED byte per int4 coefficient, an f16 scale and its
-    // check byte per token and head, f16 residuals, f16 chunk norms.
-    let expect = heads * (tokens * 8 + tokens * 2 + tokens) + 2 * tokens * heads + 2 * heads;
+    // Bytes: one SECDED byte per int4 coefficient, an f16 scale and its two
+    // RM(2,5) check bytes per token and head, f16 residuals, f16 chunk norms.
+    let expect = heads * (tokens * 8 + tokens * 2 + tokens * 2) + 2 * tokens * heads + 2 * heads;
     assert_eq!(clean.stored_bytes(), expect);
 }
 

@@ -301,7 +301,7 @@ fn erasure_policies_do_what_they_say() {
 #[test]
 fn metadata_faults_are_corrected_detected_or_counted() {
     let (tokens, channels) = (6, 16);
-    let clean = store("int4-g8+secded84+interp", tokens, channels);
+    let clean = store("int4-g8+secded84+interp+meta-secded", tokens, channels);
     let reference = clean.decode().unwrap();
     // One flip in scale 4 (token 2, channels 0..8): corrected, values intact.
     let mut one = clean.clone();
@@ -343,7 +343,10 @@ fn metadata_faults_are_corrected_detected_or_counted() {
 #[test]
 fn keep_interpolates_groups_whose_metadata_was_erased() {
     let (tokens, channels) = (6, 16);
-    for form in ["int4-g8+secded84", "int4-g8+golay24+meta-secded"] {
+    for form in [
+        "int4-g8+secded84+meta-secded",
+        "int4-g8+golay24+meta-secded",
+    ] {
         let clean = store(form, tokens, channels);
         let reference = clean.decode().unwrap();
         let mut two = clean.clone();
@@ -446,7 +449,7 @@ impl FaultChannel for FlipsPerCall {
 #[test]
 fn implausible_protected_scales_are_erased() {
     let (tokens, channels) = (6, 16);
-    let clean = store("int4-g8+secded84+interp", tokens, channels);
+    let clean = store("int4-g8+secded84+interp+meta-secded", tokens, channels);
     let reference = clean.decode().unwrap();
     let code = kv_quant::MetaCode::f16();
     let g = 4; // token 2, channels 0..8

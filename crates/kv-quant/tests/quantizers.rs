@@ -392,14 +392,16 @@ fn stored_bytes_of_every_form() {
         ("int2-sym", n / 4 + t * 2),
         ("nf4", n / 2 + t * 2),
         ("int4+hamming74", n * 7 / 8 + t * 4 + 2 * t),
-        ("int4+secded84", n + t * 4 + 2 * t),
+        // SECDED and Golay forms default to RM(2,5) metadata: two check
+        // bytes per 16 bits of a word.
+        ("int4+secded84", n + t * 4 + 2 * 2 * t),
+        ("int4+secded84+meta-secded", n + t * 4 + 2 * t),
         ("int4+secded84+meta-none", n + t * 4),
-        // Golay forms default to RM(2,5) metadata: two check bytes per word.
         ("int4+golay24", t * 66 + t * 4 + 2 * 2 * t),
         ("int4+golay24+meta-secded", t * 66 + t * 4 + 2 * t),
-        ("int4+secded84+meta-rm", n + t * 4 + 2 * 2 * t),
         ("int4-sf32+golay24x8", t * 66 + t * 8 + 2 * 4 * t),
-        ("int4-sf32+secded84", n + t * 8 + 2 * t),
+        ("int4-sf32+secded84", n + t * 8 + 2 * 4 * t),
+        ("int4-sf32+secded84+meta-secded", n + t * 8 + 2 * t),
     ] {
         let form: CacheForm = spelling.parse().unwrap();
         let store = KvStore::quantize(form, &data, t, c).unwrap();

@@ -253,14 +253,15 @@ fn bytes_used_are_counted_from_the_blocks_buffers() {
     let (mut cache, _) = filled();
     // Per store of 16 tokens × 64 channels in int4-g32+secded84: one SECDED
     // byte per value (1,024), an f16 scale and offset per group of 32
-    // (2 groups × 16 tokens × 2 bytes each = 64 + 64), and one check byte
-    // per scale and per offset (64): 1,216 bytes; K and V: 2,432 per block.
+    // (2 groups × 16 tokens × 2 bytes each = 64 + 64), and two RM(2,5)
+    // check bytes per scale and per offset (128): 1,280 bytes; K and V:
+    // 2,560 per block.
     let form = "int4-g32+secded84".parse().unwrap();
-    assert_eq!(cache.bytes_used().unwrap(), vec![(form, BLOCKS * 2_432)]);
+    assert_eq!(cache.bytes_used().unwrap(), vec![(form, BLOCKS * 2_560)]);
     let id = cache.sequences().next().unwrap();
     cache.truncate(id, 3 * BS).unwrap();
     assert_eq!(
         cache.bytes_used().unwrap(),
-        vec![(form, (BLOCKS - 3) * 2_432)]
+        vec![(form, (BLOCKS - 3) * 2_560)]
     );
 }

@@ -12,9 +12,14 @@
 
 mod layers;
 mod parse;
+mod shard;
 
 pub use layers::{LAYER_GRAMMAR, LayerForms, LayerRule};
 pub use parse::GRAMMAR;
+pub use shard::{
+    DEFAULT_SHARD_GROUP, DEFAULT_SHARD_KEY_BUDGET, DEFAULT_SHARD_SINK, DEFAULT_SHARD_STREAM,
+    DEFAULT_SHARD_WINDOW, MAX_SHARD_FOLD, MIN_SHARD_FOLD, ShardSpec, ShardValues,
+};
 
 use gf2_codes::Int4Code;
 
@@ -234,102 +239,6 @@ pub struct LowRankSpec {
     pub pre_rope: bool,
 }
 
-/// Bits per key value of a `shard` form's compressed middle when a spelling
-/// gives none, in millionths (1.0 bit: the coefficient bits of a token over
-/// its key channels).
-pub const DEFAULT_SHARD_KEY_BUDGET: u32 = 1_000_000;
-
-/// Principal components per bit-allocation group of a `shard` form when a
-/// spelling gives none.
-pub const DEFAULT_SHARD_GROUP: usize = 16;
-
-/// Exact sink tokens of a `shard` form when a spelling gives none (the
-/// blog's four attention sinks, section 7).
-pub const DEFAULT_SHARD_SINK: usize = 4;
-
-/// Exact recent tokens of a `shard` form when a spelling gives none (the
-/// blog's 64-token residual window, section 7).
-pub const DEFAULT_SHARD_WINDOW: usize = 64;
-
-/// Bits of a `shard` form's decode stream when a spelling gives none (the
-/// blog's lossless 8-bit stream, section 8).
-pub const DEFAULT_SHARD_STREAM: u8 = 8;
-
-/// Fewest tokens per folded chunk of a `shard` form (`-f<C>`): each chunk
-/// stores its own per-component and per-channel scales.
-pub const MIN_SHARD_FOLD: usize = 16;
-
-/// Most tokens per folded chunk of a `shard` form.
-pub const MAX_SHARD_FOLD: usize = 1 << 16;
-
-/// How a `shard` form stores the values of its compressed middle.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ShardValues {
-    /// Hadamard rotation per head, per-channel max scaling, k-means vector
-    /// quantization of groups of 4 channels with 256 centroids fitted on the
-    /// middle itself (2 bits per value; section 6, option 3).
-    Vq,
-    /// Hadamard rotation per head and NF4 (section 6, option 2; `-vnf4`).
-    Nf4,
-}
-
-/// The Shard pipeline (`shard`, `shard-k0.75-g16-s4`): keys with RoPE
-/// undone, projected on one per-layer PCA basis over all KV heads and
-/// stored as coefficients whose bits per group of components come from a
-/// dynamic program under a budget; values Hadamard-rotated and vector
-/// quantized; the form's [`Segments`] (default 4 sink and 64 window
-/// tokens) exact; tokens written after the compressed prefill in a
-/// data-oblivious decode stream. Stored by the `attention` crate's
-/// `ShardLayer`, from kv-lowrank's keys and this crate's values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ShardSpec {
-    /// Coefficient bits per key value of the middle, in millionths.
-    pub key_budget: u32,
-    /// Principal components per bit-allocation group (a multiple of 4, so
-    /// every group's codes fill whole bytes).
-    pub group: usize,
-    /// Most principal components considered (all key channels when `None`).
-    pub rank: Option<usize>,
-    /// How the middle's values are stored.
-    pub values: ShardValues,
-    /// Bits of the Lloyd-Max decode stream (Hadamard + Lloyd-Max per
-    /// token); `None` keeps generated tokens in f16 (the blog's "off").
-    pub stream: Option<u8>,
-    /// The stream adds a 1-bit QJL sketch of each token's residual
-    /// (`-s<b>q`, [`crate::qjl`]; `b` at most 7).
-    pub stream_qjl: bool,
-    /// Generated tokens are folded into the compressed middle in chunks of
-    /// this many (`-f<C>`: keys on the prefill's basis and bit allocation,
-    /// values on its codebook, each chunk with its own scales); `None` keeps
-    /// them in the stream (the blog's choice, section 8).
-    pub fold: Option<usize>,
-    /// The key basis comes from a calibration text (`-cal`) rather than
-    /// from the prefill itself (the blog's choice).
-    pub calibrated: bool,
-}
-
-impl Default for ShardSpec {
-    fn default() -> Self {
-        Self {
-            key_budget: DEFAULT_SHARD_KEY_BUDGET,
-            group: DEFAULT_SHARD_GROUP,
-            rank: None,
-            values: ShardValues::Vq,
-            stream: Some(DEFAULT_SHARD_STREAM),
-            stream_qjl: false,
-            fold: None,
-            calibrated: false,
-        }
-    }
-}
-
-impl ShardSpec {
-    /// The key budget in bits per key value.
-    pub fn key_bits(&self) -> f64 {
-        f64::from(self.key_budget) / 1e6
-    }
-}
-
 /// Default largest chunk of `fd` forms.
 pub const DEFAULT_FD_CHUNK: usize = 128;
 
@@ -492,23 +401,29 @@ pub enum MetaProtection {
     /// Each metadata word carries one check byte of an extended Hamming code
     /// (SECDED (22,16) for f16, (39,32) for f32): single flips corrected,
     /// double flips detected, and a detected word erases its whole group.
-    /// The default under Hamming and SECDED values (`+meta-secded`).
+    /// The default under Hamming values (`+meta-secded`).
     Secded,
     /// Each 16 bits of a metadata word carry two check bytes of the
     /// Reed-Muller RM(2,5) \[32,16,8\] code (`+meta-rm`): up to three flips per
     /// codeword corrected, four detected, a detected word erases its group.
-    /// The default under Golay values: metadata as strong as the values.
+    /// The default under SECDED and Golay values: metadata at least as
+    /// strong as the values.
     ReedMuller,
 }
 
 impl MetaProtection {
-    /// The metadata code a form gets unless its spelling names one: of the
-    /// values' distance (SECDED's 4 under Hamming and SECDED, RM(2,5)'s 8
-    /// under Golay, whose distance is 8).
+    /// The metadata code a form gets unless its spelling names one: SECDED
+    /// under Hamming(7,4) values (distance 4 against their 3), RM(2,5)
+    /// (distance 8) under SECDED and Golay values. A SECDED (22,16) word
+    /// takes three flips about once in 800 at a bit error rate of 1e-2,
+    /// and one wrong scale is a wrong row: measured on SmolLM2 with every
+    /// stored bit exposed, `int4+secded84+interp` at 1e-2 went from a PPL of
+    /// 150,724 under SECDED metadata to +5.4% under RM(2,5), for 0.083 more
+    /// bits per value (kv-eval's README, "Metadata faults").
     pub const fn default_for(code: Int4Code) -> Self {
         match code {
-            Int4Code::Golay24 | Int4Code::Golay24x8 => MetaProtection::ReedMuller,
-            _ => MetaProtection::Secded,
+            Int4Code::Hamming74 => MetaProtection::Secded,
+            _ => MetaProtection::ReedMuller,
         }
     }
 }
@@ -782,47 +697,7 @@ impl CacheForm {
                 }
             }
             Quantizer::Shard(s) => {
-                let bits = s.key_bits();
-                if s.key_budget == 0 || bits > 8.0 {
-                    return Err(format!(
-                        "a key budget of {bits} bits per value cannot be met (more than 0, at most 8)"
-                    ));
-                }
-                if s.group == 0 || !s.group.is_multiple_of(4) {
-                    return Err(format!(
-                        "bit-allocation groups of {} components are not a positive multiple of 4",
-                        s.group
-                    ));
-                }
-                if let Some(r) = s.rank
-                    && (r == 0 || !r.is_multiple_of(s.group))
-                {
-                    return Err(format!(
-                        "a rank of {r} is not a positive multiple of the group of {}",
-                        s.group
-                    ));
-                }
-                if let Some(b) = s.stream
-                    && !(1..=8).contains(&b)
-                {
-                    return Err(format!("a decode stream of {b} bits (1 to 8)"));
-                }
-                match s.stream {
-                    Some(8) if s.stream_qjl => {
-                        return Err("a QJL stream adds a bit to the code: -s1q to -s7q".into());
-                    }
-                    None if s.stream_qjl => {
-                        return Err("-soff keeps f16 rows and takes no QJL sketch".into());
-                    }
-                    _ => {}
-                }
-                if let Some(c) = s.fold
-                    && !(MIN_SHARD_FOLD..=MAX_SHARD_FOLD).contains(&c)
-                {
-                    return Err(format!(
-                        "folding chunks of {c} tokens ({MIN_SHARD_FOLD} to {MAX_SHARD_FOLD})"
-                    ));
-                }
+                s.check()?;
                 if self.rotation.is_some() {
                     return Err("shard rotates its values itself and takes no +rot".into());
                 }

@@ -74,12 +74,18 @@ fn issue_spellings_parse_and_print_back() {
 }
 
 /// The metadata code follows the value code unless spelled: SECDED under
-/// Hamming and SECDED, RM(2,5) under Golay; a spelled default is dropped
+/// Hamming, RM(2,5) under SECDED and Golay; a spelled default is dropped
 /// and a spelled other code is kept.
 #[test]
 fn metadata_defaults_follow_the_value_code() {
     for (spelling, metadata, printed) in [
-        ("int4+secded84", MetaProtection::Secded, "int4+secded84"),
+        ("int4+secded84", MetaProtection::ReedMuller, "int4+secded84"),
+        ("int4+hamming74", MetaProtection::Secded, "int4+hamming74"),
+        (
+            "int4+secded84+meta-secded",
+            MetaProtection::Secded,
+            "int4+secded84+meta-secded",
+        ),
         ("int4+golay24", MetaProtection::ReedMuller, "int4+golay24"),
         (
             "int4+golay24x8+interp",
@@ -97,9 +103,9 @@ fn metadata_defaults_follow_the_value_code() {
             "int4+golay24+meta-secded",
         ),
         (
-            "int4+secded84+meta-rm",
+            "int4+secded84x8+meta-rm",
             MetaProtection::ReedMuller,
-            "int4+secded84+meta-rm",
+            "int4+secded84x8",
         ),
         (
             "int4+hamming74+meta-none",
@@ -116,12 +122,12 @@ fn metadata_defaults_follow_the_value_code() {
 
 #[test]
 fn defaults_are_dropped_when_printing() {
-    let f: CacheForm = "int4-asym-sf16+secded84+keep+meta-secded".parse().unwrap();
+    let f: CacheForm = "int4-asym-sf16+secded84+keep+meta-rm".parse().unwrap();
     assert_eq!(f.to_string(), "int4+secded84");
     assert_eq!("nf4-g64".parse::<CacheForm>().unwrap().to_string(), "nf4");
     let p = f.protection().unwrap();
     assert_eq!(p.policy, ErasurePolicy::Keep);
-    assert_eq!(p.metadata, MetaProtection::Secded);
+    assert_eq!(p.metadata, MetaProtection::ReedMuller);
     assert_eq!("lm4+rot64".parse::<CacheForm>().unwrap().to_string(), "lm4");
     assert_eq!(
         "int4+rot64".parse::<CacheForm>().unwrap().to_string(),
