@@ -226,6 +226,14 @@ pub struct StoreScratch {
     decode: DecodeScratch,
 }
 
+impl StoreScratch {
+    /// kv-quant's decode scratch underneath, to set how far interpolation
+    /// reads ([`DecodeScratch::limit_neighbours_to_blocks`]).
+    pub fn decode_scratch(&mut self) -> &mut DecodeScratch {
+        &mut self.decode
+    }
+}
+
 /// Any kv-quant form: each tile is dequantized (and, for protected forms,
 /// ECC-decoded with the form's erasure policy) by
 /// [`KvStore::decode_rows_rotated_into`], so values and statistics equal

@@ -146,6 +146,29 @@ fn an_error_mid_pass_leaves_the_cache_as_before_the_step() {
     assert!(worst <= 1e-4, "{worst}");
 }
 
+/// A `shard` form folding generated tokens: a failed step whose first
+/// layer folded a chunk of its (other) tokens leaves nothing behind; the
+/// retried step gives the logits of a cache that never saw it.
+#[test]
+fn a_rolled_back_step_leaves_no_folded_chunk() {
+    let m = model();
+    let toks = tokens(140);
+    let spec = form("shard-k4-g4-f16+win8");
+    let mut clean = KvCache::new(spec.clone(), None, 0).unwrap();
+    m.forward(&toks[..100], &mut clean, 99).unwrap();
+    let want = m.forward(&toks[100..116], &mut clean, 0).unwrap();
+    let mut cache = FailOnce {
+        inner: KvCache::new(spec, None, 0).unwrap(),
+        layer: None,
+    };
+    m.forward(&toks[..100], &mut cache, 99).unwrap();
+    cache.layer = Some(1);
+    // Sixteen other tokens: layer 0 folds them as one chunk, layer 1 fails.
+    assert!(m.forward(&toks[120..136], &mut cache, 0).is_err());
+    let got = m.forward(&toks[100..116], &mut cache, 0).unwrap();
+    assert_eq!(got, want);
+}
+
 #[test]
 fn the_dense_backend_is_the_plain_pass_bit_for_bit() {
     let m = model();

@@ -17,9 +17,10 @@
 //   2. softmax: the online-softmax running max and sum per head (base 2);
 //   3. values: the same lanes read and decode V and accumulate p·v.
 // Erased values (a detected codeword, or a detected scale or offset) follow
-// the form's policy inside the tile loop: keep, zero, or kv-quant's
-// interpolation along the token axis within the same block (the CPU's store
-// is one block, so neighbours never cross it). A second kernel merges the
+// the form's policy inside the tile loop: keep (a group whose scale or
+// offset was erased is interpolated even so), zero, or kv-quant's
+// interpolation along the token axis within the same block (the CPU limits
+// its neighbours to the block too). A second kernel merges the
 // splits' partial results by log-sum-exp.
 
 #define RKV_WARPS 4

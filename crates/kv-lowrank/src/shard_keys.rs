@@ -444,7 +444,6 @@ impl ShardKeys {
     }
 }
 
-/// Packs `b`-bit codes least-significant bit first into `out`.
 /// Projects `rows` (`tokens × dim`) on `basis` and stores each kept
 /// component's coefficients in its group's bits: the scale of a component
 /// is its largest magnitude over these rows over the group's largest code
@@ -501,6 +500,7 @@ fn quantize(
     (scales, codes)
 }
 
+/// Packs `b`-bit codes least-significant bit first into `out`.
 fn pack(codes: impl Iterator<Item = u8>, bits: u8, out: &mut [u8]) {
     let (mut acc, mut held, mut at) = (0u32, 0u8, 0);
     for u in codes {

@@ -674,6 +674,46 @@ fn interpolation_reads_only_the_rows_it_is_limited_to() {
     assert_eq!(out[2], at(5, 2));
 }
 
+/// A block limit (a paged cache's aligned blocks, several in one tile)
+/// keeps interpolation inside the erased row's block, for `+interp` and for
+/// a metadata-erased group under `keep`.
+#[test]
+fn interpolation_stays_inside_the_rows_block() {
+    let (tokens, channels) = (12, 16);
+    for form in [
+        "int4-g8+secded84+meta-secded",
+        "int4-g8+secded84+interp+meta-secded",
+    ] {
+        let clean = store(form, tokens, channels);
+        let v = clean.decode().unwrap().values;
+        let at = |t: usize, c: usize| v[t * channels + c];
+        let mut hit = clean.clone();
+        // Two flips in the scale of token 4, channels 0..8: detected.
+        let bit = 8 * 2 * (2 * 4) + 9;
+        hit.inject(
+            &FlipsInCall::new(0, vec![bit, bit + 2]),
+            0,
+            FaultTarget::Metadata,
+        );
+        let mut out = vec![0.0; tokens * channels];
+        let mut scratch = DecodeScratch::new();
+        hit.decode_rows_into(0, tokens, &mut out, &mut scratch)
+            .unwrap();
+        assert_eq!(out[4 * channels], 0.5 * (at(3, 0) + at(5, 0)), "{form}");
+        // Blocks of 4 rows: token 4 opens block 4..8, token 3 is not read.
+        scratch.limit_neighbours_to_blocks(Some(4));
+        hit.decode_rows_into(0, tokens, &mut out, &mut scratch)
+            .unwrap();
+        for c in 0..8 {
+            assert_eq!(out[4 * channels + c], at(5, c), "{form} channel {c}");
+        }
+        scratch.limit_neighbours_to_blocks(None);
+        hit.decode_rows_into(0, tokens, &mut out, &mut scratch)
+            .unwrap();
+        assert_eq!(out[4 * channels], 0.5 * (at(3, 0) + at(5, 0)), "{form}");
+    }
+}
+
 /// Multi-bit upsets confined to one byte: every SECDED codeword is one byte,
 /// so plain SECDED sees two or three flips in one word (detected or
 /// miscorrected), while the interleaved layout sees one flip in each of

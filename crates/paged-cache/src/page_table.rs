@@ -255,6 +255,12 @@ impl KvSource for PagedKv<'_> {
     ) -> attention::Result<Tile<'s>> {
         let store: &KvStore = &self.store;
         if !self.interpolates && self.contiguous(start, count) {
+            // A tile of several adjacent blocks: a group whose metadata was
+            // erased (interpolated under `keep`) reads its own block only.
+            scratch
+                .store
+                .decode_scratch()
+                .limit_neighbours_to_blocks(Some(self.block_size));
             return store.read_tile(self.row(start), count, &mut scratch.store);
         }
         let (ch, bs) = (self.channels, self.block_size);

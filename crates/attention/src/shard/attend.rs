@@ -1,8 +1,9 @@
 //! Attention over a [`ShardLayer`] on its compressed forms (the module
 //! docs of `shard` give the identities): work items per KV head and block
 //! of queries, each scoring the plain rows (sink, window, stream) and the
-//! middle's rebuilt key tiles, then summing values with the softmax weights,
-//! the middle's in the rotated space.
+//! rebuilt key tiles of every compressed run (the middle and its folded
+//! chunks), then summing values with the softmax weights, the compressed
+//! runs' in the rotated space.
 
 use std::ops::Range;
 
@@ -279,6 +280,17 @@ struct Context<'a> {
     scale: f32,
 }
 
+/// Buffers of one work item's compressed scores, shared by its runs (all
+/// on the middle's basis, so of one width).
+struct TileScratch {
+    /// One tile's coefficients (`TILE × kept`).
+    coeffs: Vec<f32>,
+    /// One tile's rebuilt keys when the prefill's tiles are not at hand.
+    own: Vec<f32>,
+    /// A query rotated back to a tile's start.
+    query: Vec<f32>,
+}
+
 /// Outputs of one work item: `queries × group` heads.
 struct BlockOutput {
     out: Vec<f32>,
@@ -310,8 +322,14 @@ impl Context<'_> {
         }
         let lo = qs.clone().map(|i| ranges[i].start).min().unwrap_or(0);
         let hi = qs.clone().map(|i| ranges[i].end).max().unwrap_or(0);
+        let kept = layer.compressed.first().map_or(0, |c| c.keys.kept());
+        let mut tile_scratch = TileScratch {
+            coeffs: vec![0.0f32; TILE * kept],
+            own: vec![0.0f32; if self.tiles.is_some() { 0 } else { TILE * d }],
+            query: vec![0.0f32; d],
+        };
         for c in &layer.compressed {
-            self.compressed_scores(c, g, &qs, ranges, lo..hi, &mut scores)?;
+            self.compressed_scores(c, g, &qs, ranges, lo..hi, &mut tile_scratch, &mut scores)?;
         }
         // Softmax and the value sums.
         let mut out = vec![0.0f32; heads * d];
@@ -402,6 +420,7 @@ impl Context<'_> {
     /// of the compressed run `c` within `visible`, tile by tile: each tile
     /// rebuilt (or read from the prefill's tiles) and scored through the
     /// relative-position identity.
+    #[allow(clippy::too_many_arguments)]
     fn compressed_scores(
         &self,
         c: &Compressed,
@@ -409,6 +428,7 @@ impl Context<'_> {
         qs: &Range<usize>,
         ranges: &[Range<usize>],
         visible: Range<usize>,
+        scratch: &mut TileScratch,
         scores: &mut [Vec<f32>],
     ) -> Result<()> {
         let layer = self.layer;
@@ -421,9 +441,11 @@ impl Context<'_> {
             return Ok(());
         }
         let kept = c.keys.kept();
-        let mut coeffs = vec![0.0f32; TILE * kept];
-        let mut own = vec![0.0f32; if self.tiles.is_some() { 0 } else { TILE * d }];
-        let mut qv = vec![0.0f32; d];
+        let TileScratch {
+            coeffs,
+            own,
+            query: qv,
+        } = scratch;
         let first = c.tokens.start + (lo - c.tokens.start) / TILE * TILE;
         let mut back = TileStart::new(&layer.rope, first);
         for t0 in (first..hi).step_by(TILE) {
@@ -456,7 +478,7 @@ impl Context<'_> {
                     }
                     let s = &mut scores[bi * self.group + hh];
                     for t in span.clone() {
-                        s[t - r.start] = dot(&qv, &tile[(t - t0) * d..][..d]) * self.scale;
+                        s[t - r.start] = dot(qv, &tile[(t - t0) * d..][..d]) * self.scale;
                     }
                 }
             }

@@ -35,7 +35,7 @@ pub struct ShardFaults {
 
 impl ShardLayer {
     /// Injects `channel`'s faults, drawn from `seed`, into the stored codes
-    /// of the compressed middle (module docs), decodes them through the
+    /// of the compressed middle and folded chunks (module docs), decodes them through the
     /// form's code, and keeps the decoded codes for attention.
     pub fn inject(&mut self, channel: &dyn FaultChannel, seed: u64) -> Result<ShardFaults> {
         if let Some(c) = self.compressed.first()

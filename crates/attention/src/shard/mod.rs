@@ -99,9 +99,11 @@ pub struct ShardLayer {
 pub struct ShardBytes {
     /// Exact f16 rows (sink, window, and the stream when it is off).
     pub exact: usize,
-    /// Middle keys: codes, scales, int8 basis and mean.
+    /// Compressed keys (the middle and its folded chunks): codes, scales,
+    /// the int8 basis and mean (once).
     pub keys: usize,
-    /// Middle values: indices, codebook and channel maxima (or NF4).
+    /// Compressed values: indices, channel maxima and the codebook (once),
+    /// or NF4.
     pub values: usize,
     /// The Lloyd-Max decode stream.
     pub stream: usize,
@@ -426,7 +428,8 @@ impl ShardLayer {
         self.prefill
     }
 
-    /// The compressed tokens (empty when the prefill was too short).
+    /// The prefill's compressed tokens (empty when the prefill was too
+    /// short); chunks folded after it are counted by [`folded`](Self::folded).
     pub fn middle(&self) -> Range<usize> {
         self.middle.clone()
     }

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use attention::{
     Attention, AttentionOutput, DenseBackend, KvBackend, KvSource, LowRankScratch, Mask,
-    ModelKvShape, PreRopeKeys, Rope, ShardLayer, StoreScratch, Tile, certificates,
+    ModelKvShape, PreRopeKeys, Rope, StoreScratch, Tile, certificates,
 };
 use gf2_codes::channel::{
     BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
@@ -420,8 +420,9 @@ pub struct KvCache {
     /// Tokens of the first committed step: a `shard` form's prefill.
     prefill: Option<usize>,
     /// Per layer, the `shard` layer built at the prefill (its fitted
-    /// middle is kept; later steps only add to its decode stream).
-    shard: Vec<Option<Arc<ShardLayer>>>,
+    /// middle is kept; later steps only add to its decode stream or fold
+    /// into it) and the last one grown from it.
+    shard: Vec<Option<shard::ShardSlot>>,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -584,6 +585,10 @@ impl KvBackend for KvCache {
         self.rows.rollback();
         if self.prefill.is_none() {
             self.shard.clear();
+        }
+        // Chunks folded during the step came from its rows, now gone.
+        for slot in self.shard.iter_mut().flatten() {
+            slot.grown = None;
         }
         if let Some(stats) = self.checkpoint.take() {
             self.stats = stats;

@@ -13,6 +13,16 @@ use gf2_codes::channel::FaultChannel;
 use super::LayerCodes;
 use crate::error::{EvalError, Result};
 
+/// One layer's `shard` state: the layer built at the prefill, and the one
+/// last grown from it (reused so chunks folded on earlier calls are not
+/// encoded again; dropped when a step is rolled back, since its chunks may
+/// hold the step's rows).
+#[derive(Clone, Debug)]
+pub(super) struct ShardSlot {
+    prefill: Arc<ShardLayer>,
+    pub(super) grown: Option<Arc<ShardLayer>>,
+}
+
 /// What one call did.
 pub(super) struct ShardRun {
     /// The attention output, with the decode statistics of the injected codes.
@@ -28,7 +38,7 @@ pub(super) struct ShardRun {
 /// extending it after.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend(
-    cached: &mut Vec<Option<Arc<ShardLayer>>>,
+    cached: &mut Vec<Option<ShardSlot>>,
     layer: usize,
     codes: &LayerCodes,
     prefill: usize,
@@ -55,11 +65,14 @@ pub(super) fn attend(
     if cached.len() <= layer {
         cached.resize(layer + 1, None);
     }
-    let mut built = match &cached[layer] {
-        Some(s) if s.prefill() == prefill => {
-            // Kept grown, so chunks folded on earlier calls are not encoded again.
-            let grown = s.extended(k, v, tokens)?;
-            cached[layer] = Some(Arc::new(grown.clone()));
+    let mut built = match &mut cached[layer] {
+        Some(slot) if slot.prefill.prefill() == prefill => {
+            let base = match &slot.grown {
+                Some(g) if g.tokens() <= tokens => g,
+                _ => &slot.prefill,
+            };
+            let grown = base.extended(k, v, tokens)?;
+            slot.grown = Some(Arc::new(grown.clone()));
             grown
         }
         _ => {
@@ -73,7 +86,10 @@ pub(super) fn attend(
                 rope,
                 basis.map(|b| b.as_ref()),
             )?;
-            cached[layer] = Some(Arc::new(s.clone()));
+            cached[layer] = Some(ShardSlot {
+                prefill: Arc::new(s.clone()),
+                grown: None,
+            });
             s
         }
     };

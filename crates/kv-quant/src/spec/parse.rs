@@ -284,6 +284,9 @@ fn split_options(base: &str) -> std::result::Result<(&str, Vec<&str>), String> {
         let key = match o.trim_end_matches(|c: char| c.is_ascii_digit()) {
             "asym" => "sym",
             "sf16" => "sf32",
+            // A shard stream's bits, with or without QJL, or off: one option.
+            "soff" => "s",
+            _ if is_qjl_stream(o) => "s",
             k => k,
         };
         if !seen.insert(key) {
@@ -502,6 +505,13 @@ fn parse_low_rank(head: &str, options: &[&str]) -> std::result::Result<Quantizer
     }))
 }
 
+/// `s<digits>q`: a shard stream with a QJL sketch.
+fn is_qjl_stream(o: &str) -> bool {
+    o.strip_prefix('s')
+        .and_then(|r| r.strip_suffix('q'))
+        .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+}
+
 fn parse_shard(options: &[&str]) -> std::result::Result<Quantizer, String> {
     let mut spec = ShardSpec::default();
     for &o in options {
@@ -522,7 +532,8 @@ fn parse_shard(options: &[&str]) -> std::result::Result<Quantizer, String> {
                 } else if let Some(b) =
                     number_after(o, "s").or_else(|| number_after(o.strip_suffix('q')?, "s"))
                 {
-                    let b = b?;
+                    let b =
+                        b.map_err(|_| format!("{}: must be -s1 to -s8 (-s1q to -s7q)", quote(o)))?;
                     spec.stream_qjl = o.ends_with('q');
                     spec.stream = Some(
                         u8::try_from(b)

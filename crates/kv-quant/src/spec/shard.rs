@@ -68,7 +68,9 @@ pub struct ShardSpec {
     /// Generated tokens are folded into the compressed middle in chunks of
     /// this many (`-f<C>`: keys on the prefill's basis and bit allocation,
     /// values on its codebook, each chunk with its own scales); `None` keeps
-    /// them in the stream (the blog's choice, section 8).
+    /// them in the stream (the blog's choice, section 8). A prefill too
+    /// short to compress has no basis to fold into: its generated tokens
+    /// stay in the stream.
     pub fold: Option<usize>,
     /// The key basis comes from a calibration text (`-cal`) rather than
     /// from the prefill itself (the blog's choice).

@@ -47,6 +47,9 @@ pub struct DecodeScratch {
     pub(crate) neighbours: Option<Box<Neighbours>>,
     /// Rows interpolation may read (`None`: the whole store).
     pub(crate) neighbour_rows: Option<(usize, usize)>,
+    /// Interpolation reads only rows of the erased row's aligned block of
+    /// this many rows (`None`: no such limit).
+    pub(crate) neighbour_block: Option<usize>,
 }
 
 impl DecodeScratch {
@@ -62,6 +65,16 @@ impl DecodeScratch {
     /// `None` (the default) allows the whole store.
     pub fn limit_neighbours(&mut self, rows: Option<std::ops::Range<usize>>) {
         self.neighbour_rows = rows.map(|r| (r.start, r.end));
+    }
+
+    /// Limits interpolation (`+interp`, and a group whose metadata was
+    /// erased under `keep`) to the erased row's own block of `rows` rows
+    /// (rows `b·rows..(b + 1)·rows`): a paged cache whose blocks are
+    /// aligned runs of a store's rows decodes several blocks in one tile
+    /// and still never rebuilds a value from another block's token.
+    /// `None` (the default) sets no such limit.
+    pub fn limit_neighbours_to_blocks(&mut self, rows: Option<usize>) {
+        self.neighbour_block = rows.filter(|&r| r > 0);
     }
 }
 

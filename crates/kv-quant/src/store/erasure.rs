@@ -63,7 +63,9 @@ pub(crate) fn interpolate(left: Option<(usize, f32)>, right: Option<(usize, f32)
 
 impl Section {
     /// Applies the form's erasure policy to the decoded rows `start..end`
-    /// in `out`, whose erasure bits are in `scratch.erasures`.
+    /// in `out`, whose erasure bits are in `scratch.erasures` (those from
+    /// erased metadata also in `scratch.meta_erasures`, the only ones
+    /// `keep` rebuilds).
     pub(crate) fn apply_policy(
         &self,
         start: usize,
@@ -77,19 +79,22 @@ impl Section {
         };
         let ch = self.channels;
         let ew = erasure_words(ch);
-        // Under `keep` only the groups whose metadata was erased change.
-        let (policy, rebuilt) = match protection.policy {
+        // The values rebuilt and how far interpolation reaches (`None`:
+        // zeroed). Under `keep` only the groups whose metadata was erased
+        // change, interpolated.
+        let every = &scratch.erasures[..(end - start) * ew];
+        let (reach, rebuilt) = match protection.policy {
             ErasurePolicy::Keep if scratch.meta_erasures_rows != end - start => return Ok(()),
             ErasurePolicy::Keep => (
-                ErasurePolicy::Interpolate {
-                    reach: DEFAULT_INTERP_REACH,
-                },
+                Some(DEFAULT_INTERP_REACH as usize),
                 &scratch.meta_erasures[..(end - start) * ew],
             ),
-            p => (p, &scratch.erasures[..(end - start) * ew]),
+            ErasurePolicy::Zero => (None, every),
+            ErasurePolicy::Interpolate { reach } => (Some(reach as usize), every),
         };
         let (lo, hi) = scratch.neighbour_rows.unwrap_or((0, self.tokens));
         let (lo, hi) = (lo.min(start), hi.max(end).min(self.tokens));
+        let block = scratch.neighbour_block;
         let erasures = &scratch.erasures[..(end - start) * ew];
         let neighbours = scratch.neighbours.get_or_insert_with(Default::default);
         neighbours.tokens.clear();
@@ -101,11 +106,13 @@ impl Section {
                     let c = 64 * w + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
                     let t = start + r;
-                    out[r * ch + c] = match policy {
-                        ErasurePolicy::Keep => continue,
-                        ErasurePolicy::Zero => 0.0,
-                        ErasurePolicy::Interpolate { reach } => {
-                            let reach = reach as usize;
+                    let (lo, hi) = match block {
+                        Some(b) => (lo.max(t / b * b), hi.min((t / b + 1) * b)),
+                        None => (lo, hi),
+                    };
+                    out[r * ch + c] = match reach {
+                        None => 0.0,
+                        Some(reach) => {
                             let mut neighbour = |t2: usize| -> Result<Option<f32>> {
                                 if (start..end).contains(&t2) {
                                     Ok((!erased(t2, c)).then(|| out[(t2 - start) * ch + c]))
