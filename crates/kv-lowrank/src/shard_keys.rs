@@ -406,29 +406,9 @@ impl ShardKeys {
             .chunks_exact(self.row_bytes);
         for (row, c) in rows.zip(out.chunks_exact_mut(kept)) {
             for g in &self.groups {
-                let bias = 1i32 << (g.bits - 1);
                 let bytes = &row[g.offset..g.offset + g.len * usize::from(g.bits) / 8];
                 let scales = &self.scales[g.start..g.start + g.len];
-                let dst = &mut c[g.start..g.start + g.len];
-                let value = |u: u8, s: f32| (i32::from(u) - bias) as f32 * s;
-                match g.bits {
-                    8 => {
-                        for ((o, &u), &s) in dst.iter_mut().zip(bytes).zip(scales) {
-                            *o = value(u, s);
-                        }
-                    }
-                    4 => {
-                        for ((o, &u), s) in dst
-                            .chunks_exact_mut(2)
-                            .zip(bytes)
-                            .zip(scales.chunks_exact(2))
-                        {
-                            o[0] = value(u & 15, s[0]);
-                            o[1] = value(u >> 4, s[1]);
-                        }
-                    }
-                    _ => unpack(bytes, g.bits, |j, u| dst[j] = value(u, scales[j])),
-                }
+                decode_group(bytes, g.bits, scales, &mut c[g.start..g.start + g.len]);
             }
         }
         Ok(())
@@ -498,6 +478,59 @@ fn quantize(
         }
     }
     (scales, codes)
+}
+
+/// The coefficients of one group of one token: `b`-bit biased codes
+/// (`bits` of 2, 4, 6 or 8; the group a multiple of 4 components long)
+/// times their scales. Each width in whole bytes (four 2-bit codes a byte,
+/// four 6-bit codes in three), so the loops have no carried state: the
+/// scores' hot loop (attention rebuilds keys tile by tile from these).
+#[inline]
+fn decode_group(bytes: &[u8], bits: u8, scales: &[f32], dst: &mut [f32]) {
+    let bias = 1i32 << (bits - 1);
+    let value = |u: u32, s: f32| (u as i32 - bias) as f32 * s;
+    match bits {
+        8 => {
+            for ((o, &u), &s) in dst.iter_mut().zip(bytes).zip(scales) {
+                *o = value(u32::from(u), s);
+            }
+        }
+        4 => {
+            for ((o, &u), s) in dst
+                .chunks_exact_mut(2)
+                .zip(bytes)
+                .zip(scales.chunks_exact(2))
+            {
+                o[0] = value(u32::from(u & 15), s[0]);
+                o[1] = value(u32::from(u >> 4), s[1]);
+            }
+        }
+        2 => {
+            for ((o, &u), s) in dst
+                .chunks_exact_mut(4)
+                .zip(bytes)
+                .zip(scales.chunks_exact(4))
+            {
+                let u = u32::from(u);
+                for k in 0..4 {
+                    o[k] = value(u >> (2 * k) & 3, s[k]);
+                }
+            }
+        }
+        6 => {
+            for ((o, b), s) in dst
+                .chunks_exact_mut(4)
+                .zip(bytes.chunks_exact(3))
+                .zip(scales.chunks_exact(4))
+            {
+                let w = u32::from(b[0]) | u32::from(b[1]) << 8 | u32::from(b[2]) << 16;
+                for k in 0..4 {
+                    o[k] = value(w >> (6 * k) & 63, s[k]);
+                }
+            }
+        }
+        _ => unpack(bytes, bits, |j, u| dst[j] = value(u32::from(u), scales[j])),
+    }
 }
 
 /// Packs `b`-bit codes least-significant bit first into `out`.
@@ -570,6 +603,28 @@ mod tests {
             let err: f64 = bits.iter().zip(&variances).map(|(&b, &v)| allocation_error(v, b)).sum();
             let best = brute_force(&variances, &sizes, budget);
             prop_assert!((err - best).abs() <= 1e-9 * best.max(1.0), "{err} vs {best}");
+        }
+
+        #[test]
+        fn group_decoding_equals_the_generic_unpacking(
+            bits in prop::sample::select(vec![2u8, 4, 6, 8]),
+            n in 1usize..8,
+            seed: u64,
+        ) {
+            let len = 4 * n;
+            let mut x = seed;
+            let mut next = || {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 33) as u32
+            };
+            let bytes: Vec<u8> = (0..len * usize::from(bits) / 8).map(|_| next() as u8).collect();
+            let scales: Vec<f32> = (0..len).map(|_| next() as f32 / 4e9).collect();
+            let bias = 1i32 << (bits - 1);
+            let mut want = vec![0.0f32; len];
+            unpack(&bytes, bits, |j, u| want[j] = (i32::from(u) - bias) as f32 * scales[j]);
+            let mut got = vec![0.0f32; len];
+            decode_group(&bytes, bits, &scales, &mut got);
+            prop_assert_eq!(got, want);
         }
 
         #[test]
