@@ -53,16 +53,25 @@ fn check(spec: &str, layout: RopeLayout, rotary: usize, q_heads: usize, kv_heads
         rope.apply(row, p).unwrap();
     }
     let attention = Attention::new(shape);
+    // Every position at once (tiles built once for all queries), and a few
+    // decode queries (each tile rebuilt for every KV head at once), at the
+    // ends of the prefill, the stream and a folded chunk.
+    let few = [tokens - 1, 291, 276, 275, prefill, prefill - 1, 40];
+    let q_few: Vec<f32> = few
+        .iter()
+        .flat_map(|&p| queries[p * shape.q_len()..(p + 1) * shape.q_len()].to_vec())
+        .collect();
     for mask in [Mask::Causal, Mask::SlidingWindow(100)] {
-        let got = layer
-            .attend(&attention, &queries, &positions, &mask)
-            .unwrap();
-        let want = oracle(&queries, &positions, &dk, &dv, tokens, &shape, &mask);
-        let (out, lse) = error_against(&got, &want, &dv);
-        assert!(
-            out < 1e-5 && lse < 1e-5,
-            "{spec} {layout:?} {rotary} {mask:?}: {out:e} {lse:e}"
-        );
+        for (q, pos) in [(&queries[..], &positions[..]), (&q_few[..], &few[..])] {
+            let got = layer.attend(&attention, q, pos, &mask).unwrap();
+            let want = oracle(q, pos, &dk, &dv, tokens, &shape, &mask);
+            let (out, lse) = error_against(&got, &want, &dv);
+            assert!(
+                out < 1e-5 && lse < 1e-5,
+                "{spec} {layout:?} {rotary} {mask:?} {} queries: {out:e} {lse:e}",
+                pos.len()
+            );
+        }
     }
 }
 

@@ -70,13 +70,22 @@ impl ShardLayer {
             })
             .collect();
         let n_chunks = chunks.len();
-        let blocks: Vec<(usize, Range<usize>, usize)> = (0..self.kv_heads)
-            .flat_map(|g| {
+        // Many queries read prebuilt tiles, a KV head per work item; few
+        // queries (decode) rebuild each tile once for every KV head.
+        let prebuilt = positions.len() > QUERY_BLOCK;
+        let head_sets: Vec<Range<usize>> = if prebuilt {
+            (0..self.kv_heads).map(|g| g..g + 1).collect()
+        } else {
+            vec![0..self.kv_heads]
+        };
+        let blocks: Vec<(Range<usize>, Range<usize>, usize)> = head_sets
+            .iter()
+            .flat_map(|gs| {
                 (0..positions.len())
                     .step_by(QUERY_BLOCK)
                     .flat_map(move |s| {
                         let qs = s..(s + QUERY_BLOCK).min(positions.len());
-                        (0..n_chunks).map(move |c| (g, qs.clone(), c))
+                        (0..n_chunks).map(move |c| (gs.clone(), qs.clone(), c))
                     })
             })
             .collect();
@@ -97,7 +106,7 @@ impl ShardLayer {
         };
         // Many queries: each compressed key tile is built once and read by all.
         let mut tiles = Vec::new();
-        if positions.len() > QUERY_BLOCK && total > 0 {
+        if prebuilt && total > 0 {
             let d = self.head_dim;
             tiles = vec![0.0f32; self.kv_heads * total * d];
             for (g, head) in tiles.chunks_exact_mut(total * d).enumerate() {
@@ -111,7 +120,7 @@ impl ShardLayer {
                             |coeffs, (i, tile)| {
                                 let n = tile.len() / d * kept;
                                 let t0 = c.tokens.start + i * TILE;
-                                ctx.key_tile(c, g, t0, &mut coeffs[..n], tile)
+                                ctx.key_tile(c, g..g + 1, t0, &mut coeffs[..n], tile)
                             },
                         )?;
                 }
@@ -122,7 +131,7 @@ impl ShardLayer {
         }
         let parts: Vec<BlockOutput> = blocks
             .par_iter()
-            .map(|(g, qs, c)| ctx.block(*g, qs.clone(), &chunks[*c]))
+            .map(|(gs, qs, c)| ctx.block(gs.clone(), qs.clone(), &chunks[*c]))
             .collect::<Result<_>>()?;
         let d = self.head_dim;
         let n = positions.len();
@@ -130,11 +139,15 @@ impl ShardLayer {
         let mut acc = vec![0.0f64; n * shape.q_len()];
         let mut lse = vec![f32::NEG_INFINITY; n * shape.q_heads()];
         for merge in [false, true] {
-            for ((g, qs, _), part) in blocks.iter().zip(&parts) {
-                for (bi, i) in qs.clone().enumerate() {
+            for ((gs, qs, _), part) in blocks.iter().zip(&parts) {
+                for ((bi, i), g) in qs
+                    .clone()
+                    .enumerate()
+                    .flat_map(|q| gs.clone().map(move |g| (q, g)))
+                {
                     for hh in 0..shape.group() {
                         let h = i * shape.q_heads() + g * shape.group() + hh;
-                        let at = bi * shape.group() + hh;
+                        let at = (bi * gs.len() + g - gs.start) * shape.group() + hh;
                         let l = part.lse[at];
                         if !merge {
                             // First pass: the total log-sum-exp.
@@ -291,33 +304,41 @@ struct TileScratch {
     query: Vec<f32>,
 }
 
-/// Outputs of one work item: `queries × group` heads.
+/// Outputs of one work item: `queries × KV heads × group` heads.
 struct BlockOutput {
     out: Vec<f32>,
     lse: Vec<f32>,
 }
 
 impl Context<'_> {
-    /// Attention of queries `qs` for the query heads of KV head `g`.
-    fn block(&self, g: usize, qs: Range<usize>, ranges: &[Range<usize>]) -> Result<BlockOutput> {
+    /// Attention of queries `qs` for the query heads of KV heads `gs`
+    /// (outputs ordered by query, KV head, then query head of the group).
+    fn block(
+        &self,
+        gs: Range<usize>,
+        qs: Range<usize>,
+        ranges: &[Range<usize>],
+    ) -> Result<BlockOutput> {
         let layer = self.layer;
         let (d, ch) = (layer.head_dim, layer.channels());
-        let heads = qs.len() * self.group;
+        let heads = qs.len() * gs.len() * self.group;
         // Scores of each (query, head) over its visible range.
         let mut scores: Vec<Vec<f32>> = Vec::with_capacity(heads);
         for i in qs.clone() {
-            for hh in 0..self.group {
-                let h = g * self.group + hh;
-                let q = &self.queries[(i * self.q_heads + h) * d..][..d];
-                let r = &ranges[i];
-                let mut s = vec![f32::NEG_INFINITY; r.len()];
-                for (span, row) in self.plain {
-                    for t in span.start.max(r.start)..span.end.min(r.end) {
-                        let k = &self.plain_k[(row + t - span.start) * ch + g * d..][..d];
-                        s[t - r.start] = dot(q, k) * self.scale;
+            for g in gs.clone() {
+                for hh in 0..self.group {
+                    let h = g * self.group + hh;
+                    let q = &self.queries[(i * self.q_heads + h) * d..][..d];
+                    let r = &ranges[i];
+                    let mut s = vec![f32::NEG_INFINITY; r.len()];
+                    for (span, row) in self.plain {
+                        for t in span.start.max(r.start)..span.end.min(r.end) {
+                            let k = &self.plain_k[(row + t - span.start) * ch + g * d..][..d];
+                            s[t - r.start] = dot(q, k) * self.scale;
+                        }
                     }
+                    scores.push(s);
                 }
-                scores.push(s);
             }
         }
         let lo = qs.clone().map(|i| ranges[i].start).min().unwrap_or(0);
@@ -325,11 +346,18 @@ impl Context<'_> {
         let kept = layer.compressed.first().map_or(0, |c| c.keys.kept());
         let mut tile_scratch = TileScratch {
             coeffs: vec![0.0f32; TILE * kept],
-            own: vec![0.0f32; if self.tiles.is_some() { 0 } else { TILE * d }],
+            own: vec![
+                0.0f32;
+                if self.tiles.is_some() {
+                    0
+                } else {
+                    TILE * gs.len() * d
+                }
+            ],
             query: vec![0.0f32; d],
         };
         for c in &layer.compressed {
-            self.compressed_scores(c, g, &qs, ranges, lo..hi, &mut tile_scratch, &mut scores)?;
+            self.compressed_scores(c, &gs, &qs, ranges, lo..hi, &mut tile_scratch, &mut scores)?;
         }
         // Softmax and the value sums.
         let mut out = vec![0.0f32; heads * d];
@@ -340,91 +368,93 @@ impl Context<'_> {
         let mut scratch = DecodeScratch::new();
         for (bi, i) in qs.clone().enumerate() {
             let r = &ranges[i];
-            for hh in 0..self.group {
-                let at = bi * self.group + hh;
-                let s = &mut scores[at];
-                if s.is_empty() {
-                    continue;
-                }
-                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                // Weights in place (the kernels' branch-free exp vectorises).
-                for x in s.iter_mut() {
-                    *x = exp::<false>(*x - m);
-                }
-                let l: f64 = s.iter().map(|&w| f64::from(w)).sum();
-                let o = &mut out[at * d..][..d];
-                for (span, row) in self.plain {
-                    for t in span.start.max(r.start)..span.end.min(r.end) {
-                        let w = s[t - r.start];
-                        let v = &self.plain_v[(row + t - span.start) * ch + g * d..][..d];
-                        for (o, &v) in o.iter_mut().zip(v) {
-                            *o += w * v;
-                        }
-                    }
-                }
-                // Compressed values summed in the rotated space, rotated back once.
-                rot.fill(0.0);
-                let mut rotation = None;
-                for c in &layer.compressed {
-                    let span = r.start.max(c.tokens.start)..r.end.min(c.tokens.end);
-                    if span.is_empty() {
+            for (gi, g) in gs.clone().enumerate() {
+                for hh in 0..self.group {
+                    let at = (bi * gs.len() + gi) * self.group + hh;
+                    let s = &mut scores[at];
+                    if s.is_empty() {
                         continue;
                     }
-                    match &*c.values {
-                        MiddleValues::Vq(vq) => {
-                            let w = &s[span.start - r.start..span.end - r.start];
-                            part.fill(0.0);
-                            vq_sum(vq, g, d, c.tokens.start, span, w, &mut hist, &mut part);
-                            for ((x, &p), &mx) in
-                                rot.iter_mut().zip(&part).zip(&vq.max()[g * d..][..d])
-                            {
-                                *x += p * mx;
+                    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    // Weights in place (the kernels' branch-free exp vectorises).
+                    for x in s.iter_mut() {
+                        *x = exp::<false>(*x - m);
+                    }
+                    let l: f64 = s.iter().map(|&w| f64::from(w)).sum();
+                    let o = &mut out[at * d..][..d];
+                    for (span, row) in self.plain {
+                        for t in span.start.max(r.start)..span.end.min(r.end) {
+                            let w = s[t - r.start];
+                            let v = &self.plain_v[(row + t - span.start) * ch + g * d..][..d];
+                            for (o, &v) in o.iter_mut().zip(v) {
+                                *o += w * v;
                             }
-                            rotation = Some(vq.hadamard());
-                        }
-                        MiddleValues::Nf4(store) => {
-                            for t0 in span.clone().step_by(TILE) {
-                                let n = TILE.min(span.end - t0);
-                                let tile = &mut rows[..n * ch];
-                                store.decode_rows_rotated_into(
-                                    t0 - c.tokens.start,
-                                    n,
-                                    tile,
-                                    &mut scratch,
-                                )?;
-                                for (j, row) in tile.chunks_exact(ch).enumerate() {
-                                    let w = s[t0 + j - r.start];
-                                    for (a, &v) in rot.iter_mut().zip(&row[g * d..][..d]) {
-                                        *a += w * v;
-                                    }
-                                }
-                            }
-                            rotation = store.rotation()?;
                         }
                     }
+                    // Compressed values summed in the rotated space, rotated back once.
+                    rot.fill(0.0);
+                    let mut rotation = None;
+                    for c in &layer.compressed {
+                        let span = r.start.max(c.tokens.start)..r.end.min(c.tokens.end);
+                        if span.is_empty() {
+                            continue;
+                        }
+                        match &*c.values {
+                            MiddleValues::Vq(vq) => {
+                                let w = &s[span.start - r.start..span.end - r.start];
+                                part.fill(0.0);
+                                vq_sum(vq, g, d, c.tokens.start, span, w, &mut hist, &mut part);
+                                for ((x, &p), &mx) in
+                                    rot.iter_mut().zip(&part).zip(&vq.max()[g * d..][..d])
+                                {
+                                    *x += p * mx;
+                                }
+                                rotation = Some(vq.hadamard());
+                            }
+                            MiddleValues::Nf4(store) => {
+                                for t0 in span.clone().step_by(TILE) {
+                                    let n = TILE.min(span.end - t0);
+                                    let tile = &mut rows[..n * ch];
+                                    store.decode_rows_rotated_into(
+                                        t0 - c.tokens.start,
+                                        n,
+                                        tile,
+                                        &mut scratch,
+                                    )?;
+                                    for (j, row) in tile.chunks_exact(ch).enumerate() {
+                                        let w = s[t0 + j - r.start];
+                                        for (a, &v) in rot.iter_mut().zip(&row[g * d..][..d]) {
+                                            *a += w * v;
+                                        }
+                                    }
+                                }
+                                rotation = store.rotation()?;
+                            }
+                        }
+                    }
+                    if let Some(h) = rotation {
+                        h.unrotate(&mut rot);
+                    }
+                    let inv = (1.0 / l) as f32;
+                    for (o, &x) in o.iter_mut().zip(&rot) {
+                        *o = (*o + x) * inv;
+                    }
+                    lse[at] = m + l.ln() as f32;
                 }
-                if let Some(h) = rotation {
-                    h.unrotate(&mut rot);
-                }
-                let inv = (1.0 / l) as f32;
-                for (o, &x) in o.iter_mut().zip(&rot) {
-                    *o = (*o + x) * inv;
-                }
-                lse[at] = m + l.ln() as f32;
             }
         }
         Ok(BlockOutput { out, lse })
     }
 
-    /// Scores of queries `qs` (query heads of KV head `g`) against the keys
-    /// of the compressed run `c` within `visible`, tile by tile: each tile
-    /// rebuilt (or read from the prefill's tiles) and scored through the
-    /// relative-position identity.
+    /// Scores of queries `qs` (the query heads of KV heads `gs`) against the
+    /// keys of the compressed run `c` within `visible`, tile by tile: each
+    /// tile rebuilt once for all of `gs` (or read from the prefill's tiles)
+    /// and scored through the relative-position identity.
     #[allow(clippy::too_many_arguments)]
     fn compressed_scores(
         &self,
         c: &Compressed,
-        g: usize,
+        gs: &Range<usize>,
         qs: &Range<usize>,
         ranges: &[Range<usize>],
         visible: Range<usize>,
@@ -446,39 +476,52 @@ impl Context<'_> {
             own,
             query: qv,
         } = scratch;
+        let width = gs.len() * d;
         let first = c.tokens.start + (lo - c.tokens.start) / TILE * TILE;
         let mut back = TileStart::new(&layer.rope, first);
         for t0 in (first..hi).step_by(TILE) {
             let (cos0, sin0) = back.next();
             let n = TILE.min(c.tokens.end - t0);
-            let tile: &[f32] = match self.tiles {
-                Some(all) => {
-                    &all[(g * self.compressed + c.first + t0 - c.tokens.start) * d..][..n * d]
-                }
-                None => {
-                    self.key_tile(c, g, t0, &mut coeffs[..n * kept], &mut own[..n * d])?;
-                    &own[..n * d]
-                }
-            };
-            for (bi, i) in qs.clone().enumerate() {
-                let r = &ranges[i];
-                let span = t0.max(r.start)..(t0 + n).min(r.end);
-                if span.is_empty() {
-                    continue;
-                }
-                for hh in 0..self.group {
-                    let h = g * self.group + hh;
-                    qv.copy_from_slice(&self.queries[(i * self.q_heads + h) * d..][..d]);
-                    // The query (at angle θp) rotated back by θt₀: the
-                    // pair products then carry θ(t₀ − p) + θ(t − t₀) = θΔ.
-                    for ((&c, &s), &(a, b)) in cos0.iter().zip(sin0).zip(&self.offsets.index) {
-                        let (x, y) = (qv[a], qv[b]);
-                        qv[a] = x * c + y * s;
-                        qv[b] = y * c - x * s;
+            if self.tiles.is_none() {
+                self.key_tile(
+                    c,
+                    gs.clone(),
+                    t0,
+                    &mut coeffs[..n * kept],
+                    &mut own[..n * width],
+                )?;
+            }
+            for (gi, g) in gs.clone().enumerate() {
+                // Key `j` of the tile for KV head `g`.
+                let key = |j: usize| -> &[f32] {
+                    match self.tiles {
+                        Some(all) => {
+                            let row = g * self.compressed + c.first + t0 - c.tokens.start + j;
+                            &all[row * d..][..d]
+                        }
+                        None => &own[j * width + gi * d..][..d],
                     }
-                    let s = &mut scores[bi * self.group + hh];
-                    for t in span.clone() {
-                        s[t - r.start] = dot(qv, &tile[(t - t0) * d..][..d]) * self.scale;
+                };
+                for (bi, i) in qs.clone().enumerate() {
+                    let r = &ranges[i];
+                    let span = t0.max(r.start)..(t0 + n).min(r.end);
+                    if span.is_empty() {
+                        continue;
+                    }
+                    for hh in 0..self.group {
+                        let h = g * self.group + hh;
+                        qv.copy_from_slice(&self.queries[(i * self.q_heads + h) * d..][..d]);
+                        // The query (at angle θp) rotated back by θt₀: the
+                        // pair products then carry θ(t₀ − p) + θ(t − t₀) = θΔ.
+                        for ((&c, &s), &(a, b)) in cos0.iter().zip(sin0).zip(&self.offsets.index) {
+                            let (x, y) = (qv[a], qv[b]);
+                            qv[a] = x * c + y * s;
+                            qv[b] = y * c - x * s;
+                        }
+                        let s = &mut scores[(bi * gs.len() + gi) * self.group + hh];
+                        for t in span.clone() {
+                            s[t - r.start] = dot(qv, key(t - t0)) * self.scale;
+                        }
                     }
                 }
             }
@@ -486,44 +529,48 @@ impl Context<'_> {
         Ok(())
     }
 
-    /// The keys of KV head `g` for tokens `t0..t0 + n` of the compressed
-    /// run `c` (`t0` a tile start, `n = tile.len() / d`): `μ + c·B` with
-    /// RoPE undone (one small GEMM per tile, faer's kernels), each turned by
-    /// its offset in the tile.
+    /// The keys of KV heads `gs` for tokens `t0..t0 + n` of the compressed
+    /// run `c` (`t0` a tile start; `tile` holds `n` rows of `gs.len() × d`):
+    /// `μ + c·B` with RoPE undone, the coefficients decoded once and one
+    /// small GEMM for all the heads (faer's kernels), each key turned by its
+    /// offset in the tile.
     fn key_tile(
         &self,
         c: &Compressed,
-        g: usize,
+        gs: Range<usize>,
         t0: usize,
         coeffs: &mut [f32],
         tile: &mut [f32],
     ) -> Result<()> {
         let layer = self.layer;
         let (d, ch, kept) = (layer.head_dim, layer.channels(), c.keys.kept());
-        let n = tile.len() / d;
+        let width = gs.len() * d;
+        let n = tile.len() / width;
         let basis = c.keys.basis();
-        let (rows, mean) = (basis.rows(), &basis.mean()[g * d..][..d]);
+        let (rows, mean) = (basis.rows(), &basis.mean()[gs.start * d..gs.end * d]);
         c.keys.coefficients_into(t0 - c.tokens.start, n, coeffs)?;
-        for k in tile.chunks_exact_mut(d) {
+        for k in tile.chunks_exact_mut(width) {
             k.copy_from_slice(mean);
         }
         if kept > 0 {
             matmul(
-                MatMut::from_row_major_slice_mut(tile, n, d),
+                MatMut::from_row_major_slice_mut(tile, n, width),
                 Accum::Add,
                 MatRef::from_row_major_slice(coeffs, n, kept),
                 MatRef::from_row_major_slice_with_stride(
-                    &rows[g * d..(kept - 1) * ch + (g + 1) * d],
+                    &rows[gs.start * d..(kept - 1) * ch + gs.end * d],
                     kept,
-                    d,
+                    width,
                     ch,
                 ),
                 1.0f32,
                 Par::Seq,
             );
         }
-        for (j, k) in tile.chunks_exact_mut(d).enumerate() {
-            self.rotate_pairs(k, j);
+        for (j, row) in tile.chunks_exact_mut(width).enumerate() {
+            for k in row.chunks_exact_mut(d) {
+                self.rotate_pairs(k, j);
+            }
         }
         Ok(())
     }
