@@ -76,7 +76,7 @@ impl ShardLayer {
         let head_sets: Vec<Range<usize>> = if prebuilt {
             (0..self.kv_heads).map(|g| g..g + 1).collect()
         } else {
-            vec![0..self.kv_heads]
+            std::iter::once(0..self.kv_heads).collect()
         };
         let blocks: Vec<(Range<usize>, Range<usize>, usize)> = head_sets
             .iter()
