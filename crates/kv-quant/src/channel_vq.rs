@@ -57,12 +57,7 @@ impl ChannelVq {
         head_dim: usize,
         options: FitOptions,
     ) -> Result<Self> {
-        check_len(
-            "value rows (tokens × channels)",
-            tokens * channels,
-            rows.len(),
-        )?;
-        check_finite(rows, channels)?;
+        check_rows(rows, tokens, channels)?;
         if head_dim == 0 || !channels.is_multiple_of(head_dim) || !head_dim.is_multiple_of(GROUP) {
             return Err(KvQuantError::InvalidParameter {
                 name: "head_dim",
@@ -106,12 +101,7 @@ impl ChannelVq {
     /// ([`ChannelVq::shared_bytes`]).
     pub fn encode_chunk(&self, rows: &[f32], tokens: usize) -> Result<Self> {
         let channels = self.channels;
-        check_len(
-            "value rows (tokens × channels)",
-            tokens * channels,
-            rows.len(),
-        )?;
-        check_finite(rows, channels)?;
+        check_rows(rows, tokens, channels)?;
         let (rotated, max) = rotate_and_scale(self.hadamard, rows, channels);
         Ok(Self {
             channels,
@@ -218,7 +208,13 @@ impl ChannelVq {
     }
 }
 
-fn check_finite(rows: &[f32], channels: usize) -> Result<()> {
+/// `rows` holds `tokens × channels` finite values.
+fn check_rows(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
+    check_len(
+        "value rows (tokens × channels)",
+        tokens * channels,
+        rows.len(),
+    )?;
     match rows.iter().position(|x| !x.is_finite()) {
         Some(i) => Err(KvQuantError::NonFinite {
             token: i / channels,
