@@ -1,17 +1,17 @@
 //! `cargo xtask bench kv-eval --filter serving`: the serving path of the
 //! default model on the paged cache (`int4+secded84`, blocks of 16).
 //!
-//! - `serving/batched-decode`: one decode step of 16 sequences in one
+//! - `kv-eval/serving-batched-decode`: one decode step of 16 sequences in one
 //!   batched forward pass, in generated tokens per second, against one
 //!   step of a single sequence (the baseline); each sequence holds 256
 //!   tokens. The goal is a ratio of at least 4 (the weights are read once
 //!   per step for the whole batch).
-//! - `serving/prefill-1024-shared`: the prefill of a request whose first
+//! - `kv-eval/serving-prefill-1024-shared`: the prefill of a request whose first
 //!   1,024 tokens are a cached shared prompt (a prefix-cache hit: only its
 //!   16 own tokens are computed), in request tokens per second, against the
 //!   same request on a cache without the prefix (the baseline). A ratio of
 //!   r saves 1 − 1/r of the prefill time; the goal is 90% (r ≥ 10).
-//! - `serving/generation-2k`: end-to-end generation, one decode step of
+//! - `kv-eval/serving-generation-2k`: end-to-end generation, one decode step of
 //!   one sequence after a 2,048-token prompt, in generated tokens per
 //!   second: `shard-k3` and `shard` on the re-encode cache (the layer fitted
 //!   at the prefill, each new token in its 8-bit decode stream; the cache
@@ -117,7 +117,7 @@ fn bench(c: &mut Criterion) {
     };
     let mode = CacheMode::parse(FORM).unwrap();
 
-    let mut g = c.benchmark_group("serving/batched-decode");
+    let mut g = c.benchmark_group("kv-eval/serving-batched-decode");
     g.sample_size(10);
     let (mut one, one_seq) = prefilled(&model, &mode, &ids, 1);
     g.throughput(Throughput::Elements(1));
@@ -133,7 +133,7 @@ fn bench(c: &mut Criterion) {
     drop(many);
     g.finish();
 
-    let mut g = c.benchmark_group("serving/prefill-1024-shared");
+    let mut g = c.benchmark_group("kv-eval/serving-prefill-1024-shared");
     g.sample_size(10)
         .throughput(Throughput::Elements((SHARED + OWN) as u64));
     let request = &ids[..SHARED + OWN];
@@ -166,7 +166,7 @@ fn generation(c: &mut Criterion) {
         return;
     };
     let prompt = &ids[..PROMPT];
-    let mut g = c.benchmark_group("serving/generation-2k");
+    let mut g = c.benchmark_group("kv-eval/serving-generation-2k");
     g.sample_size(10).throughput(Throughput::Elements(1));
     let fp16 = CacheMode::parse("fp16").unwrap();
     let mut cache = paged_cache(&model, &fp16, config_for(PROMPT + 64), NoPrefixCache).unwrap();
