@@ -490,11 +490,6 @@ fn decode_group(bytes: &[u8], bits: u8, scales: &[f32], dst: &mut [f32]) {
     let bias = 1i32 << (bits - 1);
     let value = |u: u32, s: f32| (u as i32 - bias) as f32 * s;
     match bits {
-        8 => {
-            for ((o, &u), &s) in dst.iter_mut().zip(bytes).zip(scales) {
-                *o = value(u32::from(u), s);
-            }
-        }
         4 => {
             for ((o, &u), s) in dst
                 .chunks_exact_mut(2)
@@ -529,7 +524,12 @@ fn decode_group(bytes: &[u8], bits: u8, scales: &[f32], dst: &mut [f32]) {
                 }
             }
         }
-        _ => unpack(bytes, bits, |j, u| dst[j] = value(u32::from(u), scales[j])),
+        _ => {
+            debug_assert_eq!(bits, 8, "groups hold 2, 4, 6 or 8 bits");
+            for ((o, &u), &s) in dst.iter_mut().zip(bytes).zip(scales) {
+                *o = value(u32::from(u), s);
+            }
+        }
     }
 }
 
@@ -548,26 +548,25 @@ fn pack(codes: impl Iterator<Item = u8>, bits: u8, out: &mut [u8]) {
     }
 }
 
-/// Calls `f(j, code)` for each `b`-bit code packed in `bytes`.
-#[inline]
-fn unpack(bytes: &[u8], bits: u8, mut f: impl FnMut(usize, u8)) {
-    let mask = (1u32 << bits) - 1;
-    let (mut acc, mut held, mut j) = (0u32, 0u8, 0);
-    for &byte in bytes {
-        acc |= u32::from(byte) << held;
-        held += 8;
-        while held >= bits {
-            f(j, (acc & mask) as u8);
-            j += 1;
-            acc >>= bits;
-            held -= bits;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Calls `f(j, code)` for each `b`-bit code packed in `bytes`.
+    fn unpack(bytes: &[u8], bits: u8, mut f: impl FnMut(usize, u8)) {
+        let mask = (1u32 << bits) - 1;
+        let (mut acc, mut held, mut j) = (0u32, 0u8, 0);
+        for &byte in bytes {
+            acc |= u32::from(byte) << held;
+            held += 8;
+            while held >= bits {
+                f(j, (acc & mask) as u8);
+                j += 1;
+                acc >>= bits;
+                held -= bits;
+            }
+        }
+    }
     use proptest::prelude::*;
 
     /// The least allocation error over every assignment, by enumeration.

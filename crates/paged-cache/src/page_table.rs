@@ -7,7 +7,7 @@
 use std::sync::RwLockReadGuard;
 
 use attention::{Attention, AttentionOutput, KvSource, Mask, StoreScratch, Tile, TileRows};
-use kv_quant::{DecodeScratch, ErasurePolicy, Hadamard, KvDecodeStats, KvStore};
+use kv_quant::{DecodeScratch, Hadamard, KvDecodeStats, KvStore};
 
 use crate::error::{PagedCacheError, Result};
 use crate::pool::BlockId;
@@ -152,9 +152,9 @@ impl PageTable {
 /// A tile inside one page, or over pages that are consecutive blocks, is
 /// read straight from the layer store, exactly as a contiguous store is
 /// (FP16 halves or integer levels for the kernel); a tile over scattered
-/// pages is decoded page by page into f32 rows. Forms that interpolate
-/// erased values always decode page by page, each page reading
-/// neighbours from its own block only (never another sequence's token).
+/// pages is decoded page by page into f32 rows. Interpolation of erased
+/// values reads neighbours from the erased row's own block only (never
+/// another sequence's token), on both paths.
 #[derive(Debug)]
 pub struct PagedKv<'a> {
     store: RwLockReadGuard<'a, KvStore>,
@@ -163,7 +163,6 @@ pub struct PagedKv<'a> {
     tokens: usize,
     channels: usize,
     bytes: usize,
-    interpolates: bool,
 }
 
 impl<'a> PagedKv<'a> {
@@ -192,12 +191,7 @@ impl<'a> PagedKv<'a> {
         }
         let store = storage.layer_store(layer, part)?;
         let bytes = pages.len() * store.stored_bytes() / storage.num_blocks().max(1);
-        let interpolates = store
-            .form()
-            .protection()
-            .is_some_and(|p| matches!(p.policy, ErasurePolicy::Interpolate { .. }));
         Ok(Self {
-            interpolates,
             channels: store.channels(),
             store,
             pages,
@@ -254,9 +248,10 @@ impl KvSource for PagedKv<'_> {
         scratch: &'s mut PagedScratch,
     ) -> attention::Result<Tile<'s>> {
         let store: &KvStore = &self.store;
-        if !self.interpolates && self.contiguous(start, count) {
-            // A tile of several adjacent blocks: a group whose metadata was
-            // erased (interpolated under `keep`) reads its own block only.
+        if self.contiguous(start, count) {
+            // A tile of several adjacent blocks: interpolation (`+interp`,
+            // and a group whose metadata was erased under `keep`) reads the
+            // erased row's own block only.
             scratch
                 .store
                 .decode_scratch()
@@ -286,7 +281,7 @@ impl KvSource for PagedKv<'_> {
 
     fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
         let store: &KvStore = &self.store;
-        if !self.interpolates && self.contiguous(start, count) {
+        if self.contiguous(start, count) {
             store.row_addresses(self.row(start), count)
         } else {
             None

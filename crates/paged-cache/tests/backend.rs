@@ -257,16 +257,11 @@ fn an_erased_value_is_never_rebuilt_from_another_sequences_block() {
             storage.write(BlockId(b), t, 0, &row, &row).unwrap();
         }
     }
-    let clean = {
-        let table = PageTable::from_tables(&[(&[BlockId(1)], 4)], 4).unwrap();
-        let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).unwrap();
-        let mut scratch = Default::default();
-        let tile = keys.read_tile(0, 4, &mut scratch).unwrap();
-        match tile.rows {
-            attention::TileRows::F32(v) => v.to_vec(),
-            other => panic!("{other:?}"),
-        }
-    };
+    let clean = storage
+        .with_store(BlockId(1), 0, KvPart::Keys, |st| {
+            st.decode().unwrap().values
+        })
+        .unwrap();
     // Two flips in the codeword of A's first and last rows, channel 3.
     let rb = storage
         .with_store(BlockId(1), 0, KvPart::Keys, |s| s.row_bytes())
@@ -292,7 +287,7 @@ fn an_erased_value_is_never_rebuilt_from_another_sequences_block() {
     let tile = keys.read_tile(0, 4, &mut scratch).unwrap();
     assert_eq!(tile.stats.values.detected, 2);
     let attention::TileRows::F32(got) = tile.rows else {
-        panic!("an interpolating form decodes to f32 rows")
+        panic!("a tile with erased values decodes to f32 rows")
     };
     assert_eq!(
         got[3],
