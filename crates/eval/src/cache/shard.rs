@@ -71,13 +71,13 @@ pub(super) fn attend(
                 Some(g) if g.tokens() <= tokens => g,
                 _ => &slot.prefill,
             };
-            let grown = base.extended(k, v, tokens)?;
-            slot.grown = Some(Arc::new(grown.clone()));
+            let grown = Arc::new(base.extended(k, v, tokens)?);
+            slot.grown = Some(Arc::clone(&grown));
             grown
         }
         _ => {
             let basis = codes.key.bases.as_ref().and_then(|b| b.heads.first());
-            let s = ShardLayer::build_with(
+            let s = Arc::new(ShardLayer::build_with(
                 form,
                 k,
                 v,
@@ -85,16 +85,17 @@ pub(super) fn attend(
                 prefill,
                 rope,
                 basis.map(|b| b.as_ref()),
-            )?;
+            )?);
             cached[layer] = Some(ShardSlot {
-                prefill: Arc::new(s.clone()),
+                prefill: Arc::clone(&s),
                 grown: None,
             });
             s
         }
     };
+    // Faults land in a copy (the kept layer stays clean); a clean call copies nothing.
     let injected = match faults {
-        Some((channel, seed)) => Some(built.inject(channel, seed)?),
+        Some((channel, seed)) => Some(Arc::make_mut(&mut built).inject(channel, seed)?),
         None => None,
     };
     let mut out = built.attend(attention, queries, positions, mask)?;
