@@ -30,7 +30,8 @@ pub enum BackendKind {
 impl BackendKind {
     /// Refuses, before any work, what this backend cannot run: the dense
     /// backend anything but `plain` without faults; the paged backend
-    /// per-call faults, blocks of no token and forms a block cannot hold.
+    /// per-call faults, per-block forms, blocks of no token and forms a
+    /// block cannot hold.
     pub fn check(&self, mode: &CacheMode, faults: Option<FaultSpec>) -> Result<()> {
         let faulted = faults.is_some_and(|f| f.ber > 0.0);
         match *self {
@@ -47,6 +48,14 @@ impl BackendKind {
                          paper's per-call protocol is `--backend reencode`"
                     .into(),
             }),
+            Self::Paged { .. } if matches!(mode, CacheMode::Stored(s) if s.blocks.is_some()) => {
+                Err(EvalError::InvalidParameter {
+                    name: "backend",
+                    reason: "per-block forms (adaptive protection per block) are stored by the \
+                             re-encode backend"
+                        .into(),
+                })
+            }
             Self::Paged { block_size: 0 } => Err(EvalError::InvalidParameter {
                 name: "block-size",
                 reason: "blocks hold at least one token".into(),
@@ -235,5 +244,10 @@ mod tests {
                 "{form} at {ber}"
             );
         }
+        let blocked = CacheMode::parse("int4+secded84")
+            .unwrap()
+            .with_blocks(crate::cache::BlockForms::uniform(16, false));
+        assert!(paged.check(&blocked, None).is_err());
+        assert_eq!(BackendKind::auto(&blocked, None, 16), BackendKind::Reencode);
     }
 }

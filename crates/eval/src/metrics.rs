@@ -258,6 +258,10 @@ pub struct StatsReport {
     /// Value codewords read, corrected and detected per layer (what a
     /// scrubber sees of each layer's memory; re-encode backend).
     pub layers: Vec<crate::cache::LayerCodewords>,
+    /// The same per block of rows (`blocks[2·layer + part][block]`), for
+    /// forms read block by block with `observe` set; empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub blocks: Vec<Vec<crate::cache::LayerCodewords>>,
 }
 
 impl StatsReport {
@@ -332,6 +336,7 @@ impl From<&CacheStats> for StatsReport {
                 })
                 .collect(),
             layers: s.layers.clone(),
+            blocks: s.blocks.clone(),
         }
     }
 }

@@ -13,7 +13,7 @@ use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
 use kv_eval::models::LlamaModel;
 use kv_quant::FaultTarget;
 
-use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, tiny_gguf_eps, tokens};
+use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, run, tiny_gguf_eps, tokens};
 
 fn form(spec: &str) -> CacheMode {
     CacheMode::form(spec.parse().unwrap())
@@ -27,17 +27,6 @@ fn faults(ber: f64, seed: u64) -> Option<FaultSpec> {
         target: FaultTarget::Values,
         hot: None,
     })
-}
-
-fn run(
-    model: &LlamaModel,
-    toks: &[u32],
-    mode: CacheMode,
-    f: Option<FaultSpec>,
-) -> (Vec<f32>, KvCache) {
-    let mut cache = KvCache::new(mode, f, 0).unwrap();
-    let logits = model.forward(toks, &mut cache, 0).unwrap();
-    (logits, cache)
 }
 
 #[test]
@@ -619,49 +608,4 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
         assert_eq!(s.false_alarms, 0, "{}", site.name());
         assert!(s.detected.iter().zip(&s.eligible).all(|(d, e)| d <= e));
     }
-}
-
-/// A non-uniform fault map: the hot layer sees its own bit error rate, and
-/// the per-layer codeword counts (a scrubber's view) show it, which is what
-/// adaptive protection reads; the adaptive choice promotes exactly it.
-#[test]
-fn hot_layers_are_seen_per_layer_and_promoted() {
-    use kv_eval::adaptive::{AdaptRule, Level, choose};
-    use kv_eval::cache::HotLayers;
-    let m = model();
-    let toks = tokens(64);
-    let hot = Some(FaultSpec {
-        hot: Some(HotLayers {
-            layers: 1 << 1,
-            ber: 2e-2,
-        }),
-        ..faults(1e-5, 4).unwrap()
-    });
-    let (_, cache) = run(&m, &toks, form("int4+secded84"), hot);
-    let layers = &cache.stats().layers;
-    assert_eq!(layers.len(), LAYERS);
-    assert!(layers.iter().all(|l| l.words > 0));
-    let rate =
-        |l: usize| (layers[l].corrected + layers[l].detected) as f64 / layers[l].words as f64;
-    for l in (0..LAYERS).filter(|&l| l != 1) {
-        assert!(rate(1) > 50.0 * rate(l).max(1e-6), "layer {l}: {layers:?}");
-    }
-    let rule = AdaptRule {
-        promote_at: 1e-3,
-        demote_at: 0.0,
-    };
-    let levels = choose(layers, rule).unwrap();
-    let expected: Vec<Level> = (0..LAYERS)
-        .map(|l| if l == 1 { Level::Golay } else { Level::Secded })
-        .collect();
-    assert_eq!(levels, expected);
-    // An out-of-range hot rate is refused.
-    let bad = Some(FaultSpec {
-        hot: Some(HotLayers {
-            layers: 1,
-            ber: 1.5,
-        }),
-        ..faults(1e-5, 4).unwrap()
-    });
-    assert!(KvCache::new(form("int4+secded84"), bad, 0).is_err());
 }

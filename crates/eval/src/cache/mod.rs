@@ -16,26 +16,30 @@
 //! `shard` forms (`shard.rs`) are built once at the prefill and extended
 //! after; each call faults a fresh copy of their compressed codes.
 
+mod blocks;
+mod channel;
 mod mode;
 mod shard;
 
+pub use blocks::BlockForms;
+pub use channel::ChannelKind;
 pub use mode::{CacheMode, StoredForms};
 
-pub use crate::adaptive::{HotLayers, LayerCodewords};
+pub use crate::adaptive::{HotMap, HotRegion, LayerCodewords};
 use std::sync::Arc;
 
 use attention::{
     Attention, AttentionOutput, DenseBackend, KvBackend, KvSource, LowRankScratch, Mask,
     ModelKvShape, PreRopeKeys, Rope, StoreScratch, Tile, certificates,
 };
-use gf2_codes::channel::{
-    BinarySymmetric, Burst, FaultChannel, MultiBitUpset, StuckAt, StuckValue,
-};
+use gf2_codes::channel::FaultChannel;
 use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
     CacheForm, FaultTarget, KvDecodeStats, KvStore, NonFinite, QuantizeOptions, Quantizer,
     VqCodebook,
 };
+
+use blocks::{BlockScratch, BlockedPart, PartFaults};
 
 use crate::calibration::{Part, basis_shape};
 use crate::error::{EvalError, Result};
@@ -60,6 +64,7 @@ struct LayerCodes {
 enum StoredPart {
     Quant(KvStore),
     LowRank(LowRankStore),
+    Blocked(BlockedPart),
 }
 
 impl StoredPart {
@@ -116,24 +121,39 @@ impl StoredPart {
                     s.basis_bytes() as u64
                 },
             ),
+            Self::Blocked(s) => (s.bytes(), 0),
         }
     }
 
-    fn inject(&mut self, channel: &dyn FaultChannel, seed: u64, target: FaultTarget) -> u64 {
-        match self {
-            Self::Quant(s) => s.inject(channel, seed, target).total() as u64,
-            Self::LowRank(s) => s
-                .inject(channel, seed, target)
+    /// Injects this call's faults: row range by row range for a part
+    /// stored block by block or under a row-resolved map, else the whole
+    /// store from one stream (the per-layer map's channel).
+    fn inject(&mut self, faults: &PartFaults<'_>) -> Result<u64> {
+        let whole = faults.spec.hot.is_none_or(|m| !m.is_row_resolved());
+        Ok(match self {
+            Self::Blocked(s) => s.inject(faults)?,
+            Self::Quant(s) if whole => s
+                .inject(faults.layer_channel(), faults.seed, faults.spec.target)
+                .total() as u64,
+            Self::Quant(s) => faults.inject(s, 0)?,
+            Self::LowRank(s) if whole => s
+                .inject(faults.layer_channel(), faults.seed, faults.spec.target)
                 .iter()
                 .map(|i| i.total() as u64)
                 .sum(),
-        }
+            Self::LowRank(_) => {
+                return Err(EvalError::InvalidParameter {
+                    name: "hot map",
+                    reason: "a low-rank part takes a per-layer fault map only".into(),
+                });
+            }
+        })
     }
 
     fn low_rank(&self) -> Option<&LowRankStore> {
         match self {
             Self::LowRank(s) => Some(s),
-            Self::Quant(_) => None,
+            Self::Quant(_) | Self::Blocked(_) => None,
         }
     }
 }
@@ -142,6 +162,7 @@ impl StoredPart {
 /// ledger gives exact statistics), or low-rank coefficients.
 enum Source<'a> {
     Store(&'a KvStore),
+    Blocked(&'a BlockedPart),
     LowRank(&'a LowRankStore),
     PreRope(PreRopeKeys<'a>),
 }
@@ -150,6 +171,7 @@ impl<'a> Source<'a> {
     fn of(part: &'a StoredPart, rope: Option<&'a Rope>) -> Self {
         match part {
             StoredPart::Quant(s) => Self::Store(s),
+            StoredPart::Blocked(s) => Self::Blocked(s),
             StoredPart::LowRank(s) => match rope {
                 Some(rope) if s.spec().pre_rope => Self::PreRope(PreRopeKeys::new(s, rope, 0)),
                 _ => Self::LowRank(s),
@@ -163,6 +185,7 @@ impl<'a> Source<'a> {
 struct SourceScratch {
     store: StoreScratch,
     low_rank: LowRankScratch,
+    blocks: BlockScratch,
 }
 
 impl KvSource for Source<'_> {
@@ -171,6 +194,7 @@ impl KvSource for Source<'_> {
     fn tokens(&self) -> usize {
         match self {
             Self::Store(s) => KvSource::tokens(*s),
+            Self::Blocked(s) => KvSource::tokens(*s),
             Self::LowRank(s) => KvSource::tokens(*s),
             Self::PreRope(s) => s.tokens(),
         }
@@ -179,6 +203,7 @@ impl KvSource for Source<'_> {
     fn channels(&self) -> usize {
         match self {
             Self::Store(s) => KvSource::channels(*s),
+            Self::Blocked(s) => KvSource::channels(*s),
             Self::LowRank(s) => KvSource::channels(*s),
             Self::PreRope(s) => s.channels(),
         }
@@ -187,6 +212,7 @@ impl KvSource for Source<'_> {
     fn stored_bytes(&self) -> usize {
         match self {
             Self::Store(s) => KvSource::stored_bytes(*s),
+            Self::Blocked(s) => KvSource::stored_bytes(*s),
             Self::LowRank(s) => KvSource::stored_bytes(*s),
             Self::PreRope(s) => s.stored_bytes(),
         }
@@ -200,6 +226,7 @@ impl KvSource for Source<'_> {
     ) -> attention::Result<Tile<'s>> {
         match self {
             Self::Store(s) => s.read_tile(start, count, &mut scratch.store),
+            Self::Blocked(s) => s.read_tile(start, count, &mut scratch.blocks),
             Self::LowRank(s) => s.read_tile(start, count, &mut scratch.low_rank),
             Self::PreRope(s) => s.read_tile(start, count, &mut scratch.low_rank),
         }
@@ -208,6 +235,7 @@ impl KvSource for Source<'_> {
     fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
         match self {
             Self::Store(s) => s.row_addresses(start, count),
+            Self::Blocked(s) => s.row_addresses(start, count),
             _ => None,
         }
     }
@@ -215,6 +243,7 @@ impl KvSource for Source<'_> {
     fn rotation(&self) -> Option<&'static kv_quant::Hadamard> {
         match self {
             Self::Store(s) => KvSource::rotation(*s),
+            Self::Blocked(s) => KvSource::rotation(*s),
             _ => None,
         }
     }
@@ -241,69 +270,6 @@ fn coefficient_path<'a>(
         .then_some((k, v))
 }
 
-/// A named fault channel; its rate comes from the bit error rate.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ChannelKind {
-    /// Independent flips of every bit with probability `ber` (the paper's model).
-    Bsc,
-    /// Bursts of 2 to 8 adjacent bits, starting at rate `ber / 5` per bit
-    /// (so the expected flip rate is `ber`).
-    Burst,
-    /// Multi-bit upsets: 2 or 3 bits of one byte, at rate `ber · 8 / 2.5`
-    /// per byte (expected flip rate `ber`).
-    Mbu,
-    /// Cells stuck at 0 at rate `2·ber` (half of them read wrong).
-    Stuck0,
-    /// Cells stuck at 1 at rate `2·ber`.
-    Stuck1,
-}
-
-impl ChannelKind {
-    /// Every channel, in the order `--help` lists them.
-    pub const ALL: [ChannelKind; 5] = [
-        ChannelKind::Bsc,
-        ChannelKind::Burst,
-        ChannelKind::Mbu,
-        ChannelKind::Stuck0,
-        ChannelKind::Stuck1,
-    ];
-
-    /// The command-line name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Bsc => "bsc",
-            Self::Burst => "burst",
-            Self::Mbu => "mbu",
-            Self::Stuck0 => "stuck0",
-            Self::Stuck1 => "stuck1",
-        }
-    }
-
-    /// The channel at bit error rate `ber` (the expected fraction of bits flipped).
-    pub fn build(self, ber: f64) -> Result<Box<dyn FaultChannel + Send + Sync>> {
-        Ok(match self {
-            Self::Bsc => Box::new(BinarySymmetric::new(ber)?),
-            Self::Burst => Box::new(Burst::new(ber / 5.0, 2, 8)?),
-            Self::Mbu => Box::new(MultiBitUpset::new((ber * 8.0 / 2.5).min(1.0), 1, 2, 3)?),
-            Self::Stuck0 => Box::new(StuckAt::new((2.0 * ber).min(1.0), StuckValue::Zero)?),
-            Self::Stuck1 => Box::new(StuckAt::new((2.0 * ber).min(1.0), StuckValue::One)?),
-        })
-    }
-}
-
-impl std::str::FromStr for ChannelKind {
-    type Err = EvalError;
-    fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|c| c.name() == s)
-            .ok_or_else(|| EvalError::InvalidParameter {
-                name: "channel",
-                reason: format!("{s:?} is not one of bsc, burst, mbu, stuck0, stuck1"),
-            })
-    }
-}
-
 /// The faults of one run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FaultSpec {
@@ -315,9 +281,19 @@ pub struct FaultSpec {
     pub seed: u64,
     /// Which buffers of a store are hit.
     pub target: FaultTarget,
-    /// Layers whose memory is worse: they see `hot.ber` instead of `ber`
-    /// (a non-uniform fault map; the re-encode backend only).
-    pub hot: Option<HotLayers>,
+    /// Where the memory is worse: the map's region sees `hot.ber` instead
+    /// of `ber` (a non-uniform fault map; the re-encode backend only).
+    pub hot: Option<HotMap>,
+}
+
+impl FaultSpec {
+    /// Whether row `row` of `layer`'s keys (`part` 0) or values (1) lies in
+    /// the hot region of this run's map (the same map for every run of
+    /// one seed).
+    pub fn is_hot(&self, layer: usize, part: usize, row: usize) -> bool {
+        self.hot
+            .is_some_and(|h| h.hot_row(mix(self.seed ^ MAP_SALT), layer, part, row))
+    }
 }
 
 /// Codec statistics summed over every store read.
@@ -346,6 +322,9 @@ pub struct CacheStats {
     /// Value codewords read, corrected and detected, per layer: what a
     /// scrubber sees of each layer's memory.
     pub layers: Vec<LayerCodewords>,
+    /// The same per block of rows (`blocks[2·layer + part][block]`), for
+    /// forms stored block by block with `observe` set ([`BlockForms`]).
+    pub blocks: Vec<Vec<LayerCodewords>>,
 }
 
 /// Sums and maxima of the error certificates of one layer (every query
@@ -390,9 +369,18 @@ impl std::ops::AddAssign for CacheStats {
                 .resize(r.layers.len(), LayerCodewords::default());
         }
         for (a, b) in self.layers.iter_mut().zip(&r.layers) {
-            a.words += b.words;
-            a.corrected += b.corrected;
-            a.detected += b.detected;
+            *a += *b;
+        }
+        if self.blocks.len() < r.blocks.len() {
+            self.blocks.resize(r.blocks.len(), Vec::new());
+        }
+        for (a, b) in self.blocks.iter_mut().zip(&r.blocks) {
+            if a.len() < b.len() {
+                a.resize(b.len(), LayerCodewords::default());
+            }
+            for (a, b) in a.iter_mut().zip(b) {
+                *a += *b;
+            }
         }
         if self.certificates.len() < r.certificates.len() {
             self.certificates
@@ -443,8 +431,11 @@ struct Faults {
     hot: Option<Box<dyn FaultChannel + Send + Sync>>,
 }
 
+/// Salt of the seed a row-resolved [`HotMap`] is drawn from.
+const MAP_SALT: u64 = 0x4d41_5053;
+
 /// splitmix64's finaliser, to derive independent seeds.
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -474,12 +465,21 @@ impl KvCache {
                     });
                 }
                 let hot = match f.hot {
-                    Some(h) if (0.0..=1.0).contains(&h.ber) => Some(f.channel.build(h.ber)?),
                     Some(h) => {
-                        return Err(EvalError::InvalidParameter {
-                            name: "hot ber",
-                            reason: format!("{} is not in [0, 1]", h.ber),
-                        });
+                        h.check()?;
+                        let whole_layer_only = |f: &CacheForm| {
+                            matches!(f.quantizer(), Quantizer::Shard(_) | Quantizer::LowRank(_))
+                        };
+                        if h.is_row_resolved()
+                            && mode.forms().iter().any(|(f, _)| whole_layer_only(f))
+                        {
+                            return Err(EvalError::InvalidParameter {
+                                name: "hot map",
+                                reason: "shard and low-rank forms take a per-layer fault map only"
+                                    .into(),
+                            });
+                        }
+                        Some(f.channel.build(h.ber)?)
                     }
                     None => None,
                 };
@@ -548,6 +548,14 @@ impl KvBackend for KvCache {
         if self.rows.layers() == 0 {
             if let CacheMode::Stored(stored) = &self.mode {
                 self.codes = resolve(stored, model.layers, model.heads.kv_channels())?;
+                if let Some(blocks) = &stored.blocks {
+                    let forms: Vec<_> = self
+                        .codes
+                        .iter()
+                        .map(|c| [c.key.form, c.value.form])
+                        .collect();
+                    blocks.check(&forms)?;
+                }
             }
             self.rope = model.rope.cloned();
         }
@@ -627,7 +635,7 @@ impl KvBackend for KvCache {
                 {
                     let faults = self.faults.as_ref().map(|f| {
                         let channel = match (&f.hot, f.spec.hot) {
-                            (Some(hot), Some(h)) if h.contains(layer) => hot,
+                            (Some(hot), Some(h)) if h.hot_layer(layer) => hot,
                             _ => &f.channel,
                         };
                         let base = mix(f.spec.seed ^ mix(self.stream ^ mix(self.calls)));
@@ -653,9 +661,22 @@ impl KvBackend for KvCache {
                     self.stats.injected_flips += run.flips;
                     run.out
                 } else {
-                    let mut read_k = StoredPart::build(&codes.key, k, tokens, ch, head_dim, rope)?;
-                    let mut read_v =
-                        StoredPart::build(&codes.value, v, tokens, ch, head_dim, rope)?;
+                    let blocks = match &self.mode {
+                        CacheMode::Stored(s) => s.blocks.as_deref(),
+                        CacheMode::Plain => None,
+                    };
+                    let build = |code: &PartCode, rows: &[f32], part: usize| match blocks {
+                        Some(b) => Ok(StoredPart::Blocked(BlockedPart::build(
+                            b,
+                            (layer, part, code.form),
+                            rows,
+                            tokens,
+                            ch,
+                        )?)),
+                        None => StoredPart::build(code, rows, tokens, ch, head_dim, rope),
+                    };
+                    let mut read_k = build(&codes.key, k, 0)?;
+                    let mut read_v = build(&codes.value, v, 1)?;
                     for (part, i) in [(&read_k, 0), (&read_v, 1)] {
                         let (own, shared) = part.bytes();
                         self.stats.stored_bytes += own + shared;
@@ -669,16 +690,27 @@ impl KvBackend for KvCache {
                     // miscorrected and silent words.
                     if let Some(faults) = &self.faults {
                         let spec = faults.spec;
-                        let channel = match (&faults.hot, spec.hot) {
-                            (Some(hot), Some(h)) if h.contains(layer) => hot,
-                            _ => &faults.channel,
-                        };
                         let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        let seed_k = mix(base ^ mix(2 * layer as u64));
-                        let seed_v = mix(base ^ mix(2 * layer as u64 + 1));
-                        self.stats.injected_flips +=
-                            read_k.inject(channel.as_ref(), seed_k, spec.target)
-                                + read_v.inject(channel.as_ref(), seed_v, spec.target);
+                        let channel = faults.channel.as_ref();
+                        for (part, read) in [&mut read_k, &mut read_v].into_iter().enumerate() {
+                            self.stats.injected_flips += read.inject(&PartFaults {
+                                channels: (channel, faults.hot.as_deref().unwrap_or(channel)),
+                                spec,
+                                layer,
+                                part,
+                                seed: mix(base ^ mix((2 * layer + part) as u64)),
+                            })?;
+                        }
+                    }
+                    if blocks.is_some_and(|b| b.observe) {
+                        if self.stats.blocks.len() < 2 * (layer + 1) {
+                            self.stats.blocks.resize(2 * (layer + 1), Vec::new());
+                        }
+                        for (part, read) in [&read_k, &read_v].into_iter().enumerate() {
+                            if let StoredPart::Blocked(b) = read {
+                                b.observe(&mut self.stats.blocks[2 * layer + part])?;
+                            }
+                        }
                     }
                     let (read_k, read_v) = (&read_k, &read_v);
                     let out = match coefficient_path(read_k, read_v) {
@@ -734,9 +766,7 @@ impl KvBackend for KvCache {
         }
         let seen = &mut self.stats.layers[layer];
         for s in [out.stats.keys.values, out.stats.values.values] {
-            seen.words += s.words;
-            seen.corrected += s.corrected;
-            seen.detected += s.detected;
+            *seen += LayerCodewords::of(&s);
         }
         self.stats.non_finite += out.non_finite as u64;
         Ok(out)

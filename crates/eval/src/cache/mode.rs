@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use kv_quant::{CacheForm, LayerForms};
 
+use super::BlockForms;
 use crate::calibration::{Calibration, Part};
 use crate::error::{EvalError, Result};
 
@@ -25,6 +26,10 @@ pub struct StoredForms {
     pub layers: LayerForms,
     /// Codebooks (and other calibrated data) for the forms that need them.
     pub calibration: Option<Arc<Calibration>>,
+    /// Each block's form where blocks of one layer differ (adaptive
+    /// protection per block), read block by block; `None` stores each
+    /// part of a layer as one store.
+    pub blocks: Option<Arc<BlockForms>>,
 }
 
 impl CacheMode {
@@ -38,6 +43,7 @@ impl CacheMode {
         Self::Stored(StoredForms {
             layers: LayerForms::uniform(key, value),
             calibration: None,
+            blocks: None,
         })
     }
 
@@ -46,7 +52,20 @@ impl CacheMode {
         Self::Stored(StoredForms {
             layers,
             calibration,
+            blocks: None,
         })
+    }
+
+    /// The same forms stored block by block as `blocks` says (plain stays
+    /// plain).
+    pub fn with_blocks(self, blocks: BlockForms) -> Self {
+        match self {
+            Self::Plain => Self::Plain,
+            Self::Stored(s) => Self::Stored(StoredForms {
+                blocks: Some(Arc::new(blocks)),
+                ..s
+            }),
+        }
     }
 
     /// The same forms with this calibration (plain stays plain).

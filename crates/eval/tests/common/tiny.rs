@@ -134,3 +134,16 @@ pub(crate) fn model() -> LlamaModel {
 pub(crate) fn tokens(n: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 37 + 11) % VOCAB) as u32).collect()
 }
+
+/// The logits of `toks` through `model` on a fresh re-encode cache in
+/// `mode` with faults `f`, and the cache (its statistics).
+pub(crate) fn run(
+    model: &LlamaModel,
+    toks: &[u32],
+    mode: kv_eval::cache::CacheMode,
+    f: Option<kv_eval::cache::FaultSpec>,
+) -> (Vec<f32>, kv_eval::cache::KvCache) {
+    let mut cache = kv_eval::cache::KvCache::new(mode, f, 0).unwrap();
+    let logits = model.forward(toks, &mut cache, 0).unwrap();
+    (logits, cache)
+}

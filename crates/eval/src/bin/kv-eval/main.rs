@@ -298,9 +298,10 @@ enum Command {
     /// with and without scrubbing: top-1 agreement and KL per step against
     /// the same form without faults; accumulate.md and .json in --out.
     Accumulate(accumulate::AccumulateArgs),
-    /// Adaptive protection on a non-uniform fault map: each layer's code
-    /// (Hamming, SECDED, Golay) chosen from what reading it under SECDED
-    /// showed, scored against uniform codes under the same faults.
+    /// Adaptive protection on a non-uniform fault map (hot layers, blocks
+    /// or rows): each layer's or block's code (Hamming, SECDED, Golay)
+    /// chosen from what reading it under SECDED showed, scored against
+    /// uniform codes under the same faults.
     Adapt(adapt::AdaptArgs),
     /// The drift of a `shard` cache's decode stream: greedy generations
     /// with the stream off, 4-bit and 8-bit, matched against an fp16 cache.

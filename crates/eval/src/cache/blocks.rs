@@ -1,0 +1,374 @@
+//! Per-block forms in the re-encode backend: adaptive protection per block
+//! of rows rather than per layer (the ECC paper's future work, at the
+//! granularity of a paged cache's blocks).
+//!
+//! [`BlockForms`] gives each block of `block` rows of each layer's keys and
+//! values its own form; the forms of one part differ only in their code
+//! and erasure policy (one quantizer), so a block's values are the same
+//! under every code. A part is then stored as [`BlockedPart`]: one kv-quant
+//! store per run of consecutive blocks of one form, read by attention as
+//! one source. A tile inside one run is that store's tile (FP16 halves or
+//! integer levels for the fused kernels); a tile across runs is decoded
+//! block by block into f32 rows. Interpolation of erased values reads the
+//! erased row's own block only, on both paths, as in the paged cache, and
+//! the uniform forms read through `BlockForms::uniform` see the same rule.
+//!
+//! With `observe` set, every read also counts each block's value codewords
+//! (a scrubber's view of each block, `CacheStats::blocks`), from which
+//! `adaptive::choose_blocks` picks each block's code.
+
+use std::ops::Range;
+
+use attention::{KvSource, StoreScratch, Tile, TileRows};
+use gf2_codes::channel::FaultChannel;
+use kv_quant::{CacheForm, DecodeScratch, KvDecodeStats, KvStore, Quantizer};
+
+use super::{FaultSpec, LayerCodewords, mix, quantize};
+use crate::adaptive::Level;
+use crate::error::{EvalError, Result};
+
+/// Each block's form (for adaptive protection per block).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockForms {
+    /// Rows per block.
+    pub block: usize,
+    /// Per layer, the forms of the key blocks and of the value blocks, in
+    /// row order; a block past the end of its list (or a layer past the
+    /// end of `layers`) takes the layer's own form.
+    pub layers: Vec<[Vec<CacheForm>; 2]>,
+    /// Whether every read counts each block's value codewords
+    /// (`CacheStats::blocks`).
+    pub observe: bool,
+}
+
+impl BlockForms {
+    /// Every block in its layer's form: the layer forms read block by
+    /// block, interpolation limited to each block.
+    pub fn uniform(block: usize, observe: bool) -> Self {
+        Self {
+            block,
+            layers: Vec::new(),
+            observe,
+        }
+    }
+
+    /// The forms of per-block levels (`levels[2·layer + part][block]`, as
+    /// `adaptive::choose_blocks` gives them), each level's form taken from
+    /// `forms` (Hamming, SECDED, Golay).
+    pub fn from_levels(block: usize, levels: &[Vec<Level>], forms: [CacheForm; 3]) -> Self {
+        let form = |l: &Level| match l {
+            Level::Hamming => forms[0],
+            Level::Secded => forms[1],
+            Level::Golay => forms[2],
+        };
+        let layers = levels
+            .chunks(2)
+            .map(|kv| {
+                let part = |p: usize| {
+                    kv.get(p)
+                        .map_or(Vec::new(), |b| b.iter().map(form).collect())
+                };
+                [part(0), part(1)]
+            })
+            .collect();
+        Self {
+            block,
+            layers,
+            observe: false,
+        }
+    }
+
+    /// The form of block `b` of `layer`'s part `part`, `default` where the
+    /// table has none.
+    fn form(&self, layer: usize, part: usize, b: usize, default: CacheForm) -> CacheForm {
+        self.layers
+            .get(layer)
+            .and_then(|parts| parts[part].get(b))
+            .copied()
+            .unwrap_or(default)
+    }
+
+    /// Refuses blocks of no rows, a table longer than the model, layer
+    /// forms that are not row-local codebook-free kv-quant forms, and block
+    /// forms whose quantizer differs from their layer's.
+    pub(super) fn check(&self, layer_forms: &[[CacheForm; 2]]) -> Result<()> {
+        let bad = |reason: String| {
+            Err(EvalError::InvalidParameter {
+                name: "block forms",
+                reason,
+            })
+        };
+        if self.block == 0 {
+            return bad("blocks of 0 rows".into());
+        }
+        if self.layers.len() > layer_forms.len() {
+            return bad(format!(
+                "forms for {} layers of a model of {}",
+                self.layers.len(),
+                layer_forms.len()
+            ));
+        }
+        for (l, parts) in layer_forms.iter().enumerate() {
+            for (p, &own) in parts.iter().enumerate() {
+                let q = own.quantizer();
+                if !own.is_row_local()
+                    || matches!(q, Quantizer::LowRank(_) | Quantizer::Shard(_))
+                    || q.needs_codebook()
+                {
+                    return bad(format!(
+                        "{own} (layer {l}): per-block forms take row-local kv-quant forms \
+                         without a codebook"
+                    ));
+                }
+                let list = self.layers.get(l).map_or(&[][..], |parts| &parts[p][..]);
+                if let Some(f) = list.iter().find(|f| f.quantizer() != q) {
+                    return bad(format!(
+                        "block form {f} of layer {l} quantizes differently from the layer's {own}: \
+                         the blocks of one part may differ in their code only"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A run of consecutive blocks of one form, stored as one store.
+#[derive(Clone, Debug)]
+struct Segment {
+    /// The part's row of the store's row 0.
+    start: usize,
+    store: KvStore,
+}
+
+/// One part of a layer stored block by block ([`BlockForms`]).
+#[derive(Clone, Debug)]
+pub(super) struct BlockedPart {
+    block: usize,
+    tokens: usize,
+    channels: usize,
+    segments: Vec<Segment>,
+}
+
+impl BlockedPart {
+    /// Stores `rows` (`tokens × channels`) of `layer`'s part `part` in the
+    /// blocks' forms (`own` where the table has none).
+    pub(super) fn build(
+        forms: &BlockForms,
+        (layer, part, own): (usize, usize, CacheForm),
+        rows: &[f32],
+        tokens: usize,
+        channels: usize,
+    ) -> Result<Self> {
+        let (bs, blocks) = (forms.block, tokens.div_ceil(forms.block));
+        let mut segments = Vec::new();
+        let mut b = 0;
+        while b < blocks {
+            let form = forms.form(layer, part, b, own);
+            let end = (b + 1..blocks)
+                .find(|&e| forms.form(layer, part, e, own) != form)
+                .unwrap_or(blocks);
+            let rows_of = b * bs..(end * bs).min(tokens);
+            let store = quantize(
+                form,
+                &None,
+                &rows[rows_of.start * channels..rows_of.end * channels],
+                rows_of.len(),
+                channels,
+            )?;
+            segments.push(Segment {
+                start: rows_of.start,
+                store,
+            });
+            b = end;
+        }
+        Ok(Self {
+            block: bs,
+            tokens,
+            channels,
+            segments,
+        })
+    }
+
+    /// Bytes held.
+    pub(super) fn bytes(&self) -> u64 {
+        self.segments
+            .iter()
+            .map(|s| s.store.stored_bytes() as u64)
+            .sum()
+    }
+
+    /// The segment holding row `row`.
+    fn segment(&self, row: usize) -> &Segment {
+        let i = self.segments.partition_point(|s| s.start <= row);
+        &self.segments[i - 1]
+    }
+
+    /// Injects faults under a row-resolved map into every segment; returns
+    /// the flips.
+    pub(super) fn inject(&mut self, faults: &PartFaults<'_>) -> Result<u64> {
+        self.segments
+            .iter_mut()
+            .map(|s| faults.inject(&mut s.store, s.start))
+            .sum()
+    }
+
+    /// Adds each block's value codewords read, corrected and detected to
+    /// `into` (one entry per block, grown as needed).
+    pub(super) fn observe(&self, into: &mut Vec<LayerCodewords>) -> Result<()> {
+        let blocks = self.tokens.div_ceil(self.block);
+        if into.len() < blocks {
+            into.resize(blocks, LayerCodewords::default());
+        }
+        let mut rows = vec![0.0; self.block * self.channels];
+        let mut scratch = DecodeScratch::default();
+        for s in &self.segments {
+            for local in (0..s.store.tokens()).step_by(self.block) {
+                let n = self.block.min(s.store.tokens() - local);
+                let out = &mut rows[..n * self.channels];
+                let stats = s
+                    .store
+                    .decode_rows_rotated_into(local, n, out, &mut scratch)?;
+                into[(s.start + local) / self.block] += LayerCodewords::of(&stats.values);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The faults of one call on one part of one layer. Under a row-resolved
+/// [`HotMap`] each run of rows that are all hot or all not is injected
+/// with its channel, on a stream of its own derived from `seed` and the
+/// run's first row.
+pub(super) struct PartFaults<'a> {
+    /// The run's channel and the hot region's channel.
+    pub channels: (&'a dyn FaultChannel, &'a dyn FaultChannel),
+    /// The run's faults (its map and target).
+    pub spec: FaultSpec,
+    /// The layer.
+    pub layer: usize,
+    /// Keys 0, values 1.
+    pub part: usize,
+    /// Seed of this call's flips on this part.
+    pub seed: u64,
+}
+
+impl PartFaults<'_> {
+    /// The channel of the whole layer (the hot one where a per-layer map
+    /// names it).
+    pub(super) fn layer_channel(&self) -> &dyn FaultChannel {
+        match self.spec.hot {
+            Some(m) if m.hot_layer(self.layer) => self.channels.1,
+            _ => self.channels.0,
+        }
+    }
+
+    /// Injects into `store`, whose row 0 is the part's row `first`; row-
+    /// local forms only (a typed error otherwise). Returns the flips.
+    pub(super) fn inject(&self, store: &mut KvStore, first: usize) -> Result<u64> {
+        let hot = |r: usize| self.spec.is_hot(self.layer, self.part, first + r);
+        let tokens = store.tokens();
+        let mut flips = 0;
+        let mut r = 0;
+        while r < tokens {
+            let is_hot = hot(r);
+            let end = (r + 1..tokens)
+                .find(|&e| hot(e) != is_hot)
+                .unwrap_or(tokens);
+            let channel = if is_hot {
+                self.channels.1
+            } else {
+                self.channels.0
+            };
+            let seed = mix(self.seed ^ mix((first + r) as u64));
+            flips += store
+                .inject_rows(r..end, channel, seed, self.spec.target)?
+                .total() as u64;
+            r = end;
+        }
+        Ok(flips)
+    }
+}
+
+/// Scratch of a [`BlockedPart`]: the stores' tile scratch, and the f32
+/// rows of a tile across segments.
+#[derive(Clone, Debug, Default)]
+pub(super) struct BlockScratch {
+    store: StoreScratch,
+    decode: DecodeScratch,
+    rows: Vec<f32>,
+}
+
+impl KvSource for BlockedPart {
+    type Scratch = BlockScratch;
+
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    fn channels(&self) -> usize {
+        self.channels
+    }
+
+    fn stored_bytes(&self) -> usize {
+        self.bytes() as usize
+    }
+
+    fn read_tile<'s>(
+        &'s self,
+        start: usize,
+        count: usize,
+        scratch: &'s mut BlockScratch,
+    ) -> attention::Result<Tile<'s>> {
+        let seg = self.segment(start);
+        if start + count <= seg.start + seg.store.tokens() {
+            // Segments start at block boundaries: the store's blocks are
+            // the part's.
+            scratch
+                .store
+                .decode_scratch()
+                .limit_neighbours_to_blocks(Some(self.block));
+            return seg
+                .store
+                .read_tile(start - seg.start, count, &mut scratch.store);
+        }
+        let ch = self.channels;
+        if scratch.rows.len() < count * ch {
+            scratch.rows.resize(count * ch, 0.0);
+        }
+        let rows = &mut scratch.rows[..count * ch];
+        let mut stats = KvDecodeStats::default();
+        let mut t = start;
+        while t < start + count {
+            let seg = self.segment(t);
+            let local = t - seg.start;
+            let n = (self.block - t % self.block).min(start + count - t);
+            let block = local - t % self.block;
+            scratch
+                .decode
+                .limit_neighbours(Some(block..(block + self.block).min(seg.store.tokens())));
+            let out = &mut rows[(t - start) * ch..][..n * ch];
+            stats += seg
+                .store
+                .decode_rows_rotated_into(local, n, out, &mut scratch.decode)?;
+            t += n;
+        }
+        Ok(Tile {
+            rows: TileRows::F32(rows),
+            stats,
+        })
+    }
+
+    fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
+        let seg = self.segment(start);
+        (start + count <= seg.start + seg.store.tokens())
+            .then(|| KvSource::row_addresses(&seg.store, start - seg.start, count))
+            .flatten()
+    }
+
+    fn rotation(&self) -> Option<&'static kv_quant::Hadamard> {
+        self.segments
+            .first()
+            .and_then(|s| KvSource::rotation(&s.store))
+    }
+}
