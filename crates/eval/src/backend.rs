@@ -27,13 +27,28 @@ pub enum BackendKind {
     },
 }
 
+/// Whether `mode` stores blocks in forms of their own (`BlockForms`).
+fn has_block_forms(mode: &CacheMode) -> bool {
+    matches!(mode, CacheMode::Stored(s) if s.blocks.is_some())
+}
+
+/// The paged cache's refusal of per-block forms.
+fn per_block_refusal() -> EvalError {
+    EvalError::InvalidParameter {
+        name: "backend",
+        reason: "per-block forms (adaptive protection per block) are stored by the re-encode \
+                 backend"
+            .into(),
+    }
+}
+
 impl BackendKind {
     /// Refuses, before any work, what this backend cannot run: the dense
     /// backend anything but `plain` without faults; the paged backend
     /// per-call faults, per-block forms, blocks of no token and forms a
     /// block cannot hold.
     pub fn check(&self, mode: &CacheMode, faults: Option<FaultSpec>) -> Result<()> {
-        let faulted = faults.is_some_and(|f| f.ber > 0.0);
+        let faulted = faults.is_some_and(|f| f.is_faulted());
         match *self {
             Self::Reencode => Ok(()),
             Self::Dense if *mode == CacheMode::Plain && !faulted => Ok(()),
@@ -48,14 +63,7 @@ impl BackendKind {
                          paper's per-call protocol is `--backend reencode`"
                     .into(),
             }),
-            Self::Paged { .. } if matches!(mode, CacheMode::Stored(s) if s.blocks.is_some()) => {
-                Err(EvalError::InvalidParameter {
-                    name: "backend",
-                    reason: "per-block forms (adaptive protection per block) are stored by the \
-                             re-encode backend"
-                        .into(),
-                })
-            }
+            Self::Paged { .. } if has_block_forms(mode) => Err(per_block_refusal()),
             Self::Paged { block_size: 0 } => Err(EvalError::InvalidParameter {
                 name: "block-size",
                 reason: "blocks hold at least one token".into(),
@@ -118,6 +126,9 @@ pub fn paged_backend(
 /// keeps `fp32` rows).
 pub fn layer_specs(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<LayerSpec>> {
     let channels = model.kv_channels();
+    if has_block_forms(mode) {
+        return Err(per_block_refusal());
+    }
     Ok(match mode {
         CacheMode::Plain => vec![LayerSpec::uniform("fp32".parse()?, channels); model.layers()],
         CacheMode::Stored(s) => s

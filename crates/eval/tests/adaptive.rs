@@ -171,14 +171,12 @@ fn bad_maps_and_block_forms_are_refused() {
     let low_rank = CacheMode::form("pca-r4".parse().unwrap());
     assert!(KvCache::new(low_rank, hot(rows, 1e-2, 1e-5, 0), 0).is_err());
     // A row-resolved map over a form whose rows share parameters.
-    let mut cache = KvCache::new(form("int4-ch+secded84"), hot(rows, 1e-2, 1e-5, 0), 0).unwrap();
-    assert!(m.forward(&toks, &mut cache, 0).is_err());
+    assert!(KvCache::new(form("int4-ch+secded84"), hot(rows, 1e-2, 1e-5, 0), 0).is_err());
     // Block forms: a block form of another quantizer, blocks of no rows,
     // a table longer than the model, a layer form that is not row-local.
-    let golay8: CacheForm = "int8+golay24".parse().unwrap();
-    let other = BlockForms {
+    let other = |f: &str| BlockForms {
         block: 4,
-        layers: vec![[vec![golay8], Vec::new()]],
+        layers: vec![[vec![f.parse().unwrap()], Vec::new()]],
         observe: false,
     };
     let too_long = BlockForms {
@@ -187,7 +185,9 @@ fn bad_maps_and_block_forms_are_refused() {
         observe: false,
     };
     for (mode, blocks) in [
-        (secded(), other),
+        (secded(), other("int8+golay24")),
+        (secded(), other("int4+rot+golay24")),
+        (secded(), other("int4+sink4+golay24")),
         (secded(), BlockForms::uniform(0, false)),
         (secded(), too_long),
         (form("int4-ch+secded84"), BlockForms::uniform(4, false)),
@@ -196,4 +196,17 @@ fn bad_maps_and_block_forms_are_refused() {
         let err = m.forward(&toks, &mut cache, 0);
         assert!(err.is_err(), "{mode:?} {blocks:?}");
     }
+}
+
+/// Perfect memory with a few bad rows is faulted: a run whose rate is 0
+/// outside the hot region still injects into it.
+#[test]
+fn a_hot_region_alone_is_faulted() {
+    let m = model();
+    let toks = tokens(64);
+    let rows = HotRegion::Rows { fraction: 0.05 };
+    let mode = form("int4+secded84+interp").with_blocks(BlockForms::uniform(8, false));
+    let (_, cache) = run(&m, &toks, mode, hot(rows, 0.1, 0.0, 2));
+    assert!(cache.stats().injected_flips > 0);
+    assert!(cache.stats().values.values.corrected > 0);
 }

@@ -90,7 +90,9 @@ impl BlockForms {
 
     /// Refuses blocks of no rows, a table longer than the model, layer
     /// forms that are not row-local codebook-free kv-quant forms, and block
-    /// forms whose quantizer differs from their layer's.
+    /// forms that differ from their layer's in more than their protection
+    /// (quantizer, rotation and segments must match, so every block form is
+    /// row-local and reads in the layer's coordinates).
     pub(super) fn check(&self, layer_forms: &[[CacheForm; 2]]) -> Result<()> {
         let bad = |reason: String| {
             Err(EvalError::InvalidParameter {
@@ -121,10 +123,15 @@ impl BlockForms {
                     ));
                 }
                 let list = self.layers.get(l).map_or(&[][..], |parts| &parts[p][..]);
-                if let Some(f) = list.iter().find(|f| f.quantizer() != q) {
+                let same_values = |f: &CacheForm| {
+                    f.quantizer() == q
+                        && f.rotation() == own.rotation()
+                        && f.segments() == own.segments()
+                };
+                if let Some(f) = list.iter().find(|f| !same_values(f)) {
                     return bad(format!(
-                        "block form {f} of layer {l} quantizes differently from the layer's {own}: \
-                         the blocks of one part may differ in their code only"
+                        "block form {f} of layer {l} stores values differently from the layer's \
+                         {own}: the blocks of one part may differ in their protection only"
                     ));
                 }
             }
@@ -220,7 +227,7 @@ impl BlockedPart {
         if into.len() < blocks {
             into.resize(blocks, LayerCodewords::default());
         }
-        let mut rows = vec![0.0; self.block * self.channels];
+        let mut rows = vec![0.0; self.block.min(self.tokens) * self.channels];
         let mut scratch = DecodeScratch::default();
         for s in &self.segments {
             for local in (0..s.store.tokens()).step_by(self.block) {
@@ -237,9 +244,11 @@ impl BlockedPart {
 }
 
 /// The faults of one call on one part of one layer. Under a row-resolved
-/// [`HotMap`] each run of rows that are all hot or all not is injected
-/// with its channel, on a stream of its own derived from `seed` and the
-/// run's first row.
+/// [`HotMap`] (or for a part stored block by block) each run of rows that
+/// are all hot or all not, within one block, is injected with its channel,
+/// on a stream of its own derived from `seed` and the run's first row.
+///
+/// [`HotMap`]: crate::cache::HotMap
 pub(super) struct PartFaults<'a> {
     /// The run's channel and the hot region's channel.
     pub channels: (&'a dyn FaultChannel, &'a dyn FaultChannel),
@@ -251,6 +260,10 @@ pub(super) struct PartFaults<'a> {
     pub part: usize,
     /// Seed of this call's flips on this part.
     pub seed: u64,
+    /// Rows per block where the part is stored block by block: runs then
+    /// also end at block boundaries, so the flips a block sees do not
+    /// depend on how blocks are grouped into stores.
+    pub block: Option<usize>,
 }
 
 impl PartFaults<'_> {
@@ -272,9 +285,13 @@ impl PartFaults<'_> {
         let mut r = 0;
         while r < tokens {
             let is_hot = hot(r);
-            let end = (r + 1..tokens)
+            let block_end = self
+                .block
+                .map_or(tokens, |b| ((first + r) / b + 1) * b - first)
+                .min(tokens);
+            let end = (r + 1..block_end)
                 .find(|&e| hot(e) != is_hot)
-                .unwrap_or(tokens);
+                .unwrap_or(block_end);
             let channel = if is_hot {
                 self.channels.1
             } else {
@@ -370,5 +387,104 @@ impl KvSource for BlockedPart {
         self.segments
             .first()
             .and_then(|s| KvSource::rotation(&s.store))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::ChannelKind;
+    use gf2_codes::channel::BinarySymmetric;
+    use kv_quant::FaultTarget;
+
+    const TOKENS: usize = 150;
+    const CH: usize = 32;
+    const BLOCK: usize = 24;
+
+    /// Tiles read through a part stored in runs of codes, inside runs,
+    /// across them and over the partial last block, equal each block
+    /// decoded on its own with interpolation limited to it, under faults
+    /// that erase values.
+    #[test]
+    fn tiles_equal_each_block_decoded_alone() {
+        let forms: Vec<CacheForm> = ["secded84", "secded84", "golay24", "golay24", "golay24"]
+            .iter()
+            .chain(&["secded84", "hamming74"])
+            .map(|c| format!("int4+{c}+interp").parse().unwrap())
+            .collect();
+        let blocks = BlockForms {
+            block: BLOCK,
+            layers: vec![[forms.clone(), Vec::new()]],
+            observe: false,
+        };
+        let rows: Vec<f32> = (0..TOKENS * CH)
+            .map(|i| ((i / CH) as f32 * 0.11 + (i % CH) as f32 * 0.7).sin())
+            .collect();
+        let own = forms[0];
+        let mut part = BlockedPart::build(&blocks, (0, 0, own), &rows, TOKENS, CH).unwrap();
+        assert_eq!(
+            part.segments.iter().map(|s| s.start).collect::<Vec<_>>(),
+            [0, 48, 120, 144]
+        );
+        let channel = BinarySymmetric::new(2e-2).unwrap();
+        let spec = FaultSpec {
+            channel: ChannelKind::Bsc,
+            ber: 2e-2,
+            seed: 3,
+            target: FaultTarget::Values,
+            hot: None,
+        };
+        let faults = PartFaults {
+            channels: (&channel, &channel),
+            spec,
+            layer: 0,
+            part: 0,
+            seed: 9,
+            block: Some(BLOCK),
+        };
+        assert!(part.inject(&faults).unwrap() > 0);
+        // The reference: each block decoded alone.
+        let mut want = vec![0.0f32; TOKENS * CH];
+        let mut erased = 0;
+        let mut scratch = DecodeScratch::default();
+        for b in 0..TOKENS.div_ceil(BLOCK) {
+            let (t0, n) = (b * BLOCK, BLOCK.min(TOKENS - b * BLOCK));
+            let seg = part.segment(t0);
+            let local = t0 - seg.start;
+            scratch.limit_neighbours(Some(local..local + n));
+            let stats = seg
+                .store
+                .decode_rows_rotated_into(local, n, &mut want[t0 * CH..][..n * CH], &mut scratch)
+                .unwrap();
+            erased += stats.erased_values;
+        }
+        assert!(erased > 0, "no value erased: interpolation untested");
+        for (start, count) in [
+            (0, TOKENS),
+            (50, 20),
+            (60, 50),
+            (40, 20),
+            (100, 50),
+            (144, 6),
+            (147, 3),
+            (23, 2),
+        ] {
+            let mut scratch = BlockScratch::default();
+            let tile = part.read_tile(start, count, &mut scratch).unwrap();
+            let mut got = vec![0.0f32; count * CH];
+            match tile.rows {
+                TileRows::F32(v) => got.copy_from_slice(v),
+                TileRows::Levels(l) => l.dequantize_into(&mut got),
+                TileRows::F16(_) => panic!("int4 tiles are not half floats"),
+            }
+            let expected = &want[start * CH..][..count * CH];
+            assert!(
+                got.iter()
+                    .zip(expected)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rows {start}..{}",
+                start + count
+            );
+        }
     }
 }

@@ -287,6 +287,12 @@ pub struct FaultSpec {
 }
 
 impl FaultSpec {
+    /// Whether any bit is flipped: a positive rate, or a hot region with
+    /// one (perfect memory with a few bad rows is faulted).
+    pub fn is_faulted(&self) -> bool {
+        self.ber > 0.0 || self.hot.is_some_and(|h| h.ber > 0.0)
+    }
+
     /// Whether row `row` of `layer`'s keys (`part` 0) or values (1) lies in
     /// the hot region of this run's map (the same map for every run of
     /// one seed).
@@ -446,8 +452,11 @@ impl KvCache {
     /// An empty cache. `stream` separates the fault draws of independent
     /// sequences under one seed (the evaluation passes the window index).
     pub fn new(mode: CacheMode, faults: Option<FaultSpec>, stream: u64) -> Result<Self> {
+        if let Some(hot) = faults.and_then(|f| f.hot) {
+            hot.check()?;
+        }
         let faults = match faults {
-            Some(f) if f.ber > 0.0 => {
+            Some(f) if f.is_faulted() && f.ber >= 0.0 => {
                 if matches!(mode, CacheMode::Plain) {
                     return Err(EvalError::InvalidParameter {
                         name: "faults",
@@ -466,17 +475,21 @@ impl KvCache {
                 }
                 let hot = match f.hot {
                     Some(h) => {
-                        h.check()?;
                         let whole_layer_only = |f: &CacheForm| {
-                            matches!(f.quantizer(), Quantizer::Shard(_) | Quantizer::LowRank(_))
+                            !f.is_row_local() || matches!(f.quantizer(), Quantizer::LowRank(_))
                         };
-                        if h.is_row_resolved()
-                            && mode.forms().iter().any(|(f, _)| whole_layer_only(f))
+                        if let Some((f, _)) = mode
+                            .forms()
+                            .into_iter()
+                            .find(|(f, _)| h.is_row_resolved() && whole_layer_only(f))
                         {
                             return Err(EvalError::InvalidParameter {
                                 name: "hot map",
-                                reason: "shard and low-rank forms take a per-layer fault map only"
-                                    .into(),
+                                reason: format!(
+                                    "{f} takes a per-layer fault map only: a block or row map \
+                                     needs row-local kv-quant forms (not shard or low-rank forms, \
+                                     nor forms whose rows share parameters)"
+                                ),
                             });
                         }
                         Some(f.channel.build(h.ber)?)
@@ -699,6 +712,7 @@ impl KvBackend for KvCache {
                                 layer,
                                 part,
                                 seed: mix(base ^ mix((2 * layer + part) as u64)),
+                                block: blocks.map(|b| b.block),
                             })?;
                         }
                     }

@@ -84,8 +84,12 @@ fn hot_region(args: &AdaptArgs) -> Result<HotRegion, Error> {
     if given.iter().filter(|&&g| g).count() != 1 {
         return Err("give exactly one of --hot-layers, --hot-blocks, --hot-rows".into());
     }
-    if args.block == 0 {
-        return Err("--block 0: a block holds at least one row".into());
+    if args.block == 0 || args.block > args.source.ctx {
+        return Err(format!(
+            "--block {}: a block holds 1 to --ctx ({}) rows",
+            args.block, args.source.ctx
+        )
+        .into());
     }
     let fraction = |flag: &str, f: f64| -> Result<f64, Error> {
         if (0.0..=1.0).contains(&f) && f > 0.0 {
