@@ -14,7 +14,9 @@
 //! costs O(T²) over a token-by-token generation; the evaluation prefills
 //! whole windows, one call each, where it costs one encode per layer.
 //! `shard` forms (`shard.rs`) are built once at the prefill and extended
-//! after; each call faults a fresh copy of their compressed codes.
+//! after; each call faults a fresh copy of their compressed codes. With
+//! per-block forms ([`BlockForms`], `blocks.rs`) each part is stored as one
+//! store per run of blocks of one code, the protection chosen per block.
 
 mod blocks;
 mod channel;
