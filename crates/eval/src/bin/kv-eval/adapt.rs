@@ -51,6 +51,11 @@ pub(crate) struct AdaptArgs {
     /// Bit error rate of the hot layers, blocks or rows.
     #[arg(long, default_value_t = 1e-2)]
     hot_ber: f64,
+    /// SECDED and Golay with their codewords interleaved over 8 bytes
+    /// (`secded84x8`, `golay24x8`: what clustered faults need); Hamming
+    /// stays plain.
+    #[arg(long)]
+    interleaved: bool,
     /// Fault channel: bsc, burst, mbu, stuck0, stuck1.
     #[arg(long, default_value = "bsc")]
     channel: String,
@@ -129,8 +134,13 @@ pub(crate) fn run_adapt(args: AdaptArgs) -> Result<(), Error> {
     }
     let region = hot_region(&args)?;
     let per_block = !matches!(region, HotRegion::Layers(_));
-    let forms = ["hamming74", "secded84", "golay24"]
-        .map(|code| format!("{}+{code}{}", args.base, args.policy));
+    // Hamming(7,4) has no interleaved layout: it stays plain.
+    let codes = if args.interleaved {
+        ["hamming74", "secded84x8", "golay24x8"]
+    } else {
+        ["hamming74", "secded84", "golay24"]
+    };
+    let forms = codes.map(|code| format!("{}+{code}{}", args.base, args.policy));
     let parsed: [CacheForm; 3] = [forms[0].parse()?, forms[1].parse()?, forms[2].parse()?];
     // Under a block or row map every run is read block by block, so the
     // uniform forms and the adaptive one interpolate alike.
