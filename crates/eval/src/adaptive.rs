@@ -225,24 +225,22 @@ pub fn choose_blocks(blocks: &[Vec<LayerCodewords>], rule: AdaptRule) -> Result<
 }
 
 /// The per-layer spelling (kv-quant's `LayerForms`) storing each layer in
-/// `base` under its level's code with `suffix` (for example `+interp`):
-/// `0,5:int4+golay24+interp;1-4:...`, every level that occurs, no `*`.
-pub fn layer_forms(levels: &[Level], base: &str, suffix: &str) -> String {
-    [
-        (Level::Hamming, "hamming74"),
-        (Level::Secded, "secded84"),
-        (Level::Golay, "golay24"),
-    ]
-    .into_iter()
-    .filter_map(|(level, code)| {
-        let layers: Vec<String> = (0..levels.len())
-            .filter(|&l| levels[l] == level)
-            .map(|l| l.to_string())
-            .collect();
-        (!layers.is_empty()).then(|| format!("{}:{base}+{code}{suffix}", layers.join(",")))
-    })
-    .collect::<Vec<_>>()
-    .join(";")
+/// its level's form, `forms` giving the Hamming, SECDED and Golay forms
+/// (for example `int4+golay24+interp`): `0,5:int4+golay24+interp;1-4:...`,
+/// every level that occurs, no `*`.
+pub fn layer_forms(levels: &[Level], forms: [&str; 3]) -> String {
+    [Level::Hamming, Level::Secded, Level::Golay]
+        .into_iter()
+        .zip(forms)
+        .filter_map(|(level, form)| {
+            let layers: Vec<String> = (0..levels.len())
+                .filter(|&l| levels[l] == level)
+                .map(|l| l.to_string())
+                .collect();
+            (!layers.is_empty()).then(|| format!("{}:{form}", layers.join(",")))
+        })
+        .collect::<Vec<_>>()
+        .join(";")
 }
 
 #[cfg(test)]
@@ -275,7 +273,14 @@ mod tests {
             [Level::Golay, Level::Hamming, Level::Secded]
         );
         assert_eq!(
-            layer_forms(&choose(&layers, rule).unwrap(), "int4", "+interp"),
+            layer_forms(
+                &choose(&layers, rule).unwrap(),
+                [
+                    "int4+hamming74+interp",
+                    "int4+secded84+interp",
+                    "int4+golay24+interp"
+                ]
+            ),
             "1:int4+hamming74+interp;2:int4+secded84+interp;0:int4+golay24+interp"
         );
     }

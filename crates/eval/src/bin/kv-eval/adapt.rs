@@ -173,7 +173,7 @@ pub(crate) fn run_adapt(args: AdaptArgs) -> Result<(), Error> {
         return Err(format!("--hot-layers {l}: the model has {layers} layers").into());
     }
     let observe = args.observe_tokens;
-    if observe == 0 || observe + args.source.ctx > tokens.len() {
+    if observe == 0 || observe.saturating_add(args.source.ctx) > tokens.len() {
         return Err(format!(
             "--observe-tokens {observe} leaves no full window of the {} tokens to score",
             tokens.len()
@@ -216,7 +216,7 @@ pub(crate) fn run_adapt(args: AdaptArgs) -> Result<(), Error> {
             let p = estimate(s).unwrap_or(0.0);
             println!("  layer {l:2}: estimated BER {p:.2e} -> {level:?}");
         }
-        let spelling = layer_forms(&levels, &args.base, &args.policy);
+        let spelling = layer_forms(&levels, [&forms[0], &forms[1], &forms[2]]);
         println!("adaptive: {spelling}");
         let mode = CacheMode::layered(spelling.parse::<LayerForms>()?, None);
         (mode, serde_json::json!(spelling))
