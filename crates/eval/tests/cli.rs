@@ -68,6 +68,27 @@ fn hostile_flags_are_refused_before_any_work() {
             &["adapt", "--hot-layers", "3", "--hot-ber", "2"],
             "--hot-ber 2 is not in (0, 1]",
         ),
+        (&["adapt"], "exactly one of --hot-layers"),
+        (
+            &["adapt", "--hot-rows", "0.1", "--hot-blocks", "0.1"],
+            "exactly one of --hot-layers",
+        ),
+        (
+            &["adapt", "--hot-rows", "2"],
+            "--hot-rows 2 is not in (0, 1]",
+        ),
+        (
+            &["adapt", "--hot-blocks", "0"],
+            "--hot-blocks 0 is not in (0, 1]",
+        ),
+        (
+            &["adapt", "--hot-blocks", "0.1", "--block", "0"],
+            "--block 0: a block holds 1 to --ctx",
+        ),
+        (
+            &["adapt", "--hot-blocks", "0.1", "--block", "100000"],
+            "--block 100000",
+        ),
         (
             &["ppl", "--abft", "--gemm-flip-site", "weight"],
             "--gemm-flip-site goes with --gemm-flips",
