@@ -3,9 +3,9 @@
 //! granularity of a paged cache's blocks).
 //!
 //! [`BlockForms`] gives each block of `block` rows of each layer's keys and
-//! values its own form; the forms of one part differ only in their code
-//! and erasure policy (one quantizer), so a block's values are the same
-//! under every code. A part is then stored as [`BlockedPart`]: one kv-quant
+//! values its own form; the forms of one part differ only in their
+//! protection (one quantizer, rotation and segment layout), so a block's
+//! values are the same under every code. A part is then stored as [`BlockedPart`]: one kv-quant
 //! store per run of consecutive blocks of one form, read by attention as
 //! one source. A tile inside one run is that store's tile (FP16 halves or
 //! integer levels for the fused kernels); a tile across runs is decoded
@@ -211,8 +211,8 @@ impl BlockedPart {
         &self.segments[i - 1]
     }
 
-    /// Injects faults under a row-resolved map into every segment; returns
-    /// the flips.
+    /// Injects this call's faults into every segment, run by run within
+    /// each block ([`PartFaults`]); returns the flips.
     pub(super) fn inject(&mut self, faults: &PartFaults<'_>) -> Result<u64> {
         self.segments
             .iter_mut()
