@@ -551,6 +551,7 @@ fn pack(codes: impl Iterator<Item = u8>, bits: u8, out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     /// Calls `f(j, code)` for each `b`-bit code packed in `bytes`.
     fn unpack(bytes: &[u8], bits: u8, mut f: impl FnMut(usize, u8)) {
@@ -567,7 +568,6 @@ mod tests {
             }
         }
     }
-    use proptest::prelude::*;
 
     /// The least allocation error over every assignment, by enumeration.
     fn brute_force(variances: &[f64], sizes: &[usize], budget: usize) -> f64 {

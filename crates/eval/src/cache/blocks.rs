@@ -20,10 +20,9 @@
 use std::ops::Range;
 
 use attention::{KvSource, StoreScratch, Tile, TileRows};
-use gf2_codes::channel::FaultChannel;
 use kv_quant::{CacheForm, DecodeScratch, KvDecodeStats, KvStore, Quantizer};
 
-use super::{FaultSpec, LayerCodewords, mix, quantize};
+use super::{Faults, LayerCodewords, mix, quantize};
 use crate::adaptive::Level;
 use crate::error::{EvalError, Result};
 
@@ -250,10 +249,8 @@ impl BlockedPart {
 ///
 /// [`HotMap`]: crate::cache::HotMap
 pub(super) struct PartFaults<'a> {
-    /// The run's channel and the hot region's channel.
-    pub channels: (&'a dyn FaultChannel, &'a dyn FaultChannel),
-    /// The run's faults (its map and target).
-    pub spec: FaultSpec,
+    /// The run's faults: its map, target and channels.
+    pub faults: &'a Faults,
     /// The layer.
     pub layer: usize,
     /// Keys 0, values 1.
@@ -267,19 +264,11 @@ pub(super) struct PartFaults<'a> {
 }
 
 impl PartFaults<'_> {
-    /// The channel of the whole layer (the hot one where a per-layer map
-    /// names it).
-    pub(super) fn layer_channel(&self) -> &dyn FaultChannel {
-        match self.spec.hot {
-            Some(m) if m.hot_layer(self.layer) => self.channels.1,
-            _ => self.channels.0,
-        }
-    }
-
     /// Injects into `store`, whose row 0 is the part's row `first`; row-
     /// local forms only (a typed error otherwise). Returns the flips.
     pub(super) fn inject(&self, store: &mut KvStore, first: usize) -> Result<u64> {
-        let hot = |r: usize| self.spec.is_hot(self.layer, self.part, first + r);
+        let spec = &self.faults.spec;
+        let hot = |r: usize| spec.is_hot(self.layer, self.part, first + r);
         let tokens = store.tokens();
         let mut flips = 0;
         let mut r = 0;
@@ -292,14 +281,10 @@ impl PartFaults<'_> {
             let end = (r + 1..block_end)
                 .find(|&e| hot(e) != is_hot)
                 .unwrap_or(block_end);
-            let channel = if is_hot {
-                self.channels.1
-            } else {
-                self.channels.0
-            };
+            let channel = self.faults.channel(is_hot);
             let seed = mix(self.seed ^ mix((first + r) as u64));
             flips += store
-                .inject_rows(r..end, channel, seed, self.spec.target)?
+                .inject_rows(r..end, channel, seed, spec.target)?
                 .total() as u64;
             r = end;
         }
@@ -393,7 +378,7 @@ impl KvSource for BlockedPart {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::ChannelKind;
+    use crate::cache::{ChannelKind, FaultSpec};
     use gf2_codes::channel::BinarySymmetric;
     use kv_quant::FaultTarget;
 
@@ -426,7 +411,6 @@ mod tests {
             part.segments.iter().map(|s| s.start).collect::<Vec<_>>(),
             [0, 48, 120, 144]
         );
-        let channel = BinarySymmetric::new(2e-2).unwrap();
         let spec = FaultSpec {
             channel: ChannelKind::Bsc,
             ber: 2e-2,
@@ -434,9 +418,13 @@ mod tests {
             target: FaultTarget::Values,
             hot: None,
         };
-        let faults = PartFaults {
-            channels: (&channel, &channel),
+        let run = Faults {
             spec,
+            channel: Box::new(BinarySymmetric::new(2e-2).unwrap()),
+            hot: None,
+        };
+        let faults = PartFaults {
+            faults: &run,
             layer: 0,
             part: 0,
             seed: 9,

@@ -131,15 +131,15 @@ impl StoredPart {
     /// stored block by block or under a row-resolved map, else the whole
     /// store from one stream (the per-layer map's channel).
     fn inject(&mut self, faults: &PartFaults<'_>) -> Result<u64> {
-        let whole = faults.spec.hot.is_none_or(|m| !m.is_row_resolved());
+        let spec = &faults.faults.spec;
+        let channel = faults.faults.layer_channel(faults.layer);
+        let whole = spec.hot.is_none_or(|m| !m.is_row_resolved());
         Ok(match self {
             Self::Blocked(s) => s.inject(faults)?,
-            Self::Quant(s) if whole => s
-                .inject(faults.layer_channel(), faults.seed, faults.spec.target)
-                .total() as u64,
+            Self::Quant(s) if whole => s.inject(channel, faults.seed, spec.target).total() as u64,
             Self::Quant(s) => faults.inject(s, 0)?,
             Self::LowRank(s) if whole => s
-                .inject(faults.layer_channel(), faults.seed, faults.spec.target)
+                .inject(channel, faults.seed, spec.target)
                 .iter()
                 .map(|i| i.total() as u64)
                 .sum(),
@@ -439,6 +439,22 @@ struct Faults {
     hot: Option<Box<dyn FaultChannel + Send + Sync>>,
 }
 
+impl Faults {
+    /// The hot region's channel where `hot`, else the run's.
+    fn channel(&self, hot: bool) -> &(dyn FaultChannel + Send + Sync) {
+        match (&self.hot, hot) {
+            (Some(h), true) => h.as_ref(),
+            _ => self.channel.as_ref(),
+        }
+    }
+
+    /// The channel of the whole of `layer` (the hot one where a per-layer
+    /// map names it).
+    fn layer_channel(&self, layer: usize) -> &(dyn FaultChannel + Send + Sync) {
+        self.channel(self.spec.hot.is_some_and(|h| h.hot_layer(layer)))
+    }
+}
+
 /// Salt of the seed a row-resolved [`HotMap`] is drawn from.
 const MAP_SALT: u64 = 0x4d41_5053;
 
@@ -649,12 +665,8 @@ impl KvBackend for KvCache {
                 if codes.key.form.quantizer().is_shard() || codes.value.form.quantizer().is_shard()
                 {
                     let faults = self.faults.as_ref().map(|f| {
-                        let channel = match (&f.hot, f.spec.hot) {
-                            (Some(hot), Some(h)) if h.hot_layer(layer) => hot,
-                            _ => &f.channel,
-                        };
                         let base = mix(f.spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        (channel.as_ref(), mix(base ^ mix(2 * layer as u64)))
+                        (f.layer_channel(layer), mix(base ^ mix(2 * layer as u64)))
                     });
                     let prefill = self.prefill.unwrap_or(tokens);
                     let run = shard::attend(
@@ -704,13 +716,10 @@ impl KvBackend for KvCache {
                     // clean ones, and the statistics still separate corrected,
                     // miscorrected and silent words.
                     if let Some(faults) = &self.faults {
-                        let spec = faults.spec;
-                        let base = mix(spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        let channel = faults.channel.as_ref();
+                        let base = mix(faults.spec.seed ^ mix(self.stream ^ mix(self.calls)));
                         for (part, read) in [&mut read_k, &mut read_v].into_iter().enumerate() {
                             self.stats.injected_flips += read.inject(&PartFaults {
-                                channels: (channel, faults.hot.as_deref().unwrap_or(channel)),
-                                spec,
+                                faults,
                                 layer,
                                 part,
                                 seed: mix(base ^ mix((2 * layer + part) as u64)),
