@@ -32,6 +32,8 @@ struct RkvPool {
     const u8* scales;
     const u8* offsets;
     const u8* checks;
+    float scale_bound;   // kv-quant's ParamBound: the largest scale written
+    float offset_bound;  // and the largest |offset|
 };
 
 struct RkvPagedParams {
@@ -96,12 +98,13 @@ __device__ __forceinline__ bool rkv_group_params(const RkvPagedParams& P, const 
     }
     *a = rkv_word_to_float(s, P.scale_bytes);
     *b = P.symmetric ? 0.0f : rkv_word_to_float(o, P.scale_bytes);
-    // kv-quant's rules for protected metadata: a NaN, infinite or negative
-    // scale, or a non-finite offset, is an error the code let through; it
-    // and a detected word read as 0 and erase the group.
+    // kv-quant's rules for protected metadata: a scale outside
+    // 0..=scale_bound or an offset outside -offset_bound..=offset_bound
+    // (NaN and infinities included: the comparisons fail) is an error the
+    // code let through; it and a detected word read as 0 and erase the group.
     if (P.meta_checks) {
-        bool bad_a = so == 2 || !isfinite(*a) || *a < 0.0f;
-        bool bad_b = oo == 2 || !isfinite(*b);
+        bool bad_a = so == 2 || !(*a >= 0.0f && *a <= pool.scale_bound);
+        bool bad_b = oo == 2 || !(fabsf(*b) <= pool.offset_bound);
         if (bad_a) *a = 0.0f;
         if (bad_b) *b = 0.0f;
         return bad_a || bad_b;

@@ -10,7 +10,7 @@
 //! against paged-cache's CPU [`paged_decode`](paged_cache::paged_decode).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
-use kv_quant::{KvDecodeStats, ScaleType};
+use kv_quant::{KvDecodeStats, ParamBound, ScaleType};
 use paged_cache::{BlockStorage, KvPart, PageTable};
 
 use crate::device::{Gpu, driver};
@@ -29,6 +29,9 @@ struct DevicePool {
     scales: CudaSlice<u8>,
     offsets: CudaSlice<u8>,
     checks: CudaSlice<u8>,
+    /// The store's parameter bound (kv-quant's plausibility check of
+    /// protected metadata), passed by value with every launch.
+    bound: ParamBound,
 }
 
 /// One layer's K and V pools on the device.
@@ -91,12 +94,22 @@ pub struct DevicePagedOutput {
     pub stats: KvDecodeStats,
 }
 
+/// One pool's device addresses and parameter bound, `RkvPool` of
+/// paged_decode.cu field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct PoolParams {
+    buffers: [u64; 4],
+    scale_bound: f32,
+    offset_bound: f32,
+}
+
 /// Kernel parameters, `RkvPagedParams` of paged_decode.cu field for field.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct Params {
-    k: [u64; 4],
-    v: [u64; 4],
+    k: PoolParams,
+    v: PoolParams,
     indptr: u64,
     indices: u64,
     last_page_len: u64,
@@ -128,6 +141,11 @@ struct Params {
     scale_log2: f32,
     pad: u32,
 }
+
+// The C layouts: four 8-byte addresses and two floats; two pools, twelve
+// 8-byte words, sixteen u32, a float and the pad.
+const _: () = assert!(std::mem::size_of::<PoolParams>() == 40);
+const _: () = assert!(std::mem::size_of::<Params>() == 2 * 40 + 12 * 8 + 16 * 4 + 8);
 
 // SAFETY: `repr(C)`, plain integers and device addresses, laid out as
 // `RkvPagedParams` (pointers are 8 bytes on the device).
@@ -200,6 +218,7 @@ impl Gpu {
                 scales: s.clone_htod(&host[1]).map_err(&up)?,
                 offsets: s.clone_htod(&host[2]).map_err(&up)?,
                 checks: s.clone_htod(&host[3]).map_err(&up)?,
+                bound: storage.layer_store(layer, part)?.param_bound(),
             })
         };
         Ok(DevicePagedLayer {
@@ -379,8 +398,16 @@ impl Gpu {
         let (sec, _g15) = tables.secded.device_ptr(s);
         let (meta, _g16) = tables.meta[usize::from(wide)].device_ptr(s);
         let p = Params {
-            k: [kd, ks, ko, kc],
-            v: [vd, vs, vo, vc],
+            k: PoolParams {
+                buffers: [kd, ks, ko, kc],
+                scale_bound: layer.k.bound.scale,
+                offset_bound: layer.k.bound.offset,
+            },
+            v: PoolParams {
+                buffers: [vd, vs, vo, vc],
+                scale_bound: layer.v.bound.scale,
+                offset_bound: layer.v.bound.offset,
+            },
             indptr,
             indices,
             last_page_len: last,

@@ -63,8 +63,8 @@ pub use spec::{
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, LevelMap,
-    LevelRows, NonFinite, QuantizeOptions, RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder,
-    RowsView, ScrubStats, SegmentRows,
+    LevelRows, NonFinite, ParamBound, QuantizeOptions, RowBufferSizes, RowBuffers, RowBuffersMut,
+    RowEncoder, RowsView, ScrubStats, SegmentRows,
 };
 pub use vq::{FitOptions, VqCodebook};
 

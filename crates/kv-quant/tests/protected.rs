@@ -443,47 +443,73 @@ impl FaultChannel for FlipsPerCall {
 }
 
 /// A metadata error the code cannot see (flips that make another valid
-/// codeword) that decodes to a NaN, infinite or negative scale erases its
-/// group, which interpolation rebuilds, instead of spreading non-finite
-/// values; the ledger still counts the word as silent.
+/// codeword) that decodes to a NaN, infinite or negative scale, or to a
+/// finite scale or offset outside the range the store's writers wrote,
+/// erases its group, which interpolation rebuilds, instead of spreading
+/// non-finite or blown-up values; one inside the range is a bounded error
+/// and is read as it is. The ledger counts every such word as silent.
 #[test]
-fn implausible_protected_scales_are_erased() {
+fn implausible_protected_parameters_are_erased() {
     let (tokens, channels) = (6, 16);
     let clean = store("int4-g8+secded84+interp+meta-secded", tokens, channels);
     let reference = clean.decode().unwrap();
+    let bound = clean.param_bound();
     let code = kv_quant::MetaCode::f16();
     let g = 4; // token 2, channels 0..8
-    let orig = u32::from(u16::from_le_bytes([
-        clean.scales()[2 * g],
-        clean.scales()[2 * g + 1],
-    ]));
-    for target in [0x7c00u32, 0xfe00, 0xbc00] {
+    let groups = tokens * channels / 8;
+    let word = |buffer: &[u8]| u32::from(u16::from_le_bytes([buffer[2 * g], buffer[2 * g + 1]]));
+    let (scale, offset) = (word(clean.scales()), word(clean.offsets()));
+    let f16 = |x: f32| u32::from(half::f16::from_f32(x).to_bits());
+    let (s, o) = clean.group_params(g).unwrap();
+    // (is the offset, written word, erased)
+    let cases = [
+        (false, 0x7c00, true),                  // +∞
+        (false, 0xfe00, true),                  // NaN
+        (false, 0xbc00, true),                  // −1.0
+        (false, scale ^ 0x4000, true),          // the top exponent bit: ×2^16
+        (false, f16(bound.scale * 1.01), true), // just above every written scale
+        (false, f16(s * 0.5), false),           // a smaller scale: bounded
+        (true, offset ^ 0x4000, true),
+        (true, f16(-bound.offset * 1.01), true),
+        (true, f16(o * 0.5), false),
+    ];
+    for (is_offset, target, erased) in cases {
+        let orig = if is_offset { offset } else { scale };
         let bits = |d: u32, base: u64| -> Vec<u64> {
             (0..32)
                 .filter(|b| d >> b & 1 == 1)
                 .map(|b| base + b)
                 .collect()
         };
+        let word_flips = bits(orig ^ target, 16 * g as u64);
+        let check = if is_offset { groups + g } else { g };
+        let check_flips = bits(code.check(orig) ^ code.check(target), 8 * check as u64);
         let flips = FlipsPerCall {
-            positions: vec![
-                bits(orig ^ target, 16 * g as u64),
-                Vec::new(),
-                bits(code.check(orig) ^ code.check(target), 8 * g as u64),
-            ],
+            positions: if is_offset {
+                vec![Vec::new(), word_flips, check_flips]
+            } else {
+                vec![word_flips, Vec::new(), check_flips]
+            },
             calls: Default::default(),
         };
         let mut hit = clean.clone();
         hit.inject(&flips, 0, FaultTarget::Metadata);
         let d = hit.decode().unwrap();
-        assert_eq!(d.stats.metadata.silent, 1, "{target:#x}");
-        assert_eq!(d.stats.erased_values, 8, "{target:#x}");
+        let what = format!(
+            "{} {target:#06x}",
+            if is_offset { "offset" } else { "scale" }
+        );
+        assert_eq!(d.stats.metadata.silent, 1, "{what}");
+        assert_eq!(d.stats.erased_values, if erased { 8 } else { 0 }, "{what}");
         for c in 0..8 {
-            assert!(d.is_erased(2, c));
-            let expect =
-                0.5 * (reference.values[channels + c] + reference.values[3 * channels + c]);
-            assert_eq!(d.values[2 * channels + c], expect, "{target:#x}");
+            assert_eq!(d.is_erased(2, c), erased, "{what}");
+            if erased {
+                let expect =
+                    0.5 * (reference.values[channels + c] + reference.values[3 * channels + c]);
+                assert_eq!(d.values[2 * channels + c], expect, "{what}");
+            }
         }
-        assert!(d.values.iter().all(|v| v.is_finite()));
+        assert!(d.values.iter().all(|v| v.is_finite()), "{what}");
     }
 }
 

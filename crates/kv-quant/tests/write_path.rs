@@ -255,3 +255,72 @@ fn encoded_rows_commit_into_a_store_without_allocating() {
         }
     }
 }
+
+/// Every way rows reach a store (a whole quantization, `write_rows` one row
+/// at a time, `put_encoded_rows`, `copy_rows_from`, `rows_to_store`,
+/// overwriting) keeps its parameter bound over every word written, so a
+/// clean store never erases a group for lying outside it; the bound is the
+/// exact range of the words written, and overwriting never narrows it.
+#[test]
+fn every_write_path_keeps_the_parameter_bound() {
+    let (tokens, channels) = (9, 128);
+    // Rows of magnitudes 1, 40 and 1/40: a bound of any one row is too narrow.
+    let x: Vec<f32> = data(tokens, channels)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * [1.0, 40.0, 0.025][i / channels % 3])
+        .collect();
+    let clean = |store: &KvStore, what: &str| {
+        let d = store.decode().unwrap();
+        assert_eq!(d.stats.erased_values, 0, "{what}");
+        d.values
+    };
+    for spelling in FORMS {
+        let form: CacheForm = spelling.parse().unwrap();
+        let cb = codebook(&form, channels);
+        let whole = quantize_whole(form, &x, tokens, channels, &cb);
+        let bound = whole.param_bound();
+        let protected = !whole.meta_checks().is_empty();
+        let groups = (0..).map_while(|g| whole.group_params(g));
+        let (s, o) = groups.fold((0f32, 0f32), |(s, o), (a, b)| (s.max(a), o.max(b.abs())));
+        let expect = if protected { (s, o) } else { (0.0, 0.0) };
+        assert_eq!((bound.scale, bound.offset), expect, "{spelling}");
+        let values = clean(&whole, spelling);
+
+        let mut by_rows = KvStore::zeroed_with(form, tokens, channels, cb.clone()).unwrap();
+        let mut encoder = RowEncoder::new(form, channels, cb.clone()).unwrap();
+        let mut rows = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
+        let mut committed = by_rows.clone();
+        for t in (0..tokens).rev() {
+            let row = &x[t * channels..][..channels];
+            by_rows
+                .write_rows(t, row, QuantizeOptions::default())
+                .unwrap();
+            encoder
+                .encode_into(row, rows.as_mut(), QuantizeOptions::default())
+                .unwrap();
+            committed.put_encoded_rows(t, &rows).unwrap();
+        }
+        let mut copied = KvStore::zeroed_with(form, tokens, channels, cb.clone()).unwrap();
+        copied.copy_rows_from(0, &whole).unwrap();
+        for (store, what) in [
+            (&by_rows, "write_rows"),
+            (&committed, "put"),
+            (&copied, "copy"),
+        ] {
+            assert_eq!(store.param_bound(), bound, "{spelling} {what}");
+            assert_eq!(clean(store, what), values, "{spelling} {what}");
+        }
+        // A part of the store keeps the whole's bound.
+        let part = whole.rows_to_store(3, 3).unwrap();
+        assert_eq!(part.param_bound(), bound, "{spelling}");
+        assert_eq!(clean(&part, "part"), values[3 * channels..6 * channels]);
+        // Overwriting the largest rows with small ones keeps the old bound.
+        let small = vec![0.01f32; 3 * channels];
+        by_rows
+            .write_rows(0, &small, QuantizeOptions::default())
+            .unwrap();
+        assert_eq!(by_rows.param_bound(), bound, "{spelling}");
+        clean(&by_rows, "overwritten");
+    }
+}

@@ -192,10 +192,12 @@ impl Section {
         let mut stats = DecodeStats::default();
         let has_offsets = !self.offsets.is_empty();
         // Protected metadata is also checked for plausibility: a scale or
-        // offset that decodes to NaN or ±∞, or a negative scale (every
-        // form's scale, absmax or gain is ≥ 0), is an undetected error the
-        // code let through, and erasing its group lets the erasure policy
-        // rebuild the values instead of spreading a non-finite row. Such a
+        // offset that decodes to NaN or ±∞, a negative scale (every form's
+        // scale, absmax or gain is ≥ 0), or a value outside the range the
+        // store's writers wrote ([`ParamBound`](super::ParamBound)) is an
+        // undetected error the code let through, and erasing its group lets
+        // the erasure policy rebuild the values instead of spreading a
+        // non-finite or blown-up row. Such a
         // word, and a detected one, reads as 0: `keep` leaves a detected
         // value codeword as received because a wrong level is a bounded
         // error, but a scale or offset as received is not bounded (one
@@ -210,7 +212,7 @@ impl Section {
                     stats.record(outcome);
                 }
                 let v = int::from_bits(ty, word);
-                let implausible = checked && (!v.is_finite() || (is_scale && v < 0.0));
+                let implausible = checked && !self.bound.admits(v, is_scale);
                 let erased = outcome == DecodeOutcome::Detected || implausible;
                 (if erased { 0.0 } else { v }, erased)
             };

@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use super::bound::ParamBound;
 use super::levels::{all_finite, group_params, int_row, levels_of_group, levels_with, row_params};
 use super::section::{Coding, Kind, Section};
 use super::{LevelMap, NonFinite, QuantizeOptions, bits::read_word};
@@ -150,6 +151,8 @@ pub struct RowEncoder {
     meta: Option<&'static MetaCode>,
     /// Saturate rather than refuse out-of-range float input (set per call).
     clamp: bool,
+    /// The range of the protected metadata the last `encode_into` wrote.
+    written: ParamBound,
     scratch: Scratch,
 }
 
@@ -194,6 +197,7 @@ impl RowEncoder {
             codebook: probe.codebook,
             meta: coding.meta_code(),
             clamp: false,
+            written: ParamBound::default(),
             scratch: Scratch::default(),
         })
     }
@@ -288,6 +292,7 @@ impl RowEncoder {
         let (rb, width) = (self.row_bytes(), self.coding.scale_type().bytes());
         let g = self.groups;
         self.clamp = options.non_finite == NonFinite::Clamp;
+        self.written = ParamBound::default();
         for (r, row) in rows.chunks_exact(ch).enumerate() {
             let finite = all_finite(row);
             if options.non_finite == NonFinite::Reject
@@ -315,19 +320,31 @@ impl RowEncoder {
                 let cb = code.check_bytes();
                 let words = out.scales[r * g * width..][..g * width].chunks_exact(width);
                 let checks = out.scale_checks[r * g * cb..][..g * cb].chunks_exact_mut(cb);
+                let ty = self.coding.scale_type();
                 for (c, w) in checks.zip(words) {
-                    c.copy_from_slice(&code.check(read_word(w)).to_le_bytes()[..cb]);
+                    let word = read_word(w);
+                    c.copy_from_slice(&code.check(word).to_le_bytes()[..cb]);
+                    self.written.widen_scale(int::from_bits(ty, word));
                 }
                 if !out.offsets.is_empty() {
                     let words = out.offsets[r * g * width..][..g * width].chunks_exact(width);
                     let checks = out.offset_checks[r * g * cb..][..g * cb].chunks_exact_mut(cb);
                     for (c, w) in checks.zip(words) {
-                        c.copy_from_slice(&code.check(read_word(w)).to_le_bytes()[..cb]);
+                        let word = read_word(w);
+                        c.copy_from_slice(&code.check(word).to_le_bytes()[..cb]);
+                        self.written.widen_offset(int::from_bits(ty, word));
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// The range of the protected scales and offsets the last
+    /// [`encode_into`](Self::encode_into) wrote (every row before a failing
+    /// one; zero for forms whose metadata is unprotected).
+    pub(crate) fn written(&self) -> ParamBound {
+        self.written
     }
 
     /// One row: rotation, group parameters, codes, packing and the code.
@@ -722,6 +739,7 @@ pub(crate) fn quantize_section(
             },
             options,
         )?;
+        section.bound = encoder.written();
         return Ok(section);
     }
     // Shared metadata: per-channel, per-tensor integer and FP8 forms
@@ -761,6 +779,7 @@ pub(crate) fn quantize_section(
             .flat_map(|w| code.check(read_word(w)).to_le_bytes().into_iter().take(cb))
             .collect();
         section.checks = checks;
+        section.bound = ParamBound::of_words(ty, &section.scales, &section.offsets);
     }
     let sanitized: Vec<f32>;
     let data = if all_finite(data) {

@@ -38,11 +38,14 @@
 //! # What is protected by default
 //! Forms with a code protect the values (and exact rows) with that code and
 //! the scales and offsets with a metadata code: SECDED check bytes under
-//! Hamming and SECDED values, RM(2,5) check words under Golay values
-//! (`+meta-secded`, `+meta-rm` choose, `+meta-none` turns it off). Forms without a code protect nothing. Faults can be
-//! injected into the values and the metadata separately ([`FaultTarget`]).
+//! Hamming values, RM(2,5) check words under SECDED and Golay values
+//! (`+meta-secded`, `+meta-rm` choose, `+meta-none` turns it off); a
+//! decoded word outside the range written ([`ParamBound`]) erases its
+//! group. Forms without a code protect nothing. Faults can be injected into
+//! the values and the metadata separately ([`FaultTarget`]).
 
 mod bits;
+mod bound;
 mod decode;
 mod encode;
 mod erasure;
@@ -54,6 +57,7 @@ mod rows;
 pub(crate) mod section;
 mod view;
 
+pub use bound::ParamBound;
 pub use decode::DecodeScratch;
 pub use encode::{RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder};
 pub use inject::{FaultTarget, Injection};
@@ -417,6 +421,13 @@ impl KvStore {
     /// The codebooks of a `vq` store.
     pub fn codebook(&self) -> Option<&Arc<VqCodebook>> {
         self.middle.codebook.as_ref()
+    }
+
+    /// The range of the scales and offsets written into the quantized rows
+    /// ([`ParamBound`]): with protected metadata, a decoded word outside it
+    /// erases its group. Zero for forms whose metadata is unprotected.
+    pub fn param_bound(&self) -> ParamBound {
+        self.middle.bound
     }
 
     /// Stored parameters of group `g` of the quantized rows as held (before

@@ -85,6 +85,7 @@ impl KvStore {
                     .copy_from_slice(&s.checks[at(t + src.groups.start..t + src.groups.end)]);
             }
         }
+        out.middle.bound = self.middle.bound;
         out.middle.record(&self.middle.ledger_rows(rows), 0..count);
         Ok(out)
     }

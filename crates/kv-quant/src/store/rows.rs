@@ -8,6 +8,7 @@ use std::sync::Arc;
 use gf2_codes::{DecodeOutcome, DecodeStats};
 
 use super::bits::read_word;
+use super::bound::ParamBound;
 use super::encode::{RowBuffers, RowBuffersMut, RowEncoder};
 use super::ledger::Buffer;
 use super::section::Section;
@@ -128,13 +129,18 @@ impl KvStore {
             // Rows holding faults: one row at a time, so the ledger forgets
             // exactly the rows written even when a later row fails.
             for (t, row) in (start..end).zip(rows.chunks_exact(ch)) {
-                encoder.encode_into(row, row_buffers(&mut self.middle, t, t + 1), options)?;
+                let written =
+                    encoder.encode_into(row, row_buffers(&mut self.middle, t, t + 1), options);
+                self.middle.bound.widen(encoder.written());
+                written?;
                 self.middle.forget_rows(t..t + 1);
             }
             return Ok(());
         }
         let out = row_buffers(&mut self.middle, start, end);
-        encoder.encode_into(rows, out, options)
+        let written = encoder.encode_into(rows, out, options);
+        self.middle.bound.widen(encoder.written());
+        written
     }
 
     /// Copies rows encoded by a [`RowEncoder`] of this store's form and width
@@ -177,6 +183,11 @@ impl KvStore {
         }
         for (dst, src) in pairs {
             dst.copy_from_slice(src);
+        }
+        if self.middle.coding.meta_code().is_some() {
+            let ty = self.middle.coding.scale_type();
+            let written = ParamBound::of_words(ty, &rows.scales, &rows.offsets);
+            self.middle.bound.widen(written);
         }
         self.middle.forget_rows(start..end);
         Ok(())
@@ -226,7 +237,8 @@ impl KvStore {
                 }
             }
         }
-        // The rows' faults are now the source's.
+        // The rows' faults are now the source's, and so is what was written.
+        m.bound.widen(s.bound);
         m.forget_rows(start..end);
         m.record(&s.ledger_rows(0..n), start..end);
         Ok(())

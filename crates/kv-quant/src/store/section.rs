@@ -25,6 +25,7 @@ use crate::rotation::Hadamard;
 use crate::spec::{CacheForm, Granularity, Protection, Quantizer, ScaleType};
 use crate::vq::VqCodebook;
 
+use super::bound::ParamBound;
 use super::ledger::FaultLedger;
 
 /// How stored codes become values.
@@ -274,6 +275,10 @@ pub(crate) struct Section {
     /// the first fault). Not part of a section's equality, which is that of
     /// its form, shape and bytes.
     pub(crate) ledger: Option<Box<FaultLedger>>,
+    /// The range of the scales and offsets written (protected metadata
+    /// only; [`ParamBound`]). Like the ledger, write history: not part of
+    /// equality.
+    pub(crate) bound: ParamBound,
 }
 
 impl PartialEq for Section {
@@ -353,6 +358,7 @@ impl Section {
                 None
             },
             ledger: None,
+            bound: ParamBound::default(),
         })
     }
 
