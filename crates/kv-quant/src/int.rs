@@ -208,13 +208,9 @@ pub(crate) fn unpack_row(bits: u8, packed: &[u8], levels: &mut [u8]) {
     match bits {
         8 => levels.copy_from_slice(packed),
         4 => {
-            let mut pairs = levels.chunks_exact_mut(2);
-            for (pair, &b) in (&mut pairs).zip(packed) {
-                pair[0] = b & 0xF;
-                pair[1] = b >> 4;
-            }
-            if let [last] = pairs.into_remainder() {
-                *last = packed[packed.len() - 1] & 0xF;
+            crate::simd::unpack_nibbles(packed, levels);
+            if levels.len() % 2 == 1 {
+                levels[levels.len() - 1] = packed[packed.len() - 1] & 0xF;
             }
         }
         2 => {

@@ -32,6 +32,41 @@ fn f16_to_f32_scalar(src: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Unpacks 4-bit levels, two per byte, low nibble first: `levels[2i]` is
+/// `packed[i] & 15` and `levels[2i + 1]` is `packed[i] >> 4`, for
+/// `levels.len() / 2` whole bytes (an odd last level is the caller's).
+///
+/// With AVX-512BW or AVX2: each byte is widened to a 16-bit lane and
+/// becomes `(x & 0xF) | (x << 4 & 0xF00)`, whose little-endian bytes are the
+/// two levels in order: three instructions per 32 or 16 bytes, where the
+/// scalar pair stores were not vectorised (13% of an `int4` decode-attention
+/// call, `perf`).
+///
+/// # Panics
+/// If `packed` holds fewer than `levels.len() / 2` bytes.
+pub(crate) fn unpack_nibbles(packed: &[u8], levels: &mut [u8]) {
+    let packed = &packed[..levels.len() / 2];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has AVX-512F and AVX-512BW.
+            return unsafe { x86::unpack_nibbles_avx512(packed, levels) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { x86::unpack_nibbles_avx2(packed, levels) };
+        }
+    }
+    unpack_nibbles_scalar(packed, levels);
+}
+
+fn unpack_nibbles_scalar(packed: &[u8], levels: &mut [u8]) {
+    for (pair, &b) in levels.chunks_exact_mut(2).zip(packed) {
+        pair[0] = b & 0xF;
+        pair[1] = b >> 4;
+    }
+}
+
 /// Runs `f` compiled for AVX2 when the CPU has it (the closure and what it
 /// inlines are compiled inside a function with those features enabled).
 #[inline(always)]
@@ -155,6 +190,45 @@ mod x86 {
     }
 
     /// # Safety
+    /// The CPU must have AVX-512F and AVX-512BW; `levels` holds at least
+    /// `2·packed.len()` bytes.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn unpack_nibbles_avx512(packed: &[u8], levels: &mut [u8]) {
+        let (chunks, tail) = packed.as_chunks::<32>();
+        for (i, c) in chunks.iter().enumerate() {
+            let o = &mut levels[64 * i..][..64];
+            // SAFETY: `c` holds 32 bytes and `o` 64; unaligned access.
+            unsafe {
+                let x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.as_ptr().cast()));
+                let lo = _mm512_and_si512(x, _mm512_set1_epi16(0xF));
+                let hi = _mm512_and_si512(_mm512_slli_epi16::<4>(x), _mm512_set1_epi16(0xF00));
+                _mm512_storeu_si512(o.as_mut_ptr().cast(), _mm512_or_si512(lo, hi));
+            }
+        }
+        let done = 32 * chunks.len();
+        super::unpack_nibbles_scalar(tail, &mut levels[2 * done..]);
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2; `levels` holds at least `2·packed.len()` bytes.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn unpack_nibbles_avx2(packed: &[u8], levels: &mut [u8]) {
+        let (chunks, tail) = packed.as_chunks::<16>();
+        for (i, c) in chunks.iter().enumerate() {
+            let o = &mut levels[32 * i..][..32];
+            // SAFETY: `c` holds 16 bytes and `o` 32; unaligned access.
+            unsafe {
+                let x = _mm256_cvtepu8_epi16(_mm_loadu_si128(c.as_ptr().cast()));
+                let lo = _mm256_and_si256(x, _mm256_set1_epi16(0xF));
+                let hi = _mm256_and_si256(_mm256_slli_epi16::<4>(x), _mm256_set1_epi16(0xF00));
+                _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_or_si256(lo, hi));
+            }
+        }
+        let done = 16 * chunks.len();
+        super::unpack_nibbles_scalar(tail, &mut levels[2 * done..]);
+    }
+
+    /// # Safety
     /// The CPU must have F16C and AVX; `src` holds `2·out.len()` bytes.
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn f16_to_f32_f16c(src: &[u8], out: &mut [f32]) {
@@ -175,6 +249,27 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every byte value, at every length around the vector widths, unpacks
+    /// as the scalar loop does, on each path this CPU has.
+    #[test]
+    fn nibbles_unpack_like_the_scalar_loop() {
+        let packed: Vec<u8> = (0..=255u8).chain((0..=255u8).rev()).collect();
+        for n in [0, 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 200, 511] {
+            let mut want = vec![0xAA; 2 * n + 1];
+            unpack_nibbles_scalar(&packed[..n], &mut want);
+            let mut got = vec![0xAA; 2 * n + 1];
+            unpack_nibbles(&packed[..n + 1], &mut got[..2 * n]);
+            assert_eq!(got, want, "{n} bytes");
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") {
+                let mut avx2 = vec![0xAA; 2 * n + 1];
+                // SAFETY: the CPU has AVX2; `avx2` holds 2n bytes.
+                unsafe { x86::unpack_nibbles_avx2(&packed[..n], &mut avx2) };
+                assert_eq!(avx2, want, "{n} bytes, AVX2");
+            }
+        }
+    }
 
     /// The F16C rounding gives exactly the portable rounding, on every f16
     /// neighbourhood and across the range.

@@ -17,6 +17,7 @@ use crate::layout::GroupLayout;
 use crate::lloyd_max::LloydMax;
 use crate::nf4::NF4_LEVELS;
 use crate::qjl::QjlSketch;
+use crate::spec::ScaleType;
 
 /// Reusable buffers for [`KvStore::decode_rows_into`](super::KvStore::decode_rows_into):
 /// they grow on first use and are reused after, so steady-state tile
@@ -83,6 +84,18 @@ pub(crate) fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
         v.resize(n, T::default());
     }
     &mut v[..n]
+}
+
+/// Little-endian metadata words of type `ty` as f32.
+fn words_to_f32(ty: ScaleType, words: &[u8], out: &mut [f32]) {
+    match ty {
+        ScaleType::F16 => crate::simd::f16_to_f32(words, out),
+        ScaleType::F32 => {
+            for (o, w) in out.iter_mut().zip(words.chunks_exact(4)) {
+                *o = f32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+            }
+        }
+    }
 }
 
 fn all_clean(words: u64) -> DecodeStats {
@@ -204,6 +217,26 @@ impl Section {
         // exponent flip multiplies a whole group), so under `keep` the
         // group's values are interpolated (`apply_policy`).
         let checked = self.coding.meta_code().is_some();
+        if !checked {
+            // Unprotected metadata: the words as stored, converted in bulk
+            // (F16C or AVX-512 for f16 words).
+            let width = ty.bytes();
+            let bytes = groups.start * width..groups.end * width;
+            words_to_f32(ty, &self.scales[bytes.clone()], scale);
+            if has_offsets {
+                words_to_f32(ty, &self.offsets[bytes], offset);
+            } else {
+                offset.fill(0.0);
+            }
+            erased.fill(false);
+            let counted = groups
+                .filter(|&g| (start..end).contains(&layout.first_token(g)))
+                .count() as u64;
+            let words = counted * (1 + u64::from(has_offsets));
+            stats.words = words;
+            stats.clean = words;
+            return stats;
+        }
         for (i, g) in groups.enumerate() {
             let counted = (start..end).contains(&layout.first_token(g));
             let mut read = |buffer: &[u8], check_index: usize, is_scale: bool| {
