@@ -179,10 +179,14 @@ impl Section {
                 }
             }
         }
-        stats.erased_values = scratch.erasures[..count * ew]
-            .iter()
-            .map(|w| u64::from(w.count_ones()))
-            .sum();
+        // Only a code or a metadata check erases; unprotected forms skip
+        // the count (a tenth of a small-head decode, `perf`).
+        if self.coding.codec().is_some() || self.coding.meta_code().is_some() {
+            stats.erased_values = scratch.erasures[..count * ew]
+                .iter()
+                .map(|w| u64::from(w.count_ones()))
+                .sum();
+        }
         Ok(stats)
     }
 
@@ -229,9 +233,11 @@ impl Section {
                 offset.fill(0.0);
             }
             erased.fill(false);
-            let counted = groups
-                .filter(|&g| (start..end).contains(&layout.first_token(g)))
-                .count() as u64;
+            // Groups counted here are those of the blocks whose first token
+            // is in `start..end` (see `GroupLayout::first_token`).
+            let tpb = layout.tokens_per_block;
+            let blocks = end.div_ceil(tpb) - start.div_ceil(tpb);
+            let counted = (blocks * layout.groups_per_block) as u64;
             let words = counted * (1 + u64::from(has_offsets));
             stats.words = words;
             stats.clean = words;
