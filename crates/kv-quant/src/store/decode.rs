@@ -302,7 +302,10 @@ impl Section {
         let rows = &self.data[start * rb..end * rb];
         let Some(codec) = self.coding.codec() else {
             // Unprotected level forms: 8-bit codes are read in place.
-            if bits < 8 {
+            if bits == 4 && 2 * rb == codes {
+                // Rows without padding: one stream of nibbles for the tile.
+                crate::simd::unpack_nibbles(rows, grow(&mut scratch.levels, count * codes));
+            } else if bits < 8 {
                 let levels = grow(&mut scratch.levels, count * codes);
                 for (lv, row) in levels.chunks_exact_mut(codes).zip(rows.chunks_exact(rb)) {
                     int::unpack_row(bits, row, lv);
