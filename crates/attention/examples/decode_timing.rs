@@ -2,7 +2,8 @@
 //! f32 rows) at one shape and context, printing milliseconds and stored
 //! bytes read per second; `REPS` sets the repetitions (default 20),
 //! `NUMERICS=int8` scores integer keys with int8-quantized queries
-//! (`Numerics::Int8Query`). Threads follow `RAYON_NUM_THREADS`.
+//! (`Numerics::Int8Query`), `TILE` sets the rows per tile (default 64).
+//! Threads follow `RAYON_NUM_THREADS`.
 //!
 //! `cargo run --release -p attention --example decode_timing -- int4+secded84 32 8 128 65536`
 
@@ -30,10 +31,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("exact") | Err(_) => Numerics::Exact,
         Ok(other) => return Err(format!("NUMERICS={other}: expected int8 or exact").into()),
     };
-    let config = AttentionConfig {
+    let mut config = AttentionConfig {
         numerics,
         ..AttentionConfig::default()
     };
+    if let Some(tile) = std::env::var("TILE").ok().and_then(|s| s.parse().ok()) {
+        config.tile_tokens = tile;
+    }
     let attn = Attention::with_config(shape, config)?;
     let spelling = if form == "dense" { "fp32" } else { form };
     let (ks, vs) = (

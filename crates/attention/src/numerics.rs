@@ -20,6 +20,14 @@
 /// its softmax weights move by a factor within `e^{±2Δ}` and its output
 /// by at most `max_t |v_t| · (e^{2Δ} − 1)`; `tests/numerics.rs` checks
 /// both bounds against the f64 oracle.
+///
+/// Under `Int8Query`, values held as integer levels in per-token groups are
+/// summed with integer dot products too: per tile, head and group, the
+/// products `w_t·a_t` of the softmax weights and the row scales are coded
+/// to 16 bits with the scale `S = max_t w_t·a_t / Q` (`Q = 32,767`, less for
+/// very long tiles of 8-bit levels), so a tile's sum for a channel moves by
+/// at most `(S/2)·Σ_t l_t`, and the output by at most `n·max(a·l) / (2Q)`
+/// over `n` keys (weights are at most 1 and their sum at least 1).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Numerics {
@@ -30,11 +38,13 @@ pub enum Numerics {
     /// The query quantized per head to int8 and scored with integer dot
     /// products (AVX-512 VNNI `vpdpbusd` where the CPU has it, a portable
     /// loop with bit-identical results elsewhere), group scales and
-    /// offsets applied once per group.
+    /// offsets applied once per group; integer values summed with 16-bit
+    /// weight codes (`vpdpwssd`).
     Int8Query,
     /// As [`Int8Query`](Self::Int8Query) with the query coded to 16 bits
     /// (`s_q = max|q| / 32639`), split into two int8 halves
     /// `c = 256·hi + lo` scored by two integer dot products and combined
-    /// exactly: 257 times the precision for twice the integer work.
+    /// exactly: 257 times the precision for twice the integer work. Values
+    /// are summed in f32.
     Int16Query,
 }

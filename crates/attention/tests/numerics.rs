@@ -1,6 +1,7 @@
 //! `Numerics::Int8Query` and `Int16Query` against the f64 oracle: every
 //! score within the bound stated on [`Numerics`], so every output within
-//! `max|v|·(e^{2Δ} − 1)` of attention over the dequantized cache, for every
+//! `max|v|·(e^{2Δ} − 1)` (plus `n·max(a·l) / (2·32767)` for `Int8Query`'s
+//! integer value sums over `n` keys) of attention over the dequantized cache, for every
 //! integer key layout the integer path takes; and the path is really taken
 //! (its outputs differ from the exact path's).
 
@@ -31,6 +32,17 @@ const FORMS: &[&str] = &[
 ];
 
 const TOKENS: usize = 333;
+
+/// The largest `a·l` of a store's groups: scale times the largest level.
+fn largest_span(store: &KvStore) -> f64 {
+    let mut scratch = DecodeScratch::default();
+    let (view, _) = store.decode_rows_view(0, TOKENS, &mut scratch).unwrap();
+    let RowsView::Levels(levels) = view else {
+        panic!("integer forms read as levels");
+    };
+    let largest = levels.scale.iter().fold(0.0f32, |m, &a| m.max(a.abs()));
+    f64::from(largest) * f64::from(levels.max_level())
+}
 
 /// Per query head, the largest score error the bound allows over the keys:
 /// `(s_q/2)·Σ_c |a_g(c)|·l_c` for groups along rows, `(s'/2)·Σ_c l_c`
@@ -121,9 +133,16 @@ fn int8_queries_stay_within_the_stated_bound_of_the_oracle() {
             let vmax = vd.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
             let bounds = score_bounds(&ks, &scaled, &shape, code_max);
             let d = shape.head_dim();
+            // Integer value sums (Int8Query): at most n·max(a·l)/(2·32767)
+            // over n keys.
+            let values = if numerics == Numerics::Int8Query {
+                TOKENS as f64 * largest_span(&vs) / (2.0 * 32767.0)
+            } else {
+                0.0
+            };
             for (h, &delta) in bounds.iter().enumerate() {
                 // The output bound, plus the exact path's own 1e-5 tolerance.
-                let allowed = vmax * ((2.0 * delta).exp() - 1.0) + 1e-5 * vmax;
+                let allowed = vmax * ((2.0 * delta).exp() - 1.0) + values + 1e-5 * vmax;
                 let err = got.out[h * d..][..d]
                     .iter()
                     .zip(&want.out[h * d..][..d])

@@ -28,7 +28,7 @@ use kv_quant::{LevelMap, LevelRows};
 
 use super::{
     HeadBlockPass, KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming,
-    for_head_blocks, three_passes, widen_rows,
+    for_head_blocks, integer_values, three_passes, widen_rows,
 };
 use crate::source::TileRows;
 
@@ -335,7 +335,8 @@ fn mask(n: usize) -> u16 {
 /// the keys and the values are stored. Levels in a grouping the loader
 /// does not handle are dequantized into the scratch first. With `keys`
 /// `None`, the scores are already in `scratch.weights` (the integer path
-/// scored them).
+/// scored them); with `int_values`, the values are summed by the integer
+/// value pass where it takes them.
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW/VL and FMA; the scratch must be sized for
@@ -345,6 +346,7 @@ pub(super) unsafe fn attend_tile_avx512(
     tile: Tile<'_>,
     keys: Option<TileRows<'_>>,
     values: TileRows<'_>,
+    int_values: Option<LevelRows<'_>>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
 ) {
@@ -372,10 +374,15 @@ pub(super) unsafe fn attend_tile_avx512(
                 }
             }
         },
-        |scratch| match Side::new(values, ch, vb) {
-            Side::F32(v) => value_pass(tile, v, scratch),
-            Side::F16(v) => value_pass(tile, v, scratch),
-            Side::Levels(v) => value_pass(tile, v, scratch),
+        |scratch| {
+            if integer_values(int_values, tile.geometry, rows, scratch) {
+                return;
+            }
+            match Side::new(values, ch, vb) {
+                Side::F32(v) => value_pass(tile, v, scratch),
+                Side::F16(v) => value_pass(tile, v, scratch),
+                Side::Levels(v) => value_pass(tile, v, scratch),
+            }
         },
     );
     scratch.wide = wide;

@@ -66,6 +66,11 @@ impl LevelRows<'_> {
         self.layout().channels_per_group
     }
 
+    /// The largest level a value can hold (`2^bits − 1`, 255 for FP8 codes).
+    pub fn max_level(&self) -> u8 {
+        ((1u32 << self.section.coding.code_bits.min(8)) - 1) as u8
+    }
+
     /// Consecutive tokens sharing one group (1 for per-token groups).
     pub fn tokens_per_group(&self) -> usize {
         self.layout().tokens_per_block

@@ -1,0 +1,630 @@
+//! Weighted value sums against integer values with integer dot products
+//! ([`Numerics::Int8Query`](crate::Numerics::Int8Query)): the value pass's
+//! counterpart of the integer scores in [`int8_query`](super::int8_query).
+//!
+//! A value is `b + a·l` (affine levels) or `a·(l − mid)` (centred levels)
+//! with the group's scale `a` and offset `b`, so a head's weighted sum over
+//! one group's channels splits into
+//! `Σ_t w_t·a_t·l_tc + Σ_t w_t·b_t`. The first term is the integer part:
+//! per head and segment (a head's channels within one group) the products
+//! `x_t = w_t·a_t` are coded to 16 bits, `x̂_t = round(x_t / S)` with
+//! `S = max_t x_t / Q`, and `Σ_t x̂_t·l_tc` is an exact i32 sum, two rows per
+//! AVX-512 VNNI `vpdpwssd` (or a portable loop with the same sums). The
+//! coding, the second term and the finishing `S·Σ + B` are the same
+//! operations in the same order on every instruction set (16 fixed lanes,
+//! no contraction), so both give the same bits.
+//!
+//! The bound: each coded product is off by at most `S/2`, so a tile's sum
+//! for channel `c` moves by at most `(S/2)·Σ_t l_tc` before the softmax
+//! normalisation (with weights `w ≤ 1`, at most `R·max(a·l)/(2Q)` for `R`
+//! rows). `Q` is 32,767, or less where `R` rows of the largest level could
+//! overflow an i32.
+//!
+//! Taken for per-token groups of a multiple of 16 channels (the integer
+//! forms, clean protected tiles included) with head dimensions a multiple
+//! of 16; everything else, and a non-finite weight or scale, returns
+//! `false` and the f32 value pass runs.
+
+use kv_quant::{LevelMap, LevelRows};
+
+use super::int8_query::Dot;
+use super::{HeadBlockPass, TileGeometry, for_head_blocks};
+
+/// The largest weight code.
+const CODE_MAX: i64 = 32_767;
+
+/// The smallest code range worth taking (very long tiles of 8-bit levels
+/// would leave fewer codes than this to stay inside an i32).
+const CODE_MIN: i64 = 1_024;
+
+/// Per-thread buffers of one tile's value pass.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ValueScratch {
+    /// Per head: the segment's weight codes, one per row and zeros past
+    /// the rows (a stride of whole lanes), so that rows `2p` and `2p + 1`
+    /// read as one little-endian 32-bit pair.
+    codes: Vec<u16>,
+    /// Per head: the segment's integer sums, one per channel.
+    sums: Vec<i32>,
+    /// Per head: the code scale `S` and the offset term `B`.
+    scale: Vec<f64>,
+    offset: Vec<f64>,
+    /// Per group of a row: its scale and offset factor in every row.
+    seg_a: Vec<f32>,
+    seg_b: Vec<f32>,
+    /// Per head: its weights.
+    w: Vec<f32>,
+}
+
+/// Whether the integer value pass takes value rows `levels` of a tile of
+/// `geometry`: per-token groups of a multiple of 16 channels, integer
+/// levels, and head dimensions a multiple of 16.
+pub(crate) fn takes(levels: &LevelRows<'_>, geometry: TileGeometry) -> bool {
+    levels.tokens_per_group() == 1
+        && levels.channels_per_group().is_multiple_of(16)
+        && geometry.d.is_multiple_of(16)
+        && levels.channels() == geometry.kv_heads * geometry.d
+        && matches!(levels.map, LevelMap::Affine | LevelMap::Centered { .. })
+}
+
+/// Writes `acc[h·d + c] = Σ_t weights[h·rows + t]·v_t[kvh(h)·d + c]` for every
+/// query head, with the integer part coded as the module says. Returns
+/// `false`, leaving `acc` unspecified, for layouts [`takes`] refuses and for
+/// non-finite weights or scales.
+pub(crate) fn weighted_sums(
+    levels: &LevelRows<'_>,
+    geometry: TileGeometry,
+    weights: &[f32],
+    acc: &mut [f32],
+    dot: Dot,
+    scratch: &mut ValueScratch,
+) -> bool {
+    match dot {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI.
+        Dot::Vnni => unsafe { weighted_sums_avx512(levels, geometry, weights, acc, scratch) },
+        Dot::Portable => weighted_sums_with(levels, geometry, weights, acc, dot, scratch),
+    }
+}
+
+/// [`weighted_sums`] compiled with AVX-512, so that the weight coding's
+/// lane loops run 16 wide. The float operations are the portable ones in
+/// the same order (no contraction), so the results are the same bits.
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW/VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn weighted_sums_avx512(
+    levels: &LevelRows<'_>,
+    geometry: TileGeometry,
+    weights: &[f32],
+    acc: &mut [f32],
+    scratch: &mut ValueScratch,
+) -> bool {
+    weighted_sums_with(levels, geometry, weights, acc, Dot::Vnni, scratch)
+}
+
+#[inline(always)]
+fn weighted_sums_with(
+    levels: &LevelRows<'_>,
+    geometry: TileGeometry,
+    weights: &[f32],
+    acc: &mut [f32],
+    dot: Dot,
+    scratch: &mut ValueScratch,
+) -> bool {
+    let rows = levels.rows();
+    let heads = geometry.kv_heads * geometry.group;
+    if !takes(levels, geometry)
+        || rows == 0
+        || weights.len() < heads * rows
+        || acc.len() < heads * geometry.d
+    {
+        return false;
+    }
+    // R rows of the largest level times the largest code stay inside an i32.
+    let per_code = rows.next_multiple_of(2) as i64 * i64::from(levels.max_level().max(1));
+    let code_max = CODE_MAX.min(i64::from(i32::MAX) / per_code);
+    if code_max < CODE_MIN {
+        return false;
+    }
+    // Rows padded to whole lanes with zero weights, scales and offsets
+    // (which change no sum), every group's parameters contiguous over the
+    // rows, and every head's weights contiguous: the coding then runs over
+    // whole 16-lane chunks.
+    let stride = rows.next_multiple_of(LANES);
+    let per_row = levels.channels() / levels.channels_per_group();
+    let s = &mut *scratch;
+    for buffer in [&mut s.seg_a, &mut s.seg_b] {
+        buffer.clear();
+        buffer.resize(per_row * stride, 0.0);
+    }
+    for t in 0..rows {
+        for g in 0..per_row {
+            let a = levels.scale[t * per_row + g];
+            s.seg_a[g * stride + t] = a;
+            s.seg_b[g * stride + t] = match levels.map {
+                LevelMap::Centered { mid } => -mid * a,
+                _ => levels.offset[t * per_row + g],
+            };
+        }
+    }
+    s.w.clear();
+    s.w.resize(heads * stride, 0.0);
+    for (padded, w) in s.w.chunks_exact_mut(stride).zip(weights.chunks_exact(rows)) {
+        padded[..rows].copy_from_slice(w);
+    }
+    let mut pass = Segments {
+        levels,
+        acc,
+        dot,
+        code_max: code_max as f32,
+        d: geometry.d,
+        rows,
+        stride,
+        scratch,
+        ok: true,
+    };
+    for_head_blocks(geometry, &mut pass);
+    pass.ok
+}
+
+/// The segments of each head block.
+struct Segments<'a, 'k> {
+    levels: &'a LevelRows<'k>,
+    acc: &'a mut [f32],
+    dot: Dot,
+    code_max: f32,
+    d: usize,
+    rows: usize,
+    /// Rows padded to whole lanes.
+    stride: usize,
+    scratch: &'a mut ValueScratch,
+    /// Cleared by a non-finite weight or scale.
+    ok: bool,
+}
+
+impl HeadBlockPass for Segments<'_, '_> {
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        if !self.ok {
+            return;
+        }
+        let (levels, d, rows, stride) = (self.levels, self.d, self.rows, self.stride);
+        let (ch, cpg) = (levels.channels(), levels.channels_per_group());
+        let s = &mut *self.scratch;
+        s.codes.resize(H * stride, 0);
+        s.scale.resize(H, 0.0);
+        s.offset.resize(H, 0.0);
+        let first = kvh * d;
+        let mut c = first;
+        while c < first + d {
+            let end = ((c / cpg + 1) * cpg).min(first + d);
+            let g = c / cpg;
+            let (a, b) = (
+                &s.seg_a[g * stride..][..stride],
+                &s.seg_b[g * stride..][..stride],
+            );
+            for j in 0..H {
+                let w = &s.w[(h0 + j) * stride..][..stride];
+                let code = &mut s.codes[j * stride..][..stride];
+                let coded = code_weights(w, a, b, self.code_max, self.dot, code);
+                let Some((scale, offset)) = coded else {
+                    self.ok = false;
+                    return;
+                };
+                s.scale[j] = scale;
+                s.offset[j] = offset;
+            }
+            let len = end - c;
+            s.sums.resize(H * len, 0);
+            let block = SumBlock {
+                levels: levels.levels,
+                ch,
+                start: c,
+                len,
+                rows,
+                codes: &s.codes[..H * stride],
+                stride,
+            };
+            integer_sums::<H>(self.dot, block, &mut s.sums[..H * len]);
+            for j in 0..H {
+                let out = &mut self.acc[(h0 + j) * d + (c - first)..][..len];
+                let (scale, offset) = (s.scale[j], s.offset[j]);
+                for (o, &sum) in out.iter_mut().zip(&s.sums[j * len..][..len]) {
+                    *o = (scale * f64::from(sum) + offset) as f32;
+                }
+            }
+            c = end;
+        }
+    }
+}
+
+/// Lanes of the coding loops (fixed, so every instruction set computes the
+/// same sums in the same order).
+const LANES: usize = 16;
+
+/// `v` as whole lanes (a trailing partial lane is not read).
+#[inline(always)]
+fn chunks(v: &[f32]) -> &[[f32; LANES]] {
+    v.as_chunks::<LANES>().0
+}
+
+/// Codes one head's weights `w` times the segment's scales `a` into
+/// `codes`, returning the code scale `S` and the offset term
+/// `B = Σ_t w_t·b_t`; `None` for a non-finite product or offset factor.
+/// All slices hold the rows padded to whole lanes (zeros past the rows).
+/// This runs once per head, segment and row, as often as the integer sums'
+/// inner loop, so it is written as whole-lane loops the compiler vectorises.
+#[inline(always)]
+fn code_weights(
+    w: &[f32],
+    a: &[f32],
+    b: &[f32],
+    code_max: f32,
+    dot: Dot,
+    codes: &mut [u16],
+) -> Option<(f64, f64)> {
+    // `x·0` is ±0 for finite `x` and NaN for ±∞ and NaN: `probe` stays 0
+    // exactly when every product and offset factor is finite.
+    let mut probe = [0.0f32; LANES];
+    let mut largest = [0.0f32; LANES];
+    let mut offset = [0.0f32; LANES];
+    for ((w, a), b) in chunks(w).iter().zip(chunks(a)).zip(chunks(b)) {
+        for i in 0..LANES {
+            let x = w[i] * a[i];
+            probe[i] += x * 0.0 + b[i] * 0.0;
+            largest[i] = if x > largest[i] { x } else { largest[i] };
+            offset[i] += w[i] * b[i];
+        }
+    }
+    let finite = probe.iter().all(|&p| p == 0.0);
+    let largest = largest
+        .iter()
+        .fold(0.0f32, |m, &v| if v > m { v } else { m });
+    let offset: f64 = offset.iter().map(|&o| f64::from(o)).sum();
+    if !finite || !offset.is_finite() {
+        return None;
+    }
+    let (scale, inv) = if largest > 0.0 {
+        (largest / code_max, code_max / largest)
+    } else {
+        (0.0, 0.0)
+    };
+    match dot {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW.
+        Dot::Vnni => unsafe { vnni::round_codes(w, a, inv, code_max, codes) },
+        Dot::Portable => round_codes(w, a, inv, code_max, codes),
+    }
+    Some((f64::from(scale), offset))
+}
+
+/// `codes[t] = min(w_t·a_t·inv + 0.5, code_max)` truncated, for products in
+/// `0..=code_max / inv` (finite): whole lanes of the padded rows.
+fn round_codes(w: &[f32], a: &[f32], inv: f32, code_max: f32, codes: &mut [u16]) {
+    let out = codes.as_chunks_mut::<LANES>().0;
+    for ((c, w), a) in out.iter_mut().zip(chunks(w)).zip(chunks(a)) {
+        for i in 0..LANES {
+            let r = w[i] * a[i] * inv + 0.5;
+            let rounded = if r < code_max { r } else { code_max };
+            // In `0.5..=code_max`: the conversion truncates exactly.
+            c[i] = rounded as u16;
+        }
+    }
+}
+
+/// One segment's levels and the weight codes of its heads.
+#[derive(Clone, Copy)]
+struct SumBlock<'a> {
+    /// The tile's levels, `rows × ch`.
+    levels: &'a [u8],
+    ch: usize,
+    /// The segment's channels `start..start + len` (`len` a multiple of 16).
+    start: usize,
+    len: usize,
+    rows: usize,
+    /// `H × stride` weight codes.
+    codes: &'a [u16],
+    /// Codes per head (`2·rows.div_ceil(2)` or more).
+    stride: usize,
+}
+
+/// `out[j·len + c] = Σ_t code_j(t)·levels[t][start + c]` for `H` heads.
+fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
+    let pairs = b.rows.div_ceil(2);
+    assert!(
+        b.len.is_multiple_of(16)
+            && b.start + b.len <= b.ch
+            && b.levels.len() >= b.rows * b.ch
+            && b.stride >= 2 * pairs
+            && b.codes.len() >= H * b.stride
+            && out.len() >= H * b.len
+    );
+    match dot {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
+        // bounds were checked above.
+        Dot::Vnni => unsafe { vnni::sums::<H>(b, out) },
+        Dot::Portable => portable_sums::<H>(b, out),
+    }
+}
+
+/// The reference loop: exact i32 sums.
+fn portable_sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
+    out[..H * b.len].fill(0);
+    for t in 0..b.rows {
+        let row = &b.levels[t * b.ch + b.start..][..b.len];
+        for j in 0..H {
+            let code = i32::from(b.codes[j * b.stride + t]);
+            let sums = &mut out[j * b.len..][..b.len];
+            for (s, &l) in sums.iter_mut().zip(row) {
+                *s += code * i32::from(l);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    //! `vpdpwssd` on two rows of 16 channels at a time: the rows' levels
+    //! interleaved into 16-bit pairs, each head's two weight codes
+    //! broadcast as one 32-bit pair.
+
+    use std::arch::x86_64::*;
+
+    use super::SumBlock;
+
+    /// [`super::round_codes`] sixteen lanes at a time, with the same
+    /// operations in the same order (products, scaling, `+ 0.5`, `vminps`,
+    /// truncation), so the same codes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW; the slices hold whole lanes.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn round_codes(
+        w: &[f32],
+        a: &[f32],
+        inv: f32,
+        code_max: f32,
+        codes: &mut [u16],
+    ) {
+        let out = codes.as_chunks_mut::<{ super::LANES }>().0;
+        let (inv, half, top) = (
+            _mm512_set1_ps(inv),
+            _mm512_set1_ps(0.5),
+            _mm512_set1_ps(code_max),
+        );
+        for ((c, w), a) in out.iter_mut().zip(super::chunks(w)).zip(super::chunks(a)) {
+            // SAFETY: each chunk holds 16 floats or 16 codes; unaligned access.
+            unsafe {
+                let x = _mm512_mul_ps(_mm512_loadu_ps(w.as_ptr()), _mm512_loadu_ps(a.as_ptr()));
+                let r = _mm512_add_ps(_mm512_mul_ps(x, inv), half);
+                let codes = _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(_mm512_min_ps(r, top)));
+                _mm256_storeu_si256(c.as_mut_ptr().cast(), codes);
+            }
+        }
+    }
+
+    /// [`super::integer_sums`] with AVX-512 VNNI.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW/VNNI, and `b`'s bounds must hold as
+    /// [`super::integer_sums`] checks them.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
+        let mut c = 0;
+        while c + 64 <= b.len {
+            block::<H, 4>(b, c, out);
+            c += 64;
+        }
+        if c + 32 <= b.len {
+            block::<H, 2>(b, c, out);
+            c += 32;
+        }
+        if c + 16 <= b.len {
+            block::<H, 1>(b, c, out);
+        }
+    }
+
+    /// Channels `c..c + 16N` of the segment, every row, `H` heads.
+    #[inline(always)]
+    fn block<const H: usize, const N: usize>(b: SumBlock<'_>, c: usize, out: &mut [i32]) {
+        let pairs = b.rows.div_ceil(2);
+        // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every level
+        // read is in row `t < rows` at channel `start + c + 16k + 15 <
+        // start + len <= ch`; every pair of codes read is below `(H − 1)·stride + 2·pairs`; every
+        // store is below `H·len`.
+        unsafe {
+            let mut acc = [[_mm512_setzero_si512(); N]; H];
+            let at = |t: usize, k: usize| b.levels.as_ptr().add(t * b.ch + b.start + c + 16 * k);
+            for p in 0..pairs {
+                let t = 2 * p;
+                let mut v = [_mm512_setzero_si512(); N];
+                for (k, v) in v.iter_mut().enumerate() {
+                    let r0 = _mm_loadu_si128(at(t, k).cast());
+                    // An odd last row pairs with zeros (its code is 0 too).
+                    let r1 = if t + 1 < b.rows {
+                        _mm_loadu_si128(at(t + 1, k).cast())
+                    } else {
+                        _mm_setzero_si128()
+                    };
+                    let lo = _mm_unpacklo_epi8(r0, r1);
+                    let hi = _mm_unpackhi_epi8(r0, r1);
+                    *v = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+                }
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let pair = b.codes.as_ptr().add(j * b.stride + 2 * p);
+                    let w = _mm512_set1_epi32(pair.cast::<i32>().read_unaligned());
+                    for (a, v) in acc.iter_mut().zip(&v) {
+                        *a = _mm512_dpwssd_epi32(*a, *v, w);
+                    }
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                for (k, a) in acc.iter().enumerate() {
+                    let o = out.as_mut_ptr().add(j * b.len + c + 16 * k);
+                    _mm512_storeu_si512(o.cast(), *a);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_quant::KvStore;
+
+    fn uniform(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * scale
+            })
+            .collect()
+    }
+
+    fn levels_of<'s>(
+        store: &'s KvStore,
+        rows: usize,
+        decode: &'s mut kv_quant::DecodeScratch,
+    ) -> LevelRows<'s> {
+        match store.decode_rows_view(0, rows, decode).unwrap().0 {
+            kv_quant::RowsView::Levels(levels) => levels,
+            kv_quant::RowsView::Values(_) => panic!("{} gives values", store.form()),
+        }
+    }
+
+    /// Against the f64 sums of the decoded values, within the stated
+    /// bound `(S/2)·Σ_t l_tc` plus f32 rounding of the finishing; and the
+    /// VNNI sums equal the portable ones bit for bit.
+    #[test]
+    fn integer_value_sums_stay_within_the_stated_bound() {
+        for (form, rows, (group, kv_heads, d)) in [
+            ("int4", 64, (3, 3, 64)),
+            ("int4-g32", 63, (4, 2, 128)),
+            ("int8", 17, (2, 2, 96)),
+            ("int4-sym-g64", 40, (1, 2, 64)),
+            ("int4-g16", 9, (3, 2, 32)),
+            ("int2", 5, (2, 1, 64)),
+        ] {
+            let geometry = TileGeometry { group, kv_heads, d };
+            let (ch, heads) = (kv_heads * d, kv_heads * group);
+            let v = uniform(rows as u64, rows * ch, 2.0);
+            let store = KvStore::quantize(form.parse().unwrap(), &v, rows, ch).unwrap();
+            let decoded = store.decode().unwrap().values;
+            let mut decode = kv_quant::DecodeScratch::new();
+            let levels = levels_of(&store, rows, &mut decode);
+            assert!(takes(&levels, geometry), "{form}");
+            // Softmax-like weights in (0, 1], one row of each head at 1.
+            let weights: Vec<f32> = uniform(7, heads * rows, 1.0)
+                .iter()
+                .enumerate()
+                .map(|(i, x)| {
+                    if i % rows == 3 % rows {
+                        1.0
+                    } else {
+                        (x.abs() * 4.0).exp() / 55.0
+                    }
+                })
+                .collect();
+            let mut results = Vec::new();
+            for dot in [Dot::Portable, Dot::detect()] {
+                let mut acc = vec![f32::NAN; heads * d];
+                let mut scratch = ValueScratch::default();
+                assert!(weighted_sums(
+                    &levels,
+                    geometry,
+                    &weights,
+                    &mut acc,
+                    dot,
+                    &mut scratch
+                ));
+                results.push(acc);
+            }
+            assert_eq!(
+                results[0], results[1],
+                "{form}: VNNI and portable sums differ"
+            );
+            let cpg = levels.channels_per_group();
+            let max_level = f64::from(levels.max_level());
+            for h in 0..heads {
+                let kvh = h / group;
+                let w = &weights[h * rows..][..rows];
+                for c in 0..d {
+                    let ch_c = kvh * d + c;
+                    let g = ch_c / cpg;
+                    let want: f64 = (0..rows)
+                        .map(|t| f64::from(w[t]) * f64::from(decoded[t * ch + ch_c]))
+                        .sum();
+                    let scale_of = |t: usize| f64::from(levels.scale[levels.group_index(t, 0) + g]);
+                    let s = (0..rows)
+                        .map(|t| f64::from(w[t]) * scale_of(t))
+                        .fold(0.0, f64::max)
+                        / 32767.0;
+                    let level_sum: f64 = (0..rows)
+                        .map(|t| f64::from(levels.levels[t * ch + ch_c]))
+                        .sum();
+                    let magnitude: f64 = (0..rows)
+                        .map(|t| f64::from(w[t]) * f64::from(decoded[t * ch + ch_c].abs()))
+                        .sum::<f64>()
+                        + s * rows as f64 * max_level;
+                    let allowed = s / 2.0 * level_sum * (1.0 + 1e-6) + 1e-6 * magnitude;
+                    let err = (f64::from(results[0][h * d + c]) - want).abs();
+                    assert!(
+                        err <= allowed,
+                        "{form}, head {h}, channel {c}: error {err:.3e} > {allowed:.3e}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Layouts the pass does not take, and non-finite weights, return false.
+    #[test]
+    fn other_layouts_and_non_finite_weights_are_refused() {
+        let geometry = TileGeometry {
+            group: 2,
+            kv_heads: 1,
+            d: 64,
+        };
+        let v = uniform(3, 8 * 64, 1.0);
+        for (form, taken) in [
+            ("int4", true),
+            ("int4-g8", false),
+            ("int4-ch", false),
+            ("nf4", false),
+        ] {
+            let store = KvStore::quantize(form.parse().unwrap(), &v, 8, 64).unwrap();
+            let mut decode = kv_quant::DecodeScratch::new();
+            let levels = levels_of(&store, 8, &mut decode);
+            assert_eq!(takes(&levels, geometry), taken, "{form}");
+            let mut acc = vec![0.0; 2 * 64];
+            let mut weights = vec![0.5; 2 * 8];
+            let mut scratch = ValueScratch::default();
+            let ok = weighted_sums(
+                &levels,
+                geometry,
+                &weights,
+                &mut acc,
+                Dot::detect(),
+                &mut scratch,
+            );
+            assert_eq!(ok, taken, "{form}");
+            weights[5] = f32::NAN;
+            assert!(!weighted_sums(
+                &levels,
+                geometry,
+                &weights,
+                &mut acc,
+                Dot::detect(),
+                &mut scratch
+            ));
+        }
+    }
+}
