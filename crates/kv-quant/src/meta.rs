@@ -160,16 +160,23 @@ impl MetaCode {
             .fold(0, |acc, (i, t)| acc ^ t[(data >> (8 * i)) as usize & 0xFF])
     }
 
-    /// Decodes a received word and check word: the data and the outcome
-    /// (detected words return the data as received).
+    /// The syndrome of a received word and check word: 0 exactly when the
+    /// pair is a codeword (the common case, which needs no decoding).
     #[inline]
-    pub fn decode(&self, data: u32, check: u32) -> (u32, DecodeOutcome) {
+    pub(crate) fn syndrome(&self, data: u32, check: u32) -> u32 {
         let mask = if self.check_bits == 32 {
             u32::MAX
         } else {
             (1 << self.check_bits) - 1
         };
-        let syndrome = (check ^ self.check(data)) & mask;
+        (check ^ self.check(data)) & mask
+    }
+
+    /// Decodes a received word and check word: the data and the outcome
+    /// (detected words return the data as received).
+    #[inline]
+    pub fn decode(&self, data: u32, check: u32) -> (u32, DecodeOutcome) {
+        let syndrome = self.syndrome(data, check);
         if syndrome == 0 {
             return (data, DecodeOutcome::Clean);
         }
