@@ -172,6 +172,23 @@ impl MetaCode {
         (check ^ self.check(data)) & mask
     }
 
+    /// [`syndrome`](Self::syndrome) of a 16-bit word (an f16 scale or
+    /// offset): two table lookups, without the general loop over bytes.
+    ///
+    /// # Panics
+    /// If the code protects fewer than 16 data bits.
+    #[inline]
+    pub(crate) fn syndrome16(&self, data: u16, check: u32) -> u32 {
+        let [lo, hi] = data.to_le_bytes();
+        let parity = self.parity[0][usize::from(lo)] ^ self.parity[1][usize::from(hi)];
+        let mask = if self.check_bits == 32 {
+            u32::MAX
+        } else {
+            (1 << self.check_bits) - 1
+        };
+        (check ^ parity) & mask
+    }
+
     /// Decodes a received word and check word: the data and the outcome
     /// (detected words return the data as received).
     #[inline]

@@ -329,14 +329,23 @@ impl Section {
             let words = &buffer[groups.start * 2..groups.end * 2];
             crate::simd::f16_to_f32(words, out);
             let mut unclean = 0;
-            for (i, w) in words.chunks_exact(2).enumerate() {
-                let g = groups.start + i;
-                let word = u32::from(u16::from_le_bytes([w[0], w[1]]));
-                let check = read_word(&self.checks[(base + g) * cb..][..cb]);
-                if code.syndrome(word, check) == 0 {
+            let checks = &self.checks[(base + groups.start) * cb..(base + groups.end) * cb];
+            for (i, (w, c)) in words
+                .chunks_exact(2)
+                .zip(checks.chunks_exact(cb))
+                .enumerate()
+            {
+                let word = u16::from_le_bytes([w[0], w[1]]);
+                let check = match *c {
+                    [c] => u32::from(c),
+                    [lo, hi] => u32::from(u16::from_le_bytes([lo, hi])),
+                    _ => read_word(c),
+                };
+                if code.syndrome16(word, check) == 0 {
                     continue;
                 }
-                let (fixed, outcome) = code.decode(word, check);
+                let g = groups.start + i;
+                let (fixed, outcome) = code.decode(u32::from(word), check);
                 if counted.contains(&g) {
                     stats.record(outcome);
                     unclean += 1;
