@@ -73,6 +73,15 @@ impl GroupLayout {
         first..last
     }
 
+    /// The groups of rows `start..end` whose metadata words a decode of
+    /// those rows counts: the groups of the blocks whose first token is in
+    /// `start..end` ([`first_token`](Self::first_token)).
+    pub fn counted_groups(&self, start: usize, end: usize) -> Range<usize> {
+        let (tpb, gpb) = (self.tokens_per_block, self.groups_per_block);
+        let first = start.div_ceil(tpb) * gpb;
+        first..(end.div_ceil(tpb) * gpb).max(first)
+    }
+
     /// First token of group `g`: decode statistics count a metadata word in
     /// the tile that holds this token, so that tile-by-tile statistics add up
     /// to those of one whole decode.
@@ -98,5 +107,27 @@ mod tests {
         assert_eq!(per_channel.first_token(9), 2);
         assert!(GroupLayout::new(5, 8, 1, 3).is_err());
         assert!(GroupLayout::new(5, 8, 1, 0).is_err());
+    }
+
+    /// The counted groups of every row range are the groups of those rows
+    /// whose first token lies in the range.
+    #[test]
+    fn counted_groups_are_those_whose_first_token_is_inside() {
+        for (tokens, tokens_per_block) in [(7, 1), (7, 2), (9, 4), (5, 5)] {
+            let layout = GroupLayout::new(tokens, 8, tokens_per_block, 4).unwrap();
+            for start in 0..tokens {
+                for end in start + 1..=tokens {
+                    let want: Vec<usize> = layout
+                        .groups_of_rows(start, end)
+                        .filter(|&g| (start..end).contains(&layout.first_token(g)))
+                        .collect();
+                    let got: Vec<usize> = layout.counted_groups(start, end).collect();
+                    assert_eq!(
+                        got, want,
+                        "{tokens_per_block} tokens per block, {start}..{end}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -229,11 +229,7 @@ impl Section {
                 offset.fill(0.0);
             }
             grow(&mut scratch.meta_erased, n).fill(false);
-            // Groups counted here are those of the blocks whose first token
-            // is in `start..end` (see `GroupLayout::first_token`).
-            let tpb = layout.tokens_per_block;
-            let blocks = end.div_ceil(tpb) - start.div_ceil(tpb);
-            let counted = (blocks * layout.groups_per_block) as u64;
+            let counted = layout.counted_groups(start, end).len() as u64;
             let words = counted * (1 + u64::from(has_offsets));
             return DecodeStats {
                 words,
@@ -265,8 +261,9 @@ impl Section {
         let erased = grow(&mut scratch.meta_erased, n);
         let mut stats = DecodeStats::default();
         let has_offsets = !self.offsets.is_empty();
+        let counted_groups = layout.counted_groups(start, end);
         for (i, g) in groups.enumerate() {
-            let counted = (start..end).contains(&layout.first_token(g));
+            let counted = counted_groups.contains(&g);
             let mut read = |buffer: &[u8], check_index: usize, is_scale: bool| {
                 let (word, outcome) = self.meta_word(buffer, g, check_index);
                 if counted {
@@ -307,11 +304,7 @@ impl Section {
         let n = groups.len();
         let total = layout.groups();
         let cb = code.check_bytes();
-        // The groups whose words count in this tile's statistics: those of
-        // the blocks whose first token is in `start..end`.
-        let (tpb, gpb) = (layout.tokens_per_block, layout.groups_per_block);
-        let counted = (start.div_ceil(tpb) * gpb).max(groups.start)
-            ..(end.div_ceil(tpb) * gpb).min(groups.end);
+        let counted = layout.counted_groups(start, end);
         let erased = grow(&mut scratch.meta_erased, n);
         erased.fill(false);
         let mut stats = DecodeStats::default();
