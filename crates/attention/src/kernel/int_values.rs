@@ -105,6 +105,7 @@ unsafe fn weighted_sums_avx512(
     weighted_sums_with(levels, geometry, weights, acc, Dot::Vnni, scratch)
 }
 
+/// The body of [`weighted_sums`], inlined into each instruction set's entry.
 #[inline(always)]
 fn weighted_sums_with(
     levels: &LevelRows<'_>,
