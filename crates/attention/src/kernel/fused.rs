@@ -173,10 +173,10 @@ impl<'a> Levels<'a> {
         })
     }
 
-    /// Dequantizes 16 levels (as i32 lanes) of the row whose first group
-    /// is `g`, starting at `col`, where lanes at or above `n` are zero.
+    /// Dequantizes 16 levels (bytes) of the row whose first group is `g`,
+    /// starting at `col`, where bytes at or above `n` are zero.
     #[inline(always)]
-    unsafe fn dequantize(self, g: usize, col: usize, levels: __m512i, n: usize) -> __m512 {
+    unsafe fn dequantize(self, g: usize, col: usize, bytes: __m128i, n: usize) -> __m512 {
         // SAFETY: the caller has the kernel's features; group `g + col / cpg`
         // (or `g + col + 15` for one group per channel, masked above `n`)
         // exists, as `LevelRows::value` would read it.
@@ -194,25 +194,28 @@ impl<'a> Levels<'a> {
                     _mm512_maskz_loadu_ps(mask(n), o.add(g + col)),
                 )
             };
+            let levels = || _mm512_cvtepu8_epi32(bytes);
             match self.map {
-                LevelMap::Affine => _mm512_add_ps(b, _mm512_mul_ps(_mm512_cvtepi32_ps(levels), a)),
+                LevelMap::Affine => {
+                    _mm512_add_ps(b, _mm512_mul_ps(_mm512_cvtepi32_ps(levels()), a))
+                }
                 LevelMap::Centered { mid } => {
-                    let level = _mm512_cvtepi32_ps(levels);
+                    let level = _mm512_cvtepi32_ps(levels());
                     _mm512_mul_ps(_mm512_sub_ps(level, _mm512_set1_ps(mid)), a)
                 }
                 // The 16 NF4 levels in one register: `vpermps` reads each
                 // lane's low 4 bits, the `& 15` of kv-quant's lookup.
                 LevelMap::Nf4 => {
                     let table = _mm512_loadu_ps(kv_quant::NF4_LEVELS.as_ptr());
-                    _mm512_mul_ps(_mm512_permutexvar_ps(levels, table), a)
+                    _mm512_mul_ps(_mm512_permutexvar_ps(levels(), table), a)
                 }
                 LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => {
-                    _mm512_mul_ps(fp8_values(kv_quant::Fp8Format::E5M2, levels), a)
+                    _mm512_mul_ps(fp8_values(kv_quant::Fp8Format::E5M2, bytes), a)
                 }
                 // `value·a` with value = half·2^8: `half·(2^8·a)` rounds the
                 // same exact product once (scaling by 2^8 is exact).
                 LevelMap::Fp8(kv_quant::Fp8Format::E4M3) => {
-                    let half = fp8_values(kv_quant::Fp8Format::E4M3, levels);
+                    let half = fp8_values(kv_quant::Fp8Format::E4M3, bytes);
                     _mm512_mul_ps(half, _mm512_mul_ps(a, _mm512_set1_ps(256.0)))
                 }
             }
@@ -227,21 +230,21 @@ impl<'a> Levels<'a> {
 /// half's fields: the biases differ by 8, subnormals included), with
 /// `S.1111.111` NaN.
 #[inline(always)]
-unsafe fn fp8_values(format: kv_quant::Fp8Format, codes: __m512i) -> __m512 {
+unsafe fn fp8_values(format: kv_quant::Fp8Format, codes: __m128i) -> __m512 {
     // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F/BW/VL); no
-    // memory is touched.
+    // memory is touched. The codes are widened to 16-bit lanes, where the
+    // half floats are built (not to 32-bit lanes narrowed back with
+    // `vpmovdw`, 9-15% slower for FP8 tiles).
     unsafe {
+        let codes = _mm256_cvtepu8_epi16(codes);
         match format {
-            kv_quant::Fp8Format::E5M2 => {
-                let half = _mm512_cvtepi32_epi16(_mm512_slli_epi32::<8>(codes));
-                _mm512_cvtph_ps(half)
-            }
+            kv_quant::Fp8Format::E5M2 => _mm512_cvtph_ps(_mm256_slli_epi16::<8>(codes)),
             kv_quant::Fp8Format::E4M3 => {
-                let magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7F));
-                let sign = _mm512_slli_epi32::<8>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
-                let bits = _mm512_or_si512(_mm512_slli_epi32::<7>(magnitude), sign);
-                let value = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits));
-                let nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+                let magnitude = _mm256_and_si256(codes, _mm256_set1_epi16(0x7F));
+                let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)));
+                let bits = _mm256_or_si256(_mm256_slli_epi16::<7>(magnitude), sign);
+                let value = _mm512_cvtph_ps(bits);
+                let nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));
                 _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(f32::NAN))
             }
         }
@@ -276,7 +279,7 @@ impl Load for Levels<'_> {
         // SAFETY: bytes `i..i + 16` are inside the slice.
         unsafe {
             let bytes = _mm_loadu_si128(self.rows.levels.as_ptr().add(i).cast());
-            self.dequantize(g, col, _mm512_cvtepu8_epi32(bytes), 16)
+            self.dequantize(g, col, bytes, 16)
         }
     }
 
@@ -287,7 +290,7 @@ impl Load for Levels<'_> {
         // SAFETY: masked bytes are not read; the others are inside the slice.
         unsafe {
             let bytes = _mm_maskz_loadu_epi8(mask(n), self.rows.levels.as_ptr().add(i).cast());
-            self.dequantize(g, col, _mm512_cvtepu8_epi32(bytes), n)
+            self.dequantize(g, col, bytes, n)
         }
     }
 }
@@ -772,9 +775,10 @@ mod tests {
     fn fp8_lanes(format: kv_quant::Fp8Format, codes: [i32; 16]) -> [f32; 16] {
         use std::arch::x86_64::*;
         let mut out = [0.0f32; 16];
-        // SAFETY: the caller checked the features; `codes` and `out` hold 16 lanes.
+        let bytes = codes.map(|c| c as u8);
+        // SAFETY: the caller checked the features; `bytes` and `out` hold 16 lanes.
         unsafe {
-            let v = super::fp8_values(format, _mm512_loadu_si512(codes.as_ptr().cast()));
+            let v = super::fp8_values(format, _mm_loadu_si128(bytes.as_ptr().cast()));
             _mm512_storeu_ps(out.as_mut_ptr(), v);
         }
         out
