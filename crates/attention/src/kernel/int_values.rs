@@ -254,7 +254,8 @@ fn chunks(v: &[f32]) -> &[[f32; LANES]] {
 
 /// Codes one head's weights `w` times the segment's scales `a` into
 /// `codes`, returning the code scale `S` and the offset term
-/// `B = Σ_t w_t·b_t`; `None` for a non-finite product or offset factor.
+/// `B = Σ_t w_t·b_t`; `None` for a non-finite or negative product, a
+/// non-finite offset factor, or products too small to scale.
 /// All slices hold the rows padded to whole lanes (zeros past the rows).
 /// This runs once per head, segment and row, as often as the integer sums'
 /// inner loop, so it is written as whole-lane loops the compiler vectorises.
@@ -271,21 +272,26 @@ fn code_weights(
     // exactly when every product and offset factor is finite.
     let mut probe = [0.0f32; LANES];
     let mut largest = [0.0f32; LANES];
+    let mut smallest = [0.0f32; LANES];
     let mut offset = [0.0f32; LANES];
     for ((w, a), b) in chunks(w).iter().zip(chunks(a)).zip(chunks(b)) {
         for i in 0..LANES {
             let x = w[i] * a[i];
             probe[i] += x * 0.0 + b[i] * 0.0;
             largest[i] = if x > largest[i] { x } else { largest[i] };
+            smallest[i] = if x < smallest[i] { x } else { smallest[i] };
             offset[i] += w[i] * b[i];
         }
     }
     let finite = probe.iter().all(|&p| p == 0.0);
+    // A negative product (a scale that is not a writer's: unprotected
+    // metadata under faults) is outside the codes' range.
+    let negative = smallest.iter().any(|&x| x < 0.0);
     let largest = largest
         .iter()
         .fold(0.0f32, |m, &v| if v > m { v } else { m });
     let offset: f64 = offset.iter().map(|&o| f64::from(o)).sum();
-    if !finite || !offset.is_finite() {
+    if !finite || negative || !offset.is_finite() {
         return None;
     }
     let (scale, inv) = if largest > 0.0 {
@@ -293,6 +299,11 @@ fn code_weights(
     } else {
         (0.0, 0.0)
     };
+    // Products below about 1e-34 would scale to infinity (and a zero
+    // product to NaN): left to the f32 pass.
+    if !inv.is_finite() {
+        return None;
+    }
     match dot {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW.
@@ -626,6 +637,59 @@ mod tests {
                 Dot::detect(),
                 &mut scratch
             ));
+        }
+    }
+
+    /// Flips the given bits of the buffer of the `call`-th call only (a
+    /// metadata injection calls the channel for scales, then offsets).
+    #[derive(Debug)]
+    struct FlipsInCall(usize, Vec<u64>, std::sync::atomic::AtomicUsize);
+
+    impl gf2_codes::channel::FaultChannel for FlipsInCall {
+        fn inject_with(
+            &self,
+            data: &mut [u8],
+            _rng: &mut gf2_codes::channel::FaultRng,
+        ) -> gf2_codes::channel::Flips {
+            let call = self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let positions = if call == self.0 {
+                self.1.clone()
+            } else {
+                Vec::new()
+            };
+            let flips = gf2_codes::channel::Flips::from_events(positions);
+            flips.apply(data).unwrap();
+            flips
+        }
+    }
+
+    /// A negative scale (an unprotected f16 scale whose sign bit a fault
+    /// flipped) and products too small to scale are left to the f32 pass
+    /// on every instruction set, instead of coding out of range.
+    #[test]
+    fn negative_and_tiny_products_are_refused() {
+        let geometry = TileGeometry {
+            group: 2,
+            kv_heads: 1,
+            d: 64,
+        };
+        let weights = vec![0.5; 2 * 8];
+        let v = uniform(4, 8 * 64, 1.0);
+        let mut store = KvStore::quantize("int4".parse().unwrap(), &v, 8, 64).unwrap();
+        let sign = FlipsInCall(0, vec![3 * 16 + 15], Default::default());
+        store.inject(&sign, 0, kv_quant::FaultTarget::Metadata);
+        let tiny: Vec<f32> = v.iter().map(|x| x * 1e-36).collect();
+        let tiny = KvStore::quantize("int4-sf32".parse().unwrap(), &tiny, 8, 64).unwrap();
+        for (store, what) in [(&store, "negative scale"), (&tiny, "tiny products")] {
+            let mut decode = kv_quant::DecodeScratch::new();
+            let levels = levels_of(store, 8, &mut decode);
+            assert!(takes(&levels, geometry), "{what}");
+            for dot in [Dot::Portable, Dot::detect()] {
+                let mut acc = vec![0.0; 2 * 64];
+                let mut scratch = ValueScratch::default();
+                let ok = weighted_sums(&levels, geometry, &weights, &mut acc, dot, &mut scratch);
+                assert!(!ok, "{what}, {dot:?}: taken");
+            }
         }
     }
 }
