@@ -72,7 +72,7 @@ pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};
 pub use shard::{ShardBytes, ShardFaults, ShardLayer};
-pub use source::{DenseKv, KvSource, StoreScratch, Tile, TileRows};
+pub use source::{BlockedScratch, DenseKv, KvSource, StoreScratch, Tile, TileRows};
 pub use workspace::Workspace;
 
 /// The README's example, compiled and run as a doctest.

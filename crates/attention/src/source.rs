@@ -234,6 +234,72 @@ impl StoreScratch {
     }
 }
 
+/// Scratch of a source whose rows lie in blocks of stored rows, each block
+/// a run of consecutive rows of one kv-quant store (a paged cache's page
+/// table, a cache whose blocks are stored in different forms). Such a
+/// source reads a tile inside one run of adjacent blocks with
+/// [`read_run`](Self::read_run) and any other tile with
+/// [`decode_blocks`](Self::decode_blocks); either way interpolation reads
+/// an erased row's own block only.
+#[derive(Clone, Debug, Default)]
+pub struct BlockedScratch {
+    store: StoreScratch,
+    decode: DecodeScratch,
+    rows: Vec<f32>,
+}
+
+impl BlockedScratch {
+    /// Rows `row..row + count` of `store`, whole or partial blocks of
+    /// `block` rows adjacent in the store, read as the store's own tile
+    /// (stored halves or levels where the form allows).
+    pub fn read_run<'s>(
+        &'s mut self,
+        store: &'s KvStore,
+        row: usize,
+        count: usize,
+        block: usize,
+    ) -> Result<Tile<'s>> {
+        self.store.decode.limit_neighbours_to_blocks(Some(block));
+        store.read_tile(row, count, &mut self.store)
+    }
+
+    /// Rows `start..start + count` of the source decoded block by block
+    /// into f32. `locate(t)` gives the store holding row `t` and its row
+    /// there; the rows of one block of `block` rows are consecutive in one
+    /// store (starting at a multiple of `block` rows from the source's
+    /// start), and interpolation reads only them.
+    pub fn decode_blocks<'s, 'k>(
+        &'s mut self,
+        start: usize,
+        count: usize,
+        block: usize,
+        channels: usize,
+        locate: impl Fn(usize) -> (&'k KvStore, usize),
+    ) -> Result<Tile<'s>> {
+        let n = count * channels;
+        if self.rows.len() < n {
+            self.rows.resize(n, 0.0);
+        }
+        let rows = &mut self.rows[..n];
+        let mut stats = KvDecodeStats::default();
+        let mut t = start;
+        while t < start + count {
+            let (store, row) = locate(t);
+            let n = (block - t % block).min(start + count - t);
+            let first = row - t % block;
+            self.decode
+                .limit_neighbours(Some(first..(first + block).min(store.tokens())));
+            let out = &mut rows[(t - start) * channels..][..n * channels];
+            stats += store.decode_rows_rotated_into(row, n, out, &mut self.decode)?;
+            t += n;
+        }
+        Ok(Tile {
+            rows: TileRows::F32(rows),
+            stats,
+        })
+    }
+}
+
 /// Any kv-quant form: each tile is dequantized (and, for protected forms,
 /// ECC-decoded with the form's erasure policy) by
 /// [`KvStore::decode_rows_rotated_into`], so values and statistics equal

@@ -6,8 +6,8 @@
 
 use std::sync::RwLockReadGuard;
 
-use attention::{Attention, AttentionOutput, KvSource, Mask, StoreScratch, Tile, TileRows};
-use kv_quant::{DecodeScratch, Hadamard, KvDecodeStats, KvStore};
+use attention::{Attention, AttentionOutput, BlockedScratch, KvSource, Mask, Tile};
+use kv_quant::{Hadamard, KvStore};
 
 use crate::error::{PagedCacheError, Result};
 use crate::pool::BlockId;
@@ -218,13 +218,8 @@ impl<'a> PagedKv<'a> {
     }
 }
 
-/// Scratch of [`PagedKv`]: the layer store's own scratch and the f32 tile.
-#[derive(Clone, Debug, Default)]
-pub struct PagedScratch {
-    store: StoreScratch,
-    decode: DecodeScratch,
-    rows: Vec<f32>,
-}
+/// Scratch of [`PagedKv`]: attention's scratch of block-laid sources.
+pub type PagedScratch = BlockedScratch;
 
 impl KvSource for PagedKv<'_> {
     type Scratch = PagedScratch;
@@ -249,33 +244,11 @@ impl KvSource for PagedKv<'_> {
     ) -> attention::Result<Tile<'s>> {
         let store: &KvStore = &self.store;
         if self.contiguous(start, count) {
-            // A tile of several adjacent blocks: interpolation (`+interp`,
-            // and a group whose metadata was erased under `keep`) reads the
-            // erased row's own block only.
-            scratch
-                .store
-                .decode_scratch()
-                .limit_neighbours_to_blocks(Some(self.block_size));
-            return store.read_tile(self.row(start), count, &mut scratch.store);
+            // A tile of several adjacent blocks: read as the store's tile.
+            return scratch.read_run(store, self.row(start), count, self.block_size);
         }
-        let (ch, bs) = (self.channels, self.block_size);
-        if scratch.rows.len() < count * ch {
-            scratch.rows.resize(count * ch, 0.0);
-        }
-        let rows = &mut scratch.rows[..count * ch];
-        let mut stats = KvDecodeStats::default();
-        let mut t = start;
-        while t < start + count {
-            let n = (bs - t % bs).min(start + count - t);
-            let out = &mut rows[(t - start) * ch..][..n * ch];
-            let block = self.row(t) - t % bs;
-            scratch.decode.limit_neighbours(Some(block..block + bs));
-            stats += store.decode_rows_rotated_into(self.row(t), n, out, &mut scratch.decode)?;
-            t += n;
-        }
-        Ok(Tile {
-            rows: TileRows::F32(rows),
-            stats,
+        scratch.decode_blocks(start, count, self.block_size, self.channels, |t| {
+            (store, self.row(t))
         })
     }
 

@@ -19,8 +19,8 @@
 
 use std::ops::Range;
 
-use attention::{KvSource, StoreScratch, Tile, TileRows};
-use kv_quant::{CacheForm, DecodeScratch, KvDecodeStats, KvStore, Quantizer};
+use attention::{BlockedScratch, KvSource, Tile};
+use kv_quant::{CacheForm, DecodeScratch, KvStore, Quantizer};
 
 use super::{Faults, LayerCodewords, mix, quantize};
 use crate::adaptive::Level;
@@ -292,17 +292,8 @@ impl PartFaults<'_> {
     }
 }
 
-/// Scratch of a [`BlockedPart`]: the stores' tile scratch, and the f32
-/// rows of a tile across segments.
-#[derive(Clone, Debug, Default)]
-pub(super) struct BlockScratch {
-    store: StoreScratch,
-    decode: DecodeScratch,
-    rows: Vec<f32>,
-}
-
 impl KvSource for BlockedPart {
-    type Scratch = BlockScratch;
+    type Scratch = BlockedScratch;
 
     fn tokens(&self) -> usize {
         self.tokens
@@ -320,44 +311,17 @@ impl KvSource for BlockedPart {
         &'s self,
         start: usize,
         count: usize,
-        scratch: &'s mut BlockScratch,
+        scratch: &'s mut BlockedScratch,
     ) -> attention::Result<Tile<'s>> {
         let seg = self.segment(start);
         if start + count <= seg.start + seg.store.tokens() {
             // Segments start at block boundaries: the store's blocks are
             // the part's.
-            scratch
-                .store
-                .decode_scratch()
-                .limit_neighbours_to_blocks(Some(self.block));
-            return seg
-                .store
-                .read_tile(start - seg.start, count, &mut scratch.store);
+            return scratch.read_run(&seg.store, start - seg.start, count, self.block);
         }
-        let ch = self.channels;
-        if scratch.rows.len() < count * ch {
-            scratch.rows.resize(count * ch, 0.0);
-        }
-        let rows = &mut scratch.rows[..count * ch];
-        let mut stats = KvDecodeStats::default();
-        let mut t = start;
-        while t < start + count {
+        scratch.decode_blocks(start, count, self.block, self.channels, |t| {
             let seg = self.segment(t);
-            let local = t - seg.start;
-            let n = (self.block - t % self.block).min(start + count - t);
-            let block = local - t % self.block;
-            scratch
-                .decode
-                .limit_neighbours(Some(block..(block + self.block).min(seg.store.tokens())));
-            let out = &mut rows[(t - start) * ch..][..n * ch];
-            stats += seg
-                .store
-                .decode_rows_rotated_into(local, n, out, &mut scratch.decode)?;
-            t += n;
-        }
-        Ok(Tile {
-            rows: TileRows::F32(rows),
-            stats,
+            (&seg.store, t - seg.start)
         })
     }
 
@@ -457,13 +421,13 @@ mod tests {
             (147, 3),
             (23, 2),
         ] {
-            let mut scratch = BlockScratch::default();
+            let mut scratch = BlockedScratch::default();
             let tile = part.read_tile(start, count, &mut scratch).unwrap();
             let mut got = vec![0.0f32; count * CH];
             match tile.rows {
-                TileRows::F32(v) => got.copy_from_slice(v),
-                TileRows::Levels(l) => l.dequantize_into(&mut got),
-                TileRows::F16(_) => panic!("int4 tiles are not half floats"),
+                attention::TileRows::F32(v) => got.copy_from_slice(v),
+                attention::TileRows::Levels(l) => l.dequantize_into(&mut got),
+                attention::TileRows::F16(_) => panic!("int4 tiles are not half floats"),
             }
             let expected = &want[start * CH..][..count * CH];
             assert!(

@@ -41,7 +41,7 @@ use kv_quant::{
     VqCodebook,
 };
 
-use blocks::{BlockScratch, BlockedPart, PartFaults};
+use blocks::{BlockedPart, PartFaults};
 
 use crate::calibration::{Part, basis_shape};
 use crate::error::{EvalError, Result};
@@ -187,7 +187,7 @@ impl<'a> Source<'a> {
 struct SourceScratch {
     store: StoreScratch,
     low_rank: LowRankScratch,
-    blocks: BlockScratch,
+    blocks: attention::BlockedScratch,
 }
 
 impl KvSource for Source<'_> {
