@@ -3,20 +3,22 @@
 //! on its compressed forms against the dequantise-then-attend result, and
 //! the time of each call against FP16 decode attention over the same rows.
 //!
-//! `cargo run --release -p attention --example shard_decode [tokens] [form]`
+//! `cargo run --release -p attention --example shard_decode [tokens] [form]`;
+//! `REPS` sets the timed calls of each kind (default 50).
 
 use std::time::Instant;
 
 use attention::{Attention, HeadShape, Mask, Rope, RopeLayout, ShardLayer, reference_attention};
 use kv_quant::{CacheForm, KvStore};
 
-/// Timed calls of each kind.
+/// Timed calls of each kind unless `REPS` says otherwise.
 const REPEATS: usize = 50;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let tokens: usize = args.next().map_or(Ok(16384), |a| a.parse())?;
     let form: CacheForm = args.next().unwrap_or_else(|| "shard".into()).parse()?;
+    let repeats: usize = std::env::var("REPS").map_or(Ok(REPEATS), |r| r.parse())?;
     let shape = HeadShape::new(9, 3, 64)?;
     let ch = shape.kv_channels();
     let rope = Rope::new(RopeLayout::Adjacent, 64, 64, 100_000.0)?;
@@ -69,10 +71,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let time = |f: &dyn Fn()| {
         f();
         let started = Instant::now();
-        for _ in 0..REPEATS {
+        for _ in 0..repeats {
             f();
         }
-        started.elapsed().as_secs_f64() / REPEATS as f64
+        started.elapsed().as_secs_f64() / repeats as f64
     };
     let shard = time(&|| {
         layer

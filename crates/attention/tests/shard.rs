@@ -348,26 +348,32 @@ fn faults_are_seeded_accounted_and_corrected_under_a_code() {
 #[test]
 fn long_decodes_split_keys_and_sum_values_by_histogram() {
     // 5,000 tokens: decode calls split the keys into chunks of 2,048 and
-    // sum middle values through per-centroid histograms (spans ≥ 512).
+    // sum middle values through per-centroid histograms (spans ≥ 512), the
+    // heads of a group four at a time (groups of 2 and 5).
     let (d, tokens) = (16, 5000);
-    let shape = HeadShape::new(4, 2, d).unwrap();
-    let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).unwrap();
-    let (k, v) = rows(21, tokens, shape.kv_channels(), &rope);
-    let layer =
-        ShardLayer::build("shard-k2-g4".parse().unwrap(), &k, &v, tokens, 4900, &rope).unwrap();
-    let (dk, dv) = layer.dequantize().unwrap();
-    let positions = [4999, 4950, 3000, 2047, 2048, 300];
-    let mut queries = uniform(5, positions.len() * shape.q_len(), 1.0);
-    for (row, &p) in queries.chunks_exact_mut(shape.q_len()).zip(&positions) {
-        rope.apply(row, p).unwrap();
-    }
-    let attention = Attention::new(shape);
-    for mask in [Mask::Causal, Mask::SlidingWindow(700)] {
-        let got = layer
-            .attend(&attention, &queries, &positions, &mask)
-            .unwrap();
-        let want = oracle(&queries, &positions, &dk, &dv, tokens, &shape, &mask);
-        let (out, lse) = error_against(&got, &want, &dv);
-        assert!(out < 1e-5 && lse < 1e-5, "{mask:?}: {out:e} {lse:e}");
+    for (q_heads, kv_heads) in [(4, 2), (10, 2)] {
+        let shape = HeadShape::new(q_heads, kv_heads, d).unwrap();
+        let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).unwrap();
+        let (k, v) = rows(21, tokens, shape.kv_channels(), &rope);
+        let layer =
+            ShardLayer::build("shard-k2-g4".parse().unwrap(), &k, &v, tokens, 4900, &rope).unwrap();
+        let (dk, dv) = layer.dequantize().unwrap();
+        let positions = [4999, 4950, 3000, 2047, 2048, 300];
+        let mut queries = uniform(5, positions.len() * shape.q_len(), 1.0);
+        for (row, &p) in queries.chunks_exact_mut(shape.q_len()).zip(&positions) {
+            rope.apply(row, p).unwrap();
+        }
+        let attention = Attention::new(shape);
+        for mask in [Mask::Causal, Mask::SlidingWindow(700)] {
+            let got = layer
+                .attend(&attention, &queries, &positions, &mask)
+                .unwrap();
+            let want = oracle(&queries, &positions, &dk, &dv, tokens, &shape, &mask);
+            let (out, lse) = error_against(&got, &want, &dv);
+            assert!(
+                out < 1e-5 && lse < 1e-5,
+                "{q_heads}/{kv_heads} {mask:?}: {out:e} {lse:e}"
+            );
+        }
     }
 }

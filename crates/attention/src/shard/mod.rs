@@ -42,6 +42,9 @@ use crate::rope::Rope;
 
 mod attend;
 mod faults;
+mod tile_math;
+
+use attend::OffsetTable;
 
 pub use faults::ShardFaults;
 
@@ -82,6 +85,8 @@ pub struct ShardLayer {
     prefill: usize,
     middle: Range<usize>,
     rope: Rope,
+    /// `cos`, `sin` of RoPE's angles at each offset within a tile.
+    offsets: Arc<OffsetTable>,
     /// Exact rows (f16 bits) of every token outside the compressed runs and
     /// the Lloyd-Max stream, in token order.
     exact_keys: Vec<u16>,
@@ -220,6 +225,7 @@ impl ShardLayer {
             prefill,
             middle: middle.clone(),
             rope: rope.clone(),
+            offsets: Arc::new(OffsetTable::new(rope)),
             exact_keys: Vec::new(),
             exact_values: Vec::new(),
             compressed: Vec::new(),
