@@ -237,6 +237,18 @@ fn extending_after_the_prefill_equals_building_at_once() {
         let stepped = mid.extended(&k, &v, tokens).unwrap();
         assert_eq!(stepped.dequantize().unwrap(), whole.dequantize().unwrap());
         assert_eq!(stepped.bytes(), whole.bytes(), "{spec}");
+        // One token at a time, as generation grows it (each step encodes
+        // only its own stream row and keeps the rows before).
+        let mut step = first.clone();
+        for t in prefill + 1..=tokens {
+            step = step.extended(&k[..t * ch], &v[..t * ch], t).unwrap();
+        }
+        assert_eq!(
+            step.dequantize().unwrap(),
+            whole.dequantize().unwrap(),
+            "{spec}"
+        );
+        assert_eq!(step.bytes(), whole.bytes(), "{spec}");
         let back = grown.extended(&k[..260 * ch], &v[..260 * ch], 260).unwrap();
         let at_260 =
             ShardLayer::build(form, &k[..260 * ch], &v[..260 * ch], 260, prefill, &rope).unwrap();

@@ -283,7 +283,7 @@ impl ShardLayer {
                 values: Arc::new(shard_values),
             });
         }
-        layer.append_generated(keys, values)?;
+        layer.append_generated(keys, values, None)?;
         Ok(layer)
     }
 
@@ -293,7 +293,11 @@ impl ShardLayer {
     /// read again: the fitted middle, sink and window are kept), and so are
     /// the chunks this layer has folded that end by `tokens`; the rest go
     /// to folded chunks and the decode stream. Equal to building the layer
-    /// from all `tokens` at once.
+    /// from all `tokens` at once. When `tokens` is at least this layer's,
+    /// the stream rows it holds are kept as they are and only the tokens
+    /// after them are encoded (the stream is row-local), so a decode step
+    /// costs one token's encoding, not the whole stream's; those rows of
+    /// `keys` and `values` must be the ones this layer was extended with.
     pub fn extended(&self, keys: &[f32], values: &[f32], tokens: usize) -> Result<Self> {
         let ch = self.channels();
         check_len("keys (tokens × channels)", tokens * ch, keys.len())?;
@@ -335,17 +339,27 @@ impl ShardLayer {
             stream: None,
             ..self.clone()
         };
-        out.append_generated(keys, values)?;
+        let prior = self.stream.as_ref().filter(|_| tokens >= self.tokens);
+        out.append_generated(keys, values, prior)?;
         Ok(out)
     }
 
     /// Stores the tokens after the folded chunks (every token past the
     /// prefill when none are): whole chunks folded under `-f<C>` (when the
-    /// middle is compressed), the rest in the stream (or exact).
-    fn append_generated(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+    /// middle is compressed), the rest in the stream (or exact). `prior`
+    /// is a stream of the tokens from this layer's first unfolded token on
+    /// (the rows of `keys` and `values` it was encoded from), reused when no
+    /// chunk is folded now.
+    fn append_generated(
+        &mut self,
+        keys: &[f32],
+        values: &[f32],
+        prior: Option<&(KvStore, KvStore)>,
+    ) -> Result<()> {
         let spec = self.spec();
         let (ch, d) = (self.channels(), self.head_dim);
-        let mut start = self.folded_end();
+        let unfolded = self.folded_end();
+        let mut start = unfolded;
         if let (Some(c), Some(middle)) = (spec.fold, self.compressed.first().cloned()) {
             while start + c <= self.tokens {
                 let rows = start * ch..(start + c) * ch;
@@ -375,10 +389,28 @@ impl ShardLayer {
             Some(_) if !rest.is_empty() => {
                 let lm = stream_form(spec, d)?;
                 let n = self.tokens - start;
-                self.stream = Some((
-                    KvStore::quantize(lm, &keys[rest.clone()], n, ch)?,
-                    KvStore::quantize(lm, &values[rest], n, ch)?,
-                ));
+                let (rest_k, rest_v) = (&keys[rest.clone()], &values[rest]);
+                let reusable =
+                    prior.filter(|(k, _)| start == unfolded && k.tokens() <= n && k.form() == &lm);
+                self.stream = Some(match reusable {
+                    Some((pk, pv)) => {
+                        // The prior rows copied, only the new ones encoded.
+                        let kept = pk.tokens();
+                        let grow = |old: &KvStore, rows: &[f32]| -> Result<KvStore> {
+                            let mut store = KvStore::zeroed(lm, n, ch)?;
+                            store.copy_rows_from(0, old)?;
+                            if kept < n {
+                                store.write_rows(kept, &rows[kept * ch..], Default::default())?;
+                            }
+                            Ok(store)
+                        };
+                        (grow(pk, rest_k)?, grow(pv, rest_v)?)
+                    }
+                    None => (
+                        KvStore::quantize(lm, rest_k, n, ch)?,
+                        KvStore::quantize(lm, rest_v, n, ch)?,
+                    ),
+                });
             }
             None => {
                 for t in start..self.tokens {
