@@ -2,14 +2,16 @@
 //! f32 rows) at one shape and context, printing milliseconds and stored
 //! bytes read per second; `REPS` sets the repetitions (default 20),
 //! `NUMERICS=int8` scores integer keys with int8-quantized queries
-//! (`Numerics::Int8Query`), `TILE` sets the rows per tile (default 64).
-//! Threads follow `RAYON_NUM_THREADS`.
+//! (`Numerics::Int8Query`), `TILE` sets the rows per tile (default 64),
+//! `FRESH=1` calls `decode` (fresh buffers each call) instead of
+//! `decode_into` with one kept workspace. Threads follow
+//! `RAYON_NUM_THREADS`.
 //!
 //! `cargo run --release -p attention --example decode_timing -- int4+secded84 32 8 128 65536`
 
 use std::time::Instant;
 
-use attention::{Attention, AttentionConfig, DenseKv, HeadShape, Mask, Numerics};
+use attention::{Attention, AttentionConfig, DenseKv, HeadShape, Mask, Numerics, Workspace};
 use kv_quant::KvStore;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -50,19 +52,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
+    let fresh = std::env::var_os("FRESH").is_some();
+    let (mut out, mut lse) = (vec![0.0f32; shape.q_len()], vec![0.0f32; shape.q_heads()]);
+    let (mut ws_dense, mut ws_store) = (Workspace::new(), Workspace::new());
     for _ in 0..reps {
         let t = Instant::now();
-        let out = if form == "dense" {
-            attn.decode(&q, tokens - 1, &dense.0, &dense.1, &Mask::Causal)?
-        } else {
-            attn.decode(&q, tokens - 1, &ks, &vs, &Mask::Causal)?
-        };
+        let p = tokens - 1;
+        match (form == "dense", fresh) {
+            (true, true) => out = attn.decode(&q, p, &dense.0, &dense.1, &Mask::Causal)?.out,
+            (false, true) => out = attn.decode(&q, p, &ks, &vs, &Mask::Causal)?.out,
+            (true, false) => {
+                let m = &Mask::Causal;
+                attn.decode_into(&q, p, &dense.0, &dense.1, m, &mut out, &mut lse, &mut ws_dense)?;
+            }
+            (false, false) => {
+                let m = &Mask::Causal;
+                attn.decode_into(&q, p, &ks, &vs, m, &mut out, &mut lse, &mut ws_store)?;
+            }
+        }
         let s = t.elapsed().as_secs_f64();
         println!(
             "{form}: {:.2} ms, {:.2} GB/s (out[0] = {})",
             s * 1e3,
             bytes / s / 1e9,
-            out.out[0]
+            out[0]
         );
     }
     Ok(())

@@ -53,16 +53,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     rope.apply(&mut q, tokens - 1)?;
     let attn = Attention::new(shape);
     let p = [tokens - 1];
-    let out = layer.attend(&attn, &q, &p, &Mask::Causal)?;
     let (dk, dv) = layer.dequantize()?;
-    let want = reference_attention(&q, &p, &dk, &dv, tokens, &shape, &Mask::Causal)?;
-    let err = out
-        .out
-        .iter()
-        .zip(&want.out)
-        .map(|(a, b)| (f64::from(*a) - b).abs())
-        .fold(0.0, f64::max);
-    println!("max |compressed − dequantised oracle| = {err:.2e}");
+    // One decode query, and 32 queries at the end (the prefill path: each
+    // key tile built once for all of them).
+    let last: Vec<usize> = (tokens.saturating_sub(32)..tokens).collect();
+    let mut many: Vec<f32> = Vec::with_capacity(last.len() * shape.q_len());
+    for &t in &last {
+        let mut row: Vec<f32> = (0..shape.q_len())
+            .map(|i| ((i + 7 * t) as f32 * 0.13).cos())
+            .collect();
+        rope.apply(&mut row, t)?;
+        many.extend(row);
+    }
+    for (what, q, p) in [("decode", &q[..], &p[..]), ("32 queries", &many[..], &last[..])] {
+        let out = layer.attend(&attn, q, p, &Mask::Causal)?;
+        let want = reference_attention(q, p, &dk, &dv, tokens, &shape, &Mask::Causal)?;
+        let err = out
+            .out
+            .iter()
+            .zip(&want.out)
+            .map(|(a, b)| (f64::from(*a) - b).abs())
+            .fold(0.0, f64::max);
+        println!("{what}: max |compressed − dequantised oracle| = {err:.2e}");
+    }
     let fp16: CacheForm = "fp16".parse()?;
     let (ks, vs) = (
         KvStore::quantize(fp16, &k, tokens, ch)?,

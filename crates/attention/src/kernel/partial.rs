@@ -54,10 +54,12 @@ impl Partial {
             return;
         }
         let m_new = m_run.max(m);
-        let (a, b) = (
-            (f64::from(m_run) - f64::from(m_new)).exp(),
-            (f64::from(m) - f64::from(m_new)).exp(),
-        );
+        // One of the two factors is `exp(0) = 1` exactly: one `exp` per fold.
+        let (a, b) = if m >= m_run {
+            ((f64::from(m_run) - f64::from(m_new)).exp(), 1.0)
+        } else {
+            (1.0, (f64::from(m) - f64::from(m_new)).exp())
+        };
         self.m[head] = m_new;
         self.l[head] = self.l[head] * a + l * b;
         acc_run

@@ -33,8 +33,8 @@ use std::sync::Arc;
 use half::f16;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
-    CacheForm, ChannelVq, DecodeScratch, FitOptions, KvStore, LloydMaxSpec, Nf4Spec, Quantizer,
-    Rotation, ScaleType, ShardSpec, ShardValues,
+    CacheForm, ChannelVq, DecodeScratch, FitOptions, KvStore, LloydMaxSpec, Nf4Spec,
+    QuantizeOptions, Quantizer, Rotation, ScaleType, ShardSpec, ShardValues,
 };
 
 use crate::error::{AttentionError, Result, check_len};
@@ -400,7 +400,11 @@ impl ShardLayer {
                             let mut store = KvStore::zeroed(lm, n, ch)?;
                             store.copy_rows_from(0, old)?;
                             if kept < n {
-                                store.write_rows(kept, &rows[kept * ch..], Default::default())?;
+                                store.write_rows(
+                                    kept,
+                                    &rows[kept * ch..],
+                                    QuantizeOptions::default(),
+                                )?;
                             }
                             Ok(store)
                         };
