@@ -52,7 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
-    let fresh = std::env::var_os("FRESH").is_some();
+    let fresh = std::env::var("FRESH").is_ok_and(|v| v == "1");
     let (mut out, mut lse) = (vec![0.0f32; shape.q_len()], vec![0.0f32; shape.q_heads()]);
     let (mut ws_dense, mut ws_store) = (Workspace::new(), Workspace::new());
     for _ in 0..reps {
@@ -63,7 +63,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             (false, true) => out = attn.decode(&q, p, &ks, &vs, &Mask::Causal)?.out,
             (true, false) => {
                 let m = &Mask::Causal;
-                attn.decode_into(&q, p, &dense.0, &dense.1, m, &mut out, &mut lse, &mut ws_dense)?;
+                attn.decode_into(
+                    &q,
+                    p,
+                    &dense.0,
+                    &dense.1,
+                    m,
+                    &mut out,
+                    &mut lse,
+                    &mut ws_dense,
+                )?;
             }
             (false, false) => {
                 let m = &Mask::Causal;

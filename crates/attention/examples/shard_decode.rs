@@ -65,7 +65,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         rope.apply(&mut row, t)?;
         many.extend(row);
     }
-    for (what, q, p) in [("decode", &q[..], &p[..]), ("32 queries", &many[..], &last[..])] {
+    for (what, q, p) in [
+        ("decode", &q[..], &p[..]),
+        ("32 queries", &many[..], &last[..]),
+    ] {
         let out = layer.attend(&attn, q, p, &Mask::Causal)?;
         let want = reference_attention(q, p, &dk, &dv, tokens, &shape, &Mask::Causal)?;
         let err = out
@@ -75,6 +78,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map(|(a, b)| (f64::from(*a) - b).abs())
             .fold(0.0, f64::max);
         println!("{what}: max |compressed − dequantised oracle| = {err:.2e}");
+        if err > 1e-5 || out.non_finite > 0 {
+            return Err(format!("{what}: {err:e} from the oracle, above 1e-5").into());
+        }
     }
     let fp16: CacheForm = "fp16".parse()?;
     let (ks, vs) = (

@@ -258,7 +258,7 @@ fn encoded_rows_commit_into_a_store_without_allocating() {
 
 /// Every way rows reach a store (a whole quantization, `write_rows` one row
 /// at a time, `put_encoded_rows`, `copy_rows_from`, `rows_to_store`,
-/// overwriting) keeps its parameter bound over every word written, so a
+/// `concat`, overwriting) keeps its parameter bound over every word written, so a
 /// clean store never erases a group for lying outside it; the bound is the
 /// exact range of the words written, and overwriting never narrows it.
 #[test]
@@ -311,6 +311,18 @@ fn every_write_path_keeps_the_parameter_bound() {
             assert_eq!(store.param_bound(), bound, "{spelling} {what}");
             assert_eq!(clean(store, what), values, "{spelling} {what}");
         }
+        // Two parts concatenated: the whole's bytes, bound and values.
+        let (head, tail) = (
+            whole.rows_to_store(0, 4).unwrap(),
+            quantize_whole(form, &x[4 * channels..], tokens - 4, channels, &cb),
+        );
+        let joined = head.concat(&tail).unwrap();
+        assert_eq!(joined.data(), whole.data(), "{spelling}");
+        assert_eq!(joined.scales(), whole.scales(), "{spelling}");
+        assert_eq!(joined.offsets(), whole.offsets(), "{spelling}");
+        assert_eq!(joined.meta_checks(), whole.meta_checks(), "{spelling}");
+        assert_eq!(joined.param_bound(), bound, "{spelling}");
+        assert_eq!(clean(&joined, "concat"), values, "{spelling}");
         // A part of the store keeps the whole's bound.
         let part = whole.rows_to_store(3, 3).unwrap();
         assert_eq!(part.param_bound(), bound, "{spelling}");
@@ -323,4 +335,26 @@ fn every_write_path_keeps_the_parameter_bound() {
         assert_eq!(by_rows.param_bound(), bound, "{spelling}");
         clean(&by_rows, "overwritten");
     }
+}
+
+/// `concat` takes rows of the same row-local form, width and codebook only;
+/// anything else is a typed error.
+#[test]
+fn concat_refuses_other_forms_widths_and_codebooks() {
+    let x = data(8, 64);
+    let q = |spelling: &str, channels: usize| {
+        KvStore::quantize(spelling.parse().unwrap(), &x[..4 * channels], 4, channels).unwrap()
+    };
+    let mismatch = |r: Result<KvStore, KvQuantError>| {
+        assert!(matches!(r, Err(KvQuantError::StoreMismatch(_))), "{r:?}");
+    };
+    mismatch(q("int4", 64).concat(&q("int8", 64)));
+    mismatch(q("int4", 64).concat(&q("int4", 32)));
+    // Per-channel groups share scales across tokens: not row-local.
+    mismatch(q("int4-ch", 64).concat(&q("int4-ch", 64)));
+    let form: CacheForm = "vq-k16".parse().unwrap();
+    let (a, b) = (codebook(&form, 64), codebook(&form, 64));
+    let with = |cb: &Option<Arc<VqCodebook>>| quantize_whole(form, &x[..4 * 64], 4, 64, cb);
+    mismatch(with(&a).concat(&with(&b)));
+    assert_eq!(with(&a).concat(&with(&a)).unwrap().tokens(), 8);
 }

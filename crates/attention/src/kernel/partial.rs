@@ -54,7 +54,8 @@ impl Partial {
             return;
         }
         let m_new = m_run.max(m);
-        // One of the two factors is `exp(0) = 1` exactly: one `exp` per fold.
+        // One of the two factors is `exp(0) = 1` exactly (for maxima that
+        // are not NaN, as the kernels' are not): one `exp` per fold.
         let (a, b) = if m >= m_run {
             ((f64::from(m_run) - f64::from(m_new)).exp(), 1.0)
         } else {

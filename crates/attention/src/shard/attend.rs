@@ -118,9 +118,9 @@ impl ShardLayer {
                         .try_for_each_init(
                             || vec![0.0f32; TILE * kept],
                             |coeffs, (i, tile)| {
-                                let n = tile.len() / d * kept;
+                                let codes = tile.len() / d * kept;
                                 let t0 = c.tokens.start + i * TILE;
-                                ctx.key_tile(c, g..g + 1, t0, &mut coeffs[..n], tile)
+                                ctx.key_tile(c, g..g + 1, t0, &mut coeffs[..codes], tile)
                             },
                         )?;
                 }
@@ -364,12 +364,12 @@ impl Context<'_> {
         let mut rows = vec![0.0f32; TILE * ch];
         let mut scratch = DecodeScratch::new();
         let mut sums = vec![0.0f64; per_query];
-        let mut rotation = None;
         for (bi, i) in qs.clone().enumerate() {
             let r = &ranges[i];
             if r.is_empty() {
                 continue;
             }
+            let mut rotation = None;
             let at0 = bi * per_query;
             for (gi, g) in gs.clone().enumerate() {
                 for hh in 0..g_len {

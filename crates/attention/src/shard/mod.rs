@@ -23,7 +23,7 @@
 //! tile starting at `t₀` evaluates it as one dot product: the query
 //! rotated back by `t₀` (once per tile and head) against the tile's keys
 //! rotated by their offset `t − t₀` within the tile (one table of `cos`,
-//! `sin` per call). Values are summed in the rotated space and rotated back
+//! `sin` per layer). Values are summed in the rotated space and rotated back
 //! once per output (section 10): `Σ w·H⁻¹(ṽ) = H⁻¹(Σ w·ṽ)`, and the
 //! per-channel maxima of the VQ form multiply the sum, not each token.
 
@@ -33,8 +33,8 @@ use std::sync::Arc;
 use half::f16;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
-    CacheForm, ChannelVq, DecodeScratch, FitOptions, KvStore, LloydMaxSpec, Nf4Spec,
-    QuantizeOptions, Quantizer, Rotation, ScaleType, ShardSpec, ShardValues,
+    CacheForm, ChannelVq, DecodeScratch, FitOptions, KvStore, LloydMaxSpec, Nf4Spec, Quantizer,
+    Rotation, ScaleType, ShardSpec, ShardValues,
 };
 
 use crate::error::{AttentionError, Result, check_len};
@@ -48,7 +48,7 @@ use attend::OffsetTable;
 
 pub use faults::ShardFaults;
 
-/// Middle tokens per tile (rebuilt keys of one KV head at a time).
+/// Middle tokens per tile (keys rebuilt together, stored channel by channel).
 const TILE: usize = 64;
 
 /// Queries per work item: each tile rebuilt serves all of them.
@@ -327,7 +327,14 @@ impl ShardLayer {
         }
         let kept = (self.prefill - self.middle.len()) * ch;
         let mut out = Self {
+            form: self.form,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
             tokens,
+            prefill: self.prefill,
+            middle: self.middle.clone(),
+            rope: self.rope.clone(),
+            offsets: Arc::clone(&self.offsets),
             exact_keys: self.exact_keys[..kept].to_vec(),
             exact_values: self.exact_values[..kept].to_vec(),
             compressed: self
@@ -337,7 +344,6 @@ impl ShardLayer {
                 .cloned()
                 .collect(),
             stream: None,
-            ..self.clone()
         };
         let prior = self.stream.as_ref().filter(|_| tokens >= self.tokens);
         out.append_generated(keys, values, prior)?;
@@ -393,22 +399,14 @@ impl ShardLayer {
                 let reusable =
                     prior.filter(|(k, _)| start == unfolded && k.tokens() <= n && k.form() == &lm);
                 self.stream = Some(match reusable {
+                    Some((pk, pv)) if pk.tokens() == n => (pk.clone(), pv.clone()),
                     Some((pk, pv)) => {
                         // The prior rows copied, only the new ones encoded.
-                        let kept = pk.tokens();
-                        let grow = |old: &KvStore, rows: &[f32]| -> Result<KvStore> {
-                            let mut store = KvStore::zeroed(lm, n, ch)?;
-                            store.copy_rows_from(0, old)?;
-                            if kept < n {
-                                store.write_rows(
-                                    kept,
-                                    &rows[kept * ch..],
-                                    QuantizeOptions::default(),
-                                )?;
-                            }
-                            Ok(store)
-                        };
-                        (grow(pk, rest_k)?, grow(pv, rest_v)?)
+                        let (kept, m) = (pk.tokens() * ch, n - pk.tokens());
+                        (
+                            pk.concat(&KvStore::quantize(lm, &rest_k[kept..], m, ch)?)?,
+                            pv.concat(&KvStore::quantize(lm, &rest_v[kept..], m, ch)?)?,
+                        )
                     }
                     None => (
                         KvStore::quantize(lm, rest_k, n, ch)?,

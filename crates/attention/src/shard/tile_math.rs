@@ -3,7 +3,9 @@
 //! query over a key tile stored channel by channel, and a tile's RoPE
 //! pairs turned by their offsets. The crate itself is built for baseline
 //! x86-64 (no FMA, 128-bit vectors), where these loops ran 3-4x slower
-//! (`shard_decode`, 2026-11-26).
+//! (`shard_decode`, 2026-11-26). Scores use FMA where the host has it, so
+//! they can differ in the last bits between hosts, as the FP16 kernels'
+//! do; turned keys are the same bits everywhere.
 
 use super::TILE;
 use crate::kernel::{Isa, isa};
@@ -139,8 +141,8 @@ fn turn_pairs_body(
 mod tests {
     use super::*;
 
-    /// Every instruction set's scores within rounding of an f64 sum, for
-    /// whole and partial tiles.
+    /// This host's instruction set's scores and the generic ones within
+    /// rounding of an f64 sum, for whole and partial tiles.
     #[test]
     fn scores_match_an_f64_sum() {
         for n in [TILE, 37, 1] {
@@ -162,7 +164,8 @@ mod tests {
         }
     }
 
-    /// Turned pairs equal the scalar rotation bit for bit, for both layouts.
+    /// Turned pairs (on this host's instruction set) equal the scalar
+    /// rotation bit for bit, for both layouts.
     #[test]
     fn turned_pairs_equal_the_scalar_rotation() {
         let (d, n, stride) = (8, 5, 7);

@@ -14,9 +14,9 @@ use super::LayerCodes;
 use crate::error::{EvalError, Result};
 
 /// One layer's `shard` state: the layer built at the prefill, and the one
-/// last grown from it (reused so chunks folded on earlier calls are not
-/// encoded again; dropped when a step is rolled back, since its chunks may
-/// hold the step's rows).
+/// last grown from it (reused so chunks folded and stream rows written on
+/// earlier calls are not encoded again; dropped when a step is rolled back,
+/// since its chunks and stream may hold the step's rows).
 #[derive(Clone, Debug)]
 pub(super) struct ShardSlot {
     prefill: Arc<ShardLayer>,

@@ -244,6 +244,57 @@ impl KvStore {
         Ok(())
     }
 
+    /// A store of this store's rows followed by `next`'s (the same
+    /// row-local form, width and codebook): what a stream grows by, with
+    /// the rows already stored copied, not encoded again. Its bytes equal
+    /// those of quantizing both stores' rows at once; faults and their
+    /// ledger come along with the rows.
+    pub fn concat(&self, next: &KvStore) -> Result<KvStore> {
+        if next.form != self.form || next.channels != self.channels || !self.form.is_row_local() {
+            return Err(KvQuantError::StoreMismatch(format!(
+                "rows of {} ×{} after {} ×{} (row-local forms only)",
+                next.form, next.channels, self.form, self.channels
+            )));
+        }
+        let same_codebook = match (self.codebook(), next.codebook()) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        if !same_codebook {
+            return Err(KvQuantError::StoreMismatch(format!(
+                "rows of {} encoded against another codebook",
+                next.form
+            )));
+        }
+        let tokens =
+            self.tokens
+                .checked_add(next.tokens)
+                .ok_or_else(|| KvQuantError::InvalidParameter {
+                    name: "tokens",
+                    reason: format!("{} + {} rows overflow", self.tokens, next.tokens),
+                })?;
+        let middle = Section::empty(
+            self.middle.coding,
+            tokens,
+            self.channels,
+            self.codebook().cloned(),
+        )?;
+        let mut out = KvStore {
+            form: self.form,
+            tokens,
+            channels: self.channels,
+            middle,
+            exact: None,
+            injected: self.injected + next.injected,
+        };
+        for (start, part) in [(0, self), (self.tokens, next)] {
+            if part.tokens > 0 {
+                out.copy_rows_from(start, part)?;
+            }
+        }
+        Ok(out)
+    }
+
     /// Scrubs the store: decodes every value codeword (exact rows included)
     /// and every protected metadata word, rewrites the corrected ones with
     /// their corrected contents, and leaves detected-uncorrectable ones
