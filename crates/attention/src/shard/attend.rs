@@ -12,7 +12,7 @@ use faer::{Accum, MatMut, MatRef, Par};
 use kv_quant::DecodeScratch;
 use rayon::prelude::*;
 
-use super::tile_math::{score_tile, turn_pairs};
+use super::tile_math::{score_tile, turn_pairs, weigh_codebook};
 use super::{Compressed, MiddleValues, QUERY_BLOCK, ShardLayer, TILE};
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
@@ -680,14 +680,11 @@ fn vq_sum(
                 }
             }
         }
-        for (h, acc) in acc.chunks_exact_mut(d).enumerate() {
-            let (acc, _) = acc.as_chunks_mut::<GROUP>();
-            for (bins, a) in hist.chunks_exact(CENTROIDS).zip(acc.iter_mut()) {
-                for (bin, c) in bins.iter().zip(centroids) {
-                    for e in 0..GROUP {
-                        a[e] += bin[h] * c[e];
-                    }
-                }
+        for (j, bins) in hist.chunks_exact(CENTROIDS).enumerate() {
+            let mut block = [[0.0f32; 4]; 4];
+            weigh_codebook(bins, centroids, &mut block);
+            for (head, sums) in acc.chunks_exact_mut(d).zip(&block) {
+                head[j * GROUP..][..GROUP].copy_from_slice(sums);
             }
         }
     }

@@ -48,6 +48,54 @@ pub(super) fn turn_pairs(
     }
 }
 
+/// `out[h][e] += Σ_k bins[k][h]·centroids[k][e]`: up to four heads' weight
+/// histograms over a codebook of four-channel centroids, as one 4×4 block
+/// of sums (a vector of 16 lanes per bin where the host has AVX-512).
+pub(super) fn weigh_codebook(bins: &[[f32; 4]], centroids: &[[f32; 4]], out: &mut [[f32; 4]; 4]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` found AVX-512F and FMA on this host.
+        Isa::Avx512 => unsafe { weigh_codebook_avx512(bins, centroids, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` found AVX2 and FMA on this host.
+        Isa::Avx2 => unsafe { weigh_codebook_avx2(bins, centroids, out) },
+        Isa::Generic => weigh_codebook_body::<false>(bins, centroids, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn weigh_codebook_avx512(bins: &[[f32; 4]], centroids: &[[f32; 4]], out: &mut [[f32; 4]; 4]) {
+    weigh_codebook_body::<true>(bins, centroids, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn weigh_codebook_avx2(bins: &[[f32; 4]], centroids: &[[f32; 4]], out: &mut [[f32; 4]; 4]) {
+    weigh_codebook_body::<true>(bins, centroids, out);
+}
+
+#[inline(always)]
+fn weigh_codebook_body<const FMA: bool>(
+    bins: &[[f32; 4]],
+    centroids: &[[f32; 4]],
+    out: &mut [[f32; 4]; 4],
+) {
+    let mut acc = [[0.0f32; 4]; 4];
+    for (b, c) in bins.iter().zip(centroids) {
+        for (a, &w) in acc.iter_mut().zip(b) {
+            for (a, &c) in a.iter_mut().zip(c) {
+                *a = mul_add::<FMA>(w, c, *a);
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc) {
+        for (o, &a) in o.iter_mut().zip(a) {
+            *o += a;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 fn score_tile_avx512(q: &[f32], keys: &[f32], acc: &mut [f32]) {
@@ -160,6 +208,28 @@ mod tests {
                 let bound = 1e-5 * (1.0 + want.abs());
                 assert!((f64::from(acc[t]) - want).abs() <= bound, "n {n} t {t}");
                 assert!((f64::from(generic[t]) - want).abs() <= bound, "n {n} t {t}");
+            }
+        }
+    }
+
+    /// Codebook sums within rounding of an f64 sum, added to what `out` held.
+    #[test]
+    fn codebook_sums_match_an_f64_sum() {
+        let bins: Vec<[f32; 4]> = (0..256)
+            .map(|k| std::array::from_fn(|h| ((k * 4 + h) as f32 * 0.61).sin().abs()))
+            .collect();
+        let centroids: Vec<[f32; 4]> = (0..256)
+            .map(|k| std::array::from_fn(|e| ((k * 4 + e) as f32 * 0.23).cos()))
+            .collect();
+        let mut out = [[1.0f32; 4]; 4];
+        weigh_codebook(&bins, &centroids, &mut out);
+        for h in 0..4 {
+            for e in 0..4 {
+                let want: f64 = 1.0
+                    + (0..256)
+                        .map(|k| f64::from(bins[k][h]) * f64::from(centroids[k][e]))
+                        .sum::<f64>();
+                assert!((f64::from(out[h][e]) - want).abs() <= 1e-5 * want.abs().max(1.0));
             }
         }
     }
