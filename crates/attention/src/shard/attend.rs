@@ -12,7 +12,7 @@ use faer::{Accum, MatMut, MatRef, Par};
 use kv_quant::DecodeScratch;
 use rayon::prelude::*;
 
-use super::tile_math::{score_tile, turn_pairs, weigh_codebook};
+use super::tile_math::{OffsetTable, score_tile, turn_pairs, weigh_codebook};
 use super::{Compressed, MiddleValues, QUERY_BLOCK, ShardLayer, TILE};
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
@@ -173,36 +173,6 @@ impl ShardLayer {
             stats: AttentionStats::default(),
             non_finite,
         })
-    }
-}
-
-/// `cos`, `sin` of `θᵢ·j` for offsets `j < TILE` within a tile, per pair.
-#[derive(Debug)]
-pub(super) struct OffsetTable {
-    /// The two channels of each pair within a head.
-    index: Vec<(usize, usize)>,
-    /// `pairs × TILE` each: pair `i`'s row holds every offset, so a tile's
-    /// keys (stored channel by channel) turn with unit-stride loops.
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-}
-
-impl OffsetTable {
-    pub(super) fn new(rope: &Rope) -> Self {
-        let pairs = rope.inv_freq().len();
-        let (mut cos, mut sin) = (
-            Vec::with_capacity(TILE * pairs),
-            Vec::with_capacity(TILE * pairs),
-        );
-        for &f in rope.inv_freq() {
-            for j in 0..TILE {
-                let (s, c) = (j as f64 * f).sin_cos();
-                cos.push(c as f32);
-                sin.push(s as f32);
-            }
-        }
-        let index = (0..pairs).map(|i| rope.pair(i)).collect();
-        Self { index, cos, sin }
     }
 }
 
@@ -602,7 +572,7 @@ impl Context<'_> {
         }
         let t = self.offsets;
         for head in tile.chunks_exact_mut(d * n) {
-            turn_pairs(head, n, &t.index, &t.cos, &t.sin, TILE);
+            turn_pairs(head, n, t);
         }
         Ok(())
     }

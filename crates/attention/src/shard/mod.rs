@@ -44,7 +44,7 @@ mod attend;
 mod faults;
 mod tile_math;
 
-use attend::OffsetTable;
+use tile_math::OffsetTable;
 
 pub use faults::ShardFaults;
 

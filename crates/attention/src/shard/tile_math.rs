@@ -1,137 +1,102 @@
 //! The inner loops of attention over a `shard` layer, compiled for each
 //! instruction set the kernels use ([`crate::kernel::isa`]): scores of one
-//! query over a key tile stored channel by channel, and a tile's RoPE
-//! pairs turned by their offsets. The crate itself is built for baseline
-//! x86-64 (no FMA, 128-bit vectors), where these loops ran 3-4x slower
-//! (`shard_decode`, 2026-11-26). Scores use FMA where the host has it, so
-//! they can differ in the last bits between hosts, as the FP16 kernels'
-//! do; turned keys are the same bits everywhere.
+//! query over a key tile stored channel by channel, a tile's RoPE pairs
+//! turned by their offsets, and VQ weight histograms weighed against the
+//! codebook. The crate itself is built for baseline x86-64 (no FMA,
+//! 128-bit vectors), where these loops ran 3-4x slower (`shard_decode`,
+//! 2026-11-26). Sums use FMA where the host has it, so they can differ in
+//! the last bits between hosts, as the FP16 kernels' do; turned keys are
+//! the same bits everywhere.
 
 use super::TILE;
 use crate::kernel::{Isa, isa};
+use crate::rope::Rope;
 
-/// `acc[t] = Σ_e q[e]·keys[e·n + t]` for the `n = acc.len()` tokens of a
-/// tile whose keys are stored channel by channel (`q.len()` rows of `n`).
-pub(super) fn score_tile(q: &[f32], keys: &[f32], acc: &mut [f32]) {
-    debug_assert_eq!(keys.len(), q.len() * acc.len());
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` found AVX-512F and FMA on this host.
-        Isa::Avx512 => unsafe { score_tile_avx512(q, keys, acc) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` found AVX2 and FMA on this host.
-        Isa::Avx2 => unsafe { score_tile_avx2(q, keys, acc) },
-        Isa::Generic => score_tile_body::<false>(q, keys, acc),
-    }
+/// `cos`, `sin` of `θᵢ·j` for offsets `j < TILE` within a tile, per pair.
+#[derive(Debug)]
+pub(super) struct OffsetTable {
+    /// The two channels of each pair within a head.
+    pub(super) index: Vec<(usize, usize)>,
+    /// `pairs × TILE` each: pair `i`'s row holds every offset, so a tile's
+    /// keys (stored channel by channel) turn with unit-stride loops.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
-/// Turns RoPE pair `i` of each token in a tile stored channel by channel
-/// (`head`: `d` rows of `n`): rows `a` and `b` of `index[i] = (a, b)`
-/// (`a < b`) by the angles whose `cos`/`sin` are row `i` of `cos`/`sin`
-/// (`pairs × stride`, offsets `0..n` used).
-pub(super) fn turn_pairs(
-    head: &mut [f32],
-    n: usize,
-    index: &[(usize, usize)],
-    cos: &[f32],
-    sin: &[f32],
-    stride: usize,
-) {
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` found AVX-512F and FMA on this host.
-        Isa::Avx512 => unsafe { turn_pairs_avx512(head, n, index, cos, sin, stride) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` found AVX2 and FMA on this host.
-        Isa::Avx2 => unsafe { turn_pairs_avx2(head, n, index, cos, sin, stride) },
-        Isa::Generic => turn_pairs_body(head, n, index, cos, sin, stride),
-    }
-}
-
-/// `out[h][e] += Σ_k bins[k][h]·centroids[k][e]`: up to four heads' weight
-/// histograms over a codebook of four-channel centroids, as one 4×4 block
-/// of sums (a vector of 16 lanes per bin where the host has AVX-512).
-pub(super) fn weigh_codebook(bins: &[[f32; 4]], centroids: &[[f32; 4]], out: &mut [[f32; 4]; 4]) {
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` found AVX-512F and FMA on this host.
-        Isa::Avx512 => unsafe { weigh_codebook_avx512(bins, centroids, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` found AVX2 and FMA on this host.
-        Isa::Avx2 => unsafe { weigh_codebook_avx2(bins, centroids, out) },
-        Isa::Generic => weigh_codebook_body::<false>(bins, centroids, out),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn weigh_codebook_avx512(bins: &[[f32; 4]], centroids: &[[f32; 4]], out: &mut [[f32; 4]; 4]) {
-    weigh_codebook_body::<true>(bins, centroids, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn weigh_codebook_avx2(bins: &[[f32; 4]], centroids: &[[f32; 4]], out: &mut [[f32; 4]; 4]) {
-    weigh_codebook_body::<true>(bins, centroids, out);
-}
-
-#[inline(always)]
-fn weigh_codebook_body<const FMA: bool>(
-    bins: &[[f32; 4]],
-    centroids: &[[f32; 4]],
-    out: &mut [[f32; 4]; 4],
-) {
-    let mut acc = [[0.0f32; 4]; 4];
-    for (b, c) in bins.iter().zip(centroids) {
-        for (a, &w) in acc.iter_mut().zip(b) {
-            for (a, &c) in a.iter_mut().zip(c) {
-                *a = mul_add::<FMA>(w, c, *a);
+impl OffsetTable {
+    pub(super) fn new(rope: &Rope) -> Self {
+        let pairs = rope.inv_freq().len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(TILE * pairs),
+            Vec::with_capacity(TILE * pairs),
+        );
+        for &f in rope.inv_freq() {
+            for j in 0..TILE {
+                let (s, c) = (j as f64 * f).sin_cos();
+                cos.push(c as f32);
+                sin.push(s as f32);
             }
         }
+        let index = (0..pairs).map(|i| rope.pair(i)).collect();
+        Self { index, cos, sin }
     }
-    for (o, a) in out.iter_mut().zip(&acc) {
-        for (o, &a) in o.iter_mut().zip(a) {
-            *o += a;
+}
+
+/// A function run by its `body::<FMA>` compiled for AVX-512 and AVX2 (both
+/// with FMA) or for the baseline, as [`isa`] finds the host.
+macro_rules! per_isa {
+    (
+        $(#[$doc:meta])*
+        fn $name:ident / $avx512:ident / $avx2:ident ($($arg:ident: $ty:ty),* $(,)?) => $body:ident
+    ) => {
+        $(#[$doc])*
+        pub(super) fn $name($($arg: $ty),*) {
+            match isa() {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa()` found AVX-512F and FMA on this host.
+                Isa::Avx512 => unsafe { $avx512($($arg),*) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa()` found AVX2 and FMA on this host.
+                Isa::Avx2 => unsafe { $avx2($($arg),*) },
+                Isa::Generic => $body::<false>($($arg),*),
+            }
         }
-    }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,fma")]
+        fn $avx512($($arg: $ty),*) {
+            $body::<true>($($arg),*)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        fn $avx2($($arg: $ty),*) {
+            $body::<true>($($arg),*)
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn score_tile_avx512(q: &[f32], keys: &[f32], acc: &mut [f32]) {
-    score_tile_body::<true>(q, keys, acc);
+per_isa! {
+    /// `acc[t] = Σ_e q[e]·keys[e·n + t]` for the `n = acc.len()` tokens of a
+    /// tile whose keys are stored channel by channel (`q.len()` rows of `n`).
+    fn score_tile / score_tile_avx512 / score_tile_avx2
+        (q: &[f32], keys: &[f32], acc: &mut [f32]) => score_tile_body
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn score_tile_avx2(q: &[f32], keys: &[f32], acc: &mut [f32]) {
-    score_tile_body::<true>(q, keys, acc);
+per_isa! {
+    /// Turns each RoPE pair of each token in a tile stored channel by
+    /// channel (`head`: `d` rows of `n`) by its angle at the token's offset
+    /// in the tile.
+    fn turn_pairs / turn_pairs_avx512 / turn_pairs_avx2
+        (head: &mut [f32], n: usize, table: &OffsetTable) => turn_pairs_body
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn turn_pairs_avx512(
-    head: &mut [f32],
-    n: usize,
-    index: &[(usize, usize)],
-    cos: &[f32],
-    sin: &[f32],
-    stride: usize,
-) {
-    turn_pairs_body(head, n, index, cos, sin, stride);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn turn_pairs_avx2(
-    head: &mut [f32],
-    n: usize,
-    index: &[(usize, usize)],
-    cos: &[f32],
-    sin: &[f32],
-    stride: usize,
-) {
-    turn_pairs_body(head, n, index, cos, sin, stride);
+per_isa! {
+    /// `out[h][e] += Σ_k bins[k][h]·centroids[k][e]`: up to four heads'
+    /// weight histograms over a codebook of four-channel centroids, as one
+    /// 4×4 block of sums.
+    fn weigh_codebook / weigh_codebook_avx512 / weigh_codebook_avx2
+        (bins: &[[f32; 4]], centroids: &[[f32; 4]], out: &mut [[f32; 4]; 4]) => weigh_codebook_body
 }
 
 /// `a + x·y`, fused where the instruction set has FMA.
@@ -142,6 +107,7 @@ fn mul_add<const FMA: bool>(x: f32, y: f32, a: f32) -> f32 {
 
 #[inline(always)]
 fn score_tile_body<const FMA: bool>(q: &[f32], keys: &[f32], acc: &mut [f32]) {
+    debug_assert_eq!(keys.len(), q.len() * acc.len());
     let n = acc.len();
     if n == TILE {
         // A whole tile: the sums stay in registers across the channels.
@@ -162,25 +128,40 @@ fn score_tile_body<const FMA: bool>(q: &[f32], keys: &[f32], acc: &mut [f32]) {
     }
 }
 
+/// (Two products each, as the scalar rotation rounds them: no FMA on any
+/// instruction set, so the turned keys are the same bits everywhere.)
 #[inline(always)]
-fn turn_pairs_body(
-    head: &mut [f32],
-    n: usize,
-    index: &[(usize, usize)],
-    cos: &[f32],
-    sin: &[f32],
-    stride: usize,
-) {
-    for (i, &(a, b)) in index.iter().enumerate() {
-        let (cos, sin) = (&cos[i * stride..][..n], &sin[i * stride..][..n]);
+fn turn_pairs_body<const FMA: bool>(head: &mut [f32], n: usize, table: &OffsetTable) {
+    for (i, &(a, b)) in table.index.iter().enumerate() {
+        let (cos, sin) = (&table.cos[i * TILE..][..n], &table.sin[i * TILE..][..n]);
+        // Both layouts put a pair's first channel first (`a < b`).
         let (lo, hi) = head.split_at_mut(b * n);
         let (x, y) = (&mut lo[a * n..][..n], &mut hi[..n]);
-        // Two products each, as the scalar rotation rounds them (no FMA),
-        // so the turned keys are the same bits on every instruction set.
         for (((x, y), &c), &s) in x.iter_mut().zip(y).zip(cos).zip(sin) {
             let (p, q) = (*x, *y);
             *x = p * c - q * s;
             *y = p * s + q * c;
+        }
+    }
+}
+
+#[inline(always)]
+fn weigh_codebook_body<const FMA: bool>(
+    bins: &[[f32; 4]],
+    centroids: &[[f32; 4]],
+    out: &mut [[f32; 4]; 4],
+) {
+    let mut acc = [[0.0f32; 4]; 4];
+    for (b, c) in bins.iter().zip(centroids) {
+        for (a, &w) in acc.iter_mut().zip(b) {
+            for (a, &c) in a.iter_mut().zip(c) {
+                *a = mul_add::<FMA>(w, c, *a);
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc) {
+        for (o, &a) in o.iter_mut().zip(a) {
+            *o += a;
         }
     }
 }
@@ -238,19 +219,16 @@ mod tests {
     /// rotation bit for bit, for both layouts.
     #[test]
     fn turned_pairs_equal_the_scalar_rotation() {
-        let (d, n, stride) = (8, 5, 7);
-        let cos: Vec<f32> = (0..4 * stride).map(|i| (i as f32 * 0.3).cos()).collect();
-        let sin: Vec<f32> = (0..4 * stride).map(|i| (i as f32 * 0.3).sin()).collect();
-        for index in [
-            vec![(0, 1), (2, 3), (4, 5), (6, 7)],
-            vec![(0, 4), (1, 5), (2, 6), (3, 7)],
-        ] {
+        use crate::rope::RopeLayout;
+        let (d, n) = (8, 5);
+        for layout in [RopeLayout::Adjacent, RopeLayout::RotateHalf] {
+            let table = OffsetTable::new(&Rope::new(layout, d, d, 100.0).unwrap());
             let head: Vec<f32> = (0..d * n).map(|i| i as f32 - 17.5).collect();
             let mut turned = head.clone();
-            turn_pairs(&mut turned, n, &index, &cos, &sin, stride);
-            for (i, &(a, b)) in index.iter().enumerate() {
+            turn_pairs(&mut turned, n, &table);
+            for (i, &(a, b)) in table.index.iter().enumerate() {
                 for t in 0..n {
-                    let (c, s) = (cos[i * stride + t], sin[i * stride + t]);
+                    let (c, s) = (table.cos[i * TILE + t], table.sin[i * TILE + t]);
                     let (x, y) = (head[a * n + t], head[b * n + t]);
                     assert_eq!(turned[a * n + t].to_bits(), (x * c - y * s).to_bits());
                     assert_eq!(turned[b * n + t].to_bits(), (x * s + y * c).to_bits());
