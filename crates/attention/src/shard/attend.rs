@@ -373,19 +373,18 @@ impl Context<'_> {
                 if span.is_empty() {
                     continue;
                 }
-                let w = span.start - r.start..span.end - r.start;
+                let at = span.start - r.start;
                 match &*c.values {
                     MiddleValues::Vq(vq) => {
                         for (gi, g) in gs.clone().enumerate() {
                             let ws = &weights[gi * g_len..][..g_len];
-                            let sub: Vec<&[f32]> = ws.iter().map(|s| &s[w.clone()]).collect();
                             vq_sum(
                                 vq,
                                 g,
                                 d,
                                 c.tokens.start,
                                 span.clone(),
-                                &sub,
+                                (ws, at),
                                 &mut hist,
                                 &mut part,
                             );
@@ -594,8 +593,9 @@ fn log_add(a: f32, b: f32) -> f32 {
 /// histograms; shorter ones centroid by centroid.
 const HISTOGRAM_SPAN: usize = 512;
 
-/// `part[h] = Σ_t ws[h][t]·centroid[idx[t]]` for each head `h` weighing KV
-/// head `g` (its `d/4` groups) over the middle tokens `span`, before the
+/// `part[h] = Σ_t ws[h][at + t]·centroid[idx[t]]` for each head `h`
+/// weighing KV head `g` (its `d/4` groups) over the middle tokens `span`
+/// (`at`: where the span starts in each head's weights), before the
 /// channel maxima; `part` holds `ws.len() × d`. Long spans add each token's
 /// weights into a 256-bin histogram per group (scalar adds per code instead
 /// of four multiply-adds, since all groups share one codebook; the heads'
@@ -608,7 +608,7 @@ fn vq_sum(
     d: usize,
     first: usize,
     span: Range<usize>,
-    ws: &[&[f32]],
+    (ws, at): (&[Vec<f32>], usize),
     hist: &mut Vec<[f32; 4]>,
     part: &mut [f32],
 ) {
@@ -621,7 +621,7 @@ fn vq_sum(
     if span.len() < HISTOGRAM_SPAN {
         for (t, row) in rows.enumerate() {
             for (h, acc) in part.chunks_exact_mut(d).enumerate() {
-                let w = ws[h][t];
+                let w = ws[h][at + t];
                 let (acc, _) = acc.as_chunks_mut::<GROUP>();
                 for (&k, a) in row[g * groups..][..groups].iter().zip(acc.iter_mut()) {
                     let c = &centroids[usize::from(k)];
@@ -641,7 +641,7 @@ fn vq_sum(
         let mut w = [0.0f32; 4];
         for (t, row) in rows.clone().enumerate() {
             for (w, s) in w.iter_mut().zip(hs) {
-                *w = s[t];
+                *w = s[at + t];
             }
             for (j, &k) in row[g * groups..][..groups].iter().enumerate() {
                 let bin = &mut hist[j * CENTROIDS + usize::from(k)];
