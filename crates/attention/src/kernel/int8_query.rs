@@ -42,6 +42,11 @@ pub(crate) struct IntScratch {
     scale: Vec<f32>,
     /// Per head: the offset term of per-channel groups.
     constant: Vec<f32>,
+    /// Groups along rows: `Σ q` of the segment starting at channel `c` of
+    /// head `h` at `q_sums[h·d + c]`, for the query the codes were made
+    /// from and groups of `q_sums_cpg` channels (0: none computed).
+    q_sums: Vec<f32>,
+    q_sums_cpg: usize,
     /// `heads × rows` integer dot products of one segment (with the low
     /// halves' in `sums_lo` for wide codes).
     sums: Vec<i32>,
@@ -69,6 +74,7 @@ impl IntScratch {
     /// codes are keyed by the query's address.
     pub(crate) fn forget(&mut self) {
         self.coded_for = None;
+        self.q_sums_cpg = 0;
     }
 
     /// Whether the codes were computed for `query` and the per-channel
@@ -154,7 +160,6 @@ pub(crate) fn scores(
         // FP8 codes are not proportional to their values: scored exactly.
         LevelMap::Fp8(_) | LevelMap::Nf4 => return false,
     };
-    let cpg = keys.channels_per_group();
     let ctx = Context {
         q,
         keys,
@@ -163,6 +168,40 @@ pub(crate) fn scores(
         dot,
         mid,
     };
+    match dot {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI.
+        Dot::Vnni => unsafe { layouts_avx512(ctx, scratch, weights, prefetch) },
+        Dot::Portable => layouts(ctx, scratch, weights, prefetch),
+    }
+}
+
+/// [`layouts`] compiled with AVX-512, so that the coding and finishing
+/// loops run 16 wide (their float operations are the portable ones in the
+/// same order, without contraction: the same bits).
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW/VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn layouts_avx512(
+    ctx: Context<'_, '_>,
+    scratch: &mut IntScratch,
+    weights: &mut [f32],
+    prefetch: &mut Prefetcher,
+) -> bool {
+    layouts(ctx, scratch, weights, prefetch)
+}
+
+/// The tile by its key layout, inlined into each instruction set's entry.
+#[inline(always)]
+fn layouts(
+    ctx: Context<'_, '_>,
+    scratch: &mut IntScratch,
+    weights: &mut [f32],
+    prefetch: &mut Prefetcher,
+) -> bool {
+    let cpg = ctx.keys.channels_per_group();
     if cpg == 1 {
         per_channel(ctx, scratch, weights, prefetch)
     } else if cpg >= MIN_GROUP {
@@ -206,6 +245,7 @@ impl QueryCodes {
 
 /// Groups along a row: one quantization of each head, then per segment
 /// (a head's channels within one group) integer sums and their finishing.
+#[inline(always)]
 fn along_rows(
     ctx: Context<'_, '_>,
     scratch: &mut IntScratch,
@@ -226,6 +266,23 @@ fn along_rows(
             };
             scratch.scale[h] = s;
         }
+        scratch.q_sums_cpg = 0;
+    }
+    let cpg = keys.channels_per_group();
+    if scratch.q_sums_cpg != cpg {
+        // `Σ q` per head and segment, once per query (not once per tile).
+        let TileGeometry { group, d, .. } = ctx.geometry;
+        scratch.q_sums.resize(q.len(), 0.0);
+        for (h, qh) in q.chunks_exact(d).enumerate() {
+            let first = h / group * d;
+            let mut c = first;
+            while c < first + d {
+                let end = ((c / cpg + 1) * cpg).min(first + d);
+                scratch.q_sums[h * d + (c - first)] = lane_sum(&qh[c - first..end - first], None);
+                c = end;
+            }
+        }
+        scratch.q_sums_cpg = cpg;
     }
     scratch.row_groups.clear();
     if keys.tokens_per_group() == 1 {
@@ -267,7 +324,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
             weights,
             prefetch,
         } = self;
-        let (q, keys, mid) = (ctx.q, ctx.keys, ctx.mid);
+        let (keys, mid) = (ctx.keys, ctx.mid);
         let d = ctx.geometry.d;
         let (rows, cpg, first) = (keys.rows(), keys.channels_per_group(), kvh * d);
         let mut c = first;
@@ -303,7 +360,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
             }
             for j in 0..H {
                 let h = h0 + j;
-                let q_sum = lane_sum(&q[h * d + (c - first)..h * d + (end - first)], None);
+                let q_sum = scratch.q_sums[h * d + (c - first)];
                 let s_q = scratch.scale[h];
                 let w = &mut weights[h * rows..][..rows];
                 let terms = sums[j * rows..][..rows]
@@ -324,6 +381,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
 
 /// One group per channel: per run of rows in one block of tokens, the
 /// block's scales folded into the query before it is quantized.
+#[inline(always)]
 fn per_channel(
     ctx: Context<'_, '_>,
     scratch: &mut IntScratch,
@@ -338,6 +396,7 @@ fn per_channel(
 }
 
 /// [`per_channel`] with its folded-query buffer.
+#[inline(always)]
 fn per_channel_runs(
     ctx: Context<'_, '_>,
     folded: &mut [f32],
