@@ -22,7 +22,7 @@ pub(crate) use prefetch::{Prefetcher, Upcoming};
 
 use crate::numerics::Numerics;
 use crate::source::TileRows;
-use kv_quant::LevelRows;
+use kv_quant::{LevelMap, LevelRows};
 
 const LANES: usize = 16;
 
@@ -97,6 +97,10 @@ pub(crate) fn attend_tile(
     }
     let codes = match numerics {
         Numerics::Exact => None,
+        Numerics::Auto => match keys {
+            TileRows::Levels(levels) if auto_integer(&levels) => Some(int8_query::QueryCodes::Int8),
+            _ => None,
+        },
         Numerics::Int8Query => Some(int8_query::QueryCodes::Int8),
         Numerics::Int16Query => Some(int8_query::QueryCodes::Int16),
     };
@@ -116,11 +120,16 @@ pub(crate) fn attend_tile(
         }
         _ => false,
     };
-    // Integer values are summed with integer dot products under int8 query
-    // codes (the 16-bit codings keep f32 value sums).
-    let int_values = match (codes, values) {
-        (Some(int8_query::QueryCodes::Int8), TileRows::Levels(levels))
-            if int_values::takes(&levels, geometry) =>
+    // Integer value sums go with int8 query codes (the 16-bit codings keep
+    // f32 value sums), and under `Auto` with the layout it takes.
+    let integer_value_sums = |levels: &LevelRows<'_>| match numerics {
+        Numerics::Int8Query => true,
+        Numerics::Auto => auto_integer(levels),
+        Numerics::Exact | Numerics::Int16Query => false,
+    };
+    let int_values = match values {
+        TileRows::Levels(levels)
+            if integer_value_sums(&levels) && int_values::takes(&levels, geometry) =>
         {
             Some(levels)
         }
@@ -166,6 +175,18 @@ pub(crate) fn attend_tile(
         _ => attend_tile_body::<false, GENERIC>(args, scratch, partial),
     }
     scratch.wide = wide;
+}
+
+/// Whether [`Numerics::Auto`] takes the integer path for `levels`: 4-bit
+/// affine levels in whole-row per-token groups (`int4` and its protected
+/// forms), the one layout whose perplexity the integer path kept within
+/// 0.1% of exact scores (attention README, "Perplexity of the two
+/// codings").
+fn auto_integer(levels: &LevelRows<'_>) -> bool {
+    levels.tokens_per_group() == 1
+        && levels.channels_per_group() == levels.channels()
+        && levels.max_level() == 15
+        && levels.map == LevelMap::Affine
 }
 
 /// The value pass of [`int_values`] into `scratch.acc`, where `levels` is

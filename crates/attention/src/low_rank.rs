@@ -24,6 +24,7 @@ use rayon::prelude::*;
 
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
+use crate::numerics::Numerics;
 use crate::rope::Rope;
 use crate::shape::{HeadShape, Mask};
 use crate::source::{KvSource, Tile, TileRows};
@@ -251,6 +252,13 @@ impl Attention {
         // Every (run, KV head) attends on its own, in parallel; the merge
         // below is sequential and in a fixed order, so results do not
         // depend on the thread count.
+        // `Numerics::Auto`'s integer path was measured on stored keys and
+        // values, not on coefficients: they are scored exactly unless a
+        // numerics is asked for.
+        let mut config = *self.config();
+        if config.numerics == Numerics::Auto {
+            config.numerics = Numerics::Exact;
+        }
         let tasks: Vec<(Range<usize>, usize, usize, usize)> = runs(keys, values)
             .into_iter()
             .flat_map(|(run, kc, vc)| (0..kv_heads).map(move |h| (run.clone(), kc, vc, h)))
@@ -271,7 +279,7 @@ impl Attention {
                         ),
                     });
                 }
-                let sub = Attention::with_config(HeadShape::new(group, 1, r)?, *self.config())?;
+                let sub = Attention::with_config(HeadShape::new(group, 1, r)?, config)?;
                 // Projected, rescaled queries of this head's group.
                 let rescale = ((r as f64).sqrt() * s.scale()) as f32;
                 let mut q = vec![0f32; n * group * r];

@@ -191,3 +191,61 @@ fn int8_queries_leave_float_forms_exact() {
         assert_eq!(a.out, b.out, "{form}");
     }
 }
+
+/// `Numerics::Auto` (the default) is `Int8Query` for 4-bit affine levels
+/// in whole-row per-token groups (`int4` and its protected forms) and exact
+/// elsewhere, bit for bit, deciding for keys and values separately.
+#[test]
+fn auto_numerics_pick_by_layout() {
+    let shape = HeadShape::new(4, 2, 64).unwrap();
+    let ch = shape.kv_channels();
+    let (k, v, q) = (
+        uniform(8, TOKENS * ch, 1.0),
+        uniform(9, TOKENS * ch, 1.0),
+        uniform(10, shape.q_len(), 1.0),
+    );
+    let auto = Attention::new(shape);
+    assert_eq!(auto.config().numerics, Numerics::Auto);
+    let with = |numerics| {
+        let mut a = auto;
+        a.set_numerics(numerics);
+        a
+    };
+    let (exact, int8) = (with(Numerics::Exact), with(Numerics::Int8Query));
+    let stores = |kf: &str, vf: &str| {
+        (
+            KvStore::quantize(kf.parse().unwrap(), &k, TOKENS, ch).unwrap(),
+            KvStore::quantize(vf.parse().unwrap(), &v, TOKENS, ch).unwrap(),
+        )
+    };
+    // (form, what `Auto` equals); every form here is one the integer path
+    // takes, so the two paths differ on each.
+    let cases = [
+        ("int4", &int8),
+        ("int4+secded84", &int8),
+        ("int4+golay24", &int8),
+        ("int4-g32", &exact),
+        ("int4-sym", &exact),
+        ("int8", &exact),
+        ("int4-ch", &exact),
+        ("int4-t", &exact),
+    ];
+    for (form, like) in cases {
+        let (ks, vs) = stores(form, form);
+        let run = |a: &Attention| a.decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal).unwrap();
+        let (got, want) = (run(&auto), run(like));
+        assert_eq!((&got.out, &got.lse), (&want.out, &want.lse), "{form}");
+        assert_ne!(run(&exact).out, run(&int8).out, "{form}: both paths taken");
+    }
+    // Keys and values decided apart: integer scores with f32 value sums,
+    // and exact scores with integer value sums, neither pure path.
+    for (kf, vf, exact_scores) in [("int4", "int4-g32", false), ("int4-g32", "int4", true)] {
+        let (ks, vs) = stores(kf, vf);
+        let run = |a: &Attention| a.decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal).unwrap();
+        let mixed = run(&auto);
+        assert_ne!(mixed.out, run(&exact).out, "{kf}/{vf}");
+        assert_ne!(mixed.out, run(&int8).out, "{kf}/{vf}");
+        let like = if exact_scores { &exact } else { &int8 };
+        assert_eq!(mixed.lse, run(like).lse, "{kf}/{vf}: the scores' path");
+    }
+}

@@ -6,7 +6,7 @@
 
 mod common;
 
-use attention::{Attention, DenseKv, HeadShape, KvSource, Mask};
+use attention::{Attention, DenseKv, HeadShape, KvSource, Mask, Numerics};
 use common::{error_against, oracle, uniform};
 use kv_quant::{CacheForm, KvStore};
 
@@ -33,7 +33,10 @@ fn rotated_stores_attend_like_their_decodes() {
             let (ks, vs) = (store(kf, &k, tokens, ch), store(vf, &v, tokens, ch));
             assert!(ks.rotation().unwrap().is_some() || vs.rotation().unwrap().is_some());
             let (kd, vd) = (ks.decode().unwrap().values, vs.decode().unwrap().values);
-            let attn = Attention::new(shape);
+            // The exact path (the oracle's tolerance); `tests/numerics.rs`
+            // bounds the integer one.
+            let mut attn = Attention::new(shape);
+            attn.set_numerics(Numerics::Exact);
             let q = uniform(3, 5 * shape.q_len(), 1.0);
             let positions: Vec<usize> = (tokens - 5..tokens).collect();
             let pre = attn

@@ -73,9 +73,12 @@ struct BackendArgs {
     /// Tokens per block of the paged backend.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// How attention scores integer-coded keys: `exact` (f32), `int8`
-    /// (int8-quantized queries, integer dot products) or `int16` (16-bit
-    /// query codes as two int8 halves) [default: attention's].
+    /// How attention scores integer-coded keys: `exact` (f32, the
+    /// evaluation's reference: every published table uses it), `auto`
+    /// (the attention crate's default: `int8` where key groups lie along
+    /// rows, exact for per-channel groups), `int8` (int8-quantized queries,
+    /// integer dot products) or `int16` (16-bit query codes as two int8
+    /// halves) [default: exact].
     #[arg(long, value_enum)]
     numerics: Option<NumericsArg>,
 }
@@ -83,6 +86,7 @@ struct BackendArgs {
 #[derive(Clone, Copy, ValueEnum)]
 enum NumericsArg {
     Exact,
+    Auto,
     Int8,
     Int16,
 }
@@ -91,6 +95,7 @@ impl NumericsArg {
     fn numerics(self) -> attention::Numerics {
         match self {
             Self::Exact => attention::Numerics::Exact,
+            Self::Auto => attention::Numerics::Auto,
             Self::Int8 => attention::Numerics::Int8Query,
             Self::Int16 => attention::Numerics::Int16Query,
         }
