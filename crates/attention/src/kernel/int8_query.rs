@@ -346,17 +346,39 @@ impl HeadBlockPass for RowSegments<'_, '_> {
             // The segment's scale and offset term per row (centred levels:
             // `a·(l − mid) = a·l + (−mid·a)`).
             let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
-            for ((a, b), &g0) in seg_a
-                .iter_mut()
-                .zip(seg_b.iter_mut())
-                .zip(&scratch.row_groups)
-            {
-                let gi = g0 + c / cpg;
-                *a = keys.scale[gi];
-                *b = match mid {
-                    None => keys.offset[gi],
-                    Some(mid) => -mid * keys.scale[gi],
-                };
+            let whole_rows = keys.tokens_per_group() == 1 && cpg == keys.channels();
+            let offsets = match mid {
+                None => keys.offset.get(..rows),
+                Some(_) => Some(&[][..]),
+            };
+            match (whole_rows, keys.scale.get(..rows), offsets) {
+                // One group per row (`int4`): the parameters are already
+                // one per row, in order.
+                (true, Some(scale), Some(offset)) => {
+                    seg_a.copy_from_slice(scale);
+                    match mid {
+                        None => seg_b.copy_from_slice(offset),
+                        Some(mid) => seg_b
+                            .iter_mut()
+                            .zip(scale)
+                            .for_each(|(b, &a)| *b = -mid * a),
+                    }
+                }
+                _ => {
+                    let g = c / cpg;
+                    for ((a, b), &g0) in seg_a
+                        .iter_mut()
+                        .zip(seg_b.iter_mut())
+                        .zip(&scratch.row_groups)
+                    {
+                        let gi = g0 + g;
+                        *a = keys.scale[gi];
+                        *b = match mid {
+                            None => keys.offset[gi],
+                            Some(mid) => -mid * keys.scale[gi],
+                        };
+                    }
+                }
             }
             for j in 0..H {
                 let h = h0 + j;
