@@ -1,8 +1,10 @@
 //! Times single-query decode attention over one stored form (or `dense`
 //! f32 rows) at one shape and context, printing milliseconds and stored
 //! bytes read per second; `REPS` sets the repetitions (default 20),
-//! `NUMERICS=int8` scores integer keys with int8-quantized queries
-//! (`Numerics::Int8Query`), `TILE` sets the rows per tile (default 64),
+//! `NUMERICS=exact|int8|auto` picks `Numerics::Exact`, `Int8Query` (integer
+//! keys scored with int8-quantized queries) or `Auto` (the default),
+//! `TILE` sets the rows of every tile (default: up to 128, fewer where a
+//! tile would hold more than 160 KiB of stored K and V),
 //! `FRESH=1` calls `decode` (fresh buffers each call) instead of
 //! `decode_into` with one kept workspace. Threads follow
 //! `RAYON_NUM_THREADS`.
@@ -30,8 +32,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let q: Vec<f32> = (0..shape.q_len()).map(|i| (i as f32 * 0.3).sin()).collect();
     let numerics = match std::env::var("NUMERICS").as_deref() {
         Ok("int8") => Numerics::Int8Query,
-        Ok("exact") | Err(_) => Numerics::Exact,
-        Ok(other) => return Err(format!("NUMERICS={other}: expected int8 or exact").into()),
+        Ok("exact") => Numerics::Exact,
+        Ok("auto") | Err(_) => Numerics::Auto,
+        Ok(other) => return Err(format!("NUMERICS={other}: expected exact, int8 or auto").into()),
     };
     let mut config = AttentionConfig {
         numerics,
@@ -39,6 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     if let Some(tile) = std::env::var("TILE").ok().and_then(|s| s.parse().ok()) {
         config.tile_tokens = tile;
+        config.tile_bytes = None;
     }
     let attn = Attention::with_config(shape, config)?;
     let spelling = if form == "dense" { "fp32" } else { form };

@@ -92,6 +92,7 @@ fn in_loop_decoding_equals_up_front_decoding_for_groups_of_any_multiple_of_16() 
 fn in_loop_equals_up_front(shape: HeadShape, forms: &[&str]) {
     let config = AttentionConfig {
         tile_tokens: 32,
+        tile_bytes: None,
         split_tokens: 64,
         on_non_finite: OnNonFinite::Report,
         // Bit identity with attention over the decoded f32 rows holds for

@@ -562,6 +562,7 @@ impl IntScratch {
 /// finite. Int8 codes go to `hi`; 16-bit codes `c` are split into
 /// `c = 256·hi + lo` with both halves int8. Written as lane loops the
 /// compiler vectorizes.
+#[inline(always)]
 fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Option<f32> {
     let non_finite = x.iter().fold(false, |bad, v| bad | !v.is_finite());
     if non_finite {
