@@ -43,13 +43,14 @@ pub enum OnNonFinite {
 pub struct AttentionConfig {
     /// Most cache rows per tile (read and decoded at once). Default 128.
     pub tile_tokens: usize,
-    /// Most stored key and value bytes per tile: where `tile_tokens` rows
-    /// of the two sources would hold more, the tile is halved until they
-    /// fit (not below 16 rows nor to an odd count). `None`: always
-    /// `tile_tokens` rows. Default 160 KiB (128 KiB of levels and their
-    /// group parameters), where decode ran fastest on a 2-core Zen 4 host
-    /// for every form and both benchmark shapes measured (attention
-    /// README, "Rows per tile").
+    /// Most stored key and value row bytes per tile
+    /// ([`KvSource::row_bytes`], group parameters not counted): where
+    /// `tile_tokens` rows of the two sources would hold more, or more rows
+    /// than a source reads as stored ([`KvSource::max_tile_rows`]), the
+    /// tile is halved until they fit, but not below 16 rows (nor to an odd
+    /// count). `None`: always `tile_tokens` rows. Default 128 KiB, where
+    /// decode ran fastest on a 2-core Zen 4 host for every form and both
+    /// benchmark shapes measured (attention README, "Rows per tile").
     pub tile_bytes: Option<usize>,
     /// Keys per decode work item; a multiple of `tile_tokens`. Default 2048.
     pub split_tokens: usize,
@@ -63,7 +64,7 @@ impl Default for AttentionConfig {
     fn default() -> Self {
         Self {
             tile_tokens: 128,
-            tile_bytes: Some(160 << 10),
+            tile_bytes: Some(128 << 10),
             split_tokens: 2048,
             on_non_finite: OnNonFinite::Error,
             numerics: Numerics::default(),
@@ -412,19 +413,21 @@ impl Attention {
     }
 
     /// Rows per tile for `keys` and `values`: `tile_tokens`, halved while a
-    /// tile would hold more than `tile_bytes` stored bytes (it stays a
-    /// divisor of `tile_tokens`, so of `split_tokens`).
-    fn tile_rows<K: KvSource, V: KvSource>(&self, keys: &K, values: &V) -> usize {
-        let mut rows = self.config.tile_tokens;
+    /// tile would hold more than `tile_bytes` row bytes or more rows than
+    /// either source reads as stored (it stays a divisor of `tile_tokens`,
+    /// so of `split_tokens`, and does not go below 16 rows).
+    pub(crate) fn tile_rows<K: KvSource, V: KvSource>(&self, keys: &K, values: &V) -> usize {
+        let rows = self.config.tile_tokens;
         let Some(budget) = self.config.tile_bytes else {
             return rows;
         };
-        let per_row = keys.stored_bytes().div_ceil(keys.tokens().max(1))
-            + values.stored_bytes().div_ceil(values.tokens().max(1));
-        while rows > 16 && rows.is_multiple_of(2) && rows.saturating_mul(per_row) > budget {
-            rows /= 2;
-        }
-        rows
+        let per_row = keys.row_bytes().saturating_add(values.row_bytes());
+        let cap = [keys.max_tile_rows(), values.max_tile_rows()]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(usize::MAX);
+        halved_tile(rows, per_row, budget, cap)
     }
 
     /// Folds the tiles of `span` into one partial per query of `q`
@@ -545,4 +548,71 @@ fn tile_span(range: &Range<usize>, tokens: usize, tile: usize) -> Range<usize> {
         return 0..0;
     }
     range.start / tile * tile..range.end.div_ceil(tile).saturating_mul(tile).min(tokens)
+}
+
+/// `rows` halved while `rows·per_row > budget` or `rows > cap`, as long as
+/// the half is a whole number of at least 16 rows.
+fn halved_tile(mut rows: usize, per_row: usize, budget: usize, cap: usize) -> usize {
+    while rows.is_multiple_of(2)
+        && rows / 2 >= 16
+        && (rows.saturating_mul(per_row) > budget || rows > cap)
+    {
+        rows /= 2;
+    }
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DenseKv;
+
+    #[test]
+    fn tiles_halve_to_the_byte_budget_and_the_sources_cap() {
+        // 32/8/128 row bytes of K+V: int4 1 KiB, int8 2 KiB, fp16 4 KiB.
+        assert_eq!(halved_tile(128, 1024, 128 << 10, usize::MAX), 128);
+        assert_eq!(halved_tile(128, 2048, 128 << 10, usize::MAX), 64);
+        assert_eq!(halved_tile(128, 4096, 128 << 10, usize::MAX), 32);
+        // Never below 16 rows, never to an odd count, divisors of the start.
+        assert_eq!(halved_tile(128, 1 << 20, 128 << 10, usize::MAX), 16);
+        assert_eq!(halved_tile(18, 1 << 20, 1, usize::MAX), 18);
+        assert_eq!(halved_tile(96, 1 << 20, 1, usize::MAX), 24);
+        assert_eq!(halved_tile(40, 1 << 20, 1, usize::MAX), 20);
+        assert_eq!(halved_tile(8, 1 << 20, 1, usize::MAX), 8);
+        // A source's cap (a paged block) halves too.
+        assert_eq!(halved_tile(128, 8, 128 << 10, 64), 64);
+        assert_eq!(halved_tile(128, 8, 128 << 10, 3), 16);
+        for rows in 1..300 {
+            for per_row in [0, 1, 700, 5000] {
+                let t = halved_tile(rows, per_row, 128 << 10, 48);
+                assert!(
+                    rows % t == 0 && (t >= 16 || t == rows),
+                    "{rows} {per_row}: {t}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn tile_rows_follow_the_config() {
+        let shape = HeadShape::new(4, 2, 256).unwrap();
+        let (tokens, ch) = (10, shape.kv_channels());
+        let data = vec![0.5f32; tokens * ch];
+        // 2 KiB of f32 per row and part: 4 KiB a row for K and V.
+        let (k, v) = (
+            DenseKv::new(&data, tokens, ch).unwrap(),
+            DenseKv::new(&data, tokens, ch).unwrap(),
+        );
+        let attn = Attention::new(shape);
+        assert_eq!(attn.tile_rows(&k, &v), 32);
+        let fixed = Attention::with_config(
+            shape,
+            AttentionConfig {
+                tile_bytes: None,
+                ..AttentionConfig::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(fixed.tile_rows(&k, &v), 128);
+    }
 }

@@ -37,7 +37,9 @@
 #[non_exhaustive]
 pub enum Numerics {
     /// Per tile, by layout (the default): 4-bit affine levels in whole-row
-    /// per-token groups (`int4` and its ECC-protected forms) as under
+    /// per-token groups (`int4` and its ECC-protected forms; also `int4+rot`
+    /// and the INT4 middle of `+sink`/`+win` forms, the same layout but not
+    /// measured) as under
     /// [`Int8Query`](Self::Int8Query), everything else exactly; keys and
     /// values are decided apart. Chosen by measurement on SmolLM2-135M
     /// (`kv-eval ppl`, full corpus, attention README): `Int8Query` moved

@@ -82,6 +82,26 @@ pub trait KvSource: Sync {
     /// of attention reads.
     fn stored_bytes(&self) -> usize;
 
+    /// Bytes one token's row takes in storage, group parameters not
+    /// counted: what sizes attention's tiles
+    /// ([`AttentionConfig::tile_bytes`](crate::AttentionConfig::tile_bytes)).
+    /// The default divides [`stored_bytes`](Self::stored_bytes) by
+    /// [`tokens`](Self::tokens); a source whose byte count depends on how
+    /// it is laid out (whole blocks, groups over blocks of tokens) should
+    /// give its form's size per row, so that the tiling does not change
+    /// with the token count or the layout.
+    fn row_bytes(&self) -> usize {
+        self.stored_bytes().div_ceil(self.tokens().max(1))
+    }
+
+    /// The most rows a tile may hold and still be read as stored (a paged
+    /// source's block size: a tile over blocks that are not adjacent is
+    /// decoded into f32 rows first); `None` (the default) for no limit.
+    /// Attention keeps byte-sized tiles within it.
+    fn max_tile_rows(&self) -> Option<usize> {
+        None
+    }
+
     /// Rows `start..start + count` as f32. Callers keep
     /// `start + count <= tokens()` and `count > 0`.
     fn read_tile<'s>(
@@ -129,6 +149,14 @@ impl<S: KvSource + ?Sized> KvSource for &S {
 
     fn stored_bytes(&self) -> usize {
         (**self).stored_bytes()
+    }
+
+    fn row_bytes(&self) -> usize {
+        (**self).row_bytes()
+    }
+
+    fn max_tile_rows(&self) -> Option<usize> {
+        (**self).max_tile_rows()
     }
 
     fn read_tile<'s>(
@@ -321,6 +349,10 @@ impl KvSource for KvStore {
 
     fn stored_bytes(&self) -> usize {
         KvStore::stored_bytes(self)
+    }
+
+    fn row_bytes(&self) -> usize {
+        KvStore::row_bytes(self)
     }
 
     fn read_tile<'s>(

@@ -59,7 +59,7 @@ fn decode_allocates_far_less_than_an_f32_copy() {
         .map(|i| ((i % 977) as f32 * 0.01).sin())
         .collect();
     let q: Vec<f32> = (0..shape.q_len()).map(|i| (i as f32 * 0.3).cos()).collect();
-    for numerics in [Numerics::Exact, Numerics::Int8Query] {
+    for numerics in [Numerics::Auto, Numerics::Exact, Numerics::Int8Query] {
         let mut attn = Attention::new(shape);
         attn.set_numerics(numerics);
         for spelling in ["fp16", "int4", "int4+secded84+interp", "int8"] {
@@ -95,7 +95,7 @@ fn workspace_calls_equal_the_conveniences_and_reuse_allocates_nothing() {
         KvStore::quantize(form, &k, tokens, ch).unwrap(),
         KvStore::quantize(form, &v, tokens, ch).unwrap(),
     );
-    for numerics in [Numerics::Exact, Numerics::Int8Query] {
+    for numerics in [Numerics::Auto, Numerics::Exact, Numerics::Int8Query] {
         let mut attn = Attention::new(shape);
         attn.set_numerics(numerics);
         let mut ws = Workspace::new();

@@ -8,7 +8,7 @@
 #![cfg(feature = "cuda")]
 
 use abft_gemm::{Matrix, Precision, Threshold, VAbft};
-use attention::{Attention, HeadShape};
+use attention::{Attention, HeadShape, Numerics};
 use gf2_codes::Int4Code;
 use gf2_codes::channel::{BinarySymmetric, FaultRng};
 use gpu_kernels::{Gpu, GpuError};
@@ -212,7 +212,10 @@ fn paged_decode_case(
     let refs: Vec<(&[BlockId], usize)> = tables.iter().map(|(i, l)| (i.as_slice(), *l)).collect();
     let table = PageTable::from_tables(&refs, block).unwrap();
     let queries = normal(&mut rng, lens.len() * q_heads * hd);
-    let attention = Attention::new(HeadShape::new(q_heads, kv_heads, hd).unwrap());
+    // The CPU reference dequantises exactly (its default, `Auto`, would
+    // score INT4 keys with int8-coded queries).
+    let mut attention = Attention::new(HeadShape::new(q_heads, kv_heads, hd).unwrap());
+    attention.set_numerics(Numerics::Exact);
     let cpu = paged_decode(&attention, &storage, &table, 0, &queries).unwrap();
     assert_eq!(cpu.len(), lens.len(), "{case}: CPU sequences");
 

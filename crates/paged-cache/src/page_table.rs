@@ -236,6 +236,14 @@ impl KvSource for PagedKv<'_> {
         self.bytes
     }
 
+    fn row_bytes(&self) -> usize {
+        self.store.row_bytes()
+    }
+
+    fn max_tile_rows(&self) -> Option<usize> {
+        Some(self.block_size)
+    }
+
     fn read_tile<'s>(
         &'s self,
         start: usize,

@@ -3,7 +3,9 @@
 //! several blocks, per-layer and per-part forms, and rolled-back steps that
 //! give their blocks back.
 
-use attention::{Attention, DenseBackend, HeadShape, KvBackend, Mask, ModelKvShape, run_step};
+use attention::{
+    Attention, DenseBackend, HeadShape, KvBackend, Mask, ModelKvShape, Numerics, run_step,
+};
 use kv_quant::{CacheForm, KvStore};
 use paged_cache::{LayerSpec, PagedBackend, PagedCacheError};
 
@@ -34,7 +36,9 @@ where
     B::Error: std::fmt::Debug,
 {
     let m = model();
-    let (ch, attn) = (m.heads.kv_channels(), Attention::new(m.heads));
+    let (ch, mut attn) = (m.heads.kv_channels(), Attention::new(m.heads));
+    // Exact scores, whichever tiles a backend reads as stored.
+    attn.set_numerics(Numerics::Exact);
     backend.fit(&m).unwrap();
     let mut outs = vec![Vec::new(); m.layers];
     let mut start = 0;
@@ -78,7 +82,10 @@ fn fp32_pages_equal_the_dense_oracle() {
 #[test]
 fn encoded_pages_equal_the_same_form_stored_whole() {
     let ch = shape().kv_channels();
-    let (m, attn) = (model(), Attention::new(shape()));
+    let (m, mut attn) = (model(), Attention::new(shape()));
+    // Exact scores: the default takes integer scores for `int4` tiles read
+    // as stored, which scattered pages are not (decoded to f32 instead).
+    attn.set_numerics(Numerics::Exact);
     let specs = [
         LayerSpec::uniform("int4+secded84".parse().unwrap(), ch),
         LayerSpec {

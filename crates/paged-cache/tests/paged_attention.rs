@@ -97,9 +97,10 @@ proptest! {
         let form: CacheForm = FORMS[form].parse().unwrap();
         let shape = HeadShape::new(4, 2, 32).unwrap();
         let ch = shape.kv_channels();
-        // Exact scores: integer numerics code value weights per tile, so they
-        // depend on where blocks cut the tiles (within their stated bound).
-        let config = AttentionConfig { tile_tokens: tile, split_tokens: 4 * tile, numerics: Numerics::Exact, ..AttentionConfig::default() };
+        // Exact scores over fixed tiles: integer numerics code value weights
+        // per tile, and byte-sized tiles stop at a paged source's block
+        // size, so either would let blocks move the tiles (and the bits).
+        let config = AttentionConfig { tile_tokens: tile, tile_bytes: None, split_tokens: 4 * tile, numerics: Numerics::Exact, ..AttentionConfig::default() };
         let attn = Attention::with_config(shape, config).unwrap();
         let (storage, table, data) = build(form, bs, ch, &lens, shuffle);
         let queries = rows(lens.len(), shape.q_len(), 99);

@@ -75,10 +75,10 @@ struct BackendArgs {
     block_size: usize,
     /// How attention scores integer-coded keys: `exact` (f32, the
     /// evaluation's reference: every published table uses it), `auto`
-    /// (the attention crate's default: `int8` where key groups lie along
-    /// rows, exact for per-channel groups), `int8` (int8-quantized queries,
-    /// integer dot products) or `int16` (16-bit query codes as two int8
-    /// halves) [default: exact].
+    /// (the attention crate's default: `int8` for `int4`'s layout, 4-bit
+    /// levels in whole-row per-token groups, exact for every other),
+    /// `int8` (int8-quantized queries, integer dot products) or `int16`
+    /// (16-bit query codes as two int8 halves) [default: exact].
     #[arg(long, value_enum)]
     numerics: Option<NumericsArg>,
 }
