@@ -747,17 +747,7 @@ mod tests {
     /// (the cached query codes and segment sums are not stale).
     #[test]
     fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
-        let uniform = |seed: u64, n: usize| -> Vec<f32> {
-            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            (0..n)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    ((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-                })
-                .collect()
-        };
+        let uniform = |seed, n| crate::kernel::test_values(seed, n, 1.0);
         let (group, kv_heads, d, rows) = (3, 2, 96, 37);
         let geometry = TileGeometry { group, kv_heads, d };
         let (ch, heads) = (kv_heads * d, kv_heads * group);

@@ -487,19 +487,8 @@ mod vnni {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel::test_values as uniform;
     use kv_quant::KvStore;
-
-    fn uniform(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                ((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * scale
-            })
-            .collect()
-    }
 
     fn levels_of<'s>(
         store: &'s KvStore,
