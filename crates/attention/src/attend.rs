@@ -4,7 +4,9 @@
 //!
 //! Keys are visited in tiles of [`AttentionConfig::tile_tokens`] rows (fewer
 //! where such a tile would hold more than [`AttentionConfig::tile_bytes`]
-//! stored bytes) aligned to multiples of the tile size, each read once per
+//! stored row bytes, or would not fit a source's
+//! [`max_tile_rows`](KvSource::max_tile_rows)) aligned to multiples of the
+//! tile size, each read once per
 //! query block through
 //! [`KvSource::read_tile`] into per-thread scratch; no score matrix and no
 //! f32 copy of the cache is ever built. Decode splits the visible keys into
@@ -45,10 +47,10 @@ pub struct AttentionConfig {
     pub tile_tokens: usize,
     /// Most stored key and value row bytes per tile
     /// ([`KvSource::row_bytes`], group parameters not counted): where
-    /// `tile_tokens` rows of the two sources would hold more, or more rows
-    /// than a source reads as stored ([`KvSource::max_tile_rows`]), the
-    /// tile is halved until they fit, but not below 16 rows (nor to an odd
-    /// count). `None`: always `tile_tokens` rows. Default 128 KiB, where
+    /// `tile_tokens` rows of the two sources would hold more, or the rows
+    /// do not divide a source's [`KvSource::max_tile_rows`] (a paged
+    /// block, so that tiles stay inside one), the tile is halved until
+    /// they fit, but not below 16 rows (nor to an odd count). `None`: always `tile_tokens` rows. Default 128 KiB, where
     /// decode ran fastest on a 2-core Zen 4 host for every form and both
     /// benchmark shapes measured (attention README, "Rows per tile").
     pub tile_bytes: Option<usize>,
@@ -422,12 +424,8 @@ impl Attention {
             return rows;
         };
         let per_row = keys.row_bytes().saturating_add(values.row_bytes());
-        let cap = [keys.max_tile_rows(), values.max_tile_rows()]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(usize::MAX);
-        halved_tile(rows, per_row, budget, cap)
+        let blocks = [keys.max_tile_rows(), values.max_tile_rows()];
+        halved_tile(rows, per_row, budget, blocks)
     }
 
     /// Folds the tiles of `span` into one partial per query of `q`
@@ -550,12 +548,19 @@ fn tile_span(range: &Range<usize>, tokens: usize, tile: usize) -> Range<usize> {
     range.start / tile * tile..range.end.div_ceil(tile).saturating_mul(tile).min(tokens)
 }
 
-/// `rows` halved while `rows·per_row > budget` or `rows > cap`, as long as
-/// the half is a whole number of at least 16 rows.
-fn halved_tile(mut rows: usize, per_row: usize, budget: usize, cap: usize) -> usize {
+/// `rows` halved while `rows·per_row > budget` or `rows` does not divide
+/// one of `blocks`, as long as the half is a whole number of at least 16
+/// rows.
+fn halved_tile(
+    mut rows: usize,
+    per_row: usize,
+    budget: usize,
+    blocks: [Option<usize>; 2],
+) -> usize {
+    let splits_a_block = |rows: usize| blocks.iter().flatten().any(|b| !b.is_multiple_of(rows));
     while rows.is_multiple_of(2)
         && rows / 2 >= 16
-        && (rows.saturating_mul(per_row) > budget || rows > cap)
+        && (rows.saturating_mul(per_row) > budget || splits_a_block(rows))
     {
         rows /= 2;
     }
@@ -568,27 +573,38 @@ mod tests {
     use crate::DenseKv;
 
     #[test]
-    fn tiles_halve_to_the_byte_budget_and_the_sources_cap() {
+    fn tiles_halve_to_the_byte_budget_and_the_sources_blocks() {
+        const NONE: [Option<usize>; 2] = [None, None];
         // 32/8/128 row bytes of K+V: int4 1 KiB, int8 2 KiB, fp16 4 KiB.
-        assert_eq!(halved_tile(128, 1024, 128 << 10, usize::MAX), 128);
-        assert_eq!(halved_tile(128, 2048, 128 << 10, usize::MAX), 64);
-        assert_eq!(halved_tile(128, 4096, 128 << 10, usize::MAX), 32);
-        // Never below 16 rows, never to an odd count, divisors of the start.
-        assert_eq!(halved_tile(128, 1 << 20, 128 << 10, usize::MAX), 16);
-        assert_eq!(halved_tile(18, 1 << 20, 1, usize::MAX), 18);
-        assert_eq!(halved_tile(96, 1 << 20, 1, usize::MAX), 24);
-        assert_eq!(halved_tile(40, 1 << 20, 1, usize::MAX), 20);
-        assert_eq!(halved_tile(8, 1 << 20, 1, usize::MAX), 8);
-        // A source's cap (a paged block) halves too.
-        assert_eq!(halved_tile(128, 8, 128 << 10, 64), 64);
-        assert_eq!(halved_tile(128, 8, 128 << 10, 3), 16);
+        assert_eq!(halved_tile(128, 1024, 128 << 10, NONE), 128);
+        assert_eq!(halved_tile(128, 2048, 128 << 10, NONE), 64);
+        assert_eq!(halved_tile(128, 4096, 128 << 10, NONE), 32);
+        // Never below 16 rows, never to an odd count.
+        assert_eq!(halved_tile(128, 1 << 20, 128 << 10, NONE), 16);
+        assert_eq!(halved_tile(18, 1 << 20, 1, NONE), 18);
+        assert_eq!(halved_tile(96, 1 << 20, 1, NONE), 24);
+        assert_eq!(halved_tile(8, 1 << 20, 1, NONE), 8);
+        // Tiles that divide a source's blocks (paged blocks of 64, 48, 16).
+        assert_eq!(halved_tile(128, 8, 128 << 10, [Some(64), None]), 64);
+        assert_eq!(halved_tile(128, 8, 128 << 10, [None, Some(48)]), 16);
+        assert_eq!(halved_tile(128, 8, 128 << 10, [Some(64), Some(16)]), 16);
+        assert_eq!(halved_tile(128, 8, 128 << 10, [Some(3), None]), 16);
         for rows in 1..300 {
             for per_row in [0, 1, 700, 5000] {
-                let t = halved_tile(rows, per_row, 128 << 10, 48);
-                assert!(
-                    rows % t == 0 && (t >= 16 || t == rows),
-                    "{rows} {per_row}: {t}"
-                );
+                for blocks in [NONE, [Some(64), None], [Some(48), Some(96)]] {
+                    let t = halved_tile(rows, per_row, 128 << 10, blocks);
+                    assert!(rows % t == 0, "{rows} {per_row}: {t}");
+                    // Either it fits (budget and blocks) or it could not halve.
+                    let fits =
+                        t * per_row <= 128 << 10 && blocks.iter().flatten().all(|b| b % t == 0);
+                    assert!(
+                        fits || t % 2 == 1 || t / 2 < 16,
+                        "{rows} {per_row} {blocks:?}: {t}"
+                    );
+                    if t < rows {
+                        assert!(t >= 16, "{rows}: {t}");
+                    }
+                }
             }
         }
     }
@@ -614,5 +630,28 @@ mod tests {
         )
         .unwrap();
         assert_eq!(fixed.tile_rows(&k, &v), 128);
+        // kv-quant stores at 32/8/128: their form's row bytes, whatever the
+        // token count and group parameters.
+        let shape = HeadShape::new(32, 8, 128).unwrap();
+        let attn = Attention::new(shape);
+        let ch = shape.kv_channels();
+        for (form, want) in [
+            ("int4", 128),
+            ("int4-ch", 128),
+            ("int4+secded84", 64),
+            ("int8", 64),
+            ("fp16", 32),
+        ] {
+            for tokens in [40, 333] {
+                let data: Vec<f32> = (0..tokens * ch).map(|i| (i as f32 * 0.37).sin()).collect();
+                let store =
+                    kv_quant::KvStore::quantize(form.parse().unwrap(), &data, tokens, ch).unwrap();
+                assert_eq!(
+                    attn.tile_rows(&store, &store),
+                    want,
+                    "{form}, {tokens} tokens"
+                );
+            }
+        }
     }
 }

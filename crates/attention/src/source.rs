@@ -94,10 +94,12 @@ pub trait KvSource: Sync {
         self.stored_bytes().div_ceil(self.tokens().max(1))
     }
 
-    /// The most rows a tile may hold and still be read as stored (a paged
-    /// source's block size: a tile over blocks that are not adjacent is
-    /// decoded into f32 rows first); `None` (the default) for no limit.
-    /// Attention keeps byte-sized tiles within it.
+    /// The rows of a block that a tile should not cross to be read as
+    /// stored (a paged source's block size: a tile over blocks that are not
+    /// adjacent is decoded into f32 rows first); `None` (the default) for
+    /// no limit. Byte-sized tiles are halved until they divide it (not
+    /// below 16 rows, so blocks smaller than that, or not a multiple of a
+    /// tile size, still see tiles that cross them).
     fn max_tile_rows(&self) -> Option<usize> {
         None
     }

@@ -83,8 +83,9 @@ fn fp32_pages_equal_the_dense_oracle() {
 fn encoded_pages_equal_the_same_form_stored_whole() {
     let ch = shape().kv_channels();
     let (m, mut attn) = (model(), Attention::new(shape()));
-    // Exact scores: the default takes integer scores for `int4` tiles read
-    // as stored, which scattered pages are not (decoded to f32 instead).
+    // Exact scores: under the default, `int4` tiles take integer scores
+    // whose value coding is per tile, and the paged source's tiles stop at
+    // its blocks where the whole store's do not.
     attn.set_numerics(Numerics::Exact);
     let specs = [
         LayerSpec::uniform("int4+secded84".parse().unwrap(), ch),

@@ -122,6 +122,60 @@ proptest! {
     }
 }
 
+/// Under attention's default tiles (sized by bytes, cut to the block), a
+/// paged source reports its form's row bytes and its block size, and paged
+/// decode equals contiguous decode with fixed tiles of the tile size it
+/// picks, bit for bit (default numerics included): every tile lies in one
+/// block and is read as stored.
+#[test]
+fn default_tiles_stay_inside_one_block() {
+    let shape = HeadShape::new(8, 2, 128).unwrap();
+    let ch = shape.kv_channels();
+    let lens = [200, 77];
+    for (spelling, bs, tile) in [
+        ("int4", 64, 64),
+        ("int4", 16, 16),
+        ("int4+secded84", 48, 16),
+        ("fp16", 64, 64),
+        ("int8", 32, 32),
+    ] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let (storage, table, data) = build(form, bs, ch, &lens, 11);
+        let attn = Attention::new(shape);
+        let queries = rows(lens.len(), shape.q_len(), 7);
+        let paged = paged_decode(&attn, &storage, &table, 0, &queries).unwrap();
+        let fixed = AttentionConfig {
+            tile_tokens: tile,
+            tile_bytes: None,
+            split_tokens: 2048 / tile * tile,
+            ..AttentionConfig::default()
+        };
+        let fixed = Attention::with_config(shape, fixed).unwrap();
+        for (i, ((k, v), out)) in data.iter().zip(&paged).enumerate() {
+            let len = lens[i];
+            let src = PagedKv::new(&storage, &table, i, 0, KvPart::Keys).unwrap();
+            let ks = KvStore::quantize(form, k, len, ch).unwrap();
+            let vs = KvStore::quantize(form, v, len, ch).unwrap();
+            assert_eq!(
+                attention::KvSource::row_bytes(&src),
+                ks.row_bytes(),
+                "{spelling}"
+            );
+            assert_eq!(attention::KvSource::max_tile_rows(&src), Some(bs));
+            let q = &queries[i * shape.q_len()..][..shape.q_len()];
+            let want = fixed.decode(q, len - 1, &ks, &vs, &Mask::Causal).unwrap();
+            assert_eq!(
+                out.out, want.out,
+                "{spelling}, blocks of {bs}, sequence {i}"
+            );
+            assert_eq!(
+                out.stats.tiles, want.stats.tiles,
+                "{spelling}, blocks of {bs}"
+            );
+        }
+    }
+}
+
 #[test]
 fn malformed_page_tables_are_errors() {
     let form: CacheForm = "fp16".parse().unwrap();
