@@ -3,7 +3,7 @@
 //! bytes read per second; `REPS` sets the repetitions (default 20),
 //! `NUMERICS=exact|int8|auto` picks `Numerics::Exact`, `Int8Query` (integer
 //! keys scored with int8-quantized queries) or `Auto` (the default),
-//! `TILE` sets the rows of every tile (default: up to 128, fewer where a
+//! `TILE` sets the rows of every tile (default: up to 256, fewer where a
 //! tile would hold more than 128 KiB of stored K and V rows),
 //! `FRESH=1` calls `decode` (fresh buffers each call) instead of
 //! `decode_into` with one kept workspace. Threads follow

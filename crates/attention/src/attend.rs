@@ -24,7 +24,7 @@ use crate::kernel::{Partial, TileGeometry, attend_tile};
 use crate::numerics::Numerics;
 use crate::shape::{HeadShape, Mask};
 use crate::source::KvSource;
-use crate::workspace::{Slot, TileStats, Workspace};
+use crate::workspace::{Scratch, Slot, TileStats, Workspace};
 
 /// What to do when the output is not finite (the cache held NaN or
 /// infinite keys or values).
@@ -43,7 +43,7 @@ pub enum OnNonFinite {
 /// Tiling and error handling of an [`Attention`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AttentionConfig {
-    /// Most cache rows per tile (read and decoded at once). Default 128.
+    /// Most cache rows per tile (read and decoded at once). Default 256.
     pub tile_tokens: usize,
     /// Most stored key and value row bytes per tile
     /// ([`KvSource::row_bytes`], group parameters not counted): where
@@ -65,7 +65,7 @@ pub struct AttentionConfig {
 impl Default for AttentionConfig {
     fn default() -> Self {
         Self {
-            tile_tokens: 128,
+            tile_tokens: 256,
             tile_bytes: Some(128 << 10),
             split_tokens: 2048,
             on_non_finite: OnNonFinite::Error,
@@ -215,16 +215,25 @@ impl Attention {
                 .map(|s| s.max(span.start)..(s / split * split + split).min(span.end)),
         );
         let n = ws.items.len();
-        ws.ensure_slots(n);
+        let per = ws.ensure_slots(n);
         let Workspace {
-            q, items, slots, ..
+            q,
+            items,
+            slots,
+            scratch,
+            ..
         } = ws;
         let ranges = std::slice::from_ref(&range);
         slots[..n]
-            .par_iter_mut()
-            .zip(items.par_iter())
-            .for_each(|(slot, chunk)| {
-                slot.result = self.run_block(q, ranges, chunk.clone(), tile, (keys, values), slot);
+            .par_chunks_mut(per)
+            .zip(items.par_chunks(per))
+            .zip(scratch.par_iter_mut())
+            .for_each(|((slots, items), scratch)| {
+                for (slot, chunk) in slots.iter_mut().zip(items) {
+                    let sources = (keys, values);
+                    slot.result =
+                        self.run_block(q, ranges, chunk.clone(), tile, sources, (slot, scratch));
+                }
             });
         ws.merged.reset(self.shape.q_heads(), self.shape.head_dim());
         ws.tiles.clear();
@@ -296,24 +305,29 @@ impl Attention {
         ws.items.extend(
             (0..blocks).map(|b| b * QUERY_BLOCK..((b + 1) * QUERY_BLOCK).min(positions.len())),
         );
-        ws.ensure_slots(blocks);
+        let per = ws.ensure_slots(blocks);
         let Workspace {
             q,
             ranges,
             items,
             slots,
+            scratch,
             ..
         } = ws;
         slots[..blocks]
-            .par_iter_mut()
-            .zip(items.par_iter())
-            .for_each(|(slot, block)| {
-                let ranges = &ranges[block.clone()];
-                let q = &q[block.start * ql..block.end * ql];
-                let start = ranges.iter().map(|r| r.start).min().unwrap_or(0);
-                let end = ranges.iter().map(|r| r.end).max().unwrap_or(0);
-                let span = tile_span(&(start..end), keys.tokens(), tile);
-                slot.result = self.run_block(q, ranges, span, tile, (keys, values), slot);
+            .par_chunks_mut(per)
+            .zip(items.par_chunks(per))
+            .zip(scratch.par_iter_mut())
+            .for_each(|((slots, blocks), scratch)| {
+                for (slot, block) in slots.iter_mut().zip(blocks) {
+                    let ranges = &ranges[block.clone()];
+                    let q = &q[block.start * ql..block.end * ql];
+                    let start = ranges.iter().map(|r| r.start).min().unwrap_or(0);
+                    let end = ranges.iter().map(|r| r.end).max().unwrap_or(0);
+                    let span = tile_span(&(start..end), keys.tokens(), tile);
+                    let sources = (keys, values);
+                    slot.result = self.run_block(q, ranges, span, tile, sources, (slot, scratch));
+                }
             });
         ws.tiles.clear();
         for slot in &mut ws.slots[..blocks] {
@@ -438,7 +452,7 @@ impl Attention {
         span: Range<usize>,
         tile: usize,
         (keys, values): (&K, &V),
-        slot: &mut Slot<K, V>,
+        (slot, scratch): (&mut Slot, &mut Scratch<K, V>),
     ) -> Result<()> {
         let s = &self.shape;
         let (d, ch, ql) = (s.head_dim(), s.kv_channels(), s.q_len());
@@ -456,7 +470,7 @@ impl Attention {
         }
         slot.tiles.clear();
         // `q` is new to this scratch: codes derived from its address are stale.
-        slot.kernel.forget_queries();
+        scratch.kernel.forget_queries();
         let mut start = span.start;
         while start < span.end {
             let end = (start / tile * tile + tile).min(span.end);
@@ -466,8 +480,8 @@ impl Attention {
                     let n = (end + tile).min(span.end) - end;
                     [keys.row_addresses(end, n), values.row_addresses(end, n)]
                 });
-                let k = keys.read_tile(start, end - start, &mut slot.keys)?;
-                let v = values.read_tile(start, end - start, &mut slot.values)?;
+                let k = keys.read_tile(start, end - start, &mut scratch.keys)?;
+                let v = values.read_tile(start, end - start, &mut scratch.values)?;
                 slot.tiles.push((start, k.stats, v.stats));
                 for (i, r) in ranges.iter().enumerate() {
                     let (lo, hi) = (r.start.max(start), r.end.min(end));
@@ -480,7 +494,7 @@ impl Attention {
                             geometry,
                             self.config.numerics,
                             next.as_ref().filter(|_| i == 0),
-                            &mut slot.kernel,
+                            &mut scratch.kernel,
                             &mut slot.partials[i],
                         );
                     }
@@ -629,7 +643,7 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(fixed.tile_rows(&k, &v), 128);
+        assert_eq!(fixed.tile_rows(&k, &v), 256);
         // kv-quant stores at 32/8/128: their form's row bytes, whatever the
         // token count and group parameters.
         let shape = HeadShape::new(32, 8, 128).unwrap();
