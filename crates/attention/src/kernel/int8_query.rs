@@ -284,13 +284,10 @@ fn along_rows(
         }
         scratch.q_sums_cpg = cpg;
     }
+    // Groups over several tokens: each row's first group, found once per
+    // tile (per-token groups are read with a stride instead).
     scratch.row_groups.clear();
-    if keys.tokens_per_group() == 1 {
-        // Per-token groups: row `t` starts at group `t·groups_per_row`
-        // (without the layout's divisions, 6% of a small-head call).
-        let per_row = keys.channels() / keys.channels_per_group();
-        scratch.row_groups.extend((0..rows).map(|t| t * per_row));
-    } else {
+    if keys.tokens_per_group() != 1 {
         scratch
             .row_groups
             .extend((0..rows).map(|t| keys.group_index(t, 0)));
@@ -346,38 +343,34 @@ impl HeadBlockPass for RowSegments<'_, '_> {
             // The segment's scale and offset term per row (centred levels:
             // `a·(l − mid) = a·l + (−mid·a)`).
             let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
-            let whole_rows = keys.tokens_per_group() == 1 && cpg == keys.channels();
-            let offsets = match mid {
-                None => keys.offset.get(..rows),
-                Some(_) => Some(&[][..]),
-            };
-            match (whole_rows, keys.scale.get(..rows), offsets) {
-                // One group per row (`int4`): the parameters are already
-                // one per row, in order.
-                (true, Some(scale), Some(offset)) => {
-                    seg_a.copy_from_slice(scale);
-                    match mid {
-                        None => seg_b.copy_from_slice(offset),
-                        Some(mid) => seg_b
-                            .iter_mut()
-                            .zip(scale)
-                            .for_each(|(b, &a)| *b = -mid * a),
-                    }
+            let g = c / cpg;
+            if keys.tokens_per_group() == 1 {
+                // Per-token groups: row `t`'s group here is `t·per_row + g`,
+                // read with a stride (unit for whole-row groups, as `int4`'s),
+                // without the layout's divisions or bounds checks per row.
+                let per_row = keys.channels() / cpg;
+                let params = |p| strided(p, g, per_row, rows);
+                let pairs = seg_a.iter_mut().zip(seg_b.iter_mut());
+                match mid {
+                    None => pairs
+                        .zip(params(keys.scale).zip(params(keys.offset)))
+                        .for_each(|((a, b), (&s, &o))| (*a, *b) = (s, o)),
+                    Some(mid) => pairs
+                        .zip(params(keys.scale))
+                        .for_each(|((a, b), &s)| (*a, *b) = (s, -mid * s)),
                 }
-                _ => {
-                    let g = c / cpg;
-                    for ((a, b), &g0) in seg_a
-                        .iter_mut()
-                        .zip(seg_b.iter_mut())
-                        .zip(&scratch.row_groups)
-                    {
-                        let gi = g0 + g;
-                        *a = keys.scale[gi];
-                        *b = match mid {
-                            None => keys.offset[gi],
-                            Some(mid) => -mid * keys.scale[gi],
-                        };
-                    }
+            } else {
+                for ((a, b), &g0) in seg_a
+                    .iter_mut()
+                    .zip(seg_b.iter_mut())
+                    .zip(&scratch.row_groups)
+                {
+                    let gi = g0 + g;
+                    *a = keys.scale[gi];
+                    *b = match mid {
+                        None => keys.offset[gi],
+                        Some(mid) => -mid * keys.scale[gi],
+                    };
                 }
             }
             for j in 0..H {
@@ -399,6 +392,19 @@ impl HeadBlockPass for RowSegments<'_, '_> {
             c = end;
         }
     }
+}
+
+/// `n` values of `p` from `first` on, `stride` apart (`n >= 1`; panics
+/// past the end, as indexing would).
+fn strided(
+    p: &[f32],
+    first: usize,
+    stride: usize,
+    n: usize,
+) -> std::iter::StepBy<std::slice::Iter<'_, f32>> {
+    p[first..(n - 1) * stride + first + 1]
+        .iter()
+        .step_by(stride)
 }
 
 /// One group per channel: per run of rows in one block of tokens, the
