@@ -4,10 +4,9 @@
 //!
 //! Keys are visited in tiles of [`AttentionConfig::tile_tokens`] rows (fewer
 //! where such a tile would hold more than [`AttentionConfig::tile_bytes`]
-//! stored row bytes, or would not fit a source's
-//! [`max_tile_rows`](KvSource::max_tile_rows)) aligned to multiples of the
-//! tile size, each read once per
-//! query block through
+//! stored row bytes, or would not divide a source's
+//! [`block_tokens`](KvSource::block_tokens)) aligned to multiples of the
+//! tile size, each read once per query block through
 //! [`KvSource::read_tile`] into per-thread scratch; no score matrix and no
 //! f32 copy of the cache is ever built. Decode splits the visible keys into
 //! chunks of [`AttentionConfig::split_tokens`] (aligned the same way), runs
@@ -48,11 +47,12 @@ pub struct AttentionConfig {
     /// Most stored key and value row bytes per tile
     /// ([`KvSource::row_bytes`], group parameters not counted): where
     /// `tile_tokens` rows of the two sources would hold more, or the rows
-    /// do not divide a source's [`KvSource::max_tile_rows`] (a paged
+    /// do not divide a source's [`KvSource::block_tokens`] (a paged
     /// block, so that tiles stay inside one), the tile is halved until
-    /// they fit, but not below 16 rows (nor to an odd count). `None`: always `tile_tokens` rows. Default 128 KiB, where
-    /// decode ran fastest on a 2-core Zen 4 host for every form and both
-    /// benchmark shapes measured (attention README, "Rows per tile").
+    /// they fit, but not below 16 rows (nor to an odd count). `None`:
+    /// always `tile_tokens` rows. Default 128 KiB, where decode ran
+    /// fastest on a 2-core Zen 4 host for every form and both benchmark
+    /// shapes measured (attention README, "Rows per tile").
     pub tile_bytes: Option<usize>,
     /// Keys per decode work item; a multiple of `tile_tokens`. Default 2048.
     pub split_tokens: usize,
@@ -429,16 +429,16 @@ impl Attention {
     }
 
     /// Rows per tile for `keys` and `values`: `tile_tokens`, halved while a
-    /// tile would hold more than `tile_bytes` row bytes or more rows than
-    /// either source reads as stored (it stays a divisor of `tile_tokens`,
-    /// so of `split_tokens`, and does not go below 16 rows).
+    /// tile would hold more than `tile_bytes` row bytes or would not divide
+    /// a source's blocks (it stays a divisor of `tile_tokens`, so of
+    /// `split_tokens`, and does not go below 16 rows).
     pub(crate) fn tile_rows<K: KvSource, V: KvSource>(&self, keys: &K, values: &V) -> usize {
         let rows = self.config.tile_tokens;
         let Some(budget) = self.config.tile_bytes else {
             return rows;
         };
         let per_row = keys.row_bytes().saturating_add(values.row_bytes());
-        let blocks = [keys.max_tile_rows(), values.max_tile_rows()];
+        let blocks = [keys.block_tokens(), values.block_tokens()];
         halved_tile(rows, per_row, budget, blocks)
     }
 

@@ -94,13 +94,14 @@ pub trait KvSource: Sync {
         self.stored_bytes().div_ceil(self.tokens().max(1))
     }
 
-    /// The rows of a block that a tile should not cross to be read as
-    /// stored (a paged source's block size: a tile over blocks that are not
-    /// adjacent is decoded into f32 rows first); `None` (the default) for
-    /// no limit. Byte-sized tiles are halved until they divide it (not
-    /// below 16 rows, so blocks smaller than that, or not a multiple of a
-    /// tile size, still see tiles that cross them).
-    fn max_tile_rows(&self) -> Option<usize> {
+    /// Tokens per block of a source stored in blocks, which a tile should
+    /// not cross to be read as stored (a paged source's block size: a tile
+    /// over blocks that are not adjacent is decoded into f32 rows first);
+    /// `None` (the default) for unblocked sources. Byte-sized tiles are
+    /// halved until they divide it (not below 16 rows, so blocks smaller
+    /// than that, or not a multiple of a tile size, still see tiles that
+    /// cross them).
+    fn block_tokens(&self) -> Option<usize> {
         None
     }
 
@@ -157,8 +158,8 @@ impl<S: KvSource + ?Sized> KvSource for &S {
         (**self).row_bytes()
     }
 
-    fn max_tile_rows(&self) -> Option<usize> {
-        (**self).max_tile_rows()
+    fn block_tokens(&self) -> Option<usize> {
+        (**self).block_tokens()
     }
 
     fn read_tile<'s>(

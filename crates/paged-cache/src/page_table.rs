@@ -240,7 +240,7 @@ impl KvSource for PagedKv<'_> {
         self.store.row_bytes()
     }
 
-    fn max_tile_rows(&self) -> Option<usize> {
+    fn block_tokens(&self) -> Option<usize> {
         Some(self.block_size)
     }
 

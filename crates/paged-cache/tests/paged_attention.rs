@@ -161,7 +161,7 @@ fn default_tiles_stay_inside_one_block() {
                 ks.row_bytes(),
                 "{spelling}"
             );
-            assert_eq!(attention::KvSource::max_tile_rows(&src), Some(bs));
+            assert_eq!(attention::KvSource::block_tokens(&src), Some(bs));
             let q = &queries[i * shape.q_len()..][..shape.q_len()];
             let want = fixed.decode(q, len - 1, &ks, &vs, &Mask::Causal).unwrap();
             assert_eq!(
