@@ -2,9 +2,9 @@
 //! values.
 
 /// How scores against integer keys (INT8/INT4/INT3/INT2 at any
-/// granularity, and the ECC-protected INT4 forms, read as levels plus group
-/// parameters) are computed. Keys held as f32 or half floats, and tiles
-/// with erased values, are always scored exactly.
+/// granularity, the ECC-protected INT4 forms, and NF4, read as levels plus
+/// group parameters) are computed. Keys held as f32, half floats or FP8,
+/// and tiles with erased values, are always scored exactly.
 ///
 /// Fast-path error bound (stated against scores computed exactly from the
 /// dequantized keys): each query head `q` (already scaled by `1/√d`) is
@@ -21,6 +21,15 @@
 /// its softmax weights move by a factor within `e^{±2Δ}` and its output
 /// by at most `max_t |v_t| · (e^{2Δ} − 1)`; `tests/numerics.rs` checks
 /// both bounds against the f64 oracle.
+///
+/// NF4 codes are read through an integer image, `l' = 128 + round(127·L)`
+/// for the code's level `L`, as centred levels of scale `a/127`: the bound
+/// above holds with `l'` for `l` and `a/127` for `a`, plus the image's own
+/// rounding, `Σ_c |q_c·a_g(c)|·ε_c` with `ε_c = |L − (l' − 128)/127| <=
+/// 0.0037`. That rounding is as coarse as an int8 query code, so NF4 keys
+/// take the integer path under `Int8Query` only (`Int16Query` scores them
+/// exactly), and NF4 values summed with integer dot products move the
+/// output by at most `max|a|·0.0037` more.
 ///
 /// Under `Int8Query`, values held as integer levels in per-token groups are
 /// summed with integer dot products too: per tile, head and group, the

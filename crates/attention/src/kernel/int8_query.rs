@@ -16,6 +16,9 @@
 //!   query (`q'_c = q_c·a_c`) before it is quantized, and the offset term
 //!   `Σ q_c·b_c` (or `−mid·Σ q'_c`) is one constant per head.
 //!
+//! NF4 codes take the first layout through their integer image
+//! ([`NF4_IMAGE`], one `vpshufb` per 64 levels) as centred levels.
+//!
 //! The integer sums are exact, and the float finishing is the same scalar
 //! code on every instruction set, so AVX-512 VNNI (`vpdpbusd`) and the
 //! portable loop give bit-identical scores. Everything else (narrow groups,
@@ -29,6 +32,36 @@ use super::{HeadBlockPass, Prefetcher, TileGeometry, for_head_blocks};
 /// Narrowest group along a row the integer path takes: narrower groups
 /// leave too few values per scale for an integer dot product to pay.
 pub(crate) const MIN_GROUP: usize = 16;
+
+/// The level NF4 codes' integer images are centred on.
+pub(crate) const NF4_MID: f32 = 128.0;
+
+/// The integer image of one NF4 unit: `NF4_LEVELS[c] ≈ (NF4_IMAGE[c] −
+/// NF4_MID) / NF4_UNIT`.
+pub(crate) const NF4_UNIT: f32 = 127.0;
+
+/// NF4 codes as unsigned integer levels, `128 + round(127·NF4_LEVELS[c])`
+/// (1 to 255), so that NF4 keys and values take the integer paths as
+/// centred levels with scale `a / 127`. Each level moves by at most
+/// [`NF4_IMAGE_ERROR`] of its group's scale (the rounding to 1/127).
+pub(crate) const NF4_IMAGE: [u8; 16] = nf4_image();
+
+/// The largest `|NF4_LEVELS[c] − (NF4_IMAGE[c] − 128)/127|` (0.00367, code
+/// 5), checked against the table in a unit test.
+#[cfg(test)]
+pub(crate) const NF4_IMAGE_ERROR: f64 = 0.0037;
+
+/// [`NF4_IMAGE`], computed at compile time (`x + 0.5` truncated rounds the
+/// positive `x` half up; no level is a tie).
+const fn nf4_image() -> [u8; 16] {
+    let mut image = [0u8; 16];
+    let mut c = 0;
+    while c < 16 {
+        image[c] = (kv_quant::NF4_LEVELS[c] * NF4_UNIT + NF4_MID + 0.5) as u8;
+        c += 1;
+    }
+    image
+}
 
 /// Per-thread buffers: query codes and scales, and the integer sums of one
 /// block of heads.
@@ -154,11 +187,16 @@ pub(crate) fn scores(
     scratch.sums.resize(group.min(4) * rows, 0);
     scratch.sums_lo.resize(group.min(4) * rows, 0);
     scratch.dots.resize(group.min(4) * rows, 0.0);
-    let mid = match keys.map {
-        LevelMap::Affine => None,
-        LevelMap::Centered { mid } => Some(mid),
+    let (mid, image) = match keys.map {
+        LevelMap::Affine => (None, None),
+        LevelMap::Centered { mid } => (Some(mid), None),
+        // NF4 codes read through their integer image, centred on 128, with
+        // int8 query codes only: the image's rounding (1/254 of a group's
+        // scale) is the size of an int8 query code's, and would swamp a
+        // 16-bit one's.
+        LevelMap::Nf4 if codes == QueryCodes::Int8 => (Some(NF4_MID), Some(&NF4_IMAGE)),
         // FP8 codes are not proportional to their values: scored exactly.
-        LevelMap::Fp8(_) | LevelMap::Nf4 => return false,
+        LevelMap::Nf4 | LevelMap::Fp8(_) => return false,
     };
     let ctx = Context {
         q,
@@ -167,6 +205,7 @@ pub(crate) fn scores(
         codes,
         dot,
         mid,
+        image,
     };
     match dot {
         #[cfg(target_arch = "x86_64")]
@@ -202,7 +241,7 @@ fn layouts(
     prefetch: &mut Prefetcher,
 ) -> bool {
     let cpg = ctx.keys.channels_per_group();
-    if cpg == 1 {
+    if cpg == 1 && ctx.image.is_none() {
         per_channel(ctx, scratch, weights, prefetch)
     } else if cpg >= MIN_GROUP {
         along_rows(ctx, scratch, weights, prefetch)
@@ -220,6 +259,9 @@ struct Context<'a, 'k> {
     codes: QueryCodes,
     dot: Dot,
     mid: Option<f32>,
+    /// NF4 keys: the integer image each code is read through (the scales
+    /// are then divided by [`NF4_UNIT`]).
+    image: Option<&'static [u8; 16]>,
 }
 
 /// How finely the query is coded.
@@ -337,6 +379,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 code_stride: d,
                 heads: H,
                 rows,
+                image: ctx.image,
             };
             scratch.dot_products(*ctx, block, h0 * d + (c - first), prefetch);
             let sums = &scratch.dots[..H * rows];
@@ -351,13 +394,19 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 let per_row = keys.channels() / cpg;
                 let params = |p| strided(p, g, per_row, rows);
                 let pairs = seg_a.iter_mut().zip(seg_b.iter_mut());
-                match mid {
-                    None => pairs
+                match (mid, ctx.image) {
+                    (None, _) => pairs
                         .zip(params(keys.scale).zip(params(keys.offset)))
                         .for_each(|((a, b), (&s, &o))| (*a, *b) = (s, o)),
-                    Some(mid) => pairs
+                    (Some(mid), None) => pairs
                         .zip(params(keys.scale))
                         .for_each(|((a, b), &s)| (*a, *b) = (s, -mid * s)),
+                    (Some(mid), Some(_)) => {
+                        pairs.zip(params(keys.scale)).for_each(|((a, b), &s)| {
+                            let s = s / NF4_UNIT;
+                            (*a, *b) = (s, -mid * s);
+                        })
+                    }
                 }
             } else {
                 for ((a, b), &g0) in seg_a
@@ -366,10 +415,14 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                     .zip(&scratch.row_groups)
                 {
                     let gi = g0 + g;
-                    *a = keys.scale[gi];
+                    let s = match ctx.image {
+                        None => keys.scale[gi],
+                        Some(_) => keys.scale[gi] / NF4_UNIT,
+                    };
+                    *a = s;
                     *b = match mid {
                         None => keys.offset[gi],
-                        Some(mid) => -mid * keys.scale[gi],
+                        Some(mid) => -mid * s,
                     };
                 }
             }
@@ -508,6 +561,7 @@ impl HeadBlockPass for ChannelRun<'_, '_> {
             code_stride: d,
             heads: H,
             rows: run,
+            image: None,
         };
         self.scratch
             .dot_products(self.ctx, block, h0 * d, self.prefetch);
@@ -649,6 +703,8 @@ pub(crate) struct DotBlock<'a> {
     pub(crate) code_stride: usize,
     pub(crate) heads: usize,
     pub(crate) rows: usize,
+    /// Levels read through this table first (NF4 codes: [`NF4_IMAGE`]).
+    pub(crate) image: Option<&'static [u8; 16]>,
 }
 
 /// `out[j·rows + t] = Σ_c levels[t·ch + start + c] · codes[j·code_stride + c]`.
@@ -677,12 +733,16 @@ fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
             prefetch.step();
         }
         let row = &b.levels[t * b.ch + b.start..][..b.len];
+        let level = |l: u8| match b.image {
+            None => l,
+            Some(image) => image[usize::from(l & 15)],
+        };
         for j in 0..b.heads {
             let codes = &b.codes[j * b.code_stride..][..b.len];
             out[j * b.rows + t] = row
                 .iter()
                 .zip(codes)
-                .map(|(&l, &c)| i32::from(l) * i32::from(c))
+                .map(|(&l, &c)| i32::from(level(l)) * i32::from(c))
                 .sum();
         }
     }
@@ -694,6 +754,25 @@ mod vnni;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The NF4 image is `128 + round(127·level)` in f64, every level is
+    /// within `NF4_IMAGE_ERROR` of its image, and that bound is tight to
+    /// 1e-4 (a looser constant would understate the path's accuracy).
+    #[test]
+    fn nf4_image_rounds_each_level_to_the_nearest_127th() {
+        let mut worst = 0.0f64;
+        for (c, (&level, &image)) in kv_quant::NF4_LEVELS.iter().zip(&NF4_IMAGE).enumerate() {
+            let x = f64::from(level);
+            assert_eq!(f64::from(image), 128.0 + (127.0 * x).round(), "code {c}");
+            let err = (x - (f64::from(image) - 128.0) / 127.0).abs();
+            worst = worst.max(err);
+        }
+        assert!(
+            worst <= NF4_IMAGE_ERROR && worst > NF4_IMAGE_ERROR - 1e-4,
+            "{worst}"
+        );
+        assert_eq!((NF4_IMAGE[0], NF4_IMAGE[7], NF4_IMAGE[15]), (1, 128, 255));
+    }
 
     /// Integer sums of every kernel equal the reference loop, over segment
     /// lengths that use full and masked 64-byte chunks, odd row counts and
@@ -716,32 +795,46 @@ mod tests {
             (16, 0, 16, 1, 1),
             (130, 1, 129, 66, 4),
         ] {
-            let levels: Vec<u8> = (0..rows * ch).map(|i| (i * 37 % 256) as u8).collect();
-            let codes: Vec<i8> = (0..4 * 256).map(|i| (i * 53 % 255 - 127) as i8).collect();
-            let block = DotBlock {
-                levels: &levels,
-                ch,
-                start,
-                len,
-                codes: &codes,
-                code_stride: 256,
-                heads,
-                rows,
-            };
-            let mut want = vec![0; heads * rows];
-            for t in 0..rows {
-                for j in 0..heads {
-                    want[j * rows + t] = (0..len)
-                        .map(|c| {
-                            i32::from(levels[t * ch + start + c]) * i32::from(codes[j * 256 + c])
-                        })
-                        .sum();
+            // Levels of every byte, and NF4 codes (nibbles) read through
+            // their image.
+            for image in [None, Some(&NF4_IMAGE)] {
+                let levels: Vec<u8> = (0..rows * ch)
+                    .map(|i| (i * 37 % 256) as u8 & if image.is_some() { 15 } else { 255 })
+                    .collect();
+                let codes: Vec<i8> = (0..4 * 256).map(|i| (i * 53 % 255 - 127) as i8).collect();
+                let block = DotBlock {
+                    levels: &levels,
+                    ch,
+                    start,
+                    len,
+                    codes: &codes,
+                    code_stride: 256,
+                    heads,
+                    rows,
+                    image,
+                };
+                let level = |l: u8| image.map_or(l, |m| m[usize::from(l)]);
+                let mut want = vec![0; heads * rows];
+                for t in 0..rows {
+                    for j in 0..heads {
+                        want[j * rows + t] = (0..len)
+                            .map(|c| {
+                                i32::from(level(levels[t * ch + start + c]))
+                                    * i32::from(codes[j * 256 + c])
+                            })
+                            .sum();
+                    }
                 }
-            }
-            for &dot in &dots {
-                let mut got = vec![0; heads * rows];
-                integer_sums(dot, block, &mut got, &mut Prefetcher::new(None, 1));
-                assert_eq!(got, want, "{dot:?} at ch {ch}, start {start}, len {len}");
+                for &dot in &dots {
+                    let mut got = vec![0; heads * rows];
+                    integer_sums(dot, block, &mut got, &mut Prefetcher::new(None, 1));
+                    assert_eq!(
+                        got,
+                        want,
+                        "{dot:?} at ch {ch}, start {start}, len {len}, image {}",
+                        image.is_some()
+                    );
+                }
             }
         }
     }
@@ -774,6 +867,8 @@ mod tests {
             "int8",
             "int4-sym-g64",
             "int4-g16",
+            "nf4-g32",
+            "nf4-g96",
         ];
         let stores: Vec<kv_quant::KvStore> = forms
             .iter()
@@ -811,6 +906,23 @@ mod tests {
         for codes in [QueryCodes::Int8, QueryCodes::Int16] {
             let mut shared = IntScratch::default();
             for (form, levels) in forms.iter().zip(&levels) {
+                if levels.map == LevelMap::Nf4 && codes == QueryCodes::Int16 {
+                    // Left to the exact path (see `scores`).
+                    let mut w = vec![0.0; heads * rows];
+                    let mut prefetch = Prefetcher::new(None, 1);
+                    let scratch = &mut shared;
+                    assert!(!scores(
+                        &q,
+                        levels,
+                        geometry,
+                        codes,
+                        Dot::detect(),
+                        scratch,
+                        &mut w,
+                        &mut prefetch
+                    ));
+                    continue;
+                }
                 let fresh = run(levels, codes, Dot::Portable, &mut IntScratch::default());
                 let fast = run(levels, codes, Dot::detect(), &mut IntScratch::default());
                 let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

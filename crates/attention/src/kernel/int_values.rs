@@ -21,13 +21,14 @@
 //! overflow an i32.
 //!
 //! Taken for per-token groups of a multiple of 16 channels (the integer
-//! forms, clean protected tiles included) with head dimensions a multiple
-//! of 16; everything else, and a non-finite weight or scale, returns
+//! forms, clean protected tiles included, and NF4 through its integer
+//! image [`NF4_IMAGE`](super::int8_query::NF4_IMAGE), as centred levels of
+//! scale `a/127`) with head dimensions a multiple of 16; everything else, and a non-finite weight or scale, returns
 //! `false` and the f32 value pass runs.
 
 use kv_quant::{LevelMap, LevelRows};
 
-use super::int8_query::Dot;
+use super::int8_query::{Dot, NF4_IMAGE, NF4_MID, NF4_UNIT};
 use super::{HeadBlockPass, TileGeometry, for_head_blocks};
 
 /// The largest weight code.
@@ -64,7 +65,10 @@ pub(crate) fn takes(levels: &LevelRows<'_>, geometry: TileGeometry) -> bool {
         && levels.channels_per_group().is_multiple_of(16)
         && geometry.d.is_multiple_of(16)
         && levels.channels() == geometry.kv_heads * geometry.d
-        && matches!(levels.map, LevelMap::Affine | LevelMap::Centered { .. })
+        && matches!(
+            levels.map,
+            LevelMap::Affine | LevelMap::Centered { .. } | LevelMap::Nf4
+        )
 }
 
 /// Writes `acc[h·d + c] = Σ_t weights[h·rows + t]·v_t[kvh(h)·d + c]` for every
@@ -124,8 +128,16 @@ fn weighted_sums_with(
     {
         return false;
     }
+    // NF4 codes are read through their integer image (centred levels of
+    // scale `a / 127`).
+    let image = (levels.map == LevelMap::Nf4).then_some(&NF4_IMAGE);
+    let max_level = if image.is_some() {
+        u8::MAX
+    } else {
+        levels.max_level().max(1)
+    };
     // R rows of the largest level times the largest code stay inside an i32.
-    let per_code = rows.next_multiple_of(2) as i64 * i64::from(levels.max_level().max(1));
+    let per_code = rows.next_multiple_of(2) as i64 * i64::from(max_level);
     let code_max = CODE_MAX.min(i64::from(i32::MAX) / per_code);
     if code_max < CODE_MIN {
         return false;
@@ -144,11 +156,16 @@ fn weighted_sums_with(
     for t in 0..rows {
         for g in 0..per_row {
             let a = levels.scale[t * per_row + g];
-            s.seg_a[g * stride + t] = a;
-            s.seg_b[g * stride + t] = match levels.map {
-                LevelMap::Centered { mid } => -mid * a,
-                _ => levels.offset[t * per_row + g],
+            let (a, b) = match levels.map {
+                LevelMap::Centered { mid } => (a, -mid * a),
+                LevelMap::Nf4 => {
+                    let a = a / NF4_UNIT;
+                    (a, -NF4_MID * a)
+                }
+                _ => (a, levels.offset[t * per_row + g]),
             };
+            s.seg_a[g * stride + t] = a;
+            s.seg_b[g * stride + t] = b;
         }
     }
     s.w.clear();
@@ -158,6 +175,7 @@ fn weighted_sums_with(
     }
     let mut pass = Segments {
         levels,
+        image,
         acc,
         dot,
         code_max: code_max as f32,
@@ -174,6 +192,8 @@ fn weighted_sums_with(
 /// The segments of each head block.
 struct Segments<'a, 'k> {
     levels: &'a LevelRows<'k>,
+    /// NF4 values: the integer image their codes are read through.
+    image: Option<&'static [u8; 16]>,
     acc: &'a mut [f32],
     dot: Dot,
     code_max: f32,
@@ -228,6 +248,7 @@ impl HeadBlockPass for Segments<'_, '_> {
                 rows,
                 codes: &s.codes[..H * stride],
                 stride,
+                image: self.image,
             };
             integer_sums::<H>(self.dot, block, &mut s.sums[..H * len]);
             for j in 0..H {
@@ -341,6 +362,8 @@ struct SumBlock<'a> {
     codes: &'a [u16],
     /// Codes per head (`2·rows.div_ceil(2)` or more).
     stride: usize,
+    /// Levels read through this table first (NF4 codes, below 16).
+    image: Option<&'static [u8; 16]>,
 }
 
 /// `out[j·len + c] = Σ_t code_j(t)·levels[t][start + c]` for `H` heads.
@@ -368,11 +391,12 @@ fn portable_sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
     out[..H * b.len].fill(0);
     for t in 0..b.rows {
         let row = &b.levels[t * b.ch + b.start..][..b.len];
+        let level = |l: u8| b.image.map_or(l, |m| m[usize::from(l & 15)]);
         for j in 0..H {
             let code = i32::from(b.codes[j * b.stride + t]);
             let sums = &mut out[j * b.len..][..b.len];
             for (s, &l) in sums.iter_mut().zip(row) {
-                *s += code * i32::from(l);
+                *s += code * i32::from(level(l));
             }
         }
     }
@@ -426,42 +450,66 @@ mod vnni {
     /// [`super::integer_sums`] checks them.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
-        let mut c = 0;
-        while c + 64 <= b.len {
-            block::<H, 4>(b, c, out);
-            c += 64;
-        }
-        if c + 32 <= b.len {
-            block::<H, 2>(b, c, out);
-            c += 32;
-        }
-        if c + 16 <= b.len {
-            block::<H, 1>(b, c, out);
+        if b.image.is_some() {
+            segment::<H, true>(b, out);
+        } else {
+            segment::<H, false>(b, out);
         }
     }
 
-    /// Channels `c..c + 16N` of the segment, every row, `H` heads.
+    /// The segment's channels in blocks of 64, 32 and 16.
     #[inline(always)]
-    fn block<const H: usize, const N: usize>(b: SumBlock<'_>, c: usize, out: &mut [i32]) {
+    fn segment<const H: usize, const IMAGE: bool>(b: SumBlock<'_>, out: &mut [i32]) {
+        let mut c = 0;
+        while c + 64 <= b.len {
+            block::<H, 4, IMAGE>(b, c, out);
+            c += 64;
+        }
+        if c + 32 <= b.len {
+            block::<H, 2, IMAGE>(b, c, out);
+            c += 32;
+        }
+        if c + 16 <= b.len {
+            block::<H, 1, IMAGE>(b, c, out);
+        }
+    }
+
+    /// Channels `c..c + 16N` of the segment, every row, `H` heads; with
+    /// `IMAGE`, each level read through `b.image` (`vpshufb`: NF4 levels
+    /// are nibbles, so bit 7, which would zero a byte, is never set).
+    #[inline(always)]
+    fn block<const H: usize, const N: usize, const IMAGE: bool>(
+        b: SumBlock<'_>,
+        c: usize,
+        out: &mut [i32],
+    ) {
         let pairs = b.rows.div_ceil(2);
         // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every level
         // read is in row `t < rows` at channel `start + c + 16k + 15 <
         // start + len <= ch`; every pair of codes read is below `(H − 1)·stride + 2·pairs`; every
         // store is below `H·len`.
         unsafe {
+            let image = match b.image {
+                Some(m) if IMAGE => _mm_loadu_si128(m.as_ptr().cast()),
+                _ => _mm_setzero_si128(),
+            };
             let mut acc = [[_mm512_setzero_si512(); N]; H];
             let at = |t: usize, k: usize| b.levels.as_ptr().add(t * b.ch + b.start + c + 16 * k);
             for p in 0..pairs {
                 let t = 2 * p;
                 let mut v = [_mm512_setzero_si512(); N];
                 for (k, v) in v.iter_mut().enumerate() {
-                    let r0 = _mm_loadu_si128(at(t, k).cast());
+                    let mut r0 = _mm_loadu_si128(at(t, k).cast());
                     // An odd last row pairs with zeros (its code is 0 too).
-                    let r1 = if t + 1 < b.rows {
+                    let mut r1 = if t + 1 < b.rows {
                         _mm_loadu_si128(at(t + 1, k).cast())
                     } else {
                         _mm_setzero_si128()
                     };
+                    if IMAGE {
+                        r0 = _mm_shuffle_epi8(image, r0);
+                        r1 = _mm_shuffle_epi8(image, r1);
+                    }
                     let lo = _mm_unpacklo_epi8(r0, r1);
                     let hi = _mm_unpackhi_epi8(r0, r1);
                     *v = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
@@ -513,6 +561,8 @@ mod tests {
             ("int4-sym-g64", 40, (1, 2, 64)),
             ("int4-g16", 9, (3, 2, 32)),
             ("int2", 5, (2, 1, 64)),
+            ("nf4-g64", 33, (3, 2, 64)),
+            ("nf4-g32", 16, (2, 2, 128)),
         ] {
             let geometry = TileGeometry { group, kv_heads, d };
             let (ch, heads) = (kv_heads * d, kv_heads * group);
@@ -553,7 +603,25 @@ mod tests {
                 "{form}: VNNI and portable sums differ"
             );
             let cpg = levels.channels_per_group();
-            let max_level = f64::from(levels.max_level());
+            // NF4: scale a/127 on the image's levels, each off its value by
+            // the image's rounding.
+            let nf4 = levels.map == LevelMap::Nf4;
+            let unit = if nf4 { f64::from(NF4_UNIT) } else { 1.0 };
+            let level = |l: u8| match nf4 {
+                true => f64::from(NF4_IMAGE[usize::from(l)]),
+                false => f64::from(l),
+            };
+            let image_error = |l: u8| match nf4 {
+                true => (f64::from(kv_quant::NF4_LEVELS[usize::from(l)])
+                    - (level(l) - f64::from(NF4_MID)) / unit)
+                    .abs(),
+                false => 0.0,
+            };
+            let max_level = if nf4 {
+                255.0
+            } else {
+                f64::from(levels.max_level())
+            };
             for h in 0..heads {
                 let kvh = h / group;
                 let w = &weights[h * rows..][..rows];
@@ -565,17 +633,28 @@ mod tests {
                         .sum();
                     let scale_of = |t: usize| f64::from(levels.scale[levels.group_index(t, 0) + g]);
                     let s = (0..rows)
-                        .map(|t| f64::from(w[t]) * scale_of(t))
+                        .map(|t| f64::from(w[t]) * scale_of(t) / unit)
                         .fold(0.0, f64::max)
                         / 32767.0;
-                    let level_sum: f64 = (0..rows)
-                        .map(|t| f64::from(levels.levels[t * ch + ch_c]))
+                    let level_sum: f64 =
+                        (0..rows).map(|t| level(levels.levels[t * ch + ch_c])).sum();
+                    let image: f64 = (0..rows)
+                        .map(|t| {
+                            f64::from(w[t])
+                                * scale_of(t)
+                                * image_error(levels.levels[t * ch + ch_c])
+                        })
                         .sum();
                     let magnitude: f64 = (0..rows)
                         .map(|t| f64::from(w[t]) * f64::from(decoded[t * ch + ch_c].abs()))
                         .sum::<f64>()
                         + s * rows as f64 * max_level;
-                    let allowed = s / 2.0 * level_sum * (1.0 + 1e-6) + 1e-6 * magnitude;
+                    let allowed = s / 2.0 * level_sum * (1.0 + 1e-6)
+                        + image * (1.0 + 1e-6)
+                        + 1e-6 * magnitude;
+                    if nf4 {
+                        assert!(image > 0.0, "the NF4 image error was not counted");
+                    }
                     let err = (f64::from(results[0][h * d + c]) - want).abs();
                     assert!(
                         err <= allowed,
@@ -599,7 +678,9 @@ mod tests {
             ("int4", true),
             ("int4-g8", false),
             ("int4-ch", false),
-            ("nf4", false),
+            ("nf4", true),
+            ("nf4-g8", false),
+            ("fp8-e4m3", false),
         ] {
             let store = KvStore::quantize(form.parse().unwrap(), &v, 8, 64).unwrap();
             let mut decode = kv_quant::DecodeScratch::new();

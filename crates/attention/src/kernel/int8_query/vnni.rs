@@ -12,36 +12,54 @@ use super::{DotBlock, Prefetcher};
 /// [`super::integer_sums`] checks them.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn integer_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
-    match b.heads {
-        1 => block::<1>(b, out, prefetch),
-        2 => block::<2>(b, out, prefetch),
-        3 => block::<3>(b, out, prefetch),
-        _ => block::<4>(b, out, prefetch),
+    match (b.heads, b.image.is_some()) {
+        (1, false) => block::<1, false>(b, out, prefetch),
+        (2, false) => block::<2, false>(b, out, prefetch),
+        (3, false) => block::<3, false>(b, out, prefetch),
+        (_, false) => block::<4, false>(b, out, prefetch),
+        (1, true) => block::<1, true>(b, out, prefetch),
+        (2, true) => block::<2, true>(b, out, prefetch),
+        (3, true) => block::<3, true>(b, out, prefetch),
+        (_, true) => block::<4, true>(b, out, prefetch),
     }
 }
 
+/// Rows of `b`; with `IMAGE`, each level is read through `b.image`.
 #[inline(always)]
-fn block<const H: usize>(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
+fn block<const H: usize, const IMAGE: bool>(
+    b: DotBlock<'_>,
+    out: &mut [i32],
+    prefetch: &mut Prefetcher,
+) {
     let quads = b.rows / 4 * 4;
     for t in (0..quads).step_by(4) {
         prefetch.step();
-        let sums = lanes::<H, 4>(b, t);
+        let sums = lanes::<H, 4, IMAGE>(b, t);
         store::<H, 4>(sums, out, b.rows, t);
     }
     for t in quads..b.rows {
-        let sums = lanes::<H, 1>(b, t);
+        let sums = lanes::<H, 1, IMAGE>(b, t);
         store::<H, 1>(sums, out, b.rows, t);
     }
 }
 
 /// The accumulators of heads `j < H` and rows `t..t + R`.
 #[inline(always)]
-fn lanes<const H: usize, const R: usize>(b: DotBlock<'_>, t: usize) -> [[__m512i; R]; H] {
+fn lanes<const H: usize, const R: usize, const IMAGE: bool>(
+    b: DotBlock<'_>,
+    t: usize,
+) -> [[__m512i; R]; H] {
     // SAFETY: only inlined into `integer_sums` (AVX-512F/BW/VNNI). Rows
     // `t..t + R` are below `b.rows`; every byte read is below
     // `start + len <= ch` of its row or `(H − 1)·code_stride + len` of
     // the codes, the rest masked off.
     unsafe {
+        // The image in every 128-bit lane, for `vpshufb` (NF4 levels are
+        // nibbles: bit 7, which would zero a byte, is never set).
+        let image = match b.image {
+            Some(m) if IMAGE => _mm512_broadcast_i32x4(_mm_loadu_si128(m.as_ptr().cast())),
+            _ => _mm512_setzero_si512(),
+        };
         let mut acc = [[_mm512_setzero_si512(); R]; H];
         let mut c = 0;
         while c < b.len {
@@ -51,6 +69,10 @@ fn lanes<const H: usize, const R: usize>(b: DotBlock<'_>, t: usize) -> [[__m512i
             for (r, k) in k.iter_mut().enumerate() {
                 let p = b.levels.as_ptr().add((t + r) * b.ch + b.start + c);
                 *k = _mm512_maskz_loadu_epi8(mask, p.cast());
+                if IMAGE {
+                    // Masked-off bytes become image[0], against zero codes.
+                    *k = _mm512_shuffle_epi8(image, *k);
+                }
             }
             for (j, acc) in acc.iter_mut().enumerate() {
                 let p = b.codes.as_ptr().add(j * b.code_stride + c);
@@ -88,39 +110,48 @@ fn store<const H: usize, const R: usize>(
 }
 
 /// Lane `i` of the result is the sum of the 16 lanes of `v[i]`
-/// (integer additions, so their order does not matter).
+/// (integer additions, so their order does not matter). Written with
+/// loops filling arrays and no closures: a closure (as `std::array::from_fn`
+/// takes) is compiled without the target features, so the intrinsics in it
+/// become calls whenever the inliner gives up on it, which it did once the
+/// kernel had NF4 instantiations too (`int4` decode 2.2x slower, seen with
+/// `perf`).
 #[inline(always)]
 fn reduce16(v: [__m512i; 16]) -> __m512i {
     // SAFETY: only inlined into `integer_sums` (AVX-512F); no memory is touched.
     unsafe {
-        let ps = |x: __m512i| _mm512_castsi512_ps(x);
-        let si = |x: __m512| _mm512_castps_si512(x);
         // 128-bit blocks of pairs: lanes 0..8 hold v[2p]'s half sums, 8..16 v[2p + 1]'s.
-        let w: [__m512i; 8] = std::array::from_fn(|p| {
+        let mut w = [_mm512_setzero_si512(); 8];
+        for (p, w) in w.iter_mut().enumerate() {
             let (a, b) = (v[2 * p], v[2 * p + 1]);
-            _mm512_add_epi32(
+            *w = _mm512_add_epi32(
                 _mm512_shuffle_i32x4::<0x44>(a, b),
                 _mm512_shuffle_i32x4::<0xEE>(a, b),
-            )
-        });
-        let x: [__m512i; 4] = std::array::from_fn(|p| {
+            );
+        }
+        let mut x = [_mm512_setzero_si512(); 4];
+        for (p, x) in x.iter_mut().enumerate() {
             let (a, b) = (w[2 * p], w[2 * p + 1]);
-            _mm512_add_epi32(
+            *x = _mm512_add_epi32(
                 _mm512_shuffle_i32x4::<0x88>(a, b),
                 _mm512_shuffle_i32x4::<0xDD>(a, b),
-            )
-        });
-        let y: [__m512i; 2] = std::array::from_fn(|p| {
-            let (a, b) = (ps(x[2 * p]), ps(x[2 * p + 1]));
-            _mm512_add_epi32(
-                si(_mm512_shuffle_ps::<0x44>(a, b)),
-                si(_mm512_shuffle_ps::<0xEE>(a, b)),
-            )
-        });
-        let (a, b) = (ps(y[0]), ps(y[1]));
+            );
+        }
+        let mut y = [_mm512_setzero_si512(); 2];
+        for (p, y) in y.iter_mut().enumerate() {
+            let (a, b) = (
+                _mm512_castsi512_ps(x[2 * p]),
+                _mm512_castsi512_ps(x[2 * p + 1]),
+            );
+            *y = _mm512_add_epi32(
+                _mm512_castps_si512(_mm512_shuffle_ps::<0x44>(a, b)),
+                _mm512_castps_si512(_mm512_shuffle_ps::<0xEE>(a, b)),
+            );
+        }
+        let (a, b) = (_mm512_castsi512_ps(y[0]), _mm512_castsi512_ps(y[1]));
         let z = _mm512_add_epi32(
-            si(_mm512_shuffle_ps::<0x88>(a, b)),
-            si(_mm512_shuffle_ps::<0xDD>(a, b)),
+            _mm512_castps_si512(_mm512_shuffle_ps::<0x88>(a, b)),
+            _mm512_castps_si512(_mm512_shuffle_ps::<0xDD>(a, b)),
         );
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         _mm512_permutexvar_epi32(order, z)
