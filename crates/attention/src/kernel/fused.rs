@@ -617,38 +617,43 @@ fn write_scores<const H: usize, const R: usize>(
 /// the parent module's `reduce` adds them: lane `k` gets `k + 8`, then
 /// `k + 4`, `k + 2` and `k + 1`. Pairs of vectors are folded together by
 /// shuffles so that each addition serves two, four, eight, then all sixteen
-/// sums.
+/// sums. Loops, not closures: a closure here is compiled without the
+/// kernel's target features, so its intrinsics become calls whenever the
+/// inliner leaves it out of line (the integer kernel's twin did that).
 #[inline(always)]
 fn reduce16(v: [__m512; 16]) -> __m512 {
     // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F); no memory is touched.
     unsafe {
         // Level 1: [a0 a1 b0 b1] + [a2 a3 b2 b3] in 128-bit blocks: lanes
         // 0..8 hold v[2p]'s `k + (k + 8)`, lanes 8..16 v[2p + 1]'s.
-        let w: [__m512; 8] = std::array::from_fn(|p| {
+        let mut w = [_mm512_setzero_ps(); 8];
+        for (p, w) in w.iter_mut().enumerate() {
             let (a, b) = (v[2 * p], v[2 * p + 1]);
-            _mm512_add_ps(
+            *w = _mm512_add_ps(
                 _mm512_shuffle_f32x4::<0x44>(a, b),
                 _mm512_shuffle_f32x4::<0xEE>(a, b),
-            )
-        });
+            );
+        }
         // Level 2: [a0 a2 b0 b2] + [a1 a3 b1 b3]: block k holds vector
         // 4p + k's `k + (k + 4)` of its eight.
-        let x: [__m512; 4] = std::array::from_fn(|p| {
+        let mut x = [_mm512_setzero_ps(); 4];
+        for (p, x) in x.iter_mut().enumerate() {
             let (a, b) = (w[2 * p], w[2 * p + 1]);
-            _mm512_add_ps(
+            *x = _mm512_add_ps(
                 _mm512_shuffle_f32x4::<0x88>(a, b),
                 _mm512_shuffle_f32x4::<0xDD>(a, b),
-            )
-        });
+            );
+        }
         // Level 3, within 128-bit blocks: [a0 a1 b0 b1] + [a2 a3 b2 b3];
         // block k holds vectors 8p + k and 8p + 4 + k, two lanes each.
-        let y: [__m512; 2] = std::array::from_fn(|p| {
+        let mut y = [_mm512_setzero_ps(); 2];
+        for (p, y) in y.iter_mut().enumerate() {
             let (a, b) = (x[2 * p], x[2 * p + 1]);
-            _mm512_add_ps(
+            *y = _mm512_add_ps(
                 _mm512_shuffle_ps::<0x44>(a, b),
                 _mm512_shuffle_ps::<0xEE>(a, b),
-            )
-        });
+            );
+        }
         // Level 4: [a0 a2 b0 b2] + [a1 a3 b1 b3]; block k holds the sums of
         // vectors k, 4 + k, 8 + k, 12 + k, so lane 4k + m is v[4m + k]'s.
         let z = _mm512_add_ps(
