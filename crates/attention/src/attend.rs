@@ -438,7 +438,14 @@ impl Attention {
             return rows;
         };
         let per_row = keys.row_bytes().saturating_add(values.row_bytes());
-        let blocks = [keys.block_tokens(), values.block_tokens()];
+        // Blocks of at most a quarter of the budget's tile are crossed by
+        // sources that gather them (`KvSource::gathers_blocks`).
+        let unblocked = halved_tile(rows, per_row, budget, [None, None]);
+        let cut = |b: Option<usize>, gathers: bool| b.filter(|&b| !gathers || 4 * b > unblocked);
+        let blocks = [
+            cut(keys.block_tokens(), keys.gathers_blocks()),
+            cut(values.block_tokens(), values.gathers_blocks()),
+        ];
         halved_tile(rows, per_row, budget, blocks)
     }
 

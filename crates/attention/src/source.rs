@@ -105,6 +105,19 @@ pub trait KvSource: Sync {
         None
     }
 
+    /// Whether a tile over blocks that are not adjacent still reaches the
+    /// kernel as stored, its blocks' rows copied side by side (a paged
+    /// source of a form read as levels:
+    /// [`BlockedScratch::read_blocks`]), rather than decoded into f32. Then
+    /// attention lets byte-sized tiles cross blocks of at most a quarter of
+    /// a tile, whose own tiles would cost more than the copy (measured on
+    /// the paged cache's decode bench: blocks of 16 and 32 gain, a block
+    /// of half a tile gains nothing and is read as stored). The default is
+    /// `false`.
+    fn gathers_blocks(&self) -> bool {
+        false
+    }
+
     /// Rows `start..start + count` as f32. Callers keep
     /// `start + count <= tokens()` and `count > 0`.
     fn read_tile<'s>(
@@ -160,6 +173,10 @@ impl<S: KvSource + ?Sized> KvSource for &S {
 
     fn block_tokens(&self) -> Option<usize> {
         (**self).block_tokens()
+    }
+
+    fn gathers_blocks(&self) -> bool {
+        (**self).gathers_blocks()
     }
 
     fn read_tile<'s>(
@@ -270,13 +287,18 @@ impl StoreScratch {
 /// table, a cache whose blocks are stored in different forms). Such a
 /// source reads a tile inside one run of adjacent blocks with
 /// [`read_run`](Self::read_run) and any other tile with
-/// [`decode_blocks`](Self::decode_blocks); either way interpolation reads
-/// an erased row's own block only.
+/// [`read_blocks`](Self::read_blocks) (levels gathered block by block where
+/// the form allows) or [`decode_blocks`](Self::decode_blocks) (f32);
+/// either way interpolation reads an erased row's own block only.
 #[derive(Clone, Debug, Default)]
 pub struct BlockedScratch {
     store: StoreScratch,
     decode: DecodeScratch,
     rows: Vec<f32>,
+    /// A gathered tile's levels and group parameters.
+    levels: Vec<u8>,
+    scale: Vec<f32>,
+    offset: Vec<f32>,
 }
 
 impl BlockedScratch {
@@ -292,6 +314,78 @@ impl BlockedScratch {
     ) -> Result<Tile<'s>> {
         self.store.decode.limit_neighbours_to_blocks(Some(block));
         store.read_tile(row, count, &mut self.store)
+    }
+
+    /// Rows `start..start + count` of a source whose blocks all lie in
+    /// `store` (a paged cache's layer): for a store that
+    /// [reads levels per token](KvStore::reads_levels_per_token), each
+    /// block's levels and group parameters copied side by side into one
+    /// level tile ([`KvStore::gathered_levels`]), so the kernel reads it
+    /// as it reads a contiguous store's, with the same values; a tile with
+    /// an erased value (or any other form) is decoded into f32 by
+    /// [`decode_blocks`](Self::decode_blocks). `locate(t)` gives row `t`'s
+    /// row in `store`, as for `decode_blocks`.
+    pub fn read_blocks<'s>(
+        &'s mut self,
+        store: &'s KvStore,
+        start: usize,
+        count: usize,
+        block: usize,
+        locate: impl Fn(usize) -> usize,
+    ) -> Result<Tile<'s>> {
+        if store.reads_levels_per_token()
+            && let Some(stats) = self.gather_levels(store, start, count, block, &locate)?
+            && store
+                .gathered_levels(&self.levels, &self.scale, &self.offset)
+                .is_some()
+        {
+            // Built again to hand out (a view kept from the check above would
+            // hold the buffers on the path that decodes instead).
+            let levels = store.gathered_levels(&self.levels, &self.scale, &self.offset);
+            return Ok(Tile {
+                rows: TileRows::Levels(levels.expect("checked above")),
+                stats,
+            });
+        }
+        self.decode_blocks(start, count, block, store.channels(), |t| {
+            (store, locate(t))
+        })
+    }
+
+    /// Copies the levels and group parameters of rows `start..start +
+    /// count`, block by block, into the gather buffers, with the rows'
+    /// statistics; `None` where a block's rows do not read as levels (an
+    /// erased value, rows outside the quantized middle).
+    fn gather_levels(
+        &mut self,
+        store: &KvStore,
+        start: usize,
+        count: usize,
+        block: usize,
+        locate: &impl Fn(usize) -> usize,
+    ) -> Result<Option<KvDecodeStats>> {
+        self.levels.clear();
+        self.scale.clear();
+        self.offset.clear();
+        let mut stats = KvDecodeStats::default();
+        let mut t = start;
+        while t < start + count {
+            let row = locate(t);
+            let n = (block - t % block).min(start + count - t);
+            let first = row - t % block;
+            self.decode
+                .limit_neighbours(Some(first..(first + block).min(store.tokens())));
+            let (view, s) = store.decode_rows_view(row, n, &mut self.decode)?;
+            let RowsView::Levels(levels) = view else {
+                return Ok(None);
+            };
+            self.levels.extend_from_slice(levels.levels);
+            self.scale.extend_from_slice(levels.scale);
+            self.offset.extend_from_slice(levels.offset);
+            stats += s;
+            t += n;
+        }
+        Ok(Some(stats))
     }
 
     /// Rows `start..start + count` of the source decoded block by block

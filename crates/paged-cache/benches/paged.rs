@@ -224,7 +224,7 @@ fn decode(c: &mut Criterion) {
                 })
             })
         });
-        for bs in [16, 64] {
+        for bs in [16, 32, 64] {
             let blocks = TOKENS / bs;
             let layers = [LayerSpec::uniform(form, ch)];
             let storage = BlockStorage::new(blocks, bs, &layers).expect("storage");

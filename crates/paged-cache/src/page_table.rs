@@ -152,7 +152,9 @@ impl PageTable {
 /// A tile inside one page, or over pages that are consecutive blocks, is
 /// read straight from the layer store, exactly as a contiguous store is
 /// (FP16 halves or integer levels for the kernel); a tile over scattered
-/// pages is decoded page by page into f32 rows. Interpolation of erased
+/// pages has its levels gathered page by page (integer and NF4 forms), or
+/// is decoded page by page into f32 rows (other forms, and tiles with an
+/// erased value). Interpolation of erased
 /// values reads neighbours from the erased row's own block only (never
 /// another sequence's token), on both paths.
 #[derive(Debug)]
@@ -244,6 +246,14 @@ impl KvSource for PagedKv<'_> {
         Some(self.block_size)
     }
 
+    /// Forms read as levels: a tile over pages that are not adjacent has
+    /// its pages' levels copied side by side
+    /// ([`BlockedScratch::read_blocks`](attention::BlockedScratch::read_blocks)).
+    fn gathers_blocks(&self) -> bool {
+        let store: &KvStore = &self.store;
+        store.reads_levels_per_token()
+    }
+
     fn read_tile<'s>(
         &'s self,
         start: usize,
@@ -255,9 +265,7 @@ impl KvSource for PagedKv<'_> {
             // A tile of several adjacent blocks: read as the store's tile.
             return scratch.read_run(store, self.row(start), count, self.block_size);
         }
-        scratch.decode_blocks(start, count, self.block_size, self.channels, |t| {
-            (store, self.row(t))
-        })
+        scratch.read_blocks(store, start, count, self.block_size, |t| self.row(t))
     }
 
     fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {

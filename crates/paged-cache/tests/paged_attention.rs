@@ -122,35 +122,47 @@ proptest! {
     }
 }
 
-/// Under attention's default tiles (sized by bytes, cut to the block), a
-/// paged source reports its form's row bytes and its block size, and paged
-/// decode equals contiguous decode with fixed tiles of the tile size it
-/// picks, bit for bit (default numerics included): every tile lies in one
-/// block and is read as stored.
+/// Under attention's default tiles (sized by bytes) and numerics, paged
+/// decode over shuffled blocks equals contiguous decode bit for bit, tile
+/// counts included. Forms read as levels gather blocks of at most a
+/// quarter of a tile: their tiles are then a contiguous store's, their
+/// levels copied page by page. Larger blocks, and FP16's, cut the tiles
+/// to the block: paged decode equals contiguous decode with fixed tiles of
+/// the block's size, every tile inside one block and read as stored. At
+/// this shape (256 channels) every level form's byte budget is 256 rows,
+/// FP16's 128.
 #[test]
-fn default_tiles_stay_inside_one_block() {
+fn default_tiles_read_pages_as_a_contiguous_store() {
     let shape = HeadShape::new(8, 2, 128).unwrap();
     let ch = shape.kv_channels();
-    let lens = [200, 77];
-    for (spelling, bs, tile) in [
-        ("int4", 64, 64),
-        ("int4", 16, 16),
-        ("int4+secded84", 48, 16),
-        ("fp16", 64, 64),
-        ("int8", 32, 32),
+    let lens = [300, 77];
+    for (spelling, bs, fixed_tile) in [
+        ("int4", 64, None),
+        ("int4", 16, None),
+        ("int4", 128, Some(128)),
+        ("int4+secded84", 48, None),
+        ("int8", 16, None),
+        ("nf4", 32, None),
+        ("fp16", 64, Some(64)),
+        ("fp16", 16, Some(16)),
     ] {
         let form: CacheForm = spelling.parse().unwrap();
         let (storage, table, data) = build(form, bs, ch, &lens, 11);
         let attn = Attention::new(shape);
         let queries = rows(lens.len(), shape.q_len(), 7);
         let paged = paged_decode(&attn, &storage, &table, 0, &queries).unwrap();
-        let fixed = AttentionConfig {
-            tile_tokens: tile,
-            tile_bytes: None,
-            split_tokens: 2048 / tile * tile,
-            ..AttentionConfig::default()
+        let contiguous = match fixed_tile {
+            None => attn,
+            Some(tile) => {
+                let fixed = AttentionConfig {
+                    tile_tokens: tile,
+                    tile_bytes: None,
+                    split_tokens: 2048 / tile * tile,
+                    ..AttentionConfig::default()
+                };
+                Attention::with_config(shape, fixed).unwrap()
+            }
         };
-        let fixed = Attention::with_config(shape, fixed).unwrap();
         for (i, ((k, v), out)) in data.iter().zip(&paged).enumerate() {
             let len = lens[i];
             let src = PagedKv::new(&storage, &table, i, 0, KvPart::Keys).unwrap();
@@ -162,16 +174,122 @@ fn default_tiles_stay_inside_one_block() {
                 "{spelling}"
             );
             assert_eq!(attention::KvSource::block_tokens(&src), Some(bs));
-            let q = &queries[i * shape.q_len()..][..shape.q_len()];
-            let want = fixed.decode(q, len - 1, &ks, &vs, &Mask::Causal).unwrap();
             assert_eq!(
-                out.out, want.out,
+                attention::KvSource::gathers_blocks(&src),
+                spelling != "fp16",
+                "{spelling}"
+            );
+            let q = &queries[i * shape.q_len()..][..shape.q_len()];
+            let want = contiguous
+                .decode(q, len - 1, &ks, &vs, &Mask::Causal)
+                .unwrap();
+            assert_eq!(
+                (&out.out, &out.lse),
+                (&want.out, &want.lse),
                 "{spelling}, blocks of {bs}, sequence {i}"
             );
             assert_eq!(
                 out.stats.tiles, want.stats.tiles,
                 "{spelling}, blocks of {bs}"
             );
+        }
+    }
+}
+
+/// A channel that flips exactly the given bit positions.
+#[derive(Debug)]
+struct ExactFlips(Vec<u64>);
+
+impl gf2_codes::channel::FaultChannel for ExactFlips {
+    fn inject_with(
+        &self,
+        data: &mut [u8],
+        _rng: &mut gf2_codes::channel::FaultRng,
+    ) -> gf2_codes::channel::Flips {
+        let flips = gf2_codes::channel::Flips::from_events(
+            self.0
+                .iter()
+                .copied()
+                .filter(|&p| p / 8 < data.len() as u64)
+                .collect(),
+        );
+        flips.apply(data).unwrap();
+        flips
+    }
+}
+
+/// A tile over pages that are not adjacent reads as gathered levels while
+/// its rows are clean, with the rows' own values; once one of its values is
+/// erased it is decoded into f32 page by page, the erased value rebuilt from
+/// its own page's rows only, with the erasure counted.
+#[test]
+fn a_gathered_tile_with_an_erased_value_is_decoded_page_by_page() {
+    use attention::{KvSource, TileRows};
+    use kv_quant::FaultTarget;
+    let (ch, bs) = (16, 4);
+    let form: CacheForm = "int4+secded84+interp".parse().unwrap();
+    // Sequence 0 on pages 2 and 0, sequence 1 on page 1 between them.
+    let storage = BlockStorage::new(3, bs, &[LayerSpec::uniform(form, ch)]).unwrap();
+    let value = |b: u32, t: usize, c: usize| (b * 10) as f32 + 0.1 * t as f32 + 0.01 * c as f32;
+    for b in 0..3u32 {
+        for t in 0..bs {
+            let row: Vec<f32> = (0..ch).map(|c| value(b, t, c)).collect();
+            storage.write(BlockId(b), t, 0, &row, &row).unwrap();
+        }
+    }
+    let table =
+        PageTable::from_tables(&[(&[BlockId(2), BlockId(0)], 8), (&[BlockId(1)], 4)], bs).unwrap();
+    let page_values = |b: u32| {
+        storage
+            .with_store(BlockId(b), 0, KvPart::Keys, |st| {
+                st.decode().unwrap().values
+            })
+            .unwrap()
+    };
+    let clean: Vec<f32> = [page_values(2), page_values(0)].concat();
+    let read = |storage: &BlockStorage| {
+        let keys = PagedKv::new(storage, &table, 0, 0, KvPart::Keys).unwrap();
+        assert!(keys.gathers_blocks(), "levels are gathered across pages");
+        let mut scratch = Default::default();
+        let tile = keys.read_tile(0, 8, &mut scratch).unwrap();
+        let values = match tile.rows {
+            TileRows::Levels(levels) => {
+                let mut out = vec![0.0; 8 * ch];
+                levels.dequantize_into(&mut out);
+                (true, out)
+            }
+            TileRows::F32(v) => (false, v.to_vec()),
+            TileRows::F16(_) => panic!("an integer form reads as levels or f32"),
+        };
+        (values, tile.stats)
+    };
+    let ((levels, got), stats) = read(&storage);
+    assert!(
+        levels,
+        "a clean tile over pages 2 and 0 is gathered as levels"
+    );
+    assert_eq!(got, clean);
+    assert_eq!(stats.values.detected, 0);
+    // Two flips in one codeword of page 0's first row (the tile's row 4),
+    // channel 3: erased, and rebuilt from page 0's next row only (not from
+    // page 2's last row, which precedes it in the tile).
+    let rb = storage
+        .with_store(BlockId(0), 0, KvPart::Keys, |s| s.row_bytes())
+        .unwrap() as u64;
+    let bit = 8 * 3;
+    let flips = ExactFlips(vec![bit + 1, bit + 5]);
+    storage
+        .inject(BlockId(0), 0, KvPart::Keys, &flips, 0, FaultTarget::Values)
+        .unwrap();
+    assert!(rb > 3);
+    let ((levels, got), stats) = read(&storage);
+    assert!(!levels, "a tile with an erased value is decoded into f32");
+    assert_eq!(stats.values.detected, 1, "one codeword");
+    for (i, (&g, &c)) in got.iter().zip(&clean).enumerate() {
+        if i == 4 * ch + 3 {
+            assert_eq!(g, clean[5 * ch + 3], "from its own page's next row");
+        } else {
+            assert_eq!(g, c, "value {i}");
         }
     }
 }

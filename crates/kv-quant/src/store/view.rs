@@ -221,4 +221,55 @@ impl KvStore {
         };
         Ok((RowsView::Levels(rows), stats))
     }
+
+    /// Whether rows with no erased value read as levels
+    /// ([`RowsView::Levels`]) in groups of one token each, so that rows
+    /// read from different places can be set side by side
+    /// ([`gathered_levels`](Self::gathered_levels)): the integer and NF4
+    /// forms, protected or not, with per-token groups.
+    pub fn reads_levels_per_token(&self) -> bool {
+        self.middle.coding.kind.level_map().is_some()
+            && self
+                .middle
+                .layout
+                .as_ref()
+                .is_some_and(|l| l.tokens_per_block == 1)
+    }
+
+    /// One view of rows read from several places of this store: the
+    /// [`LevelRows::levels`], [`scale`](LevelRows::scale) and
+    /// [`offset`](LevelRows::offset) of [`RowsView::Levels`] views of
+    /// [`decode_rows_view`](Self::decode_rows_view), copied side by side in
+    /// row order (a paged cache's tile over pages that are not adjacent).
+    /// Per-token groups make a row's parameters its own, so the view gives
+    /// each row the values its own view gave. `None` unless
+    /// [`reads_levels_per_token`](Self::reads_levels_per_token) holds and
+    /// the lengths are those of `1..=tokens` whole rows: `levels` of
+    /// `rows × channels`, `scale` and `offset` of `rows × groups per row`.
+    pub fn gathered_levels<'a>(
+        &'a self,
+        levels: &'a [u8],
+        scale: &'a [f32],
+        offset: &'a [f32],
+    ) -> Option<LevelRows<'a>> {
+        let section = &self.middle;
+        let map = section.coding.kind.level_map()?;
+        let layout = section.layout.as_ref()?;
+        let rows = levels.len() / self.channels.max(1);
+        let groups = rows * layout.groups_per_block;
+        let whole = layout.tokens_per_block == 1
+            && rows >= 1
+            && rows <= section.tokens
+            && levels.len() == rows * self.channels
+            && scale.len() == groups
+            && offset.len() == groups;
+        whole.then_some(LevelRows {
+            section,
+            start: 0,
+            levels,
+            scale,
+            offset,
+            map,
+        })
+    }
 }
