@@ -19,7 +19,7 @@ use kv_quant::{Hadamard, KvDecodeStats};
 use rayon::prelude::*;
 
 use crate::error::{AttentionError, Result, check_len};
-use crate::kernel::{Partial, TileGeometry, attend_tile};
+use crate::kernel::{Partial, TileGeometry, Upcoming, attend_tile};
 use crate::numerics::Numerics;
 use crate::shape::{HeadShape, Mask};
 use crate::source::KvSource;
@@ -485,7 +485,10 @@ impl Attention {
                 // The next tile's stored rows, fetched while this one is worked on.
                 let next = (end < span.end).then(|| {
                     let n = (end + tile).min(span.end) - end;
-                    [keys.row_addresses(end, n), values.row_addresses(end, n)]
+                    let mut next = Upcoming::default();
+                    keys.row_address_ranges(end, n, &mut |r| next.push(r));
+                    values.row_address_ranges(end, n, &mut |r| next.push(r));
+                    next
                 });
                 let k = keys.read_tile(start, end - start, &mut scratch.keys)?;
                 let v = values.read_tile(start, end - start, &mut scratch.values)?;

@@ -136,6 +136,17 @@ pub trait KvSource: Sync {
         None
     }
 
+    /// The memory addresses of the stored bytes of rows `start..start +
+    /// count`, one range per run of contiguous rows, given to `each` (a
+    /// paged source's tile over pages that are not adjacent: one range per
+    /// page). The default gives [`row_addresses`](Self::row_addresses)'
+    /// range, if any. Attention prefetches them as it does that range.
+    fn row_address_ranges(&self, start: usize, count: usize, each: &mut dyn FnMut(Range<usize>)) {
+        if let Some(range) = self.row_addresses(start, count) {
+            each(range);
+        }
+    }
+
     /// The rotation the tiles come in, if any (kv-quant's `+rot`, `lm` and
     /// `vq` forms keep their rows rotated): attention rotates the queries
     /// by it before scoring keys, and rotates the weighted sum of values
@@ -190,6 +201,10 @@ impl<S: KvSource + ?Sized> KvSource for &S {
 
     fn row_addresses(&self, start: usize, count: usize) -> Option<Range<usize>> {
         (**self).row_addresses(start, count)
+    }
+
+    fn row_address_ranges(&self, start: usize, count: usize, each: &mut dyn FnMut(Range<usize>)) {
+        (**self).row_address_ranges(start, count, each)
     }
 
     fn rotation(&self) -> Option<&'static Hadamard> {

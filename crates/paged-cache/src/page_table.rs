@@ -277,6 +277,24 @@ impl KvSource for PagedKv<'_> {
         }
     }
 
+    /// One range per page of the rows.
+    fn row_address_ranges(
+        &self,
+        start: usize,
+        count: usize,
+        each: &mut dyn FnMut(std::ops::Range<usize>),
+    ) {
+        let store: &KvStore = &self.store;
+        let mut t = start;
+        while t < start + count {
+            let n = (self.block_size - t % self.block_size).min(start + count - t);
+            if let Some(range) = store.row_addresses(self.row(t), n) {
+                each(range);
+            }
+            t += n;
+        }
+    }
+
     fn rotation(&self) -> Option<&'static Hadamard> {
         let store: &KvStore = &self.store;
         KvSource::rotation(store)

@@ -1,9 +1,44 @@
 //! [`Prefetcher`]: the next tile's stored rows requested into L2 while the
 //! current tile is worked on.
 
-/// Address ranges of the next tile's stored keys and values (either unknown),
-/// to prefetch while the current tile is worked on.
-pub(crate) type Upcoming = [Option<std::ops::Range<usize>>; 2];
+use std::ops::Range;
+
+/// Address ranges of the next tile's stored keys and values, to prefetch
+/// while the current tile is worked on: one per run of contiguous rows (a
+/// contiguous store's tile is one run, a paged tile one per page), at most
+/// [`Upcoming::MAX`] (the rest are not prefetched; a prefetch is a hint).
+#[derive(Clone, Debug)]
+pub(crate) struct Upcoming {
+    ranges: [Range<usize>; Self::MAX],
+    len: usize,
+}
+
+impl Default for Upcoming {
+    fn default() -> Self {
+        Self {
+            ranges: std::array::from_fn(|_| 0..0),
+            len: 0,
+        }
+    }
+}
+
+impl Upcoming {
+    /// Ranges held: a 256-row tile over pages of 16 rows, keys and values.
+    pub(crate) const MAX: usize = 32;
+
+    /// Adds a range (dropped once [`MAX`](Self::MAX) are held).
+    pub(crate) fn push(&mut self, range: Range<usize>) {
+        if self.len < Self::MAX && !range.is_empty() {
+            self.ranges[self.len] = range;
+            self.len += 1;
+        }
+    }
+
+    /// The ranges pushed.
+    fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges[..self.len]
+    }
+}
 
 /// Walks the cache lines of an [`Upcoming`] a few at a time, asking the
 /// CPU to bring each into its L2 cache, so that the next tile's rows
@@ -12,7 +47,9 @@ pub(crate) type Upcoming = [Option<std::ops::Range<usize>>; 2];
 /// tokens, measured with `perf annotate`).
 #[derive(Clone, Debug)]
 pub(crate) struct Prefetcher {
-    ranges: [std::ops::Range<usize>; 2],
+    upcoming: Upcoming,
+    /// The range being walked.
+    at: usize,
     per_step: usize,
 }
 
@@ -21,12 +58,15 @@ impl Prefetcher {
 
     /// Spreads the lines of `upcoming` over `steps` calls of [`step`](Self::step).
     pub(crate) fn new(upcoming: Option<&Upcoming>, steps: usize) -> Self {
-        let ranges = upcoming.map_or([0..0, 0..0], |[k, v]| {
-            [k.clone().unwrap_or(0..0), v.clone().unwrap_or(0..0)]
-        });
-        let lines: usize = ranges.iter().map(|r| r.len().div_ceil(Self::LINE)).sum();
+        let upcoming = upcoming.cloned().unwrap_or_default();
+        let lines: usize = upcoming
+            .ranges()
+            .iter()
+            .map(|r| r.len().div_ceil(Self::LINE))
+            .sum();
         Self {
-            ranges,
+            upcoming,
+            at: 0,
             per_step: lines.div_ceil(steps.max(1)),
         }
     }
@@ -35,7 +75,7 @@ impl Prefetcher {
     #[inline(always)]
     pub(crate) fn step(&mut self) {
         for _ in 0..self.per_step {
-            let Some(r) = self.ranges.iter_mut().find(|r| r.start < r.end) else {
+            let Some(r) = self.upcoming.ranges[..self.upcoming.len].get_mut(self.at) else {
                 return;
             };
             #[cfg(target_arch = "x86_64")]
@@ -46,6 +86,36 @@ impl Prefetcher {
                 );
             }
             r.start = (r.start + Self::LINE).min(r.end);
+            if r.start == r.end {
+                self.at += 1;
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every line of every range is visited once, in order, over the steps;
+    /// ranges past `MAX` and empty ones are dropped.
+    #[test]
+    fn lines_of_every_range_are_walked_in_order() {
+        let mut upcoming = Upcoming::default();
+        upcoming.push(0..130);
+        upcoming.push(5..5);
+        upcoming.push(1000..1064);
+        assert_eq!(upcoming.ranges(), &[0..130, 1000..1064]);
+        let mut p = Prefetcher::new(Some(&upcoming), 2);
+        assert_eq!(p.per_step, 2);
+        p.step();
+        assert_eq!((p.at, p.upcoming.ranges[0].start), (0, 128));
+        p.step();
+        assert_eq!(p.at, 2, "the last line of the first range, then the second");
+        p.step();
+        for i in 0..40 {
+            upcoming.push(i * 64..i * 64 + 1);
+        }
+        assert_eq!(upcoming.ranges().len(), Upcoming::MAX);
     }
 }
