@@ -1,0 +1,245 @@
+//! Tests of the integer scores: the kernels' exact sums, the NF4 image,
+//! and the same bits on every path.
+
+use super::*;
+
+/// The NF4 image is `128 + round(127·level)` in f64, every level is
+/// within `NF4_IMAGE_ERROR` of its image, and that bound is tight to
+/// 1e-4 (a looser constant would understate the path's accuracy).
+#[test]
+fn nf4_image_rounds_each_level_to_the_nearest_127th() {
+    let mut worst = 0.0f64;
+    for (c, (&level, &image)) in kv_quant::NF4_LEVELS.iter().zip(&NF4_IMAGE).enumerate() {
+        let x = f64::from(level);
+        assert_eq!(f64::from(image), 128.0 + (127.0 * x).round(), "code {c}");
+        let err = (x - (f64::from(image) - 128.0) / 127.0).abs();
+        worst = worst.max(err);
+    }
+    assert!(
+        worst <= NF4_IMAGE_ERROR && worst > NF4_IMAGE_ERROR - 1e-4,
+        "{worst}"
+    );
+    assert_eq!((NF4_IMAGE[0], NF4_IMAGE[7], NF4_IMAGE[15]), (1, 128, 255));
+}
+
+/// Integer sums of every kernel equal the reference loop, over segment
+/// lengths that use full and masked 64-byte chunks, odd row counts and
+/// every head count.
+#[test]
+fn every_dot_kernel_gives_the_exact_sums() {
+    let dots: Vec<Dot> = [Dot::Portable, Dot::detect()].into_iter().collect();
+    if Dot::detect() == Dot::Portable {
+        test_support::skip(
+            test_support::Requirement::Isa,
+            "attention",
+            "every_dot_kernel_gives_the_exact_sums",
+            "no AVX-512 VNNI: only the portable integer sums were run",
+        );
+    }
+    for (ch, start, len, rows, heads) in [
+        (1024, 128, 128, 37, 4),
+        (192, 64, 64, 5, 3),
+        (300, 7, 201, 9, 2),
+        (16, 0, 16, 1, 1),
+        (130, 1, 129, 66, 4),
+        // Blocks of sixteen rows (and the rows after them), every head count.
+        (192, 64, 64, 35, 3),
+        (192, 0, 64, 16, 1),
+        (64, 0, 48, 33, 2),
+        (256, 128, 128, 48, 4),
+    ] {
+        // Levels of every byte, and NF4 codes (nibbles) read through
+        // their image.
+        for image in [None, Some(&NF4_IMAGE)] {
+            let levels: Vec<u8> = (0..rows * ch)
+                .map(|i| (i * 37 % 256) as u8 & if image.is_some() { 15 } else { 255 })
+                .collect();
+            let codes: Vec<i8> = (0..4 * 256).map(|i| (i * 53 % 255 - 127) as i8).collect();
+            let block = DotBlock {
+                levels: &levels,
+                ch,
+                start,
+                len,
+                codes: &codes,
+                code_stride: 256,
+                heads,
+                rows,
+                image,
+            };
+            let level = |l: u8| image.map_or(l, |m| m[usize::from(l)]);
+            let mut want = vec![0; heads * rows];
+            for t in 0..rows {
+                for j in 0..heads {
+                    want[j * rows + t] = (0..len)
+                        .map(|c| {
+                            i32::from(level(levels[t * ch + start + c]))
+                                * i32::from(codes[j * 256 + c])
+                        })
+                        .sum();
+                }
+            }
+            for &dot in &dots {
+                let mut got = vec![0; heads * rows];
+                integer_sums(dot, block, &mut got, &mut Prefetcher::new(None, 1));
+                assert_eq!(
+                    got,
+                    want,
+                    "{dot:?} at ch {ch}, start {start}, len {len}, image {}",
+                    image.is_some()
+                );
+            }
+        }
+    }
+}
+
+/// `scores` gives the same bits on the portable path and with VNNI
+/// (coding and finishing compiled for AVX-512 there), for both query
+/// codings and every key layout it takes; and a scratch that served
+/// another layout for the same query buffer gives what a fresh one does
+/// (the cached query codes and segment sums are not stale).
+#[test]
+fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
+    if Dot::detect() == Dot::Portable {
+        test_support::skip(
+            test_support::Requirement::Isa,
+            "attention",
+            "scores_are_the_same_bits_on_every_path_and_after_reuse",
+            "no AVX-512 VNNI: the portable path is checked against itself after reuse only",
+        );
+    }
+    let uniform = |seed, n| crate::kernel::test_values(seed, n, 1.0);
+    let (group, kv_heads, d, rows) = (3, 2, 96, 37);
+    let geometry = TileGeometry { group, kv_heads, d };
+    let (ch, heads) = (kv_heads * d, kv_heads * group);
+    let q = uniform(1, heads * d);
+    let k = uniform(2, rows * ch);
+    let forms = [
+        "int4",
+        "int4-g32",
+        "int4-ch",
+        "int8",
+        "int4-sym-g64",
+        "int4-g16",
+        "nf4-g32",
+        "nf4-g96",
+    ];
+    let stores: Vec<kv_quant::KvStore> = forms
+        .iter()
+        .map(|f| kv_quant::KvStore::quantize(f.parse().unwrap(), &k, rows, ch).unwrap())
+        .collect();
+    let mut decodes: Vec<kv_quant::DecodeScratch> = forms
+        .iter()
+        .map(|_| kv_quant::DecodeScratch::new())
+        .collect();
+    let levels: Vec<LevelRows<'_>> = stores
+        .iter()
+        .zip(decodes.iter_mut())
+        .map(
+            |(s, dec)| match s.decode_rows_view(0, rows, dec).unwrap().0 {
+                kv_quant::RowsView::Levels(l) => l,
+                kv_quant::RowsView::Values(_) => panic!("{} gives values", s.form()),
+            },
+        )
+        .collect();
+    let run = |levels: &LevelRows<'_>, codes, dot, scratch: &mut IntScratch| {
+        let mut w = vec![f32::NAN; heads * rows];
+        let mut prefetch = Prefetcher::new(None, 1);
+        assert!(scores(
+            &q,
+            levels,
+            geometry,
+            codes,
+            dot,
+            scratch,
+            &mut w,
+            &mut prefetch
+        ));
+        w
+    };
+    for codes in [QueryCodes::Int8, QueryCodes::Int16] {
+        let mut shared = IntScratch::default();
+        for (form, levels) in forms.iter().zip(&levels) {
+            if levels.map == LevelMap::Nf4 && codes == QueryCodes::Int16 {
+                // Left to the exact path (see `scores`).
+                let mut w = vec![0.0; heads * rows];
+                let mut prefetch = Prefetcher::new(None, 1);
+                let scratch = &mut shared;
+                assert!(!scores(
+                    &q,
+                    levels,
+                    geometry,
+                    codes,
+                    Dot::detect(),
+                    scratch,
+                    &mut w,
+                    &mut prefetch
+                ));
+                continue;
+            }
+            let fresh = run(levels, codes, Dot::Portable, &mut IntScratch::default());
+            let fast = run(levels, codes, Dot::detect(), &mut IntScratch::default());
+            let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fresh), bits(&fast), "{form} {codes:?}");
+            let reused = run(levels, codes, Dot::detect(), &mut shared);
+            assert_eq!(
+                bits(&fresh),
+                bits(&reused),
+                "{form} {codes:?} after the others"
+            );
+        }
+    }
+}
+
+#[test]
+fn quantized_queries_round_to_the_nearest_code() {
+    let x = [0.5f32, -1.0, 0.25, 0.0];
+    let (mut hi, mut lo) = ([0i8; 4], [0i8; 4]);
+    let s = quantize(&x, QueryCodes::Int8, &mut hi, &mut lo).unwrap();
+    assert_eq!(s, 1.0 / 127.0);
+    assert_eq!(hi, [64, -127, 32, 0]);
+    // 16-bit codes: 0.5·32639 = 16319.5 rounds to even, 16320 = 256·64 − 64.
+    let s = quantize(&x, QueryCodes::Int16, &mut hi, &mut lo).unwrap();
+    assert_eq!(s, 1.0 / 32639.0);
+    let codes: Vec<i32> = hi
+        .iter()
+        .zip(&lo)
+        .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
+        .collect();
+    assert_eq!(codes, [16320, -32639, 8160, 0]);
+    assert_eq!((hi[0], lo[0]), (64, -64));
+    assert_eq!(
+        quantize(&[0.0; 3], QueryCodes::Int8, &mut hi[..3], &mut lo[..3]),
+        Some(0.0)
+    );
+    assert_eq!(
+        quantize(
+            &[1.0, f32::NAN],
+            QueryCodes::Int8,
+            &mut hi[..2],
+            &mut lo[..2]
+        ),
+        None
+    );
+    assert_eq!(
+        quantize(
+            &[f32::INFINITY],
+            QueryCodes::Int16,
+            &mut hi[..1],
+            &mut lo[..1]
+        ),
+        None
+    );
+}
+
+#[test]
+fn sixteen_bit_codes_split_into_int8_halves_exactly() {
+    // Every code the quantizer can produce splits into halves in range.
+    for c in -32639i32..=32639 {
+        let high = (c + 128) >> 8;
+        let low = c - 256 * high;
+        assert!(
+            (-128..=127).contains(&high) && (-128..=127).contains(&low),
+            "{c}"
+        );
+    }
+}
