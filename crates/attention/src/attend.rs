@@ -5,7 +5,9 @@
 //! Keys are visited in tiles of [`AttentionConfig::tile_tokens`] rows (fewer
 //! where such a tile would hold more than [`AttentionConfig::tile_bytes`]
 //! stored row bytes, or would not divide a source's
-//! [`block_tokens`](KvSource::block_tokens)) aligned to multiples of the
+//! [`block_tokens`](KvSource::block_tokens), unless the source
+//! [gathers](KvSource::gathers_blocks) blocks of at most a quarter of
+//! the tile) aligned to multiples of the
 //! tile size, each read once per query block through
 //! [`KvSource::read_tile`] into per-thread scratch; no score matrix and no
 //! f32 copy of the cache is ever built. Decode splits the visible keys into
@@ -48,8 +50,10 @@ pub struct AttentionConfig {
     /// ([`KvSource::row_bytes`], group parameters not counted): where
     /// `tile_tokens` rows of the two sources would hold more, or the rows
     /// do not divide a source's [`KvSource::block_tokens`] (a paged
-    /// block, so that tiles stay inside one), the tile is halved until
-    /// they fit, but not below 16 rows (nor to an odd count). `None`:
+    /// block, so that tiles stay inside one; not for a source that
+    /// [gathers](KvSource::gathers_blocks) blocks of at most a quarter of
+    /// the tile), the tile is halved until they fit, but not below 16
+    /// rows (nor to an odd count). `None`:
     /// always `tile_tokens` rows. Default 128 KiB, where decode ran
     /// fastest on a 2-core Zen 4 host for every form and both benchmark
     /// shapes measured (attention README, "Rows per tile").

@@ -35,7 +35,7 @@
 /// summed with integer dot products too: per tile, head and group, the
 /// products `w_t·a_t` of the softmax weights and the row scales are coded
 /// to 16 bits with the scale `S = max_t w_t·a_t / Q` (`Q = 32,767`, less for
-/// very long tiles of 8-bit levels), so a tile's sum for a channel moves by
+/// very long tiles of 8-bit levels or NF4's image), so a tile's sum for a channel moves by
 /// at most `(S/2)·Σ_t l_t`, and the output by at most `n·max(a·l) / (2Q)`
 /// over `n` keys (weights are at most 1 and their sum at least 1).
 ///

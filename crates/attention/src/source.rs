@@ -10,7 +10,9 @@
 
 use std::ops::Range;
 
-use kv_quant::{DecodeScratch, Hadamard, KvDecodeStats, KvStore, LevelRows, RowsView};
+use kv_quant::{
+    DecodeScratch, GatheredLevels, Hadamard, KvDecodeStats, KvStore, LevelRows, RowsView,
+};
 
 use crate::error::{AttentionError, Result, check_len};
 
@@ -96,11 +98,13 @@ pub trait KvSource: Sync {
 
     /// Tokens per block of a source stored in blocks, which a tile should
     /// not cross to be read as stored (a paged source's block size: a tile
-    /// over blocks that are not adjacent is decoded into f32 rows first);
-    /// `None` (the default) for unblocked sources. Byte-sized tiles are
-    /// halved until they divide it (not below 16 rows, so blocks smaller
-    /// than that, or not a multiple of a tile size, still see tiles that
-    /// cross them).
+    /// over blocks that are not adjacent is decoded into f32 rows first,
+    /// or has its blocks' levels copied side by side where the source
+    /// [gathers](Self::gathers_blocks)); `None` (the default) for unblocked
+    /// sources. Byte-sized tiles are halved until they divide it (not
+    /// below 16 rows, so blocks smaller than that, or not a multiple of a
+    /// tile size, still see tiles that cross them), except for blocks of
+    /// at most a quarter of the tile of a source that gathers them.
     fn block_tokens(&self) -> Option<usize> {
         None
     }
@@ -311,9 +315,7 @@ pub struct BlockedScratch {
     decode: DecodeScratch,
     rows: Vec<f32>,
     /// A gathered tile's levels and group parameters.
-    levels: Vec<u8>,
-    scale: Vec<f32>,
-    offset: Vec<f32>,
+    gathered: GatheredLevels,
 }
 
 impl BlockedScratch {
@@ -335,11 +337,13 @@ impl BlockedScratch {
     /// `store` (a paged cache's layer): for a store that
     /// [reads levels per token](KvStore::reads_levels_per_token), each
     /// block's levels and group parameters copied side by side into one
-    /// level tile ([`KvStore::gathered_levels`]), so the kernel reads it
-    /// as it reads a contiguous store's, with the same values; a tile with
-    /// an erased value (or any other form) is decoded into f32 by
-    /// [`decode_blocks`](Self::decode_blocks). `locate(t)` gives row `t`'s
-    /// row in `store`, as for `decode_blocks`.
+    /// level tile ([`GatheredLevels`]), so the kernel reads it as it reads
+    /// a contiguous store's, with the same values; a tile with an erased
+    /// value (or any other form) is decoded into f32 by
+    /// [`decode_blocks`](Self::decode_blocks), its clean blocks decoded
+    /// again (faulty tiles are rare; the statistics are the second
+    /// decode's). `locate(t)` gives row `t`'s row in `store`, as for
+    /// `decode_blocks`.
     pub fn read_blocks<'s>(
         &'s mut self,
         store: &'s KvStore,
@@ -350,13 +354,11 @@ impl BlockedScratch {
     ) -> Result<Tile<'s>> {
         if store.reads_levels_per_token()
             && let Some(stats) = self.gather_levels(store, start, count, block, &locate)?
-            && store
-                .gathered_levels(&self.levels, &self.scale, &self.offset)
-                .is_some()
+            && self.gathered.view(store).is_some()
         {
             // Built again to hand out (a view kept from the check above would
             // hold the buffers on the path that decodes instead).
-            let levels = store.gathered_levels(&self.levels, &self.scale, &self.offset);
+            let levels = self.gathered.view(store);
             return Ok(Tile {
                 rows: TileRows::Levels(levels.expect("checked above")),
                 stats,
@@ -379,9 +381,7 @@ impl BlockedScratch {
         block: usize,
         locate: &impl Fn(usize) -> usize,
     ) -> Result<Option<KvDecodeStats>> {
-        self.levels.clear();
-        self.scale.clear();
-        self.offset.clear();
+        self.gathered.clear();
         let mut stats = KvDecodeStats::default();
         let mut t = start;
         while t < start + count {
@@ -394,9 +394,9 @@ impl BlockedScratch {
             let RowsView::Levels(levels) = view else {
                 return Ok(None);
             };
-            self.levels.extend_from_slice(levels.levels);
-            self.scale.extend_from_slice(levels.scale);
-            self.offset.extend_from_slice(levels.offset);
+            if !self.gathered.push(&levels) {
+                return Ok(None);
+            }
             stats += s;
             t += n;
         }

@@ -62,9 +62,9 @@ pub use spec::{
     ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
 };
 pub use store::{
-    DecodeScratch, DecodedMatrix, FaultTarget, Injection, KvDecodeStats, KvStore, LevelMap,
-    LevelRows, NonFinite, ParamBound, QuantizeOptions, RowBufferSizes, RowBuffers, RowBuffersMut,
-    RowEncoder, RowsView, ScrubStats, SegmentRows,
+    DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection, KvDecodeStats, KvStore,
+    LevelMap, LevelRows, NonFinite, ParamBound, QuantizeOptions, RowBufferSizes, RowBuffers,
+    RowBuffersMut, RowEncoder, RowsView, ScrubStats, SegmentRows,
 };
 pub use vq::{FitOptions, VqCodebook};
 

@@ -1,8 +1,8 @@
-//! `KvStore::gathered_levels`: rows read from several places of a store and
-//! set side by side read as the values those rows hold, bit for bit; other
-//! layouts and lengths that are not whole rows are refused.
+//! `GatheredLevels`: rows read from several places of a store and set side
+//! by side read as the values those rows hold, bit for bit; rows of another
+//! store, other layouts and too many rows are refused.
 
-use kv_quant::{DecodeScratch, KvStore, RowsView};
+use kv_quant::{DecodeScratch, GatheredLevels, KvStore, RowsView};
 
 const TOKENS: usize = 40;
 const CHANNELS: usize = 64;
@@ -13,15 +13,15 @@ fn values(seed: u32) -> Vec<f32> {
         .collect()
 }
 
-/// Rows `start..start + count` of `store` as levels, copied out.
-fn levels_of(store: &KvStore, start: usize, count: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+/// Pushes rows `start..start + count` of `store`, read as levels.
+fn push(gathered: &mut GatheredLevels, store: &KvStore, start: usize, count: usize) -> bool {
     let mut scratch = DecodeScratch::new();
     match store
         .decode_rows_view(start, count, &mut scratch)
         .unwrap()
         .0
     {
-        RowsView::Levels(l) => (l.levels.to_vec(), l.scale.to_vec(), l.offset.to_vec()),
+        RowsView::Levels(l) => gathered.push(&l),
         RowsView::Values(_) => panic!("{}: rows {start}.. read as values", store.form()),
     }
 }
@@ -29,6 +29,7 @@ fn levels_of(store: &KvStore, start: usize, count: usize) -> (Vec<u8>, Vec<f32>,
 #[test]
 fn gathered_rows_read_as_their_own_values() {
     let pieces = [(24, 8), (3, 5), (39, 1), (8, 16)];
+    let mut gathered = GatheredLevels::default();
     for form in [
         "int4",
         "int8",
@@ -36,23 +37,22 @@ fn gathered_rows_read_as_their_own_values() {
         "int4-sym",
         "int3-g16",
         "nf4",
+        "fp8-e4m3-tok",
         "int4+secded84",
         "int4+golay24",
     ] {
         let store = KvStore::quantize(form.parse().unwrap(), &values(7), TOKENS, CHANNELS).unwrap();
         assert!(store.reads_levels_per_token(), "{form}");
         let whole = store.decode().unwrap().values;
-        let (mut levels, mut scale, mut offset) = (Vec::new(), Vec::new(), Vec::new());
+        gathered.clear();
+        assert!(gathered.view(&store).is_none(), "{form}: nothing held");
         for &(start, count) in &pieces {
-            let (l, s, o) = levels_of(&store, start, count);
-            levels.extend(l);
-            scale.extend(s);
-            offset.extend(o);
+            assert!(push(&mut gathered, &store, start, count), "{form}");
         }
-        let view = store.gathered_levels(&levels, &scale, &offset).unwrap();
+        let view = gathered.view(&store).unwrap();
         let source_rows: Vec<usize> = pieces.iter().flat_map(|&(s, n)| s..s + n).collect();
         assert_eq!(view.rows(), source_rows.len());
-        let mut dequantized = vec![0.0; levels.len()];
+        let mut dequantized = vec![0.0; view.levels.len()];
         view.dequantize_into(&mut dequantized);
         for (r, &t) in source_rows.iter().enumerate() {
             for c in 0..CHANNELS {
@@ -76,29 +76,33 @@ fn gathered_rows_read_as_their_own_values() {
 }
 
 #[test]
-fn other_layouts_and_partial_rows_are_refused() {
+fn rows_of_other_stores_layouts_and_too_many_rows_are_refused() {
     for form in ["fp16", "fp8-e4m3", "int4-ch", "int4-t", "lm4"] {
         let store = KvStore::quantize(form.parse().unwrap(), &values(3), TOKENS, CHANNELS).unwrap();
         assert!(!store.reads_levels_per_token(), "{form}");
-        let (levels, params) = (vec![0u8; CHANNELS], vec![1.0f32; CHANNELS]);
-        for groups in [1, CHANNELS] {
-            let p = &params[..groups];
-            assert!(store.gathered_levels(&levels, p, p).is_none(), "{form}");
-        }
     }
-    let store =
-        KvStore::quantize("int4-g32".parse().unwrap(), &values(5), TOKENS, CHANNELS).unwrap();
-    let (levels, scale, offset) = levels_of(&store, 0, 3);
-    assert!(store.gathered_levels(&levels, &scale, &offset).is_some());
-    let too_many_rows = vec![0u8; (TOKENS + 1) * CHANNELS];
-    let params = vec![1.0f32; 2 * (TOKENS + 1)];
-    for (l, s, o) in [
-        (&levels[..levels.len() - 1], &scale[..], &offset[..]),
-        (&levels[..], &scale[..scale.len() - 1], &offset[..]),
-        (&levels[..], &scale[..], &offset[1..]),
-        (&levels[..0], &scale[..0], &offset[..0]),
-        (&too_many_rows[..], &params[..], &params[..]),
-    ] {
-        assert!(store.gathered_levels(l, s, o).is_none());
+    let (a, b) = (
+        KvStore::quantize("int4-g32".parse().unwrap(), &values(5), TOKENS, CHANNELS).unwrap(),
+        KvStore::quantize("int4-g32".parse().unwrap(), &values(6), TOKENS, CHANNELS).unwrap(),
+    );
+    let mut gathered = GatheredLevels::default();
+    assert!(push(&mut gathered, &a, 0, 3));
+    assert!(gathered.view(&a).is_some());
+    // Rows of another store of the same form: not pushed, and the rows held
+    // are not a view of it.
+    assert!(!push(&mut gathered, &b, 0, 3));
+    assert!(gathered.view(&b).is_none());
+    assert_eq!(gathered.view(&a).unwrap().rows(), 3);
+    // Per-channel groups span tokens: not pushed.
+    let ch = KvStore::quantize("int4-ch".parse().unwrap(), &values(5), TOKENS, CHANNELS).unwrap();
+    let mut scratch = DecodeScratch::new();
+    let RowsView::Levels(rows) = ch.decode_rows_view(0, 4, &mut scratch).unwrap().0 else {
+        panic!("int4-ch reads as levels");
+    };
+    assert!(!GatheredLevels::default().push(&rows));
+    // More rows than the store holds: no view.
+    for _ in 0..13 {
+        assert!(push(&mut gathered, &a, 0, 3));
     }
+    assert!(gathered.view(&a).is_none(), "42 rows of a 40-row store");
 }

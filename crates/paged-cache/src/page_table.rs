@@ -152,9 +152,9 @@ impl PageTable {
 /// A tile inside one page, or over pages that are consecutive blocks, is
 /// read straight from the layer store, exactly as a contiguous store is
 /// (FP16 halves or integer levels for the kernel); a tile over scattered
-/// pages has its levels gathered page by page (integer and NF4 forms), or
-/// is decoded page by page into f32 rows (other forms, and tiles with an
-/// erased value). Interpolation of erased
+/// pages has its levels gathered page by page (integer, NF4 and per-token
+/// FP8 forms), or is decoded page by page into f32 rows (other forms, and
+/// tiles with an erased value). Interpolation of erased
 /// values reads neighbours from the erased row's own block only (never
 /// another sequence's token), on both paths.
 #[derive(Debug)]

@@ -43,7 +43,8 @@ pub(crate) const NF4_UNIT: f32 = 127.0;
 /// NF4 codes as unsigned integer levels, `128 + round(127·NF4_LEVELS[c])`
 /// (1 to 255), so that NF4 keys and values take the integer paths as
 /// centred levels with scale `a / 127`. Each level moves by at most
-/// [`NF4_IMAGE_ERROR`] of its group's scale (the rounding to 1/127).
+/// 0.0037 of its group's scale (the rounding to 1/127; `NF4_IMAGE_ERROR`
+/// in the tests).
 pub(crate) const NF4_IMAGE: [u8; 16] = nf4_image();
 
 /// The largest `|NF4_LEVELS[c] − (NF4_IMAGE[c] − 128)/127|` (0.00367, code

@@ -5,7 +5,8 @@ use std::ops::Range;
 
 /// Address ranges of the next tile's stored keys and values, to prefetch
 /// while the current tile is worked on: one per run of contiguous rows (a
-/// contiguous store's tile is one run, a paged tile one per page), at most
+/// contiguous store's tile is one run, a paged tile one per page; a range
+/// that starts where the last one ends extends it), at most
 /// [`Upcoming::MAX`] (the rest are not prefetched; a prefetch is a hint).
 #[derive(Clone, Debug)]
 pub(crate) struct Upcoming {
@@ -23,12 +24,20 @@ impl Default for Upcoming {
 }
 
 impl Upcoming {
-    /// Ranges held: a 256-row tile over pages of 16 rows, keys and values.
-    pub(crate) const MAX: usize = 32;
+    /// Ranges held: a 256-row tile over pages of 8 rows, keys and values.
+    pub(crate) const MAX: usize = 64;
 
-    /// Adds a range (dropped once [`MAX`](Self::MAX) are held).
+    /// Adds a range: extends the last one when it starts where that one
+    /// ends, and is dropped once [`MAX`](Self::MAX) are held.
     pub(crate) fn push(&mut self, range: Range<usize>) {
-        if self.len < Self::MAX && !range.is_empty() {
+        if range.is_empty() {
+            return;
+        }
+        if let Some(last) = self.ranges[..self.len].last_mut()
+            && last.end == range.start
+        {
+            last.end = range.end;
+        } else if self.len < Self::MAX {
             self.ranges[self.len] = range;
             self.len += 1;
         }
@@ -102,10 +111,15 @@ mod tests {
     #[test]
     fn lines_of_every_range_are_walked_in_order() {
         let mut upcoming = Upcoming::default();
-        upcoming.push(0..130);
+        upcoming.push(0..100);
+        upcoming.push(100..130);
         upcoming.push(5..5);
         upcoming.push(1000..1064);
-        assert_eq!(upcoming.ranges(), &[0..130, 1000..1064]);
+        assert_eq!(
+            upcoming.ranges(),
+            &[0..130, 1000..1064],
+            "adjacent ranges merge"
+        );
         let mut p = Prefetcher::new(Some(&upcoming), 2);
         assert_eq!(p.per_step, 2);
         p.step();
@@ -113,7 +127,7 @@ mod tests {
         p.step();
         assert_eq!(p.at, 2, "the last line of the first range, then the second");
         p.step();
-        for i in 0..40 {
+        for i in 0..80 {
             upcoming.push(i * 64..i * 64 + 1);
         }
         assert_eq!(upcoming.ranges().len(), Upcoming::MAX);

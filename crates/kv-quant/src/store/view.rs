@@ -225,8 +225,8 @@ impl KvStore {
     /// Whether rows with no erased value read as levels
     /// ([`RowsView::Levels`]) in groups of one token each, so that rows
     /// read from different places can be set side by side
-    /// ([`gathered_levels`](Self::gathered_levels)): the integer and NF4
-    /// forms, protected or not, with per-token groups.
+    /// ([`GatheredLevels`]): the integer, NF4 and per-token FP8 forms,
+    /// protected or not.
     pub fn reads_levels_per_token(&self) -> bool {
         self.middle.coding.kind.level_map().is_some()
             && self
@@ -235,41 +235,79 @@ impl KvStore {
                 .as_ref()
                 .is_some_and(|l| l.tokens_per_block == 1)
     }
+}
 
-    /// One view of rows read from several places of this store: the
-    /// [`LevelRows::levels`], [`scale`](LevelRows::scale) and
-    /// [`offset`](LevelRows::offset) of [`RowsView::Levels`] views of
-    /// [`decode_rows_view`](Self::decode_rows_view), copied side by side in
-    /// row order (a paged cache's tile over pages that are not adjacent).
-    /// Per-token groups make a row's parameters its own, so the view gives
-    /// each row the values its own view gave. `None` unless
-    /// [`reads_levels_per_token`](Self::reads_levels_per_token) holds and
-    /// the lengths are those of `1..=tokens` whole rows: `levels` of
-    /// `rows × channels`, `scale` and `offset` of `rows × groups per row`.
-    pub fn gathered_levels<'a>(
-        &'a self,
-        levels: &'a [u8],
-        scale: &'a [f32],
-        offset: &'a [f32],
-    ) -> Option<LevelRows<'a>> {
-        let section = &self.middle;
+/// Level rows read from several places of one store (each a
+/// [`RowsView::Levels`] of [`KvStore::decode_rows_view`]), copied side by
+/// side with their group parameters, to be read as one view: a paged
+/// cache's tile over pages that are not adjacent. Per-token groups make a
+/// row's parameters its own, so the view gives each row the values its own
+/// view gave. Only views can be pushed, so the levels are always ones the
+/// store's decoder wrote (no level above the form's largest).
+#[derive(Clone, Debug, Default)]
+pub struct GatheredLevels {
+    levels: Vec<u8>,
+    scale: Vec<f32>,
+    offset: Vec<f32>,
+    /// The section the rows came from (its address, form and channels),
+    /// while any are held.
+    section: Option<(usize, crate::CacheForm, usize)>,
+}
+
+impl GatheredLevels {
+    /// Forgets the rows held (keeping the buffers).
+    pub fn clear(&mut self) {
+        self.levels.clear();
+        self.scale.clear();
+        self.offset.clear();
+        self.section = None;
+    }
+
+    /// Appends the rows of `rows`; `false` (appending nothing) unless their
+    /// groups are per token and they come from the same store as the rows
+    /// held.
+    pub fn push(&mut self, rows: &LevelRows<'_>) -> bool {
+        let from = rows.section;
+        let section = (
+            std::ptr::from_ref(from) as usize,
+            from.coding.form,
+            from.channels,
+        );
+        if rows.tokens_per_group() != 1 || self.section.is_some_and(|s| s != section) {
+            return false;
+        }
+        self.section = Some(section);
+        self.levels.extend_from_slice(rows.levels);
+        self.scale.extend_from_slice(rows.scale);
+        self.offset.extend_from_slice(rows.offset);
+        true
+    }
+
+    /// The rows held as one view of `store`; `None` when none are held, or
+    /// they came from another store, or there are more of them than the
+    /// store's quantized rows (a view's rows index its section's layout).
+    pub fn view<'a>(&'a self, store: &'a KvStore) -> Option<LevelRows<'a>> {
+        let section = &store.middle;
+        let ours = (
+            std::ptr::from_ref(section) as usize,
+            section.coding.form,
+            section.channels,
+        );
         let map = section.coding.kind.level_map()?;
-        let layout = section.layout.as_ref()?;
-        let rows = levels.len() / self.channels.max(1);
-        let groups = rows * layout.groups_per_block;
-        let whole = layout.tokens_per_block == 1
-            && rows >= 1
-            && rows <= section.tokens
-            && levels.len() == rows * self.channels
-            && scale.len() == groups
-            && offset.len() == groups;
-        whole.then_some(LevelRows {
-            section,
-            start: 0,
-            levels,
-            scale,
-            offset,
-            map,
-        })
+        let groups = section.layout.as_ref()?.groups_per_block;
+        let rows = self.levels.len() / section.channels.max(1);
+        let whole = self.levels.len() == rows * section.channels
+            && self.scale.len() == rows * groups
+            && self.offset.len() == rows * groups;
+        (self.section == Some(ours) && whole && rows >= 1 && rows <= section.tokens).then_some(
+            LevelRows {
+                section,
+                start: 0,
+                levels: &self.levels,
+                scale: &self.scale,
+                offset: &self.offset,
+                map,
+            },
+        )
     }
 }
