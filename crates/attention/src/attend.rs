@@ -682,4 +682,78 @@ mod tests {
             }
         }
     }
+
+    /// Dense rows posing as a blocked source that may gather its blocks.
+    struct Blocked<'a> {
+        rows: DenseKv<'a>,
+        block: usize,
+        gathers: bool,
+    }
+
+    impl KvSource for Blocked<'_> {
+        type Scratch = ();
+
+        fn tokens(&self) -> usize {
+            self.rows.tokens()
+        }
+
+        fn channels(&self) -> usize {
+            self.rows.channels()
+        }
+
+        fn stored_bytes(&self) -> usize {
+            self.rows.stored_bytes()
+        }
+
+        fn block_tokens(&self) -> Option<usize> {
+            Some(self.block)
+        }
+
+        fn gathers_blocks(&self) -> bool {
+            self.gathers
+        }
+
+        fn read_tile<'s>(
+            &'s self,
+            start: usize,
+            count: usize,
+            scratch: &'s mut (),
+        ) -> Result<crate::Tile<'s>> {
+            self.rows.read_tile(start, count, scratch)
+        }
+    }
+
+    /// A source that gathers is cut to its blocks only where a block is
+    /// more than a quarter of the tile the bytes allow; one that does not is
+    /// always cut; each source decides for itself.
+    #[test]
+    fn gathering_sources_cross_blocks_of_a_quarter_tile_or_less() {
+        let shape = HeadShape::new(4, 2, 16).unwrap();
+        let (tokens, ch) = (600, shape.kv_channels());
+        let data = vec![0.5f32; tokens * ch];
+        let rows = DenseKv::new(&data, tokens, ch).unwrap();
+        // 128 B of f32 per row and part: the 128 KiB budget allows 256 rows.
+        let attn = Attention::new(shape);
+        assert_eq!(attn.tile_rows(&rows, &rows), 256);
+        let blocked = |block, gathers| Blocked {
+            rows,
+            block,
+            gathers,
+        };
+        for (block, gathers, want) in [
+            (16, true, 256),
+            (64, true, 256),
+            (128, true, 128),
+            (16, false, 16),
+            (64, false, 64),
+        ] {
+            let source = blocked(block, gathers);
+            assert_eq!(
+                attn.tile_rows(&source, &source),
+                want,
+                "blocks of {block}, gathers {gathers}"
+            );
+        }
+        assert_eq!(attn.tile_rows(&blocked(16, true), &blocked(32, false)), 32);
+    }
 }
