@@ -3,9 +3,12 @@
 //! several blocks, per-layer and per-part forms, and rolled-back steps that
 //! give their blocks back.
 
+mod common;
+
 use attention::{
     Attention, DenseBackend, HeadShape, KvBackend, Mask, ModelKvShape, Numerics, run_step,
 };
+use common::ExactFlips;
 use kv_quant::{CacheForm, KvStore};
 use paged_cache::{LayerSpec, PagedBackend, PagedCacheError};
 
@@ -224,28 +227,6 @@ fn faults_in_resident_blocks_are_seeded_and_scrubbed() {
     assert!(scrubbed.values.corrected + scrubbed.values.detected <= flips);
     // What scrubbing corrected stays corrected.
     assert_eq!(a.scrub().unwrap().values.corrected, 0);
-}
-
-/// A channel that flips exactly the given bit positions.
-#[derive(Debug)]
-struct ExactFlips(Vec<u64>);
-
-impl gf2_codes::channel::FaultChannel for ExactFlips {
-    fn inject_with(
-        &self,
-        data: &mut [u8],
-        _rng: &mut gf2_codes::channel::FaultRng,
-    ) -> gf2_codes::channel::Flips {
-        let flips = gf2_codes::channel::Flips::from_events(
-            self.0
-                .iter()
-                .copied()
-                .filter(|&p| p / 8 < data.len() as u64)
-                .collect(),
-        );
-        flips.apply(data).unwrap();
-        flips
-    }
 }
 
 #[test]

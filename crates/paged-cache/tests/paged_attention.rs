@@ -4,6 +4,9 @@
 //! row the same wherever it is stored, and the kernel sees the same tiles).
 //! Malformed page tables get typed errors.
 
+mod common;
+
+use common::ExactFlips;
 use std::sync::Arc;
 
 use attention::{Attention, AttentionConfig, HeadShape, Mask, Numerics};
@@ -193,28 +196,6 @@ fn default_tiles_read_pages_as_a_contiguous_store() {
                 "{spelling}, blocks of {bs}"
             );
         }
-    }
-}
-
-/// A channel that flips exactly the given bit positions.
-#[derive(Debug)]
-struct ExactFlips(Vec<u64>);
-
-impl gf2_codes::channel::FaultChannel for ExactFlips {
-    fn inject_with(
-        &self,
-        data: &mut [u8],
-        _rng: &mut gf2_codes::channel::FaultRng,
-    ) -> gf2_codes::channel::Flips {
-        let flips = gf2_codes::channel::Flips::from_events(
-            self.0
-                .iter()
-                .copied()
-                .filter(|&p| p / 8 < data.len() as u64)
-                .collect(),
-        );
-        flips.apply(data).unwrap();
-        flips
     }
 }
 
