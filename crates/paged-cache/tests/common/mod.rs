@@ -4,7 +4,7 @@
 /// A channel that flips exactly the given bit positions (those inside the
 /// buffer it is applied to).
 #[derive(Debug)]
-pub struct ExactFlips(pub Vec<u64>);
+pub(crate) struct ExactFlips(pub(crate) Vec<u64>);
 
 impl gf2_codes::channel::FaultChannel for ExactFlips {
     fn inject_with(
