@@ -11,9 +11,13 @@
 //! - `bench [CRATE...] [--json FILE]`: runs the criterion benches of the named
 //!   crates (all crates with benches when none are named) and reports every
 //!   figure as a ratio to the baseline measured in the same run.
+//! - `ptx`: PTX of every gpu-kernels CUDA module.
+//! - `gpu-bundle`: gpu-kernels' device checks, built and bundled for a
+//!   device machine without Rust (`gpu_bundle.rs`).
 
 mod bench;
 mod fetch;
+mod gpu_bundle;
 #[cfg(test)]
 mod tidy;
 
@@ -55,6 +59,10 @@ enum Command {
     /// on PATH, NVRTC from PyPI otherwise); point `RKV_PTX_DIR` at it to
     /// skip run-time compilation.
     Ptx(PtxArgs),
+    /// Build gpu-kernels' `gpu` test binary and `gpu_bench` (stripped), with
+    /// the CUDA sources, the PyTorch peer and a `run.sh` that runs every
+    /// device check in one call, into a folder to carry to a device machine.
+    GpuBundle(gpu_bundle::GpuBundleArgs),
 }
 
 #[derive(Args)]
@@ -270,5 +278,6 @@ fn main() -> Result<()> {
             result
         }
         Command::Ptx(args) => ptx(&args),
+        Command::GpuBundle(args) => gpu_bundle::run(&args),
     }
 }

@@ -1,0 +1,187 @@
+//! `cargo xtask gpu-bundle`: everything gpu-kernels' device checks need, in
+//! one folder a device machine can run without a Rust toolchain.
+//!
+//! The device machines lent to some sessions have the CUDA toolkit and
+//! PyTorch but no Rust and no network, and a session's device time is a
+//! quarter of an hour, starts included. So the test and bench binaries are
+//! built here, stripped, and copied with the CUDA sources, the PyTorch peer
+//! and a `run.sh` that does every check in one call: the device and
+//! driver, the `gpu` test binary (`--nocapture`), `ptxas -v` over every
+//! module (registers and spills), `gpu_bench` and `sdpa_peer.py`, each
+//! under its own time limit, each writing one file into `$OUT`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+
+use crate::{CUDA_MODULES, cargo, status};
+
+/// Arguments of `cargo xtask gpu-bundle`.
+#[derive(Args)]
+pub(crate) struct GpuBundleArgs {
+    /// Output folder (ignored by git; name it in the device tool's `carry`).
+    #[arg(long, default_value = "target/gpu-bundle")]
+    out: PathBuf,
+}
+
+/// The script the device machine runs.
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# gpu-kernels' device checks in one call (built by `cargo xtask gpu-bundle`).
+# On the device machine, from the repository root:
+#   bash target/gpu-bundle/run.sh        (carry: target/gpu-bundle)
+# Each step writes one file into $OUT (or the bundle's out/ folder) and has
+# its own time limit, so one hang does not cost the others.
+set -u
+B=$(cd "$(dirname "$0")" && pwd)
+O=${OUT:-$B/out}
+mkdir -p "$O"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export RKV_SKIP_LOG="$O/skips.txt"
+# A GPU test that finds no device fails here instead of skipping.
+export REQUIRE_GPU=1
+{ date -u; nvidia-smi; nvcc --version; } > "$O/device.txt" 2>&1
+timeout "${TESTS_S:-240}" "$B/gpu-tests" --nocapture --test-threads 1 > "$O/tests.txt" 2>&1
+echo "rc=$?" >> "$O/tests.txt"
+{
+  for m in ecc_decode dequant paged_decode abft; do
+    echo "== $m"
+    { cat "$B/kernels/common.cuh"; printf '\n#line 1 "%s.cu"\n' "$m"; cat "$B/kernels/$m.cu"; } > "/tmp/$m.full.cu"
+    timeout 120 nvcc -arch=sm_90 -std=c++17 -cubin -Xptxas -v "/tmp/$m.full.cu" -o "/tmp/$m.cubin"
+    echo "rc=$?"
+  done
+} > "$O/ptxas.txt" 2>&1
+timeout "${BENCH_S:-180}" "$B/gpu_bench" ${BENCH_ARGS:-} > "$O/bench.txt" 2>&1
+echo "rc=$?" >> "$O/bench.txt"
+timeout "${SDPA_S:-120}" python3 "$B/sdpa_peer.py" ${BENCH_ARGS:-} > "$O/sdpa.txt" 2>&1
+echo "rc=$?" >> "$O/sdpa.txt"
+tail -n 3 "$O"/*.txt
+"#;
+
+/// Builds the bundle into `args.out`.
+pub(crate) fn run(args: &GpuBundleArgs) -> Result<()> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let crate_dir = root.join("crates/gpu-kernels");
+    let out = &args.out;
+    if out.exists() {
+        fs::remove_dir_all(out).with_context(|| format!("clearing {}", out.display()))?;
+    }
+    fs::create_dir_all(out.join("kernels"))?;
+    let tests = test_binary()?;
+    status(
+        cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "gpu-kernels",
+            "--features",
+            "cuda",
+            "--example",
+            "gpu_bench",
+        ]),
+        "cargo build --example gpu_bench",
+    )?;
+    let bench = root.join("target/release/examples/gpu_bench");
+    copy_stripped(&tests, &out.join("gpu-tests"))?;
+    copy_stripped(&bench, &out.join("gpu_bench"))?;
+    let kernels = crate_dir.join("kernels");
+    let mut sources = vec!["common.cuh".to_string()];
+    sources.extend(CUDA_MODULES.iter().map(|m| format!("{m}.cu")));
+    for name in sources {
+        fs::copy(kernels.join(&name), out.join("kernels").join(&name))
+            .with_context(|| format!("copying {name}"))?;
+    }
+    fs::copy(
+        crate_dir.join("bench/sdpa_peer.py"),
+        out.join("sdpa_peer.py"),
+    )?;
+    fs::write(out.join("run.sh"), RUN_SH)?;
+    let bytes: u64 = fs::read_dir(out)?
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum();
+    println!(
+        "{}: {:.1} MiB; on a device machine: bash {}/run.sh (carry {})",
+        out.display(),
+        bytes as f64 / f64::from(1 << 20),
+        out.display(),
+        out.display()
+    );
+    Ok(())
+}
+
+/// Builds gpu-kernels' `gpu` integration test with its `cuda` feature and
+/// returns the executable cargo reports for it.
+fn test_binary() -> Result<PathBuf> {
+    let output = cargo()
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "gpu-kernels",
+            "--features",
+            "cuda",
+            "--test",
+            "gpu",
+            "--no-run",
+            "--message-format=json-render-diagnostics",
+        ])
+        .output()
+        .context("starting cargo test --no-run")?;
+    if !output.status.success() {
+        bail!(
+            "cargo test --no-run failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let is_gpu_test = message["reason"] == "compiler-artifact"
+            && message["target"]["name"] == "gpu"
+            && message["target"]["kind"][0] == "test";
+        if let (true, Some(path)) = (is_gpu_test, message["executable"].as_str()) {
+            return Ok(PathBuf::from(path));
+        }
+    }
+    bail!("cargo reported no executable for gpu-kernels' `gpu` test")
+}
+
+/// Copies `from` to `to` without its symbols and debug information (the
+/// bundle travels to the device machine, 64 MiB at most).
+fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
+    fs::copy(from, to).with_context(|| format!("copying {}", from.display()))?;
+    let stripped = std::process::Command::new("strip").arg(to).status();
+    if !matches!(stripped, Ok(s) if s.success()) {
+        eprintln!(
+            "strip: not run on {} (the bundle keeps its symbols)",
+            to.display()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run.sh` runs `ptxas` over exactly the modules `cargo xtask ptx` builds.
+    #[test]
+    fn run_sh_checks_every_cuda_module() {
+        let line = RUN_SH
+            .lines()
+            .find(|l| l.trim_start().starts_with("for m in "))
+            .expect("the ptxas loop");
+        let listed: Vec<&str> = line
+            .trim()
+            .trim_start_matches("for m in ")
+            .trim_end_matches("; do")
+            .split_whitespace()
+            .collect();
+        assert_eq!(listed, CUDA_MODULES);
+    }
+}
