@@ -194,20 +194,23 @@ impl<'a> Levels<'a> {
                     _mm512_maskz_loadu_ps(mask(n), o.add(g + col)),
                 )
             };
-            let levels = || _mm512_cvtepu8_epi32(bytes);
+            // A value, not a closure: a closure here would be compiled
+            // without the kernel's features, its intrinsic a call whenever
+            // the inliner leaves it out of line (see `reduce16`). The FP8
+            // arms do not use it; the widening is pure, so it is not
+            // computed for them.
+            let levels = _mm512_cvtepu8_epi32(bytes);
             match self.map {
-                LevelMap::Affine => {
-                    _mm512_add_ps(b, _mm512_mul_ps(_mm512_cvtepi32_ps(levels()), a))
-                }
+                LevelMap::Affine => _mm512_add_ps(b, _mm512_mul_ps(_mm512_cvtepi32_ps(levels), a)),
                 LevelMap::Centered { mid } => {
-                    let level = _mm512_cvtepi32_ps(levels());
+                    let level = _mm512_cvtepi32_ps(levels);
                     _mm512_mul_ps(_mm512_sub_ps(level, _mm512_set1_ps(mid)), a)
                 }
                 // The 16 NF4 levels in one register: `vpermps` reads each
                 // lane's low 4 bits, the `& 15` of kv-quant's lookup.
                 LevelMap::Nf4 => {
                     let table = _mm512_loadu_ps(kv_quant::NF4_LEVELS.as_ptr());
-                    _mm512_mul_ps(_mm512_permutexvar_ps(levels(), table), a)
+                    _mm512_mul_ps(_mm512_permutexvar_ps(levels, table), a)
                 }
                 LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => {
                     _mm512_mul_ps(fp8_values(kv_quant::Fp8Format::E5M2, bytes), a)
