@@ -466,9 +466,58 @@ impl FaultChannel for AlignedRunFault {
     }
 }
 
+/// Exactly the given bit positions (`8 · byte + bit`) flipped, the random
+/// stream unused: a targeted, deterministic fault (two flips in one
+/// codeword, one in a chosen metadata word). Positions past the buffer are
+/// left out, and a position given twice flips back, so the returned
+/// [`Flips`] are exactly the bits changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ExactFlips {
+    positions: Vec<u64>,
+}
+
+impl ExactFlips {
+    /// Flips `positions`.
+    pub fn new(positions: impl IntoIterator<Item = u64>) -> Self {
+        Self {
+            positions: positions.into_iter().collect(),
+        }
+    }
+}
+
+impl FaultChannel for ExactFlips {
+    fn inject_with(&self, data: &mut [u8], _rng: &mut FaultRng) -> Flips {
+        let bits = total_bits(data);
+        let flips = Flips::from_events(
+            self.positions
+                .iter()
+                .copied()
+                .filter(|&p| p < bits)
+                .collect(),
+        );
+        for &p in flips.positions() {
+            data[(p / 8) as usize] ^= 1 << (p % 8);
+        }
+        flips
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ExactFlips` changes exactly its positions inside the buffer, once
+    /// each (a repeated position flips back), whatever the seed.
+    #[test]
+    fn exact_flips_change_exactly_their_positions() {
+        let channel = ExactFlips::new([3, 9, 9, 17, 64]);
+        for seed in [0, 7] {
+            let mut data = [0u8; 4];
+            let flips = channel.inject(&mut data, seed);
+            assert_eq!(flips.positions(), &[3, 17], "bit 9 twice, bit 64 outside");
+            assert_eq!(data, [0b1000, 0, 0b10, 0]);
+        }
+    }
     use proptest::prelude::*;
 
     /// Asserts `observed` lies within `z` standard deviations of Binomial(n, p)'s mean.

@@ -7,20 +7,8 @@
 
 use std::sync::Arc;
 
-use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
+use gf2_codes::channel::ExactFlips;
 use kv_quant::{CacheForm, FaultTarget, FitOptions, KvStore, QuantizeOptions, VqCodebook};
-
-/// A channel that flips exactly the given bit positions.
-#[derive(Debug)]
-struct ExactFlips(Vec<u64>);
-
-impl FaultChannel for ExactFlips {
-    fn inject_with(&self, data: &mut [u8], _rng: &mut FaultRng) -> Flips {
-        let flips = Flips::from_events(self.0.clone());
-        flips.apply(data).unwrap();
-        flips
-    }
-}
 
 const CHANNELS: usize = 64;
 const TOKENS: usize = 2;
@@ -90,7 +78,7 @@ fn every_single_flip_is_corrected() {
             let expect = clean.decode().unwrap().values;
             for bit in 0..8 * clean.data().len() as u64 {
                 let mut faulty = clean.clone();
-                faulty.inject(&ExactFlips(vec![bit]), 0, FaultTarget::Values);
+                faulty.inject(&ExactFlips::new(vec![bit]), 0, FaultTarget::Values);
                 if faulty.word_of_bit(bit).is_none() {
                     continue; // a padding bit
                 }
@@ -120,7 +108,7 @@ fn double_flips_in_a_secded_word_erase_the_codes_of_its_nibble() {
                 let mut faulty = clean.clone();
                 let byte = (row_bytes + nibble) as u64; // second row
                 faulty.inject(
-                    &ExactFlips(vec![8 * byte + a, 8 * byte + b]),
+                    &ExactFlips::new(vec![8 * byte + a, 8 * byte + b]),
                     0,
                     FaultTarget::Values,
                 );

@@ -3,26 +3,8 @@
 //! paper's midpoint and the distance-weighted extension), metadata
 //! protection, and tile decoding equal to whole decoding.
 
-use gf2_codes::channel::{BinarySymmetric, FaultChannel, FaultRng, Flips};
+use gf2_codes::channel::{BinarySymmetric, ExactFlips, FaultChannel, FaultRng, Flips};
 use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvDecodeStats, KvStore, RowsView};
-
-/// A channel that flips exactly the given bit positions.
-#[derive(Debug)]
-struct ExactFlips(Vec<u64>);
-
-impl FaultChannel for ExactFlips {
-    fn inject_with(&self, data: &mut [u8], _rng: &mut FaultRng) -> Flips {
-        let flips = Flips::from_events(
-            self.0
-                .iter()
-                .copied()
-                .filter(|&p| p / 8 < data.len() as u64)
-                .collect(),
-        );
-        flips.apply(data).unwrap();
-        flips
-    }
-}
 
 /// Flips the given positions in the buffer of the `call`-th call only (a
 /// metadata injection calls the channel for scales, offsets, checks in turn).
@@ -53,7 +35,7 @@ impl FaultChannel for FlipsInCall {
         } else {
             Vec::new()
         };
-        ExactFlips(positions).inject_with(data, rng)
+        ExactFlips::new(positions).inject_with(data, rng)
     }
 }
 
@@ -179,14 +161,14 @@ fn every_one_and_two_flip_pattern_of_a_secded_word() {
         let word = 8 * (row + c); // token 1, channel c
         for a in 0..8 {
             let mut one = clean.clone();
-            one.inject(&ExactFlips(vec![word + a]), 0, FaultTarget::Values);
+            one.inject(&ExactFlips::new(vec![word + a]), 0, FaultTarget::Values);
             let d = one.decode().unwrap();
             assert_eq!(d.values, reference.values, "bit {a} of word {c}");
             assert_eq!((d.stats.values.corrected, d.stats.erased_values), (1, 0));
             for b in a + 1..8 {
                 let mut two = clean.clone();
                 two.inject(
-                    &ExactFlips(vec![word + a, word + b]),
+                    &ExactFlips::new(vec![word + a, word + b]),
                     0,
                     FaultTarget::Values,
                 );
@@ -212,14 +194,14 @@ fn every_one_and_two_flip_pattern_of_a_secded_word() {
 
 /// Flip two bits of the SECDED word of `(token, channel)` in every listed cell.
 fn erase(store: &mut KvStore, cells: &[(usize, usize)]) {
-    let positions = cells
+    let positions: Vec<u64> = cells
         .iter()
         .flat_map(|&(t, c)| {
             let base = 8 * (t * store.row_bytes() + c) as u64;
             [base + 1, base + 5] // data bit 1 and Hamming parity bit p1: detected
         })
         .collect();
-    store.inject(&ExactFlips(positions), 0, FaultTarget::Values);
+    store.inject(&ExactFlips::new(positions), 0, FaultTarget::Values);
 }
 
 #[test]
@@ -438,7 +420,8 @@ impl FaultChannel for FlipsPerCall {
         let call = self
             .calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        ExactFlips(self.positions.get(call).cloned().unwrap_or_default()).inject_with(data, rng)
+        ExactFlips::new(self.positions.get(call).cloned().unwrap_or_default())
+            .inject_with(data, rng)
     }
 }
 

@@ -3,12 +3,10 @@
 //! several blocks, per-layer and per-part forms, and rolled-back steps that
 //! give their blocks back.
 
-mod common;
-
 use attention::{
     Attention, DenseBackend, HeadShape, KvBackend, Mask, ModelKvShape, Numerics, run_step,
 };
-use common::ExactFlips;
+use gf2_codes::channel::ExactFlips;
 use kv_quant::{CacheForm, KvStore};
 use paged_cache::{LayerSpec, PagedBackend, PagedCacheError};
 
@@ -256,7 +254,7 @@ fn an_erased_value_is_never_rebuilt_from_another_sequences_block() {
         .with_store(BlockId(1), 0, KvPart::Keys, |s| s.row_bytes())
         .unwrap() as u64;
     let cells = [(0u64, 3u64), (3, 3)];
-    let positions = cells
+    let positions: Vec<u64> = cells
         .iter()
         .flat_map(|&(t, c)| [8 * (t * rb + c) + 1, 8 * (t * rb + c) + 5])
         .collect();
@@ -265,7 +263,7 @@ fn an_erased_value_is_never_rebuilt_from_another_sequences_block() {
             BlockId(1),
             0,
             KvPart::Keys,
-            &ExactFlips(positions),
+            &ExactFlips::new(positions),
             0,
             FaultTarget::Values,
         )

@@ -4,9 +4,7 @@
 //! row the same wherever it is stored, and the kernel sees the same tiles).
 //! Malformed page tables get typed errors.
 
-mod common;
-
-use common::ExactFlips;
+use gf2_codes::channel::ExactFlips;
 use std::sync::Arc;
 
 use attention::{Attention, AttentionConfig, HeadShape, Mask, Numerics};
@@ -258,7 +256,7 @@ fn a_gathered_tile_with_an_erased_value_is_decoded_page_by_page() {
         .with_store(BlockId(0), 0, KvPart::Keys, |s| s.row_bytes())
         .unwrap() as u64;
     let bit = 8 * 3;
-    let flips = ExactFlips(vec![bit + 1, bit + 5]);
+    let flips = ExactFlips::new(vec![bit + 1, bit + 5]);
     storage
         .inject(BlockId(0), 0, KvPart::Keys, &flips, 0, FaultTarget::Values)
         .unwrap();
