@@ -5,9 +5,9 @@
 //! (`target/criterion/**/new/{benchmark,estimates}.json`), keeping only files
 //! written by this run, so stale figures from earlier runs never mix in.
 
+use crate::cargo;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::SystemTime;
 
 use anyhow::{Context, Result, bail};
@@ -83,22 +83,12 @@ pub(crate) struct Measurement {
     unit: &'static str,
 }
 
-fn cargo() -> Command {
-    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-}
-
 fn metadata() -> Result<Metadata> {
-    let out = cargo()
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .context("running cargo metadata")?;
-    if !out.status.success() {
-        bail!(
-            "cargo metadata failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).context("parsing cargo metadata")
+    let out = crate::stdout_of(
+        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
+        "cargo metadata",
+    )?;
+    serde_json::from_slice(&out).context("parsing cargo metadata")
 }
 
 /// Runs the benches and reports.

@@ -116,8 +116,8 @@ pub(crate) fn run(args: &GpuBundleArgs) -> Result<()> {
 /// Builds gpu-kernels' `gpu` integration test with its `cuda` feature and
 /// returns the executable cargo reports for it.
 fn test_binary() -> Result<PathBuf> {
-    let output = cargo()
-        .args([
+    let output = crate::stdout_of(
+        cargo().args([
             "test",
             "--release",
             "-p",
@@ -128,16 +128,10 @@ fn test_binary() -> Result<PathBuf> {
             "gpu",
             "--no-run",
             "--message-format=json-render-diagnostics",
-        ])
-        .output()
-        .context("starting cargo test --no-run")?;
-    if !output.status.success() {
-        bail!(
-            "cargo test --no-run failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        ]),
+        "cargo test --no-run",
+    )?;
+    for line in String::from_utf8_lossy(&output).lines() {
         let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };

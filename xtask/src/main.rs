@@ -158,6 +158,16 @@ fn cargo() -> Process {
     Process::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
 
+/// Runs `cmd` for its standard output; its standard error goes into the
+/// error when it fails.
+fn stdout_of(cmd: &mut Process, what: &str) -> Result<Vec<u8>> {
+    let out = cmd.output().with_context(|| format!("starting {what}"))?;
+    if !out.status.success() {
+        bail!("{what} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(out.stdout)
+}
+
 fn status(cmd: &mut Process, what: &str) -> Result<()> {
     let s = cmd.status().with_context(|| format!("starting {what}"))?;
     if !s.success() {
