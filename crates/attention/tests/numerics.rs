@@ -57,35 +57,27 @@ fn as_read(map: LevelMap, level: u8) -> (f64, f64, f64) {
 
 const TOKENS: usize = 333;
 
-/// The largest `a·l` of a store's groups: scale times the largest level.
-fn largest_span(store: &KvStore) -> f64 {
+/// How far `Int8Query`'s integer value sums can move an output over the
+/// `n` keys of `store`: `n·max(a·l)/(2·32767)` (the largest scale times the
+/// largest level as read: 255/127 for NF4's image), plus, for NF4, the
+/// largest `|a|·ε` of reading a code through its image.
+fn value_sum_bound(store: &KvStore, n: usize) -> f64 {
     let mut scratch = DecodeScratch::default();
     let (view, _) = store.decode_rows_view(0, TOKENS, &mut scratch).unwrap();
     let RowsView::Levels(levels) = view else {
         panic!("integer forms read as levels");
     };
-    let largest = levels.scale.iter().fold(0.0f32, |m, &a| m.max(a.abs()));
-    match levels.map {
-        LevelMap::Nf4 => f64::from(largest) * 255.0 / 127.0,
-        _ => f64::from(largest) * f64::from(levels.max_level()),
-    }
-}
-
-/// The largest `|a|·(image error)` of a store's values: what reading NF4
-/// codes through their image moves a weighted mean by (0 for integer levels).
-fn largest_image_error(store: &KvStore) -> f64 {
-    let mut scratch = DecodeScratch::default();
-    let (view, _) = store.decode_rows_view(0, TOKENS, &mut scratch).unwrap();
-    let RowsView::Levels(levels) = view else {
-        panic!("integer forms read as levels");
+    let largest = f64::from(levels.scale.iter().fold(0.0f32, |m, &a| m.max(a.abs())));
+    let span = match levels.map {
+        LevelMap::Nf4 => largest * 255.0 / 127.0,
+        _ => largest * f64::from(levels.max_level()),
     };
-    let largest = levels.scale.iter().fold(0.0f32, |m, &a| m.max(a.abs()));
-    let worst = levels
+    let worst_image = levels
         .levels
         .iter()
         .map(|&l| as_read(levels.map, l).2)
         .fold(0.0, f64::max);
-    f64::from(largest) * worst
+    n as f64 * span / (2.0 * 32767.0) + largest * worst_image
 }
 
 /// Per query head, the largest score error the bound allows over the keys:
@@ -187,7 +179,7 @@ fn int8_queries_stay_within_the_stated_bound_of_the_oracle() {
             // Integer value sums (Int8Query): at most n·max(a·l)/(2·32767)
             // over n keys.
             let values = if numerics == Numerics::Int8Query {
-                TOKENS as f64 * largest_span(&vs) / (2.0 * 32767.0) + largest_image_error(&vs)
+                value_sum_bound(&vs, TOKENS)
             } else {
                 0.0
             };
