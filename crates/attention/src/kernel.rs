@@ -42,6 +42,9 @@ pub(crate) struct KernelScratch {
     int: int8_query::IntScratch,
     /// Weight codes and sums of the integer value path.
     int_values: int_values::ValueScratch,
+    /// Key and value levels packed two per byte, unpacked for the paths
+    /// that read one level per byte.
+    unpacked: [Vec<u8>; 2],
 }
 
 impl KernelScratch {
@@ -104,36 +107,66 @@ pub(crate) fn attend_tile(
         Numerics::Int8Query => Some(int8_query::QueryCodes::Int8),
         Numerics::Int16Query => Some(int8_query::QueryCodes::Int16),
     };
-    let scored = match (codes, keys) {
-        (Some(codes), TileRows::Levels(levels)) => {
-            let steps = geometry.kv_heads * geometry.group.div_ceil(4) * rows.div_ceil(4);
-            int8_query::scores(
-                q,
-                &levels,
-                geometry,
-                codes,
-                int8_query::Dot::detect(),
-                &mut scratch.int,
-                &mut scratch.weights[..heads * rows],
-                &mut Prefetcher::new(upcoming, steps),
-            )
+    // Levels packed two per byte are read so by the integer paths where
+    // their layout allows; everything else reads them unpacked into the
+    // scratch.
+    let mut unpacked = std::mem::take(&mut scratch.unpacked);
+    let [key_levels, value_levels] = &mut unpacked;
+    let steps = geometry.kv_heads * geometry.group.div_ceil(4) * rows.div_ceil(4);
+    let mut score = |levels: &LevelRows<'_>, codes| {
+        int8_query::scores(
+            q,
+            levels,
+            geometry,
+            codes,
+            int8_query::Dot::detect(),
+            &mut scratch.int,
+            &mut scratch.weights[..heads * rows],
+            &mut Prefetcher::new(upcoming, steps),
+        )
+    };
+    let (keys, scored) = match (keys, codes) {
+        (TileRows::Levels(levels), Some(codes))
+            if int8_query::reads_packed(&levels, geometry, codes) && score(&levels, codes) =>
+        {
+            (keys, true)
         }
-        _ => false,
+        (TileRows::Levels(levels), codes) => {
+            let levels = levels.unpacked(key_levels);
+            let scored = codes.is_some_and(|codes| score(&levels, codes));
+            (TileRows::Levels(levels), scored)
+        }
+        (keys, _) => (keys, false),
     };
     // Integer value sums go with int8 query codes (the 16-bit codings keep
     // f32 value sums), and under `Auto` with the layout it takes.
-    let integer_value_sums = |levels: &LevelRows<'_>| match numerics {
-        Numerics::Int8Query => true,
-        Numerics::Auto => auto_integer(levels),
-        Numerics::Exact | Numerics::Int16Query => false,
+    let integer_value_sums = |levels: &LevelRows<'_>| {
+        let wanted = match numerics {
+            Numerics::Int8Query => true,
+            Numerics::Auto => auto_integer(levels),
+            Numerics::Exact | Numerics::Int16Query => false,
+        };
+        wanted && int_values::takes(levels, geometry)
     };
-    let int_values = match values {
-        TileRows::Levels(levels)
-            if integer_value_sums(&levels) && int_values::takes(&levels, geometry) =>
-        {
-            Some(levels)
+    // Packed values stay packed where the integer pass takes them on
+    // AVX-512, whose f32 pass reads them only if that pass declines (a
+    // non-finite weight: then through `LevelRows::dequantize_into`).
+    #[cfg(target_arch = "x86_64")]
+    let lazy_values = isa() == Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    let lazy_values = false;
+    let (values, int_values) = match values {
+        TileRows::Levels(levels) if lazy_values && integer_value_sums(&levels) => {
+            (values, Some(levels))
         }
-        _ => None,
+        TileRows::Levels(levels) => {
+            let levels = levels.unpacked(value_levels);
+            (
+                TileRows::Levels(levels),
+                integer_value_sums(&levels).then_some(levels),
+            )
+        }
+        values => (values, None),
     };
     // The integer path prefetched the next tile already.
     let (keys, upcoming) = if scored {
@@ -141,6 +174,25 @@ pub(crate) fn attend_tile(
     } else {
         (Some(keys), upcoming)
     };
+    kernels(
+        q, keys, values, int_values, geometry, rows, upcoming, scratch, partial,
+    );
+    scratch.unpacked = unpacked;
+}
+
+/// The float kernels of [`attend_tile`], keys given unless scored already.
+#[allow(clippy::too_many_arguments)] // one tile's inputs, state and scratch
+fn kernels(
+    q: &[f32],
+    keys: Option<TileRows<'_>>,
+    values: TileRows<'_>,
+    int_values: Option<LevelRows<'_>>,
+    geometry: TileGeometry,
+    rows: usize,
+    upcoming: Option<&Upcoming>,
+    scratch: &mut KernelScratch,
+    partial: &mut Partial,
+) {
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx512 {
         // SAFETY: `isa()` returned Avx512 only after detecting avx512f/bw/vl

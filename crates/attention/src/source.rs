@@ -36,7 +36,7 @@ impl TileRows<'_> {
         match self {
             Self::F32(v) => v.len(),
             Self::F16(b) => b.len() / 2,
-            Self::Levels(l) => l.levels.len(),
+            Self::Levels(l) => l.rows() * l.channels(),
         }
     }
 
@@ -447,7 +447,8 @@ impl BlockedScratch {
 /// coordinates for rotated forms, reported by [`KvSource::rotation`]).
 /// Plain FP16 tiles are the stored halves ([`KvStore::fp16_rows`]) and
 /// integer tiles with no erased value are levels
-/// ([`KvStore::decode_rows_view`]): the same values, produced later, in the kernel.
+/// ([`KvStore::decode_rows_view_packed`]: unprotected 4-bit levels as
+/// stored, two per byte): the same values, produced later, in the kernel.
 impl KvSource for KvStore {
     type Scratch = StoreScratch;
 
@@ -479,7 +480,7 @@ impl KvSource for KvStore {
                 stats,
             });
         }
-        let (view, stats) = self.decode_rows_view(start, count, &mut scratch.decode)?;
+        let (view, stats) = self.decode_rows_view_packed(start, count, &mut scratch.decode)?;
         let rows = match view {
             RowsView::Levels(levels) => TileRows::Levels(levels),
             RowsView::Values(values) => TileRows::F32(values),

@@ -63,8 +63,8 @@ pub use spec::{
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection, KvDecodeStats, KvStore,
-    LevelMap, LevelRows, NonFinite, ParamBound, QuantizeOptions, RowBufferSizes, RowBuffers,
-    RowBuffersMut, RowEncoder, RowsView, ScrubStats, SegmentRows,
+    LevelMap, LevelPacking, LevelRows, NonFinite, ParamBound, QuantizeOptions, RowBufferSizes,
+    RowBuffers, RowBuffersMut, RowEncoder, RowsView, ScrubStats, SegmentRows,
 };
 pub use vq::{FitOptions, VqCodebook};
 

@@ -156,7 +156,12 @@ struct Levels<'a> {
 }
 
 impl<'a> Levels<'a> {
+    /// `None` for levels packed two per byte and groupings the loader does
+    /// not handle.
     fn new(rows: LevelRows<'a>) -> Option<Self> {
+        if rows.packing != kv_quant::LevelPacking::Bytes {
+            return None;
+        }
         let cpg = rows.channels_per_group();
         let shared = match cpg {
             1 => None,

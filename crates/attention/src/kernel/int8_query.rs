@@ -19,15 +19,28 @@
 //! NF4 codes take the first layout through their integer image
 //! ([`NF4_IMAGE`], one `vpshufb` per 64 levels) as centred levels.
 //!
+//! 4-bit levels read in place, two per byte ([`LevelPacking::Nibbles`]),
+//! are scored without being unpacked to memory: the low nibbles of a row's
+//! bytes are its even channels and the high nibbles its odd ones, so each
+//! head's codes are also kept split ([`split_planes`]: per block of
+//! [`PLANE_BLOCK`] channels, the even channels' codes, then the odd ones')
+//! and a row's 64 bytes give two `vpdpbusd`s, one per half of a block (a
+//! last block of 64 channels or fewer: one, its nibbles side by side).
+//! Segments are then whole blocks of a head: whole-row or per-channel
+//! groups, or groups of a multiple of [`PLANE_BLOCK`] channels.
+//!
 //! The integer sums are exact, and the float finishing is the same scalar
 //! code on every instruction set, so AVX-512 VNNI (`vpdpbusd`) and the
 //! portable loop give bit-identical scores. Everything else (narrow groups,
 //! a non-finite query or scale) returns `false` and the exact f32 path
 //! scores the tile.
 
-use kv_quant::{LevelMap, LevelRows};
+use kv_quant::{LevelMap, LevelPacking, LevelRows};
 
 use super::{HeadBlockPass, Prefetcher, TileGeometry, for_head_blocks};
+
+/// Channels per block of the split codes of packed levels.
+pub(crate) const PLANE_BLOCK: usize = 128;
 
 /// Narrowest group along a row the integer path takes: narrower groups
 /// leave too few values per scale for an integer dot product to pay.
@@ -72,6 +85,9 @@ pub(crate) struct IntScratch {
     codes: Vec<i8>,
     /// The low halves of 16-bit codes (wide codes only).
     codes_lo: Vec<i8>,
+    /// Per head, `d` bytes: its int8 codes split for levels packed two
+    /// per byte ([`split_planes`]).
+    planes: Vec<i8>,
     /// Per head: the code scale `s_q`.
     scale: Vec<f32>,
     /// Per head: the offset term of per-channel groups.
@@ -181,8 +197,12 @@ pub(crate) fn scores(
     if keys.channels() != ch || q.len() != heads * d || weights.len() < heads * rows || rows == 0 {
         return false;
     }
+    if !reads_packed(keys, geometry, codes) {
+        return false;
+    }
     scratch.codes.resize(heads * d, 0);
     scratch.codes_lo.resize(heads * d, 0);
+    scratch.planes.resize(heads * d, 0);
     scratch.scale.resize(heads, 0.0);
     scratch.constant.resize(heads, 0.0);
     scratch.sums.resize(group.min(4) * rows, 0);
@@ -214,6 +234,22 @@ pub(crate) fn scores(
         Dot::Vnni => unsafe { layouts_avx512(ctx, scratch, weights, prefetch) },
         Dot::Portable => layouts(ctx, scratch, weights, prefetch),
     }
+}
+
+/// Whether [`scores`] can read `keys` as they are: one level per byte, or
+/// packed two per byte with int8 codes and segments of whole blocks of the
+/// split codes (whole-row, per-channel, or multiple-of-[`PLANE_BLOCK`]
+/// groups); other packed keys are scored once unpacked.
+pub(crate) fn reads_packed(
+    keys: &LevelRows<'_>,
+    geometry: TileGeometry,
+    codes: QueryCodes,
+) -> bool {
+    let (cpg, d) = (keys.channels_per_group(), geometry.d);
+    keys.packing == LevelPacking::Bytes
+        || (codes == QueryCodes::Int8
+            && d % 2 == 0
+            && (cpg == 1 || cpg.is_multiple_of(d) || cpg.is_multiple_of(PLANE_BLOCK)))
 }
 
 /// [`layouts`] compiled with AVX-512, so that the coding and finishing
@@ -307,6 +343,7 @@ fn along_rows(
                 scratch.coded_for = None;
                 return false;
             };
+            split_planes(hi, &mut scratch.planes[h * d..][..d]);
             scratch.scale[h] = s;
         }
         scratch.q_sums_cpg = 0;
@@ -373,6 +410,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
             let end = ((c / cpg + 1) * cpg).min(first + d);
             let block = DotBlock {
                 levels: keys.levels,
+                packed: keys.packing == LevelPacking::Nibbles,
                 ch: keys.channels(),
                 start: c,
                 len: end - c,
@@ -382,7 +420,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 rows,
                 image: ctx.image,
             };
-            scratch.dot_products(*ctx, block, h0 * d + (c - first), prefetch);
+            scratch.dot_products(*ctx, block, h0 * d, c - first, prefetch);
             let sums = &scratch.dots[..H * rows];
             // The segment's scale and offset term per row (centred levels:
             // `a·(l − mid) = a·l + (−mid·a)`).
@@ -517,6 +555,7 @@ fn per_channel_runs(
                     scratch.coded_for = None;
                     return false;
                 };
+                split_planes(hi, &mut scratch.planes[h * d..][..d]);
                 scratch.scale[h] = s;
                 scratch.constant[h] = match mid {
                     None => lane_sum(q, Some(b)),
@@ -552,9 +591,10 @@ impl HeadBlockPass for ChannelRun<'_, '_> {
     fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
         let (keys, d) = (self.ctx.keys, self.ctx.geometry.d);
         let (ch, rows, run) = (keys.channels(), keys.rows(), self.rows.len());
-        let t0 = self.rows.start;
+        let (t0, rb) = (self.rows.start, keys.row_bytes());
         let block = DotBlock {
-            levels: &keys.levels[t0 * ch..self.rows.end * ch],
+            levels: &keys.levels[t0 * rb..self.rows.end * rb],
+            packed: keys.packing == LevelPacking::Nibbles,
             ch,
             start: kvh * d,
             len: d,
@@ -565,7 +605,7 @@ impl HeadBlockPass for ChannelRun<'_, '_> {
             image: None,
         };
         self.scratch
-            .dot_products(self.ctx, block, h0 * d, self.prefetch);
+            .dot_products(self.ctx, block, h0 * d, 0, self.prefetch);
         let sums = &self.scratch.dots[..H * run];
         for j in 0..H {
             let h = h0 + j;
@@ -579,21 +619,33 @@ impl HeadBlockPass for ChannelRun<'_, '_> {
 }
 
 impl IntScratch {
-    /// The dot products of `block` with the query codes from index
-    /// `code_start` on (head `j` at `code_start + j·block.code_stride`), as
-    /// f32 in `self.dots[..heads·rows]`. Wide codes combine their halves
-    /// exactly (`256·hi + lo` in i64) before the one rounding to f32.
+    /// The dot products of `block` with the query codes of its heads, the
+    /// first head's codes at `head_start` (head `j` at `head_start +
+    /// j·block.code_stride`) and the segment at channel `offset` of the
+    /// head, as f32 in `self.dots[..heads·rows]`. Packed levels read the
+    /// code planes. Wide codes combine their halves exactly (`256·hi + lo`
+    /// in i64) before the one rounding to f32.
     fn dot_products(
         &mut self,
         ctx: Context<'_, '_>,
         block: DotBlock<'_>,
-        code_start: usize,
+        head_start: usize,
+        offset: usize,
         prefetch: &mut Prefetcher,
     ) {
         let n = block.heads * block.rows;
-        let hi = DotBlock {
-            codes: &self.codes[code_start..],
-            ..block
+        let code_start = head_start + offset;
+        let hi = if block.packed {
+            // Segments are whole blocks: the split codes start at `offset` too.
+            DotBlock {
+                codes: &self.planes[code_start..],
+                ..block
+            }
+        } else {
+            DotBlock {
+                codes: &self.codes[code_start..],
+                ..block
+            }
         };
         integer_sums(ctx.dot, hi, &mut self.sums[..n], prefetch);
         let dots = &mut self.dots[..n];
@@ -666,6 +718,30 @@ fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Optio
     Some(peak / max)
 }
 
+/// Splits one head's int8 codes (an even number) block by block: each
+/// block of [`PLANE_BLOCK`] channels (the last one shorter) holds its even
+/// channels' codes, then its odd channels'.
+fn split_planes(codes: &[i8], planes: &mut [i8]) {
+    for (block, out) in codes
+        .chunks(PLANE_BLOCK)
+        .zip(planes.chunks_mut(PLANE_BLOCK))
+    {
+        let (even, odd) = out.split_at_mut(block.len() / 2);
+        for ((pair, e), o) in block.chunks_exact(2).zip(even).zip(odd) {
+            (*e, *o) = (pair[0], pair[1]);
+        }
+    }
+}
+
+/// Where [`split_planes`] puts channel `c` of a segment of `len` channels
+/// that starts a block.
+#[inline(always)]
+fn plane_index(c: usize, len: usize) -> usize {
+    let base = c / PLANE_BLOCK * PLANE_BLOCK;
+    let half = (len - base).min(PLANE_BLOCK) / 2;
+    base + (c - base) / 2 + if c % 2 == 1 { half } else { 0 }
+}
+
 /// `Σ x_c·y_c` (or `Σ x_c` with `y` = `None`) in 16 lanes with a fixed
 /// order, so the compiler vectorizes it and every ISA gets the same bits.
 fn lane_sum(x: &[f32], y: Option<&[f32]>) -> f32 {
@@ -692,14 +768,18 @@ fn lane_sum(x: &[f32], y: Option<&[f32]>) -> f32 {
 /// Integer dot products of `heads` query code rows against `rows` level rows.
 #[derive(Clone, Copy)]
 pub(crate) struct DotBlock<'a> {
-    /// Level rows, `ch` bytes each.
+    /// Level rows of `ch` levels: `ch` bytes each, or `ch / 2` with `packed`.
     pub(crate) levels: &'a [u8],
+    /// Two levels per byte, the even channel's in the low nibble.
+    pub(crate) packed: bool,
     pub(crate) ch: usize,
-    /// First channel of the segment within a level row.
+    /// First channel of the segment within a level row (even when packed).
     pub(crate) start: usize,
-    /// Channels in the segment.
+    /// Channels in the segment (even when packed).
     pub(crate) len: usize,
-    /// Head `j`'s codes of the segment start at `codes[j·code_stride]`.
+    /// Head `j`'s codes of the segment start at `codes[j·code_stride]`;
+    /// when packed, split block by block ([`split_planes`], the segment
+    /// starting a block).
     pub(crate) codes: &'a [i8],
     pub(crate) code_stride: usize,
     pub(crate) heads: usize,
@@ -708,13 +788,20 @@ pub(crate) struct DotBlock<'a> {
     pub(crate) image: Option<&'static [u8; 16]>,
 }
 
-/// `out[j·rows + t] = Σ_c levels[t·ch + start + c] · codes[j·code_stride + c]`.
+/// `out[j·rows + t] = Σ_c level(t, start + c) · code(j, c)`, with
+/// `code(j, c) = codes[j·code_stride + c]`, or for packed levels
+/// `codes[j·code_stride + plane_index(c, len)]`.
 pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
+    let row_bytes = if b.packed { b.ch / 2 } else { b.ch };
     assert!(
         b.heads >= 1
             && b.heads <= 4
             && b.start + b.len <= b.ch
-            && b.levels.len() >= b.rows * b.ch
+            && (!b.packed
+                || (b.ch.is_multiple_of(2)
+                    && b.start.is_multiple_of(2)
+                    && b.len.is_multiple_of(2)))
+            && b.levels.len() >= b.rows * row_bytes
             && b.codes.len() >= (b.heads - 1) * b.code_stride + b.len
             && out.len() >= b.heads * b.rows
     );
@@ -733,17 +820,26 @@ fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
         if t % 4 == 0 {
             prefetch.step();
         }
-        let row = &b.levels[t * b.ch + b.start..][..b.len];
-        let level = |l: u8| match b.image {
-            None => l,
-            Some(image) => image[usize::from(l & 15)],
+        let level = |c: usize| {
+            let l = if b.packed {
+                let byte = b.levels[t * b.ch / 2 + (b.start + c) / 2];
+                (byte >> (4 * (c % 2))) & 15
+            } else {
+                b.levels[t * b.ch + b.start + c]
+            };
+            match b.image {
+                None => l,
+                Some(image) => image[usize::from(l & 15)],
+            }
         };
         for j in 0..b.heads {
-            let codes = &b.codes[j * b.code_stride..][..b.len];
-            out[j * b.rows + t] = row
-                .iter()
-                .zip(codes)
-                .map(|(&l, &c)| i32::from(level(l)) * i32::from(c))
+            let codes = &b.codes[j * b.code_stride..];
+            let code = |c: usize| match b.packed {
+                false => codes[c],
+                true => codes[plane_index(c, b.len)],
+            };
+            out[j * b.rows + t] = (0..b.len)
+                .map(|c| i32::from(level(c)) * i32::from(code(c)))
                 .sum();
         }
     }

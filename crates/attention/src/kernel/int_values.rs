@@ -24,9 +24,13 @@
 //! forms, clean protected tiles included, and NF4 through its integer
 //! image [`NF4_IMAGE`](super::int8_query::NF4_IMAGE), as centred levels of
 //! scale `a/127`) with head dimensions a multiple of 16; everything else, and a non-finite weight or scale, returns
-//! `false` and the f32 value pass runs.
+//! `false` and the f32 value pass runs. 4-bit levels packed two per byte
+//! ([`LevelPacking::Nibbles`]) are summed without being unpacked to
+//! memory, in segments of a multiple of 32 channels: a pair of rows' bytes
+//! interleaved give, from their low and high nibbles, the 16-bit pairs of
+//! 16 even and 16 odd channels.
 
-use kv_quant::{LevelMap, LevelRows};
+use kv_quant::{LevelMap, LevelPacking, LevelRows};
 
 use super::int8_query::{Dot, NF4_IMAGE, NF4_MID, NF4_UNIT};
 use super::{HeadBlockPass, TileGeometry, for_head_blocks};
@@ -61,7 +65,10 @@ pub(crate) struct ValueScratch {
 /// `geometry`: per-token groups of a multiple of 16 channels, integer
 /// levels, and head dimensions a multiple of 16.
 pub(crate) fn takes(levels: &LevelRows<'_>, geometry: TileGeometry) -> bool {
+    let packed = levels.packing == LevelPacking::Nibbles;
     levels.tokens_per_group() == 1
+        && (!packed
+            || (levels.channels_per_group().is_multiple_of(32) && geometry.d.is_multiple_of(32)))
         && levels.channels_per_group().is_multiple_of(16)
         && geometry.d.is_multiple_of(16)
         && levels.channels() == geometry.kv_heads * geometry.d
@@ -242,6 +249,7 @@ impl HeadBlockPass for Segments<'_, '_> {
             s.sums.resize(H * len, 0);
             let block = SumBlock {
                 levels: levels.levels,
+                packed: levels.packing == LevelPacking::Nibbles,
                 ch,
                 start: c,
                 len,
@@ -351,10 +359,12 @@ fn round_codes(w: &[f32], a: &[f32], inv: f32, code_max: f32, codes: &mut [u16])
 /// One segment's levels and the weight codes of its heads.
 #[derive(Clone, Copy)]
 struct SumBlock<'a> {
-    /// The tile's levels, `rows × ch`.
+    /// The tile's levels, `rows × ch`, one per byte or two (`packed`).
     levels: &'a [u8],
+    packed: bool,
     ch: usize,
-    /// The segment's channels `start..start + len` (`len` a multiple of 16).
+    /// The segment's channels `start..start + len` (`len` a multiple of 16,
+    /// and `start` and `len` of 32 when packed).
     start: usize,
     len: usize,
     rows: usize,
@@ -369,10 +379,15 @@ struct SumBlock<'a> {
 /// `out[j·len + c] = Σ_t code_j(t)·levels[t][start + c]` for `H` heads.
 fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
     let pairs = b.rows.div_ceil(2);
+    let row_bytes = if b.packed { b.ch / 2 } else { b.ch };
     assert!(
         b.len.is_multiple_of(16)
+            && (!b.packed
+                || (b.len.is_multiple_of(32)
+                    && b.start.is_multiple_of(32)
+                    && b.ch.is_multiple_of(2)))
             && b.start + b.len <= b.ch
-            && b.levels.len() >= b.rows * b.ch
+            && b.levels.len() >= b.rows * row_bytes
             && b.stride >= 2 * pairs
             && b.codes.len() >= H * b.stride
             && out.len() >= H * b.len
@@ -390,13 +405,19 @@ fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
 fn portable_sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
     out[..H * b.len].fill(0);
     for t in 0..b.rows {
-        let row = &b.levels[t * b.ch + b.start..][..b.len];
-        let level = |l: u8| b.image.map_or(l, |m| m[usize::from(l & 15)]);
+        let level = |c: usize| {
+            let l = if b.packed {
+                (b.levels[t * b.ch / 2 + (b.start + c) / 2] >> (4 * (c % 2))) & 15
+            } else {
+                b.levels[t * b.ch + b.start + c]
+            };
+            b.image.map_or(l, |m| m[usize::from(l & 15)])
+        };
         for j in 0..H {
             let code = i32::from(b.codes[j * b.stride + t]);
             let sums = &mut out[j * b.len..][..b.len];
-            for (s, &l) in sums.iter_mut().zip(row) {
-                *s += code * i32::from(level(l));
+            for (c, s) in sums.iter_mut().enumerate() {
+                *s += code * i32::from(level(c));
             }
         }
     }
@@ -450,10 +471,102 @@ mod vnni {
     /// [`super::integer_sums`] checks them.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
-        if b.image.is_some() {
-            segment::<H, true>(b, out);
-        } else {
-            segment::<H, false>(b, out);
+        match (b.packed, b.image.is_some()) {
+            (false, true) => segment::<H, true>(b, out),
+            (false, false) => segment::<H, false>(b, out),
+            (true, true) => nibble_segment::<H, true>(b, out),
+            (true, false) => nibble_segment::<H, false>(b, out),
+        }
+    }
+
+    /// A segment of packed levels in blocks of 64 and 32 channels.
+    #[inline(always)]
+    fn nibble_segment<const H: usize, const IMAGE: bool>(b: SumBlock<'_>, out: &mut [i32]) {
+        let mut c = 0;
+        while c + 64 <= b.len {
+            nibble_block::<H, 2, IMAGE>(b, c, out);
+            c += 64;
+        }
+        if c + 32 <= b.len {
+            nibble_block::<H, 1, IMAGE>(b, c, out);
+        }
+    }
+
+    /// Channels `c..c + 32K` of a packed segment, every row, `H` heads.
+    /// Per pair of rows and 32 channels, the rows' 16 bytes interleaved
+    /// (row `t`'s byte, then row `t + 1`'s) hold in their low nibbles the
+    /// 16-bit pairs of the even channels and in their high nibbles those
+    /// of the odd ones: accumulators `2k` and `2k + 1` of each head.
+    #[inline(always)]
+    fn nibble_block<const H: usize, const K: usize, const IMAGE: bool>(
+        b: SumBlock<'_>,
+        c: usize,
+        out: &mut [i32],
+    ) {
+        let pairs = b.rows.div_ceil(2);
+        let row_bytes = b.ch / 2;
+        // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every byte
+        // read is in row `t < rows` at byte `(start + c) / 2 + 16k + 15 <
+        // (start + len) / 2 <= ch / 2`; every pair of codes read is below
+        // `(H − 1)·stride + 2·pairs`; every store is below `H·len`.
+        unsafe {
+            let image = match b.image {
+                Some(m) if IMAGE => _mm256_broadcastsi128_si256(_mm_loadu_si128(m.as_ptr().cast())),
+                _ => _mm256_setzero_si256(),
+            };
+            let nibble = _mm256_set1_epi8(0x0F);
+            let mut acc = [[[_mm512_setzero_si512(); 2]; K]; H];
+            let at = |t: usize, k: usize| {
+                b.levels
+                    .as_ptr()
+                    .add(t * row_bytes + (b.start + c) / 2 + 16 * k)
+            };
+            for p in 0..pairs {
+                let t = 2 * p;
+                let mut v = [[_mm512_setzero_si512(); 2]; K];
+                for (k, v) in v.iter_mut().enumerate() {
+                    let r0 = _mm_loadu_si128(at(t, k).cast());
+                    // An odd last row pairs with zeros (its code is 0 too).
+                    let r1 = if t + 1 < b.rows {
+                        _mm_loadu_si128(at(t + 1, k).cast())
+                    } else {
+                        _mm_setzero_si128()
+                    };
+                    let both =
+                        _mm256_set_m128i(_mm_unpackhi_epi8(r0, r1), _mm_unpacklo_epi8(r0, r1));
+                    let mut even = _mm256_and_si256(both, nibble);
+                    let mut odd = _mm256_and_si256(_mm256_srli_epi16::<4>(both), nibble);
+                    if IMAGE {
+                        even = _mm256_shuffle_epi8(image, even);
+                        odd = _mm256_shuffle_epi8(image, odd);
+                    }
+                    v[0] = _mm512_cvtepu8_epi16(even);
+                    v[1] = _mm512_cvtepu8_epi16(odd);
+                }
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let pair = b.codes.as_ptr().add(j * b.stride + 2 * p);
+                    let w = _mm512_set1_epi32(pair.cast::<i32>().read_unaligned());
+                    for (a, v) in acc.iter_mut().zip(&v) {
+                        a[0] = _mm512_dpwssd_epi32(a[0], v[0], w);
+                        a[1] = _mm512_dpwssd_epi32(a[1], v[1], w);
+                    }
+                }
+            }
+            // Lane `i` of the even sums is channel `2i`, of the odd ones
+            // `2i + 1`: interleaved back in channel order.
+            let low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+            let high =
+                _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+            for (j, acc) in acc.iter().enumerate() {
+                for (k, a) in acc.iter().enumerate() {
+                    let o = out.as_mut_ptr().add(j * b.len + c + 32 * k);
+                    _mm512_storeu_si512(o.cast(), _mm512_permutex2var_epi32(a[0], low, a[1]));
+                    _mm512_storeu_si512(
+                        o.add(16).cast(),
+                        _mm512_permutex2var_epi32(a[0], high, a[1]),
+                    );
+                }
+            }
         }
     }
 
@@ -533,233 +646,4 @@ mod vnni {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kernel::test_values as uniform;
-    use kv_quant::KvStore;
-
-    fn levels_of<'s>(
-        store: &'s KvStore,
-        rows: usize,
-        decode: &'s mut kv_quant::DecodeScratch,
-    ) -> LevelRows<'s> {
-        match store.decode_rows_view(0, rows, decode).unwrap().0 {
-            kv_quant::RowsView::Levels(levels) => levels,
-            kv_quant::RowsView::Values(_) => panic!("{} gives values", store.form()),
-        }
-    }
-
-    /// Against the f64 sums of the decoded values, within the stated
-    /// bound `(S/2)·Σ_t l_tc` plus f32 rounding of the finishing; and the
-    /// VNNI sums equal the portable ones bit for bit.
-    #[test]
-    fn integer_value_sums_stay_within_the_stated_bound() {
-        for (form, rows, (group, kv_heads, d)) in [
-            ("int4", 64, (3, 3, 64)),
-            ("int4-g32", 63, (4, 2, 128)),
-            ("int8", 17, (2, 2, 96)),
-            ("int4-sym-g64", 40, (1, 2, 64)),
-            ("int4-g16", 9, (3, 2, 32)),
-            ("int2", 5, (2, 1, 64)),
-            ("nf4-g64", 33, (3, 2, 64)),
-            ("nf4-g32", 16, (2, 2, 128)),
-        ] {
-            let geometry = TileGeometry { group, kv_heads, d };
-            let (ch, heads) = (kv_heads * d, kv_heads * group);
-            let v = uniform(rows as u64, rows * ch, 2.0);
-            let store = KvStore::quantize(form.parse().unwrap(), &v, rows, ch).unwrap();
-            let decoded = store.decode().unwrap().values;
-            let mut decode = kv_quant::DecodeScratch::new();
-            let levels = levels_of(&store, rows, &mut decode);
-            assert!(takes(&levels, geometry), "{form}");
-            // Softmax-like weights in (0, 1], one row of each head at 1.
-            let weights: Vec<f32> = uniform(7, heads * rows, 1.0)
-                .iter()
-                .enumerate()
-                .map(|(i, x)| {
-                    if i % rows == 3 % rows {
-                        1.0
-                    } else {
-                        (x.abs() * 4.0).exp() / 55.0
-                    }
-                })
-                .collect();
-            let mut results = Vec::new();
-            for dot in [Dot::Portable, Dot::detect()] {
-                let mut acc = vec![f32::NAN; heads * d];
-                let mut scratch = ValueScratch::default();
-                assert!(weighted_sums(
-                    &levels,
-                    geometry,
-                    &weights,
-                    &mut acc,
-                    dot,
-                    &mut scratch
-                ));
-                results.push(acc);
-            }
-            assert_eq!(
-                results[0], results[1],
-                "{form}: VNNI and portable sums differ"
-            );
-            let cpg = levels.channels_per_group();
-            // NF4: scale a/127 on the image's levels, each off its value by
-            // the image's rounding.
-            let nf4 = levels.map == LevelMap::Nf4;
-            let unit = if nf4 { f64::from(NF4_UNIT) } else { 1.0 };
-            let level = |l: u8| match nf4 {
-                true => f64::from(NF4_IMAGE[usize::from(l)]),
-                false => f64::from(l),
-            };
-            let image_error = |l: u8| match nf4 {
-                true => (f64::from(kv_quant::NF4_LEVELS[usize::from(l)])
-                    - (level(l) - f64::from(NF4_MID)) / unit)
-                    .abs(),
-                false => 0.0,
-            };
-            let max_level = if nf4 {
-                255.0
-            } else {
-                f64::from(levels.max_level())
-            };
-            for h in 0..heads {
-                let kvh = h / group;
-                let w = &weights[h * rows..][..rows];
-                for c in 0..d {
-                    let ch_c = kvh * d + c;
-                    let g = ch_c / cpg;
-                    let want: f64 = (0..rows)
-                        .map(|t| f64::from(w[t]) * f64::from(decoded[t * ch + ch_c]))
-                        .sum();
-                    let scale_of = |t: usize| f64::from(levels.scale[levels.group_index(t, 0) + g]);
-                    let s = (0..rows)
-                        .map(|t| f64::from(w[t]) * scale_of(t) / unit)
-                        .fold(0.0, f64::max)
-                        / 32767.0;
-                    let level_sum: f64 =
-                        (0..rows).map(|t| level(levels.levels[t * ch + ch_c])).sum();
-                    let image: f64 = (0..rows)
-                        .map(|t| {
-                            f64::from(w[t])
-                                * scale_of(t)
-                                * image_error(levels.levels[t * ch + ch_c])
-                        })
-                        .sum();
-                    let magnitude: f64 = (0..rows)
-                        .map(|t| f64::from(w[t]) * f64::from(decoded[t * ch + ch_c].abs()))
-                        .sum::<f64>()
-                        + s * rows as f64 * max_level;
-                    let allowed = s / 2.0 * level_sum * (1.0 + 1e-6)
-                        + image * (1.0 + 1e-6)
-                        + 1e-6 * magnitude;
-                    if nf4 {
-                        assert!(image > 0.0, "the NF4 image error was not counted");
-                    }
-                    let err = (f64::from(results[0][h * d + c]) - want).abs();
-                    assert!(
-                        err <= allowed,
-                        "{form}, head {h}, channel {c}: error {err:.3e} > {allowed:.3e}"
-                    );
-                }
-            }
-        }
-    }
-
-    /// Layouts the pass does not take, and non-finite weights, return false.
-    #[test]
-    fn other_layouts_and_non_finite_weights_are_refused() {
-        let geometry = TileGeometry {
-            group: 2,
-            kv_heads: 1,
-            d: 64,
-        };
-        let v = uniform(3, 8 * 64, 1.0);
-        for (form, taken) in [
-            ("int4", true),
-            ("int4-g8", false),
-            ("int4-ch", false),
-            ("nf4", true),
-            ("nf4-g8", false),
-            ("fp8-e4m3", false),
-        ] {
-            let store = KvStore::quantize(form.parse().unwrap(), &v, 8, 64).unwrap();
-            let mut decode = kv_quant::DecodeScratch::new();
-            let levels = levels_of(&store, 8, &mut decode);
-            assert_eq!(takes(&levels, geometry), taken, "{form}");
-            let mut acc = vec![0.0; 2 * 64];
-            let mut weights = vec![0.5; 2 * 8];
-            let mut scratch = ValueScratch::default();
-            let ok = weighted_sums(
-                &levels,
-                geometry,
-                &weights,
-                &mut acc,
-                Dot::detect(),
-                &mut scratch,
-            );
-            assert_eq!(ok, taken, "{form}");
-            weights[5] = f32::NAN;
-            assert!(!weighted_sums(
-                &levels,
-                geometry,
-                &weights,
-                &mut acc,
-                Dot::detect(),
-                &mut scratch
-            ));
-        }
-    }
-
-    /// Flips the given bits of the buffer of the `call`-th call only (a
-    /// metadata injection calls the channel for scales, then offsets).
-    #[derive(Debug)]
-    struct FlipsInCall(usize, Vec<u64>, std::sync::atomic::AtomicUsize);
-
-    impl gf2_codes::channel::FaultChannel for FlipsInCall {
-        fn inject_with(
-            &self,
-            data: &mut [u8],
-            _rng: &mut gf2_codes::channel::FaultRng,
-        ) -> gf2_codes::channel::Flips {
-            let call = self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let positions = if call == self.0 {
-                self.1.clone()
-            } else {
-                Vec::new()
-            };
-            let flips = gf2_codes::channel::Flips::from_events(positions);
-            flips.apply(data).unwrap();
-            flips
-        }
-    }
-
-    /// A negative scale (an unprotected f16 scale whose sign bit a fault
-    /// flipped) and products too small to scale are left to the f32 pass
-    /// on every instruction set, instead of coding out of range.
-    #[test]
-    fn negative_and_tiny_products_are_refused() {
-        let geometry = TileGeometry {
-            group: 2,
-            kv_heads: 1,
-            d: 64,
-        };
-        let weights = vec![0.5; 2 * 8];
-        let v = uniform(4, 8 * 64, 1.0);
-        let mut store = KvStore::quantize("int4".parse().unwrap(), &v, 8, 64).unwrap();
-        let sign = FlipsInCall(0, vec![3 * 16 + 15], Default::default());
-        store.inject(&sign, 0, kv_quant::FaultTarget::Metadata);
-        let tiny: Vec<f32> = v.iter().map(|x| x * 1e-36).collect();
-        let tiny = KvStore::quantize("int4-sf32".parse().unwrap(), &tiny, 8, 64).unwrap();
-        for (store, what) in [(&store, "negative scale"), (&tiny, "tiny products")] {
-            let mut decode = kv_quant::DecodeScratch::new();
-            let levels = levels_of(store, 8, &mut decode);
-            assert!(takes(&levels, geometry), "{what}");
-            for dot in [Dot::Portable, Dot::detect()] {
-                let mut acc = vec![0.0; 2 * 64];
-                let mut scratch = ValueScratch::default();
-                let ok = weighted_sums(&levels, geometry, &weights, &mut acc, dot, &mut scratch);
-                assert!(!ok, "{what}, {dot:?}: taken");
-            }
-        }
-    }
-}
+mod tests;

@@ -119,7 +119,7 @@ impl Section {
         policy: bool,
     ) -> Result<KvDecodeStats> {
         check_len("output tile", (end - start) * self.channels, out.len())?;
-        let mut stats = self.decode_codes(start, end, scratch)?;
+        let mut stats = self.decode_codes(start, end, scratch, false)?;
         if let Some(values) = self.values_from_codes(start, end, out, scratch) {
             stats.values = values;
         }
@@ -135,11 +135,15 @@ impl Section {
     /// packed rows into `scratch.bytes`), and the erasure bit of every value
     /// into `scratch.erasures`. The returned statistics lack `values` for
     /// unprotected float forms, which [`values_from_codes`](Self::values_from_codes) counts.
+    /// With `keep_nibbles`, unprotected 4-bit codes in rows without padding
+    /// ([`nibbles_in_place`](Self::nibbles_in_place)) are left packed in the
+    /// section's data and `scratch.levels` is not written.
     pub(crate) fn decode_codes(
         &self,
         start: usize,
         end: usize,
         scratch: &mut DecodeScratch,
+        keep_nibbles: bool,
     ) -> Result<KvDecodeStats> {
         let count = end - start;
         let ew = erasure_words(self.channels);
@@ -150,7 +154,11 @@ impl Section {
         }
         let float = self.coding.kind.float_bytes().is_some();
         if !float || self.coding.codec().is_some() {
-            stats.values = crate::simd::with_avx2(|| self.load_codes(start, end, scratch))?;
+            stats.values = if keep_nibbles && self.nibbles_in_place() {
+                all_clean((count * self.channels) as u64)
+            } else {
+                crate::simd::with_avx2(|| self.load_codes(start, end, scratch))?
+            };
         }
         scratch.meta_erasures_rows = 0;
         if let Some(layout) = &self.layout {
@@ -189,6 +197,18 @@ impl Section {
                 .sum();
         }
         Ok(stats)
+    }
+
+    /// Whether the section's rows are unprotected 4-bit levels, one per
+    /// channel, packed two per byte (low nibble first) with no padding: the
+    /// stored bytes are then the levels as [`LevelPacking::Nibbles`](super::LevelPacking)
+    /// reads them.
+    pub(crate) fn nibbles_in_place(&self) -> bool {
+        self.coding.code_bits == 4
+            && self.coding.codec().is_none()
+            && self.coding.kind.level_map().is_some()
+            && self.coding.codes(self.channels) == self.channels
+            && 2 * self.row_bytes == self.channels
     }
 
     /// Reads (and for protected metadata decodes) the parameters of the groups of

@@ -6,6 +6,9 @@
 //! [`LevelRows::dequantize_into`] give exactly what
 //! [`KvStore::decode_rows_rotated_into`] writes (which is what
 //! [`KvStore::decode_rows_into`] writes for forms without rotation).
+//! [`KvStore::decode_rows_view_packed`] also leaves unprotected 4-bit levels
+//! as stored, two per byte ([`LevelPacking::Nibbles`]), for readers that
+//! unpack them in registers.
 
 use gf2_codes::batch::erasure_words;
 
@@ -32,14 +35,29 @@ pub enum LevelMap {
     Nf4,
 }
 
-/// Levels (integer levels or FP8 codes, one byte each) of rows
-/// `start..start + count` and the parameters of their groups.
+/// How [`LevelRows::levels`] holds its levels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LevelPacking {
+    /// One level (or FP8 code) per byte.
+    Bytes,
+    /// Two 4-bit levels per byte, the even channel in the low nibble: the
+    /// stored rows of unprotected 4-bit forms, read in place
+    /// ([`KvStore::decode_rows_view_packed`]).
+    Nibbles,
+}
+
+/// Levels (integer levels or FP8 codes) of rows `start..start + count` and
+/// the parameters of their groups.
 #[derive(Clone, Copy, Debug)]
 pub struct LevelRows<'s> {
     section: &'s Section,
     start: usize,
-    /// One level per value, `count × channels`, row-major.
+    /// The levels, `count × channels`, row-major, packed as
+    /// [`packing`](Self::packing) says.
     pub levels: &'s [u8],
+    /// One level per byte, or two ([`LevelPacking::Nibbles`]: only from
+    /// [`KvStore::decode_rows_view_packed`]).
+    pub packing: LevelPacking,
     /// Scale of each group touched by the rows, from the first one
     /// ([`group_index`](Self::group_index) maps a value to its group).
     pub scale: &'s [f32],
@@ -49,10 +67,49 @@ pub struct LevelRows<'s> {
     pub map: LevelMap,
 }
 
-impl LevelRows<'_> {
+impl<'s> LevelRows<'s> {
     /// Rows held.
     pub fn rows(&self) -> usize {
-        self.levels.len() / self.section.channels
+        self.levels.len() / self.row_bytes()
+    }
+
+    /// Bytes of [`levels`](Self::levels) per row.
+    pub fn row_bytes(&self) -> usize {
+        match self.packing {
+            LevelPacking::Bytes => self.section.channels,
+            LevelPacking::Nibbles => self.section.channels / 2,
+        }
+    }
+
+    /// The level of `channel` in row `row`.
+    #[inline]
+    pub fn level(&self, row: usize, channel: usize) -> u8 {
+        match self.packing {
+            LevelPacking::Bytes => self.levels[row * self.channels() + channel],
+            LevelPacking::Nibbles => {
+                let byte = self.levels[row * self.row_bytes() + channel / 2];
+                (byte >> (4 * (channel % 2))) & 0xF
+            }
+        }
+    }
+
+    /// These rows with one level per byte: `self` where it already is,
+    /// or its levels unpacked into `buffer`.
+    pub fn unpacked<'b>(&self, buffer: &'b mut Vec<u8>) -> LevelRows<'b>
+    where
+        's: 'b,
+    {
+        if self.packing == LevelPacking::Bytes {
+            return *self;
+        }
+        let n = self.rows() * self.channels();
+        buffer.resize(n, 0);
+        crate::simd::unpack_nibbles(self.levels, buffer);
+        LevelRows {
+            levels: &buffer[..n],
+            packing: LevelPacking::Bytes,
+            ..*self
+        }
     }
 
     /// Channels per row.
@@ -88,12 +145,12 @@ impl LevelRows<'_> {
 
     /// Rows `first..first + count` of these (panics outside them).
     pub fn sub_rows(&self, first: usize, count: usize) -> Self {
-        let ch = self.channels();
         assert!(
             first + count <= self.rows() && count > 0,
             "sub_rows: rows out of range"
         );
         let base = self.group_index(first, 0);
+        let rb = self.row_bytes();
         let layout = self.layout();
         let groups = layout
             .groups_of_rows(self.start + first, self.start + first + count)
@@ -101,7 +158,8 @@ impl LevelRows<'_> {
         Self {
             section: self.section,
             start: self.start + first,
-            levels: &self.levels[first * ch..][..count * ch],
+            levels: &self.levels[first * rb..][..count * rb],
+            packing: self.packing,
             scale: &self.scale[base..][..groups],
             offset: &self.offset[base..][..groups],
             map: self.map,
@@ -112,28 +170,31 @@ impl LevelRows<'_> {
     #[inline]
     pub fn value(&self, row: usize, channel: usize) -> f32 {
         let g = self.group_index(row, channel);
-        let level = self.levels[row * self.channels() + channel];
+        let level = self.level(row, channel);
         self.section
             .coding
             .kind
             .dequant(level, self.scale[g], self.offset[g])
     }
 
-    /// Writes every value (`rows × channels`), as the decode does.
+    /// Writes every value (`rows × channels`), as the decode does (packed
+    /// levels are unpacked into a buffer allocated here first).
     ///
     /// # Panics
     /// If `out` does not hold `rows × channels` values.
     pub fn dequantize_into(&self, out: &mut [f32]) {
         assert_eq!(
             out.len(),
-            self.levels.len(),
+            self.rows() * self.channels(),
             "dequantize_into: output length"
         );
-        let end = self.start + self.rows();
-        let params = (self.scale, self.offset);
+        let mut buffer = Vec::new();
+        let rows = self.unpacked(&mut buffer);
+        let end = rows.start + rows.rows();
+        let params = (rows.scale, rows.offset);
         crate::simd::with_avx2(|| {
-            self.section
-                .dequantize(self.start, end, out, self.levels, params);
+            rows.section
+                .dequantize(rows.start, end, out, rows.levels, params);
         });
     }
 
@@ -171,6 +232,31 @@ impl KvStore {
         count: usize,
         scratch: &'s mut DecodeScratch,
     ) -> Result<(RowsView<'s>, KvDecodeStats)> {
+        self.rows_view(start, count, scratch, false)
+    }
+
+    /// [`decode_rows_view`](Self::decode_rows_view), except that the levels
+    /// of unprotected 4-bit forms (`int4`, `int4-ch`, NF4, in rows without
+    /// padding) are the stored bytes, two per byte
+    /// ([`LevelPacking::Nibbles`]), read in place without being unpacked.
+    /// Other forms, and rows with an erased value, read as
+    /// [`decode_rows_view`](Self::decode_rows_view) reads them.
+    pub fn decode_rows_view_packed<'s>(
+        &'s self,
+        start: usize,
+        count: usize,
+        scratch: &'s mut DecodeScratch,
+    ) -> Result<(RowsView<'s>, KvDecodeStats)> {
+        self.rows_view(start, count, scratch, true)
+    }
+
+    fn rows_view<'s>(
+        &'s self,
+        start: usize,
+        count: usize,
+        scratch: &'s mut DecodeScratch,
+        keep_nibbles: bool,
+    ) -> Result<(RowsView<'s>, KvDecodeStats)> {
         let end = self.row_end(start, count)?;
         let n = count * self.channels;
         let map = self.middle.coding.kind.level_map();
@@ -186,9 +272,18 @@ impl KvStore {
             return Ok((RowsView::Values(&scratch.values[..n]), stats?));
         };
         let section = &self.middle;
-        let mut stats = section.decode_codes(local.start, local.end, scratch)?;
+        let in_place = keep_nibbles && section.nibbles_in_place();
+        let mut stats = section.decode_codes(local.start, local.end, scratch, in_place)?;
         section.ledger_truth(local.start, local.end, &mut stats, scratch)?;
+        let rb = section.row_bytes;
+        let stored = &section.data[local.start * rb..local.end * rb];
         if stats.erased_values > 0 {
+            if in_place {
+                // Not reached today (metadata codes need a value code, and
+                // only unprotected forms are read in place); kept so that
+                // the policy below always reads levels one per byte.
+                crate::simd::unpack_nibbles(stored, grow(&mut scratch.levels, n));
+            }
             let mut values = std::mem::take(&mut scratch.values);
             let out = grow(&mut values, n);
             let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
@@ -203,18 +298,20 @@ impl KvStore {
             .expect("level forms have groups")
             .groups_of_rows(local.start, local.end)
             .len();
-        let levels: &[u8] = if section.coding.code_bits == 8 && section.coding.codec().is_none() {
-            let rb = section.row_bytes;
-            &section.data[local.start * rb..local.end * rb]
+        let (levels, packing): (&[u8], _) = if in_place {
+            (stored, LevelPacking::Nibbles)
+        } else if section.coding.code_bits == 8 && section.coding.codec().is_none() {
+            (stored, LevelPacking::Bytes)
         } else {
-            &scratch.levels[..n]
+            (&scratch.levels[..n], LevelPacking::Bytes)
         };
-        debug_assert_eq!(levels.len(), n);
+        debug_assert_eq!(levels.len(), if in_place { n / 2 } else { n });
         debug_assert!(scratch.erasures.len() >= count * erasure_words(self.channels));
         let rows = LevelRows {
             section,
             start: local.start,
             levels,
+            packing,
             scale: &scratch.scale[..groups],
             offset: &scratch.offset[..groups],
             map,
@@ -277,7 +374,14 @@ impl GatheredLevels {
             return false;
         }
         self.section = Some(section);
-        self.levels.extend_from_slice(rows.levels);
+        match rows.packing {
+            LevelPacking::Bytes => self.levels.extend_from_slice(rows.levels),
+            LevelPacking::Nibbles => {
+                let n = self.levels.len();
+                self.levels.resize(n + rows.rows() * from.channels, 0);
+                crate::simd::unpack_nibbles(rows.levels, &mut self.levels[n..]);
+            }
+        }
         self.scale.extend_from_slice(rows.scale);
         self.offset.extend_from_slice(rows.offset);
         true
@@ -304,6 +408,7 @@ impl GatheredLevels {
                 section,
                 start: 0,
                 levels: &self.levels,
+                packing: LevelPacking::Bytes,
                 scale: &self.scale,
                 offset: &self.offset,
                 map,

@@ -57,6 +57,7 @@ fn every_dot_kernel_gives_the_exact_sums() {
             let codes: Vec<i8> = (0..4 * 256).map(|i| (i * 53 % 255 - 127) as i8).collect();
             let block = DotBlock {
                 levels: &levels,
+                packed: false,
                 ch,
                 start,
                 len,
@@ -87,6 +88,66 @@ fn every_dot_kernel_gives_the_exact_sums() {
                     "{dot:?} at ch {ch}, start {start}, len {len}, image {}",
                     image.is_some()
                 );
+            }
+        }
+    }
+}
+
+/// Integer sums over levels packed two per byte, against split codes,
+/// equal the sums over the same levels unpacked against the plain codes:
+/// segments of whole blocks of 128, a last block of more and of fewer than
+/// 64 channels, every head count, NF4 images, odd row counts.
+#[test]
+fn packed_levels_give_the_unpacked_sums() {
+    let dots: Vec<Dot> = [Dot::Portable, Dot::detect()].into_iter().collect();
+    for (ch, start, len, rows, heads) in [
+        (1024, 128, 128, 37, 4),
+        (192, 64, 64, 5, 3),
+        (512, 0, 320, 9, 2),
+        (200, 0, 200, 6, 4),
+        (96, 0, 96, 17, 1),
+        (64, 0, 48, 33, 2),
+        (16, 0, 16, 1, 1),
+        (384, 128, 256, 8, 3),
+    ] {
+        for image in [None, Some(&NF4_IMAGE)] {
+            let levels: Vec<u8> = (0..rows * ch).map(|i| (i * 37 % 256) as u8 & 15).collect();
+            let packed: Vec<u8> = levels.chunks_exact(2).map(|p| p[0] | p[1] << 4).collect();
+            let codes: Vec<i8> = (0..4 * 512).map(|i| (i * 53 % 255 - 127) as i8).collect();
+            let mut split = vec![0i8; 4 * 512];
+            for j in 0..heads {
+                let seg = j * 512;
+                split_planes(&codes[seg..seg + len], &mut split[seg..seg + len]);
+            }
+            let plain = DotBlock {
+                levels: &levels,
+                packed: false,
+                ch,
+                start,
+                len,
+                codes: &codes,
+                code_stride: 512,
+                heads,
+                rows,
+                image,
+            };
+            let mut want = vec![0; heads * rows];
+            integer_sums(
+                Dot::Portable,
+                plain,
+                &mut want,
+                &mut Prefetcher::new(None, 1),
+            );
+            let block = DotBlock {
+                levels: &packed,
+                packed: true,
+                codes: &split,
+                ..plain
+            };
+            for &dot in &dots {
+                let mut got = vec![0; heads * rows];
+                integer_sums(dot, block, &mut got, &mut Prefetcher::new(None, 1));
+                assert_eq!(got, want, "{dot:?} at ch {ch}, start {start}, len {len}");
             }
         }
     }
@@ -141,6 +202,21 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
             },
         )
         .collect();
+    // The 4-bit forms' levels as stored, two per byte.
+    let mut packed_decodes: Vec<kv_quant::DecodeScratch> = forms
+        .iter()
+        .map(|_| kv_quant::DecodeScratch::new())
+        .collect();
+    let packed: Vec<LevelRows<'_>> = stores
+        .iter()
+        .zip(packed_decodes.iter_mut())
+        .map(
+            |(s, dec)| match s.decode_rows_view_packed(0, rows, dec).unwrap().0 {
+                kv_quant::RowsView::Levels(l) => l,
+                kv_quant::RowsView::Values(_) => panic!("{} gives values", s.form()),
+            },
+        )
+        .collect();
     let run = |levels: &LevelRows<'_>, codes, dot, scratch: &mut IntScratch| {
         let mut w = vec![f32::NAN; heads * rows];
         let mut prefetch = Prefetcher::new(None, 1);
@@ -186,6 +262,42 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
                 bits(&reused),
                 "{form} {codes:?} after the others"
             );
+        }
+        // Packed levels are scored with int8 codes in segments of whole
+        // heads (or blocks of 128 channels): the same bits as unpacked;
+        // other codings and segments are left to the caller.
+        for ((form, plain), packed) in forms.iter().zip(&levels).zip(&packed) {
+            if packed.packing == kv_quant::LevelPacking::Bytes {
+                assert!(*form == "int8", "{form} is read in place");
+                continue;
+            }
+            let cpg = packed.channels_per_group();
+            let whole_blocks = cpg == 1 || cpg % d == 0 || cpg % PLANE_BLOCK == 0;
+            for dot in [Dot::Portable, Dot::detect()] {
+                let mut w = vec![0.0; heads * rows];
+                let mut prefetch = Prefetcher::new(None, 1);
+                let scratch = &mut shared;
+                let taken = scores(
+                    &q,
+                    packed,
+                    geometry,
+                    codes,
+                    dot,
+                    scratch,
+                    &mut w,
+                    &mut prefetch,
+                );
+                assert_eq!(
+                    taken,
+                    codes == QueryCodes::Int8 && whole_blocks,
+                    "{form} {codes:?}"
+                );
+                if taken {
+                    let want = run(plain, codes, Dot::Portable, &mut IntScratch::default());
+                    let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&w), bits(&want), "{form} {dot:?} packed");
+                }
+            }
         }
     }
 }

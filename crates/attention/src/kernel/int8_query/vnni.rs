@@ -1,5 +1,7 @@
-//! `vpdpbusd` on 64 levels at a time: four rows times up to four heads
-//! in sixteen accumulators, folded together by one transposing reduction.
+//! `vpdpbusd` on 64 levels at a time (128 when packed two per byte: a
+//! byte vector's low and high nibbles against the even and odd code
+//! planes): four rows times up to four heads in sixteen accumulators,
+//! folded together by one transposing reduction.
 
 use std::arch::x86_64::*;
 
@@ -12,21 +14,32 @@ use super::{DotBlock, Prefetcher};
 /// [`super::integer_sums`] checks them.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn integer_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
-    match (b.heads, b.image.is_some()) {
-        (1, false) => block::<1, false>(b, out, prefetch),
-        (2, false) => block::<2, false>(b, out, prefetch),
-        (3, false) => block::<3, false>(b, out, prefetch),
-        (_, false) => block::<4, false>(b, out, prefetch),
-        (1, true) => block::<1, true>(b, out, prefetch),
-        (2, true) => block::<2, true>(b, out, prefetch),
-        (3, true) => block::<3, true>(b, out, prefetch),
-        (_, true) => block::<4, true>(b, out, prefetch),
+    match (b.packed, b.image.is_some()) {
+        (false, false) => heads::<false, false>(b, out, prefetch),
+        (false, true) => heads::<false, true>(b, out, prefetch),
+        (true, false) => heads::<true, false>(b, out, prefetch),
+        (true, true) => heads::<true, true>(b, out, prefetch),
+    }
+}
+
+/// [`block`] for `b`'s number of heads.
+#[inline(always)]
+fn heads<const PACKED: bool, const IMAGE: bool>(
+    b: DotBlock<'_>,
+    out: &mut [i32],
+    prefetch: &mut Prefetcher,
+) {
+    match b.heads {
+        1 => block::<1, PACKED, IMAGE>(b, out, prefetch),
+        2 => block::<2, PACKED, IMAGE>(b, out, prefetch),
+        3 => block::<3, PACKED, IMAGE>(b, out, prefetch),
+        _ => block::<4, PACKED, IMAGE>(b, out, prefetch),
     }
 }
 
 /// Rows of `b`; with `IMAGE`, each level is read through `b.image`.
 #[inline(always)]
-fn block<const H: usize, const IMAGE: bool>(
+fn block<const H: usize, const PACKED: bool, const IMAGE: bool>(
     b: DotBlock<'_>,
     out: &mut [i32],
     prefetch: &mut Prefetcher,
@@ -34,11 +47,19 @@ fn block<const H: usize, const IMAGE: bool>(
     let quads = b.rows / 4 * 4;
     for t in (0..quads).step_by(4) {
         prefetch.step();
-        let sums = lanes::<H, 4, IMAGE>(b, t);
+        let sums = if PACKED {
+            nibble_lanes::<H, 4, IMAGE>(b, t)
+        } else {
+            lanes::<H, 4, IMAGE>(b, t)
+        };
         store::<H, 4>(sums, out, b.rows, t);
     }
     for t in quads..b.rows {
-        let sums = lanes::<H, 1, IMAGE>(b, t);
+        let sums = if PACKED {
+            nibble_lanes::<H, 1, IMAGE>(b, t)
+        } else {
+            lanes::<H, 1, IMAGE>(b, t)
+        };
         store::<H, 1>(sums, out, b.rows, t);
     }
 }
@@ -82,6 +103,105 @@ fn lanes<const H: usize, const R: usize, const IMAGE: bool>(
                 }
             }
             c += 64;
+        }
+        acc
+    }
+}
+
+/// [`lanes`] for levels packed two per byte, block by block of the split
+/// codes: a block of `m` channels (128, the last one fewer) is `m/2` bytes
+/// of a row, whose low nibbles (even channels) go against the block's
+/// first `m/2` codes and high nibbles (odd channels) against the next
+/// `m/2`; a block of 64 channels or fewer as one vector, its low nibbles
+/// in lanes 0.. and high ones in lanes 32.., against its codes placed the
+/// same way.
+#[inline(always)]
+fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
+    b: DotBlock<'_>,
+    t: usize,
+) -> [[__m512i; R]; H] {
+    // SAFETY: only inlined into `integer_sums` (AVX-512F/BW/VNNI). Rows
+    // `t..t + R` are below `b.rows`; every byte read is below `(start +
+    // len) / 2 <= ch / 2` of its row, or `(H − 1)·code_stride + len` of
+    // the codes, the rest masked off.
+    unsafe {
+        let image = match b.image {
+            Some(m) if IMAGE => _mm512_broadcast_i32x4(_mm_loadu_si128(m.as_ptr().cast())),
+            _ => _mm512_setzero_si512(),
+        };
+        let nibble = _mm512_set1_epi8(0x0F);
+        let row = |r: usize| b.levels.as_ptr().add((t + r) * (b.ch / 2) + b.start / 2);
+        let mut acc = [[_mm512_setzero_si512(); R]; H];
+        let mut c = 0;
+        // Whole blocks of 128 channels, then the last block of `2·half`.
+        while c + 128 <= b.len {
+            let mut even = [_mm512_setzero_si512(); R];
+            let mut odd = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                let x = _mm512_loadu_si512(row(r).add(c / 2).cast());
+                even[r] = _mm512_and_si512(x, nibble);
+                odd[r] = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
+                if IMAGE {
+                    even[r] = _mm512_shuffle_epi8(image, even[r]);
+                    odd[r] = _mm512_shuffle_epi8(image, odd[r]);
+                }
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let p = b.codes.as_ptr().add(j * b.code_stride + c);
+                let qe = _mm512_loadu_si512(p.cast());
+                let qo = _mm512_loadu_si512(p.add(64).cast());
+                for ((a, e), o) in acc.iter_mut().zip(&even).zip(&odd) {
+                    *a = _mm512_dpbusd_epi32(*a, *e, qe);
+                    *a = _mm512_dpbusd_epi32(*a, *o, qo);
+                }
+            }
+            c += 128;
+        }
+        let half = (b.len - c) / 2;
+        if half > 32 {
+            let mask = (1u64 << half) - 1;
+            let mut even = [_mm512_setzero_si512(); R];
+            let mut odd = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                let x = _mm512_maskz_loadu_epi8(mask, row(r).add(c / 2).cast());
+                even[r] = _mm512_and_si512(x, nibble);
+                odd[r] = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
+                if IMAGE {
+                    // Lanes past the nibbles become image[0], against zero codes.
+                    even[r] = _mm512_shuffle_epi8(image, even[r]);
+                    odd[r] = _mm512_shuffle_epi8(image, odd[r]);
+                }
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let p = b.codes.as_ptr().add(j * b.code_stride + c);
+                let qe = _mm512_maskz_loadu_epi8(mask, p.cast());
+                let qo = _mm512_maskz_loadu_epi8(mask, p.add(half).cast());
+                for ((a, e), o) in acc.iter_mut().zip(&even).zip(&odd) {
+                    *a = _mm512_dpbusd_epi32(*a, *e, qe);
+                    *a = _mm512_dpbusd_epi32(*a, *o, qo);
+                }
+            }
+        } else if half > 0 {
+            let mask = (1u64 << half) - 1;
+            let mut v = [_mm512_setzero_si512(); R];
+            for (r, v) in v.iter_mut().enumerate() {
+                let x = _mm512_maskz_loadu_epi8(mask, row(r).add(c / 2).cast());
+                let even = _mm512_and_si512(x, nibble);
+                let odd = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
+                *v = _mm512_inserti64x4::<1>(even, _mm512_castsi512_si256(odd));
+                if IMAGE {
+                    *v = _mm512_shuffle_epi8(image, *v);
+                }
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let p = b.codes.as_ptr().add(j * b.code_stride + c);
+                let qe = _mm512_maskz_loadu_epi8(mask, p.cast());
+                let qo = _mm512_maskz_loadu_epi8(mask, p.add(half).cast());
+                let q = _mm512_inserti64x4::<1>(qe, _mm512_castsi512_si256(qo));
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    *a = _mm512_dpbusd_epi32(*a, *v, q);
+                }
+            }
         }
         acc
     }

@@ -1,0 +1,110 @@
+//! `decode_rows_view_packed`: unprotected 4-bit levels read in place, two
+//! per byte, hold the levels `decode_rows_view` unpacks, level for level;
+//! everything else reads as `decode_rows_view` reads it.
+
+use kv_quant::{DecodeScratch, GatheredLevels, KvStore, LevelPacking, LevelRows, RowsView};
+
+const TOKENS: usize = 40;
+const CHANNELS: usize = 64;
+
+fn values(seed: u32) -> Vec<f32> {
+    (0..TOKENS * CHANNELS)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
+        .collect()
+}
+
+fn store(form: &str) -> KvStore {
+    KvStore::quantize(form.parse().unwrap(), &values(3), TOKENS, CHANNELS).unwrap()
+}
+
+fn levels<'s>(view: RowsView<'s>, form: &str) -> LevelRows<'s> {
+    match view {
+        RowsView::Levels(l) => l,
+        RowsView::Values(_) => panic!("{form} reads as values"),
+    }
+}
+
+#[test]
+fn packed_views_hold_the_unpacked_levels() {
+    for form in ["int4", "int4-g32", "int4-sym", "int4-ch", "nf4", "nf4-g32"] {
+        let store = store(form);
+        for (start, count) in [(0, TOKENS), (3, 17), (39, 1)] {
+            let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());
+            let (plain, plain_stats) = store.decode_rows_view(start, count, &mut a).unwrap();
+            let (packed, packed_stats) =
+                store.decode_rows_view_packed(start, count, &mut b).unwrap();
+            assert_eq!(plain_stats, packed_stats, "{form}");
+            let (plain, packed) = (levels(plain, form), levels(packed, form));
+            assert_eq!(plain.packing, LevelPacking::Bytes);
+            assert_eq!(packed.packing, LevelPacking::Nibbles, "{form}");
+            assert_eq!(packed.levels.len(), count * CHANNELS / 2);
+            assert_eq!((packed.rows(), packed.row_bytes()), (count, CHANNELS / 2));
+            for r in 0..count {
+                for c in 0..CHANNELS {
+                    assert_eq!(packed.level(r, c), plain.level(r, c), "{form} ({r}, {c})");
+                    assert_eq!(packed.value(r, c).to_bits(), plain.value(r, c).to_bits());
+                }
+            }
+            let mut buffer = Vec::new();
+            assert_eq!(packed.unpacked(&mut buffer).levels, plain.levels, "{form}");
+            let (mut x, mut y) = (vec![0.0; count * CHANNELS], vec![0.0; count * CHANNELS]);
+            plain.dequantize_into(&mut x);
+            packed.dequantize_into(&mut y);
+            assert_eq!(x, y, "{form}");
+            if count > 4 {
+                let (p, q) = (plain.sub_rows(2, 3), packed.sub_rows(2, 3));
+                assert_eq!(q.rows(), 3);
+                assert_eq!(q.unpacked(&mut buffer).levels, p.levels, "{form}");
+                assert_eq!(q.scale, p.scale);
+            }
+        }
+    }
+}
+
+#[test]
+fn other_forms_read_as_the_plain_view() {
+    for form in [
+        "int8",
+        "int3",
+        "int4+secded84",
+        "int4+golay24",
+        "fp8-e4m3-tok",
+    ] {
+        let store = store(form);
+        let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());
+        let plain = levels(store.decode_rows_view(1, 9, &mut a).unwrap().0, form);
+        let packed = levels(store.decode_rows_view_packed(1, 9, &mut b).unwrap().0, form);
+        assert_eq!(packed.packing, LevelPacking::Bytes, "{form}");
+        assert_eq!(packed.levels, plain.levels, "{form}");
+    }
+    // Values forms stay values.
+    let fp16 = store("fp16");
+    let mut scratch = DecodeScratch::new();
+    let view = fp16.decode_rows_view_packed(0, 4, &mut scratch).unwrap().0;
+    assert!(matches!(view, RowsView::Values(_)));
+}
+
+/// Packed rows gathered side by side read as the unpacked rows would.
+#[test]
+fn gathered_packed_rows_equal_gathered_plain_rows() {
+    let store = store("int4");
+    let (mut plain, mut packed) = (GatheredLevels::default(), GatheredLevels::default());
+    for (start, count) in [(24, 8), (3, 5), (39, 1)] {
+        let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());
+        let p = levels(
+            store.decode_rows_view(start, count, &mut a).unwrap().0,
+            "int4",
+        );
+        let q = levels(
+            store
+                .decode_rows_view_packed(start, count, &mut b)
+                .unwrap()
+                .0,
+            "int4",
+        );
+        assert!(plain.push(&p) && packed.push(&q));
+    }
+    let (p, q) = (plain.view(&store).unwrap(), packed.view(&store).unwrap());
+    assert_eq!(q.packing, LevelPacking::Bytes);
+    assert_eq!((p.levels, p.scale, p.offset), (q.levels, q.scale, q.offset));
+}
