@@ -108,6 +108,8 @@ pub(crate) struct IntScratch {
     /// Per row: the scale and the offset factor of the current segment.
     seg_a: Vec<f32>,
     seg_b: Vec<f32>,
+    /// The group (within a row) `seg_a` and `seg_b` hold, in this tile.
+    seg_group: Option<usize>,
     /// One head's query times its per-channel scales.
     folded: Vec<f32>,
     /// What `codes`, `scale` and `constant` were computed from: the
@@ -374,6 +376,7 @@ fn along_rows(
     }
     scratch.seg_a.resize(rows, 0.0);
     scratch.seg_b.resize(rows, 0.0);
+    scratch.seg_group = None;
     let mut pass = RowSegments {
         ctx,
         scratch,
@@ -426,7 +429,9 @@ impl HeadBlockPass for RowSegments<'_, '_> {
             // `a·(l − mid) = a·l + (−mid·a)`).
             let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
             let g = c / cpg;
-            if keys.tokens_per_group() == 1 {
+            if scratch.seg_group == Some(g) {
+                // Filled for an earlier KV head (whole-row groups: once a tile).
+            } else if keys.tokens_per_group() == 1 {
                 // Per-token groups: row `t`'s group here is `t·per_row + g`,
                 // read with a stride (unit for whole-row groups, as `int4`'s),
                 // without the layout's divisions or bounds checks per row.
@@ -465,6 +470,7 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                     };
                 }
             }
+            scratch.seg_group = Some(g);
             for j in 0..H {
                 let h = h0 + j;
                 let q_sum = scratch.q_sums[h * d + (c - first)];
