@@ -424,7 +424,6 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 image: ctx.image,
             };
             scratch.dot_products(*ctx, block, h0 * d, c - first, prefetch);
-            let sums = &scratch.dots[..H * rows];
             // The segment's scale and offset term per row (centred levels:
             // `a·(l − mid) = a·l + (−mid·a)`).
             let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
@@ -476,19 +475,62 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 let q_sum = scratch.q_sums[h * d + (c - first)];
                 let s_q = scratch.scale[h];
                 let w = &mut weights[h * rows..][..rows];
-                let terms = sums[j * rows..][..rows]
-                    .iter()
-                    .zip(seg_a.iter().zip(seg_b.iter()));
-                let term = |(&dot, (&a, &b)): (&f32, (&f32, &f32))| a * (s_q * dot) + b * q_sum;
-                if segment == 0 {
-                    w.iter_mut().zip(terms).for_each(|(w, x)| *w = term(x));
-                } else {
-                    w.iter_mut().zip(terms).for_each(|(w, x)| *w += term(x));
+                let params = (&*seg_a, &*seg_b, s_q, q_sum, segment == 0);
+                match ctx.codes {
+                    QueryCodes::Int8 => finish_segment(w, &scratch.sums[j * rows..][..rows], params),
+                    QueryCodes::Int16 => {
+                        finish_segment(w, &scratch.dots[j * rows..][..rows], params)
+                    }
                 }
             }
             segment += 1;
             c = end;
         }
+    }
+}
+
+/// A dot product as the finishing reads it: an int8 code's exact i32 sum,
+/// or a wide code's combined sum already rounded to f32.
+trait DotValue: Copy {
+    fn value(self) -> f32;
+}
+
+impl DotValue for i32 {
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self as f32
+    }
+}
+
+impl DotValue for f32 {
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self
+    }
+}
+
+/// One head's scores of a segment (groups along rows): `w_t (+)= a_t·(s_q·dot_t)
+/// + b_t·Σq`, assigned for the first segment and added after.
+#[inline(always)]
+fn finish_segment<T: DotValue>(
+    w: &mut [f32],
+    dots: &[T],
+    (seg_a, seg_b, s_q, q_sum, first): (&[f32], &[f32], f32, f32, bool),
+) {
+    let terms = dots.iter().zip(seg_a.iter().zip(seg_b));
+    let term = |(&dot, (&a, &b)): (&T, (&f32, &f32))| a * (s_q * dot.value()) + b * q_sum;
+    if first {
+        w.iter_mut().zip(terms).for_each(|(w, x)| *w = term(x));
+    } else {
+        w.iter_mut().zip(terms).for_each(|(w, x)| *w += term(x));
+    }
+}
+
+/// One head's scores of a run of rows (per-channel groups): `s·dot + k`.
+#[inline(always)]
+fn finish_run<T: DotValue>(w: &mut [f32], dots: &[T], s: f32, k: f32) {
+    for (w, &dot) in w.iter_mut().zip(dots) {
+        *w = s * dot.value() + k;
     }
 }
 
@@ -612,13 +654,13 @@ impl HeadBlockPass for ChannelRun<'_, '_> {
         };
         self.scratch
             .dot_products(self.ctx, block, h0 * d, 0, self.prefetch);
-        let sums = &self.scratch.dots[..H * run];
         for j in 0..H {
             let h = h0 + j;
             let (s, k) = (self.scratch.scale[h], self.scratch.constant[h]);
             let w = &mut self.weights[h * rows + t0..][..run];
-            for (w, &dot) in w.iter_mut().zip(&sums[j * run..][..run]) {
-                *w = s * dot + k;
+            match self.ctx.codes {
+                QueryCodes::Int8 => finish_run(w, &self.scratch.sums[j * run..][..run], s, k),
+                QueryCodes::Int16 => finish_run(w, &self.scratch.dots[j * run..][..run], s, k),
             }
         }
     }
@@ -628,9 +670,10 @@ impl IntScratch {
     /// The dot products of `block` with the query codes of its heads, the
     /// first head's codes at `head_start` (head `j` at `head_start +
     /// j·block.code_stride`) and the segment at channel `offset` of the
-    /// head, as f32 in `self.dots[..heads·rows]`. Packed levels read the
-    /// code planes. Wide codes combine their halves exactly (`256·hi + lo`
-    /// in i64) before the one rounding to f32.
+    /// head: int8 codes' in `self.sums[..heads·rows]`, wide codes' as f32
+    /// in `self.dots[..heads·rows]`, their halves combined exactly
+    /// (`256·hi + lo` in i64) before the one rounding to f32. Packed levels
+    /// read the split codes.
     fn dot_products(
         &mut self,
         ctx: Context<'_, '_>,
@@ -656,11 +699,7 @@ impl IntScratch {
         integer_sums(ctx.dot, hi, &mut self.sums[..n], prefetch);
         let dots = &mut self.dots[..n];
         match ctx.codes {
-            QueryCodes::Int8 => {
-                for (d, &s) in dots.iter_mut().zip(&self.sums[..n]) {
-                    *d = s as f32;
-                }
-            }
+            QueryCodes::Int8 => {}
             QueryCodes::Int16 => {
                 let lo = DotBlock {
                     codes: &self.codes_lo[code_start..],
