@@ -477,7 +477,9 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 let w = &mut weights[h * rows..][..rows];
                 let params = (&*seg_a, &*seg_b, s_q, q_sum, segment == 0);
                 match ctx.codes {
-                    QueryCodes::Int8 => finish_segment(w, &scratch.sums[j * rows..][..rows], params),
+                    QueryCodes::Int8 => {
+                        finish_segment(w, &scratch.sums[j * rows..][..rows], params)
+                    }
                     QueryCodes::Int16 => {
                         finish_segment(w, &scratch.dots[j * rows..][..rows], params)
                     }
