@@ -716,6 +716,35 @@ fn dequantize_columns(kind: Kind, out: &mut [f32], levels: &[u8], a: &[f32], b: 
     }
 }
 
+/// Whether every f16 metadata word of `words` has a zero syndrome against
+/// its `CB` check bytes (little-endian) and its value (`values`, already
+/// widened) is one the writers could have written: the clean case of
+/// [`Section::load_params_f16`], without a branch per word.
+fn clean_words<const CB: usize>(
+    code: &MetaCode,
+    words: &[u8],
+    checks: &[u8],
+    values: &[f32],
+    bound: &super::ParamBound,
+    is_scale: bool,
+) -> bool {
+    let syndromes =
+        words
+            .chunks_exact(2)
+            .zip(checks.as_chunks::<CB>().0)
+            .fold(0u32, |any, (w, c)| {
+                let check = c
+                    .iter()
+                    .rev()
+                    .fold(0u32, |word, &byte| word << 8 | u32::from(byte));
+                any | code.syndrome16(u16::from_le_bytes([w[0], w[1]]), check)
+            });
+    syndromes == 0
+        && values
+            .iter()
+            .fold(true, |ok, &v| ok & bound.admits(v, is_scale))
+}
+
 #[cfg(test)]
 mod tests {
     use gf2_codes::channel::BinarySymmetric;
@@ -767,33 +796,4 @@ mod tests {
         }
         assert!(detected > 0, "no detected word exercised the erasure");
     }
-}
-
-/// Whether every f16 metadata word of `words` has a zero syndrome against
-/// its `CB` check bytes (little-endian) and its value (`values`, already
-/// widened) is one the writers could have written: the clean case of
-/// [`Section::load_params_f16`], without a branch per word.
-fn clean_words<const CB: usize>(
-    code: &MetaCode,
-    words: &[u8],
-    checks: &[u8],
-    values: &[f32],
-    bound: &super::ParamBound,
-    is_scale: bool,
-) -> bool {
-    let syndromes =
-        words
-            .chunks_exact(2)
-            .zip(checks.as_chunks::<CB>().0)
-            .fold(0u32, |any, (w, c)| {
-                let check = c
-                    .iter()
-                    .rev()
-                    .fold(0u32, |word, &byte| word << 8 | u32::from(byte));
-                any | code.syndrome16(u16::from_le_bytes([w[0], w[1]]), check)
-            });
-    syndromes == 0
-        && values
-            .iter()
-            .fold(true, |ok, &v| ok & bound.admits(v, is_scale))
 }
