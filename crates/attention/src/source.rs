@@ -390,7 +390,7 @@ impl BlockedScratch {
             let first = row - t % block;
             self.decode
                 .limit_neighbours(Some(first..(first + block).min(store.tokens())));
-            let (view, s) = store.decode_rows_view(row, n, &mut self.decode)?;
+            let (view, s) = store.decode_rows_view_packed(row, n, &mut self.decode)?;
             let RowsView::Levels(levels) = view else {
                 return Ok(None);
             };

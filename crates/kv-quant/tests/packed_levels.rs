@@ -84,12 +84,19 @@ fn other_forms_read_as_the_plain_view() {
     assert!(matches!(view, RowsView::Values(_)));
 }
 
-/// Packed rows gathered side by side read as the unpacked rows would.
+/// Packed rows gathered side by side stay packed and hold the unpacked
+/// rows' levels; packed rows pushed after unpacked ones are unpacked, and
+/// unpacked rows after packed ones are refused.
 #[test]
 fn gathered_packed_rows_equal_gathered_plain_rows() {
     let store = store("int4");
-    let (mut plain, mut packed) = (GatheredLevels::default(), GatheredLevels::default());
-    for (start, count) in [(24, 8), (3, 5), (39, 1)] {
+    let pieces = [(24, 8), (3, 5), (39, 1)];
+    let (mut plain, mut packed, mut mixed) = (
+        GatheredLevels::default(),
+        GatheredLevels::default(),
+        GatheredLevels::default(),
+    );
+    for (i, &(start, count)) in pieces.iter().enumerate() {
         let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());
         let p = levels(
             store.decode_rows_view(start, count, &mut a).unwrap().0,
@@ -103,8 +110,21 @@ fn gathered_packed_rows_equal_gathered_plain_rows() {
             "int4",
         );
         assert!(plain.push(&p) && packed.push(&q));
+        assert!(mixed.push(if i == 0 { &p } else { &q }));
+        if i > 0 {
+            assert!(!packed.clone().push(&p), "bytes after nibbles are refused");
+        }
     }
-    let (p, q) = (plain.view(&store).unwrap(), packed.view(&store).unwrap());
-    assert_eq!(q.packing, LevelPacking::Bytes);
-    assert_eq!((p.levels, p.scale, p.offset), (q.levels, q.scale, q.offset));
+    let (p, q, m) = (
+        plain.view(&store).unwrap(),
+        packed.view(&store).unwrap(),
+        mixed.view(&store).unwrap(),
+    );
+    assert_eq!(q.packing, LevelPacking::Nibbles);
+    assert_eq!(m.packing, LevelPacking::Bytes);
+    assert_eq!((p.levels, p.scale, p.offset), (m.levels, m.scale, m.offset));
+    assert_eq!(q.rows(), 14);
+    let mut buffer = Vec::new();
+    assert_eq!(q.unpacked(&mut buffer).levels, p.levels);
+    assert_eq!((q.scale, q.offset), (p.scale, p.offset));
 }

@@ -335,15 +335,19 @@ impl KvStore {
 }
 
 /// Level rows read from several places of one store (each a
-/// [`RowsView::Levels`] of [`KvStore::decode_rows_view`]), copied side by
-/// side with their group parameters, to be read as one view: a paged
-/// cache's tile over pages that are not adjacent. Per-token groups make a
-/// row's parameters its own, so the view gives each row the values its own
-/// view gave. Only views can be pushed, so the levels are always ones the
-/// store's decoder wrote (no level above the form's largest).
+/// [`RowsView::Levels`] of [`KvStore::decode_rows_view`] or
+/// [`KvStore::decode_rows_view_packed`]), copied side by side with their
+/// group parameters, to be read as one view: a paged cache's tile over
+/// pages that are not adjacent. Per-token groups make a row's parameters
+/// its own, so the view gives each row the values its own view gave. Only
+/// views can be pushed, so the levels are always ones the store's decoder
+/// wrote (no level above the form's largest). The view is packed as the
+/// first rows pushed were; later rows packed two per byte are unpacked
+/// to match one per byte.
 #[derive(Clone, Debug, Default)]
 pub struct GatheredLevels {
     levels: Vec<u8>,
+    packing: Option<LevelPacking>,
     scale: Vec<f32>,
     offset: Vec<f32>,
     /// The section the rows came from (its address, form and channels),
@@ -358,11 +362,12 @@ impl GatheredLevels {
         self.scale.clear();
         self.offset.clear();
         self.section = None;
+        self.packing = None;
     }
 
     /// Appends the rows of `rows`; `false` (appending nothing) unless their
-    /// groups are per token and they come from the same store as the rows
-    /// held.
+    /// groups are per token, they come from the same store as the rows
+    /// held, and they are not one per byte where those are two per byte.
     pub fn push(&mut self, rows: &LevelRows<'_>) -> bool {
         let from = rows.section;
         let section = (
@@ -373,15 +378,17 @@ impl GatheredLevels {
         if rows.tokens_per_group() != 1 || self.section.is_some_and(|s| s != section) {
             return false;
         }
-        self.section = Some(section);
-        match rows.packing {
-            LevelPacking::Bytes => self.levels.extend_from_slice(rows.levels),
-            LevelPacking::Nibbles => {
+        let packing = *self.packing.get_or_insert(rows.packing);
+        match (packing, rows.packing) {
+            (LevelPacking::Nibbles, LevelPacking::Bytes) => return false,
+            (LevelPacking::Bytes, LevelPacking::Nibbles) => {
                 let n = self.levels.len();
                 self.levels.resize(n + rows.rows() * from.channels, 0);
                 crate::simd::unpack_nibbles(rows.levels, &mut self.levels[n..]);
             }
+            _ => self.levels.extend_from_slice(rows.levels),
         }
+        self.section = Some(section);
         self.scale.extend_from_slice(rows.scale);
         self.offset.extend_from_slice(rows.offset);
         true
@@ -399,8 +406,13 @@ impl GatheredLevels {
         );
         let map = section.coding.kind.level_map()?;
         let groups = section.layout.as_ref()?.groups_per_block;
-        let rows = self.levels.len() / section.channels.max(1);
-        let whole = self.levels.len() == rows * section.channels
+        let packing = self.packing?;
+        let row_bytes = match packing {
+            LevelPacking::Bytes => section.channels,
+            LevelPacking::Nibbles => section.channels / 2,
+        };
+        let rows = self.levels.len() / row_bytes.max(1);
+        let whole = self.levels.len() == rows * row_bytes
             && self.scale.len() == rows * groups
             && self.offset.len() == rows * groups;
         (self.section == Some(ours) && whole && rows >= 1 && rows <= section.tokens).then_some(
@@ -408,7 +420,7 @@ impl GatheredLevels {
                 section,
                 start: 0,
                 levels: &self.levels,
-                packing: LevelPacking::Bytes,
+                packing,
                 scale: &self.scale,
                 offset: &self.offset,
                 map,
