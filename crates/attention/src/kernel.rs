@@ -132,8 +132,15 @@ pub(crate) fn attend_tile(
             (keys, true)
         }
         (TileRows::Levels(levels), codes) => {
+            // Packed keys whose layout the integer path cannot read packed
+            // are unpacked and offered to it again; a tile it declined as
+            // it was (a non-finite query) is scored exactly.
+            let retry = codes.filter(|&codes| {
+                levels.packing == kv_quant::LevelPacking::Nibbles
+                    && !int8_query::reads_packed(&levels, geometry, codes)
+            });
             let levels = levels.unpacked(key_levels);
-            let scored = codes.is_some_and(|codes| score(&levels, codes));
+            let scored = retry.is_some_and(|codes| score(&levels, codes));
             (TileRows::Levels(levels), scored)
         }
         (keys, _) => (keys, false),
@@ -305,7 +312,8 @@ pub(crate) fn widen_rows<'a>(rows: TileRows<'a>, buffer: &'a mut Vec<f32>) -> &'
             buffer
         }
         TileRows::Levels(levels) => {
-            buffer.resize(levels.levels.len(), 0.0);
+            // Values, not bytes: packed levels hold two per byte.
+            buffer.resize(levels.rows() * levels.channels(), 0.0);
             levels.dequantize_into(buffer);
             buffer
         }

@@ -293,3 +293,51 @@ fn auto_numerics_pick_by_layout() {
         assert_eq!(mixed.lse, run(like).lse, "{kf}/{vf}: the scores' path");
     }
 }
+
+/// INT4 values are read packed two per byte by the integer value pass; a
+/// tile that pass declines (a scale whose sign a metadata fault flipped: a
+/// negative product is outside the weight codes' range) is summed by the
+/// f32 pass from the same packed levels, giving what `Exact` gives. The
+/// keys are FP16, scored alike by every numerics.
+#[test]
+fn packed_values_the_integer_pass_declines_take_the_f32_pass() {
+    let shape = HeadShape::new(4, 2, 64).unwrap();
+    let ch = shape.kv_channels();
+    let (k, v, q) = (
+        uniform(11, TOKENS * ch, 1.0),
+        uniform(12, TOKENS * ch, 1.0),
+        uniform(13, shape.q_len(), 1.0),
+    );
+    let keys = KvStore::quantize("fp16".parse().unwrap(), &k, TOKENS, ch).unwrap();
+    let clean = KvStore::quantize("int4".parse().unwrap(), &v, TOKENS, ch).unwrap();
+    // The sign bit of the f16 scale (and offset: both buffers) of every
+    // 16th row, so that every tile holds one.
+    let mut faulted = clean.clone();
+    let signs: Vec<u64> = (0..TOKENS as u64)
+        .step_by(16)
+        .map(|t| t * 16 + 15)
+        .collect();
+    let flips = gf2_codes::channel::ExactFlips::new(signs);
+    faulted.inject(&flips, 0, kv_quant::FaultTarget::Metadata);
+    let with = |numerics| {
+        let mut a = Attention::new(shape);
+        a.set_numerics(numerics);
+        a
+    };
+    for values in [&clean, &faulted] {
+        let run = |a: &Attention| {
+            a.decode(&q, TOKENS - 1, &keys, values, &Mask::Causal)
+                .unwrap()
+        };
+        let exact = run(&with(Numerics::Exact));
+        for numerics in [Numerics::Auto, Numerics::Int8Query] {
+            let got = run(&with(numerics));
+            assert!(got.out.iter().all(|x| x.is_finite()));
+            if std::ptr::eq(values, &faulted) {
+                assert_eq!(got.out, exact.out, "{numerics:?}: the f32 value pass");
+            } else {
+                assert_ne!(got.out, exact.out, "{numerics:?}: the integer value pass");
+            }
+        }
+    }
+}

@@ -68,6 +68,7 @@ fn other_forms_read_as_the_plain_view() {
         "int3",
         "int4+secded84",
         "int4+golay24",
+        "nf4+secded84",
         "fp8-e4m3-tok",
     ] {
         let store = store(form);
@@ -76,7 +77,18 @@ fn other_forms_read_as_the_plain_view() {
         let packed = levels(store.decode_rows_view_packed(1, 9, &mut b).unwrap().0, form);
         assert_eq!(packed.packing, LevelPacking::Bytes, "{form}");
         assert_eq!(packed.levels, plain.levels, "{form}");
+        assert_eq!((packed.row_bytes(), packed.rows()), (CHANNELS, 9), "{form}");
+        assert_eq!(packed.level(2, 5), plain.levels[2 * CHANNELS + 5], "{form}");
     }
+    // Rows of an odd number of channels end inside a byte (padded): read
+    // one level per byte.
+    let odd = KvStore::quantize("int4".parse().unwrap(), &values(5)[..40 * 63], 40, 63).unwrap();
+    let mut scratch = DecodeScratch::new();
+    let view = levels(
+        odd.decode_rows_view_packed(0, 40, &mut scratch).unwrap().0,
+        "int4",
+    );
+    assert_eq!((view.packing, view.row_bytes()), (LevelPacking::Bytes, 63));
     // Values forms stay values.
     let fp16 = store("fp16");
     let mut scratch = DecodeScratch::new();

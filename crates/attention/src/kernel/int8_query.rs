@@ -27,7 +27,8 @@
 //! and a row's 64 bytes give two `vpdpbusd`s, one per half of a block (a
 //! last block of 64 channels or fewer: one, its nibbles side by side).
 //! Segments are then whole blocks of a head: whole-row or per-channel
-//! groups, or groups of a multiple of [`PLANE_BLOCK`] channels.
+//! groups, groups of whole heads, or groups of a multiple of
+//! [`PLANE_BLOCK`] channels where the head dimension is one too.
 //!
 //! The integer sums are exact, and the float finishing is the same scalar
 //! code on every instruction set, so AVX-512 VNNI (`vpdpbusd`) and the
@@ -38,9 +39,6 @@
 use kv_quant::{LevelMap, LevelPacking, LevelRows};
 
 use super::{HeadBlockPass, Prefetcher, TileGeometry, for_head_blocks};
-
-/// Channels per block of the split codes of packed levels.
-pub(crate) const PLANE_BLOCK: usize = 128;
 
 /// Narrowest group along a row the integer path takes: narrower groups
 /// leave too few values per scale for an integer dot product to pay.
@@ -240,8 +238,10 @@ pub(crate) fn scores(
 
 /// Whether [`scores`] can read `keys` as they are: one level per byte, or
 /// packed two per byte with int8 codes and segments of whole blocks of the
-/// split codes (whole-row, per-channel, or multiple-of-[`PLANE_BLOCK`]
-/// groups); other packed keys are scored once unpacked.
+/// split codes (whole-row, per-channel or whole-head groups, or groups of
+/// a multiple of [`PLANE_BLOCK`] channels with a head dimension that is
+/// one too: [`split_planes`] blocks start at a head's first channel);
+/// other packed keys are scored once unpacked.
 pub(crate) fn reads_packed(
     keys: &LevelRows<'_>,
     geometry: TileGeometry,
@@ -251,7 +251,9 @@ pub(crate) fn reads_packed(
     keys.packing == LevelPacking::Bytes
         || (codes == QueryCodes::Int8
             && d % 2 == 0
-            && (cpg == 1 || cpg.is_multiple_of(d) || cpg.is_multiple_of(PLANE_BLOCK)))
+            && (cpg == 1
+                || cpg.is_multiple_of(d)
+                || (cpg.is_multiple_of(PLANE_BLOCK) && d.is_multiple_of(PLANE_BLOCK))))
 }
 
 /// [`layouts`] compiled with AVX-512, so that the coding and finishing
@@ -765,30 +767,6 @@ fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Optio
     Some(peak / max)
 }
 
-/// Splits one head's int8 codes (an even number) block by block: each
-/// block of [`PLANE_BLOCK`] channels (the last one shorter) holds its even
-/// channels' codes, then its odd channels'.
-fn split_planes(codes: &[i8], planes: &mut [i8]) {
-    for (block, out) in codes
-        .chunks(PLANE_BLOCK)
-        .zip(planes.chunks_mut(PLANE_BLOCK))
-    {
-        let (even, odd) = out.split_at_mut(block.len() / 2);
-        for ((pair, e), o) in block.chunks_exact(2).zip(even).zip(odd) {
-            (*e, *o) = (pair[0], pair[1]);
-        }
-    }
-}
-
-/// Where [`split_planes`] puts channel `c` of a segment of `len` channels
-/// that starts a block.
-#[inline(always)]
-fn plane_index(c: usize, len: usize) -> usize {
-    let base = c / PLANE_BLOCK * PLANE_BLOCK;
-    let half = (len - base).min(PLANE_BLOCK) / 2;
-    base + (c - base) / 2 + if c % 2 == 1 { half } else { 0 }
-}
-
 /// `Σ x_c·y_c` (or `Σ x_c` with `y` = `None`) in 16 lanes with a fixed
 /// order, so the compiler vectorizes it and every ISA gets the same bits.
 fn lane_sum(x: &[f32], y: Option<&[f32]>) -> f32 {
@@ -892,8 +870,11 @@ fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
     }
 }
 
+mod planes;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
+
+pub(crate) use planes::{PLANE_BLOCK, plane_index, split_planes};
 
 #[cfg(test)]
 mod tests;

@@ -63,7 +63,8 @@ pub(crate) struct ValueScratch {
 
 /// Whether the integer value pass takes value rows `levels` of a tile of
 /// `geometry`: per-token groups of a multiple of 16 channels, integer
-/// levels, and head dimensions a multiple of 16.
+/// levels, and head dimensions a multiple of 16 (both of 32 for levels
+/// packed two per byte).
 pub(crate) fn takes(levels: &LevelRows<'_>, geometry: TileGeometry) -> bool {
     let packed = levels.packing == LevelPacking::Nibbles;
     levels.tokens_per_group() == 1

@@ -213,9 +213,10 @@ impl<'s> LevelRows<'s> {
 pub enum RowsView<'s> {
     /// Levels and group parameters, to be turned into values by the reader.
     Levels(LevelRows<'s>),
-    /// Values, decoded into the scratch: the float, FP8, NF4, Lloyd-Max and
-    /// VQ forms, rows of the exact sink and window, and rows holding erased
-    /// values (the erasure policy needs the values of their neighbours).
+    /// Values, decoded into the scratch: the float (FP32, FP16, BF16),
+    /// Lloyd-Max and VQ forms, rows of the exact sink and window, and rows
+    /// holding erased values (the erasure policy needs the values of their
+    /// neighbours).
     Values(&'s [f32]),
 }
 

@@ -355,3 +355,78 @@ fn sixteen_bit_codes_split_into_int8_halves_exactly() {
         );
     }
 }
+
+/// Packed keys are scored as they are only where every segment is whole
+/// blocks of the split codes, which start at each head's first channel;
+/// there the scores are the unpacked keys' bit for bit, and elsewhere
+/// `scores` declines them (they are unpacked first). Groups of 128
+/// channels qualify only where the head dimension is a multiple of 128.
+#[test]
+fn packed_keys_are_read_as_they_are_only_in_whole_blocks() {
+    let cases = [
+        // (group, kv_heads, d, form, read packed)
+        (2, 4, 96, "int4", true),
+        (2, 4, 96, "int4-ch", true),
+        (2, 4, 96, "int4-g128", false),
+        (2, 4, 96, "nf4-g128", false),
+        (2, 4, 96, "int4-g192", true),
+        (2, 4, 96, "int4-g64", false),
+        (2, 2, 192, "int4-g128", false),
+        (2, 2, 192, "int4-g64", false),
+        (1, 2, 256, "int4-g128", true),
+        (1, 2, 256, "nf4-g128", true),
+        (3, 3, 64, "int4-g64", true),
+        (3, 3, 64, "nf4", true),
+    ];
+    for (group, kv_heads, d, form, expect) in cases {
+        let geometry = TileGeometry { group, kv_heads, d };
+        let (ch, heads, rows) = (kv_heads * d, kv_heads * group, 21);
+        let q = crate::kernel::test_values(1, heads * d, 1.0);
+        let k = crate::kernel::test_values(2, rows * ch, 1.0);
+        let store = kv_quant::KvStore::quantize(form.parse().unwrap(), &k, rows, ch).unwrap();
+        let (mut a, mut b) = (
+            kv_quant::DecodeScratch::new(),
+            kv_quant::DecodeScratch::new(),
+        );
+        fn view<'s>(v: kv_quant::RowsView<'s>) -> LevelRows<'s> {
+            match v {
+                kv_quant::RowsView::Levels(l) => l,
+                kv_quant::RowsView::Values(_) => panic!("integer forms give levels"),
+            }
+        }
+        let plain = view(store.decode_rows_view(0, rows, &mut a).unwrap().0);
+        let packed = view(store.decode_rows_view_packed(0, rows, &mut b).unwrap().0);
+        assert_eq!(packed.packing, kv_quant::LevelPacking::Nibbles, "{form}");
+        let reads = reads_packed(&packed, geometry, QueryCodes::Int8);
+        assert_eq!(reads, expect, "{form} at d = {d}");
+        assert!(
+            !reads_packed(&packed, geometry, QueryCodes::Int16),
+            "{form}"
+        );
+        let run = |levels: &LevelRows<'_>, dot| {
+            let mut w = vec![f32::NAN; heads * rows];
+            let taken = scores(
+                &q,
+                levels,
+                geometry,
+                QueryCodes::Int8,
+                dot,
+                &mut IntScratch::default(),
+                &mut w,
+                &mut Prefetcher::new(None, 1),
+            );
+            taken.then_some(w)
+        };
+        let want = run(&plain, Dot::Portable).expect("unpacked keys take the integer path");
+        let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for dot in [Dot::Portable, Dot::detect()] {
+            match run(&packed, dot) {
+                Some(got) => {
+                    assert!(expect, "{form} at d = {d}: read packed");
+                    assert_eq!(bits(&got), bits(&want), "{form} at d = {d}, {dot:?}");
+                }
+                None => assert!(!expect, "{form} at d = {d}: declined"),
+            }
+        }
+    }
+}
