@@ -3,6 +3,14 @@
 
 use super::*;
 
+/// The levels of an integer form's view (which never reads as values here).
+fn level_view(view: kv_quant::RowsView<'_>) -> LevelRows<'_> {
+    match view {
+        kv_quant::RowsView::Levels(l) => l,
+        kv_quant::RowsView::Values(_) => panic!("integer forms give levels"),
+    }
+}
+
 /// The NF4 image is `128 + round(127·level)` in f64, every level is
 /// within `NF4_IMAGE_ERROR` of its image, and that bound is tight to
 /// 1e-4 (a looser constant would understate the path's accuracy).
@@ -188,34 +196,23 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
         .iter()
         .map(|f| kv_quant::KvStore::quantize(f.parse().unwrap(), &k, rows, ch).unwrap())
         .collect();
-    let mut decodes: Vec<kv_quant::DecodeScratch> = forms
-        .iter()
-        .map(|_| kv_quant::DecodeScratch::new())
-        .collect();
+    let scratch = || -> Vec<kv_quant::DecodeScratch> {
+        forms
+            .iter()
+            .map(|_| kv_quant::DecodeScratch::new())
+            .collect()
+    };
+    let (mut decodes, mut packed_decodes) = (scratch(), scratch());
     let levels: Vec<LevelRows<'_>> = stores
         .iter()
         .zip(decodes.iter_mut())
-        .map(
-            |(s, dec)| match s.decode_rows_view(0, rows, dec).unwrap().0 {
-                kv_quant::RowsView::Levels(l) => l,
-                kv_quant::RowsView::Values(_) => panic!("{} gives values", s.form()),
-            },
-        )
+        .map(|(s, dec)| level_view(s.decode_rows_view(0, rows, dec).unwrap().0))
         .collect();
     // The 4-bit forms' levels as stored, two per byte.
-    let mut packed_decodes: Vec<kv_quant::DecodeScratch> = forms
-        .iter()
-        .map(|_| kv_quant::DecodeScratch::new())
-        .collect();
     let packed: Vec<LevelRows<'_>> = stores
         .iter()
         .zip(packed_decodes.iter_mut())
-        .map(
-            |(s, dec)| match s.decode_rows_view_packed(0, rows, dec).unwrap().0 {
-                kv_quant::RowsView::Levels(l) => l,
-                kv_quant::RowsView::Values(_) => panic!("{} gives values", s.form()),
-            },
-        )
+        .map(|(s, dec)| level_view(s.decode_rows_view_packed(0, rows, dec).unwrap().0))
         .collect();
     let run = |levels: &LevelRows<'_>, codes, dot, scratch: &mut IntScratch| {
         let mut w = vec![f32::NAN; heads * rows];
@@ -388,14 +385,8 @@ fn packed_keys_are_read_as_they_are_only_in_whole_blocks() {
             kv_quant::DecodeScratch::new(),
             kv_quant::DecodeScratch::new(),
         );
-        fn view<'s>(v: kv_quant::RowsView<'s>) -> LevelRows<'s> {
-            match v {
-                kv_quant::RowsView::Levels(l) => l,
-                kv_quant::RowsView::Values(_) => panic!("integer forms give levels"),
-            }
-        }
-        let plain = view(store.decode_rows_view(0, rows, &mut a).unwrap().0);
-        let packed = view(store.decode_rows_view_packed(0, rows, &mut b).unwrap().0);
+        let plain = level_view(store.decode_rows_view(0, rows, &mut a).unwrap().0);
+        let packed = level_view(store.decode_rows_view_packed(0, rows, &mut b).unwrap().0);
         assert_eq!(packed.packing, kv_quant::LevelPacking::Nibbles, "{form}");
         let reads = reads_packed(&packed, geometry, QueryCodes::Int8);
         assert_eq!(reads, expect, "{form} at d = {d}");

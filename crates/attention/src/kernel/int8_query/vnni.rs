@@ -64,6 +64,21 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool>(
     }
 }
 
+/// `b`'s image in every 128-bit lane, for `vpshufb` (NF4 levels are
+/// nibbles: bit 7, which would zero a byte, is never set); zeros without
+/// `IMAGE`.
+#[inline(always)]
+fn image_lanes<const IMAGE: bool>(b: DotBlock<'_>) -> __m512i {
+    // SAFETY: only inlined into `integer_sums` (AVX-512F); the image is 16
+    // readable bytes.
+    unsafe {
+        match b.image {
+            Some(m) if IMAGE => _mm512_broadcast_i32x4(_mm_loadu_si128(m.as_ptr().cast())),
+            _ => _mm512_setzero_si512(),
+        }
+    }
+}
+
 /// The accumulators of heads `j < H` and rows `t..t + R`.
 #[inline(always)]
 fn lanes<const H: usize, const R: usize, const IMAGE: bool>(
@@ -75,12 +90,7 @@ fn lanes<const H: usize, const R: usize, const IMAGE: bool>(
     // `start + len <= ch` of its row or `(H − 1)·code_stride + len` of
     // the codes, the rest masked off.
     unsafe {
-        // The image in every 128-bit lane, for `vpshufb` (NF4 levels are
-        // nibbles: bit 7, which would zero a byte, is never set).
-        let image = match b.image {
-            Some(m) if IMAGE => _mm512_broadcast_i32x4(_mm_loadu_si128(m.as_ptr().cast())),
-            _ => _mm512_setzero_si512(),
-        };
+        let image = image_lanes::<IMAGE>(b);
         let mut acc = [[_mm512_setzero_si512(); R]; H];
         let mut c = 0;
         while c < b.len {
@@ -125,10 +135,7 @@ fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
     // len) / 2 <= ch / 2` of its row, or `(H − 1)·code_stride + len` of
     // the codes, the rest masked off.
     unsafe {
-        let image = match b.image {
-            Some(m) if IMAGE => _mm512_broadcast_i32x4(_mm_loadu_si128(m.as_ptr().cast())),
-            _ => _mm512_setzero_si512(),
-        };
+        let image = image_lanes::<IMAGE>(b);
         let nibble = _mm512_set1_epi8(0x0F);
         let row = |r: usize| b.levels.as_ptr().add((t + r) * (b.ch / 2) + b.start / 2);
         let mut acc = [[_mm512_setzero_si512(); R]; H];
