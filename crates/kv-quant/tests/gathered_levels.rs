@@ -4,14 +4,9 @@
 
 use kv_quant::{DecodeScratch, GatheredLevels, KvStore, RowsView};
 
-const TOKENS: usize = 40;
-const CHANNELS: usize = 64;
+mod common;
 
-fn values(seed: u32) -> Vec<f32> {
-    (0..TOKENS * CHANNELS)
-        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
-        .collect()
-}
+use common::{CHANNELS, TOKENS, values};
 
 /// Pushes rows `start..start + count` of `store`, read as levels.
 fn push(gathered: &mut GatheredLevels, store: &KvStore, start: usize, count: usize) -> bool {

@@ -4,14 +4,9 @@
 
 use kv_quant::{DecodeScratch, GatheredLevels, KvStore, LevelPacking, LevelRows, RowsView};
 
-const TOKENS: usize = 40;
-const CHANNELS: usize = 64;
+mod common;
 
-fn values(seed: u32) -> Vec<f32> {
-    (0..TOKENS * CHANNELS)
-        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
-        .collect()
-}
+use common::{CHANNELS, TOKENS, values};
 
 fn store(form: &str) -> KvStore {
     KvStore::quantize(form.parse().unwrap(), &values(3), TOKENS, CHANNELS).unwrap()
@@ -139,4 +134,39 @@ fn gathered_packed_rows_equal_gathered_plain_rows() {
     let mut buffer = Vec::new();
     assert_eq!(q.unpacked(&mut buffer).levels, p.levels);
     assert_eq!((q.scale, q.offset), (p.scale, p.offset));
+}
+
+/// Packed rows dequantized a few rows at a time (wide rows: several
+/// chunks) and through the heap (rows of more than 4,096 channels) give
+/// the plain view's values; rows outside the store are a typed error.
+#[test]
+fn packed_rows_dequantize_in_chunks_and_refuse_rows_outside() {
+    for (rows, ch) in [(9, 1024), (3, 8192)] {
+        let x: Vec<f32> = (0..rows * ch)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+            .collect();
+        let store = KvStore::quantize("int4".parse().unwrap(), &x, rows, ch).unwrap();
+        let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());
+        let plain = levels(store.decode_rows_view(0, rows, &mut a).unwrap().0, "int4");
+        let packed = levels(
+            store.decode_rows_view_packed(0, rows, &mut b).unwrap().0,
+            "int4",
+        );
+        assert_eq!(packed.packing, LevelPacking::Nibbles);
+        let (mut want, mut got) = (vec![0.0; rows * ch], vec![f32::NAN; rows * ch]);
+        plain.dequantize_into(&mut want);
+        packed.dequantize_into(&mut got);
+        assert_eq!(got, want, "{rows} rows of {ch}");
+    }
+    let store = store("int4");
+    let mut scratch = DecodeScratch::new();
+    for (start, count) in [(TOKENS, 1), (30, 11), (0, TOKENS + 1)] {
+        assert!(
+            store
+                .decode_rows_view_packed(start, count, &mut scratch)
+                .is_err(),
+            "rows {start}..{}",
+            start + count
+        );
+    }
 }

@@ -701,19 +701,15 @@ impl IntScratch {
             }
         };
         integer_sums(ctx.dot, hi, &mut self.sums[..n], prefetch);
-        let dots = &mut self.dots[..n];
-        match ctx.codes {
-            QueryCodes::Int8 => {}
-            QueryCodes::Int16 => {
-                let lo = DotBlock {
-                    codes: &self.codes_lo[code_start..],
-                    ..block
-                };
-                integer_sums(ctx.dot, lo, &mut self.sums_lo[..n], prefetch);
-                let halves = self.sums[..n].iter().zip(&self.sums_lo[..n]);
-                for (d, (&hi, &lo)) in dots.iter_mut().zip(halves) {
-                    *d = (256 * i64::from(hi) + i64::from(lo)) as f32;
-                }
+        if ctx.codes == QueryCodes::Int16 {
+            let lo = DotBlock {
+                codes: &self.codes_lo[code_start..],
+                ..block
+            };
+            integer_sums(ctx.dot, lo, &mut self.sums_lo[..n], prefetch);
+            let halves = self.sums[..n].iter().zip(&self.sums_lo[..n]);
+            for (d, (&hi, &lo)) in self.dots[..n].iter_mut().zip(halves) {
+                *d = (256 * i64::from(hi) + i64::from(lo)) as f32;
             }
         }
     }

@@ -206,10 +206,12 @@ impl Section {
     /// Whether the section's rows are unprotected 4-bit levels, one per
     /// channel, packed two per byte (low nibble first) with no padding: the
     /// stored bytes are then the levels as [`LevelPacking::Nibbles`](super::LevelPacking)
-    /// reads them.
+    /// reads them. With neither a value code nor a metadata code, no value
+    /// is ever erased, so such rows always read as levels.
     pub(crate) fn nibbles_in_place(&self) -> bool {
         self.coding.code_bits == 4
             && self.coding.codec().is_none()
+            && self.coding.meta_code().is_none()
             && self.coding.kind.level_map().is_some()
             && self.coding.codes(self.channels) == self.channels
             && 2 * self.row_bytes == self.channels

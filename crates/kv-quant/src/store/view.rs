@@ -177,24 +177,42 @@ impl<'s> LevelRows<'s> {
             .dequant(level, self.scale[g], self.offset[g])
     }
 
-    /// Writes every value (`rows × channels`), as the decode does (packed
-    /// levels are unpacked into a buffer allocated here first).
+    /// Writes every value (`rows × channels`), as the decode does. Packed
+    /// levels are unpacked a few rows at a time into a stack buffer (into
+    /// the heap only for rows of more than 4,096 channels).
     ///
     /// # Panics
     /// If `out` does not hold `rows × channels` values.
     pub fn dequantize_into(&self, out: &mut [f32]) {
+        const STACK: usize = 4096;
+        let ch = self.channels();
         assert_eq!(
             out.len(),
-            self.rows() * self.channels(),
+            self.rows() * ch,
             "dequantize_into: output length"
         );
+        if self.packing == LevelPacking::Nibbles && ch <= STACK {
+            let mut bytes = [0u8; STACK];
+            let per = STACK / ch;
+            for (first, out) in (0..self.rows()).step_by(per).zip(out.chunks_mut(per * ch)) {
+                let rows = self.sub_rows(first, out.len() / ch);
+                crate::simd::unpack_nibbles(rows.levels, &mut bytes[..out.len()]);
+                rows.dequantize_levels(out, &bytes[..out.len()]);
+            }
+            return;
+        }
         let mut buffer = Vec::new();
         let rows = self.unpacked(&mut buffer);
-        let end = rows.start + rows.rows();
-        let params = (rows.scale, rows.offset);
+        rows.dequantize_levels(out, rows.levels);
+    }
+
+    /// Writes these rows' values from `levels`, one per byte.
+    fn dequantize_levels(&self, out: &mut [f32], levels: &[u8]) {
+        let end = self.start + self.rows();
+        let params = (self.scale, self.offset);
         crate::simd::with_avx2(|| {
-            rows.section
-                .dequantize(rows.start, end, out, rows.levels, params);
+            self.section
+                .dequantize(self.start, end, out, levels, params);
         });
     }
 
@@ -278,13 +296,10 @@ impl KvStore {
         section.ledger_truth(local.start, local.end, &mut stats, scratch)?;
         let rb = section.row_bytes;
         let stored = &section.data[local.start * rb..local.end * rb];
+        // Rows read in place have no code to erase a value (and so never
+        // need `scratch.levels`, which they leave unwritten).
+        debug_assert!(!in_place || stats.erased_values == 0);
         if stats.erased_values > 0 {
-            if in_place {
-                // Not reached today (metadata codes need a value code, and
-                // only unprotected forms are read in place); kept so that
-                // the policy below always reads levels one per byte.
-                crate::simd::unpack_nibbles(stored, grow(&mut scratch.levels, n));
-            }
             let mut values = std::mem::take(&mut scratch.values);
             let out = grow(&mut values, n);
             let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
