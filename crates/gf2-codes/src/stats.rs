@@ -69,6 +69,21 @@ impl DecodeStats {
     pub fn undetected_errors(&self) -> u64 {
         self.miscorrected + self.silent
     }
+
+    /// What a decoder that does not know the truth counts for the same
+    /// words: miscorrected words as corrected and silent ones as clean (a
+    /// device decoder, say, compared with a CPU decode that had a ledger).
+    #[must_use]
+    pub fn without_truth(self) -> Self {
+        Self {
+            words: self.words,
+            clean: self.clean + self.silent,
+            corrected: self.corrected + self.miscorrected,
+            detected: self.detected,
+            miscorrected: 0,
+            silent: 0,
+        }
+    }
 }
 
 impl AddAssign for DecodeStats {
@@ -111,5 +126,25 @@ mod tests {
         t += s;
         assert_eq!(t.words, 12);
         assert_eq!(t.undetected_errors(), 4);
+    }
+
+    #[test]
+    fn without_truth_counts_what_the_decoder_saw() {
+        let mut with = DecodeStats::default();
+        let mut without = DecodeStats::default();
+        for (outcome, right) in [
+            (DecodeOutcome::Clean, true),
+            (DecodeOutcome::Clean, false),
+            (DecodeOutcome::Corrected, false),
+            (DecodeOutcome::Corrected, true),
+            (DecodeOutcome::Corrected, false),
+            (DecodeOutcome::Detected, false),
+        ] {
+            with.record_with_truth(outcome, right);
+            without.record(outcome);
+        }
+        assert_ne!(with, without);
+        assert_eq!(with.without_truth(), without);
+        assert_eq!(without.without_truth(), without);
     }
 }

@@ -6,7 +6,9 @@
 //! against plain cuBLAS. Medians of event-timed repeats after a warm-up.
 //!
 //! `cargo run --release -p gpu-kernels --features cuda --example gpu_bench`
-//! (`-- --quick` for a smaller grid). The PyTorch peer is
+//! (`-- --quick` for a smaller grid; `-- --only attention` or
+//! `-- --only gemm` for one half, so one failing half does not hide the
+//! other's numbers). The PyTorch peer is
 //! `bench/sdpa_peer.py`, run beside it.
 
 use abft_gemm::{Precision, VAbft};
@@ -45,7 +47,16 @@ fn median_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str);
+    if !matches!(only, None | Some("attention" | "gemm")) {
+        return Err(format!("--only takes `attention` or `gemm`, not {only:?}").into());
+    }
     let gpu = Gpu::open_default()?;
     println!("device: {:?}", gpu.info());
     let s = gpu.stream().clone();
@@ -58,7 +69,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let copy_gbs = 2.0 * bytes as f64 / ms / 1e6;
     println!("device-to-device copy: {copy_gbs:.0} GB/s (read + write)");
     drop((src, dst));
+    let mut rng = FaultRng::new(1);
+    if only != Some("gemm") {
+        attention(&gpu, quick, copy_gbs, &mut rng)?;
+    }
+    if only != Some("attention") {
+        checked_gemm(&gpu, &mut rng)?;
+    }
+    Ok(())
+}
 
+/// Fused paged decode for f16, INT4 and SECDED INT4 over the context and
+/// batch grid, as bandwidth against the copy's.
+fn attention(
+    gpu: &Gpu,
+    quick: bool,
+    copy_gbs: f64,
+    rng: &mut FaultRng,
+) -> Result<(), Box<dyn std::error::Error>> {
     let contexts: &[usize] = if quick {
         &[4096, 32768]
     } else {
@@ -66,10 +94,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let batches: &[usize] = if quick { &[1, 16] } else { &[1, 8, 32, 64] };
     let channels = KV_HEADS * HEAD_DIM;
-    let mut rng = FaultRng::new(1);
     let mut row = vec![0f32; channels];
-    println!("\n| form | context | batch | time (ms) | per token (µs) | GB/s | of copy |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("\n| form | kernel | context | batch | time (ms) | per token (µs) | GB/s | of copy |");
+    println!("|---|---|---|---|---|---|---|---|");
     let mut int4_ms = std::collections::HashMap::new();
     for spelling in ["fp16", "int4", "int4+secded84+interp+meta-secded"] {
         let form: CacheForm = spelling.parse()?;
@@ -97,23 +124,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     ids.iter().map(|v| (v.as_slice(), ctx_len)).collect();
                 let table = PageTable::from_tables(&refs, BLOCK)?;
                 let dt = gpu.upload_page_table(&layer, &table)?;
-                let mut ws = gpu.paged_workspace(&layer, &dt, Q_HEADS, None)?;
                 let q: Vec<f32> = (0..batch * Q_HEADS * HEAD_DIM)
                     .map(|_| (rng.next_f64() - 0.5) as f32)
                     .collect();
-                gpu.set_queries(&mut ws, &q)?;
-                let ms = median_ms(&gpu, 20, || {
-                    gpu.launch_paged_decode(&layer, &dt, &mut ws).unwrap()
-                });
-                let moved = layer.bytes_per_token() * (ctx_len * batch) as f64;
-                let gbs = moved / ms / 1e6;
-                println!(
-                    "| {spelling} | {ctx_len} | {batch} | {ms:.3} | {:.3} | {gbs:.0} | {:.2} |",
-                    ms * 1e3 / batch as f64,
-                    gbs / copy_gbs
-                );
-                if spelling.starts_with("int4") {
-                    int4_ms.insert((spelling, ctx_len, batch), (ms, layer.bytes_per_token()));
+                // The default kernel first (tensor cores where they apply),
+                // then the CUDA-core kernel for comparison.
+                let paths: &[bool] = if layer.tensor_cores_apply() {
+                    &[true, false]
+                } else {
+                    &[true]
+                };
+                for &tensor_cores in paths {
+                    let mut ws = gpu.paged_workspace(&layer, &dt, Q_HEADS, None)?;
+                    ws.use_tensor_cores(tensor_cores);
+                    gpu.set_queries(&mut ws, &q)?;
+                    let ms = median_ms(gpu, 20, || {
+                        gpu.launch_paged_decode(&layer, &dt, &mut ws).unwrap()
+                    });
+                    let moved = layer.bytes_per_token() * (ctx_len * batch) as f64;
+                    let gbs = moved / ms / 1e6;
+                    let kernel = gpu.paged_kernel(&layer, &ws);
+                    println!(
+                        "| {spelling} | {kernel} | {ctx_len} | {batch} | {ms:.3} | {:.3} | {gbs:.0} | {:.2} |",
+                        ms * 1e3 / batch as f64,
+                        gbs / copy_gbs
+                    );
+                    if spelling.starts_with("int4") && tensor_cores {
+                        int4_ms.insert((spelling, ctx_len, batch), (ms, layer.bytes_per_token()));
+                    }
                 }
             }
         }
@@ -133,7 +171,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
-    // Checked GEMM at 4096³ BF16.
+    Ok(())
+}
+
+/// The checked BF16 GEMM at 4096³ against plain cuBLAS.
+fn checked_gemm(gpu: &Gpu, rng: &mut FaultRng) -> Result<(), Box<dyn std::error::Error>> {
     let n = 4096;
     let a: Vec<bf16> = (0..n * n)
         .map(|_| bf16::from_f64(rng.next_f64() - 0.5))
@@ -143,8 +185,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let mut g = gpu.checked_gemm(&a, &b, n, n, n)?;
     let rule = VAbft::design(Precision::Bf16.e_max_ascend());
-    let plain = median_ms(&gpu, 30, || gpu.gemm(&mut g).unwrap());
-    let checked = median_ms(&gpu, 30, || {
+    let plain = median_ms(gpu, 30, || gpu.gemm(&mut g).unwrap());
+    let checked = median_ms(gpu, 30, || {
         gpu.gemm(&mut g).unwrap();
         gpu.queue_check(&mut g, &rule).unwrap();
     });

@@ -89,6 +89,7 @@ __device__ __forceinline__ float rkv_interpolate(u32 dl, float l, u32 dr, float 
 // Adds a block's counters to the global ones: warp sums by shuffles, then
 // one atomic per warp and counter (zero counts skip their atomic).
 __device__ __forceinline__ void rkv_add_stats(u64* global, const u32* counts, u32 n) {
+    #pragma unroll
     for (u32 s = 0; s < n; ++s) {
         u32 v = counts[s];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);

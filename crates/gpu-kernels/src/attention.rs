@@ -63,6 +63,18 @@ impl DevicePagedLayer {
     pub fn kv_heads(&self) -> usize {
         self.form.channels / self.head_dim
     }
+
+    /// Whether the tensor-core kernels (`paged_mma_*`) can read this
+    /// layer: INT4 or SECDED INT4 whose groups cover whole heads, with
+    /// rows and blocks of a multiple of 16 bytes (their vector loads).
+    pub fn tensor_cores_apply(&self) -> bool {
+        let f = &self.form;
+        f.coding != ValueCoding::F16
+            && f.channels_per_group > 0
+            && f.channels_per_group.is_multiple_of(self.head_dim)
+            && f.row_bytes.is_multiple_of(16)
+            && self.bytes.data.is_multiple_of(16)
+    }
 }
 
 /// A page table on the device, with the per-sequence token counts.
@@ -90,7 +102,10 @@ pub struct DevicePagedOutput {
     pub out: Vec<f32>,
     /// Natural log-sum-exp of the scaled scores per sequence and query head.
     pub lse: Vec<f32>,
-    /// Decode statistics of every K and V row read (K and V together).
+    /// Decode statistics of every K and V row read (K and V together), as
+    /// a decoder without the store's ledger of injected faults counts them
+    /// (miscorrections as corrections, silent errors as clean: compare with
+    /// the CPU's [`KvDecodeStats::without_truth`]).
     pub stats: KvDecodeStats,
 }
 
@@ -163,6 +178,33 @@ pub struct PagedWorkspace {
     q_heads: usize,
     splits: usize,
     split_tokens: usize,
+    tensor_cores: bool,
+}
+
+impl PagedWorkspace {
+    /// Allows (the default) or forbids the tensor-core kernels; forbidden,
+    /// every form runs on the CUDA-core kernels (`paged_decode_*`).
+    pub fn use_tensor_cores(&mut self, allowed: bool) {
+        self.tensor_cores = allowed;
+    }
+}
+
+/// The largest finite magnitude among little-endian words of type `ty`
+/// (0 where there is none).
+fn finite_max(bytes: &[u8], ty: ScaleType) -> f32 {
+    let magnitudes: Box<dyn Iterator<Item = f32>> = match ty {
+        ScaleType::F32 => Box::new(
+            bytes
+                .chunks_exact(4)
+                .map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]).abs()),
+        ),
+        ScaleType::F16 => Box::new(
+            bytes
+                .chunks_exact(2)
+                .map(|w| half::f16::from_le_bytes([w[0], w[1]]).to_f32().abs()),
+        ),
+    };
+    magnitudes.filter(|x| x.is_finite()).fold(0.0, f32::max)
 }
 
 fn u32_of(x: usize, what: &'static str) -> Result<u32> {
@@ -213,12 +255,23 @@ impl Gpu {
             }
             let up = driver("cuMemcpyHtoD (pool)");
             let s = self.stream();
+            // kv-quant bounds protected metadata only (0 otherwise). The
+            // tensor-core kernels also need a bound on unprotected scales
+            // (their f16 split of p·a): the largest finite values stored.
+            let bound = if form.meta_checks {
+                storage.layer_store(layer, part)?.param_bound()
+            } else {
+                ParamBound {
+                    scale: finite_max(&host[1], form.scale),
+                    offset: finite_max(&host[2], form.scale),
+                }
+            };
             Ok(DevicePool {
                 data: s.clone_htod(&host[0]).map_err(&up)?,
                 scales: s.clone_htod(&host[1]).map_err(&up)?,
                 offsets: s.clone_htod(&host[2]).map_err(&up)?,
                 checks: s.clone_htod(&host[3]).map_err(&up)?,
-                bound: storage.layer_store(layer, part)?.param_bound(),
+                bound,
             })
         };
         Ok(DevicePagedLayer {
@@ -312,6 +365,7 @@ impl Gpu {
             q_heads,
             splits,
             split_tokens,
+            tensor_cores: true,
         })
     }
 
@@ -321,6 +375,24 @@ impl Gpu {
         self.stream()
             .memcpy_htod(queries, &mut ws.q)
             .map_err(driver("cuMemcpyHtoD (queries)"))
+    }
+
+    /// The split kernel [`Gpu::launch_paged_decode`] runs for `layer` with
+    /// `ws`: `paged_mma_<coding>_hd<HD>_g<G>` on tensor cores where they
+    /// apply and are allowed, else `paged_decode_<coding>_hd<HD>_g<G>`.
+    pub fn paged_kernel(&self, layer: &DevicePagedLayer, ws: &PagedWorkspace) -> String {
+        let coding = match layer.form.coding {
+            ValueCoding::F16 => "f16",
+            ValueCoding::Int4 => "int4",
+            ValueCoding::Int4Secded84 => "secded",
+        };
+        let group = ws.q_heads / layer.kv_heads().max(1);
+        let name = paged_decode_kernel(coding, layer.head_dim, group);
+        if ws.tensor_cores && layer.tensor_cores_apply() {
+            name.replacen("paged_decode_", "paged_mma_", 1)
+        } else {
+            name
+        }
     }
 
     /// Queues one decode step (the split kernel and the merge) on the
@@ -364,12 +436,7 @@ impl Gpu {
         s.memset_zeros(&mut ws.stats)
             .map_err(driver("cuMemsetD8"))?;
         let f = &layer.form;
-        let coding = match f.coding {
-            ValueCoding::F16 => "f16",
-            ValueCoding::Int4 => "int4",
-            ValueCoding::Int4Secded84 => "secded",
-        };
-        let func = self.function(&PAGED_DECODE, &paged_decode_kernel(coding, hd, group))?;
+        let func = self.function(&PAGED_DECODE, &self.paged_kernel(layer, ws))?;
         let (policy, reach) = f.policy_code();
         let wide = f.scale == ScaleType::F32;
         let meta_code = if wide {

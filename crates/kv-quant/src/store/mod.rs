@@ -118,6 +118,20 @@ pub struct KvDecodeStats {
     pub erased_values: u64,
 }
 
+impl KvDecodeStats {
+    /// The statistics a decoder without the store's ledger counts:
+    /// [`DecodeStats::without_truth`] of both parts (the erasures are the
+    /// same either way).
+    #[must_use]
+    pub fn without_truth(self) -> Self {
+        Self {
+            values: self.values.without_truth(),
+            metadata: self.metadata.without_truth(),
+            erased_values: self.erased_values,
+        }
+    }
+}
+
 impl std::ops::AddAssign for KvDecodeStats {
     fn add_assign(&mut self, rhs: Self) {
         self.values += rhs.values;
