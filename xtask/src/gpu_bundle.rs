@@ -75,6 +75,13 @@ timeout "${GEMM_S:-45}" "$B/gpu_bench" --only gemm > "$O/gemm.txt" 2>&1
 echo "rc=$?" >> "$O/gemm.txt"
 timeout "${SDPA_S:-75}" python3 "$B/sdpa_peer.py" ${BENCH_ARGS:-} > "$O/sdpa.txt" 2>&1
 echo "rc=$?" >> "$O/sdpa.txt"
+# Nsight Compute on one launch of a kernel (NCU_KERNEL, a regex), if asked.
+if [ -n "${NCU_KERNEL:-}" ]; then
+  timeout "${NCU_S:-90}" ncu -k "regex:$NCU_KERNEL" --launch-skip "${NCU_SKIP:-75}" --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    --section MemoryWorkloadAnalysis "$B/gpu_bench" --only attention --quick > "$O/ncu.txt" 2>&1
+  echo "rc=$?" >> "$O/ncu.txt"
+fi
 unset RKV_PTX_DIR
 timeout "${SAN_S:-45}" compute-sanitizer --tool memcheck "$B/gpu-tests" --test-threads 1 ${SAN_TESTS:-ecc dequant modules} > "$O/sanitizer.txt" 2>&1
 echo "rc=$?" >> "$O/sanitizer.txt"

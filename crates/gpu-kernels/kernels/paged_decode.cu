@@ -542,7 +542,10 @@ __device__ __forceinline__ float rkv_mma_meta(const RkvPagedParams& P, const Rkv
                                               bool offset, bool* clean, u32* outcome) {
     const u32 word = row * P.groups_per_row + g;
     const u8* base = (offset ? pool.offsets : pool.scales) + (u64)page * P.meta_stride;
-    u32 w = rkv_load_word(base + (u64)word * P.scale_bytes, P.scale_bytes), o = 0;
+    // Words are aligned: blocks hold whole words.
+    const u8* wp = base + (u64)word * P.scale_bytes;
+    u32 w = P.scale_bytes == 2 ? (u32)__ldg((const unsigned short*)wp) : __ldg((const u32*)wp);
+    u32 o = 0;
     if (P.meta_checks) {
         const u32 words = P.block_size * P.groups_per_row;
         const u8 check = pool.checks[(u64)page * P.check_stride + (offset ? words : 0) + word];
@@ -651,15 +654,23 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
     u32 cnt[RKV_ATT_STATS] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
     float* wbuf = &buf[warp][0][0];
 
-    for (u32 t0 = begin + 16 * warp; t0 < end; t0 += 16 * RKV_MMA_WARPS) {
+    // A tile lies in one block where the block size is a multiple of 16;
+    // its page is looked up one tile ahead (other block sizes look pages
+    // up per row). Prefetching the data too, with two tiles' words live,
+    // measured slower (fewer resident warps and copies that wait on loads).
+    const u32 step = 16 * RKV_MMA_WARPS;
+    auto tile_page_of = [&](u32 t) -> u32 {
+        return aligned && t < end ? __ldg(P.indices + first_page + t / P.block_size) : 0u;
+    };
+    u32 next_page = tile_page_of(begin + 16 * warp);
+    for (u32 t0 = begin + 16 * warp; t0 < end; t0 += step) {
         // Rows this lane reads: keys gid, gid+8; values 2tig, 2tig+1,
         // 2tig+8, 2tig+9; metadata (both pools) row gid + 8·(tig/2), the
         // scale for even tig, the offset for odd tig. Past end: the last
         // token (read, never used).
         const u32 kr[2] = {gid, gid + 8}, vr[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
-        // A tile lies in one block where the block size is a multiple of 16.
-        u32 tile_row = 0;
-        const u32 tile_page = aligned ? rkv_token_page(P, first_page, t0, &tile_row) : 0;
+        const u32 tile_row = aligned ? t0 % P.block_size : 0u, tile_page = next_page;
+        next_page = tile_page_of(t0 + step);
         auto locate = [&](u32 r, u32* row) -> u32 {
             const u32 t = min(t0 + r, end - 1);
             if (aligned) {
@@ -735,6 +746,7 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
             #pragma unroll
             for (u32 i = 0; i < 2; ++i)
                 if (t0 + kr[i] < end) { cnt[0] += S::KCH; cnt[1] += S::KCH; }
+            float part[2][2][4] = {};
             #pragma unroll
             for (u32 c = 0; c < CH; ++c) {
                 u32 a[4];
@@ -750,10 +762,16 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
                         a[2 + i] = rkv_nib_hi(x);
                     }
                 }
+                // Four independent accumulators (hi and lo halves of q',
+                // even and odd chunks): a chain of CH/2 dependent MMAs,
+                // not 2·CH.
                 const uint4 qb = qfrag[c][lane];
-                rkv_mma16816(s, a, qb.x, qb.y);
-                rkv_mma16816(s, a, qb.z, qb.w);
+                rkv_mma16816(part[c % 2][0], a, qb.x, qb.y);
+                rkv_mma16816(part[c % 2][1], a, qb.z, qb.w);
             }
+            #pragma unroll
+            for (u32 i = 0; i < 4; ++i)
+                s[i] = (part[0][0][i] + part[1][0][i]) + (part[0][1][i] + part[1][1][i]);
             #pragma unroll
             for (u32 i = 0; i < 4; ++i) {
                 const u32 r = i / 2, e = i % 2;
@@ -905,31 +923,28 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
     rkv_add_stats(P.stats, cnt, RKV_ATT_STATS);
 }
 
+// Every (head_dim, query heads per KV head) instance of one kernel family:
+// INSTANCE(NAME, CODING, HD, G) for head_dim 64 and 128 and G 1, 2, 4, 8.
+#define RKV_EACH_SHAPE(INSTANCE, NAME, CODING)                                          \
+    INSTANCE(NAME, CODING, 64, 1) INSTANCE(NAME, CODING, 64, 2)                         \
+    INSTANCE(NAME, CODING, 64, 4) INSTANCE(NAME, CODING, 64, 8)                         \
+    INSTANCE(NAME, CODING, 128, 1) INSTANCE(NAME, CODING, 128, 2)                       \
+    INSTANCE(NAME, CODING, 128, 4) INSTANCE(NAME, CODING, 128, 8)
+
 #define RKV_MMA_INSTANCE(NAME, CODING, HD, G)                                           \
     extern "C" __global__ void __launch_bounds__(RKV_MMA_WARPS * 32, 3)                 \
         paged_mma_##NAME##_hd##HD##_g##G(const __grid_constant__ RkvPagedParams P) {    \
         rkv_paged_mma<CODING, HD, G>(P);                                                \
     }
-#define RKV_MMA_INSTANCES(NAME, CODING)                                                 \
-    RKV_MMA_INSTANCE(NAME, CODING, 64, 1) RKV_MMA_INSTANCE(NAME, CODING, 64, 2)         \
-    RKV_MMA_INSTANCE(NAME, CODING, 64, 4) RKV_MMA_INSTANCE(NAME, CODING, 64, 8)         \
-    RKV_MMA_INSTANCE(NAME, CODING, 128, 1) RKV_MMA_INSTANCE(NAME, CODING, 128, 2)       \
-    RKV_MMA_INSTANCE(NAME, CODING, 128, 4) RKV_MMA_INSTANCE(NAME, CODING, 128, 8)
-
-RKV_MMA_INSTANCES(int4, RKV_INT4)
-RKV_MMA_INSTANCES(secded, RKV_SECDED)
 
 #define RKV_INSTANCE(NAME, CODING, HD, G)                                               \
     extern "C" __global__ void __launch_bounds__(RKV_WARPS * 32)                        \
         paged_decode_##NAME##_hd##HD##_g##G(const __grid_constant__ RkvPagedParams P) {  \
         rkv_paged_decode<CODING, HD, G>(P);                                             \
     }
-#define RKV_INSTANCES(NAME, CODING)                                                     \
-    RKV_INSTANCE(NAME, CODING, 64, 1) RKV_INSTANCE(NAME, CODING, 64, 2)                 \
-    RKV_INSTANCE(NAME, CODING, 64, 4) RKV_INSTANCE(NAME, CODING, 64, 8)                 \
-    RKV_INSTANCE(NAME, CODING, 128, 1) RKV_INSTANCE(NAME, CODING, 128, 2)               \
-    RKV_INSTANCE(NAME, CODING, 128, 4) RKV_INSTANCE(NAME, CODING, 128, 8)
 
-RKV_INSTANCES(f16, RKV_F16)
-RKV_INSTANCES(int4, RKV_INT4)
-RKV_INSTANCES(secded, RKV_SECDED)
+RKV_EACH_SHAPE(RKV_MMA_INSTANCE, int4, RKV_INT4)
+RKV_EACH_SHAPE(RKV_MMA_INSTANCE, secded, RKV_SECDED)
+RKV_EACH_SHAPE(RKV_INSTANCE, f16, RKV_F16)
+RKV_EACH_SHAPE(RKV_INSTANCE, int4, RKV_INT4)
+RKV_EACH_SHAPE(RKV_INSTANCE, secded, RKV_SECDED)

@@ -189,6 +189,42 @@ impl PagedWorkspace {
     }
 }
 
+/// The split kernel for `layer` with `group` query heads per KV head.
+fn kernel_name(layer: &DevicePagedLayer, group: usize, tensor_cores: bool) -> String {
+    let coding = match layer.form.coding {
+        ValueCoding::F16 => "f16",
+        ValueCoding::Int4 => "int4",
+        ValueCoding::Int4Secded84 => "secded",
+    };
+    let name = paged_decode_kernel(coding, layer.head_dim, group);
+    if tensor_cores && layer.tensor_cores_apply() {
+        name.replacen("paged_decode_", "paged_mma_", 1)
+    } else {
+        name
+    }
+}
+
+/// Splits per sequence for `ctas` CTAs per split (sequences × KV heads)
+/// on a device that keeps `slots` CTAs resident, at most `most`: the
+/// fewest whose waves are at least 90% full and that fill 90% of one wave;
+/// else the fullest waves found. A last wave a fraction full costs a whole
+/// wave's time (measured: 2.42 waves took the time of 3).
+fn splits_for_waves(ctas: usize, slots: usize, most: usize) -> usize {
+    let (ctas, slots) = (ctas.max(1), slots.max(1));
+    let mut best = (0.0, 1);
+    for s in 1..=most.clamp(1, 1024) {
+        let n = s * ctas;
+        let fill = n as f64 / (n.div_ceil(slots) * slots) as f64;
+        if fill >= 0.9 && n as f64 >= 0.9 * slots as f64 {
+            return s;
+        }
+        if fill > best.0 + 1e-9 {
+            best = (fill, s);
+        }
+    }
+    best.1
+}
+
 /// The largest finite magnitude among little-endian words of type `ty`
 /// (0 where there is none).
 fn finite_max(bytes: &[u8], ty: ScaleType) -> f32 {
@@ -343,12 +379,28 @@ impl Gpu {
             }
             Some(s) => s,
             None => {
-                // About four CTAs per multiprocessor over the whole grid.
+                // Whole waves of the CTAs the kernel keeps resident.
+                let group = q_heads / kv_heads;
+                let shape_ok = ATTENTION_HEAD_DIMS.contains(&layer.head_dim)
+                    && ATTENTION_GROUPS.contains(&group);
+                let resident = if shape_ok {
+                    let name = kernel_name(layer, group, true);
+                    self.function(&PAGED_DECODE, &name)?
+                        .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+                        .map_err(driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?
+                } else {
+                    4
+                };
+                let slots = resident.max(1) as usize * self.info().multiprocessors.max(1) as usize;
                 let ctas = table.sequences.max(1) * kv_heads;
-                let want = (4 * self.info().multiprocessors as usize)
-                    .div_ceil(ctas)
-                    .max(1);
-                table.max_tokens.div_ceil(want).div_ceil(TILE_TOKENS).max(1) * TILE_TOKENS
+                let most = table.max_tokens.div_ceil(TILE_TOKENS).max(1);
+                let splits = splits_for_waves(ctas, slots, most);
+                table
+                    .max_tokens
+                    .div_ceil(splits)
+                    .div_ceil(TILE_TOKENS)
+                    .max(1)
+                    * TILE_TOKENS
             }
         };
         let splits = table.max_tokens.div_ceil(split_tokens).max(1);
@@ -381,18 +433,7 @@ impl Gpu {
     /// `ws`: `paged_mma_<coding>_hd<HD>_g<G>` on tensor cores where they
     /// apply and are allowed, else `paged_decode_<coding>_hd<HD>_g<G>`.
     pub fn paged_kernel(&self, layer: &DevicePagedLayer, ws: &PagedWorkspace) -> String {
-        let coding = match layer.form.coding {
-            ValueCoding::F16 => "f16",
-            ValueCoding::Int4 => "int4",
-            ValueCoding::Int4Secded84 => "secded",
-        };
-        let group = ws.q_heads / layer.kv_heads().max(1);
-        let name = paged_decode_kernel(coding, layer.head_dim, group);
-        if ws.tensor_cores && layer.tensor_cores_apply() {
-            name.replacen("paged_decode_", "paged_mma_", 1)
-        } else {
-            name
-        }
+        kernel_name(layer, ws.q_heads / layer.kv_heads().max(1), ws.tensor_cores)
     }
 
     /// Queues one decode step (the split kernel and the merge) on the
@@ -587,5 +628,32 @@ impl Gpu {
         self.set_queries(&mut ws, queries)?;
         self.launch_paged_decode(layer, &t, &mut ws)?;
         self.paged_output(&ws)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_whole_waves() {
+        // H100, three resident CTAs per SM: 396 slots.
+        let slots = 396;
+        // One sequence of 8 KV heads: 45 splits are the fewest that fill
+        // one wave to 90% (360 of 396).
+        assert_eq!(splits_for_waves(8, slots, 2048), 45);
+        // 64 sequences × 8 heads = 512 CTAs: one split is 1.29 waves
+        // (65% full), three are 3.9 of 4 (97%).
+        assert_eq!(splits_for_waves(512, slots, 2048), 3);
+        // A short context caps the splits: the fullest waves within the cap.
+        assert_eq!(splits_for_waves(8, slots, 4), 4);
+        // Enough CTAs already: one split.
+        assert_eq!(splits_for_waves(396, slots, 100), 1);
+        // Degenerate inputs stay at one split.
+        assert_eq!(splits_for_waves(0, 0, 0), 1);
+        for (ctas, most) in [(1, 1), (3, 7), (100, 1000), (4096, 16)] {
+            let s = splits_for_waves(ctas, slots, most);
+            assert!((1..=most.max(1)).contains(&s), "{ctas} {most}: {s}");
+        }
     }
 }

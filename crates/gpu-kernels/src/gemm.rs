@@ -25,8 +25,12 @@ pub struct CheckedGemm {
     blas: CudaBlas,
     /// `M × K` BF16, row-major.
     pub a: CudaSlice<bf16>,
-    /// `K × N` BF16, row-major.
-    pub b: CudaSlice<bf16>,
+    /// `K × N` BF16, row-major: the weights, fixed for the life of the
+    /// product, so their checksums and statistics are computed once
+    /// ([`Gpu::set_b`] replaces them and recomputes).
+    b: CudaSlice<bf16>,
+    /// The estimator B's sums in `row_sums` and `bsums` were made with.
+    b_sums_for: Option<u32>,
     /// `M × N` f32, row-major.
     pub c: CudaSlice<f32>,
     row_sums: CudaSlice<f64>,
@@ -90,6 +94,7 @@ impl Gpu {
             blas,
             a: s.clone_htod(a).map_err(&up)?,
             b: s.clone_htod(b).map_err(&up)?,
+            b_sums_for: None,
             c: s.alloc_zeros(m * n).map_err(&alloc)?,
             row_sums: s.alloc_zeros(k).map_err(&alloc)?,
             bsums: s.alloc_zeros(3).map_err(&alloc)?,
@@ -141,7 +146,20 @@ impl Gpu {
         })
     }
 
-    /// Queues the V-ABFT row check of the product in `g.c` (without waiting).
+    /// Replaces B (`K × N` BF16, row-major); its checksums are recomputed
+    /// by the next [`Gpu::queue_check`].
+    pub fn set_b(&self, g: &mut CheckedGemm, b: &[bf16]) -> Result<()> {
+        check_len("B", b.len(), g.k * g.n)?;
+        self.stream()
+            .memcpy_htod(b, &mut g.b)
+            .map_err(driver("cuMemcpyHtoD (B)"))?;
+        g.b_sums_for = None;
+        Ok(())
+    }
+
+    /// Queues the V-ABFT row check of the product in `g.c` (without
+    /// waiting). B's row sums and statistics are computed on the first
+    /// check (and after [`Gpu::set_b`]) and reused after that.
     pub fn queue_check(&self, g: &mut CheckedGemm, rule: &VAbft) -> Result<()> {
         if rule.sampling.is_some() {
             return Err(GpuError::Unsupported {
@@ -155,25 +173,28 @@ impl Gpu {
             VarianceEstimator::Exact => 2,
         };
         let s = self.stream();
-        s.memset_zeros(&mut g.bsums).map_err(driver("cuMemsetD8"))?;
         s.memset_zeros(&mut g.flagged)
             .map_err(driver("cuMemsetD8"))?;
         let (m, k, n) = (g.m as u32, g.k as u32, g.n as u32);
-        let f = self.function(&ABFT, "abft_b_rows")?;
-        let mut l = s.launch_builder(&f);
-        l.arg(&g.b)
-            .arg(&k)
-            .arg(&n)
-            .arg(&estimator)
-            .arg(&mut g.row_sums)
-            .arg(&mut g.bsums);
         let cfg = |blocks: u32| LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: arguments match abft_b_rows; B holds k·n values, row_sums k.
-        unsafe { l.launch(cfg(k)) }.map_err(driver("cuLaunchKernel (abft_b_rows)"))?;
+        if g.b_sums_for != Some(estimator) {
+            s.memset_zeros(&mut g.bsums).map_err(driver("cuMemsetD8"))?;
+            let f = self.function(&ABFT, "abft_b_rows")?;
+            let mut l = s.launch_builder(&f);
+            l.arg(&g.b)
+                .arg(&k)
+                .arg(&n)
+                .arg(&estimator)
+                .arg(&mut g.row_sums)
+                .arg(&mut g.bsums);
+            // SAFETY: arguments match abft_b_rows; B holds k·n values, row_sums k.
+            unsafe { l.launch(cfg(k)) }.map_err(driver("cuLaunchKernel (abft_b_rows)"))?;
+            g.b_sums_for = Some(estimator);
+        }
         let f = self.function(&ABFT, "abft_check_rows")?;
         let mut l = s.launch_builder(&f);
         l.arg(&g.a)

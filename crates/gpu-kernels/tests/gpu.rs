@@ -348,6 +348,29 @@ fn checked_gemm_flags_the_injected_row_only() {
         gpu.checked_gemm(&a, &b, m, k + 1, n),
         Err(GpuError::ShapeMismatch { .. })
     ));
+    // New weights: B's cached sums are recomputed, so the new clean product
+    // passes with the CPU's bounds for it.
+    let b2: Vec<bf16> = normal(&mut rng, k * n)
+        .into_iter()
+        .map(|x| bf16::from_f32(3.0 * x + 0.5))
+        .collect();
+    assert!(matches!(
+        gpu.set_b(&mut g, &b2[1..]),
+        Err(GpuError::ShapeMismatch { .. })
+    ));
+    gpu.set_b(&mut g, &b2).unwrap();
+    gpu.gemm(&mut g).unwrap();
+    gpu.queue_check(&mut g, &rule).unwrap();
+    let verdict = gpu.check_verdict(&g).unwrap();
+    assert!(verdict.flagged.is_empty(), "{:?}", verdict.flagged);
+    let cm = Matrix::new(m, n, gpu.read_c(&g).unwrap()).unwrap();
+    let b2m = Matrix::new(k, n, to_f32(&b2)).unwrap();
+    for (cpu, dev) in rule.rows(&am, &b2m, &cm).iter().zip(&verdict.bounds) {
+        assert!(
+            (cpu - dev).abs() <= 1e-9 * cpu.abs(),
+            "bound {cpu} vs {dev}"
+        );
+    }
 }
 
 #[test]
