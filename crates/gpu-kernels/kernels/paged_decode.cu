@@ -400,8 +400,9 @@ extern "C" __global__ void paged_merge(const float* __restrict__ part_acc,
 // the same map.
 //   keys:   A = levels [16 tokens × 16 channels], B = q' [16 channels × 8 heads]
 //   values: A = levels [16 channels × 16 tokens], B = p·a [16 tokens × 8 heads]
-// A tile whose bytes are not all valid codewords, or whose metadata is
-// not clean and within its bound, takes the exact f32 route instead
+// A tile whose bytes are not all valid codewords, or with a metadata word
+// detected as uncorrectable or outside its bound (for unprotected metadata,
+// the largest finite value stored), takes the exact f32 route instead
 // (rkv_decode_tile: kv-quant's decode with the erasure policy, counted),
 // for keys and values separately.
 
@@ -441,10 +442,11 @@ __device__ __forceinline__ void rkv_split2(float x0, float x1, u32* hi, u32* lo)
 }
 
 // 2^(14 - ceil(log2 m)): brings a largest magnitude m near 2^14 (1 for 0,
-// NaN or infinity).
+// NaN or infinity). The exponent is capped at 100, so the scale of a tiny
+// m stays finite (its products then keep fewer bits, none turn infinite).
 __device__ __forceinline__ float rkv_pow2_scale(float m) {
-    if (!(m > 0.0f) || !(m < 3.0e38f)) return 1.0f;
-    return exp2f(14.0f - ceilf(log2f(m)));
+    if (!(m > 0.0f) || !(m <= 3.4028235e38f)) return 1.0f;
+    return exp2f(fminf(14.0f - ceilf(log2f(m)), 100.0f));
 }
 
 // Bytes of a head row one lane reads: keys HD/4 channels, values HD/8.
@@ -803,8 +805,10 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
             for (u32 off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
             const float m_new = fmaxf(m[e], mx);
             alpha[e] = m[e] == RKV_NEG_INF ? 0.0f : exp2f(m[e] - m_new);
-            p[e] = exp2f(s[e] - m_new);
-            p[2 + e] = exp2f(s[2 + e] - m_new);
+            // A column of -inf scores (a query of -inf on the exact route)
+            // weighs nothing, as in the CUDA-core kernel.
+            p[e] = m_new == RKV_NEG_INF ? 0.0f : exp2f(s[e] - m_new);
+            p[2 + e] = m_new == RKV_NEG_INF ? 0.0f : exp2f(s[2 + e] - m_new);
             float sum = p[e] + p[2 + e];
             float bsum = vfast ? (sym ? -8.0f * (p[e] * va[0] + p[2 + e] * va[1])
                                       : p[e] * vb[0] + p[2 + e] * vb[1])

@@ -29,8 +29,10 @@ struct DevicePool {
     scales: CudaSlice<u8>,
     offsets: CudaSlice<u8>,
     checks: CudaSlice<u8>,
-    /// The store's parameter bound (kv-quant's plausibility check of
-    /// protected metadata), passed by value with every launch.
+    /// The metadata bound passed with every launch: kv-quant's
+    /// plausibility bound for protected metadata; for unprotected metadata,
+    /// the largest finite scale and offset stored (the tensor-core kernels'
+    /// fast-path limit, not a check).
     bound: ParamBound,
 }
 
@@ -469,13 +471,15 @@ impl Gpu {
                 reason: "made for another page table or layer".into(),
             });
         }
+        let s = self.stream();
+        // Cleared first: a table without sequences decodes nothing, and its
+        // statistics must not be the last launch's.
+        s.memset_zeros(&mut ws.stats)
+            .map_err(driver("cuMemsetD8"))?;
         if table.sequences == 0 {
             return Ok(());
         }
-        let s = self.stream();
         let tables = self.tables()?;
-        s.memset_zeros(&mut ws.stats)
-            .map_err(driver("cuMemsetD8"))?;
         let f = &layer.form;
         let func = self.function(&PAGED_DECODE, &self.paged_kernel(layer, ws))?;
         let (policy, reach) = f.policy_code();

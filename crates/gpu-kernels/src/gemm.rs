@@ -23,16 +23,16 @@ pub struct CheckedGemm {
     k: usize,
     n: usize,
     blas: CudaBlas,
-    /// `M × K` BF16, row-major.
-    pub a: CudaSlice<bf16>,
+    /// `M × K` BF16, row-major (private: the launches rely on its length).
+    a: CudaSlice<bf16>,
     /// `K × N` BF16, row-major: the weights, fixed for the life of the
     /// product, so their checksums and statistics are computed once
     /// ([`Gpu::set_b`] replaces them and recomputes).
     b: CudaSlice<bf16>,
     /// The estimator B's sums in `row_sums` and `bsums` were made with.
     b_sums_for: Option<u32>,
-    /// `M × N` f32, row-major.
-    pub c: CudaSlice<f32>,
+    /// `M × N` f32, row-major ([`Gpu::read_c`], [`Gpu::poke_c`]).
+    c: CudaSlice<f32>,
     row_sums: CudaSlice<f64>,
     bsums: CudaSlice<f64>,
     residual: CudaSlice<f64>,
@@ -159,7 +159,8 @@ impl Gpu {
 
     /// Queues the V-ABFT row check of the product in `g.c` (without
     /// waiting). B's row sums and statistics are computed on the first
-    /// check (and after [`Gpu::set_b`]) and reused after that.
+    /// check, after [`Gpu::set_b`] and when the rule's variance estimator
+    /// changes, and reused otherwise.
     pub fn queue_check(&self, g: &mut CheckedGemm, rule: &VAbft) -> Result<()> {
         if rule.sampling.is_some() {
             return Err(GpuError::Unsupported {
@@ -182,6 +183,9 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         if g.b_sums_for != Some(estimator) {
+            // Invalid until the recompute is queued: a failure below must
+            // not leave zeroed sums marked as valid.
+            g.b_sums_for = None;
             s.memset_zeros(&mut g.bsums).map_err(driver("cuMemsetD8"))?;
             let f = self.function(&ABFT, "abft_b_rows")?;
             let mut l = s.launch_builder(&f);
