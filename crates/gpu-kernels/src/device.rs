@@ -45,6 +45,7 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     info: DeviceInfo,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
     tables: OnceLock<DeviceTables>,
 }
 
@@ -109,6 +110,7 @@ impl Gpu {
             stream,
             info,
             modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
             tables: OnceLock::new(),
         })
     }
@@ -196,11 +198,27 @@ impl Gpu {
         Ok(loaded)
     }
 
-    /// Kernel `name` of `module`.
+    /// Kernel `name` of `module`, looked up once and cached (a decode step
+    /// launches the same two kernels every time).
     pub(crate) fn function(&self, module: &KernelModule, name: &str) -> Result<CudaFunction> {
-        self.module(module)?
+        let key = (module.name, name.to_string());
+        if let Some(f) = self
+            .functions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+        {
+            return Ok(f.clone());
+        }
+        let f = self
+            .module(module)?
             .load_function(name)
-            .map_err(driver("cuModuleGetFunction"))
+            .map_err(driver("cuModuleGetFunction"))?;
+        self.functions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key, f.clone());
+        Ok(f)
     }
 
     /// The decode tables, uploaded on first use.
