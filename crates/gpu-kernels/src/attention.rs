@@ -70,12 +70,8 @@ impl DevicePagedLayer {
     /// layer: INT4 or SECDED INT4 whose groups cover whole heads, with
     /// rows and blocks of a multiple of 16 bytes (their vector loads).
     pub fn tensor_cores_apply(&self) -> bool {
-        let f = &self.form;
-        f.coding != ValueCoding::F16
-            && f.channels_per_group > 0
-            && f.channels_per_group.is_multiple_of(self.head_dim)
-            && f.row_bytes.is_multiple_of(16)
-            && self.bytes.data.is_multiple_of(16)
+        self.form
+            .reads_on_tensor_cores(self.head_dim, self.block_size)
     }
 }
 
@@ -638,6 +634,21 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finite_max_ignores_non_finite_words() {
+        let f16_words: Vec<u8> = [0.5f32, -3.0, f32::INFINITY, f32::NAN, 2.0]
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect();
+        assert_eq!(finite_max(&f16_words, ScaleType::F16), 3.0);
+        let f32_words: Vec<u8> = [1e-3f32, f32::NEG_INFINITY, -7.5]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(finite_max(&f32_words, ScaleType::F32), 7.5);
+        assert_eq!(finite_max(&[], ScaleType::F16), 0.0);
+    }
 
     #[test]
     fn splits_fill_whole_waves() {

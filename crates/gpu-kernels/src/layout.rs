@@ -177,6 +177,20 @@ impl KernelForm {
             .unwrap_or(0)
     }
 
+    /// Whether the tensor-core kernels (`paged_mma_*`) read this form at
+    /// `head_dim` in blocks of `block_size` tokens: INT4 or SECDED INT4
+    /// whose groups cover whole heads (a group size that is a multiple of
+    /// `head_dim`), with rows and blocks of a multiple of 16 bytes (their
+    /// vector loads).
+    pub fn reads_on_tensor_cores(&self, head_dim: usize, block_size: usize) -> bool {
+        self.coding != ValueCoding::F16
+            && head_dim > 0
+            && self.channels_per_group > 0
+            && self.channels_per_group.is_multiple_of(head_dim)
+            && self.row_bytes.is_multiple_of(16)
+            && self.block_bytes(block_size).data.is_multiple_of(16)
+    }
+
     /// Whether the form stores offsets.
     pub fn has_offsets(&self) -> bool {
         self.coding != ValueCoding::F16 && !self.symmetric
@@ -246,6 +260,27 @@ pub fn block_pool_bytes(
 mod tests {
     use super::*;
     use kv_quant::KvStore;
+
+    #[test]
+    fn tensor_cores_read_int4_groups_of_whole_heads() {
+        // (form, channels, head_dim, tensor cores)
+        for (form, channels, hd, want) in [
+            ("int4", 1024, 128, true),
+            ("int4", 256, 64, true),
+            ("int4-g128", 512, 128, true),
+            ("int4-g128", 256, 64, true),
+            ("int4-g64", 256, 64, true),
+            ("int4-g64", 512, 128, false),
+            ("int4-sym-g32-sf32", 256, 64, false),
+            ("int4-sym-sf32", 256, 64, true),
+            ("int4+secded84+meta-secded", 1024, 128, true),
+            ("int4-g64+secded84+interp+meta-secded", 256, 128, false),
+            ("fp16", 1024, 128, false),
+        ] {
+            let k = KernelForm::new(form.parse().unwrap(), channels, hd).unwrap();
+            assert_eq!(k.reads_on_tensor_cores(hd, 16), want, "{form} at {hd}");
+        }
+    }
 
     #[test]
     fn block_pools_are_every_blocks_buffers_in_block_order() {
