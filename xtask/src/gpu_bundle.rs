@@ -56,8 +56,7 @@ export REQUIRE_GPU=1
 # then spare the benchmark NVRTC's and the driver's compile.
 mkdir -p /tmp/cubin
 for m in ecc_decode dequant paged_decode abft; do
-  { cat "$B/kernels/common.cuh"; printf '\n#line 1 "%s.cu"\n' "$m"; cat "$B/kernels/$m.cu"; } > "/tmp/$m.full.cu"
-  ( timeout 150 nvcc -arch=sm_90 -std=c++17 -cubin -Xptxas -v "/tmp/$m.full.cu" -o "/tmp/cubin/$m.cubin" > "/tmp/ptxas.$m.txt" 2>&1; echo "rc=$?" >> "/tmp/ptxas.$m.txt" ) &
+  ( timeout 150 nvcc -arch=sm_90 -std=c++17 -cubin -Xptxas -v "$B/kernels/$m.full.cu" -o "/tmp/cubin/$m.cubin" > "/tmp/ptxas.$m.txt" 2>&1; echo "rc=$?" >> "/tmp/ptxas.$m.txt" ) &
 done
 SECONDS=0
 timeout "${TESTS_S:-150}" "$B/gpu-tests" --nocapture --test-threads 1 > "$O/tests.txt" 2>&1
@@ -114,12 +113,13 @@ pub(crate) fn run(args: &GpuBundleArgs) -> Result<()> {
     let bench = root.join("target/release/examples/gpu_bench");
     copy_stripped(&tests, &out.join("gpu-tests"))?;
     copy_stripped(&bench, &out.join("gpu_bench"))?;
-    let kernels = crate_dir.join("kernels");
-    let mut sources = vec!["common.cuh".to_string()];
-    sources.extend(CUDA_MODULES.iter().map(|m| format!("{m}.cu")));
-    for name in sources {
-        fs::copy(kernels.join(&name), out.join("kernels").join(&name))
-            .with_context(|| format!("copying {name}"))?;
+    // Each module's full source, the text NVRTC compiles, for nvcc there.
+    crate::write_cuda_sources(&out.join("kernels"))?;
+    for m in CUDA_MODULES {
+        let source = out.join("kernels").join(format!("{m}.full.cu"));
+        if !source.is_file() {
+            bail!("{} was not written", source.display());
+        }
     }
     fs::copy(
         crate_dir.join("bench/sdpa_peer.py"),

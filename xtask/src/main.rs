@@ -91,23 +91,46 @@ struct PtxArgs {
     out: PathBuf,
 }
 
-/// gpu-kernels' CUDA modules (`crates/gpu-kernels/kernels/<name>.cu`), in
-/// the order `ptx` builds them (a tidy test keeps the list equal to the
-/// crate's sources).
+/// gpu-kernels' CUDA modules (each `crates/gpu-kernels/kernels/<name>.cu`,
+/// with any further files `sources.rs` appends to it), in the order `ptx`
+/// builds them (a tidy test keeps the list equal to the crate's modules).
 const CUDA_MODULES: [&str; 4] = ["ecc_decode", "dequant", "paged_decode", "abft"];
+
+/// `cargo run` of gpu-kernels' `compile_ptx` example, its arguments to follow.
+fn compile_ptx_example() -> Process {
+    let mut c = cargo();
+    c.args([
+        "run",
+        "--release",
+        "-q",
+        "-p",
+        "gpu-kernels",
+        "--features",
+        "cuda",
+    ])
+    .args(["--example", "compile_ptx", "--"]);
+    c
+}
+
+/// Writes every CUDA module's full source, as NVRTC compiles it, to
+/// `out/<module>.full.cu` (gpu-kernels' `compile_ptx --sources`; no CUDA
+/// needed).
+pub(crate) fn write_cuda_sources(out: &std::path::Path) -> Result<()> {
+    status(
+        compile_ptx_example().arg(out).arg("--sources"),
+        "compile_ptx --sources",
+    )
+}
 
 /// `cargo xtask ptx`: nvcc when present, else gpu-kernels' NVRTC example.
 fn ptx(args: &PtxArgs) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let kernels = root.join("crates/gpu-kernels/kernels");
     if Process::new("nvcc").arg("--version").output().is_ok() {
-        let common = std::fs::read_to_string(kernels.join("common.cuh"))?;
+        // The same text NVRTC compiles (common.cuh, then the module's
+        // files), written by the crate itself.
+        write_cuda_sources(&args.out)?;
         for name in CUDA_MODULES {
-            // The same text NVRTC compiles: common.cuh, then the module.
             let src = args.out.join(format!("{name}.full.cu"));
-            let body = std::fs::read_to_string(kernels.join(format!("{name}.cu")))?;
-            std::fs::write(&src, format!("{common}\n#line 1 \"{name}.cu\"\n{body}"))?;
             status(
                 Process::new("nvcc")
                     .args(["-ptx", "-std=c++17", "-lineinfo"])
@@ -123,17 +146,7 @@ fn ptx(args: &PtxArgs) -> Result<()> {
     let dir = fetch::fetch_nvrtc()?;
     let compute = args.arch.replace("sm_", "compute_");
     status(
-        cargo()
-            .args([
-                "run",
-                "--release",
-                "-q",
-                "-p",
-                "gpu-kernels",
-                "--features",
-                "cuda",
-            ])
-            .args(["--example", "compile_ptx", "--"])
+        compile_ptx_example()
             .arg(&args.out)
             .arg(compute)
             .env("LD_LIBRARY_PATH", dir),

@@ -127,12 +127,29 @@ fn ptx_builds_every_cuda_module() {
                 .map(str::to_string)
         })
         .collect();
+    // Module names (`name: "…"` of each `KernelModule`); a module may
+    // embed several files (paged_decode: paged_decode.cu and paged_mma.cu).
+    let mut modules: Vec<String> = sources
+        .split("name: \"")
+        .skip(1)
+        .filter_map(|s| s.split('"').next().map(str::to_string))
+        .collect();
     let mut listed: Vec<String> = CUDA_MODULES.iter().map(|s| s.to_string()).collect();
-    for v in [&mut on_disk, &mut compiled, &mut listed] {
+    for v in [&mut on_disk, &mut compiled, &mut listed, &mut modules] {
         v.sort();
     }
-    assert_eq!(listed, on_disk, "xtask's CUDA_MODULES against kernels/*.cu");
-    assert_eq!(listed, compiled, "xtask's CUDA_MODULES against sources.rs");
+    assert_eq!(
+        compiled, on_disk,
+        "kernels/*.cu against the files sources.rs embeds"
+    );
+    assert_eq!(
+        listed, modules,
+        "xtask's CUDA_MODULES against sources.rs's modules"
+    );
+    assert!(
+        listed.iter().all(|m| on_disk.contains(m)),
+        "a module without its file"
+    );
 }
 
 /// No committed file names a path of the machine it was written on.

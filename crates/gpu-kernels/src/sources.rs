@@ -16,7 +16,8 @@ pub struct KernelModule {
 }
 
 impl KernelModule {
-    /// The text handed to the compiler: [`COMMON`], then the module.
+    /// The text handed to the compiler: [`COMMON`], then the module (what
+    /// `compile_ptx --sources` writes as `<name>.full.cu` for nvcc).
     pub fn full_source(&self) -> String {
         format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.name, self.source)
     }
@@ -34,10 +35,15 @@ pub const DEQUANT: KernelModule = KernelModule {
     source: include_str!("../kernels/dequant.cu"),
 };
 
-/// Fused paged flash-decoding and the split merge.
+/// Fused paged flash-decoding and the split merge: the CUDA-core kernels
+/// (`paged_decode.cu`), then the tensor-core ones (`paged_mma.cu`).
 pub const PAGED_DECODE: KernelModule = KernelModule {
     name: "paged_decode",
-    source: include_str!("../kernels/paged_decode.cu"),
+    source: concat!(
+        include_str!("../kernels/paged_decode.cu"),
+        "\n#line 1 \"paged_mma.cu\"\n",
+        include_str!("../kernels/paged_mma.cu")
+    ),
 };
 
 /// Checksums and V-ABFT bounds of a checked GEMM.
