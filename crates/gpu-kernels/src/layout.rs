@@ -274,6 +274,8 @@ mod tests {
             ("int4-sym-g32-sf32", 256, 64, false),
             ("int4-sym-sf32", 256, 64, true),
             ("int4+secded84+meta-secded", 1024, 128, true),
+            ("int4-sym+secded84+meta-secded", 192, 64, true),
+            ("int4-sf32+secded84+interp+meta-secded", 384, 128, true),
             ("int4-g64+secded84+interp+meta-secded", 256, 128, false),
             ("fp16", 1024, 128, false),
         ] {

@@ -182,6 +182,43 @@ fn paged_decode_matches_the_cpu_in_every_variant() {
     assert!(kernels.iter().any(|k| k.starts_with("paged_decode_secded")));
 }
 
+/// Layouts the main test does not reach, on both kernel families: blocks
+/// of 8 tokens (a 16-token tile spans two blocks, so the tensor-core kernel
+/// looks pages up per row), 3 KV heads, symmetric SECDED INT4, SECDED
+/// metadata over f32 scales, and faults on every one.
+#[test]
+fn paged_decode_matches_the_cpu_in_other_layouts() {
+    let Some(gpu) = gpu("paged_decode_matches_the_cpu_in_other_layouts") else {
+        return;
+    };
+    let lens = [1usize, 8, 9, 23, 300];
+    let mut ran = Vec::new();
+    for (block, kv_heads) in [(8, 4), (16, 3)] {
+        let blocks: usize = lens.iter().map(|l| l.div_ceil(block)).sum();
+        for hd in [64, 128] {
+            for (spelling, ber) in [
+                ("int4", 0.0),
+                ("int4-sym+secded84+meta-secded", 1e-4),
+                ("int4-sf32+secded84+interp+meta-secded", 1e-4),
+                ("int4+secded84+zero+meta-secded", 1e-3),
+            ] {
+                let case = format!("{spelling} hd {hd} blocks of {block}, {kv_heads} KV heads");
+                ran.extend(paged_decode_case(
+                    &gpu,
+                    &case,
+                    spelling,
+                    ber,
+                    (4 * kv_heads, kv_heads, hd),
+                    block,
+                    &lens,
+                    blocks,
+                ));
+            }
+        }
+    }
+    assert!(ran.iter().any(|k| k.starts_with("paged_mma_secded")));
+}
+
 #[allow(clippy::too_many_arguments)]
 fn paged_decode_case(
     gpu: &Gpu,
