@@ -126,12 +126,16 @@ pub(crate) fn run(args: &GpuBundleArgs) -> Result<()> {
         out.join("sdpa_peer.py"),
     )?;
     fs::write(out.join("run.sh"), RUN_SH)?;
-    let bytes: u64 = fs::read_dir(out)?
-        .flatten()
-        .filter_map(|e| e.metadata().ok())
-        .filter(|m| m.is_file())
-        .map(|m| m.len())
-        .sum();
+    // The bundle's files: the top folder and `kernels/`.
+    let mut bytes = 0u64;
+    for dir in [out.clone(), out.join("kernels")] {
+        for entry in fs::read_dir(&dir)?.flatten() {
+            let meta = entry.metadata()?;
+            if meta.is_file() {
+                bytes += meta.len();
+            }
+        }
+    }
     println!(
         "{}: {:.1} MiB; on a device machine: bash {}/run.sh (carry {})",
         out.display(),

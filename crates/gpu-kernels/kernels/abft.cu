@@ -93,28 +93,26 @@ extern "C" __global__ void abft_check_rows(const u16* __restrict__ a, const floa
     const u16* arow = a + (u64)m * k;
     RkvRowStats obs = {0.0, 0.0, 0.0f, 0.0f};
     const float* crow = c + (u64)m * n;
+    // A[m, j] = x: its statistics and its term of the expected checksum.
+    auto take = [&](float x, u32 j) {
+        rkv_stats_add(s, x);
+        expected += (double)x * row_sums[j];
+    };
     if ((k & 7u) == 0 && (n & 3u) == 0) {
         // 16-byte loads: eight BF16 values of A, four f32 values of C.
         for (u32 j = threadIdx.x; j < k / 8; j += blockDim.x) {
             const uint4 w = __ldg((const uint4*)arow + j);
             const u32 ws[4] = {w.x, w.y, w.z, w.w};
             #pragma unroll
-            for (u32 i = 0; i < 8; ++i) {
-                const float x = rkv_bf16((u16)(ws[i / 2] >> (16 * (i % 2))));
-                rkv_stats_add(s, x);
-                expected += (double)x * row_sums[8 * j + i];
-            }
+            for (u32 i = 0; i < 8; ++i)
+                take(rkv_bf16((u16)(ws[i / 2] >> (16 * (i % 2)))), 8 * j + i);
         }
         for (u32 j = threadIdx.x; j < n / 4; j += blockDim.x) {
             const float4 x = __ldg((const float4*)crow + j);
             obs.sum += ((double)x.x + (double)x.y) + ((double)x.z + (double)x.w);
         }
     } else {
-        for (u32 j = threadIdx.x; j < k; j += blockDim.x) {
-            const float x = rkv_bf16(arow[j]);
-            rkv_stats_add(s, x);
-            expected += (double)x * row_sums[j];
-        }
+        for (u32 j = threadIdx.x; j < k; j += blockDim.x) take(rkv_bf16(arow[j]), j);
         for (u32 j = threadIdx.x; j < n; j += blockDim.x) obs.sum += (double)crow[j];
     }
     for (int off = 16; off > 0; off >>= 1) expected += __shfl_xor_sync(0xffffffffu, expected, off);

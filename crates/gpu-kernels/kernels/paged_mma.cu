@@ -25,7 +25,7 @@
 //   values: A = levels [16 channels × 16 tokens], B = p·a [16 tokens × 8 heads]
 // A tile whose bytes are not all valid codewords, or with a metadata word
 // detected as uncorrectable or outside its bound (for unprotected metadata,
-// the largest finite value stored), takes the exact f32 route instead
+// the largest value stored, 0 if one is infinite), takes the exact route
 // (rkv_decode_tile: kv-quant's decode with the erasure policy, counted),
 // for keys and values separately.
 
@@ -167,7 +167,9 @@ __device__ __forceinline__ float rkv_mma_meta(const RkvPagedParams& P, const Rkv
                                               bool offset, bool* clean, u32* outcome) {
     const u32 word = row * P.groups_per_row + g;
     const u8* base = (offset ? pool.offsets : pool.scales) + (u64)page * P.meta_stride;
-    // Words are aligned: blocks hold whole words.
+    // One aligned load (blocks hold whole words). common.cuh's byte-wise
+    // rkv_load_word stays for the CUDA-core kernels: an aligned load there
+    // made ptxas spill in several of their instances that did not before.
     const u8* wp = base + (u64)word * P.scale_bytes;
     u32 w = P.scale_bytes == 2 ? (u32)__ldg((const unsigned short*)wp) : __ldg((const u32*)wp);
     u32 o = 0;
@@ -304,24 +306,20 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
             }
             return rkv_token_page(P, first_page, t, row);
         };
-        constexpr u32 BYTES_PER_CH2 = CODING == RKV_SECDED ? 2 : 1;  // bytes per two channels
+        // Byte `ch0` channels into row `r` of the tile in `data`.
+        auto row_at = [&](const u8* data, u32 r, u32 ch0) -> const u8* {
+            u32 row;
+            const u32 page = locate(r, &row);
+            const u32 bytes = CODING == RKV_SECDED ? ch0 : ch0 / 2;
+            return data + (u64)page * P.data_stride + (u64)row * P.row_bytes + bytes;
+        };
         u32 kw[2][S::KWORDS], vw[4][S::VWORDS];
         #pragma unroll
-        for (u32 i = 0; i < 2; ++i) {
-            u32 row;
-            const u32 page = locate(kr[i], &row);
-            rkv_load_words<S::KWORDS>(P.k.data + (u64)page * P.data_stride + (u64)row * P.row_bytes +
-                                          (kvh * HD + tig * S::KCH) * BYTES_PER_CH2 / 2,
-                                      kw[i]);
-        }
+        for (u32 i = 0; i < 2; ++i)
+            rkv_load_words<S::KWORDS>(row_at(P.k.data, kr[i], kvh * HD + tig * S::KCH), kw[i]);
         #pragma unroll
-        for (u32 i = 0; i < 4; ++i) {
-            u32 row;
-            const u32 page = locate(vr[i], &row);
-            rkv_load_words<S::VWORDS>(P.v.data + (u64)page * P.data_stride + (u64)row * P.row_bytes +
-                                          (kvh * HD + gid * S::VCH) * BYTES_PER_CH2 / 2,
-                                      vw[i]);
-        }
+        for (u32 i = 0; i < 4; ++i)
+            rkv_load_words<S::VWORDS>(row_at(P.v.data, vr[i], kvh * HD + gid * S::VCH), vw[i]);
         const u32 mrow = gid + 8 * (tig / 2), mt = t0 + mrow;
         const bool is_offset = (tig & 1u) != 0;
         bool kclean = true, vclean = true;

@@ -16,7 +16,9 @@ use paged_cache::{BlockStorage, KvPart, PageTable};
 use crate::device::{Gpu, driver};
 use crate::error::{GpuError, Result, check_len};
 use crate::layout::{BlockBytes, KernelForm, ValueCoding};
-use crate::sources::{ATTENTION_GROUPS, ATTENTION_HEAD_DIMS, PAGED_DECODE, paged_decode_kernel};
+use crate::sources::{
+    ATTENTION_GROUPS, ATTENTION_HEAD_DIMS, PAGED_DECODE, paged_decode_kernel, paged_mma_kernel,
+};
 
 /// Tokens per tile of the kernel (`RKV_TILE`); splits are multiples of it.
 pub const TILE_TOKENS: usize = 64;
@@ -31,8 +33,8 @@ struct DevicePool {
     checks: CudaSlice<u8>,
     /// The metadata bound passed with every launch: kv-quant's
     /// plausibility bound for protected metadata; for unprotected metadata,
-    /// the largest finite scale and offset stored (the tensor-core kernels'
-    /// fast-path limit, not a check).
+    /// the bound of the words stored, 0 if one is infinite (the
+    /// tensor-core kernels' fast-path limit, not a check).
     bound: ParamBound,
 }
 
@@ -194,11 +196,10 @@ fn kernel_name(layer: &DevicePagedLayer, group: usize, tensor_cores: bool) -> St
         ValueCoding::Int4 => "int4",
         ValueCoding::Int4Secded84 => "secded",
     };
-    let name = paged_decode_kernel(coding, layer.head_dim, group);
     if tensor_cores && layer.tensor_cores_apply() {
-        name.replacen("paged_decode_", "paged_mma_", 1)
+        paged_mma_kernel(coding, layer.head_dim, group)
     } else {
-        name
+        paged_decode_kernel(coding, layer.head_dim, group)
     }
 }
 
@@ -223,22 +224,17 @@ fn splits_for_waves(ctas: usize, slots: usize, most: usize) -> usize {
     best.1
 }
 
-/// The largest finite magnitude among little-endian words of type `ty`
-/// (0 where there is none).
-fn finite_max(bytes: &[u8], ty: ScaleType) -> f32 {
-    let magnitudes: Box<dyn Iterator<Item = f32>> = match ty {
-        ScaleType::F32 => Box::new(
-            bytes
-                .chunks_exact(4)
-                .map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]).abs()),
-        ),
-        ScaleType::F16 => Box::new(
-            bytes
-                .chunks_exact(2)
-                .map(|w| half::f16::from_le_bytes([w[0], w[1]]).to_f32().abs()),
-        ),
-    };
-    magnitudes.filter(|x| x.is_finite()).fold(0.0, f32::max)
+/// kv-quant's bound of unprotected scale and offset words, as the
+/// tensor-core kernels' fast-path limit; 0 where a stored word is infinite
+/// (every tile then takes the exact route, which reads the words as they
+/// are, as the CPU does).
+fn stored_bound(ty: ScaleType, scales: &[u8], offsets: &[u8]) -> ParamBound {
+    let b = ParamBound::of_words(ty, scales, offsets);
+    if b.scale.is_finite() && b.offset.is_finite() {
+        b
+    } else {
+        ParamBound::default()
+    }
 }
 
 fn u32_of(x: usize, what: &'static str) -> Result<u32> {
@@ -291,14 +287,11 @@ impl Gpu {
             let s = self.stream();
             // kv-quant bounds protected metadata only (0 otherwise). The
             // tensor-core kernels also need a bound on unprotected scales
-            // (their f16 split of p·a): the largest finite values stored.
+            // (their f16 split of p·a): the bound of the words stored.
             let bound = if form.meta_checks {
                 storage.layer_store(layer, part)?.param_bound()
             } else {
-                ParamBound {
-                    scale: finite_max(&host[1], form.scale),
-                    offset: finite_max(&host[2], form.scale),
-                }
+                stored_bound(form.scale, &host[1], &host[2])
             };
             Ok(DevicePool {
                 data: s.clone_htod(&host[0]).map_err(&up)?,
@@ -636,18 +629,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn finite_max_ignores_non_finite_words() {
-        let f16_words: Vec<u8> = [0.5f32, -3.0, f32::INFINITY, f32::NAN, 2.0]
-            .iter()
-            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-            .collect();
-        assert_eq!(finite_max(&f16_words, ScaleType::F16), 3.0);
-        let f32_words: Vec<u8> = [1e-3f32, f32::NEG_INFINITY, -7.5]
+    fn unprotected_bounds_are_finite_or_zero() {
+        let f16_words = |xs: &[f32]| -> Vec<u8> {
+            xs.iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect()
+        };
+        let b = stored_bound(
+            ScaleType::F16,
+            &f16_words(&[0.5, f32::NAN, 2.0]),
+            &f16_words(&[-3.0, 1.0]),
+        );
+        assert_eq!((b.scale, b.offset), (2.0, 3.0));
+        let b = stored_bound(
+            ScaleType::F16,
+            &f16_words(&[0.5, f32::INFINITY]),
+            &f16_words(&[1.0]),
+        );
+        assert_eq!((b.scale, b.offset), (0.0, 0.0));
+        let f32_words: Vec<u8> = [1e-3f32, f32::NEG_INFINITY]
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();
-        assert_eq!(finite_max(&f32_words, ScaleType::F32), 7.5);
-        assert_eq!(finite_max(&[], ScaleType::F16), 0.0);
+        let b = stored_bound(ScaleType::F32, &1e-3f32.to_le_bytes(), &f32_words);
+        assert_eq!((b.scale, b.offset), (0.0, 0.0));
+        assert_eq!(
+            stored_bound(ScaleType::F16, &[], &[]),
+            ParamBound::default()
+        );
     }
 
     #[test]

@@ -45,7 +45,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     info: DeviceInfo,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
+    /// Kernel handles per module and name (looked up without allocating).
+    functions: Mutex<HashMap<&'static str, HashMap<String, CudaFunction>>>,
     tables: OnceLock<DeviceTables>,
 }
 
@@ -201,23 +202,25 @@ impl Gpu {
     /// Kernel `name` of `module`, looked up once and cached (a decode step
     /// launches the same two kernels every time).
     pub(crate) fn function(&self, module: &KernelModule, name: &str) -> Result<CudaFunction> {
-        let key = (module.name, name.to_string());
-        if let Some(f) = self
-            .functions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&key)
-        {
-            return Ok(f.clone());
+        let cached = |functions: &HashMap<_, HashMap<String, CudaFunction>>| {
+            functions.get(module.name)?.get(name).cloned()
+        };
+        let lock = || {
+            self.functions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        if let Some(f) = cached(&lock()) {
+            return Ok(f);
         }
         let f = self
             .module(module)?
             .load_function(name)
             .map_err(driver("cuModuleGetFunction"))?;
-        self.functions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(key, f.clone());
+        lock()
+            .entry(module.name)
+            .or_default()
+            .insert(name.to_string(), f.clone());
         Ok(f)
     }
 

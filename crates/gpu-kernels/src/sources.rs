@@ -61,6 +61,12 @@ pub fn paged_decode_kernel(coding: &str, head_dim: usize, group: usize) -> Strin
     format!("paged_decode_{coding}_hd{head_dim}_g{group}")
 }
 
+/// Name of the tensor-core attention kernel for a value coding, head size
+/// and query heads per KV head (`paged_mma_<coding>_hd<HD>_g<G>`).
+pub fn paged_mma_kernel(coding: &str, head_dim: usize, group: usize) -> String {
+    format!("paged_mma_{coding}_hd{head_dim}_g{group}")
+}
+
 /// Head sizes the attention kernels are instantiated for.
 pub const ATTENTION_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Query heads per KV head the attention kernels are instantiated for.

@@ -31,8 +31,11 @@ pub struct ParamBound {
 }
 
 impl ParamBound {
-    /// The bound of the little-endian words `scales` and `offsets` of type `ty`.
-    pub(crate) fn of_words(ty: ScaleType, scales: &[u8], offsets: &[u8]) -> Self {
+    /// The bound of the little-endian words `scales` and `offsets` of type
+    /// `ty` (a store's scale and offset buffers, or several stores' one
+    /// after another): the largest scale and the largest |offset|. A NaN
+    /// word changes nothing; an infinite one makes the bound infinite.
+    pub fn of_words(ty: ScaleType, scales: &[u8], offsets: &[u8]) -> Self {
         let mut bound = Self::default();
         let width = ty.bytes();
         for w in scales.chunks_exact(width) {
