@@ -28,8 +28,17 @@
 // the largest value stored, 0 if one is infinite), takes the exact route
 // (rkv_decode_tile: kv-quant's decode with the erasure policy, counted),
 // for keys and values separately.
+//
+// Loads are pipelined: each lane copies its own key and value bytes of the
+// tile RKV_MMA_STAGES-1 ahead into its own slots of dynamic shared memory
+// with cp.async (no warp barrier: a lane reads back only what it copied,
+// after cp.async.wait_group), and the tile's metadata words one tile ahead
+// into registers, so a warp computes on one tile while the next ones load.
+// The host sizes the dynamic shared memory (rkv_mma_stage_words · 4 ·
+// warps · stages bytes, gpu-kernels' mma_stage_bytes).
 
 #define RKV_MMA_WARPS 4
+#define RKV_MMA_STAGES 3
 #define RKV_HALF2_1024 0x64006400u
 
 __device__ __forceinline__ void rkv_mma16816(float* d, const u32* a, u32 b0, u32 b1) {
@@ -80,6 +89,8 @@ struct RkvMmaShape {
     static constexpr u32 KWORDS = (CODING == RKV_SECDED ? KCH : KCH / 2) / 4;
     static constexpr u32 VWORDS = (CODING == RKV_SECDED ? VCH : VCH / 2) / 4;
     static constexpr u32 CHUNKS = HD / 16;
+    // Staged words of one warp and stage: 2 key rows and 4 value rows per lane.
+    static constexpr u32 STAGE_WORDS = 32 * (2 * KWORDS + 4 * VWORDS);
 };
 
 // The channel (within the lane's HD/4 key channels) at k slot `slot` (0:
@@ -93,18 +104,60 @@ __device__ __forceinline__ u32 rkv_mma_key_channel(u32 c, u32 slot) {
     return 8 * (c / 2) + 2 * (c % 2) + 2 * d + e;
 }
 
+// A row of N words one lane stages: pieces of W words (one cp.async
+// each), lane-interleaved in shared memory ([piece][lane][W]), so a warp's
+// vector reads of one piece touch consecutive addresses.
 template <u32 N>
-__device__ __forceinline__ void rkv_load_words(const u8* p, u32* w) {
-    if (N == 1) {
-        w[0] = __ldg((const u32*)p);
-    } else if (N == 2) {
-        const uint2 x = __ldg((const uint2*)p);
-        w[0] = x.x; w[1] = x.y;
-    } else {
-        #pragma unroll
-        for (u32 i = 0; i < N / 4; ++i) {
-            const uint4 x = __ldg((const uint4*)p + i);
-            w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
+struct RkvPiece {
+    static constexpr u32 W = N < 4 ? N : 4;
+    static constexpr u32 COUNT = N / W;
+};
+
+template <u32 BYTES>
+__device__ __forceinline__ void rkv_cp_async(u32 dst, const u8* src) {
+    if (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    else if (BYTES == 8)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void rkv_cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <u32 PENDING>
+__device__ __forceinline__ void rkv_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// Copies row `slot`'s N words at global p into the lane's staging slots
+// (`stage`: the warp's stage, in words; shared address `stage_addr`).
+template <u32 N>
+__device__ __forceinline__ void rkv_stage_row(u32 stage_addr, u32 slot, u32 lane, const u8* p) {
+    typedef RkvPiece<N> R;
+    #pragma unroll
+    for (u32 i = 0; i < R::COUNT; ++i)
+        rkv_cp_async<4 * R::W>(stage_addr + 4 * ((slot * R::COUNT + i) * 32 + lane) * R::W,
+                               p + 4 * R::W * i);
+}
+
+// Reads back what rkv_stage_row copied.
+template <u32 N>
+__device__ __forceinline__ void rkv_staged_row(const u32* stage, u32 slot, u32 lane, u32* w) {
+    typedef RkvPiece<N> R;
+    #pragma unroll
+    for (u32 i = 0; i < R::COUNT; ++i) {
+        const u32* x = stage + ((slot * R::COUNT + i) * 32 + lane) * R::W;
+        if (R::W == 4) {
+            const uint4 v = *(const uint4*)x;
+            w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+        } else if (R::W == 2) {
+            const uint2 v = *(const uint2*)x;
+            w[2 * i] = v.x; w[2 * i + 1] = v.y;
+        } else {
+            w[i] = x[0];
         }
     }
 }
@@ -157,30 +210,46 @@ __device__ __noinline__ void rkv_decode_tile(const RkvPagedParams& P, const RkvP
     __syncwarp();
 }
 
-// One metadata word (scale or offset) of a token row: decoded with the
-// syndrome tables (meta_syn: XOR of check columns per byte value) and
-// checked against the bound. Returns the value; *clean is false where the
-// tile must take the exact route (a detected word, or a value outside the
-// bound); *outcome is 0 clean, 1 corrected.
-__device__ __forceinline__ float rkv_mma_meta(const RkvPagedParams& P, const RkvPool& pool,
-                                              const u8* meta_syn, u32 page, u32 row, u32 g,
-                                              bool offset, bool* clean, u32* outcome) {
+// One metadata word (scale or offset) of a token row as stored, with its
+// check byte (0 without metadata checks): loaded a tile ahead of its use.
+struct RkvMetaRaw {
+    u32 word;
+    u32 check;
+};
+
+__device__ __forceinline__ RkvMetaRaw rkv_mma_meta_load(const RkvPagedParams& P, const RkvPool& pool,
+                                                      u32 page, u32 row, u32 g, bool offset) {
     const u32 word = row * P.groups_per_row + g;
     const u8* base = (offset ? pool.offsets : pool.scales) + (u64)page * P.meta_stride;
     // One aligned load (blocks hold whole words). common.cuh's byte-wise
     // rkv_load_word stays for the CUDA-core kernels: an aligned load there
     // made ptxas spill in several of their instances that did not before.
     const u8* wp = base + (u64)word * P.scale_bytes;
-    u32 w = P.scale_bytes == 2 ? (u32)__ldg((const unsigned short*)wp) : __ldg((const u32*)wp);
-    u32 o = 0;
+    RkvMetaRaw r;
+    r.word = P.scale_bytes == 2 ? (u32)__ldg((const unsigned short*)wp) : __ldg((const u32*)wp);
+    r.check = 0;
     if (P.meta_checks) {
         const u32 words = P.block_size * P.groups_per_row;
-        const u8 check = pool.checks[(u64)page * P.check_stride + (offset ? words : 0) + word];
+        r.check = pool.checks[(u64)page * P.check_stride + (offset ? words : 0) + word];
+    }
+    return r;
+}
+
+// The word decoded with the syndrome tables (meta_syn: XOR of check
+// columns per byte value) and checked against the bound. Returns the
+// value; *clean is false where the tile must take the exact route (a
+// detected word, or a value outside the bound); *outcome is 0 clean, 1
+// corrected.
+__device__ __forceinline__ float rkv_mma_meta(const RkvPagedParams& P, const RkvPool& pool,
+                                              const u8* meta_syn, RkvMetaRaw raw, bool offset,
+                                              bool* clean, u32* outcome) {
+    u32 w = raw.word, o = 0;
+    if (P.meta_checks) {
         u32 syn = meta_syn[w & 255u] ^ meta_syn[256 + ((w >> 8) & 255u)];
         if (P.scale_bytes == 4)
             syn ^= meta_syn[512 + ((w >> 16) & 255u)] ^ meta_syn[768 + (w >> 24)];
-        if (((syn ^ check) & ((1u << P.meta_check_bits) - 1u)) != 0)
-            w = rkv_meta_decode(w, check, P.meta_columns, P.meta_width, P.meta_check_bits, &o);
+        if (((syn ^ raw.check) & ((1u << P.meta_check_bits) - 1u)) != 0)
+            w = rkv_meta_decode(w, raw.check, P.meta_columns, P.meta_width, P.meta_check_bits, &o);
     }
     const float x = rkv_word_to_float(w, P.scale_bytes);
     const bool ok = offset ? fabsf(x) <= pool.offset_bound : (x >= 0.0f && x <= pool.scale_bound);
@@ -281,55 +350,98 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
     u32 cnt[RKV_ATT_STATS] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
     float* wbuf = &buf[warp][0][0];
 
-    // A tile lies in one block where the block size is a multiple of 16;
-    // its page is looked up one tile ahead (other block sizes look pages
-    // up per row). Prefetching the data too, with two tiles' words live,
-    // measured slower (fewer resident warps and copies that wait on loads).
-    const u32 step = 16 * RKV_MMA_WARPS;
+    // A tile lies in one block where the block size is a multiple of 16,
+    // so its rows share a page (other block sizes look pages up per row).
+    // Tile j of this warp starts at first + j·step; its bytes are staged
+    // RKV_MMA_STAGES-1 tiles ahead, its metadata one tile ahead, and the
+    // page index one tile before its bytes (pg[k]: tile j+k's page).
+    const u32 step = 16 * RKV_MMA_WARPS, first = begin + 16 * warp;
+    extern __shared__ __align__(16) u32 rkv_mma_stage[];
+    u32* stages = rkv_mma_stage + warp * RKV_MMA_STAGES * S::STAGE_WORDS;
+    const u32 stages_addr = (u32)__cvta_generic_to_shared(stages);
     auto tile_page_of = [&](u32 t) -> u32 {
         return aligned && t < end ? __ldg(P.indices + first_page + t / P.block_size) : 0u;
     };
-    u32 next_page = tile_page_of(begin + 16 * warp);
-    for (u32 t0 = begin + 16 * warp; t0 < end; t0 += step) {
-        // Rows this lane reads: keys gid, gid+8; values 2tig, 2tig+1,
-        // 2tig+8, 2tig+9; metadata (both pools) row gid + 8·(tig/2), the
-        // scale for even tig, the offset for odd tig. Past end: the last
-        // token (read, never used).
-        const u32 kr[2] = {gid, gid + 8}, vr[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
-        const u32 tile_row = aligned ? t0 % P.block_size : 0u, tile_page = next_page;
-        next_page = tile_page_of(t0 + step);
-        auto locate = [&](u32 r, u32* row) -> u32 {
-            const u32 t = min(t0 + r, end - 1);
-            if (aligned) {
-                *row = tile_row + (t - t0);
-                return tile_page;
-            }
-            return rkv_token_page(P, first_page, t, row);
-        };
-        // Byte `ch0` channels into row `r` of the tile in `data`.
-        auto row_at = [&](const u8* data, u32 r, u32 ch0) -> const u8* {
+    // Page and row of row r of the tile at t0 (page tile_page where
+    // aligned). Past end: the last token (read, never used).
+    auto locate = [&](u32 t0, u32 tile_page, u32 r, u32* row) -> u32 {
+        const u32 t = min(t0 + r, end - 1);
+        if (aligned) {
+            *row = t % P.block_size;
+            return tile_page;
+        }
+        return rkv_token_page(P, first_page, t, row);
+    };
+    // Byte `ch0` channels into row `r` of the tile at t0 in `data`.
+    auto row_at = [&](const u8* data, u32 t0, u32 tile_page, u32 r, u32 ch0) -> const u8* {
+        u32 row;
+        const u32 page = locate(t0, tile_page, r, &row);
+        const u32 bytes = CODING == RKV_SECDED ? ch0 : ch0 / 2;
+        return data + (u64)page * P.data_stride + (u64)row * P.row_bytes + bytes;
+    };
+    // Rows this lane reads: keys gid, gid+8; values 2tig, 2tig+1, 2tig+8,
+    // 2tig+9; metadata (both pools) row gid + 8·(tig/2), the scale for
+    // even tig, the offset for odd tig.
+    const u32 kr[2] = {gid, gid + 8}, vr[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
+    const u32 mrow = gid + 8 * (tig / 2);
+    const bool is_offset = (tig & 1u) != 0, loads_meta = !(is_offset && sym);
+    // Stages the tile at t0 (one commit group, empty past end).
+    auto stage_tile = [&](u32 t0, u32 tile_page, u32 slot) {
+        if (t0 < end) {
+            const u32 addr = stages_addr + 4 * slot * S::STAGE_WORDS;
+            #pragma unroll
+            for (u32 i = 0; i < 2; ++i)
+                rkv_stage_row<S::KWORDS>(addr, i, lane,
+                                         row_at(P.k.data, t0, tile_page, kr[i], kvh * HD + tig * S::KCH));
+            #pragma unroll
+            for (u32 i = 0; i < 4; ++i)
+                rkv_stage_row<S::VWORDS>(addr + 4 * 64 * S::KWORDS, i, lane,
+                                         row_at(P.v.data, t0, tile_page, vr[i], kvh * HD + gid * S::VCH));
+        }
+        rkv_cp_async_commit();
+    };
+    auto load_meta = [&](u32 t0, u32 tile_page, RkvMetaRaw* km, RkvMetaRaw* vm) {
+        if (t0 < end && loads_meta) {
             u32 row;
-            const u32 page = locate(r, &row);
-            const u32 bytes = CODING == RKV_SECDED ? ch0 : ch0 / 2;
-            return data + (u64)page * P.data_stride + (u64)row * P.row_bytes + bytes;
-        };
+            const u32 page = locate(t0, tile_page, mrow, &row);
+            *km = rkv_mma_meta_load(P, P.k, page, row, group, is_offset);
+            *vm = rkv_mma_meta_load(P, P.v, page, row, group, is_offset);
+        }
+    };
+    u32 pg[RKV_MMA_STAGES];
+    #pragma unroll
+    for (u32 k = 0; k < RKV_MMA_STAGES; ++k) pg[k] = tile_page_of(first + k * step);
+    #pragma unroll
+    for (u32 k = 0; k + 1 < RKV_MMA_STAGES; ++k) stage_tile(first + k * step, pg[k], k);
+    RkvMetaRaw km_next = {0, 0}, vm_next = {0, 0};
+    load_meta(first, pg[0], &km_next, &vm_next);
+    u32 slot = 0;
+    for (u32 t0 = first; t0 < end; t0 += step) {
+        const u32 tile_page = pg[0];
+        stage_tile(t0 + (RKV_MMA_STAGES - 1) * step, pg[RKV_MMA_STAGES - 1],
+                   slot == 0 ? RKV_MMA_STAGES - 1 : slot - 1);
+        const RkvMetaRaw km = km_next, vm = vm_next;
+        load_meta(t0 + step, pg[1], &km_next, &vm_next);
+        #pragma unroll
+        for (u32 k = 0; k + 1 < RKV_MMA_STAGES; ++k) pg[k] = pg[k + 1];
+        pg[RKV_MMA_STAGES - 1] = tile_page_of(t0 + RKV_MMA_STAGES * step);
+
+        // This tile's group is complete once at most STAGES-1 are pending.
+        rkv_cp_async_wait<RKV_MMA_STAGES - 1>();
+        const u32* st = stages + slot * S::STAGE_WORDS;
+        slot = slot + 1 == RKV_MMA_STAGES ? 0 : slot + 1;
         u32 kw[2][S::KWORDS], vw[4][S::VWORDS];
         #pragma unroll
-        for (u32 i = 0; i < 2; ++i)
-            rkv_load_words<S::KWORDS>(row_at(P.k.data, kr[i], kvh * HD + tig * S::KCH), kw[i]);
+        for (u32 i = 0; i < 2; ++i) rkv_staged_row<S::KWORDS>(st, i, lane, kw[i]);
         #pragma unroll
-        for (u32 i = 0; i < 4; ++i)
-            rkv_load_words<S::VWORDS>(row_at(P.v.data, vr[i], kvh * HD + gid * S::VCH), vw[i]);
-        const u32 mrow = gid + 8 * (tig / 2), mt = t0 + mrow;
-        const bool is_offset = (tig & 1u) != 0;
+        for (u32 i = 0; i < 4; ++i) rkv_staged_row<S::VWORDS>(st + 64 * S::KWORDS, i, lane, vw[i]);
+        const u32 mt = t0 + mrow;
         bool kclean = true, vclean = true;
         float kmeta = 0.0f, vmeta = 0.0f;
         u32 ko = 0, vo = 0;
-        if (!(is_offset && sym)) {
-            u32 row;
-            const u32 page = locate(mrow, &row);
-            kmeta = rkv_mma_meta(P, P.k, meta_syn, page, row, group, is_offset, &kclean, &ko);
-            vmeta = rkv_mma_meta(P, P.v, meta_syn, page, row, group, is_offset, &vclean, &vo);
+        if (loads_meta) {
+            kmeta = rkv_mma_meta(P, P.k, meta_syn, km, is_offset, &kclean, &ko);
+            vmeta = rkv_mma_meta(P, P.v, meta_syn, vm, is_offset, &vclean, &vo);
         }
         if (CODING == RKV_SECDED) {
             u32 bad = 0;
@@ -357,7 +469,7 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
             va[i] = __shfl_sync(0xffffffffu, vmeta, q0 + 2 * i);
             vb[i] = sym ? 0.0f : __shfl_sync(0xffffffffu, vmeta, q0 + 2 * i + 1);
         }
-        if (mt < end && count_meta && !(is_offset && sym)) {
+        if (mt < end && count_meta && loads_meta) {
             if (kfast) { cnt[4] += 1; cnt[5] += ko == 0; cnt[6] += ko == 1; }
             if (vfast) { cnt[4] += 1; cnt[5] += vo == 0; cnt[6] += vo == 1; }
         }
@@ -508,6 +620,7 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
         }
         __syncwarp();  // pbuf and wbuf are rewritten by the next tile
     }
+    rkv_cp_async_wait<0>();  // no copy outlives the kernel's shared memory
 
     // Merge the warps: unnormalised outputs into buf, (m, l) into ml.
     #pragma unroll

@@ -18,6 +18,7 @@ use crate::error::{GpuError, Result, check_len};
 use crate::layout::{BlockBytes, KernelForm, ValueCoding};
 use crate::sources::{
     ATTENTION_GROUPS, ATTENTION_HEAD_DIMS, PAGED_DECODE, paged_decode_kernel, paged_mma_kernel,
+    paged_mma_shared_bytes,
 };
 
 /// Tokens per tile of the kernel (`RKV_TILE`); splits are multiples of it.
@@ -375,10 +376,13 @@ impl Gpu {
                 let shape_ok = ATTENTION_HEAD_DIMS.contains(&layer.head_dim)
                     && ATTENTION_GROUPS.contains(&group);
                 let resident = if shape_ok {
-                    let name = kernel_name(layer, group, true);
-                    self.function(&PAGED_DECODE, &name)?
-                        .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
-                        .map_err(driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?
+                    let (func, shared) = self.split_kernel(layer, group, true)?;
+                    func.occupancy_max_active_blocks_per_multiprocessor(
+                        THREADS,
+                        shared as usize,
+                        None,
+                    )
+                    .map_err(driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?
                 } else {
                     4
                 };
@@ -427,6 +431,30 @@ impl Gpu {
         kernel_name(layer, ws.q_heads / layer.kv_heads().max(1), ws.tensor_cores)
     }
 
+    /// The split kernel for `layer` at `group` query heads per KV head and
+    /// the dynamic shared memory it launches with (the tensor-core
+    /// kernels' staged tiles; set as the function's limit, which is needed
+    /// beyond 48 KiB).
+    fn split_kernel(
+        &self,
+        layer: &DevicePagedLayer,
+        group: usize,
+        tensor_cores: bool,
+    ) -> Result<(cudarc::driver::CudaFunction, u32)> {
+        let func = self.function(&PAGED_DECODE, &kernel_name(layer, group, tensor_cores))?;
+        if !(tensor_cores && layer.tensor_cores_apply()) {
+            return Ok((func, 0));
+        }
+        let secded = layer.form.coding == ValueCoding::Int4Secded84;
+        let shared = paged_mma_shared_bytes(secded, layer.head_dim);
+        func.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .map_err(driver("cuFuncSetAttribute (dynamic shared memory)"))?;
+        Ok((func, shared))
+    }
+
     /// Queues one decode step (the split kernel and the merge) on the
     /// stream without waiting: the kernel a benchmark times.
     pub fn launch_paged_decode(
@@ -470,7 +498,7 @@ impl Gpu {
         }
         let tables = self.tables()?;
         let f = &layer.form;
-        let func = self.function(&PAGED_DECODE, &self.paged_kernel(layer, ws))?;
+        let (func, shared) = self.split_kernel(layer, group, ws.tensor_cores)?;
         let (policy, reach) = f.policy_code();
         let wide = f.scale == ScaleType::F32;
         let meta_code = if wide {
@@ -547,7 +575,7 @@ impl Gpu {
                 u32_of(table.sequences, "sequences")?,
             ),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared,
         };
         let mut b = s.launch_builder(&func);
         b.arg(&p);

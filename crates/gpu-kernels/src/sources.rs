@@ -67,6 +67,22 @@ pub fn paged_mma_kernel(coding: &str, head_dim: usize, group: usize) -> String {
     format!("paged_mma_{coding}_hd{head_dim}_g{group}")
 }
 
+/// Warps per CTA of the tensor-core kernels (`RKV_MMA_WARPS`).
+pub const MMA_WARPS: u32 = 4;
+/// Stages of the tensor-core kernels' load pipeline (`RKV_MMA_STAGES`):
+/// a warp stages tile j+2's bytes while it computes tile j.
+pub const MMA_STAGES: u32 = 3;
+
+/// Dynamic shared memory a tensor-core kernel launches with: per warp and
+/// stage, each of 32 lanes stages two key rows of head_dim/4 channels and
+/// four value rows of head_dim/8 (a byte per SECDED value, half a byte per
+/// INT4 value), as `RkvMmaShape::STAGE_WORDS` counts them.
+pub fn paged_mma_shared_bytes(secded: bool, head_dim: usize) -> u32 {
+    let per_value = |channels: usize| if secded { channels } else { channels / 2 };
+    let lane = 2 * per_value(head_dim / 4) + 4 * per_value(head_dim / 8);
+    MMA_STAGES * MMA_WARPS * 32 * lane as u32
+}
+
 /// Head sizes the attention kernels are instantiated for.
 pub const ATTENTION_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Query heads per KV head the attention kernels are instantiated for.
@@ -110,5 +126,21 @@ mod tests {
         ] {
             assert!(PAGED_DECODE.source.contains(family), "{family}");
         }
+        for define in [
+            format!("#define RKV_MMA_WARPS {MMA_WARPS}\n"),
+            format!("#define RKV_MMA_STAGES {MMA_STAGES}\n"),
+        ] {
+            assert!(PAGED_DECODE.source.contains(&define), "{define}");
+        }
+    }
+
+    #[test]
+    fn tensor_core_staging_counts_two_key_and_four_value_rows_per_lane() {
+        // int4 head_dim 128: 2 key rows of 16 bytes and 4 value rows of 8
+        // per lane; SECDED twice that.
+        assert_eq!(paged_mma_shared_bytes(false, 128), 3 * 4 * 32 * 64);
+        assert_eq!(paged_mma_shared_bytes(true, 128), 3 * 4 * 32 * 128);
+        assert_eq!(paged_mma_shared_bytes(false, 64), 3 * 4 * 32 * 32);
+        assert_eq!(paged_mma_shared_bytes(true, 64), 3 * 4 * 32 * 64);
     }
 }
