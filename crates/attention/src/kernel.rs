@@ -155,17 +155,11 @@ pub(crate) fn attend_tile(
         };
         wanted && int_values::takes(levels, geometry)
     };
-    // Packed values stay packed where the integer pass takes them on
-    // AVX-512, whose f32 pass reads them only if that pass declines (a
-    // non-finite weight: then through `LevelRows::dequantize_into`).
-    #[cfg(target_arch = "x86_64")]
-    let lazy_values = isa() == Isa::Avx512;
-    #[cfg(not(target_arch = "x86_64"))]
-    let lazy_values = false;
+    // Packed values stay packed where the integer pass takes them; the f32
+    // pass reads them only if that pass declines (a non-finite weight:
+    // then through `LevelRows::dequantize_into`).
     let (values, int_values) = match values {
-        TileRows::Levels(levels) if lazy_values && integer_value_sums(&levels) => {
-            (values, Some(levels))
-        }
+        TileRows::Levels(levels) if integer_value_sums(&levels) => (values, Some(levels)),
         TileRows::Levels(levels) => {
             let levels = levels.unpacked(value_levels);
             (
@@ -216,11 +210,12 @@ fn kernels(
         return;
     }
     let mut wide = std::mem::take(&mut scratch.wide);
-    let (keys, values) = wide.widen(keys, values);
+    let (key_buffer, value_buffer) = wide.buffers();
     let args = TileArgs {
         q,
-        keys,
+        keys: keys.map(|k| widen_rows(k, key_buffer)),
         values,
+        value_buffer,
         int_values,
         geometry,
         rows,
@@ -332,26 +327,17 @@ impl WideScratch {
     pub(crate) fn buffers(&mut self) -> (&mut Vec<f32>, &mut Vec<f32>) {
         (&mut self.keys, &mut self.values)
     }
-
-    /// Both sides as f32 (keys only when given).
-    pub(crate) fn widen<'a>(
-        &'a mut self,
-        keys: Option<TileRows<'a>>,
-        values: TileRows<'a>,
-    ) -> (Option<&'a [f32]>, &'a [f32]) {
-        (
-            keys.map(|k| widen_rows(k, &mut self.keys)),
-            widen_rows(values, &mut self.values),
-        )
-    }
 }
 
-#[derive(Clone, Copy)]
 struct TileArgs<'a> {
     q: &'a [f32],
     /// `None` when the scores are already in the scratch.
     keys: Option<&'a [f32]>,
-    values: &'a [f32],
+    /// Widened into `value_buffer` only if the integer value pass does
+    /// not take them (on every instruction set: a tile whose value sums
+    /// are integer ones never dequantizes its values).
+    values: TileRows<'a>,
+    value_buffer: &'a mut Vec<f32>,
     /// The values' levels where the integer value pass takes them.
     int_values: Option<LevelRows<'a>>,
     geometry: TileGeometry,
@@ -408,6 +394,7 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
         q,
         keys,
         values,
+        value_buffer,
         int_values,
         geometry,
         rows,
@@ -428,6 +415,7 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
             if integer_values(int_values, geometry, rows, scratch) {
                 return;
             }
+            let values = widen_rows(values, value_buffer);
             // Up to four heads of the group per pass over the value rows.
             let mut pass = ValuePass::<FMA, ISA> {
                 acc: &mut scratch.acc[..heads * d],

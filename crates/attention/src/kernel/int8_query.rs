@@ -31,8 +31,9 @@
 //! [`PLANE_BLOCK`] channels where the head dimension is one too.
 //!
 //! The integer sums are exact, and the float finishing is the same scalar
-//! code on every instruction set, so AVX-512 VNNI (`vpdpbusd`) and the
-//! portable loop give bit-identical scores. Everything else (narrow groups,
+//! code on every instruction set, so AVX-512 VNNI (`vpdpbusd`), AVX2
+//! (`vpmaddubsw`/`vpmaddwd`, for CPUs without VNNI) and the portable loop
+//! give bit-identical scores. Everything else (narrow groups,
 //! a non-finite query or scale) returns `false` and the exact f32 path
 //! scores the tile.
 
@@ -155,6 +156,9 @@ pub(crate) enum Dot {
     /// AVX-512 VNNI `vpdpbusd` (with BW for byte masks).
     #[cfg(target_arch = "x86_64")]
     Vnni,
+    /// AVX2 `vpmaddubsw`/`vpmaddwd`, where AVX-512 VNNI is missing.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
     /// A plain loop (vectorized by the compiler where it can).
     Portable,
 }
@@ -171,8 +175,29 @@ impl Dot {
             {
                 return Dot::Vnni;
             }
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") {
+                return Dot::Avx2;
+            }
             Dot::Portable
         })
+    }
+
+    /// Every way this CPU runs, the portable loop first: the tests check
+    /// each against it.
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Self> {
+        let mut dots = vec![Dot::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") {
+                dots.push(Dot::Avx2);
+            }
+            if Dot::detect() == Dot::Vnni {
+                dots.push(Dot::Vnni);
+            }
+        }
+        dots
     }
 }
 
@@ -232,6 +257,9 @@ pub(crate) fn scores(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI.
         Dot::Vnni => unsafe { layouts_avx512(ctx, scratch, weights, prefetch) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Avx2` is only detected with AVX2.
+        Dot::Avx2 => unsafe { layouts_avx2(ctx, scratch, weights, prefetch) },
         Dot::Portable => layouts(ctx, scratch, weights, prefetch),
     }
 }
@@ -265,6 +293,22 @@ pub(crate) fn reads_packed(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn layouts_avx512(
+    ctx: Context<'_, '_>,
+    scratch: &mut IntScratch,
+    weights: &mut [f32],
+    prefetch: &mut Prefetcher,
+) -> bool {
+    layouts(ctx, scratch, weights, prefetch)
+}
+
+/// [`layouts`] compiled with AVX2 (eight lanes; the same float operations
+/// in the same order, so the same bits).
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn layouts_avx2(
     ctx: Context<'_, '_>,
     scratch: &mut IntScratch,
     weights: &mut [f32],
@@ -831,6 +875,10 @@ pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch:
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
         // bounds were checked above.
         Dot::Vnni => unsafe { vnni::integer_sums(b, out, prefetch) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Avx2` is only detected with AVX2; the bounds were
+        // checked above.
+        Dot::Avx2 => unsafe { avx2::integer_sums(b, out, prefetch) },
         Dot::Portable => portable_sums(b, out, prefetch),
     }
 }
@@ -866,6 +914,8 @@ fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod planes;
 #[cfg(target_arch = "x86_64")]
 mod vnni;

@@ -9,7 +9,8 @@
 //! per head and segment (a head's channels within one group) the products
 //! `x_t = w_t·a_t` are coded to 16 bits, `x̂_t = round(x_t / S)` with
 //! `S = max_t x_t / Q`, and `Σ_t x̂_t·l_tc` is an exact i32 sum, two rows per
-//! AVX-512 VNNI `vpdpwssd` (or a portable loop with the same sums). The
+//! AVX-512 VNNI `vpdpwssd` (AVX2 `vpmaddwd` without VNNI, or a portable
+//! loop: the same sums). The
 //! coding, the second term and the finishing `S·Σ + B` are the same
 //! operations in the same order on every instruction set (16 fixed lanes,
 //! no contraction), so both give the same bits.
@@ -95,8 +96,28 @@ pub(crate) fn weighted_sums(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI.
         Dot::Vnni => unsafe { weighted_sums_avx512(levels, geometry, weights, acc, scratch) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Avx2` is only detected with AVX2.
+        Dot::Avx2 => unsafe { weighted_sums_avx2(levels, geometry, weights, acc, scratch) },
         Dot::Portable => weighted_sums_with(levels, geometry, weights, acc, dot, scratch),
     }
+}
+
+/// [`weighted_sums`] compiled with AVX2 (the same float operations in the
+/// same order, so the same bits).
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn weighted_sums_avx2(
+    levels: &LevelRows<'_>,
+    geometry: TileGeometry,
+    weights: &[f32],
+    acc: &mut [f32],
+    scratch: &mut ValueScratch,
+) -> bool {
+    weighted_sums_with(levels, geometry, weights, acc, Dot::Avx2, scratch)
 }
 
 /// [`weighted_sums`] compiled with AVX-512, so that the weight coding's
@@ -338,6 +359,8 @@ fn code_weights(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW.
         Dot::Vnni => unsafe { vnni::round_codes(w, a, inv, code_max, codes) },
+        #[cfg(target_arch = "x86_64")]
+        Dot::Avx2 => round_codes(w, a, inv, code_max, codes),
         Dot::Portable => round_codes(w, a, inv, code_max, codes),
     }
     Some((f64::from(scale), offset))
@@ -398,6 +421,10 @@ fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
         // bounds were checked above.
         Dot::Vnni => unsafe { vnni::sums::<H>(b, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Avx2` is only detected with AVX2; the bounds were
+        // checked above.
+        Dot::Avx2 => unsafe { avx2::sums::<H>(b, out) },
         Dot::Portable => portable_sums::<H>(b, out),
     }
 }
@@ -646,5 +673,7 @@ mod vnni {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(test)]
 mod tests;

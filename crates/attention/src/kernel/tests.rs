@@ -88,11 +88,12 @@ fn run(
         };
     }
     let mut wide = WideScratch::default();
-    let (keys, values) = wide.widen(Some(keys), values);
+    let (key_buffer, value_buffer) = wide.buffers();
     let args = TileArgs {
         q: &q,
-        keys,
+        keys: Some(widen_rows(keys, key_buffer)),
         values,
+        value_buffer,
         int_values: None,
         geometry,
         rows,

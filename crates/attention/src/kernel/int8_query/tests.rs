@@ -35,13 +35,13 @@ fn nf4_image_rounds_each_level_to_the_nearest_127th() {
 /// every head count.
 #[test]
 fn every_dot_kernel_gives_the_exact_sums() {
-    let dots: Vec<Dot> = [Dot::Portable, Dot::detect()].into_iter().collect();
-    if Dot::detect() == Dot::Portable {
+    let dots = Dot::available();
+    if dots.len() == 1 {
         test_support::skip(
             test_support::Requirement::Isa,
             "attention",
             "every_dot_kernel_gives_the_exact_sums",
-            "no AVX-512 VNNI: only the portable integer sums were run",
+            "neither AVX2 nor AVX-512 VNNI: only the portable integer sums were run",
         );
     }
     for (ch, start, len, rows, heads) in [
@@ -107,7 +107,7 @@ fn every_dot_kernel_gives_the_exact_sums() {
 /// 64 channels, every head count, NF4 images, odd row counts.
 #[test]
 fn packed_levels_give_the_unpacked_sums() {
-    let dots: Vec<Dot> = [Dot::Portable, Dot::detect()].into_iter().collect();
+    let dots = Dot::available();
     for (ch, start, len, rows, heads) in [
         (1024, 128, 128, 37, 4),
         (192, 64, 64, 5, 3),
@@ -168,12 +168,12 @@ fn packed_levels_give_the_unpacked_sums() {
 /// (the cached query codes and segment sums are not stale).
 #[test]
 fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
-    if Dot::detect() == Dot::Portable {
+    if Dot::available().len() == 1 {
         test_support::skip(
             test_support::Requirement::Isa,
             "attention",
             "scores_are_the_same_bits_on_every_path_and_after_reuse",
-            "no AVX-512 VNNI: the portable path is checked against itself after reuse only",
+            "neither AVX2 nor AVX-512 VNNI: the portable path is checked against itself after reuse only",
         );
     }
     let uniform = |seed, n| crate::kernel::test_values(seed, n, 1.0);
@@ -250,9 +250,11 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
                 continue;
             }
             let fresh = run(levels, codes, Dot::Portable, &mut IntScratch::default());
-            let fast = run(levels, codes, Dot::detect(), &mut IntScratch::default());
             let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&fresh), bits(&fast), "{form} {codes:?}");
+            for dot in Dot::available() {
+                let fast = run(levels, codes, dot, &mut IntScratch::default());
+                assert_eq!(bits(&fresh), bits(&fast), "{form} {codes:?} {dot:?}");
+            }
             let reused = run(levels, codes, Dot::detect(), &mut shared);
             assert_eq!(
                 bits(&fresh),
@@ -270,7 +272,7 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
             }
             let cpg = packed.channels_per_group();
             let whole_blocks = cpg == 1 || cpg % d == 0 || cpg % PLANE_BLOCK == 0;
-            for dot in [Dot::Portable, Dot::detect()] {
+            for dot in Dot::available() {
                 let mut w = vec![0.0; heads * rows];
                 let mut prefetch = Prefetcher::new(None, 1);
                 let scratch = &mut shared;
@@ -410,7 +412,7 @@ fn packed_keys_are_read_as_they_are_only_in_whole_blocks() {
         };
         let want = run(&plain, Dot::Portable).expect("unpacked keys take the integer path");
         let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for dot in [Dot::Portable, Dot::detect()] {
+        for dot in Dot::available() {
             match run(&packed, dot) {
                 Some(got) => {
                     assert!(expect, "{form} at d = {d}: read packed");

@@ -52,7 +52,7 @@ fn integer_value_sums_stay_within_the_stated_bound() {
             })
             .collect();
         let mut results = Vec::new();
-        for dot in [Dot::Portable, Dot::detect()] {
+        for dot in Dot::available() {
             let mut acc = vec![f32::NAN; heads * d];
             let mut scratch = ValueScratch::default();
             assert!(weighted_sums(
@@ -83,7 +83,7 @@ fn integer_value_sums_stay_within_the_stated_bound() {
         if packed.packing == LevelPacking::Nibbles {
             let whole = levels.channels_per_group().is_multiple_of(32) && d % 32 == 0;
             assert_eq!(takes(&packed, geometry), whole, "{form}");
-            for dot in [Dot::Portable, Dot::detect()].into_iter().filter(|_| whole) {
+            for dot in Dot::available().into_iter().filter(|_| whole) {
                 let mut acc = vec![f32::NAN; heads * d];
                 let mut scratch = ValueScratch::default();
                 assert!(weighted_sums(
@@ -247,7 +247,7 @@ fn negative_and_tiny_products_are_refused() {
         let mut decode = kv_quant::DecodeScratch::new();
         let levels = levels_of(store, 8, &mut decode);
         assert!(takes(&levels, geometry), "{what}");
-        for dot in [Dot::Portable, Dot::detect()] {
+        for dot in Dot::available() {
             let mut acc = vec![0.0; 2 * 64];
             let mut scratch = ValueScratch::default();
             let ok = weighted_sums(&levels, geometry, &weights, &mut acc, dot, &mut scratch);
