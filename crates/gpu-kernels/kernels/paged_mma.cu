@@ -34,8 +34,11 @@
 // with cp.async (no warp barrier: a lane reads back only what it copied,
 // after cp.async.wait_group), and the tile's metadata words one tile ahead
 // into registers, so a warp computes on one tile while the next ones load.
-// The host sizes the dynamic shared memory (rkv_mma_stage_words · 4 ·
-// warps · stages bytes, gpu-kernels' mma_stage_bytes).
+// A slot is refilled by cp.async only after the lane has used the words it
+// read from it (their registers feed the previous tile's MMAs), which is
+// what orders the refill after the read. The host sizes the dynamic shared
+// memory: RkvMmaShape::STAGE_WORDS · 4 bytes per warp and stage
+// (gpu-kernels' paged_mma_shared_bytes).
 
 #define RKV_MMA_WARPS 4
 #define RKV_MMA_STAGES 3
@@ -109,6 +112,7 @@ __device__ __forceinline__ u32 rkv_mma_key_channel(u32 c, u32 slot) {
 // vector reads of one piece touch consecutive addresses.
 template <u32 N>
 struct RkvPiece {
+    static_assert(N == 1 || N == 2 || N % 4 == 0, "a row is 1, 2 or a multiple of 4 words");
     static constexpr u32 W = N < 4 ? N : 4;
     static constexpr u32 COUNT = N / W;
 };
@@ -133,7 +137,7 @@ __device__ __forceinline__ void rkv_cp_async_wait() {
 }
 
 // Copies row `slot`'s N words at global p into the lane's staging slots
-// (`stage`: the warp's stage, in words; shared address `stage_addr`).
+// of the warp's stage at shared address `stage_addr`.
 template <u32 N>
 __device__ __forceinline__ void rkv_stage_row(u32 stage_addr, u32 slot, u32 lane, const u8* p) {
     typedef RkvPiece<N> R;
@@ -542,15 +546,13 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
             // weighs nothing, as in the CUDA-core kernel.
             p[e] = m_new == RKV_NEG_INF ? 0.0f : exp2f(s[e] - m_new);
             p[2 + e] = m_new == RKV_NEG_INF ? 0.0f : exp2f(s[2 + e] - m_new);
-            float sum = p[e] + p[2 + e];
-            float bsum = vfast ? (sym ? -8.0f * (p[e] * va[0] + p[2 + e] * va[1])
-                                      : p[e] * vb[0] + p[2 + e] * vb[1])
-                               : 0.0f;
-            #pragma unroll
-            for (u32 off = 4; off < 32; off <<= 1) {
-                sum += __shfl_xor_sync(0xffffffffu, sum, off);
-                bsum += __shfl_xor_sync(0xffffffffu, bsum, off);
-            }
+            // l and beta are kept per lane (its two rows) and summed over
+            // the column's eight lanes once, after the last tile: every
+            // lane of a column scales by the same alpha.
+            const float sum = p[e] + p[2 + e];
+            const float bsum = vfast ? (sym ? -8.0f * (p[e] * va[0] + p[2 + e] * va[1])
+                                            : p[e] * vb[0] + p[2 + e] * vb[1])
+                                     : 0.0f;
             m[e] = m_new;
             l[e] = l[e] * alpha[e] + sum;
             beta[e] = beta[e] * alpha[e] + bsum;
@@ -621,6 +623,13 @@ __device__ __forceinline__ void rkv_paged_mma(const RkvPagedParams& P) {
         __syncwarp();  // pbuf and wbuf are rewritten by the next tile
     }
     rkv_cp_async_wait<0>();  // no copy outlives the kernel's shared memory
+    #pragma unroll
+    for (u32 e = 0; e < 2; ++e)
+        #pragma unroll
+        for (u32 off = 4; off < 32; off <<= 1) {
+            l[e] += __shfl_xor_sync(0xffffffffu, l[e], off);
+            beta[e] += __shfl_xor_sync(0xffffffffu, beta[e], off);
+        }
 
     // Merge the warps: unnormalised outputs into buf, (m, l) into ml.
     #pragma unroll

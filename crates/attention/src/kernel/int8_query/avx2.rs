@@ -249,13 +249,24 @@ fn unit64<const H: usize, const R: usize, const IMAGE: bool>(
             let qo = _mm256_loadu_si256(odd[j].cast());
             for r in 0..R {
                 acc[j][r] = if IMAGE {
-                    // Images reach 255: widened, as in `lanes`.
-                    let lo = |v: __m256i| _mm256_castsi256_si128(v);
-                    let hi = |v: __m256i| _mm256_extracti128_si256::<1>(v);
-                    let a = madd16(acc[j][r], lo(e[r]), lo(qe));
-                    let a = madd16(a, hi(e[r]), hi(qe));
-                    let a = madd16(a, lo(o[r]), lo(qo));
-                    madd16(a, hi(o[r]), hi(qo))
+                    // Images reach 255: widened, as in `lanes` (no closures
+                    // here: they would be compiled without AVX2).
+                    let a = madd16(
+                        acc[j][r],
+                        _mm256_castsi256_si128(e[r]),
+                        _mm256_castsi256_si128(qe),
+                    );
+                    let a = madd16(
+                        a,
+                        _mm256_extracti128_si256::<1>(e[r]),
+                        _mm256_extracti128_si256::<1>(qe),
+                    );
+                    let a = madd16(a, _mm256_castsi256_si128(o[r]), _mm256_castsi256_si128(qo));
+                    madd16(
+                        a,
+                        _mm256_extracti128_si256::<1>(o[r]),
+                        _mm256_extracti128_si256::<1>(qo),
+                    )
                 } else {
                     let s = _mm256_add_epi16(
                         _mm256_maddubs_epi16(e[r], qe),
