@@ -106,54 +106,74 @@ fn madd16(acc: __m256i, levels: __m128i, codes: __m128i) -> __m256i {
 }
 
 /// The accumulators of heads `j < H` and rows `t..t + R`, for levels one
-/// per byte: 16 channels per step, a shorter last step through zeroed
-/// buffers.
+/// per byte: 16 channels per step, read in place; a shorter last step
+/// through zero-padded copies.
 #[inline(always)]
 fn lanes<const H: usize, const R: usize, const IMAGE: bool>(
     b: DotBlock<'_>,
     t: usize,
 ) -> [[__m256i; R]; H] {
     // SAFETY: only inlined into `integer_sums` (AVX2). Rows `t..t + R` are
-    // below `b.rows`; every 16-byte load is within `start + len <= ch` of
-    // its row or `(H − 1)·code_stride + len` of the codes (the last
-    // partial step reads copies).
+    // below `b.rows`; every 16-byte read in place is within `start + len
+    // <= ch` of its row or `(H − 1)·code_stride + len` of the codes (the
+    // last partial step reads copies).
     unsafe {
-        let image = _mm256_castsi256_si128(image_lanes::<IMAGE>(b));
         let mut acc = [[_mm256_setzero_si256(); R]; H];
         let row = |r: usize| b.levels.as_ptr().add((t + r) * b.ch + b.start);
+        let codes = |j: usize| b.codes.as_ptr().add(j * b.code_stride);
         let mut c = 0;
-        while c < b.len {
-            let n = (b.len - c).min(16);
-            let mut level_buf = [[0u8; 16]; R];
-            let mut k = [_mm_setzero_si128(); R];
-            for (r, k) in k.iter_mut().enumerate() {
-                *k = if n == 16 {
-                    _mm_loadu_si128(row(r).add(c).cast())
-                } else {
-                    std::ptr::copy_nonoverlapping(row(r).add(c), level_buf[r].as_mut_ptr(), n);
-                    _mm_loadu_si128(level_buf[r].as_ptr().cast())
-                };
-                if IMAGE {
-                    // Bytes past the segment become image[0], against zero codes.
-                    *k = _mm_shuffle_epi8(image, *k);
-                }
-            }
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let p = b.codes.as_ptr().add(j * b.code_stride + c);
-                let mut code_buf = [0i8; 16];
-                let q = if n == 16 {
-                    _mm_loadu_si128(p.cast())
-                } else {
-                    std::ptr::copy_nonoverlapping(p, code_buf.as_mut_ptr(), n);
-                    _mm_loadu_si128(code_buf.as_ptr().cast())
-                };
-                for (a, k) in acc.iter_mut().zip(&k) {
-                    *a = madd16(*a, *k, q);
-                }
-            }
+        while c + 16 <= b.len {
+            let rows: [*const u8; R] = std::array::from_fn(|r| row(r).add(c));
+            let heads: [*const i8; H] = std::array::from_fn(|j| codes(j).add(c));
+            step16::<H, R, IMAGE>(b, &mut acc, rows, heads);
             c += 16;
         }
+        let n = b.len - c;
+        if n > 0 {
+            // Bytes past the segment are zero levels (image[0] with an
+            // image) against zero codes.
+            let mut level_buf = [[0u8; 16]; R];
+            for (r, buf) in level_buf.iter_mut().enumerate() {
+                std::ptr::copy_nonoverlapping(row(r).add(c), buf.as_mut_ptr(), n);
+            }
+            let mut code_buf = [[0i8; 16]; H];
+            for (j, buf) in code_buf.iter_mut().enumerate() {
+                std::ptr::copy_nonoverlapping(codes(j).add(c), buf.as_mut_ptr(), n);
+            }
+            let rows: [*const u8; R] = std::array::from_fn(|r| level_buf[r].as_ptr());
+            let heads: [*const i8; H] = std::array::from_fn(|j| code_buf[j].as_ptr());
+            step16::<H, R, IMAGE>(b, &mut acc, rows, heads);
+        }
         acc
+    }
+}
+
+/// One step of 16 channels of levels one per byte: 16 levels at
+/// `rows[r]` against 16 codes at `heads[j]`, both widened to i16.
+#[inline(always)]
+fn step16<const H: usize, const R: usize, const IMAGE: bool>(
+    b: DotBlock<'_>,
+    acc: &mut [[__m256i; R]; H],
+    rows: [*const u8; R],
+    heads: [*const i8; H],
+) {
+    // SAFETY: only inlined into `integer_sums` (AVX2); the callers pass
+    // pointers to 16 readable bytes each.
+    unsafe {
+        let image = _mm256_castsi256_si128(image_lanes::<IMAGE>(b));
+        let mut k = [_mm_setzero_si128(); R];
+        for (k, p) in k.iter_mut().zip(rows) {
+            *k = _mm_loadu_si128(p.cast());
+            if IMAGE {
+                *k = _mm_shuffle_epi8(image, *k);
+            }
+        }
+        for (acc, p) in acc.iter_mut().zip(heads) {
+            let q = _mm_loadu_si128(p.cast());
+            for (a, k) in acc.iter_mut().zip(&k) {
+                *a = madd16(*a, *k, q);
+            }
+        }
     }
 }
 
