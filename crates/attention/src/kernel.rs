@@ -209,6 +209,21 @@ fn kernels(
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 && geometry.d.is_multiple_of(16) {
+        // SAFETY: `isa()` returned Avx2 only after detecting avx2, fma and
+        // f16c; the scratch was sized above and `d` is a multiple of 16.
+        unsafe {
+            let tile = fused::Tile {
+                q,
+                geometry,
+                rows,
+                upcoming,
+            };
+            fused::avx2::attend_tile_avx2(tile, keys, values, int_values, scratch, partial);
+        }
+        return;
+    }
     let mut wide = std::mem::take(&mut scratch.wide);
     let (key_buffer, value_buffer) = wide.buffers();
     let args = TileArgs {
@@ -223,7 +238,8 @@ fn kernels(
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
-            // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma.
+            // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma
+            // (head dimensions that are not multiples of 16 come here).
             unsafe { attend_tile_avx2(args, scratch, partial) }
         }
         _ => attend_tile_body::<false, GENERIC>(args, scratch, partial),
@@ -366,7 +382,10 @@ pub(crate) fn isa() -> Isa {
             {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return Isa::Avx2;
             }
         }

@@ -22,6 +22,8 @@
 //! where the intrinsics are calls (ten times slower on level tiles, seen
 //! with `perf`).
 
+pub(super) mod avx2;
+
 use std::arch::x86_64::*;
 
 use kv_quant::{LevelMap, LevelRows};

@@ -41,11 +41,14 @@ fn fixed_reductions_match_f64_sums() {
 /// Runs one tile through one ISA variant, with the keys and the values
 /// given as f32 or as half floats (`halves`), and returns the finished
 /// output. The inputs are f16 values, so both spellings hold the same.
+/// With `fused_avx2`, `Isa::Avx2` runs the AVX2 kernel that reads rows as
+/// stored (`fused::avx2`) instead of the f32 body.
 fn run(
     isa: Isa,
     geometry: TileGeometry,
     rows: usize,
     halves: (bool, bool),
+    fused_avx2: bool,
 ) -> (Vec<f32>, Vec<f32>) {
     let heads = geometry.kv_heads * geometry.group;
     let (d, ch) = (geometry.d, geometry.kv_heads * geometry.d);
@@ -74,6 +77,29 @@ fn run(
     scratch.maxima.resize(heads, 0.0);
     scratch.sums.resize(heads, 0.0);
     let mut partial = Partial::new(heads, d);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && fused_avx2 {
+        // SAFETY: the caller checked the features (and `d % 16 == 0`); the scratch is sized.
+        unsafe {
+            let tile = fused::Tile {
+                q: &q,
+                geometry,
+                rows,
+                upcoming: None,
+            };
+            fused::avx2::attend_tile_avx2(
+                tile,
+                Some(keys),
+                values,
+                None,
+                &mut scratch,
+                &mut partial,
+            );
+        }
+        let (mut out, mut lse) = (vec![0.0; heads * d], vec![0.0; heads]);
+        partial.finish(&mut out, &mut lse);
+        return (out, lse);
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         // SAFETY: the caller checked the features; the scratch is sized.
@@ -129,27 +155,41 @@ fn every_isa_variant_agrees() {
     for (group, kv_heads, d, rows) in [
         (4, 2, 128, 37),
         (3, 3, 64, 64),
+        (2, 2, 48, 8),
+        (1, 1, 64, 17),
         (5, 1, 117, 9),
         (1, 2, 3, 1),
         (7, 1, 80, 66),
     ] {
         let geometry = TileGeometry { group, kv_heads, d };
-        let generic = run(Isa::Generic, geometry, rows, (false, false));
-        assert_eq!(generic, run(Isa::Generic, geometry, rows, (true, true)));
+        let generic = run(Isa::Generic, geometry, rows, (false, false), false);
+        assert_eq!(
+            generic,
+            run(Isa::Generic, geometry, rows, (true, true), false)
+        );
         #[cfg(target_arch = "x86_64")]
         {
             let fma = is_x86_feature_detected!("fma");
             let avx2 = (fma && is_x86_feature_detected!("avx2"))
-                .then(|| run(Isa::Avx2, geometry, rows, (false, false)));
+                .then(|| run(Isa::Avx2, geometry, rows, (false, false), false));
             if let Some(a) = &avx2 {
-                assert_eq!(a, &run(Isa::Avx2, geometry, rows, (true, false)));
+                assert_eq!(a, &run(Isa::Avx2, geometry, rows, (true, false), false));
+                if d.is_multiple_of(16) && is_x86_feature_detected!("f16c") {
+                    for halves in [(false, false), (true, true), (true, false), (false, true)] {
+                        assert_eq!(
+                            a,
+                            &run(Isa::Avx2, geometry, rows, halves, true),
+                            "AVX2 reading halves {halves:?} as stored at {geometry:?}"
+                        );
+                    }
+                }
             }
             let avx512 = (isa() == Isa::Avx512).then(|| {
-                let f32_rows = run(Isa::Avx512, geometry, rows, (false, false));
+                let f32_rows = run(Isa::Avx512, geometry, rows, (false, false), false);
                 for halves in [(true, true), (true, false), (false, true)] {
                     assert_eq!(
                         f32_rows,
-                        run(Isa::Avx512, geometry, rows, halves),
+                        run(Isa::Avx512, geometry, rows, halves, false),
                         "AVX-512 reading halves {halves:?} at {geometry:?}"
                     );
                 }

@@ -1,0 +1,400 @@
+//! The AVX2 tile kernel: [`attend_tile`](crate::kernel::attend_tile) on a
+//! host without AVX-512, reading f32 or half-float rows as stored (half
+//! floats widened in registers by F16C's `vcvtph2ps`), so an FP16 cache is
+//! never copied into an f32 buffer. Levels are dequantized into the scratch
+//! first, as before.
+//!
+//! It computes exactly what the parent module's AVX-512 kernel and the
+//! generic FMA kernel compute, bit for bit: a score is the 16-lane
+//! multiply-add over the head dimension (here two 8-lane registers)
+//! folded by the tree `+8, +4, +2, +1`, eight scores at once by shuffles
+//! ([`reduce8`]); a weighted value sum runs over the rows in order, per
+//! channel. Only head dimensions that are multiples of 16 come here; the
+//! caller sends others to the f32 body.
+//!
+//! Written because on an AVX2-only host (Zen 3) FP16 decode ran at a
+//! quarter of the streaming read: a third of its time went to widening
+//! every tile into f32 and most of the rest to a score loop that reloaded
+//! each key row once per query head and spilled its accumulators (`perf`).
+//! Register blocks are sized for AVX2's sixteen registers: one key row
+//! against up to four query heads (eight accumulators), and value blocks of
+//! `16·N` channels with `H·N ≤ 4`.
+
+use std::arch::x86_64::*;
+
+use kv_quant::LevelRows;
+
+use super::Tile;
+use crate::kernel::{
+    HeadBlockPass, KernelScratch, Partial, Prefetcher, TileGeometry, for_head_blocks,
+    integer_values, three_passes, widen_rows,
+};
+use crate::source::TileRows;
+
+/// Values of a tile (`rows × ch`) read 16 lanes at a time as f32.
+///
+/// # Safety
+/// [`load`](Self::load) is only called from functions compiled with AVX2,
+/// FMA and F16C, with `index + 16 <= len`.
+trait Load: Copy {
+    /// Values held.
+    fn len(self) -> usize;
+
+    /// Values `index..index + 16` as f32, low eight in the first register.
+    unsafe fn load(self, index: usize) -> [__m256; 2];
+}
+
+/// f32 rows.
+#[derive(Clone, Copy)]
+struct Floats<'a>(&'a [f32]);
+
+impl Load for Floats<'_> {
+    fn len(self) -> usize {
+        self.0.len()
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, index: usize) -> [__m256; 2] {
+        debug_assert!(index + 16 <= self.0.len());
+        // SAFETY: the caller keeps the 16 values inside the slice.
+        unsafe {
+            let p = self.0.as_ptr().add(index);
+            [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+        }
+    }
+}
+
+/// Little-endian IEEE half floats, two bytes per value.
+#[derive(Clone, Copy)]
+struct Halves<'a>(&'a [u8]);
+
+impl Load for Halves<'_> {
+    fn len(self) -> usize {
+        self.0.len() / 2
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, index: usize) -> [__m256; 2] {
+        debug_assert!(2 * (index + 16) <= self.0.len());
+        // SAFETY: bytes `2·index..2·index + 32` are inside the slice; x86
+        // is little-endian.
+        unsafe {
+            let p = self.0.as_ptr().add(2 * index).cast::<__m128i>();
+            [
+                _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+            ]
+        }
+    }
+}
+
+/// One side (keys or values) of a tile, as a loader: levels are
+/// dequantized into `buffer`.
+enum Side<'a> {
+    F32(Floats<'a>),
+    F16(Halves<'a>),
+}
+
+impl<'a> Side<'a> {
+    fn new(rows: TileRows<'a>, buffer: &'a mut Vec<f32>) -> Self {
+        match rows {
+            TileRows::F16(h) => Self::F16(Halves(h)),
+            rows => Self::F32(Floats(widen_rows(rows, buffer))),
+        }
+    }
+}
+
+/// [`attend_tile`](crate::kernel::attend_tile) with AVX2: scores from the
+/// keys (unless `keys` is `None`: the integer path scored them), softmax,
+/// and value sums (the integer value pass's where `int_values` is given and
+/// it takes them).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; the scratch must be sized for
+/// `tile.rows` rows of `tile.geometry` (as `attend_tile` does), and
+/// `tile.geometry.d` must be a multiple of 16.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::kernel) unsafe fn attend_tile_avx2(
+    tile: Tile<'_>,
+    keys: Option<TileRows<'_>>,
+    values: TileRows<'_>,
+    int_values: Option<LevelRows<'_>>,
+    scratch: &mut KernelScratch,
+    partial: &mut Partial,
+) {
+    let mut wide = std::mem::take(&mut scratch.wide);
+    let TileGeometry { group, kv_heads, d } = tile.geometry;
+    let (ch, heads, rows) = (kv_heads * d, kv_heads * group, tile.rows);
+    // Every load below stays inside these lengths.
+    assert!(values.len() == rows * ch && tile.q.len() == heads * d && d.is_multiple_of(16));
+    let (kb, vb) = wide.buffers();
+    three_passes::<true>(
+        tile.geometry,
+        rows,
+        scratch,
+        partial,
+        |scratch| {
+            if let Some(keys) = keys {
+                assert_eq!(keys.len(), rows * ch);
+                let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
+                let mut prefetch = Prefetcher::new(tile.upcoming, steps);
+                let weights = &mut scratch.weights[..heads * rows];
+                match Side::new(keys, kb) {
+                    Side::F32(k) => score_pass(tile, k, weights, &mut prefetch),
+                    Side::F16(k) => score_pass(tile, k, weights, &mut prefetch),
+                }
+            }
+        },
+        |scratch| {
+            if integer_values(int_values, tile.geometry, rows, scratch) {
+                return;
+            }
+            let (acc, weights) = (
+                &mut scratch.acc[..heads * d],
+                &scratch.weights[..heads * rows],
+            );
+            match Side::new(values, vb) {
+                Side::F32(v) => value_pass(tile, v, acc, weights),
+                Side::F16(v) => value_pass(tile, v, acc, weights),
+            }
+        },
+    );
+    scratch.wide = wide;
+}
+
+/// The scores of every head into `weights` (`heads × rows`).
+#[inline(always)]
+fn score_pass<K: Load>(tile: Tile<'_>, keys: K, weights: &mut [f32], prefetch: &mut Prefetcher) {
+    let TileGeometry { kv_heads, d, .. } = tile.geometry;
+    assert_eq!(keys.len(), tile.rows * kv_heads * d);
+    let mut pass = ScorePass {
+        q: tile.q,
+        keys,
+        weights,
+        d,
+        ch: kv_heads * d,
+        rows: tile.rows,
+        prefetch,
+    };
+    for_head_blocks(tile.geometry, &mut pass);
+}
+
+/// The scores of one head block.
+struct ScorePass<'a, K> {
+    q: &'a [f32],
+    keys: K,
+    weights: &'a mut [f32],
+    d: usize,
+    ch: usize,
+    rows: usize,
+    prefetch: &'a mut Prefetcher,
+}
+
+impl<K: Load> HeadBlockPass for ScorePass<'_, K> {
+    /// `w[j·rows + t] = q_j · k_t` for the `H` heads `j` from `h0`: each
+    /// key chunk loaded once feeds the `2H` accumulators of one row; a
+    /// row's two registers are added (the tree's `+8` step) and kept, and
+    /// every eight rows the rest of the tree folds them into eight scores.
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let (d, rows) = (self.d, self.rows);
+        let q = &self.q[h0 * d..][..H * d];
+        let w = &mut self.weights[h0 * rows..][..H * rows];
+        // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C).
+        // `score_pass` checked `keys.len() == rows·ch`; a row's chunks end
+        // at `t·ch + kvh·d + d <= rows·ch`; `q` holds `H·d` values and `d`
+        // is a multiple of 16.
+        unsafe {
+            let mut halves = [[_mm256_setzero_ps(); 8]; H];
+            for t in 0..rows {
+                if t.is_multiple_of(4) {
+                    self.prefetch.step();
+                }
+                let base = t * self.ch + kvh * d;
+                let mut acc = [[_mm256_setzero_ps(); 2]; H];
+                for c in (0..d).step_by(16) {
+                    let k = self.keys.load(base + c);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let p = q.as_ptr().add(j * d + c);
+                        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(p), k[0], a[0]);
+                        a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), k[1], a[1]);
+                    }
+                }
+                let r = t % 8;
+                for (h, a) in halves.iter_mut().zip(&acc) {
+                    h[r] = _mm256_add_ps(a[0], a[1]);
+                }
+                if r == 7 || t + 1 == rows {
+                    let mut sums = [0.0f32; 8];
+                    for (j, h) in halves.iter().enumerate() {
+                        _mm256_storeu_ps(sums.as_mut_ptr(), reduce8(*h));
+                        w[j * rows + t - r..][..r + 1].copy_from_slice(&sums[..r + 1]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Lane `i` of the result is the sum of the eight lanes of `v[i]`, added
+/// as the parent module's `reduce` adds its last three levels: lane `k`
+/// gets `k + 4`, then `k + 2` and `k + 1`; pairs of vectors are folded
+/// together by shuffles so that each addition serves two, four, then all
+/// eight sums.
+#[inline(always)]
+fn reduce8(v: [__m256; 8]) -> __m256 {
+    // SAFETY: only inlined into `attend_tile_avx2` (AVX2); no memory is touched.
+    unsafe {
+        // [a.lo | b.lo] + [a.hi | b.hi]: lanes 0..4 hold v[2p]'s `k + (k + 4)`,
+        // lanes 4..8 v[2p + 1]'s.
+        let mut w = [_mm256_setzero_ps(); 4];
+        for (p, w) in w.iter_mut().enumerate() {
+            let (a, b) = (v[2 * p], v[2 * p + 1]);
+            *w = _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(a, b),
+                _mm256_permute2f128_ps::<0x31>(a, b),
+            );
+        }
+        // Within 128-bit blocks, [a0 a1 b0 b1] + [a2 a3 b2 b3]: the low
+        // block holds v[4p] and v[4p + 2], two lanes each; the high block
+        // v[4p + 1] and v[4p + 3].
+        let mut x = [_mm256_setzero_ps(); 2];
+        for (p, x) in x.iter_mut().enumerate() {
+            let (a, b) = (w[2 * p], w[2 * p + 1]);
+            *x = _mm256_add_ps(
+                _mm256_shuffle_ps::<0x44>(a, b),
+                _mm256_shuffle_ps::<0xEE>(a, b),
+            );
+        }
+        // [a0 a2 b0 b2] + [a1 a3 b1 b3]: the low block holds the sums of
+        // v[0], v[2], v[4], v[6], the high block those of v[1], v[3], v[5], v[7].
+        let z = _mm256_add_ps(
+            _mm256_shuffle_ps::<0x88>(x[0], x[1]),
+            _mm256_shuffle_ps::<0xDD>(x[0], x[1]),
+        );
+        _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+    }
+}
+
+/// The weighted value sums of every head into `acc` (`heads × d`) from the
+/// softmax weights (`heads × rows`).
+#[inline(always)]
+fn value_pass<V: Load>(tile: Tile<'_>, values: V, acc: &mut [f32], weights: &[f32]) {
+    let TileGeometry { kv_heads, d, .. } = tile.geometry;
+    assert_eq!(values.len(), tile.rows * kv_heads * d);
+    let mut pass = ValuePass {
+        acc,
+        weights,
+        values,
+        d,
+        ch: kv_heads * d,
+        rows: tile.rows,
+    };
+    for_head_blocks(tile.geometry, &mut pass);
+}
+
+/// The weighted value sums of one head block.
+struct ValuePass<'a, V> {
+    acc: &'a mut [f32],
+    weights: &'a [f32],
+    values: V,
+    d: usize,
+    ch: usize,
+    rows: usize,
+}
+
+impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
+    /// Blocks of `16·N` channels with `H·N ≤ 4`, so the `2·H·N`
+    /// accumulators fit the registers while the rows stream by; a last
+    /// narrower block takes what is left (`d` is a multiple of 16).
+    #[inline(always)]
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let (d, rows) = (self.d, self.rows);
+        let out = &mut self.acc[h0 * d..][..H * d];
+        let w = &self.weights[h0 * rows..][..H * rows];
+        let block = ValueBlock {
+            w,
+            rows,
+            values: self.values,
+            ch: self.ch,
+            offset: kvh * d,
+        };
+        let mut c = 0;
+        if H == 1 {
+            while c + 64 <= d {
+                store_block::<H, 4>(out, d, c, value_block::<V, H, 4>(block, c));
+                c += 64;
+            }
+        }
+        if H <= 2 {
+            while c + 32 <= d {
+                store_block::<H, 2>(out, d, c, value_block::<V, H, 2>(block, c));
+                c += 32;
+            }
+        }
+        while c < d {
+            store_block::<H, 1>(out, d, c, value_block::<V, H, 1>(block, c));
+            c += 16;
+        }
+    }
+}
+
+/// Inputs of one register block of value sums.
+#[derive(Clone, Copy)]
+struct ValueBlock<'a, V> {
+    w: &'a [f32],
+    rows: usize,
+    values: V,
+    ch: usize,
+    /// First channel of the KV head in a row.
+    offset: usize,
+}
+
+/// Channels `c..c + 16N` of `H` heads, summed over the rows in order.
+#[inline(always)]
+fn value_block<V: Load, const H: usize, const N: usize>(
+    b: ValueBlock<'_, V>,
+    c: usize,
+) -> [[[__m256; 2]; N]; H] {
+    // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C);
+    // `value_pass` checked `values.len() == rows·ch`, channel
+    // `offset + c + 16N` is at most `ch`, and `w` holds `H·rows` weights.
+    unsafe {
+        let mut acc = [[[_mm256_setzero_ps(); 2]; N]; H];
+        for t in 0..b.rows {
+            let row = t * b.ch + b.offset + c;
+            let mut v = [[_mm256_setzero_ps(); 2]; N];
+            for (k, v) in v.iter_mut().enumerate() {
+                *v = b.values.load(row + 16 * k);
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let wt = _mm256_set1_ps(*b.w.get_unchecked(j * b.rows + t));
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    a[0] = _mm256_fmadd_ps(wt, v[0], a[0]);
+                    a[1] = _mm256_fmadd_ps(wt, v[1], a[1]);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// Writes each block's 16 channels to `out[j·d + c + 16k..]`.
+#[inline(always)]
+fn store_block<const H: usize, const N: usize>(
+    out: &mut [f32],
+    d: usize,
+    c: usize,
+    acc: [[[__m256; 2]; N]; H],
+) {
+    for (j, a) in acc.iter().enumerate() {
+        for (k, a) in a.iter().enumerate() {
+            let o = &mut out[j * d + c + 16 * k..][..16];
+            // SAFETY: only inlined into `attend_tile_avx2` (AVX2); `o` holds 16 floats.
+            unsafe {
+                _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+                _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+            }
+        }
+    }
+}
