@@ -22,9 +22,9 @@
 
 use std::arch::x86_64::*;
 
-use kv_quant::LevelRows;
+use kv_quant::{LevelMap, LevelRows};
 
-use super::Tile;
+use super::{Levels, Tile};
 use crate::kernel::{
     HeadBlockPass, KernelScratch, Partial, Prefetcher, TileGeometry, for_head_blocks,
     integer_values, three_passes, widen_rows,
@@ -35,51 +35,72 @@ use crate::source::TileRows;
 ///
 /// # Safety
 /// [`load`](Self::load) is only called from functions compiled with AVX2,
-/// FMA and F16C, with `index + 16 <= len`.
+/// FMA and F16C, with a [`Row`](Self::Row) of a row `< rows` and
+/// `col + 16 <= ch`.
 trait Load: Copy {
+    /// Where a row starts, computed once per row and pass ([`row`](Self::row)).
+    type Row: Copy;
+
     /// Values held.
     fn len(self) -> usize;
 
-    /// Values `index..index + 16` as f32, low eight in the first register.
-    unsafe fn load(self, index: usize) -> [__m256; 2];
+    /// The start of row `t`.
+    fn row(self, t: usize) -> Self::Row;
+
+    /// Channels `col..col + 16` of a row as f32, low eight in the first register.
+    unsafe fn load(self, row: Self::Row, col: usize) -> [__m256; 2];
 }
 
-/// f32 rows.
+/// f32 rows of `.1` channels.
 #[derive(Clone, Copy)]
-struct Floats<'a>(&'a [f32]);
+struct Floats<'a>(&'a [f32], usize);
 
 impl Load for Floats<'_> {
+    type Row = usize;
+
     fn len(self) -> usize {
         self.0.len()
     }
 
     #[inline(always)]
-    unsafe fn load(self, index: usize) -> [__m256; 2] {
-        debug_assert!(index + 16 <= self.0.len());
+    fn row(self, t: usize) -> usize {
+        t * self.1
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, row: usize, col: usize) -> [__m256; 2] {
+        debug_assert!(row + col + 16 <= self.0.len());
         // SAFETY: the caller keeps the 16 values inside the slice.
         unsafe {
-            let p = self.0.as_ptr().add(index);
+            let p = self.0.as_ptr().add(row + col);
             [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
         }
     }
 }
 
-/// Little-endian IEEE half floats, two bytes per value.
+/// Little-endian IEEE half floats, two bytes per value, rows of `.1` channels.
 #[derive(Clone, Copy)]
-struct Halves<'a>(&'a [u8]);
+struct Halves<'a>(&'a [u8], usize);
 
 impl Load for Halves<'_> {
+    type Row = usize;
+
     fn len(self) -> usize {
         self.0.len() / 2
     }
 
     #[inline(always)]
-    unsafe fn load(self, index: usize) -> [__m256; 2] {
-        debug_assert!(2 * (index + 16) <= self.0.len());
-        // SAFETY: bytes `2·index..2·index + 32` are inside the slice; x86
-        // is little-endian.
+    fn row(self, t: usize) -> usize {
+        t * self.1
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, row: usize, col: usize) -> [__m256; 2] {
+        let i = row + col;
+        debug_assert!(2 * (i + 16) <= self.0.len());
+        // SAFETY: bytes `2i..2i + 32` are inside the slice; x86 is little-endian.
         unsafe {
-            let p = self.0.as_ptr().add(2 * index).cast::<__m128i>();
+            let p = self.0.as_ptr().add(2 * i).cast::<__m128i>();
             [
                 _mm256_cvtph_ps(_mm_loadu_si128(p)),
                 _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
@@ -88,18 +109,121 @@ impl Load for Halves<'_> {
     }
 }
 
-/// One side (keys or values) of a tile, as a loader: levels are
-/// dequantized into `buffer`.
+/// The parent module's level loader, eight lanes at a time: the same
+/// layouts (levels one per byte; 16 consecutive channels in one group or
+/// each in its own) and the same arithmetic as kv-quant's dequantization.
+impl Load for Levels<'_> {
+    /// The row's first level and its first group.
+    type Row = (usize, usize);
+
+    fn len(self) -> usize {
+        self.rows.levels.len()
+    }
+
+    #[inline(always)]
+    fn row(self, t: usize) -> (usize, usize) {
+        let g = match self.per_row {
+            Some(n) => t * n,
+            None => self.rows.group_index(t, 0),
+        };
+        (t * self.ch, g)
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, (row, g): (usize, usize), col: usize) -> [__m256; 2] {
+        let i = row + col;
+        debug_assert!(i + 16 <= self.rows.levels.len());
+        // SAFETY: bytes `i..i + 16` are inside the slice; group
+        // `g + col / cpg` (or `g + col + 15` for one group per channel)
+        // exists, as `LevelRows::value` would read it.
+        unsafe {
+            let bytes = _mm_loadu_si128(self.rows.levels.as_ptr().add(i).cast());
+            let (s, o) = (self.rows.scale.as_ptr(), self.rows.offset.as_ptr());
+            // A match, not a closure: a closure here would be compiled
+            // without the kernel's features (see the parent's `reduce16`).
+            let ((a0, b0), (a1, b1)) = match self.shared {
+                // 16 channels from a multiple of 16 lie in one group.
+                Some(div) => {
+                    let j = g + div.of(col);
+                    let p = (_mm256_set1_ps(*s.add(j)), _mm256_set1_ps(*o.add(j)));
+                    (p, p)
+                }
+                None => {
+                    let j = g + col;
+                    (
+                        (_mm256_loadu_ps(s.add(j)), _mm256_loadu_ps(o.add(j))),
+                        (_mm256_loadu_ps(s.add(j + 8)), _mm256_loadu_ps(o.add(j + 8))),
+                    )
+                }
+            };
+            [
+                dequantize8(self.map, bytes, a0, b0),
+                dequantize8(self.map, _mm_srli_si128::<8>(bytes), a1, b1),
+            ]
+        }
+    }
+}
+
+/// The low eight levels (bytes) of `bytes` as values under `map`, with
+/// scales `a` and offsets `b`: `b + level·a` (product, then sum),
+/// `(level − mid)·a`, `NF4_LEVELS[level & 15]·a`, or FP8 through IEEE
+/// half precision as the parent module's `fp8_values` (E4M3 as
+/// `half·(2^8·a)`).
+#[inline(always)]
+fn dequantize8(map: LevelMap, bytes: __m128i, a: __m256, b: __m256) -> __m256 {
+    // SAFETY: only inlined into `attend_tile_avx2` (AVX2, F16C); no memory is touched.
+    unsafe {
+        let levels = _mm256_cvtepu8_epi32(bytes);
+        match map {
+            LevelMap::Affine => _mm256_add_ps(b, _mm256_mul_ps(_mm256_cvtepi32_ps(levels), a)),
+            LevelMap::Centered { mid } => {
+                let level = _mm256_cvtepi32_ps(levels);
+                _mm256_mul_ps(_mm256_sub_ps(level, _mm256_set1_ps(mid)), a)
+            }
+            // Two 8-entry tables, chosen per lane by bit 3 of the level
+            // (moved to the sign bit, which `blendv` reads).
+            LevelMap::Nf4 => {
+                let table = kv_quant::NF4_LEVELS.as_ptr();
+                let low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), levels);
+                let high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table.add(8)), levels);
+                let upper = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(levels));
+                _mm256_mul_ps(_mm256_blendv_ps(low, high, upper), a)
+            }
+            LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => {
+                let codes = _mm_cvtepu8_epi16(bytes);
+                _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16::<8>(codes)), a)
+            }
+            LevelMap::Fp8(kv_quant::Fp8Format::E4M3) => {
+                let codes = _mm_cvtepu8_epi16(bytes);
+                let magnitude = _mm_and_si128(codes, _mm_set1_epi16(0x7F));
+                let sign = _mm_slli_epi16::<8>(_mm_and_si128(codes, _mm_set1_epi16(0x80)));
+                let half = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16::<7>(magnitude), sign));
+                let nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F));
+                let nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan));
+                let half = _mm256_blendv_ps(half, _mm256_set1_ps(f32::NAN), nan);
+                _mm256_mul_ps(half, _mm256_mul_ps(a, _mm256_set1_ps(256.0)))
+            }
+        }
+    }
+}
+
+/// One side (keys or values) of a tile, as a loader: levels in a layout
+/// [`Levels`] does not read are dequantized into `buffer`.
 enum Side<'a> {
     F32(Floats<'a>),
     F16(Halves<'a>),
+    Levels(Levels<'a>),
 }
 
 impl<'a> Side<'a> {
-    fn new(rows: TileRows<'a>, buffer: &'a mut Vec<f32>) -> Self {
+    fn new(rows: TileRows<'a>, ch: usize, buffer: &'a mut Vec<f32>) -> Self {
         match rows {
-            TileRows::F16(h) => Self::F16(Halves(h)),
-            rows => Self::F32(Floats(widen_rows(rows, buffer))),
+            TileRows::F32(v) => Self::F32(Floats(v, ch)),
+            TileRows::F16(h) => Self::F16(Halves(h, ch)),
+            TileRows::Levels(l) => match Levels::new(l) {
+                Some(levels) => Self::Levels(levels),
+                None => Self::F32(Floats(widen_rows(rows, buffer), ch)),
+            },
         }
     }
 }
@@ -139,9 +263,10 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
                 let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
                 let mut prefetch = Prefetcher::new(tile.upcoming, steps);
                 let weights = &mut scratch.weights[..heads * rows];
-                match Side::new(keys, kb) {
+                match Side::new(keys, ch, kb) {
                     Side::F32(k) => score_pass(tile, k, weights, &mut prefetch),
                     Side::F16(k) => score_pass(tile, k, weights, &mut prefetch),
+                    Side::Levels(k) => score_pass(tile, k, weights, &mut prefetch),
                 }
             }
         },
@@ -153,9 +278,10 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
                 &mut scratch.acc[..heads * d],
                 &scratch.weights[..heads * rows],
             );
-            match Side::new(values, vb) {
+            match Side::new(values, ch, vb) {
                 Side::F32(v) => value_pass(tile, v, acc, weights),
                 Side::F16(v) => value_pass(tile, v, acc, weights),
+                Side::Levels(v) => value_pass(tile, v, acc, weights),
             }
         },
     );
@@ -172,7 +298,6 @@ fn score_pass<K: Load>(tile: Tile<'_>, keys: K, weights: &mut [f32], prefetch: &
         keys,
         weights,
         d,
-        ch: kv_heads * d,
         rows: tile.rows,
         prefetch,
     };
@@ -185,7 +310,6 @@ struct ScorePass<'a, K> {
     keys: K,
     weights: &'a mut [f32],
     d: usize,
-    ch: usize,
     rows: usize,
     prefetch: &'a mut Prefetcher,
 }
@@ -210,10 +334,10 @@ impl<K: Load> HeadBlockPass for ScorePass<'_, K> {
                 if t.is_multiple_of(4) {
                     self.prefetch.step();
                 }
-                let base = t * self.ch + kvh * d;
+                let row = self.keys.row(t);
                 let mut acc = [[_mm256_setzero_ps(); 2]; H];
                 for c in (0..d).step_by(16) {
-                    let k = self.keys.load(base + c);
+                    let k = self.keys.load(row, kvh * d + c);
                     for (j, a) in acc.iter_mut().enumerate() {
                         let p = q.as_ptr().add(j * d + c);
                         a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(p), k[0], a[0]);
@@ -287,7 +411,6 @@ fn value_pass<V: Load>(tile: Tile<'_>, values: V, acc: &mut [f32], weights: &[f3
         weights,
         values,
         d,
-        ch: kv_heads * d,
         rows: tile.rows,
     };
     for_head_blocks(tile.geometry, &mut pass);
@@ -299,7 +422,6 @@ struct ValuePass<'a, V> {
     weights: &'a [f32],
     values: V,
     d: usize,
-    ch: usize,
     rows: usize,
 }
 
@@ -316,7 +438,6 @@ impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
             w,
             rows,
             values: self.values,
-            ch: self.ch,
             offset: kvh * d,
         };
         let mut c = 0;
@@ -345,7 +466,6 @@ struct ValueBlock<'a, V> {
     w: &'a [f32],
     rows: usize,
     values: V,
-    ch: usize,
     /// First channel of the KV head in a row.
     offset: usize,
 }
@@ -362,10 +482,10 @@ fn value_block<V: Load, const H: usize, const N: usize>(
     unsafe {
         let mut acc = [[[_mm256_setzero_ps(); 2]; N]; H];
         for t in 0..b.rows {
-            let row = t * b.ch + b.offset + c;
+            let row = b.values.row(t);
             let mut v = [[_mm256_setzero_ps(); 2]; N];
             for (k, v) in v.iter_mut().enumerate() {
-                *v = b.values.load(row + 16 * k);
+                *v = b.values.load(row, b.offset + c + 16 * k);
             }
             for (j, acc) in acc.iter_mut().enumerate() {
                 let wt = _mm256_set1_ps(*b.w.get_unchecked(j * b.rows + t));
