@@ -359,8 +359,10 @@ fn code_weights(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW.
         Dot::Vnni => unsafe { vnni::round_codes(w, a, inv, code_max, codes) },
-        // AVX2 rounds with the portable loop (inlined into its AVX2 entry).
-        _ => round_codes(w, a, inv, code_max, codes),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Dot::Avx2` is only detected with AVX2.
+        Dot::Avx2 => unsafe { avx2::round_codes(w, a, inv, code_max, codes) },
+        Dot::Portable => round_codes(w, a, inv, code_max, codes),
     }
     Some((f64::from(scale), offset))
 }

@@ -27,6 +27,40 @@ pub(super) unsafe fn sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
     }
 }
 
+/// [`super::round_codes`] eight lanes at a time, with the same
+/// operations in the same order (product, times `inv`, plus one half,
+/// capped, truncated), packed to 16 bits.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn round_codes(w: &[f32], a: &[f32], inv: f32, code_max: f32, codes: &mut [u16]) {
+    let out = codes.as_chunks_mut::<{ super::LANES }>().0;
+    let (inv, half, top) = (
+        _mm256_set1_ps(inv),
+        _mm256_set1_ps(0.5),
+        _mm256_set1_ps(code_max),
+    );
+    for ((c, w), a) in out.iter_mut().zip(super::chunks(w)).zip(super::chunks(a)) {
+        let mut lanes = [_mm256_setzero_si256(); 2];
+        for (k, lanes) in lanes.iter_mut().enumerate() {
+            // SAFETY: each chunk holds 16 floats; unaligned loads.
+            let x = unsafe {
+                _mm256_mul_ps(
+                    _mm256_loadu_ps(w.as_ptr().add(8 * k)),
+                    _mm256_loadu_ps(a.as_ptr().add(8 * k)),
+                )
+            };
+            let r = _mm256_add_ps(_mm256_mul_ps(x, inv), half);
+            *lanes = _mm256_cvttps_epi32(_mm256_min_ps(r, top));
+        }
+        // `packus` packs within 128-bit halves; the permute restores lane order.
+        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lanes[0], lanes[1]));
+        // SAFETY: the chunk holds 16 codes.
+        unsafe { _mm256_storeu_si256(c.as_mut_ptr().cast(), packed) };
+    }
+}
+
 /// Heads `j0..j0 + G`, every channel of the segment.
 #[inline(always)]
 fn heads<const G: usize>(b: SumBlock<'_>, j0: usize, out: &mut [i32]) {
