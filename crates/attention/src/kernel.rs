@@ -36,7 +36,8 @@ pub(crate) struct KernelScratch {
     /// Per head: maximum score and sum of weights.
     maxima: Vec<f32>,
     sums: Vec<f32>,
-    /// Widened half-float tiles (non-AVX-512 kernels only).
+    /// f32 copies of tiles the kernel does not read as stored (the generic
+    /// kernel's half floats, level layouts the fused loaders do not read).
     wide: WideScratch,
     /// Query codes of the integer score path.
     int: int8_query::IntScratch,
@@ -69,9 +70,11 @@ pub(crate) struct TileGeometry {
 /// Folds the keys and values of `keys`/`values` (`rows × kv_heads·d`) into
 /// `partial` for the query heads `q` (`q_heads × d`, already multiplied by
 /// the softmax scale). Integer keys are scored with integer dot products
-/// under [`Numerics::Int8Query`] ([`int8_query`]). With AVX-512 both sides
-/// are read as stored (f32 or f16, [`fused`]); otherwise half floats are
-/// first widened into the scratch.
+/// under [`Numerics::Int8Query`] ([`int8_query`]). With AVX-512
+/// ([`fused`]) or AVX2 ([`fused::avx2`], head dimensions that are
+/// multiples of 16) both sides are read as stored, half floats widened and
+/// levels dequantized in registers; otherwise they are first widened into
+/// the scratch.
 #[allow(clippy::too_many_arguments)] // one tile's inputs, state and scratch
 pub(crate) fn attend_tile(
     q: &[f32],

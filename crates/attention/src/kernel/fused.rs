@@ -3,7 +3,8 @@
 //! (`vcvtph2ps`), so an FP16 cache is never copied into an f32 buffer.
 //!
 //! Integer tiles arrive as levels with their group parameters and are
-//! dequantized in registers too ([`Levels`]).
+//! dequantized in registers too ([`Levels`]). [`avx2`] is the same kernel
+//! for hosts without AVX-512, on the same loaders.
 //!
 //! It computes exactly what the AVX2 and generic kernels compute from the
 //! same values widened to f32, bit for bit:

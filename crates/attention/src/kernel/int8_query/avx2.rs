@@ -308,6 +308,36 @@ fn store<const H: usize, const R: usize>(
     rows: usize,
     t: usize,
 ) {
+    if H == 4 && R == 2 {
+        // The eight sums at once (`vphaddd` in three levels, then the two
+        // halves): integer sums are exact in any order.
+        let mut sums = [0i32; 8];
+        // SAFETY: register-only AVX2 operations but the store into `sums`
+        // (8 i32); only inlined into `integer_sums`.
+        unsafe {
+            // No closures around the intrinsics: they would be compiled
+            // without AVX2.
+            let mut x = [_mm256_setzero_si256(); 4];
+            for (j, x) in x.iter_mut().enumerate() {
+                *x = _mm256_hadd_epi32(acc[j][0], acc[j][1]);
+            }
+            let y = [
+                _mm256_hadd_epi32(x[0], x[1]),
+                _mm256_hadd_epi32(x[2], x[3]),
+            ];
+            // Lane k of the 128-bit halves of y[0] holds a part of sum k
+            // (of the first four); of y[1], of sums 4 + k.
+            let z = _mm256_add_epi32(
+                _mm256_permute2x128_si256::<0x20>(y[0], y[1]),
+                _mm256_permute2x128_si256::<0x31>(y[0], y[1]),
+            );
+            _mm256_storeu_si256(sums.as_mut_ptr().cast(), z);
+        }
+        for j in 0..H {
+            out[j * rows + t..][..R].copy_from_slice(&sums[j * R..][..R]);
+        }
+        return;
+    }
     for (j, acc) in acc.iter().enumerate() {
         for (r, a) in acc.iter().enumerate() {
             // SAFETY: register-only AVX2 operations; only inlined into `integer_sums`.
