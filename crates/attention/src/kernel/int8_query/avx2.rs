@@ -321,10 +321,7 @@ fn store<const H: usize, const R: usize>(
             for (j, x) in x.iter_mut().enumerate() {
                 *x = _mm256_hadd_epi32(acc[j][0], acc[j][1]);
             }
-            let y = [
-                _mm256_hadd_epi32(x[0], x[1]),
-                _mm256_hadd_epi32(x[2], x[3]),
-            ];
+            let y = [_mm256_hadd_epi32(x[0], x[1]), _mm256_hadd_epi32(x[2], x[3])];
             // Lane k of the 128-bit halves of y[0] holds a part of sum k
             // (of the first four); of y[1], of sums 4 + k.
             let z = _mm256_add_epi32(

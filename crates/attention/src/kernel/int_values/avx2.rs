@@ -55,7 +55,8 @@ pub(super) unsafe fn round_codes(w: &[f32], a: &[f32], inv: f32, code_max: f32, 
             *lanes = _mm256_cvttps_epi32(_mm256_min_ps(r, top));
         }
         // `packus` packs within 128-bit halves; the permute restores lane order.
-        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lanes[0], lanes[1]));
+        let packed =
+            _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lanes[0], lanes[1]));
         // SAFETY: the chunk holds 16 codes.
         unsafe { _mm256_storeu_si256(c.as_mut_ptr().cast(), packed) };
     }
