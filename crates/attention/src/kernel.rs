@@ -213,9 +213,10 @@ fn kernels(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 && geometry.d.is_multiple_of(16) {
-        // SAFETY: `isa()` returned Avx2 only after detecting avx2, fma and
-        // f16c; the scratch was sized above and `d` is a multiple of 16.
+    if isa() == Isa::Avx2 && geometry.d.is_multiple_of(16) && is_x86_feature_detected!("f16c") {
+        // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma,
+        // and f16c was detected here (std caches it); the scratch was
+        // sized above and `d` is a multiple of 16.
         unsafe {
             let tile = fused::Tile {
                 q,
@@ -242,7 +243,7 @@ fn kernels(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma
-            // (head dimensions that are not multiples of 16 come here).
+            // (head dimensions that are not multiples of 16, or no F16C).
             unsafe { attend_tile_avx2(args, scratch, partial) }
         }
         _ => attend_tile_body::<false, GENERIC>(args, scratch, partial),
@@ -385,10 +386,7 @@ pub(crate) fn isa() -> Isa {
             {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
                 return Isa::Avx2;
             }
         }

@@ -6,8 +6,9 @@
 //! dequantized in registers too ([`Levels`]). [`avx2`] is the same kernel
 //! for hosts without AVX-512, on the same loaders.
 //!
-//! It computes exactly what the AVX2 and generic kernels compute from the
-//! same values widened to f32, bit for bit:
+//! It computes exactly what the f32 body (`attend_tile_body`, AVX2 or
+//! generic with FMA) and [`avx2`] compute from the same values widened to
+//! f32, bit for bit:
 //! - a score is a 16-lane multiply-add over the head dimension (the tail
 //!   with masked lanes) folded by the tree `+8, +4, +2, +1`; here sixteen
 //!   scores are folded at once by shuffles ([`reduce16`]) with the same

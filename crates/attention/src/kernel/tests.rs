@@ -71,18 +71,40 @@ fn run(
     } else {
         TileRows::F32(&v)
     };
+    run_tile(isa, fused_avx2, geometry, &q, keys, values)
+}
+
+/// One tile of `keys` and `values` through one ISA variant (with
+/// `fused_avx2`, `Isa::Avx2` runs `fused::avx2`), returning the finished
+/// output and log-sum-exp.
+fn run_tile(
+    isa: Isa,
+    fused_avx2: bool,
+    geometry: TileGeometry,
+    q: &[f32],
+    keys: TileRows<'_>,
+    values: TileRows<'_>,
+) -> (Vec<f32>, Vec<f32>) {
+    let heads = geometry.kv_heads * geometry.group;
+    let d = geometry.d;
+    let rows = values.len() / (geometry.kv_heads * d);
     let mut scratch = KernelScratch::default();
     scratch.weights.resize(heads * rows, 0.0);
     scratch.acc.resize(heads * d, 0.0);
     scratch.maxima.resize(heads, 0.0);
     scratch.sums.resize(heads, 0.0);
     let mut partial = Partial::new(heads, d);
+    let finish = |partial: Partial| {
+        let (mut out, mut lse) = (vec![0.0; heads * d], vec![0.0; heads]);
+        partial.finish(&mut out, &mut lse);
+        (out, lse)
+    };
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && fused_avx2 {
         // SAFETY: the caller checked the features (and `d % 16 == 0`); the scratch is sized.
         unsafe {
             let tile = fused::Tile {
-                q: &q,
+                q,
                 geometry,
                 rows,
                 upcoming: None,
@@ -96,27 +118,26 @@ fn run(
                 &mut partial,
             );
         }
-        let (mut out, mut lse) = (vec![0.0; heads * d], vec![0.0; heads]);
-        partial.finish(&mut out, &mut lse);
-        return (out, lse);
+        return finish(partial);
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         // SAFETY: the caller checked the features; the scratch is sized.
         unsafe {
             let tile = fused::Tile {
-                q: &q,
+                q,
                 geometry,
                 rows,
                 upcoming: None,
             };
             fused::attend_tile_avx512(tile, Some(keys), values, None, &mut scratch, &mut partial)
         };
+        return finish(partial);
     }
     let mut wide = WideScratch::default();
     let (key_buffer, value_buffer) = wide.buffers();
     let args = TileArgs {
-        q: &q,
+        q,
         keys: Some(widen_rows(keys, key_buffer)),
         values,
         value_buffer,
@@ -132,9 +153,7 @@ fn run(
         Isa::Avx2 => unsafe { attend_tile_avx2(args, &mut scratch, &mut partial) },
         Isa::Generic => attend_tile_body::<false, GENERIC>(args, &mut scratch, &mut partial),
     }
-    let (mut out, mut lse) = (vec![0.0; heads * d], vec![0.0; heads]);
-    partial.finish(&mut out, &mut lse);
-    (out, lse)
+    finish(partial)
 }
 
 fn half_round(x: f32) -> f32 {
@@ -224,5 +243,122 @@ fn every_isa_variant_agrees() {
             }
         }
         assert!(generic.0.iter().all(|x| x.is_finite()));
+    }
+}
+
+/// The level view of a store's first `rows` rows, one level per byte.
+fn levels_of<'s>(
+    store: &'s kv_quant::KvStore,
+    rows: usize,
+    scratch: &'s mut kv_quant::DecodeScratch,
+) -> kv_quant::LevelRows<'s> {
+    match store.decode_rows_view(0, rows, scratch).unwrap().0 {
+        kv_quant::RowsView::Levels(levels) => levels,
+        kv_quant::RowsView::Values(_) => panic!("{} gives values", store.form()),
+    }
+}
+
+/// The bits of every output and log-sum-exp, every NaN as one pattern
+/// (which NaN payload an operation keeps is unspecified).
+fn nan_blind(o: &(Vec<f32>, Vec<f32>)) -> Vec<u32> {
+    let bits = |x: &f32| {
+        if x.is_nan() {
+            f32::NAN.to_bits()
+        } else {
+            x.to_bits()
+        }
+    };
+    o.0.iter().chain(&o.1).map(bits).collect()
+}
+
+/// `fused::avx2` reading level tiles in registers (every level map, groups
+/// shared by 16 channels and one per channel, out-of-range levels and FP8
+/// NaN codes among the values) gives the bits of the f32 body over the
+/// same rows dequantized by kv-quant, and of the AVX-512 kernel.
+#[test]
+fn level_tiles_read_in_registers_match_the_f32_body() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            test_support::skip(
+                test_support::Requirement::Isa,
+                "attention",
+                "level_tiles_read_in_registers_match_the_f32_body",
+                "no AVX2/FMA/F16C: the AVX2 tile kernel is not used here",
+            );
+            return;
+        }
+        let geometry = TileGeometry {
+            group: 3,
+            kv_heads: 2,
+            d: 64,
+        };
+        let (rows, ch, heads) = (37, 128, 6);
+        let q = test_values(3, heads * 64, 0.5);
+        for form in [
+            "int8",
+            "int4-ch",
+            "int4-sym-g64",
+            "int4-g32",
+            "nf4-g64",
+            "fp8-e4m3",
+            "fp8-e5m2-h64",
+        ] {
+            let quantize = |seed: u64, scale: f32| {
+                let values = test_values(seed, rows * ch, scale);
+                kv_quant::KvStore::quantize(form.parse().unwrap(), &values, rows, ch).unwrap()
+            };
+            let (ks, vs) = (quantize(1, 2.0), quantize(2, 1.0));
+            let (mut kd, mut vd) = (
+                kv_quant::DecodeScratch::new(),
+                kv_quant::DecodeScratch::new(),
+            );
+            let kl = levels_of(&ks, rows, &mut kd);
+            let vl = levels_of(&vs, rows, &mut vd);
+            assert_eq!(kl.packing, kv_quant::LevelPacking::Bytes, "{form}");
+            // Two value bytes out of a writer's range: E4M3's NaN codes.
+            let mut bytes = vl.levels.to_vec();
+            bytes[5] = 0x7F;
+            bytes[ch + 70] = 0xFF;
+            let mut vl = vl;
+            vl.levels = &bytes;
+            let (mut kw, mut vw) = (Vec::new(), Vec::new());
+            let (kf, vf) = (
+                widen_rows(TileRows::Levels(kl), &mut kw),
+                widen_rows(TileRows::Levels(vl), &mut vw),
+            );
+            let want = run_tile(
+                Isa::Avx2,
+                false,
+                geometry,
+                &q,
+                TileRows::F32(kf),
+                TileRows::F32(vf),
+            );
+            assert!(want.0.iter().any(|x| x.is_finite()), "{form}");
+            let got = run_tile(
+                Isa::Avx2,
+                true,
+                geometry,
+                &q,
+                TileRows::Levels(kl),
+                TileRows::Levels(vl),
+            );
+            assert_eq!(nan_blind(&got), nan_blind(&want), "{form}");
+            if isa() == Isa::Avx512 {
+                let avx512 = run_tile(
+                    Isa::Avx512,
+                    false,
+                    geometry,
+                    &q,
+                    TileRows::Levels(kl),
+                    TileRows::Levels(vl),
+                );
+                assert_eq!(nan_blind(&avx512), nan_blind(&want), "{form}: AVX-512");
+            }
+        }
     }
 }

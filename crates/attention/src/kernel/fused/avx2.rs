@@ -1,8 +1,9 @@
 //! The AVX2 tile kernel: [`attend_tile`](crate::kernel::attend_tile) on a
 //! host without AVX-512, reading f32 or half-float rows as stored (half
 //! floats widened in registers by F16C's `vcvtph2ps`), so an FP16 cache is
-//! never copied into an f32 buffer. Levels are dequantized into the scratch
-//! first, as before.
+//! never copied into an f32 buffer; levels and FP8 codes are dequantized
+//! in registers through the parent module's [`Levels`] loader (layouts it
+//! does not read are widened into the scratch first).
 //!
 //! It computes exactly what the parent module's AVX-512 kernel and the
 //! generic FMA kernel compute, bit for bit: a score is the 16-lane
@@ -17,8 +18,10 @@
 //! every tile into f32 and most of the rest to a score loop that reloaded
 //! each key row once per query head and spilled its accumulators (`perf`).
 //! Register blocks are sized for AVX2's sixteen registers: one key row
-//! against up to four query heads (eight accumulators), and value blocks of
-//! `16·N` channels with `H·N ≤ 4`.
+//! against up to four query heads (eight accumulators; a row's folded sums
+//! wait on the stack for the next seven rows), and value blocks of `16·N`
+//! channels with `H·N ≤ 4` (at most eight accumulators, the values loaded
+//! as the FMAs need them).
 
 use std::arch::x86_64::*;
 
@@ -41,6 +44,9 @@ trait Load: Copy {
     /// Where a row starts, computed once per row and pass ([`row`](Self::row)).
     type Row: Copy;
 
+    /// Channels per row: the stride [`row`](Self::row) steps by.
+    fn ch(self) -> usize;
+
     /// Values held.
     fn len(self) -> usize;
 
@@ -57,6 +63,10 @@ struct Floats<'a>(&'a [f32], usize);
 
 impl Load for Floats<'_> {
     type Row = usize;
+
+    fn ch(self) -> usize {
+        self.1
+    }
 
     fn len(self) -> usize {
         self.0.len()
@@ -84,6 +94,10 @@ struct Halves<'a>(&'a [u8], usize);
 
 impl Load for Halves<'_> {
     type Row = usize;
+
+    fn ch(self) -> usize {
+        self.1
+    }
 
     fn len(self) -> usize {
         self.0.len() / 2
@@ -115,6 +129,10 @@ impl Load for Halves<'_> {
 impl Load for Levels<'_> {
     /// The row's first level and its first group.
     type Row = (usize, usize);
+
+    fn ch(self) -> usize {
+        self.ch
+    }
 
     fn len(self) -> usize {
         self.rows.levels.len()
@@ -183,7 +201,8 @@ fn dequantize8(map: LevelMap, bytes: __m128i, a: __m256, b: __m256) -> __m256 {
             // Two 8-entry tables, chosen per lane by bit 3 of the level
             // (moved to the sign bit, which `blendv` reads).
             LevelMap::Nf4 => {
-                let table = kv_quant::NF4_LEVELS.as_ptr();
+                let table: &'static [f32; 16] = &kv_quant::NF4_LEVELS;
+                let table = table.as_ptr();
                 let low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), levels);
                 let high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table.add(8)), levels);
                 let upper = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(levels));
@@ -292,7 +311,7 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
 #[inline(always)]
 fn score_pass<K: Load>(tile: Tile<'_>, keys: K, weights: &mut [f32], prefetch: &mut Prefetcher) {
     let TileGeometry { kv_heads, d, .. } = tile.geometry;
-    assert_eq!(keys.len(), tile.rows * kv_heads * d);
+    assert!(keys.len() == tile.rows * kv_heads * d && keys.ch() == kv_heads * d);
     let mut pass = ScorePass {
         q: tile.q,
         keys,
@@ -325,7 +344,8 @@ impl<K: Load> HeadBlockPass for ScorePass<'_, K> {
         let q = &self.q[h0 * d..][..H * d];
         let w = &mut self.weights[h0 * rows..][..H * rows];
         // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C).
-        // `score_pass` checked `keys.len() == rows·ch`; a row's chunks end
+        // `score_pass` checked `keys.len() == rows·ch` with rows `ch`
+        // apart; a row's chunks end
         // at `t·ch + kvh·d + d <= rows·ch`; `q` holds `H·d` values and `d`
         // is a multiple of 16.
         unsafe {
@@ -405,7 +425,7 @@ fn reduce8(v: [__m256; 8]) -> __m256 {
 #[inline(always)]
 fn value_pass<V: Load>(tile: Tile<'_>, values: V, acc: &mut [f32], weights: &[f32]) {
     let TileGeometry { kv_heads, d, .. } = tile.geometry;
-    assert_eq!(values.len(), tile.rows * kv_heads * d);
+    assert!(values.len() == tile.rows * kv_heads * d && values.ch() == kv_heads * d);
     let mut pass = ValuePass {
         acc,
         weights,
@@ -477,7 +497,7 @@ fn value_block<V: Load, const H: usize, const N: usize>(
     c: usize,
 ) -> [[[__m256; 2]; N]; H] {
     // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C);
-    // `value_pass` checked `values.len() == rows·ch`, channel
+    // `value_pass` checked `values.len() == rows·ch` with rows `ch` apart, channel
     // `offset + c + 16N` is at most `ch`, and `w` holds `H·rows` weights.
     unsafe {
         let mut acc = [[[_mm256_setzero_ps(); 2]; N]; H];
@@ -515,6 +535,82 @@ fn store_block<const H: usize, const N: usize>(
                 _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
                 _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::arch::x86_64::*;
+
+    use kv_quant::{Fp8Format, LevelMap, NF4_LEVELS};
+
+    /// `dequantize8` of eight bytes with scale `a` and offset `b`,
+    /// compiled with the kernel's features.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn lanes(map: LevelMap, bytes: [u8; 8], a: f32, b: f32) -> [f32; 8] {
+        let mut wide = [0u8; 16];
+        wide[..8].copy_from_slice(&bytes);
+        let mut out = [0.0f32; 8];
+        let (a, b) = (_mm256_set1_ps(a), _mm256_set1_ps(b));
+        // SAFETY: the caller checked the features; `wide` holds 16 bytes
+        // and `out` 8 floats.
+        unsafe {
+            let v = super::dequantize8(map, _mm_loadu_si128(wide.as_ptr().cast()), a, b);
+            _mm256_storeu_ps(out.as_mut_ptr(), v);
+        }
+        out
+    }
+
+    /// Every byte under every level map gives kv-quant's value (the
+    /// formulas of `LevelMap`'s docs), NaN for E4M3's NaN codes.
+    #[test]
+    fn every_byte_dequantizes_as_kv_quant_defines_it() {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            test_support::skip(
+                test_support::Requirement::Isa,
+                "attention",
+                "every_byte_dequantizes_as_kv_quant_defines_it",
+                "no AVX2/FMA/F16C: the AVX2 tile kernel is not used here",
+            );
+            return;
+        }
+        let (a, b) = (0.371_2f32, -1.25f32);
+        for map in [
+            LevelMap::Affine,
+            LevelMap::Centered { mid: 8.0 },
+            LevelMap::Nf4,
+            LevelMap::Fp8(Fp8Format::E5M2),
+            LevelMap::Fp8(Fp8Format::E4M3),
+        ] {
+            let mut nans = 0;
+            for base in (0..256).step_by(8) {
+                let bytes: [u8; 8] = std::array::from_fn(|i| (base + i) as u8);
+                // SAFETY: AVX2, FMA and F16C were detected above.
+                let got = unsafe { lanes(map, bytes, a, b) };
+                for (&byte, &v) in bytes.iter().zip(&got) {
+                    let want = match map {
+                        LevelMap::Affine => b + f32::from(byte) * a,
+                        LevelMap::Centered { mid } => (f32::from(byte) - mid) * a,
+                        LevelMap::Nf4 => NF4_LEVELS[usize::from(byte & 15)] * a,
+                        LevelMap::Fp8(format) => format.decode(byte) * a,
+                    };
+                    nans += usize::from(v.is_nan());
+                    assert!(
+                        v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()),
+                        "{map:?} byte {byte:#04x}: {v} vs {want}"
+                    );
+                }
+            }
+            let want_nans = match map {
+                LevelMap::Fp8(Fp8Format::E4M3) => 2,
+                LevelMap::Fp8(Fp8Format::E5M2) => 6,
+                _ => 0,
+            };
+            assert_eq!(nans, want_nans, "{map:?}");
         }
     }
 }

@@ -309,8 +309,8 @@ fn store<const H: usize, const R: usize>(
     t: usize,
 ) {
     if H == 4 && R == 2 {
-        // The eight sums at once (`vphaddd` in three levels, then the two
-        // halves): integer sums are exact in any order.
+        // The eight sums at once (two levels of `vphaddd`, then the two
+        // 128-bit halves added): integer sums are exact in any order.
         let mut sums = [0i32; 8];
         // SAFETY: register-only AVX2 operations but the store into `sums`
         // (8 i32); only inlined into `integer_sums`.
