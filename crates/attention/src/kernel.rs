@@ -213,10 +213,9 @@ fn kernels(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 && geometry.d.is_multiple_of(16) && is_x86_feature_detected!("f16c") {
-        // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma,
-        // and f16c was detected here (std caches it); the scratch was
-        // sized above and `d` is a multiple of 16.
+    if isa() == Isa::Avx2 && geometry.d.is_multiple_of(16) && fused::avx2::available() {
+        // SAFETY: `available()` detected avx2, fma and f16c; the scratch
+        // was sized above and `d` is a multiple of 16.
         unsafe {
             let tile = fused::Tile {
                 q,

@@ -193,7 +193,7 @@ fn every_isa_variant_agrees() {
                 .then(|| run(Isa::Avx2, geometry, rows, (false, false), false));
             if let Some(a) = &avx2 {
                 assert_eq!(a, &run(Isa::Avx2, geometry, rows, (true, false), false));
-                if d.is_multiple_of(16) && is_x86_feature_detected!("f16c") {
+                if d.is_multiple_of(16) && fused::avx2::available() {
                     for halves in [(false, false), (true, true), (true, false), (false, true)] {
                         assert_eq!(
                             a,
@@ -279,10 +279,7 @@ fn nan_blind(o: &(Vec<f32>, Vec<f32>)) -> Vec<u32> {
 fn level_tiles_read_in_registers_match_the_f32_body() {
     #[cfg(target_arch = "x86_64")]
     {
-        if !(is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c"))
-        {
+        if !fused::avx2::available() {
             test_support::skip(
                 test_support::Requirement::Isa,
                 "attention",

@@ -2,8 +2,10 @@
 //! host without AVX-512, reading f32 or half-float rows as stored (half
 //! floats widened in registers by F16C's `vcvtph2ps`), so an FP16 cache is
 //! never copied into an f32 buffer; levels and FP8 codes are dequantized
-//! in registers through the parent module's [`Levels`] loader (layouts it
-//! does not read are widened into the scratch first).
+//! in registers. The tiles are the parent module's loaders ([`Floats`],
+//! [`Halves`], [`Levels`], chosen by [`Side`]; level layouts `Levels` does
+//! not read are widened into the scratch first), read here through this
+//! module's eight-lane [`Load`].
 //!
 //! It computes exactly what the parent module's AVX-512 kernel and the
 //! generic FMA kernel compute, bit for bit: a score is the 16-lane
@@ -27,10 +29,10 @@ use std::arch::x86_64::*;
 
 use kv_quant::{LevelMap, LevelRows};
 
-use super::{Levels, Tile};
+use super::{Floats, Halves, Levels, Side, Tile};
 use crate::kernel::{
     HeadBlockPass, KernelScratch, Partial, Prefetcher, TileGeometry, for_head_blocks,
-    integer_values, three_passes, widen_rows,
+    integer_values, three_passes,
 };
 use crate::source::TileRows;
 
@@ -57,10 +59,7 @@ trait Load: Copy {
     unsafe fn load(self, row: Self::Row, col: usize) -> [__m256; 2];
 }
 
-/// f32 rows of `.1` channels.
-#[derive(Clone, Copy)]
-struct Floats<'a>(&'a [f32], usize);
-
+/// The parent module's f32 rows, eight lanes at a time.
 impl Load for Floats<'_> {
     type Row = usize;
 
@@ -88,10 +87,7 @@ impl Load for Floats<'_> {
     }
 }
 
-/// Little-endian IEEE half floats, two bytes per value, rows of `.1` channels.
-#[derive(Clone, Copy)]
-struct Halves<'a>(&'a [u8], usize);
-
+/// The parent module's half-float rows, widened by F16C eight lanes at a time.
 impl Load for Halves<'_> {
     type Row = usize;
 
@@ -226,25 +222,12 @@ fn dequantize8(map: LevelMap, bytes: __m128i, a: __m256, b: __m256) -> __m256 {
     }
 }
 
-/// One side (keys or values) of a tile, as a loader: levels in a layout
-/// [`Levels`] does not read are dequantized into `buffer`.
-enum Side<'a> {
-    F32(Floats<'a>),
-    F16(Halves<'a>),
-    Levels(Levels<'a>),
-}
-
-impl<'a> Side<'a> {
-    fn new(rows: TileRows<'a>, ch: usize, buffer: &'a mut Vec<f32>) -> Self {
-        match rows {
-            TileRows::F32(v) => Self::F32(Floats(v, ch)),
-            TileRows::F16(h) => Self::F16(Halves(h, ch)),
-            TileRows::Levels(l) => match Levels::new(l) {
-                Some(levels) => Self::Levels(levels),
-                None => Self::F32(Floats(widen_rows(rows, buffer), ch)),
-            },
-        }
-    }
+/// Whether this CPU has what [`attend_tile_avx2`] needs: AVX2, FMA and
+/// F16C (std caches each detection).
+pub(in crate::kernel) fn available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
 
 /// [`attend_tile`](crate::kernel::attend_tile) with AVX2: scores from the
@@ -566,10 +549,7 @@ mod tests {
     /// formulas of `LevelMap`'s docs), NaN for E4M3's NaN codes.
     #[test]
     fn every_byte_dequantizes_as_kv_quant_defines_it() {
-        if !(is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c"))
-        {
+        if !super::available() {
             test_support::skip(
                 test_support::Requirement::Isa,
                 "attention",
