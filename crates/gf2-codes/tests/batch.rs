@@ -127,12 +127,13 @@ fn every_received_word_matches_the_generic_decoder() {
 
 /// The SIMD kernels skip the correction of a chunk whose syndromes are all
 /// zero: one flip at every bit of a clean buffer of several chunks (so each
-/// chunk is in turn the dirty one, beside clean ones) matches the reference.
+/// chunk is in turn the dirty one, beside clean ones, inside a block of
+/// chunks tested at once and outside one) matches the reference.
 #[test]
 fn one_flip_anywhere_in_a_clean_buffer_matches_the_reference() {
     let mut rng = FaultRng::new(11);
     for code in Int4Code::ALL.into_iter().chain(Int4Code::INTERLEAVED) {
-        let n = 3 * 64 + 17;
+        let n = 5 * 64 + 17; // one block of four chunks, one more, a tail
         let truth: Vec<u8> = (0..n).map(|_| (rng.next_u64() & 0xF) as u8).collect();
         let clean = code.codec().encode(&truth).unwrap();
         for bit in 0..8 * clean.len() {

@@ -1,18 +1,24 @@
 //! AVX2 decoders for the one-value-per-codeword layouts.
 //!
-//! Both rest on one fact: a syndrome is linear in the received bits, so the
-//! syndrome of a byte is the XOR of the syndromes of its two nibbles, and
-//! 16-entry tables fit the `vpshufb` byte shuffle. A third shuffle maps the
-//! syndrome to the data correction and the outcome flags; `vpmovmskb` turns the
-//! flags into the erasure bitmap directly. Written by hand because this is the
-//! hot path the paper fuses into attention, and the compiler does not find the
-//! nibble-split lookups itself (measured: `cargo xtask bench gf2-codes`).
+//! Both codes are systematic with the data in a byte's low nibble, so one
+//! `vpshufb` of the data nibble gives the check bits its codeword would have;
+//! XORed into the byte, it leaves in the high nibble the difference between
+//! the check bits read and those expected, a syndrome in the basis of the check
+//! bits that is zero exactly for a codeword. One `vptest` of the high nibbles
+//! of a block of four 64-byte chunks sends a clean block (nearly all at real
+//! error rates) to a plain store; otherwise each chunk is tested in turn, and
+//! in a chunk with a non-zero difference a second shuffle maps each difference
+//! to its data correction and outcome flags, and `vpmovmskb` turns the flags
+//! into the erasure bitmap directly. Written by hand because this is the hot
+//! path the paper fuses into attention, and the compiler does not find the
+//! nibble lookups itself (measured: `cargo xtask bench gf2-codes`).
 
 use std::arch::x86_64::*;
 
 use super::hamming74::Tables as HammingTables;
+use super::nibble::NibbleTables;
 use super::secded84::Tables as SecdedTables;
-use super::{ChunkKernel, drive_chunks};
+use super::{BLOCK_CHUNKS, ChunkKernel, drive_chunks};
 use crate::stats::DecodeStats;
 
 #[inline(always)]
@@ -21,67 +27,161 @@ fn table(bytes: &[u8; 16]) -> __m256i {
     unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(bytes.as_ptr().cast())) }
 }
 
-/// Syndrome lookup, correction and flag extraction for 32 received bytes whose
-/// low nibble is the data and high nibble the check bits; stores 32 values.
-/// A clean half-chunk (all syndromes zero) skips the action lookup.
-///
-/// # Safety
-/// `out` must have 32 writable bytes; the CPU features must be present.
-#[inline]
-#[target_feature(enable = "avx2,popcnt")]
-unsafe fn correct32(
-    received: __m256i,
-    syn_lo: __m256i,
-    syn_hi: __m256i,
+/// The two lookups of a systematic nibble code: the check bits of each data
+/// nibble, and the correction and flags of each check-bit difference.
+#[derive(Clone, Copy)]
+struct CheckTables {
+    check_hi: __m256i,
     action: __m256i,
-    out: *mut u8,
-) -> (u32, u32) {
-    let nib = _mm256_set1_epi8(0x0F);
-    let lo = _mm256_and_si256(received, nib);
-    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(received), nib);
-    let syndrome = _mm256_xor_si256(
-        _mm256_shuffle_epi8(syn_lo, lo),
-        _mm256_shuffle_epi8(syn_hi, hi),
-    );
-    if _mm256_testz_si256(syndrome, syndrome) != 0 {
-        // All 32 clean (the common case at real error rates): the nibbles as read.
-        // SAFETY: callers pass `out` with 32 writable bytes; storeu is unaligned.
-        unsafe { _mm256_storeu_si256(out.cast(), lo) };
-        return (0, 0);
-    }
-    let act = _mm256_shuffle_epi8(action, syndrome);
-    let value = _mm256_xor_si256(lo, _mm256_and_si256(act, nib));
-    // SAFETY: callers pass `out` with 32 writable bytes; storeu is unaligned.
-    unsafe { _mm256_storeu_si256(out.cast(), value) };
-    let detected = _mm256_movemask_epi8(act) as u32; // FLAG_DETECTED is bit 7
-    let corrected = _mm256_movemask_epi8(_mm256_slli_epi16::<1>(act)) as u32; // FLAG_CORRECTED, bit 6
-    (detected, corrected)
 }
 
-struct SecdedAvx2 {
-    syn_lo: __m256i,
-    syn_hi: __m256i,
-    action: __m256i,
+impl CheckTables {
+    fn new(t: &NibbleTables) -> Self {
+        Self {
+            check_hi: table(&t.check_hi),
+            action: table(&t.action_by_check),
+        }
+    }
+
+    /// `received` with its check bits replaced by their difference from the
+    /// data's own: the high nibbles are zero exactly where a codeword was read.
+    #[inline]
+    #[target_feature(enable = "avx2,popcnt")]
+    fn difference(&self, received: __m256i) -> __m256i {
+        let lo = _mm256_and_si256(received, _mm256_set1_epi8(0x0F));
+        _mm256_xor_si256(received, _mm256_shuffle_epi8(self.check_hi, lo))
+    }
+
+    /// Correction and flag extraction for 32 check-bit differences (from
+    /// [`Self::difference`]); stores the 32 values.
+    ///
+    /// # Safety
+    /// `out` must have 32 writable bytes; the CPU features must be present.
+    #[inline]
+    #[target_feature(enable = "avx2,popcnt")]
+    unsafe fn correct32(&self, diff: __m256i, out: *mut u8) -> (u32, u32) {
+        let nib = _mm256_set1_epi8(0x0F);
+        let syndrome = _mm256_and_si256(_mm256_srli_epi16::<4>(diff), nib);
+        let act = _mm256_shuffle_epi8(self.action, syndrome);
+        let value = _mm256_and_si256(_mm256_xor_si256(diff, act), nib);
+        // SAFETY: callers pass `out` with 32 writable bytes; storeu is unaligned.
+        unsafe { _mm256_storeu_si256(out.cast(), value) };
+        let detected = _mm256_movemask_epi8(act) as u32; // FLAG_DETECTED is bit 7
+        let corrected = _mm256_movemask_epi8(_mm256_slli_epi16::<1>(act)) as u32; // FLAG_CORRECTED, bit 6
+        (detected, corrected)
+    }
+
+    /// Decodes the 64 values of two vectors of check-bit differences (from
+    /// [`Self::difference`]) into `out`; when all 64 are zero it stores the
+    /// data nibbles as read and skips the correction.
+    ///
+    /// # Safety
+    /// `out` must have 64 writable bytes; the CPU features must be present.
+    #[inline]
+    #[target_feature(enable = "avx2,popcnt")]
+    unsafe fn decode64(&self, d0: __m256i, d1: __m256i, out: *mut u8) -> (u64, u64) {
+        if _mm256_testz_si256(_mm256_or_si256(d0, d1), checks()) != 0 {
+            // SAFETY: callers pass `out` with 64 writable bytes.
+            unsafe { store_data(&[d0, d1], out) };
+            return (0, 0);
+        }
+        // SAFETY: as above, for each 32-byte half.
+        let ((det0, corr0), (det1, corr1)) =
+            unsafe { (self.correct32(d0, out), self.correct32(d1, out.add(32))) };
+        (
+            u64::from(det0) | u64::from(det1) << 32,
+            u64::from(corr0) | u64::from(corr1) << 32,
+        )
+    }
+
+    /// Decodes the [`BLOCK_CHUNKS`] chunks of `received` (two vectors each)
+    /// into `out`: one test of all their check-bit differences, and when one
+    /// is non-zero, chunk by chunk through [`Self::decode64`] into `masks`.
+    /// Returns whether the whole block was clean (`masks` then untouched).
+    /// Not a `target_feature` function, so that it is always inlined (into
+    /// the `target_feature` driver): called out of line, the vectors went
+    /// through the stack and the decode slowed by a fifth.
+    ///
+    /// # Safety
+    /// `out` must have `64 * BLOCK_CHUNKS` writable bytes; AVX2 and POPCNT
+    /// must be present.
+    #[inline(always)]
+    unsafe fn decode_block(
+        &self,
+        received: [__m256i; 2 * BLOCK_CHUNKS],
+        out: *mut u8,
+        masks: &mut [(u64, u64); BLOCK_CHUNKS],
+    ) -> bool {
+        // SAFETY: the caller guarantees the CPU features and the bounds of
+        // `out`: 64 · BLOCK_CHUNKS bytes, chunk j writing out[64j..64j + 64].
+        unsafe {
+            let diff = received.map(|r| self.difference(r));
+            let any = diff
+                .iter()
+                .fold(_mm256_setzero_si256(), |a, &d| _mm256_or_si256(a, d));
+            if _mm256_testz_si256(any, checks()) != 0 {
+                store_data(&diff, out);
+                return true;
+            }
+            for (j, m) in masks.iter_mut().enumerate() {
+                *m = self.decode64(diff[2 * j], diff[2 * j + 1], out.add(64 * j));
+            }
+        }
+        false
+    }
 }
+
+/// The check bits of every byte.
+#[inline]
+#[target_feature(enable = "avx2,popcnt")]
+fn checks() -> __m256i {
+    _mm256_set1_epi8(0xF0u8 as i8)
+}
+
+/// Stores the data of check-bit differences whose high nibbles are all zero:
+/// such a difference is its byte's data nibble, as it stands.
+///
+/// # Safety
+/// `out` must have `32 * diff.len()` writable bytes; AVX2 must be present.
+#[inline]
+#[target_feature(enable = "avx2,popcnt")]
+unsafe fn store_data(diff: &[__m256i], out: *mut u8) {
+    for (i, &d) in diff.iter().enumerate() {
+        // SAFETY: the caller's bound; storeu has no alignment requirement.
+        unsafe { _mm256_storeu_si256(out.add(32 * i).cast(), d) };
+    }
+}
+
+struct SecdedAvx2(CheckTables);
 
 impl ChunkKernel for SecdedAvx2 {
     const CHUNK_BYTES: usize = 64;
 
     #[inline(always)]
     unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
-        let mut masks = [(0u32, 0u32); 2];
-        for (half, m) in masks.iter_mut().enumerate() {
-            // SAFETY: the caller guarantees AVX2, 64 readable bytes at `encoded`
-            // and 64 writable at `out` (trait contract), so both halves are in bounds.
-            *m = unsafe {
-                let r = _mm256_loadu_si256(encoded.add(32 * half).cast());
-                correct32(r, self.syn_lo, self.syn_hi, self.action, out.add(32 * half))
-            };
+        // SAFETY: the caller guarantees AVX2, 64 readable bytes at `encoded`
+        // and 64 writable at `out` (trait contract).
+        unsafe {
+            let r0 = _mm256_loadu_si256(encoded.cast());
+            let r1 = _mm256_loadu_si256(encoded.add(32).cast());
+            self.0
+                .decode64(self.0.difference(r0), self.0.difference(r1), out)
         }
-        (
-            u64::from(masks[0].0) | u64::from(masks[1].0) << 32,
-            u64::from(masks[0].1) | u64::from(masks[1].1) << 32,
-        )
+    }
+
+    #[inline(always)]
+    unsafe fn decode_block_raw(
+        &self,
+        encoded: *const u8,
+        out: *mut u8,
+        masks: &mut [(u64, u64); BLOCK_CHUNKS],
+    ) -> bool {
+        // SAFETY: the caller guarantees AVX2 and 64 · BLOCK_CHUNKS readable
+        // bytes at `encoded` (trait contract), and as many writable at `out`.
+        unsafe {
+            let received = std::array::from_fn(|i| _mm256_loadu_si256(encoded.add(32 * i).cast()));
+            self.0.decode_block(received, out, masks)
+        }
     }
 }
 
@@ -97,11 +197,7 @@ pub(crate) unsafe fn secded_decode_avx2(
     truth: Option<&[u8]>,
     erasures: &mut [u64],
 ) -> DecodeStats {
-    let kernel = SecdedAvx2 {
-        syn_lo: table(&t.syndrome_lo),
-        syn_hi: table(&t.syndrome_hi),
-        action: table(&t.action),
-    };
+    let kernel = SecdedAvx2(CheckTables::new(t));
     // Two call sites so that each inlined copy sees a constant `truth`.
     match truth {
         None => drive_chunks(&kernel, encoded, values, None, erasures),
@@ -110,9 +206,7 @@ pub(crate) unsafe fn secded_decode_avx2(
 }
 
 struct HammingAvx2 {
-    syn_lo: __m256i,
-    syn_hi: __m256i,
-    action: __m256i,
+    tables: CheckTables,
     gather_a: __m256i,
     gather_b: __m256i,
     shift: __m256i,
@@ -148,25 +242,30 @@ impl ChunkKernel for HammingAvx2 {
 
     #[inline(always)]
     unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
-        let mut masks = [(0u32, 0u32); 2];
-        for (half, m) in masks.iter_mut().enumerate() {
-            // SAFETY: AVX2 is guaranteed by the caller; the second half reads
-            // bytes 28..58 < CHUNK_READ = 64 and writes out[32..64] (trait contract).
-            *m = unsafe {
-                let cw = self.unpack28(encoded.add(28 * half));
-                correct32(
-                    cw,
-                    self.syn_lo,
-                    self.syn_hi,
-                    self.action,
-                    out.add(32 * half),
-                )
-            };
+        // SAFETY: AVX2 is guaranteed by the caller; the second half reads
+        // bytes 28..58 < CHUNK_READ = 64 and `out` has 64 writable bytes
+        // (trait contract).
+        unsafe {
+            let (r0, r1) = (self.unpack28(encoded), self.unpack28(encoded.add(28)));
+            let t = &self.tables;
+            t.decode64(t.difference(r0), t.difference(r1), out)
         }
-        (
-            u64::from(masks[0].0) | u64::from(masks[1].0) << 32,
-            u64::from(masks[0].1) | u64::from(masks[1].1) << 32,
-        )
+    }
+
+    #[inline(always)]
+    unsafe fn decode_block_raw(
+        &self,
+        encoded: *const u8,
+        out: *mut u8,
+        masks: &mut [(u64, u64); BLOCK_CHUNKS],
+    ) -> bool {
+        // SAFETY: AVX2 is guaranteed by the caller; vector i unpacks bytes
+        // 28i..28i + 30, the last ending at 28 · (2 · BLOCK_CHUNKS − 1) + 30
+        // <= (BLOCK_CHUNKS − 1) · 56 + CHUNK_READ readable bytes (trait contract).
+        unsafe {
+            let received = std::array::from_fn(|i| self.unpack28(encoded.add(28 * i)));
+            self.tables.decode_block(received, out, masks)
+        }
     }
 }
 
@@ -195,9 +294,7 @@ pub(crate) unsafe fn hamming_decode_avx2(
     );
     let shift = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
     let kernel = HammingAvx2 {
-        syn_lo: table(&t.syndrome_lo),
-        syn_hi: table(&t.syndrome_hi),
-        action: table(&t.action),
+        tables: CheckTables::new(t),
         gather_a,
         gather_b,
         shift,

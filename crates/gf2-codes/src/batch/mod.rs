@@ -431,10 +431,40 @@ pub(crate) trait ChunkKernel {
         // `Backend::ensure_supported` (see each codec's `run`).
         unsafe { self.decode_chunk_raw(encoded.as_ptr(), out.as_mut_ptr()) }
     }
+
+    /// Decodes [`BLOCK_CHUNKS`] consecutive chunks. Returns `true` when every
+    /// value was clean, leaving `masks` untouched (a kernel that can test a
+    /// whole block at once skips the masks and their counts); otherwise
+    /// fills `masks` with each chunk's and returns `false`. The default
+    /// decodes chunk by chunk and always fills the masks.
+    ///
+    /// # Safety
+    /// `encoded` must point to `(BLOCK_CHUNKS - 1) * CHUNK_BYTES + CHUNK_READ`
+    /// readable bytes and `out` to `64 * BLOCK_CHUNKS` writable bytes; the CPU
+    /// features of the kernel's backend must be present.
+    #[inline(always)]
+    unsafe fn decode_block_raw(
+        &self,
+        encoded: *const u8,
+        out: *mut u8,
+        masks: &mut [(u64, u64); BLOCK_CHUNKS],
+    ) -> bool {
+        for (j, m) in masks.iter_mut().enumerate() {
+            // SAFETY: chunk j < BLOCK_CHUNKS reads CHUNK_READ bytes from
+            // j·CHUNK_BYTES and writes 64 from 64·j, inside the caller's bounds.
+            *m = unsafe {
+                self.decode_chunk_raw(encoded.add(j * Self::CHUNK_BYTES), out.add(64 * j))
+            };
+        }
+        false
+    }
 }
 
 /// Bytes a chunk kernel may read from the start of its chunk.
 pub(crate) const CHUNK_READ: usize = 64;
+
+/// Chunks decoded together by [`ChunkKernel::decode_block_raw`].
+pub(crate) const BLOCK_CHUNKS: usize = 4;
 
 /// The shared loop of the one-value-per-codeword codes: full chunks straight
 /// from the input in a tight loop, then the tail (and every chunk, when the
@@ -459,7 +489,29 @@ pub(crate) fn drive_chunks<K: ChunkKernel>(
     let (mut detected, mut corrected) = (0u64, 0u64);
     assert!(fast <= erasures.len() && 64 * fast <= n);
     let (src, dst) = (encoded.as_ptr(), values.as_mut_ptr());
-    for (c, erasure) in erasures[..fast].iter_mut().enumerate() {
+    let blocked = fast - fast % BLOCK_CHUNKS;
+    for (b, block) in erasures[..blocked]
+        .chunks_exact_mut(BLOCK_CHUNKS)
+        .enumerate()
+    {
+        let c = b * BLOCK_CHUNKS;
+        let mut masks = [(0u64, 0u64); BLOCK_CHUNKS];
+        // SAFETY: chunks c..c + BLOCK_CHUNKS are all below `fast`, so each has
+        // 64 values and its kernel read ends inside `encoded` (as below).
+        let clean = unsafe {
+            kernel.decode_block_raw(src.add(c * K::CHUNK_BYTES), dst.add(64 * c), &mut masks)
+        };
+        if clean {
+            block.fill(0);
+        } else {
+            for (erasure, (det, corr)) in block.iter_mut().zip(masks) {
+                *erasure = det;
+                detected += u64::from(det.count_ones());
+                corrected += u64::from(corr.count_ones());
+            }
+        }
+    }
+    for (c, erasure) in erasures[..fast].iter_mut().enumerate().skip(blocked) {
         // SAFETY: for c < fast, chunk c has 64 values (64·fast <= n, asserted)
         // and its kernel read ends inside `encoded` (definition of `readable`).
         let (det, corr) =

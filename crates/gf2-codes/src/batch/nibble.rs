@@ -89,6 +89,15 @@ pub(crate) struct NibbleTables {
     pub(crate) syndrome_hi: [u8; 16],
     /// Per syndrome: data correction (bits 0-3) | FLAG_* bits.
     pub(crate) action: [u8; 16],
+    /// The check bits (high nibble, in place) of each value's codeword. The
+    /// code is systematic, so `received ^ check_hi[received & 0xF]` holds in
+    /// its high nibble `c ⊕ c(d)`, the difference between the check bits read
+    /// and those of the data read: zero exactly for a codeword, and a
+    /// syndrome in the basis of the check bits (its syndrome proper is
+    /// `syndrome_hi[c ⊕ c(d)]`, since `syndrome_lo[d] = syndrome_hi[c(d)]`).
+    pub(crate) check_hi: [u8; 16],
+    /// `action` indexed by that check-bit difference: `action[syndrome_hi[s]]`.
+    pub(crate) action_by_check: [u8; 16],
     /// The `vgf2p8affineqb` matrix of the byte → syndrome map (bits ≥ n ignored).
     pub(crate) syndrome_affine: u64,
 }
@@ -109,6 +118,8 @@ impl NibbleTables {
             syndrome_lo: [0; 16],
             syndrome_hi: [0; 16],
             action: [0; 16],
+            check_hi: [0; 16],
+            action_by_check: [0; 16],
             syndrome_affine: 0,
         };
         for v in 0..16u64 {
@@ -141,7 +152,48 @@ impl NibbleTables {
             t.syndrome_lo[nib] = of(0);
             t.syndrome_hi[nib] = of(4);
         }
+        for nib in 0..16usize {
+            let codeword = t.encode[nib];
+            assert_eq!(
+                usize::from(codeword & 0xF),
+                nib,
+                "systematic: data in the low nibble"
+            );
+            t.check_hi[nib] = codeword & 0xF0;
+            t.action_by_check[nib] = t.action[usize::from(t.syndrome_hi[nib])];
+        }
         t.syndrome_affine = affine_matrix(syndrome_rows(bit_syndrome, 0));
         t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every received byte of both codes, decoded through the check-bit
+    /// difference and its action table, equals the full decode table.
+    #[test]
+    fn the_check_bit_difference_decodes_every_byte_as_the_decode_table() {
+        for code in [crate::standard::hamming74(), crate::standard::secded84()] {
+            let t = NibbleTables::build(&code);
+            for r in 0..1usize << code.n() {
+                let data = r & 0xF;
+                let difference = (r ^ usize::from(t.check_hi[data])) >> 4;
+                let act = t.action_by_check[difference];
+                let expect = t.decode[r];
+                assert_eq!(
+                    data as u8 ^ (act & 0xF),
+                    expect & 0xF,
+                    "n={} r={r:#x}",
+                    code.n()
+                );
+                assert_eq!(act & 0xC0, expect & 0xC0, "flags, n={} r={r:#x}", code.n());
+                assert_eq!(
+                    difference == 0,
+                    t.decode[r] & 0xC0 == 0 && t.scrub[r] as usize == r
+                );
+            }
+        }
     }
 }
