@@ -152,20 +152,54 @@ unsafe fn store_data(diff: &[__m256i], out: *mut u8) {
     }
 }
 
-struct SecdedAvx2(CheckTables);
+/// Where a kernel's received words come from: vector `i` of a chunk run
+/// holds the 32 words `32i..32i + 32`, one per byte.
+trait Received {
+    /// Encoded bytes per 64 words.
+    const CHUNK_BYTES: usize;
 
-impl ChunkKernel for SecdedAvx2 {
+    /// Vector `i` of the words from `encoded`.
+    ///
+    /// # Safety
+    /// AVX2 must be present; the bytes of words `32i..32i + 32` must be
+    /// readable, as must any bytes up to [`super::CHUNK_READ`] past the
+    /// chunk holding them.
+    unsafe fn vector(&self, encoded: *const u8, i: usize) -> __m256i;
+}
+
+/// SECDED's words are its bytes.
+struct SecdedBytes;
+
+impl Received for SecdedBytes {
     const CHUNK_BYTES: usize = 64;
 
     #[inline(always)]
+    unsafe fn vector(&self, encoded: *const u8, i: usize) -> __m256i {
+        // SAFETY: the caller guarantees AVX2 and bytes 32i..32i + 32.
+        unsafe { _mm256_loadu_si256(encoded.add(32 * i).cast()) }
+    }
+}
+
+/// An AVX2 chunk kernel: the words of `R`, decoded by its code's tables.
+struct Avx2Kernel<R> {
+    received: R,
+    tables: CheckTables,
+}
+
+impl<R: Received> ChunkKernel for Avx2Kernel<R> {
+    const CHUNK_BYTES: usize = R::CHUNK_BYTES;
+
+    #[inline(always)]
     unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
-        // SAFETY: the caller guarantees AVX2, 64 readable bytes at `encoded`
-        // and 64 writable at `out` (trait contract).
+        let t = &self.tables;
+        // SAFETY: the caller guarantees AVX2, CHUNK_READ readable bytes at
+        // `encoded` (the two vectors of this chunk) and 64 writable at `out`.
         unsafe {
-            let r0 = _mm256_loadu_si256(encoded.cast());
-            let r1 = _mm256_loadu_si256(encoded.add(32).cast());
-            self.0
-                .decode64(self.0.difference(r0), self.0.difference(r1), out)
+            let (r0, r1) = (
+                self.received.vector(encoded, 0),
+                self.received.vector(encoded, 1),
+            );
+            t.decode64(t.difference(r0), t.difference(r1), out)
         }
     }
 
@@ -176,11 +210,12 @@ impl ChunkKernel for SecdedAvx2 {
         out: *mut u8,
         masks: &mut [(u64, u64); BLOCK_CHUNKS],
     ) -> bool {
-        // SAFETY: the caller guarantees AVX2 and 64 · BLOCK_CHUNKS readable
-        // bytes at `encoded` (trait contract), and as many writable at `out`.
+        // SAFETY: the caller guarantees AVX2, the bytes of BLOCK_CHUNKS
+        // chunks plus CHUNK_READ past the last one's start readable at
+        // `encoded`, and 64 · BLOCK_CHUNKS writable bytes at `out`.
         unsafe {
-            let received = std::array::from_fn(|i| _mm256_loadu_si256(encoded.add(32 * i).cast()));
-            self.0.decode_block(received, out, masks)
+            let received = std::array::from_fn(|i| self.received.vector(encoded, i));
+            self.tables.decode_block(received, out, masks)
         }
     }
 }
@@ -197,7 +232,10 @@ pub(crate) unsafe fn secded_decode_avx2(
     truth: Option<&[u8]>,
     erasures: &mut [u64],
 ) -> DecodeStats {
-    let kernel = SecdedAvx2(CheckTables::new(t));
+    let kernel = Avx2Kernel {
+        received: SecdedBytes,
+        tables: CheckTables::new(t),
+    };
     // Two call sites so that each inlined copy sees a constant `truth`.
     match truth {
         None => drive_chunks(&kernel, encoded, values, None, erasures),
@@ -205,14 +243,14 @@ pub(crate) unsafe fn secded_decode_avx2(
     }
 }
 
-struct HammingAvx2 {
-    tables: CheckTables,
+/// Hamming's words are seven bits each, packed.
+struct HammingBits {
     gather_a: __m256i,
     gather_b: __m256i,
     shift: __m256i,
 }
 
-impl HammingAvx2 {
+impl HammingBits {
     /// Unpacks the 32 codewords of 28 packed bytes (two 7-byte groups per
     /// 128-bit lane) into one byte each.
     ///
@@ -237,35 +275,15 @@ impl HammingAvx2 {
     }
 }
 
-impl ChunkKernel for HammingAvx2 {
+impl Received for HammingBits {
     const CHUNK_BYTES: usize = 56;
 
     #[inline(always)]
-    unsafe fn decode_chunk_raw(&self, encoded: *const u8, out: *mut u8) -> (u64, u64) {
-        // SAFETY: AVX2 is guaranteed by the caller; the second half reads
-        // bytes 28..58 < CHUNK_READ = 64 and `out` has 64 writable bytes
-        // (trait contract).
-        unsafe {
-            let (r0, r1) = (self.unpack28(encoded), self.unpack28(encoded.add(28)));
-            let t = &self.tables;
-            t.decode64(t.difference(r0), t.difference(r1), out)
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn decode_block_raw(
-        &self,
-        encoded: *const u8,
-        out: *mut u8,
-        masks: &mut [(u64, u64); BLOCK_CHUNKS],
-    ) -> bool {
-        // SAFETY: AVX2 is guaranteed by the caller; vector i unpacks bytes
-        // 28i..28i + 30, the last ending at 28 · (2 · BLOCK_CHUNKS − 1) + 30
-        // <= (BLOCK_CHUNKS − 1) · 56 + CHUNK_READ readable bytes (trait contract).
-        unsafe {
-            let received = std::array::from_fn(|i| self.unpack28(encoded.add(28 * i)));
-            self.tables.decode_block(received, out, masks)
-        }
+    unsafe fn vector(&self, encoded: *const u8, i: usize) -> __m256i {
+        // SAFETY: the caller guarantees AVX2; words 32i..32i + 32 start at
+        // byte 28i, and their unpacking reads 30 bytes, inside the caller's
+        // bound (for i = 1 of a chunk, bytes 28..58 < CHUNK_READ).
+        unsafe { self.unpack28(encoded.add(28 * i)) }
     }
 }
 
@@ -293,11 +311,13 @@ pub(crate) unsafe fn hamming_decode_avx2(
         Z, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, Z,
     );
     let shift = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
-    let kernel = HammingAvx2 {
+    let kernel = Avx2Kernel {
+        received: HammingBits {
+            gather_a,
+            gather_b,
+            shift,
+        },
         tables: CheckTables::new(t),
-        gather_a,
-        gather_b,
-        shift,
     };
     // Two call sites so that each inlined copy sees a constant `truth`.
     match truth {
