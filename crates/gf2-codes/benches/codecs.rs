@@ -53,9 +53,6 @@ fn decode_vs_memcpy(c: &mut Criterion) {
             let enc = noisy_encoding(codec, &values, ber);
             group.throughput(Throughput::Bytes(enc.len() as u64));
             for backend in Backend::available() {
-                if code.base() == Int4Code::Golay24 && backend == Backend::Avx2 {
-                    continue; // Golay has no AVX2 kernel: it would rerun the scalar one
-                }
                 if code.is_interleaved() && backend != Backend::detect() {
                     continue; // the inner decoder's backends are measured above
                 }

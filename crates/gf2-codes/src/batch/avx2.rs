@@ -15,6 +15,7 @@
 
 use std::arch::x86_64::*;
 
+use super::golay24::{self, Tables as GolayTables};
 use super::hamming74::Tables as HammingTables;
 use super::nibble::NibbleTables;
 use super::secded84::Tables as SecdedTables;
@@ -324,4 +325,135 @@ pub(crate) unsafe fn hamming_decode_avx2(
         None => drive_chunks(&kernel, encoded, values, None, erasures),
         Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
     }
+}
+
+/// Golay(24,12) batch decode with AVX2, 64 codewords per block, eight per
+/// vector (one 32-bit lane each): the syndrome `p(d) ⊕ p_received` with
+/// `p(d)` the XOR of the parities of the data word's three nibbles, each
+/// looked up by `vpshufb` in two 16-entry tables (its low byte and high
+/// nibble; parity is linear, so the zero nibble's is zero and the other
+/// bytes of a lane stay clear). Values are written as read; only words with
+/// a non-zero syndrome go to the 4096-entry leader table, as in the AVX-512
+/// kernel. The tail (under 64 codewords) takes the scalar loop.
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT. Slice shapes must have been
+/// checked by the caller.
+#[target_feature(enable = "avx2,popcnt")]
+pub(crate) unsafe fn golay_decode_avx2(
+    t: &GolayTables,
+    encoded: &[u8],
+    values: &mut [u8],
+    erasures: &mut [u64],
+) -> DecodeStats {
+    const BLOCK_VALUES: usize = 192; // 64 codewords, 192 bytes, 3 erasure words
+    const Z: i8 = -128; // vpshufb writes zero for indices with the top bit set
+    let blocks = values.len() / BLOCK_VALUES;
+    // Lane k of codeword group g: codewords 4k..4k + 4 of the group, read
+    // from bytes 24g + 8k .. 24g + 8k + 16 (codewords 4-7 sit at offset 4).
+    #[rustfmt::skip]
+    let arrange = _mm256_setr_epi8(
+        0, 1, 2, Z, 3, 4, 5, Z, 6, 7, 8, Z, 9, 10, 11, Z,
+        4, 5, 6, Z, 7, 8, 9, Z, 10, 11, 12, Z, 13, 14, 15, Z,
+    );
+    // A lane's spread nibbles (v0 | v1 << 8 | v2 << 16) packed to 12 bytes,
+    // then the two lanes' 12 bytes joined.
+    #[rustfmt::skip]
+    let pack = _mm256_setr_epi8(
+        0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, Z, Z, Z, Z,
+        0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, Z, Z, Z, Z,
+    );
+    let join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 7, 7);
+    // Parity of nibble k of the data word, low byte and high nibble.
+    let parity = |k: usize, shift: usize| {
+        let bytes: [u8; 16] = std::array::from_fn(|v| {
+            (t.parity[v << (4 * k)] >> shift) as u8 // the parity is linear
+        });
+        table(&bytes)
+    };
+    let (lo, hi) = (
+        [parity(0, 0), parity(1, 0), parity(2, 0)],
+        [parity(0, 8), parity(1, 8), parity(2, 8)],
+    );
+    let nib = _mm256_set1_epi32(0xF);
+
+    let mut stats = DecodeStats::default();
+    for b in 0..blocks {
+        let enc = &encoded[BLOCK_VALUES * b..BLOCK_VALUES * (b + 1)];
+        let out = &mut values[BLOCK_VALUES * b..BLOCK_VALUES * (b + 1)];
+        let er = &mut erasures[3 * b..3 * b + 3];
+        er.fill(0);
+        // A loop, not `array::from_fn`: its closure was called out of line.
+        let mut syndromes = [_mm256_setzero_si256(); 8];
+        for (g, syndrome) in syndromes.iter_mut().enumerate() {
+            // SAFETY: both 16-byte reads lie in the group's 24 bytes
+            // 24g..24g + 24 of the 192-byte block.
+            let x = unsafe {
+                let p = enc.as_ptr().add(24 * g);
+                _mm256_loadu2_m128i(p.add(8).cast(), p.cast())
+            };
+            let w = _mm256_shuffle_epi8(x, arrange);
+            let n: [__m256i; 3] = [
+                _mm256_and_si256(w, nib),
+                _mm256_and_si256(_mm256_srli_epi32::<4>(w), nib),
+                _mm256_and_si256(_mm256_srli_epi32::<8>(w), nib),
+            ];
+            let (expected_lo, expected_hi) = (look3(&lo, &n), look3(&hi, &n));
+            let expected = _mm256_or_si256(expected_lo, _mm256_slli_epi32::<8>(expected_hi));
+            let spread = _mm256_or_si256(
+                _mm256_or_si256(n[0], _mm256_slli_epi32::<8>(n[1])),
+                _mm256_slli_epi32::<16>(n[2]),
+            );
+            let packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(spread, pack), join);
+            // SAFETY: values 24g..24g + 24 of the 192-byte block: 16 + 8 bytes.
+            unsafe {
+                let o = out.as_mut_ptr().add(24 * g);
+                _mm_storeu_si128(o.cast(), _mm256_castsi256_si128(packed));
+                _mm_storel_epi64(o.add(16).cast(), _mm256_extracti128_si256::<1>(packed));
+            }
+            *syndrome = _mm256_xor_si256(expected, _mm256_srli_epi32::<12>(w));
+        }
+        stats.words += 64;
+        let any = syndromes
+            .iter()
+            .fold(_mm256_setzero_si256(), |a, &s| _mm256_or_si256(a, s));
+        if _mm256_testz_si256(any, any) != 0 {
+            continue;
+        }
+        for (g, &s) in syndromes.iter().enumerate() {
+            let zero = _mm256_cmpeq_epi32(s, _mm256_setzero_si256());
+            let mut rest = !_mm256_movemask_ps(_mm256_castsi256_ps(zero)) as u32 & 0xFF;
+            if rest == 0 {
+                continue;
+            }
+            let mut lanes = [0u32; 8];
+            // SAFETY: `lanes` is 32 writable bytes.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), s) };
+            while rest != 0 {
+                let lane = rest.trailing_zeros() as usize;
+                rest &= rest - 1;
+                let e = t.leader[lanes[lane] as usize];
+                golay24::apply_leader(e, 8 * g + lane, out, er, &mut stats);
+            }
+        }
+    }
+    stats.clean = stats.words - stats.corrected - stats.detected;
+    let done = BLOCK_VALUES * blocks;
+    stats += golay24::decode_all(
+        t,
+        &encoded[done..],
+        &mut values[done..],
+        None,
+        &mut erasures[3 * blocks..],
+    );
+    stats
+}
+
+/// `tables[0][n[0]] ⊕ tables[1][n[1]] ⊕ tables[2][n[2]]`, byte by byte.
+#[inline]
+#[target_feature(enable = "avx2,popcnt")]
+fn look3(tables: &[__m256i; 3], n: &[__m256i; 3]) -> __m256i {
+    let a = _mm256_shuffle_epi8(tables[0], n[0]);
+    let b = _mm256_shuffle_epi8(tables[1], n[1]);
+    _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_shuffle_epi8(tables[2], n[2]))
 }

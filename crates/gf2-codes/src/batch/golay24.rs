@@ -114,8 +114,8 @@ pub(crate) fn apply_leader(
 
 /// The whole decode loop; `truth` selects the truth-aware accounting.
 ///
-/// Scalar: two table loads per codeword. The AVX-512 path computes syndromes
-/// for 64 words at a time and comes here only for its tail. Truth-aware
+/// Scalar: two table loads per codeword. The AVX2 and AVX-512 paths compute
+/// syndromes for 64 words at a time and come here only for their tail. Truth-aware
 /// decoding always runs here (an experiment path, not a hot one).
 #[inline(always)]
 pub(crate) fn decode_all(
@@ -231,7 +231,11 @@ impl Int4Codec for Golay24 {
                     super::avx512::golay_decode_avx512::<false>(tables(), encoded, values, erasures)
                 }
             }
-            // No byte shuffle reaches a 4096-entry table: AVX2 runs the scalar loop.
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2 => {
+                // SAFETY: `ensure_supported` checked the CPU features.
+                unsafe { super::avx2::golay_decode_avx2(tables(), encoded, values, erasures) }
+            }
             _ => decode_all(tables(), encoded, values, None, erasures),
         })
     }
