@@ -181,6 +181,39 @@ impl Received for SecdedBytes {
     }
 }
 
+/// `secded84x8`'s words: each 8-byte block holds bit `b` of its eight
+/// codewords in byte `b`, so the block is an 8×8 bit matrix whose transpose
+/// is the codewords' bytes; four blocks are transposed at once by the three
+/// delta swaps of [`super::interleaved::transpose8`] in 64-bit lanes.
+struct SecdedX8Planes;
+
+impl Received for SecdedX8Planes {
+    const CHUNK_BYTES: usize = 64;
+
+    #[inline(always)]
+    unsafe fn vector(&self, encoded: *const u8, i: usize) -> __m256i {
+        // SAFETY: the caller guarantees AVX2 and bytes 32i..32i + 32.
+        let x = unsafe { _mm256_loadu_si256(encoded.add(32 * i).cast()) };
+        // SAFETY: AVX2 is present (the caller's guarantee).
+        unsafe { transpose8x4(x) }
+    }
+}
+
+/// [`super::interleaved::transpose8`] on each 64-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,popcnt")]
+fn transpose8x4(x: __m256i) -> __m256i {
+    let m1 = _mm256_set1_epi64x(0x00AA_00AA_00AA_00AA);
+    let t = _mm256_and_si256(_mm256_xor_si256(x, _mm256_srli_epi64::<7>(x)), m1);
+    let x = _mm256_xor_si256(x, _mm256_xor_si256(t, _mm256_slli_epi64::<7>(t)));
+    let m2 = _mm256_set1_epi64x(0x0000_CCCC_0000_CCCC);
+    let t = _mm256_and_si256(_mm256_xor_si256(x, _mm256_srli_epi64::<14>(x)), m2);
+    let x = _mm256_xor_si256(x, _mm256_xor_si256(t, _mm256_slli_epi64::<14>(t)));
+    let m3 = _mm256_set1_epi64x(0x0000_0000_F0F0_F0F0);
+    let t = _mm256_and_si256(_mm256_xor_si256(x, _mm256_srli_epi64::<28>(x)), m3);
+    _mm256_xor_si256(x, _mm256_xor_si256(t, _mm256_slli_epi64::<28>(t)))
+}
+
 /// An AVX2 chunk kernel: the words of `R`, decoded by its code's tables.
 struct Avx2Kernel<R> {
     received: R,
@@ -238,6 +271,30 @@ pub(crate) unsafe fn secded_decode_avx2(
         tables: CheckTables::new(t),
     };
     // Two call sites so that each inlined copy sees a constant `truth`.
+    match truth {
+        None => drive_chunks(&kernel, encoded, values, None, erasures),
+        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
+    }
+}
+
+/// `secded84x8` batch decode with AVX2: each 64-byte chunk (eight blocks)
+/// transposed in registers, then decoded as plain SECDED.
+///
+/// # Safety
+/// As [`secded_decode_avx2`]; `values.len()` must be a multiple of 64.
+#[target_feature(enable = "avx2,popcnt")]
+pub(crate) unsafe fn secded_x8_decode_avx2(
+    t: &SecdedTables,
+    encoded: &[u8],
+    values: &mut [u8],
+    truth: Option<&[u8]>,
+    erasures: &mut [u64],
+) -> DecodeStats {
+    debug_assert!(values.len().is_multiple_of(64));
+    let kernel = Avx2Kernel {
+        received: SecdedX8Planes,
+        tables: CheckTables::new(t),
+    };
     match truth {
         None => drive_chunks(&kernel, encoded, values, None, erasures),
         Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),

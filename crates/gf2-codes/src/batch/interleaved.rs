@@ -144,6 +144,21 @@ impl Interleaved {
             return (head, stats);
         }
         #[cfg(target_arch = "x86_64")]
+        if self.inner == Int4Code::Secded84 && backend == Backend::Avx2 && backend.is_supported() {
+            let head = values.len() / 64 * 64;
+            // SAFETY: as above, for AVX2.
+            let stats = unsafe {
+                super::avx2::secded_x8_decode_avx2(
+                    super::secded84::tables(),
+                    &encoded[..head],
+                    &mut values[..head],
+                    truth.map(|t| &t[..head]),
+                    &mut erasures[..head / 64],
+                )
+            };
+            return (head, stats);
+        }
+        #[cfg(target_arch = "x86_64")]
         if self.inner == Int4Code::Golay24
             && truth.is_none()
             && backend == Backend::Avx512
