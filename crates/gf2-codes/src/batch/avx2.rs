@@ -392,12 +392,16 @@ pub(crate) unsafe fn hamming_decode_avx2(
 /// bytes of a lane stay clear). Values are written as read; only words with
 /// a non-zero syndrome go to the 4096-entry leader table, as in the AVX-512
 /// kernel. The tail (under 64 codewords) takes the scalar loop.
+/// `INTERLEAVED` reads `golay24x8`'s layout: a group's 24 bytes are one
+/// interleaving block, whose three 8-byte planes, transposed in registers,
+/// are the codewords' byte planes.
 ///
 /// # Safety
 /// The CPU must support AVX2 and POPCNT. Slice shapes must have been
-/// checked by the caller.
+/// checked by the caller; with `INTERLEAVED`, `values.len()` must be a
+/// multiple of 192 (the plain layout's tail is decoded as such).
 #[target_feature(enable = "avx2,popcnt")]
-pub(crate) unsafe fn golay_decode_avx2(
+pub(crate) unsafe fn golay_decode_avx2<const INTERLEAVED: bool>(
     t: &GolayTables,
     encoded: &[u8],
     values: &mut [u8],
@@ -421,6 +425,15 @@ pub(crate) unsafe fn golay_decode_avx2(
         0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, Z, Z, Z, Z,
     );
     let join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 7, 7);
+    // Interleaved: after the transposes, qword r holds byte r of codewords
+    // 0..8; dwords (r, low half) to lane 0 and (r, high half) to lane 1, then
+    // codeword k of a lane gathers bytes k, 4 + k and 8 + k.
+    let by_codeword = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    #[rustfmt::skip]
+    let gather = _mm256_setr_epi8(
+        0, 4, 8, Z, 1, 5, 9, Z, 2, 6, 10, Z, 3, 7, 11, Z,
+        0, 4, 8, Z, 1, 5, 9, Z, 2, 6, 10, Z, 3, 7, 11, Z,
+    );
     // Parity of nibble k of the data word, low byte and high nibble.
     let parity = |k: usize, shift: usize| {
         let bytes: [u8; 16] = std::array::from_fn(|v| {
@@ -443,13 +456,19 @@ pub(crate) unsafe fn golay_decode_avx2(
         // A loop, not `array::from_fn`: its closure was called out of line.
         let mut syndromes = [_mm256_setzero_si256(); 8];
         for (g, syndrome) in syndromes.iter_mut().enumerate() {
-            // SAFETY: both 16-byte reads lie in the group's 24 bytes
-            // 24g..24g + 24 of the 192-byte block.
-            let x = unsafe {
-                let p = enc.as_ptr().add(24 * g);
-                _mm256_loadu2_m128i(p.add(8).cast(), p.cast())
+            let p = enc[24 * g..24 * g + 24].as_ptr();
+            let w = if INTERLEAVED {
+                // SAFETY: 16 + 8 bytes, the group's 24.
+                let planes = unsafe {
+                    _mm256_set_m128i(_mm_loadl_epi64(p.add(16).cast()), _mm_loadu_si128(p.cast()))
+                };
+                let bytes = _mm256_permutevar8x32_epi32(transpose8x4(planes), by_codeword);
+                _mm256_shuffle_epi8(bytes, gather)
+            } else {
+                // SAFETY: both 16-byte reads lie in the group's 24 bytes.
+                let x = unsafe { _mm256_loadu2_m128i(p.add(8).cast(), p.cast()) };
+                _mm256_shuffle_epi8(x, arrange)
             };
-            let w = _mm256_shuffle_epi8(x, arrange);
             let n: [__m256i; 3] = [
                 _mm256_and_si256(w, nib),
                 _mm256_and_si256(_mm256_srli_epi32::<4>(w), nib),

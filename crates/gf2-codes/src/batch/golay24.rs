@@ -234,7 +234,9 @@ impl Int4Codec for Golay24 {
             #[cfg(target_arch = "x86_64")]
             Backend::Avx2 => {
                 // SAFETY: `ensure_supported` checked the CPU features.
-                unsafe { super::avx2::golay_decode_avx2(tables(), encoded, values, erasures) }
+                unsafe {
+                    super::avx2::golay_decode_avx2::<false>(tables(), encoded, values, erasures)
+                }
             }
             _ => decode_all(tables(), encoded, values, None, erasures),
         })

@@ -177,6 +177,24 @@ impl Interleaved {
             };
             return (head, stats);
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.inner == Int4Code::Golay24
+            && truth.is_none()
+            && backend == Backend::Avx2
+            && backend.is_supported()
+        {
+            let head = values.len() / 192 * 192;
+            // SAFETY: as above, for AVX2.
+            let stats = unsafe {
+                super::avx2::golay_decode_avx2::<true>(
+                    super::golay24::tables(),
+                    &encoded[..head],
+                    &mut values[..head],
+                    &mut erasures[..head / 64],
+                )
+            };
+            return (head, stats);
+        }
         let _ = (backend, encoded, truth, values, erasures);
         (0, DecodeStats::default())
     }
