@@ -107,7 +107,9 @@ fn every_received_word_matches_the_generic_decoder() {
     for code in [Int4Code::Hamming74, Int4Code::Secded84] {
         let n_bits = code.linear_code().n();
         let words = 1usize << n_bits;
-        let n = words * 3 + 5; // several chunks and a ragged tail
+        // Blocks of four chunks (Hamming: two; SECDED: five), a leftover
+        // chunk or two, a ragged tail.
+        let n = words * 5 + 64 + 5;
         let truth: Vec<u8> = (0..n).map(|_| (rng.next_u64() & 0xF) as u8).collect();
         let mut enc = vec![0u8; code.codec().encoded_len(n)];
         for i in 0..n {
@@ -133,7 +135,10 @@ fn every_received_word_matches_the_generic_decoder() {
 fn one_flip_anywhere_in_a_clean_buffer_matches_the_reference() {
     let mut rng = FaultRng::new(11);
     for code in Int4Code::ALL.into_iter().chain(Int4Code::INTERLEAVED) {
-        let n = 5 * 64 + 17; // one block of four chunks, one more, a tail
+        // One block of four chunks, one more, a tail. Hamming's fifth chunk is
+        // decoded from the input only if 64 bytes from its start are readable:
+        // the 17-value tail (15 bytes) gives it the 8 bytes past its 56.
+        let n = 5 * 64 + 17;
         let truth: Vec<u8> = (0..n).map(|_| (rng.next_u64() & 0xF) as u8).collect();
         let clean = code.codec().encode(&truth).unwrap();
         for bit in 0..8 * clean.len() {

@@ -1,17 +1,21 @@
-//! AVX2 decoders for the one-value-per-codeword layouts.
+//! AVX2 decoders: SECDED(8,4) and Hamming(7,4) (one value per codeword),
+//! Golay(24,12), and the interleaved `secded84x8` and `golay24x8`.
 //!
-//! Both codes are systematic with the data in a byte's low nibble, so one
-//! `vpshufb` of the data nibble gives the check bits its codeword would have;
-//! XORed into the byte, it leaves in the high nibble the difference between
-//! the check bits read and those expected, a syndrome in the basis of the check
-//! bits that is zero exactly for a codeword. One `vptest` of the high nibbles
-//! of a block of four 64-byte chunks sends a clean block (nearly all at real
-//! error rates) to a plain store; otherwise each chunk is tested in turn, and
-//! in a chunk with a non-zero difference a second shuffle maps each difference
-//! to its data correction and outcome flags, and `vpmovmskb` turns the flags
-//! into the erasure bitmap directly. Written by hand because this is the hot
-//! path the paper fuses into attention, and the compiler does not find the
-//! nibble lookups itself (measured: `cargo xtask bench gf2-codes`).
+//! SECDED and Hamming are systematic with the data in a byte's low nibble, so
+//! one `vpshufb` of the data nibble gives the check bits its codeword would
+//! have; XORed into the byte, it leaves in the high nibble the difference
+//! between the check bits read and those expected, a syndrome in the basis of
+//! the check bits that is zero exactly for a codeword. One `vptest` of the
+//! high nibbles of a block of four 64-value chunks sends a clean block (most
+//! of them at real error rates; at BER 1e-3 most SECDED blocks hold a flip) to
+//! a plain store; otherwise each chunk is tested in turn, and in a chunk with a
+//! non-zero difference a second shuffle maps each difference to its data
+//! correction and outcome flags, and `vpmovmskb` turns the flags into the
+//! erasure bitmap directly. Golay computes its parity from nibble tables the
+//! same way, eight codewords per vector (see [`golay_decode_avx2`]). Written by
+//! hand because this is the hot path the paper fuses into attention, and the
+//! compiler does not find the nibble lookups itself (measured: `cargo xtask
+//! bench gf2-codes`).
 
 use std::arch::x86_64::*;
 
@@ -162,9 +166,9 @@ trait Received {
     /// Vector `i` of the words from `encoded`.
     ///
     /// # Safety
-    /// AVX2 must be present; the bytes of words `32i..32i + 32` must be
-    /// readable, as must any bytes up to [`super::CHUNK_READ`] past the
-    /// chunk holding them.
+    /// AVX2 must be present; `encoded` is the start of a chunk (or of a
+    /// block of chunks), and [`super::CHUNK_READ`] bytes from the start of
+    /// the chunk holding words `32i..32i + 32` must be readable.
     unsafe fn vector(&self, encoded: *const u8, i: usize) -> __m256i;
 }
 
@@ -339,8 +343,9 @@ impl Received for HammingBits {
     #[inline(always)]
     unsafe fn vector(&self, encoded: *const u8, i: usize) -> __m256i {
         // SAFETY: the caller guarantees AVX2; words 32i..32i + 32 start at
-        // byte 28i, and their unpacking reads 30 bytes, inside the caller's
-        // bound (for i = 1 of a chunk, bytes 28..58 < CHUNK_READ).
+        // byte 28i, and their unpacking reads 30 bytes. Vector i = 2j + h is
+        // half h of chunk j (56j bytes in), reading bytes 28h..28h + 30 <=
+        // 58 < CHUNK_READ of that chunk, inside the caller's bound.
         unsafe { self.unpack28(encoded.add(28 * i)) }
     }
 }

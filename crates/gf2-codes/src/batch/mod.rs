@@ -467,8 +467,10 @@ pub(crate) const CHUNK_READ: usize = 64;
 pub(crate) const BLOCK_CHUNKS: usize = 4;
 
 /// The shared loop of the one-value-per-codeword codes: full chunks straight
-/// from the input in a tight loop, then the tail (and every chunk, when the
-/// truth is known) through [`account_chunk`].
+/// from the input, in blocks of [`BLOCK_CHUNKS`] through
+/// [`ChunkKernel::decode_block_raw`] and then the leftover ones singly, then
+/// the tail (and every chunk, when the truth is known) through
+/// [`account_chunk`].
 #[inline(always)]
 pub(crate) fn drive_chunks<K: ChunkKernel>(
     kernel: &K,

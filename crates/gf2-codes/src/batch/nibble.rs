@@ -83,20 +83,19 @@ pub(crate) struct NibbleTables {
     pub(crate) decode: [u8; 256],
     /// Per received word: the corrected codeword (the word itself unless corrected).
     pub(crate) scrub: [u8; 256],
-    /// Syndrome contribution of the low and high nibble of a received byte
-    /// (syndromes are linear: a byte's is the XOR of its nibbles').
-    pub(crate) syndrome_lo: [u8; 16],
-    pub(crate) syndrome_hi: [u8; 16],
     /// Per syndrome: data correction (bits 0-3) | FLAG_* bits.
     pub(crate) action: [u8; 16],
     /// The check bits (high nibble, in place) of each value's codeword. The
     /// code is systematic, so `received ^ check_hi[received & 0xF]` holds in
     /// its high nibble `c ⊕ c(d)`, the difference between the check bits read
     /// and those of the data read: zero exactly for a codeword, and a
-    /// syndrome in the basis of the check bits (its syndrome proper is
-    /// `syndrome_hi[c ⊕ c(d)]`, since `syndrome_lo[d] = syndrome_hi[c(d)]`).
+    /// syndrome in the basis of the check bits. Syndromes are linear, so a
+    /// byte's is the XOR of its nibbles' contributions `lo(d) ⊕ hi(c)`, and
+    /// `lo(d) = hi(c(d))` (a codeword's syndrome is zero): the syndrome
+    /// proper is `hi(c ⊕ c(d))`.
     pub(crate) check_hi: [u8; 16],
-    /// `action` indexed by that check-bit difference: `action[syndrome_hi[s]]`.
+    /// `action` indexed by that check-bit difference: `action[hi(s)]`, with
+    /// `hi` the high nibble's syndrome contribution.
     pub(crate) action_by_check: [u8; 16],
     /// The `vgf2p8affineqb` matrix of the byte → syndrome map (bits ≥ n ignored).
     pub(crate) syndrome_affine: u64,
@@ -115,8 +114,6 @@ impl NibbleTables {
             encode: [0; 16],
             decode: [0; 256],
             scrub: [0; 256],
-            syndrome_lo: [0; 16],
-            syndrome_hi: [0; 16],
             action: [0; 16],
             check_hi: [0; 16],
             action_by_check: [0; 16],
@@ -143,15 +140,12 @@ impl NibbleTables {
                 0
             }
         };
-        for nib in 0..16usize {
-            let of = |shift: usize| {
-                (0..4)
-                    .filter(|b| nib >> b & 1 == 1)
-                    .fold(0, |s, b| s ^ bit_syndrome(b + shift)) as u8
-            };
-            t.syndrome_lo[nib] = of(0);
-            t.syndrome_hi[nib] = of(4);
-        }
+        // The high nibble's syndrome contribution.
+        let syndrome_hi = |nib: usize| {
+            (0..4)
+                .filter(|b| nib >> b & 1 == 1)
+                .fold(0, |s, b| s ^ bit_syndrome(b + 4))
+        };
         for nib in 0..16usize {
             let codeword = t.encode[nib];
             assert_eq!(
@@ -160,7 +154,7 @@ impl NibbleTables {
                 "systematic: data in the low nibble"
             );
             t.check_hi[nib] = codeword & 0xF0;
-            t.action_by_check[nib] = t.action[usize::from(t.syndrome_hi[nib])];
+            t.action_by_check[nib] = t.action[syndrome_hi(nib) as usize];
         }
         t.syndrome_affine = affine_matrix(syndrome_rows(bit_syndrome, 0));
         t
