@@ -538,3 +538,27 @@ fn look3(tables: &[__m256i; 3], n: &[__m256i; 3]) -> __m256i {
     let b = _mm256_shuffle_epi8(tables[1], n[1]);
     _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_shuffle_epi8(tables[2], n[2]))
 }
+
+/// SECDED encode with AVX2: one byte shuffle per 32 values.
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT; `values` must hold nibbles and
+/// `encoded.len() == values.len()`.
+#[target_feature(enable = "avx2,popcnt")]
+pub(crate) unsafe fn secded_encode_avx2(t: &SecdedTables, values: &[u8], encoded: &mut [u8]) {
+    assert_eq!(values.len(), encoded.len(), "one byte per value");
+    let codewords = table(&t.encode);
+    let (whole, _) = values.as_chunks::<32>();
+    let (outs, _) = encoded.as_chunks_mut::<32>();
+    for (v, e) in whole.iter().zip(outs) {
+        // SAFETY: both arrays are 32 bytes; loadu/storeu are unaligned.
+        unsafe {
+            let v = _mm256_loadu_si256(v.as_ptr().cast());
+            _mm256_storeu_si256(e.as_mut_ptr().cast(), _mm256_shuffle_epi8(codewords, v));
+        }
+    }
+    let done = 32 * whole.len();
+    for (e, &v) in encoded[done..].iter_mut().zip(&values[done..]) {
+        *e = t.encode[usize::from(v & 0xF)];
+    }
+}

@@ -116,6 +116,12 @@ impl Int4Codec for Secded84 {
             unsafe { super::avx512::secded_encode_avx512(t, values, encoded) };
             return Ok(());
         }
+        #[cfg(target_arch = "x86_64")]
+        if Backend::Avx2.is_supported() {
+            // SAFETY: features checked just above; lengths and nibbles checked before.
+            unsafe { super::avx2::secded_encode_avx2(t, values, encoded) };
+            return Ok(());
+        }
         encode_scalar(t, values, encoded);
         Ok(())
     }
@@ -172,6 +178,22 @@ mod tests {
         assert_eq!(Secded84.encode(&values).unwrap(), scalar);
         for (&v, &e) in values.iter().zip(&scalar) {
             assert_eq!(u64::from(e), code().encode(u64::from(v)).unwrap());
+        }
+        // Each SIMD encoder the CPU has, on lengths around its vector width.
+        #[cfg(target_arch = "x86_64")]
+        for len in [0, 1, 31, 32, 33, 63, 64, 65, 1000] {
+            let values = &values[..len];
+            let mut simd = vec![0u8; len];
+            if Backend::Avx2.is_supported() {
+                // SAFETY: AVX2 checked; equal lengths; the values are nibbles.
+                unsafe { crate::batch::avx2::secded_encode_avx2(tables(), values, &mut simd) };
+                assert_eq!(simd, scalar[..len], "AVX2, {len} values");
+            }
+            if Backend::Avx512.is_supported() {
+                // SAFETY: AVX-512 checked; equal lengths; the values are nibbles.
+                unsafe { crate::batch::avx512::secded_encode_avx512(tables(), values, &mut simd) };
+                assert_eq!(simd, scalar[..len], "AVX-512, {len} values");
+            }
         }
     }
 }
