@@ -274,11 +274,7 @@ pub(crate) unsafe fn secded_decode_avx2(
         received: SecdedBytes,
         tables: CheckTables::new(t),
     };
-    // Two call sites so that each inlined copy sees a constant `truth`.
-    match truth {
-        None => drive_chunks(&kernel, encoded, values, None, erasures),
-        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
-    }
+    drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
 /// `secded84x8` batch decode with AVX2: each 64-byte chunk (eight blocks)
@@ -299,10 +295,7 @@ pub(crate) unsafe fn secded_x8_decode_avx2(
         received: SecdedX8Planes,
         tables: CheckTables::new(t),
     };
-    match truth {
-        None => drive_chunks(&kernel, encoded, values, None, erasures),
-        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
-    }
+    drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
 /// Hamming's words are seven bits each, packed.
@@ -382,11 +375,7 @@ pub(crate) unsafe fn hamming_decode_avx2(
         },
         tables: CheckTables::new(t),
     };
-    // Two call sites so that each inlined copy sees a constant `truth`.
-    match truth {
-        None => drive_chunks(&kernel, encoded, values, None, erasures),
-        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
-    }
+    drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
 /// Golay(24,12) batch decode with AVX2, 64 codewords per block, eight per
@@ -513,21 +502,11 @@ pub(crate) unsafe fn golay_decode_avx2<const INTERLEAVED: bool>(
             while rest != 0 {
                 let lane = rest.trailing_zeros() as usize;
                 rest &= rest - 1;
-                let e = t.leader[lanes[lane] as usize];
-                golay24::apply_leader(e, 8 * g + lane, out, er, &mut stats);
+                golay24::correct_word(t, lanes[lane] as usize, 8 * g + lane, out, er, &mut stats);
             }
         }
     }
-    stats.clean = stats.words - stats.corrected - stats.detected;
-    let done = BLOCK_VALUES * blocks;
-    stats += golay24::decode_all(
-        t,
-        &encoded[done..],
-        &mut values[done..],
-        None,
-        &mut erasures[3 * blocks..],
-    );
-    stats
+    golay24::finish_blocks(t, blocks, stats, encoded, values, erasures)
 }
 
 /// `tables[0][n[0]] ⊕ tables[1][n[1]] ⊕ tables[2][n[2]]`, byte by byte.

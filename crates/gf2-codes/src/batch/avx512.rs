@@ -95,10 +95,7 @@ pub(crate) unsafe fn secded_decode_avx512(
     erasures: &mut [u64],
 ) -> DecodeStats {
     let kernel = SecdedAvx512::new(t);
-    match truth {
-        None => drive_chunks(&kernel, encoded, values, None, erasures),
-        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
-    }
+    drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
 /// SECDED over the interleaved layout: each 64-byte chunk (eight whole
@@ -147,10 +144,7 @@ pub(crate) unsafe fn secded_x8_decode_avx512(
         reverse: unsafe { _mm512_loadu_si512(reverse.as_ptr().cast()) },
         units: _mm512_set1_epi64(0x8040_2010_0804_0201_u64 as i64),
     };
-    match truth {
-        None => drive_chunks(&kernel, encoded, values, None, erasures),
-        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
-    }
+    drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
 struct HammingAvx512 {
@@ -206,10 +200,7 @@ pub(crate) unsafe fn hamming_decode_avx512(
         affine: _mm512_set1_epi64(t.syndrome_affine as i64),
         action: table16(&t.action),
     };
-    match truth {
-        None => drive_chunks(&kernel, encoded, values, None, erasures),
-        Some(t) => drive_chunks(&kernel, encoded, values, Some(t), erasures),
-    }
+    drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
 /// Golay batch decode with AVX-512 + GFNI, 64 codewords per block: syndromes
@@ -323,21 +314,12 @@ pub(crate) unsafe fn golay_decode_avx512<const INTERLEAVED: bool>(
             while rest != 0 {
                 let i = rest.trailing_zeros() as usize;
                 rest &= rest - 1;
-                let e = t.leader[usize::from(lo[i]) | usize::from(hi[i]) << 8];
-                golay24::apply_leader(e, i, out, er, &mut stats);
+                let syndrome = usize::from(lo[i]) | usize::from(hi[i]) << 8;
+                golay24::correct_word(t, syndrome, i, out, er, &mut stats);
             }
         }
     }
-    stats.clean = stats.words - stats.corrected - stats.detected;
-    let done = BLOCK_VALUES * blocks;
-    stats += golay24::decode_all(
-        t,
-        &encoded[done..],
-        &mut values[done..],
-        None,
-        &mut erasures[3 * blocks..],
-    );
-    stats
+    golay24::finish_blocks(t, blocks, stats, encoded, values, erasures)
 }
 
 /// SECDED encode with AVX-512: one byte shuffle per 64 values.

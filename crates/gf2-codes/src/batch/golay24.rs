@@ -92,13 +92,7 @@ fn outcome(e: u32) -> DecodeOutcome {
 /// Applies leader-table entry `e` of codeword `i` of a buffer whose values
 /// were written uncorrected; counts it (for non-zero syndromes only).
 #[inline]
-pub(crate) fn apply_leader(
-    e: u32,
-    i: usize,
-    out: &mut [u8],
-    erasures: &mut [u64],
-    stats: &mut DecodeStats,
-) {
+fn apply_leader(e: u32, i: usize, out: &mut [u8], erasures: &mut [u64], stats: &mut DecodeStats) {
     if e & DETECTED != 0 {
         stats.detected += 1;
         for v in 3 * i..3 * i + 3 {
@@ -110,6 +104,43 @@ pub(crate) fn apply_leader(
             *v ^= (e >> (4 * j) & 0xF) as u8;
         }
     }
+}
+
+/// Corrects codeword `i` of a block whose values were written uncorrected,
+/// from its non-zero `syndrome` (the SIMD kernels' slow path).
+#[inline]
+pub(crate) fn correct_word(
+    t: &Tables,
+    syndrome: usize,
+    i: usize,
+    out: &mut [u8],
+    erasures: &mut [u64],
+    stats: &mut DecodeStats,
+) {
+    apply_leader(t.leader[syndrome], i, out, erasures, stats);
+}
+
+/// Ends a SIMD decode of `blocks` blocks of 64 codewords (192 values)
+/// counted in `stats` (words, corrected, detected): the clean count, then
+/// the tail after the blocks through the scalar loop.
+pub(crate) fn finish_blocks(
+    t: &Tables,
+    blocks: usize,
+    mut stats: DecodeStats,
+    encoded: &[u8],
+    values: &mut [u8],
+    erasures: &mut [u64],
+) -> DecodeStats {
+    stats.clean = stats.words - stats.corrected - stats.detected;
+    let done = 192 * blocks;
+    stats += decode_all(
+        t,
+        &encoded[done..],
+        &mut values[done..],
+        None,
+        &mut erasures[3 * blocks..],
+    );
+    stats
 }
 
 /// The whole decode loop; `truth` selects the truth-aware accounting.

@@ -111,7 +111,7 @@ impl Interleaved {
     }
 
     /// Decodes the longest prefix of whole chunks in one pass where a fused
-    /// kernel exists (on AVX-512: SECDED in chunks of 64 values, Golay
+    /// kernel exists (on AVX-512 and AVX2: SECDED in chunks of 64 values, Golay
     /// without truth in blocks of 192; the transposes in registers before
     /// the correction) and the backend asked for is that one; returns
     /// the values decoded and their statistics. Backends are checked by the
@@ -125,75 +125,50 @@ impl Interleaved {
         erasures: &mut [u64],
     ) -> (usize, DecodeStats) {
         #[cfg(target_arch = "x86_64")]
-        if self.inner == Int4Code::Secded84 && backend == Backend::Avx512 && backend.is_supported()
-        {
-            let head = values.len() / 64 * 64;
-            // SAFETY: the CPU supports the kernel's features (checked just
-            // above); shapes were checked by the caller (one byte per value)
-            // and `head` is a multiple of 64.
-            let stats = unsafe {
-                super::avx512::secded_x8_decode_avx512(
-                    super::secded84::tables(),
-                    &gfni::REVERSE,
-                    &encoded[..head],
-                    &mut values[..head],
-                    truth.map(|t| &t[..head]),
-                    &mut erasures[..head / 64],
-                )
-            };
-            return (head, stats);
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self.inner == Int4Code::Secded84 && backend == Backend::Avx2 && backend.is_supported() {
-            let head = values.len() / 64 * 64;
-            // SAFETY: as above, for AVX2.
-            let stats = unsafe {
-                super::avx2::secded_x8_decode_avx2(
-                    super::secded84::tables(),
-                    &encoded[..head],
-                    &mut values[..head],
-                    truth.map(|t| &t[..head]),
-                    &mut erasures[..head / 64],
-                )
-            };
-            return (head, stats);
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self.inner == Int4Code::Golay24
-            && truth.is_none()
-            && backend == Backend::Avx512
-            && backend.is_supported()
-        {
-            let head = values.len() / 192 * 192;
-            // SAFETY: as above; `head` values are `head` bytes (64 codewords
-            // per 192) and a multiple of 192.
-            let stats = unsafe {
-                super::avx512::golay_decode_avx512::<true>(
-                    super::golay24::tables(),
-                    &encoded[..head],
-                    &mut values[..head],
-                    &mut erasures[..head / 64],
-                )
-            };
-            return (head, stats);
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self.inner == Int4Code::Golay24
-            && truth.is_none()
-            && backend == Backend::Avx2
-            && backend.is_supported()
-        {
-            let head = values.len() / 192 * 192;
-            // SAFETY: as above, for AVX2.
-            let stats = unsafe {
-                super::avx2::golay_decode_avx2::<true>(
-                    super::golay24::tables(),
-                    &encoded[..head],
-                    &mut values[..head],
-                    &mut erasures[..head / 64],
-                )
-            };
-            return (head, stats);
+        if backend != Backend::Scalar && backend.is_supported() {
+            let avx512 = backend == Backend::Avx512;
+            match self.inner {
+                Int4Code::Secded84 => {
+                    let head = values.len() / 64 * 64;
+                    let (encoded, values) = (&encoded[..head], &mut values[..head]);
+                    let (truth, erasures) = (truth.map(|t| &t[..head]), &mut erasures[..head / 64]);
+                    let t = super::secded84::tables();
+                    // SAFETY: the CPU supports the kernel's features (checked
+                    // just above); shapes were checked by the caller (one byte
+                    // per value) and `head` is a multiple of 64.
+                    let stats = unsafe {
+                        if avx512 {
+                            super::avx512::secded_x8_decode_avx512(
+                                t,
+                                &gfni::REVERSE,
+                                encoded,
+                                values,
+                                truth,
+                                erasures,
+                            )
+                        } else {
+                            super::avx2::secded_x8_decode_avx2(t, encoded, values, truth, erasures)
+                        }
+                    };
+                    return (head, stats);
+                }
+                Int4Code::Golay24 if truth.is_none() => {
+                    let head = values.len() / 192 * 192;
+                    let (encoded, values) = (&encoded[..head], &mut values[..head]);
+                    let (t, erasures) = (super::golay24::tables(), &mut erasures[..head / 64]);
+                    // SAFETY: as above; `head` values are `head` bytes (64
+                    // codewords per 192) and a multiple of 192.
+                    let stats = unsafe {
+                        if avx512 {
+                            super::avx512::golay_decode_avx512::<true>(t, encoded, values, erasures)
+                        } else {
+                            super::avx2::golay_decode_avx2::<true>(t, encoded, values, erasures)
+                        }
+                    };
+                    return (head, stats);
+                }
+                _ => {}
+            }
         }
         let _ = (backend, encoded, truth, values, erasures);
         (0, DecodeStats::default())

@@ -471,8 +471,25 @@ pub(crate) const BLOCK_CHUNKS: usize = 4;
 /// [`ChunkKernel::decode_block_raw`] and then the leftover ones singly, then
 /// the tail (and every chunk, when the truth is known) through
 /// [`account_chunk`].
+/// Two call sites of one inlined body, so that each copy sees a constant
+/// `truth` (the clean loop then carries no truth test).
 #[inline(always)]
 pub(crate) fn drive_chunks<K: ChunkKernel>(
+    kernel: &K,
+    encoded: &[u8],
+    values: &mut [u8],
+    truth: Option<&[u8]>,
+    erasures: &mut [u64],
+) -> DecodeStats {
+    match truth {
+        None => drive_chunks_with(kernel, encoded, values, None, erasures),
+        Some(t) => drive_chunks_with(kernel, encoded, values, Some(t), erasures),
+    }
+}
+
+/// The body of [`drive_chunks`].
+#[inline(always)]
+fn drive_chunks_with<K: ChunkKernel>(
     kernel: &K,
     encoded: &[u8],
     values: &mut [u8],
