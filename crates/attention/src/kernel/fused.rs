@@ -154,9 +154,11 @@ struct Levels<'a> {
     shared: Option<GroupDivisor>,
     /// How a level becomes a value.
     map: LevelMap,
-    /// Groups per row when every row has its own (per-token groups): row
-    /// `t` starts at group `t·per_row`, found without a division.
-    per_row: Option<usize>,
+    /// The step between consecutive rows' first groups where it is
+    /// constant, so that row `t` starts at group `t·row_step`, found
+    /// without a division: groups per row for per-token groups, 0 when
+    /// every row lies in one block of tokens (FP8's per-tensor scale).
+    row_step: Option<usize>,
 }
 
 impl<'a> Levels<'a> {
@@ -172,13 +174,18 @@ impl<'a> Levels<'a> {
             n if n % 16 == 0 => Some(GroupDivisor::new(n, rows.channels())?),
             _ => return None,
         };
-        let per_row = (rows.tokens_per_group() == 1).then(|| rows.channels() / cpg);
+        let row_step = if rows.tokens_per_group() == 1 {
+            Some(rows.channels() / cpg)
+        } else {
+            let last = rows.rows().saturating_sub(1);
+            (rows.group_index(last, 0) == 0).then_some(0)
+        };
         Some(Self {
             ch: rows.channels(),
             map: rows.map,
             rows,
             shared,
-            per_row,
+            row_step,
         })
     }
 
@@ -277,7 +284,7 @@ impl Load for Levels<'_> {
 
     #[inline(always)]
     fn row(self, row: usize) -> (usize, usize) {
-        let g = match self.per_row {
+        let g = match self.row_step {
             Some(n) => row * n,
             None => self.rows.group_index(row, 0),
         };

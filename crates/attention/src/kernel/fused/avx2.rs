@@ -119,50 +119,135 @@ impl Load for Halves<'_> {
     }
 }
 
-/// The parent module's level loader, eight lanes at a time: the same
-/// layouts (levels one per byte; 16 consecutive channels in one group or
-/// each in its own) and the same arithmetic as kv-quant's dequantization.
-impl Load for Levels<'_> {
+/// A level map as a constant ([`map_code`]), so that a loader's choice of
+/// arithmetic is made once per tile, not at every load: with the map a
+/// run-time value, every 16 values of an FP8 tile went through a jump
+/// table and reloaded their constants (`perf`).
+const AFFINE: u8 = 0;
+/// [`LevelMap::Centered`].
+const CENTERED: u8 = 1;
+/// [`LevelMap::Nf4`].
+const NF4: u8 = 2;
+/// [`LevelMap::Fp8`] E5M2.
+const E5M2: u8 = 3;
+/// [`LevelMap::Fp8`] E4M3.
+const E4M3: u8 = 4;
+
+/// The constant of `map`, and the middle level of a centered map (0 for the others).
+fn map_code(map: LevelMap) -> (u8, f32) {
+    match map {
+        LevelMap::Affine => (AFFINE, 0.0),
+        LevelMap::Centered { mid } => (CENTERED, mid),
+        LevelMap::Nf4 => (NF4, 0.0),
+        LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => (E5M2, 0.0),
+        LevelMap::Fp8(kv_quant::Fp8Format::E4M3) => (E4M3, 0.0),
+    }
+}
+
+/// The parent module's level loader, eight lanes at a time, compiled for
+/// one level map (`MAP`, a [`map_code`]) and one grouping (`SHARED`: 16
+/// consecutive channels in one group, else each channel in its own):
+/// the same layouts (levels one per byte) and the same arithmetic as
+/// kv-quant's dequantization.
+#[derive(Clone, Copy)]
+struct MappedLevels<'a, const MAP: u8, const SHARED: bool> {
+    levels: Levels<'a>,
+    /// The middle level of a centered map.
+    mid: f32,
+}
+
+/// Binds `$l` to `$levels` as the [`MappedLevels`] of its map and grouping
+/// and evaluates `$body` with it: one monomorphic copy of `$body` per pair.
+macro_rules! with_mapped_levels {
+    ($levels:expr, $l:ident => $body:expr) => {{
+        let levels: Levels<'_> = $levels;
+        let (code, mid) = map_code(levels.map);
+        match (code, levels.shared.is_some()) {
+            (AFFINE, true) => {
+                let $l = MappedLevels::<AFFINE, true> { levels, mid };
+                $body
+            }
+            (AFFINE, false) => {
+                let $l = MappedLevels::<AFFINE, false> { levels, mid };
+                $body
+            }
+            (CENTERED, true) => {
+                let $l = MappedLevels::<CENTERED, true> { levels, mid };
+                $body
+            }
+            (CENTERED, false) => {
+                let $l = MappedLevels::<CENTERED, false> { levels, mid };
+                $body
+            }
+            (NF4, true) => {
+                let $l = MappedLevels::<NF4, true> { levels, mid };
+                $body
+            }
+            (NF4, false) => {
+                let $l = MappedLevels::<NF4, false> { levels, mid };
+                $body
+            }
+            (E5M2, true) => {
+                let $l = MappedLevels::<E5M2, true> { levels, mid };
+                $body
+            }
+            (E5M2, false) => {
+                let $l = MappedLevels::<E5M2, false> { levels, mid };
+                $body
+            }
+            (E4M3, true) => {
+                let $l = MappedLevels::<E4M3, true> { levels, mid };
+                $body
+            }
+            (_, _) => {
+                let $l = MappedLevels::<E4M3, false> { levels, mid };
+                $body
+            }
+        }
+    }};
+}
+
+impl<const MAP: u8, const SHARED: bool> Load for MappedLevels<'_, MAP, SHARED> {
     /// The row's first level and its first group.
     type Row = (usize, usize);
 
     fn ch(self) -> usize {
-        self.ch
+        self.levels.ch
     }
 
     fn len(self) -> usize {
-        self.rows.levels.len()
+        self.levels.rows.levels.len()
     }
 
     #[inline(always)]
     fn row(self, t: usize) -> (usize, usize) {
-        let g = match self.per_row {
+        let g = match self.levels.row_step {
             Some(n) => t * n,
-            None => self.rows.group_index(t, 0),
+            None => self.levels.rows.group_index(t, 0),
         };
-        (t * self.ch, g)
+        (t * self.levels.ch, g)
     }
 
     #[inline(always)]
     unsafe fn load(self, (row, g): (usize, usize), col: usize) -> [__m256; 2] {
+        let rows = self.levels.rows;
         let i = row + col;
-        debug_assert!(i + 16 <= self.rows.levels.len());
+        debug_assert!(i + 16 <= rows.levels.len());
+        debug_assert_eq!(SHARED, self.levels.shared.is_some());
         // SAFETY: bytes `i..i + 16` are inside the slice; group
         // `g + col / cpg` (or `g + col + 15` for one group per channel)
         // exists, as `LevelRows::value` would read it.
         unsafe {
-            let bytes = _mm_loadu_si128(self.rows.levels.as_ptr().add(i).cast());
-            let (s, o) = (self.rows.scale.as_ptr(), self.rows.offset.as_ptr());
-            // A match, not a closure: a closure here would be compiled
-            // without the kernel's features (see the parent's `reduce16`).
-            let ((a0, b0), (a1, b1)) = match self.shared {
+            let bytes = _mm_loadu_si128(rows.levels.as_ptr().add(i).cast());
+            let (s, o) = (rows.scale.as_ptr(), rows.offset.as_ptr());
+            let ((a0, b0), (a1, b1)) = match self.levels.shared {
                 // 16 channels from a multiple of 16 lie in one group.
-                Some(div) => {
+                Some(div) if SHARED => {
                     let j = g + div.of(col);
                     let p = (_mm256_set1_ps(*s.add(j)), _mm256_set1_ps(*o.add(j)));
                     (p, p)
                 }
-                None => {
+                _ => {
                     let j = g + col;
                     (
                         (_mm256_loadu_ps(s.add(j)), _mm256_loadu_ps(o.add(j))),
@@ -171,32 +256,35 @@ impl Load for Levels<'_> {
                 }
             };
             [
-                dequantize8(self.map, bytes, a0, b0),
-                dequantize8(self.map, _mm_srli_si128::<8>(bytes), a1, b1),
+                dequantize8::<MAP>(self.mid, bytes, a0, b0),
+                dequantize8::<MAP>(self.mid, _mm_srli_si128::<8>(bytes), a1, b1),
             ]
         }
     }
 }
 
-/// The low eight levels (bytes) of `bytes` as values under `map`, with
-/// scales `a` and offsets `b`: `b + level·a` (product, then sum),
-/// `(level − mid)·a`, `NF4_LEVELS[level & 15]·a`, or FP8 through IEEE
-/// half precision as the parent module's `fp8_values` (E4M3 as
-/// `half·(2^8·a)`).
+/// The low eight levels (bytes) of `bytes` as values under the map `MAP`
+/// (a [`map_code`]; `mid` is a centered map's middle level), with scales
+/// `a` and offsets `b`: `b + level·a` (product, then sum), `(level −
+/// mid)·a`, `NF4_LEVELS[level & 15]·a`, or FP8 through IEEE half precision
+/// as the parent module's `fp8_values` (E4M3 as `half·(2^8·a)`).
 #[inline(always)]
-fn dequantize8(map: LevelMap, bytes: __m128i, a: __m256, b: __m256) -> __m256 {
+fn dequantize8<const MAP: u8>(mid: f32, bytes: __m128i, a: __m256, b: __m256) -> __m256 {
     // SAFETY: only inlined into `attend_tile_avx2` (AVX2, F16C); no memory is touched.
     unsafe {
-        let levels = _mm256_cvtepu8_epi32(bytes);
-        match map {
-            LevelMap::Affine => _mm256_add_ps(b, _mm256_mul_ps(_mm256_cvtepi32_ps(levels), a)),
-            LevelMap::Centered { mid } => {
-                let level = _mm256_cvtepi32_ps(levels);
+        match MAP {
+            AFFINE => {
+                let level = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+                _mm256_add_ps(b, _mm256_mul_ps(level, a))
+            }
+            CENTERED => {
+                let level = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
                 _mm256_mul_ps(_mm256_sub_ps(level, _mm256_set1_ps(mid)), a)
             }
             // Two 8-entry tables, chosen per lane by bit 3 of the level
             // (moved to the sign bit, which `blendv` reads).
-            LevelMap::Nf4 => {
+            NF4 => {
+                let levels = _mm256_cvtepu8_epi32(bytes);
                 let table: &'static [f32; 16] = &kv_quant::NF4_LEVELS;
                 let table = table.as_ptr();
                 let low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), levels);
@@ -204,20 +292,26 @@ fn dequantize8(map: LevelMap, bytes: __m128i, a: __m256, b: __m256) -> __m256 {
                 let upper = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(levels));
                 _mm256_mul_ps(_mm256_blendv_ps(low, high, upper), a)
             }
-            LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => {
+            E5M2 => {
                 let codes = _mm_cvtepu8_epi16(bytes);
                 _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16::<8>(codes)), a)
             }
-            LevelMap::Fp8(kv_quant::Fp8Format::E4M3) => {
-                let codes = _mm_cvtepu8_epi16(bytes);
-                let magnitude = _mm_and_si128(codes, _mm_set1_epi16(0x7F));
-                let sign = _mm_slli_epi16::<8>(_mm_and_si128(codes, _mm_set1_epi16(0x80)));
-                let half = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16::<7>(magnitude), sign));
-                let nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F));
-                let nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan));
-                let half = _mm256_blendv_ps(half, _mm256_set1_ps(f32::NAN), nan);
+            E4M3 => {
+                // The code sign-extended to 16 bits and moved up by 7: the
+                // sign in bits 15 and 14, exponent and mantissa in bits
+                // 13..7, where a half keeps them (bit 14 cleared).
+                let moved = _mm_slli_epi16::<7>(_mm_cvtepi8_epi16(bytes));
+                let field = _mm_and_si128(moved, _mm_set1_epi16(0x3F80));
+                // Adding 0x80 carries into bit 14 exactly when the field is
+                // all ones (`S.1111.111`, NaN): the half's exponent is then
+                // all ones and its mantissa not zero, a NaN.
+                let nan = _mm_add_epi16(field, _mm_set1_epi16(0x80));
+                let nan = _mm_and_si128(nan, _mm_set1_epi16(0x4000));
+                let bits = _mm_and_si128(moved, _mm_set1_epi16(0xBFFF_u16 as i16));
+                let half = _mm256_cvtph_ps(_mm_or_si128(bits, nan));
                 _mm256_mul_ps(half, _mm256_mul_ps(a, _mm256_set1_ps(256.0)))
             }
+            _ => unreachable!("not a level map constant"),
         }
     }
 }
@@ -268,7 +362,9 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
                 match Side::new(keys, ch, kb) {
                     Side::F32(k) => score_pass(tile, k, weights, &mut prefetch),
                     Side::F16(k) => score_pass(tile, k, weights, &mut prefetch),
-                    Side::Levels(k) => score_pass(tile, k, weights, &mut prefetch),
+                    Side::Levels(k) => with_mapped_levels!(k, k => {
+                        score_pass(tile, k, weights, &mut prefetch)
+                    }),
                 }
             }
         },
@@ -283,7 +379,7 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
             match Side::new(values, ch, vb) {
                 Side::F32(v) => value_pass(tile, v, acc, weights),
                 Side::F16(v) => value_pass(tile, v, acc, weights),
-                Side::Levels(v) => value_pass(tile, v, acc, weights),
+                Side::Levels(v) => with_mapped_levels!(v, v => value_pass(tile, v, acc, weights)),
             }
         },
     );
@@ -539,7 +635,16 @@ mod tests {
         // SAFETY: the caller checked the features; `wide` holds 16 bytes
         // and `out` 8 floats.
         unsafe {
-            let v = super::dequantize8(map, _mm_loadu_si128(wide.as_ptr().cast()), a, b);
+            let bytes = _mm_loadu_si128(wide.as_ptr().cast());
+            let v = match super::map_code(map) {
+                (super::AFFINE, mid) => super::dequantize8::<{ super::AFFINE }>(mid, bytes, a, b),
+                (super::CENTERED, mid) => {
+                    super::dequantize8::<{ super::CENTERED }>(mid, bytes, a, b)
+                }
+                (super::NF4, mid) => super::dequantize8::<{ super::NF4 }>(mid, bytes, a, b),
+                (super::E5M2, mid) => super::dequantize8::<{ super::E5M2 }>(mid, bytes, a, b),
+                (_, mid) => super::dequantize8::<{ super::E4M3 }>(mid, bytes, a, b),
+            };
             _mm256_storeu_ps(out.as_mut_ptr(), v);
         }
         out
