@@ -298,11 +298,18 @@ fn level_tiles_read_in_registers_match_the_f32_body() {
         for form in [
             "int8",
             "int4-ch",
+            // Per-channel groups over blocks of 32 tokens: the 37 rows span
+            // two blocks, so each row's group is found by division.
+            "int4-ch32",
+            "int8-sym-ch",
             "int4-sym-g64",
             "int4-g32",
             "nf4-g64",
+            "nf4-g1",
             "fp8-e4m3",
+            "fp8-e4m3-h1",
             "fp8-e5m2-h64",
+            "fp8-e5m2-h1",
         ] {
             let quantize = |seed: u64, scale: f32| {
                 let values = test_values(seed, rows * ch, scale);

@@ -5,10 +5,12 @@
 //! in registers. The tiles are the parent module's loaders ([`Floats`],
 //! [`Halves`], [`Levels`], chosen by [`Side`]; level layouts `Levels` does
 //! not read are widened into the scratch first), read here through this
-//! module's eight-lane [`Load`].
+//! module's eight-lane [`Load`] (levels as [`MappedLevels`], compiled for
+//! their level map).
 //!
 //! It computes exactly what the parent module's AVX-512 kernel and the
-//! generic FMA kernel compute, bit for bit: a score is the 16-lane
+//! generic FMA kernel compute, bit for bit (NaN aside: an E4M3 NaN code
+//! gives a NaN here whose sign and payload may differ): a score is the 16-lane
 //! multiply-add over the head dimension (here two 8-lane registers)
 //! folded by the tree `+8, +4, +2, +1`, eight scores at once by shuffles
 //! ([`reduce8`]); a weighted value sum runs over the rows in order, per
@@ -199,10 +201,11 @@ macro_rules! with_mapped_levels {
                 let $l = MappedLevels::<E4M3, true> { levels, mid };
                 $body
             }
-            (_, _) => {
+            (E4M3, false) => {
                 let $l = MappedLevels::<E4M3, false> { levels, mid };
                 $body
             }
+            _ => unreachable!("map_code gives one of the five map constants"),
         }
     }};
 }
