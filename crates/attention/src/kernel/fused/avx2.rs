@@ -165,48 +165,25 @@ macro_rules! with_mapped_levels {
         let levels: Levels<'_> = $levels;
         let (code, mid) = map_code(levels.map);
         match (code, levels.shared.is_some()) {
-            (AFFINE, true) => {
-                let $l = MappedLevels::<AFFINE, true> { levels, mid };
-                $body
-            }
-            (AFFINE, false) => {
-                let $l = MappedLevels::<AFFINE, false> { levels, mid };
-                $body
-            }
-            (CENTERED, true) => {
-                let $l = MappedLevels::<CENTERED, true> { levels, mid };
-                $body
-            }
-            (CENTERED, false) => {
-                let $l = MappedLevels::<CENTERED, false> { levels, mid };
-                $body
-            }
-            (NF4, true) => {
-                let $l = MappedLevels::<NF4, true> { levels, mid };
-                $body
-            }
-            (NF4, false) => {
-                let $l = MappedLevels::<NF4, false> { levels, mid };
-                $body
-            }
-            (E5M2, true) => {
-                let $l = MappedLevels::<E5M2, true> { levels, mid };
-                $body
-            }
-            (E5M2, false) => {
-                let $l = MappedLevels::<E5M2, false> { levels, mid };
-                $body
-            }
-            (E4M3, true) => {
-                let $l = MappedLevels::<E4M3, true> { levels, mid };
-                $body
-            }
-            (E4M3, false) => {
-                let $l = MappedLevels::<E4M3, false> { levels, mid };
-                $body
-            }
+            (AFFINE, true) => with_mapped_levels!(@ levels, mid, AFFINE, true, $l => $body),
+            (AFFINE, false) => with_mapped_levels!(@ levels, mid, AFFINE, false, $l => $body),
+            (CENTERED, true) => with_mapped_levels!(@ levels, mid, CENTERED, true, $l => $body),
+            (CENTERED, false) => with_mapped_levels!(@ levels, mid, CENTERED, false, $l => $body),
+            (NF4, true) => with_mapped_levels!(@ levels, mid, NF4, true, $l => $body),
+            (NF4, false) => with_mapped_levels!(@ levels, mid, NF4, false, $l => $body),
+            (E5M2, true) => with_mapped_levels!(@ levels, mid, E5M2, true, $l => $body),
+            (E5M2, false) => with_mapped_levels!(@ levels, mid, E5M2, false, $l => $body),
+            (E4M3, true) => with_mapped_levels!(@ levels, mid, E4M3, true, $l => $body),
+            (E4M3, false) => with_mapped_levels!(@ levels, mid, E4M3, false, $l => $body),
             _ => unreachable!("map_code gives one of the five map constants"),
         }
+    }};
+    (@ $levels:ident, $mid:ident, $map:ident, $shared:literal, $l:ident => $body:expr) => {{
+        let $l = MappedLevels::<$map, $shared> {
+            levels: $levels,
+            mid: $mid,
+        };
+        $body
     }};
 }
 
