@@ -68,9 +68,9 @@ impl BackendKind {
                 name: "block-size",
                 reason: "blocks hold at least one token".into(),
             }),
-            Self::Paged { .. } => {
+            Self::Paged { block_size } => {
                 for (form, _) in mode.forms() {
-                    paged_cache::check_pageable(&form)?;
+                    paged_cache::check_pageable(&form, block_size)?;
                 }
                 Ok(())
             }
@@ -99,6 +99,16 @@ impl BackendKind {
             Self::Paged { .. } => "paged",
         }
     }
+}
+
+/// Whether any form of `mode` is staged in blocks of `block_size` (per-channel
+/// scales, exact sinks or windows: [`kv_quant::BlockPlan`]), so that its
+/// blocks are sealed when a step commits and a step reads its own rows
+/// exact.
+pub fn seals_blocks(mode: &CacheMode, block_size: usize) -> bool {
+    mode.forms().into_iter().any(|(form, _)| {
+        kv_quant::BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged)
+    })
 }
 
 /// A paged backend for one sequence of up to `tokens` tokens of `model`,
@@ -146,7 +156,8 @@ pub fn layer_specs(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<LayerSp
 
 /// The statistics of a paged backend that held `tokens` tokens, in the
 /// re-encode backend's terms: decode statistics, and the bytes of the
-/// blocks the sequence holds (the last block counted whole).
+/// blocks the sequence holds (the last block counted whole, staged exact
+/// rows counted beside their blocks' rows).
 pub fn paged_stats(
     backend: &PagedBackend,
     model: &dyn CausalLm,
@@ -155,13 +166,15 @@ pub fn paged_stats(
     let read = backend.read_stats();
     let storage = backend.storage();
     let blocks = match backend.sequence() {
-        Some(seq) => backend.manager().block_table(seq)?.len(),
-        None => 0,
+        Some(seq) => backend.manager().block_table(seq)?,
+        None => &[],
     };
     let mut part_bytes = [0u64; 2];
-    for layer in 0..storage.layers().len() {
-        for (i, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
-            part_bytes[i] += (blocks * storage.part_block_bytes(layer, part)?) as u64;
+    for &block in blocks {
+        for layer in 0..storage.layers().len() {
+            for (i, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
+                part_bytes[i] += storage.block_part_bytes(block, layer, part)? as u64;
+            }
         }
     }
     Ok(CacheStats {
@@ -244,8 +257,11 @@ mod tests {
             ("int4+secded84", 0.0, paged),
             ("int4", 0.0, paged),
             ("int4+secded84", 1e-3, BackendKind::Reencode),
-            ("int4-ch", 0.0, BackendKind::Reencode),
-            ("int4+sink4+win16", 0.0, BackendKind::Reencode),
+            ("int4-ch", 0.0, paged),
+            ("int4+sink4+win16", 0.0, paged),
+            ("int4-ch32", 0.0, BackendKind::Reencode),
+            ("fp8-e4m3", 0.0, BackendKind::Reencode),
+            ("vq", 0.0, BackendKind::Reencode),
             ("pca-r32", 0.0, BackendKind::Reencode),
         ] {
             let mode = CacheMode::parse(form).unwrap();

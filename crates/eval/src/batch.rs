@@ -426,8 +426,8 @@ pub fn paged_cache<P: PrefixCache>(
 ) -> Result<KvCacheManager<P>> {
     let specs = layer_specs(model, mode)?;
     for spec in &specs {
-        paged_cache::check_pageable(&spec.key)?;
-        paged_cache::check_pageable(&spec.value)?;
+        paged_cache::check_pageable(&spec.key, config.block_size)?;
+        paged_cache::check_pageable(&spec.value, config.block_size)?;
     }
     let storage = BlockStorage::new(config.num_blocks, config.block_size, &specs)?;
     Ok(KvCacheManager::with_storage(

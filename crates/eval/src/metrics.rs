@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use attention::DenseBackend;
 
-use crate::backend::{Adapted, BackendKind, paged_backend, paged_stats};
+use crate::backend::{Adapted, BackendKind, paged_backend, paged_stats, seals_blocks};
 use crate::cache::{CacheMode, CacheStats, FaultSpec, KvCache};
 use crate::error::{EvalError, Result};
 use crate::models::CausalLm;
@@ -448,7 +448,21 @@ fn run_window(
                 block_size,
                 input.len(),
             )?);
-            let logits = model.forward(input, &mut cache, logits_from)?;
+            // Forms whose blocks are sealed when a step commits are read as
+            // a server reads them: the window runs in steps of one block,
+            // so each block's queries see the blocks before it sealed and
+            // their own block exact, as token-by-token decoding does.
+            // Row-local forms hold the same bytes either way: one step.
+            let step = if seals_blocks(&run.mode, block_size) {
+                block_size
+            } else {
+                input.len()
+            };
+            let mut logits = Vec::new();
+            for (i, chunk) in input.chunks(step).enumerate() {
+                let from = logits_from.saturating_sub(i * step).min(chunk.len());
+                logits.extend(model.forward(chunk, &mut cache, from)?);
+            }
             Ok((logits, paged_stats(&cache.0, model, input.len())?))
         }
     }

@@ -43,7 +43,7 @@ pub struct PagedBackend<P: PrefixCache = NoPrefixCache> {
 impl PagedBackend<NoPrefixCache> {
     /// A cache of `num_blocks` blocks of `block_size` tokens holding `layers`
     /// (each layer's key and value forms must be
-    /// [pageable](crate::check_pageable)).
+    /// [pageable](crate::check_pageable) in blocks of `block_size`).
     pub fn new(layers: &[LayerSpec], block_size: usize, num_blocks: usize) -> Result<Self> {
         Self::with_prefix_cache(layers, block_size, num_blocks, NoPrefixCache)
     }
@@ -94,16 +94,16 @@ impl<P: PrefixCache> PagedBackend<P> {
     }
 
     /// Bytes held by the sequence's blocks (K and V of every layer), counted
-    /// from the stores' buffers.
+    /// from the stores' buffers (staged exact rows included).
     pub fn stored_bytes(&self) -> Result<usize> {
-        let blocks = match self.seq {
-            Some(seq) => self.manager.block_table(seq)?.len(),
-            None => 0,
-        };
-        let per_block = (0..self.storage.layers().len())
-            .map(|l| self.storage.layer_block_bytes(l))
-            .sum::<Result<usize>>()?;
-        Ok(blocks * per_block)
+        let Some(seq) = self.seq else { return Ok(0) };
+        let mut bytes = 0;
+        for &block in self.manager.block_table(seq)? {
+            for layer in 0..self.storage.layers().len() {
+                bytes += self.storage.block_layer_bytes(block, layer)?;
+            }
+        }
+        Ok(bytes)
     }
 
     /// Flips bits of every block the sequence holds (every layer, K and V)
@@ -287,7 +287,13 @@ impl<P: PrefixCache> KvBackend for PagedBackend<P> {
     fn commit(&mut self) -> Result<()> {
         match self.step.close() {
             Ok(n) => {
+                let before = self.tokens;
                 self.tokens += n;
+                if let Some(seq) = self.seq {
+                    // Sealing after the step is whole: a refused seal leaves
+                    // its blocks staged, and the step stays committed.
+                    self.manager.seal(seq, before, self.tokens)?;
+                }
                 Ok(())
             }
             Err(e) => {

@@ -362,6 +362,22 @@ impl<P: PrefixCache> KvCacheManager<P> {
         storage.write(block, position % bs, layer, keys, values)
     }
 
+    /// Seals the blocks of `id` that a step taking it from `before` to
+    /// `after` committed tokens made sealable in its staged forms
+    /// ([`BlockStorage::seal_blocks`]); returns the blocks sealed (one per
+    /// layer part). Call it when the step commits.
+    pub fn seal(&mut self, id: SeqId, before: usize, after: usize) -> Result<usize> {
+        let s = self.resident(id)?;
+        if before > after || after > s.tokens.len() {
+            return Err(PagedCacheError::PositionOutOfRange {
+                position: after,
+                tokens: s.tokens.len(),
+            });
+        }
+        let storage = self.storage.as_ref().ok_or(PagedCacheError::NoStorage)?;
+        storage.seal_blocks(&s.table, before, after)
+    }
+
     /// A new sequence sharing all of `id`'s blocks (parallel sampling, beam search).
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
         let s = self.resident(id)?.clone();

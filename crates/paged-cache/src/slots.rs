@@ -161,7 +161,10 @@ impl KvBackend for ReservedSlots {
     fn commit(&mut self) -> Result<()> {
         match self.step.close() {
             Ok(n) => {
+                let before = self.written;
                 self.written += n;
+                // Blocks the step made sealable are sealed now it is whole.
+                self.storage.seal_blocks(&self.table, before, self.written)?;
                 Ok(())
             }
             Err(e) => {

@@ -6,7 +6,17 @@
 //! fixed block stride. kv-quant owns the byte layout; nothing here
 //! re-encodes anything. A layer can keep FP16, FP8, INT8, INT4 or
 //! ECC-protected INT4, with different forms for keys and values, and the
-//! pool reports the true bytes each form takes. Each layer's K and V stores
+//! pool reports the true bytes each form takes.
+//!
+//! Forms whose bytes span tokens (per-channel keys, exact sink and window
+//! tokens) follow kv-quant's [`BlockPlan`]: a block's rows are *staged*
+//! exact (f16 under the form's protection, one small store per block, kept
+//! beside the layer store and reused once released) until the block is
+//! *sealed* ([`BlockStorage::seal_blocks`], called when the step that made
+//! it sealable commits): its rows quantized at once into the block's rows
+//! of the layer store (per-channel scales over the block) and its exact
+//! rows dropped. Sealed blocks are immutable, hashable and shareable like
+//! any other; attention reads each page from where its rows are. Each layer's K and V stores
 //! sit behind their own read-write lock: attention reads a layer under one
 //! read lock, and a background scrubber ([`crate::Scrubber`]) takes the
 //! write lock one block at a time.
@@ -16,8 +26,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockW
 
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
-    CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, QuantizeOptions,
-    Quantizer, RowBuffers, RowEncoder, ScrubStats,
+    BlockPlan, CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore,
+    NonFinite, QuantizeOptions, RowBuffers, RowEncoder, ScrubStats,
 };
 
 use crate::error::{PagedCacheError, Result};
@@ -26,9 +36,9 @@ use crate::pool::BlockId;
 /// The stored forms and width of one layer's K and V rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LayerSpec {
-    /// Form of the K rows (must be [row-local](CacheForm::is_row_local)).
+    /// Form of the K rows (any form with a [`BlockPlan`]).
     pub key: CacheForm,
-    /// Form of the V rows (must be row-local).
+    /// Form of the V rows.
     pub value: CacheForm,
     /// Channels per token (`kv_heads × head_dim`).
     pub channels: usize,
@@ -67,19 +77,29 @@ pub enum KvPart {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockData {
     layers: Vec<[KvStore; 2]>,
+    /// The staged (exact) rows of each layer and part, where the block is
+    /// not sealed.
+    staged: Vec<[Option<KvStore>; 2]>,
 }
 
 impl BlockData {
-    /// The K or V store of `layer`.
+    /// The K or V store of `layer` that holds the block's rows: its staged
+    /// exact rows where the block is not sealed, its sealed rows otherwise.
     pub fn store(&self, layer: usize, part: KvPart) -> Option<&KvStore> {
-        self.layers.get(layer).map(|kv| &kv[part as usize])
+        let p = part as usize;
+        match self.staged.get(layer)?.get(p)? {
+            Some(exact) => Some(exact),
+            None => self.layers.get(layer).map(|kv| &kv[p]),
+        }
     }
 
-    /// Bytes held, counted from the stores' buffers.
+    /// Bytes held, counted from the stores' buffers (a staged part's
+    /// exact rows beside its block rows).
     pub fn stored_bytes(&self) -> usize {
         self.layers
             .iter()
             .flatten()
+            .chain(self.staged.iter().flatten().flatten())
             .map(KvStore::stored_bytes)
             .sum()
     }
@@ -88,10 +108,61 @@ impl BlockData {
     /// [`KvStore::scrub`]): swapped-out blocks collect faults too.
     pub fn scrub(&mut self) -> Result<ScrubStats> {
         let mut stats = ScrubStats::default();
-        for store in self.layers.iter_mut().flatten() {
-            stats += store.scrub()?;
+        for (kv, staged) in self.layers.iter_mut().zip(&mut self.staged) {
+            for (store, exact) in kv.iter_mut().zip(staged) {
+                stats += match exact {
+                    Some(exact) => exact.scrub()?,
+                    None => store.scrub()?,
+                };
+            }
         }
         Ok(stats)
+    }
+}
+
+/// The staged blocks of one layer part: the exact rows of every block
+/// written but not sealed, by block index, and released stores kept for
+/// reuse (so a warm cache stages a block without allocating).
+#[derive(Debug, Default)]
+pub(crate) struct Staged {
+    blocks: Vec<Option<KvStore>>,
+    spare: Vec<KvStore>,
+}
+
+impl Staged {
+    /// The exact rows of `block`, if it is staged.
+    pub(crate) fn get(&self, block: usize) -> Option<&KvStore> {
+        self.blocks.get(block).and_then(Option::as_ref)
+    }
+
+    /// Stages `block`: a spare store, or a new one of `form`.
+    fn stage(&mut self, block: usize, form: CacheForm, rows: usize, channels: usize) -> Result<&mut KvStore> {
+        if self.blocks.len() <= block {
+            self.blocks.resize_with(block + 1, || None);
+        }
+        if self.blocks[block].is_none() {
+            let store = match self.spare.pop() {
+                Some(s) => s,
+                None => KvStore::zeroed(form, rows, channels)?,
+            };
+            self.blocks[block] = Some(store);
+        }
+        Ok(self.blocks[block].as_mut().expect("staged above"))
+    }
+
+    /// Releases `block`'s exact rows, returning them.
+    fn release(&mut self, block: usize) -> Option<KvStore> {
+        self.blocks.get_mut(block).and_then(Option::take)
+    }
+
+    /// Keeps `store` for reuse.
+    fn recycle(&mut self, store: KvStore) {
+        self.spare.push(store);
+    }
+
+    /// Staged blocks.
+    fn count(&self) -> usize {
+        self.blocks.iter().filter(|b| b.is_some()).count()
     }
 }
 
@@ -113,8 +184,12 @@ pub struct BlockStorage {
     num_blocks: usize,
     layers: Vec<LayerSpec>,
     writers: Vec<Mutex<LayerWriter>>,
-    /// Per layer: the K and V stores of every block.
+    /// Per layer: how K and V are kept in blocks.
+    plans: Vec<[BlockPlan; 2]>,
+    /// Per layer: the K and V stores of every block (sealed rows).
     stores: Vec<[RwLock<KvStore>; 2]>,
+    /// Per layer: the K and V exact rows of the blocks not sealed.
+    staged: Vec<[RwLock<Staged>; 2]>,
 }
 
 // A panic while holding a lock leaves plain bytes behind, never a broken
@@ -146,9 +221,15 @@ impl BlockStorage {
                 reason: "blocks hold at least one token".into(),
             });
         }
-        for form in layers.iter().flat_map(|l| [l.key, l.value]) {
-            check_pageable(&form)?;
-        }
+        let plans = layers
+            .iter()
+            .map(|l| {
+                Ok([
+                    block_plan(l.key, block_size)?,
+                    block_plan(l.value, block_size)?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
         let rows = num_blocks.checked_mul(block_size).ok_or_else(|| {
             PagedCacheError::InvalidParameter {
                 name: "num_blocks",
@@ -157,18 +238,21 @@ impl BlockStorage {
         })?;
         let stores = layers
             .iter()
-            .map(|l| {
+            .zip(&plans)
+            .map(|(l, [k, v])| {
                 Ok([
-                    RwLock::new(KvStore::zeroed(l.key, rows, l.channels)?),
-                    RwLock::new(KvStore::zeroed(l.value, rows, l.channels)?),
+                    RwLock::new(KvStore::zeroed(k.sealed, rows, l.channels)?),
+                    RwLock::new(KvStore::zeroed(v.sealed, rows, l.channels)?),
                 ])
             })
             .collect::<Result<_>>()?;
         let writers = layers
             .iter()
-            .map(|l| {
-                let key = RowEncoder::new(l.key, l.channels, None)?;
-                let value = RowEncoder::new(l.value, l.channels, None)?;
+            .zip(&plans)
+            .map(|(l, [k, v])| {
+                let written = |p: &BlockPlan| if p.staged { p.exact } else { p.sealed };
+                let key = RowEncoder::new(written(k), l.channels, None)?;
+                let value = RowEncoder::new(written(v), l.channels, None)?;
                 Ok(Mutex::new(LayerWriter {
                     key_rows: RowBuffers::new(key.buffer_sizes(1)),
                     value_rows: RowBuffers::new(value.buffer_sizes(1)),
@@ -177,12 +261,15 @@ impl BlockStorage {
                 }))
             })
             .collect::<Result<_>>()?;
+        let staged = layers.iter().map(|_| Default::default()).collect();
         Ok(Self {
             block_size,
             num_blocks,
             layers: layers.to_vec(),
             writers,
+            plans,
             stores,
+            staged,
         })
     }
 
@@ -229,8 +316,36 @@ impl BlockStorage {
         Ok(read(&self.stores[layer][part as usize]))
     }
 
+    /// How `part` of `layer` is kept in blocks.
+    pub fn plan(&self, layer: usize, part: KvPart) -> Result<&BlockPlan> {
+        self.layer(layer)?;
+        Ok(&self.plans[layer][part as usize])
+    }
+
+    /// The staged (exact) rows of `part` of `layer`, read-locked for as
+    /// long as the guard lives.
+    pub(crate) fn staged_rows(&self, layer: usize, part: KvPart) -> Result<RwLockReadGuard<'_, Staged>> {
+        self.layer(layer)?;
+        Ok(read(&self.staged[layer][part as usize]))
+    }
+
+    /// Whether `part` of `layer` holds `block`'s rows staged (exact, not
+    /// sealed yet).
+    pub fn is_staged(&self, block: BlockId, layer: usize, part: KvPart) -> Result<bool> {
+        self.block_rows(block)?;
+        Ok(self.staged_rows(layer, part)?.get(block.index()).is_some())
+    }
+
+    /// Blocks staged in `part` of `layer` (their exact rows held).
+    pub fn staged_blocks(&self, layer: usize, part: KvPart) -> Result<usize> {
+        Ok(self.staged_rows(layer, part)?.count())
+    }
+
     /// Writes one token's K and V rows of `layer` at slot `offset` of `block`
     /// (encoded once, here; no allocation once the layer's encoders are warm).
+    /// A staged part writes the row exact into the block's staged rows; a
+    /// block that was sealed is staged again first from its stored rows
+    /// (a sequence cut back into a sealed block and written anew).
     pub fn write(
         &self,
         block: BlockId,
@@ -264,10 +379,90 @@ impl BlockStorage {
         w.key.encode_into(keys, w.key_rows.as_mut(), options)?;
         w.value
             .encode_into(values, w.value_rows.as_mut(), options)?;
-        let [k, v] = &self.stores[layer];
-        write(k).put_encoded_rows(row, &w.key_rows)?;
-        write(v).put_encoded_rows(row, &w.value_rows)?;
+        let b = block.index();
+        for (p, rows) in [&w.key_rows, &w.value_rows].into_iter().enumerate() {
+            let plan = &self.plans[layer][p];
+            if !plan.staged {
+                write(&self.stores[layer][p]).put_encoded_rows(row, rows)?;
+                continue;
+            }
+            let mut staged = write(&self.staged[layer][p]);
+            if staged.get(b).is_none() && offset > 0 {
+                self.unseal(&mut staged, block, layer, p)?;
+            }
+            let exact = staged.stage(b, plan.exact, self.block_size, channels)?;
+            exact.put_encoded_rows(offset, rows)?;
+        }
         Ok(())
+    }
+
+    /// Stages a sealed `block` of part `p` of `layer` again, its exact rows
+    /// the values its sealed rows decode to.
+    fn unseal(&self, staged: &mut Staged, block: BlockId, layer: usize, p: usize) -> Result<()> {
+        let (plan, channels) = (&self.plans[layer][p], self.layers[layer].channels);
+        let rows = self.block_rows(block)?;
+        let mut values = vec![0.0; self.block_size * channels];
+        let mut scratch = DecodeScratch::new();
+        scratch.limit_neighbours(Some(rows.clone()));
+        read(&self.stores[layer][p]).decode_rows_into(rows.start, self.block_size, &mut values, &mut scratch)?;
+        let decoded = KvStore::quantize_with(plan.exact, &values, self.block_size, channels, clamped())?;
+        let exact = staged.stage(block.index(), plan.exact, self.block_size, channels)?;
+        exact.copy_rows_from(0, &decoded)?;
+        Ok(())
+    }
+
+    /// Seals the blocks of a sequence (its block table `table`) that a
+    /// step taking it from `before` to `after` committed tokens made
+    /// sealable ([`BlockPlan::sealable`]), in every staged layer part:
+    /// each block's exact rows are quantized at once into its rows of the
+    /// layer store and released. Blocks already sealed (shared ones sealed
+    /// by another sequence) are left as they are. Call it when the step
+    /// commits, never before, so that a rollback only drops exact rows.
+    pub fn seal_blocks(&self, table: &[BlockId], before: usize, after: usize) -> Result<usize> {
+        let mut sealed = 0;
+        for (layer, plans) in self.plans.iter().enumerate() {
+            for (p, plan) in plans.iter().enumerate() {
+                if !plan.staged {
+                    continue;
+                }
+                let first = plan.sealable(before).max(plan.sink_blocks);
+                let last = plan.sealable(after).min(table.len());
+                for &block in table.get(first..last).unwrap_or(&[]) {
+                    sealed += usize::from(self.seal(block, layer, p)?);
+                }
+            }
+        }
+        Ok(sealed)
+    }
+
+    /// Seals `block` in part `p` of `layer` if it is staged.
+    fn seal(&self, block: BlockId, layer: usize, p: usize) -> Result<bool> {
+        let (plan, channels) = (&self.plans[layer][p], self.layers[layer].channels);
+        let rows = self.block_rows(block)?;
+        let mut staged = write(&self.staged[layer][p]);
+        let Some(exact) = staged.release(block.index()) else {
+            return Ok(false);
+        };
+        let mut values = vec![0.0; self.block_size * channels];
+        let mut scratch = DecodeScratch::new();
+        let sealed = exact
+            .decode_rows_into(0, self.block_size, &mut values, &mut scratch)
+            .map_err(PagedCacheError::from)
+            .and_then(|_| {
+                Ok(KvStore::quantize_with(plan.sealed, &values, self.block_size, channels, clamped())?)
+            });
+        match sealed {
+            Ok(sealed) => {
+                write(&self.stores[layer][p]).copy_rows_from(rows.start, &sealed)?;
+                staged.recycle(exact);
+                Ok(true)
+            }
+            Err(e) => {
+                // Nothing changed: the block stays staged.
+                staged.blocks[block.index()] = Some(exact);
+                Err(e)
+            }
+        }
     }
 
     /// Decodes rows `offset..offset + out.len() / channels` of one store of
@@ -291,26 +486,30 @@ impl BlockStorage {
                 tokens: self.block_size,
             });
         }
+        if let Some(exact) = self.staged_rows(layer, part)?.get(block.index()) {
+            scratch.limit_neighbours(None);
+            return Ok(exact.decode_rows_into(offset, n, out, scratch)?);
+        }
         let store = read(&self.stores[layer][part as usize]);
         // Interpolation reads neighbours within the block only.
         scratch.limit_neighbours(Some(rows.clone()));
         Ok(store.decode_rows_into(rows.start + offset, n, out, scratch)?)
     }
 
-    /// A copy of `block`'s contents.
+    /// A copy of `block`'s contents (its staged exact rows included).
     pub fn snapshot(&self, block: BlockId) -> Result<BlockData> {
         let rows = self.block_rows(block)?;
-        let layers = self
-            .stores
-            .iter()
-            .map(|kv| {
-                Ok([
-                    read(&kv[0]).rows_to_store(rows.start, self.block_size)?,
-                    read(&kv[1]).rows_to_store(rows.start, self.block_size)?,
-                ])
-            })
-            .collect::<Result<_>>()?;
-        Ok(BlockData { layers })
+        let b = block.index();
+        let mut layers = Vec::with_capacity(self.stores.len());
+        let mut staged = Vec::with_capacity(self.stores.len());
+        for (kv, st) in self.stores.iter().zip(&self.staged) {
+            layers.push([
+                read(&kv[0]).rows_to_store(rows.start, self.block_size)?,
+                read(&kv[1]).rows_to_store(rows.start, self.block_size)?,
+            ]);
+            staged.push([read(&st[0]).get(b).cloned(), read(&st[1]).get(b).cloned()]);
+        }
+        Ok(BlockData { layers, staged })
     }
 
     /// Replaces `block`'s contents (from [`snapshot`](Self::snapshot) of
@@ -318,20 +517,51 @@ impl BlockStorage {
     pub fn restore(&self, block: BlockId, data: BlockData) -> Result<()> {
         let rows = self.block_rows(block)?;
         let fits = data.layers.len() == self.layers.len()
-            && data.layers.iter().zip(&self.layers).all(|(d, l)| {
-                d.iter().zip([l.key, l.value]).all(|(s, f)| {
-                    *s.form() == f && s.channels() == l.channels && s.tokens() == self.block_size
-                })
-            });
+            && data.staged.len() == self.layers.len()
+            && data
+                .layers
+                .iter()
+                .zip(&data.staged)
+                .zip(self.layers.iter().zip(&self.plans))
+                .all(|((d, st), (l, plans))| {
+                    d.iter().zip(st).zip(plans).all(|((s, e), plan)| {
+                        *s.form() == plan.sealed
+                            && s.channels() == l.channels
+                            && s.tokens() == self.block_size
+                            && e.as_ref().is_none_or(|e| {
+                                plan.staged
+                                    && *e.form() == plan.exact
+                                    && e.channels() == l.channels
+                                    && e.tokens() == self.block_size
+                            })
+                    })
+                });
         if !fits {
             return Err(PagedCacheError::InvalidParameter {
                 name: "block data",
                 reason: "its layers differ from this storage's".into(),
             });
         }
-        for (kv, d) in self.stores.iter().zip(&data.layers) {
-            write(&kv[0]).copy_rows_from(rows.start, &d[0])?;
-            write(&kv[1]).copy_rows_from(rows.start, &d[1])?;
+        let b = block.index();
+        for ((kv, st), (d, exact)) in self
+            .stores
+            .iter()
+            .zip(&self.staged)
+            .zip(data.layers.iter().zip(data.staged))
+        {
+            for p in 0..2 {
+                write(&kv[p]).copy_rows_from(rows.start, &d[p])?;
+                let mut staged = write(&st[p]);
+                if let Some(old) = staged.release(b) {
+                    staged.recycle(old);
+                }
+                if let Some(e) = &exact[p] {
+                    let form = *e.form();
+                    staged
+                        .stage(b, form, self.block_size, e.channels())?
+                        .copy_rows_from(0, e)?;
+                }
+            }
         }
         Ok(())
     }
@@ -342,19 +572,27 @@ impl BlockStorage {
         self.restore(dst, data)
     }
 
-    /// Scrubs every store of `block` (see [`KvStore::scrub`]).
+    /// Scrubs every store of `block` (see [`KvStore::scrub`]): its sealed
+    /// rows, or its staged exact rows where it is staged.
     pub fn scrub(&self, block: BlockId) -> Result<ScrubStats> {
         let rows = self.block_rows(block)?;
         let mut stats = ScrubStats::default();
-        for store in self.stores.iter().flatten() {
-            stats += write(store).scrub_rows(rows.clone())?;
+        for (kv, st) in self.stores.iter().zip(&self.staged) {
+            for p in 0..2 {
+                let mut staged = write(&st[p]);
+                stats += match staged.blocks.get_mut(block.index()).and_then(Option::as_mut) {
+                    Some(exact) => exact.scrub()?,
+                    None => write(&kv[p]).scrub_rows(rows.clone())?,
+                };
+            }
         }
         Ok(stats)
     }
 
     /// Injects faults from `channel` with `seed` into one store of `block`
     /// (see [`KvStore::inject_rows`]: flip positions count from the block's
-    /// first byte in each buffer).
+    /// first byte in each buffer): into its staged exact rows where it is
+    /// staged, its sealed rows otherwise.
     pub fn inject(
         &self,
         block: BlockId,
@@ -366,12 +604,17 @@ impl BlockStorage {
     ) -> Result<Injection> {
         self.layer(layer)?;
         let rows = self.block_rows(block)?;
+        let mut staged = write(&self.staged[layer][part as usize]);
+        if let Some(exact) = staged.blocks.get_mut(block.index()).and_then(Option::as_mut) {
+            return Ok(exact.inject_rows(0..self.block_size, channel, seed, target)?);
+        }
         let mut store = write(&self.stores[layer][part as usize]);
         Ok(store.inject_rows(rows, channel, seed, target)?)
     }
 
-    /// Applies `f` to a copy of one store of `block` (its bytes, flips and
-    /// words, as a store of `block_size` rows).
+    /// Applies `f` to a copy of the store holding `block`'s rows of one
+    /// part of `layer` (its bytes, flips and words, as a store of
+    /// `block_size` rows): its staged exact rows where it is staged.
     pub fn with_store<R>(
         &self,
         block: BlockId,
@@ -380,24 +623,41 @@ impl BlockStorage {
         f: impl FnOnce(&KvStore) -> R,
     ) -> Result<R> {
         let rows = self.block_rows(block)?;
+        if let Some(exact) = self.staged_rows(layer, part)?.get(block.index()) {
+            return Ok(f(exact));
+        }
         let store = self.layer_store(layer, part)?;
         Ok(f(&store.rows_to_store(rows.start, self.block_size)?))
     }
 
-    /// Bytes `block` holds in `layer` (K and V), counted from its buffers.
+    /// Bytes `block` holds in `layer` (K and V), counted from its buffers:
+    /// its rows of the layer stores, and its staged exact rows where it is
+    /// staged (both are held while it is).
     pub fn block_layer_bytes(&self, block: BlockId, layer: usize) -> Result<usize> {
-        self.block_rows(block)?;
-        self.layer_block_bytes(layer)
+        Ok(self.block_part_bytes(block, layer, KvPart::Keys)?
+            + self.block_part_bytes(block, layer, KvPart::Values)?)
     }
 
-    /// Bytes one block holds in `layer` (K and V): the layer's stores'
-    /// bytes over the block count (every block of a layer has the same layout).
+    /// Bytes `block` holds in one part of `layer` (see
+    /// [`block_layer_bytes`](Self::block_layer_bytes)).
+    pub fn block_part_bytes(&self, block: BlockId, layer: usize, part: KvPart) -> Result<usize> {
+        self.block_rows(block)?;
+        let exact = self
+            .staged_rows(layer, part)?
+            .get(block.index())
+            .map_or(0, KvStore::stored_bytes);
+        Ok(self.part_block_bytes(layer, part)? + exact)
+    }
+
+    /// Bytes one block holds in `layer` (K and V) in the layer stores: the
+    /// layer's stores' bytes over the block count (every block of a layer
+    /// has the same layout), staged exact rows not counted.
     pub fn layer_block_bytes(&self, layer: usize) -> Result<usize> {
         Ok(self.part_block_bytes(layer, KvPart::Keys)?
             + self.part_block_bytes(layer, KvPart::Values)?)
     }
 
-    /// Bytes one block holds in one part of `layer`.
+    /// Bytes one block holds in one part of `layer` in the layer store.
     pub fn part_block_bytes(&self, layer: usize, part: KvPart) -> Result<usize> {
         self.layer(layer)?;
         let bytes = read(&self.stores[layer][part as usize]).stored_bytes();
@@ -405,28 +665,29 @@ impl BlockStorage {
     }
 }
 
-/// Refuses forms a block cannot hold: forms that share scales across
-/// tokens (blocks are written a token at a time), and forms that need
-/// fitted data (codebooks, bases) the storage does not carry.
-pub fn check_pageable(form: &CacheForm) -> Result<()> {
-    let q = form.quantizer();
-    let reason = if q.is_shard() {
-        "is a shard form: its middle is fitted on the whole prefill and stored by attention's \
-         ShardLayer, not written a token at a time into blocks (use --backend reencode)"
-    } else if !form.is_row_local() {
-        "shares scales across tokens (or keeps exact sink/window tokens); paged blocks are \
-         written one token at a time and need a per-token form (fp16, fp8-e4m3-tok, int8, \
-         int4, int4-g64, int4+secded84, …)"
-    } else if matches!(q, Quantizer::LowRank(_)) {
-        "is a low-rank form: its coefficients and bases live in kv-lowrank stores, not blocks"
-    } else if q.needs_codebook() {
-        "needs a fitted codebook, which block storage does not carry"
-    } else {
-        return Ok(());
-    };
-    Err(PagedCacheError::InvalidParameter {
+/// The quantization options of sealing: exact rows that a fault made
+/// non-finite are clamped (the fault's outcome is measured, not fatal).
+fn clamped() -> QuantizeOptions {
+    QuantizeOptions {
+        non_finite: NonFinite::Clamp,
+    }
+}
+
+/// Refuses forms blocks of `block_size` tokens cannot hold (see
+/// [`BlockPlan::new`]): shard, low-rank and codebook forms, per-tensor
+/// scales, and per-channel groups other than one block.
+pub fn check_pageable(form: &CacheForm, block_size: usize) -> Result<()> {
+    block_plan(*form, block_size).map(|_| ())
+}
+
+/// [`BlockPlan::new`], its refusal as this crate's error.
+fn block_plan(form: CacheForm, block_size: usize) -> Result<BlockPlan> {
+    BlockPlan::new(form, block_size).map_err(|e| PagedCacheError::InvalidParameter {
         name: "form",
-        reason: format!("{form} {reason}"),
+        reason: match e {
+            kv_quant::KvQuantError::InvalidSpec { spec, reason } => format!("{spec} {reason}"),
+            other => other.to_string(),
+        },
     })
 }
 
@@ -442,7 +703,7 @@ mod tests {
             Err(PagedCacheError::InvalidParameter { name: "form", .. })
         ));
         assert!(BlockStorage::new(2, 4, &[]).is_err());
-        for refused in ["int4-ch", "int4+sink4", "vq", "pca-r4"] {
+        for refused in ["int4-ch8", "fp8-e4m3", "vq", "pca-r4", "shard"] {
             assert!(
                 matches!(
                     BlockStorage::new(2, 4, &[spec(refused)]),

@@ -10,10 +10,12 @@
 //! [`CacheForm`] value can hold is valid: [`CacheForm::new`] and the parser
 //! reject contradictory ones.
 
+mod block_plan;
 mod layers;
 mod parse;
 mod shard;
 
+pub use block_plan::BlockPlan;
 pub use layers::{LAYER_GRAMMAR, LayerForms, LayerRule};
 pub use parse::GRAMMAR;
 pub use shard::{
@@ -610,6 +612,25 @@ impl CacheForm {
                     Granularity::PerTensor => false,
                 },
             }
+    }
+
+    /// Rows that form a unit of their own in a store of this form: 1 for
+    /// [row-local](Self::is_row_local) forms, `T` for per-channel integer
+    /// forms over blocks of `T` tokens without segments (a row range that
+    /// starts and ends on a multiple of `T` owns its groups' scales), `None`
+    /// for forms whose bytes depend on every token (per-tensor scales,
+    /// segments, per-channel scales over all tokens).
+    pub fn row_unit(&self) -> Option<usize> {
+        if self.is_row_local() {
+            return Some(1);
+        }
+        match self.quantizer {
+            Quantizer::Int(IntSpec {
+                granularity: Granularity::PerChannel { tokens: Some(t) },
+                ..
+            }) if self.segments.is_empty() => Some(t),
+            _ => None,
+        }
     }
 
     /// Consecutive tokens that share metadata and are quantized together

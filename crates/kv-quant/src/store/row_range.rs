@@ -1,6 +1,8 @@
-//! Rows of a row-local store treated as a unit of their own: a paged cache
-//! keeps one store per layer and part across all its blocks, and a block is
-//! a row range of it. [`KvStore::rows_to_store`] copies a range out (swap,
+//! Rows of a store treated as a unit of their own: a paged cache keeps one
+//! store per layer and part across all its blocks, and a block is a row
+//! range of it. Row-local forms allow any range; per-channel forms over
+//! blocks of `T` tokens allow ranges of whole blocks (each owns its
+//! groups' scales, [`CacheForm::row_unit`]). [`KvStore::rows_to_store`] copies a range out (swap,
 //! snapshots), [`KvStore::scrub_rows`] scrubs it and
 //! [`KvStore::inject_rows`] faults it, each touching only the range's bytes:
 //! its rows, the scales and offsets of its groups and their check bytes.
@@ -14,6 +16,8 @@ use super::inject::{FaultTarget, Injection};
 use super::rows::{ScrubStats, scrub_section};
 use super::section::Section;
 use crate::error::{KvQuantError, Result};
+#[cfg(doc)]
+use crate::spec::CacheForm;
 
 /// The byte ranges of rows `start..end` in each buffer of a row-local section.
 struct RowBytes {
@@ -39,17 +43,19 @@ fn row_bytes(m: &Section, start: usize, end: usize) -> RowBytes {
 }
 
 impl KvStore {
-    /// Checks a row range of a row-local store.
-    fn check_row_range(&self, rows: &Range<usize>) -> Result<()> {
-        if !self.form.is_row_local() {
+    /// Checks a row range of a store whose rows form units
+    /// ([`CacheForm::row_unit`]): in range, and starting and ending on a
+    /// unit (or at the last row).
+    pub(super) fn check_row_range(&self, rows: &Range<usize>) -> Result<()> {
+        let Some(unit) = self.form.row_unit() else {
             return Err(KvQuantError::InvalidParameter {
                 name: "form",
                 reason: format!(
-                    "{} shares parameters across tokens: its rows are not a unit",
+                    "{} shares parameters across all tokens: its rows are not a unit",
                     self.form
                 ),
             });
-        }
+        };
         if rows.start >= rows.end || rows.end > self.tokens {
             return Err(KvQuantError::RowRange {
                 start: rows.start,
@@ -57,12 +63,25 @@ impl KvStore {
                 tokens: self.tokens,
             });
         }
+        if !rows.start.is_multiple_of(unit)
+            || !(rows.end.is_multiple_of(unit) || rows.end == self.tokens)
+        {
+            return Err(KvQuantError::InvalidParameter {
+                name: "rows",
+                reason: format!(
+                    "rows {}..{} of {}: its groups span {unit} tokens, so a range must start \
+                     and end on a group",
+                    rows.start, rows.end, self.form
+                ),
+            });
+        }
         Ok(())
     }
 
     /// Rows `start..start + count` as a store of their own, with the same
     /// bytes (faults included): the inverse of
-    /// [`copy_rows_from`](Self::copy_rows_from). Row-local forms only.
+    /// [`copy_rows_from`](Self::copy_rows_from). Forms with a
+    /// [row unit](CacheForm::row_unit), ranges of whole units.
     pub fn rows_to_store(&self, start: usize, count: usize) -> Result<KvStore> {
         let rows = start..start.saturating_add(count);
         self.check_row_range(&rows)?;
@@ -91,7 +110,7 @@ impl KvStore {
     }
 
     /// [`scrub`](Self::scrub) restricted to rows `rows` (their codewords and
-    /// their groups' metadata words). Row-local forms only.
+    /// their groups' metadata words). Ranges of whole row units only.
     pub fn scrub_rows(&mut self, rows: Range<usize>) -> Result<ScrubStats> {
         self.check_row_range(&rows)?;
         let groups = row_bytes(&self.middle, rows.start, rows.end).groups;
@@ -103,7 +122,7 @@ impl KvStore {
     /// offsets (2) and check bytes (3: scale checks, then offset checks).
     /// Flip positions count from the range's first byte in each buffer
     /// (the checks: scale checks, then offset checks, as one buffer).
-    /// Row-local forms only.
+    /// Ranges of whole row units only.
     pub fn inject_rows(
         &mut self,
         rows: Range<usize>,

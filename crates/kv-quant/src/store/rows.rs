@@ -193,15 +193,17 @@ impl KvStore {
         Ok(())
     }
 
-    /// Copies every row of `src` (a store of the same row-local form and
+    /// Copies every row of `src` (a store of the same form and
     /// width, typically just quantized) into tokens `start..start +
-    /// src.tokens()`: [`write_rows`](Self::write_rows) split in its fallible
+    /// src.tokens()` (whole [row units](CacheForm::row_unit): a per-channel
+    /// store over blocks of `T` tokens takes whole blocks): [`write_rows`](Self::write_rows) split in its fallible
     /// half (quantizing) and this infallible-once-checked half, so a caller
     /// can quantize several rows before changing any store.
     pub fn copy_rows_from(&mut self, start: usize, src: &KvStore) -> Result<()> {
-        if src.form != self.form || src.channels != self.channels || !self.form.is_row_local() {
+        if src.form != self.form || src.channels != self.channels || self.form.row_unit().is_none()
+        {
             return Err(KvQuantError::StoreMismatch(format!(
-                "rows of {} ×{} into {} ×{} (row-local forms only)",
+                "rows of {} ×{} into {} ×{} (forms with a row unit only)",
                 src.form, src.channels, self.form, self.channels
             )));
         }
@@ -214,12 +216,13 @@ impl KvStore {
                 tokens: self.tokens,
             });
         };
+        self.check_row_range(&(start..end))?;
         let (m, s) = (&mut self.middle, &src.middle);
         let rb = m.row_bytes;
         m.data[start * rb..end * rb].copy_from_slice(&s.data);
         if let Some(layout) = &m.layout {
-            // Row-local: the groups of these rows are contiguous and are
-            // exactly the source's groups, in order.
+            // Whole row units: the groups of these rows are contiguous and
+            // are exactly the source's groups, in order.
             let groups = layout.groups_of_rows(start, end);
             let width = m.coding.scale_type().bytes();
             let bytes = groups.start * width..groups.end * width;

@@ -95,6 +95,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         threads,
     } = args;
     let mode = mode_of(&forms)?;
+    crate::check_segments(&mode, ctx)?;
     let backend = BackendArgs {
         backend,
         block_size,

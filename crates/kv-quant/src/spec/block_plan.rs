@@ -1,0 +1,231 @@
+//! [`BlockPlan`]: how a form is kept in a paged cache's fixed-size blocks,
+//! written one token at a time.
+//!
+//! A row-local form (each token's bytes its own) is written straight into
+//! its block. Every other form the blocks can hold is *staged*: a block's
+//! rows are written exact (f16, under the form's protection, as a
+//! segmented store keeps its sink and window rows) and the block is
+//! *sealed* (its rows quantized in the block's form, the exact rows
+//! dropped) once the step that makes it sealable commits:
+//!
+//! - per-channel integer forms (KIVI's keys) get one scale and offset per
+//!   channel per block, so a block is a token group: `int4-ch` seals each
+//!   block of `B` tokens as `int4-ch<B>`, `int4-ch<G>` needs `G = B`;
+//!   the block still being written is KIVI's full-precision residual;
+//! - the first `⌈sink / B⌉` blocks are never sealed (`+sink<S>`: exact
+//!   segments are whole blocks, so a paged `+sink4` keeps a whole first
+//!   block exact, and counts it);
+//! - a block is sealed only once all its rows are at least `window` tokens
+//!   behind the sequence's end (`+win<W>`): the last `W` to `W + B − 1`
+//!   tokens are exact, and read in place, without a second copy.
+//!
+//! Sealing at commit means that rolling back a step only ever drops exact
+//! rows: nothing sealed is undone.
+
+use super::{CacheForm, Granularity, IntSpec, Quantizer, Segments};
+use crate::error::{KvQuantError, Result};
+
+/// How one form is kept in blocks of `block_size` tokens (see the module
+/// docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockPlan {
+    /// The form asked for.
+    pub form: CacheForm,
+    /// The form a sealed block (or, for forms that are not staged, every
+    /// written row) is stored in: the form without segments, per-channel
+    /// groups of one block.
+    pub sealed: CacheForm,
+    /// The form of staged (exact) rows: f16 under the form's protection.
+    pub exact: CacheForm,
+    /// Whether rows are staged exact until their block is sealed.
+    pub staged: bool,
+    /// Leading blocks of a sequence that are never sealed (sink tokens).
+    pub sink_blocks: usize,
+    /// Tokens at the end of a sequence that are never sealed.
+    pub window: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl BlockPlan {
+    /// The plan of `form` in blocks of `block_size` tokens, or why blocks
+    /// cannot hold it (shard, low-rank and codebook forms; per-tensor
+    /// scales; a per-channel group other than the block).
+    pub fn new(form: CacheForm, block_size: usize) -> Result<Self> {
+        let refuse = |reason: String| {
+            Err(KvQuantError::InvalidSpec {
+                spec: form.to_string(),
+                reason,
+            })
+        };
+        if block_size == 0 {
+            return refuse("blocks hold at least one token".into());
+        }
+        let q = *form.quantizer();
+        if q.is_shard() {
+            return refuse(
+                "is a shard form: its middle is fitted on the whole prefill and stored by \
+                 attention's ShardLayer, not written into blocks (use --backend reencode)"
+                    .into(),
+            );
+        }
+        if q.is_low_rank() {
+            return refuse(
+                "is a low-rank form: its coefficients and bases live in kv-lowrank stores, \
+                 not blocks (use --backend reencode)"
+                    .into(),
+            );
+        }
+        if q.needs_codebook() {
+            return refuse(
+                "needs a fitted codebook, which block storage does not carry yet \
+                 (use --backend reencode)"
+                    .into(),
+            );
+        }
+        let middle = form.without_segments();
+        let (sealed, per_block) = match q {
+            Quantizer::Int(
+                spec @ IntSpec {
+                    granularity: Granularity::PerChannel { tokens },
+                    ..
+                },
+            ) if tokens != Some(1) => {
+                if let Some(g) = tokens
+                    && g != block_size
+                {
+                    return refuse(format!(
+                        "groups {g} tokens per channel scale, and a paged block is one group: \
+                         use blocks of {g} tokens (--block-size {g}), or the spelling without \
+                         a group size, which groups one block"
+                    ));
+                }
+                let quantizer = Quantizer::Int(IntSpec {
+                    granularity: Granularity::PerChannel {
+                        tokens: Some(block_size),
+                    },
+                    ..spec
+                });
+                let sealed = CacheForm::build(
+                    quantizer,
+                    middle.rotation(),
+                    Segments::default(),
+                    middle.protection().copied(),
+                )?;
+                (sealed, true)
+            }
+            _ if middle.is_row_local() => (middle, false),
+            _ => {
+                return refuse(
+                    "shares one scale across all tokens (per-tensor scales): blocks are written \
+                     a token at a time; use a per-token form (fp8-e4m3-tok, int8, …) or \
+                     per-channel scales (int8-ch, int4-ch)"
+                        .into(),
+                );
+            }
+        };
+        let Segments { sink, window } = form.segments();
+        Ok(Self {
+            form,
+            sealed,
+            exact: form.exact_rows_form(),
+            staged: per_block || !form.segments().is_empty(),
+            sink_blocks: sink.div_ceil(block_size),
+            window,
+            block_size,
+        })
+    }
+
+    /// Blocks of a sequence of `tokens` committed tokens that may be
+    /// sealed: every block from the first after the sinks whose rows all
+    /// lie at least `window` tokens before the end. Blocks
+    /// `sealable(before)..sealable(after)` (and none before
+    /// `sink_blocks`) become sealable when a step takes a sequence from
+    /// `before` to `after` tokens.
+    pub fn sealable(&self, tokens: usize) -> usize {
+        if !self.staged {
+            return 0;
+        }
+        tokens.saturating_sub(self.window) / self.block_size
+    }
+
+    /// Exact rows of a sequence of `tokens` tokens (the rows of its
+    /// unsealed blocks, the last one counted to `tokens`).
+    pub fn exact_rows(&self, tokens: usize) -> usize {
+        if !self.staged {
+            return 0;
+        }
+        let sealed = self.sealable(tokens).saturating_sub(self.sink_blocks);
+        tokens - sealed * self.block_size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(s: &str, bs: usize) -> Result<BlockPlan> {
+        BlockPlan::new(s.parse().unwrap(), bs)
+    }
+
+    #[test]
+    fn per_channel_forms_seal_one_block_per_group() {
+        let p = plan("int4-ch", 16).unwrap();
+        assert!(p.staged);
+        assert_eq!(p.sealed.to_string(), "int4-ch16");
+        assert_eq!((p.sink_blocks, p.window), (0, 0));
+        assert_eq!(plan("int4-ch32", 32).unwrap().sealed.to_string(), "int4-ch32");
+        assert!(matches!(
+            plan("int4-ch32", 16),
+            Err(KvQuantError::InvalidSpec { .. })
+        ));
+        let p = plan("int4-ch+secded84", 64).unwrap();
+        assert_eq!(p.sealed.to_string(), "int4-ch64+secded84");
+        assert_eq!(p.exact.to_string(), "fp16+secded84");
+    }
+
+    #[test]
+    fn row_local_forms_are_written_in_place_unless_segmented() {
+        for s in ["int4", "fp16", "int4+secded84", "lm4", "nf4", "int4-ch1"] {
+            let p = plan(s, 16).unwrap();
+            assert!(!p.staged, "{s}");
+            assert_eq!(p.sealed, p.form, "{s}");
+            assert_eq!(p.sealable(1000), 0);
+            assert_eq!(p.exact_rows(1000), 0);
+        }
+        let p = plan("lm4+sink4", 16).unwrap();
+        assert!(p.staged);
+        assert_eq!(p.sealed.to_string(), "lm4");
+        assert_eq!(p.sink_blocks, 1);
+    }
+
+    #[test]
+    fn sinks_and_windows_count_whole_blocks() {
+        // 16-token blocks, 4 sinks, 32-token window.
+        let p = plan("int4-ch+sink4+win32", 16).unwrap();
+        assert_eq!(p.sink_blocks, 1);
+        assert_eq!(p.sealable(47), 0);
+        assert_eq!(p.sealable(48), 1); // block 0 (a sink block: never sealed)
+        assert_eq!(p.sealable(64), 2);
+        assert_eq!(p.exact_rows(47), 47);
+        assert_eq!(p.exact_rows(64), 64 - 16);
+        assert_eq!(p.exact_rows(100), 100 - 16 * 3);
+        // Without segments, only the block being written is exact.
+        let p = plan("int4-ch", 16).unwrap();
+        for t in 0..100 {
+            assert_eq!(p.exact_rows(t), t % 16, "{t}");
+            assert_eq!(p.sealable(t), t / 16);
+        }
+    }
+
+    #[test]
+    fn forms_blocks_cannot_hold_are_refused_with_a_reason() {
+        for s in ["shard", "pca-r4", "vq", "fp8-e4m3", "int4-t"] {
+            match plan(s, 16) {
+                Err(KvQuantError::InvalidSpec { reason, .. }) => assert!(!reason.is_empty()),
+                other => panic!("{s}: {other:?}"),
+            }
+        }
+        assert!(plan("int4", 0).is_err());
+    }
+}

@@ -1,0 +1,273 @@
+//! Staged forms on the paged cache (per-channel keys, exact sinks and
+//! windows: kv-quant's `BlockPlan`) against a reference written from the
+//! plan alone: after every committed or rolled-back step, each token of
+//! each layer part reads back as its block's rows quantized at once in the
+//! sealed form where the plan says the block is sealed, and as exact f16
+//! rows where it is not; attention over the pages equals attention over
+//! those reference rows; forks, copy-on-write, swap and rollback keep them.
+
+use attention::{Attention, DenseKv, HeadShape, KvBackend, Mask, ModelKvShape, Numerics};
+use kv_quant::{BlockPlan, CacheForm, DecodeScratch, KvStore};
+use paged_cache::{KvPart, LayerSpec, PagedBackend, PagedCacheError};
+use proptest::prelude::*;
+
+fn shape() -> HeadShape {
+    HeadShape::new(2, 1, 64).unwrap()
+}
+
+fn model() -> ModelKvShape<'static> {
+    ModelKvShape {
+        layers: 1,
+        heads: shape(),
+        rope: None,
+    }
+}
+
+/// Row `t`'s K (`part` 0) or V (1) values: a function of the token alone,
+/// so a reference can rebuild any prefix.
+fn row(t: usize, part: usize, ch: usize) -> Vec<f32> {
+    (0..ch)
+        .map(|c| {
+            let x = (t * 131 + c * 17 + part * 7919) as f32;
+            // Per-channel offsets, as keys have: channel `c` centred on c/16.
+            (x * 0.618).sin() * 1.3 + (c % 16) as f32 / 16.0
+        })
+        .collect()
+}
+
+/// The values the plan says a sequence of `tokens` tokens holds in one part.
+fn reference(plan: &BlockPlan, tokens: usize, part: usize, ch: usize) -> Vec<f32> {
+    let bs = plan.block_size;
+    let sealed = plan.sealable(tokens);
+    let mut out = Vec::with_capacity(tokens * ch);
+    for b in 0..tokens.div_ceil(bs) {
+        let n = (tokens - b * bs).min(bs);
+        let rows: Vec<f32> = (b * bs..b * bs + n).flat_map(|t| row(t, part, ch)).collect();
+        let form = if plan.staged && b >= plan.sink_blocks && b < sealed {
+            plan.sealed
+        } else if plan.staged {
+            plan.exact
+        } else {
+            plan.sealed
+        };
+        // A staged block is sealed from its exact (f16) rows, as KIVI
+        // quantizes its f16 residual.
+        let rows = if plan.staged {
+            let exact = KvStore::quantize(plan.exact, &rows, n, ch).unwrap();
+            exact.decode().unwrap().values
+        } else {
+            rows
+        };
+        let store = KvStore::quantize(form, &rows, n, ch).unwrap();
+        let values = store.decode().unwrap().values;
+        out.extend(values);
+    }
+    out
+}
+
+/// Every token's rows as the backend's storage reads them.
+fn stored(backend: &PagedBackend, part: KvPart, ch: usize) -> Vec<f32> {
+    let storage = backend.storage();
+    let Some(seq) = backend.sequence() else {
+        return Vec::new();
+    };
+    let bs = storage.block_size();
+    let tokens = backend.tokens();
+    let mut out = vec![0.0; tokens * ch];
+    for (i, &block) in backend
+        .manager()
+        .block_table(seq)
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let n = (tokens - i * bs).min(bs);
+        storage
+            .read(
+                block,
+                0,
+                part,
+                0,
+                &mut out[i * bs * ch..][..n * ch],
+                &mut DecodeScratch::new(),
+            )
+            .unwrap();
+    }
+    out
+}
+
+/// Appends tokens `start..start + n` in one step, then commits it or
+/// rolls it back.
+fn step(backend: &mut PagedBackend, start: usize, n: usize, commit: bool) {
+    let ch = shape().kv_channels();
+    let ids: Vec<u32> = (start..start + n).map(|t| t as u32).collect();
+    backend.begin(&ids).unwrap();
+    let k: Vec<f32> = (start..start + n).flat_map(|t| row(t, 0, ch)).collect();
+    let v: Vec<f32> = (start..start + n).flat_map(|t| row(t, 1, ch)).collect();
+    backend.append(0, &k, &v).unwrap();
+    if commit {
+        backend.commit().unwrap();
+    } else {
+        backend.rollback();
+    }
+}
+
+fn check_against_reference(backend: &PagedBackend, spec: &LayerSpec, bs: usize) {
+    let ch = spec.channels;
+    for (p, (form, part)) in [(spec.key, KvPart::Keys), (spec.value, KvPart::Values)]
+        .into_iter()
+        .enumerate()
+    {
+        let plan = BlockPlan::new(form, bs).unwrap();
+        let want = reference(&plan, backend.tokens(), p, ch);
+        let got = stored(backend, part, ch);
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                "{form} at {} tokens, value {i}: {g} against {w}",
+                backend.tokens()
+            );
+        }
+    }
+}
+
+const FORMS: [(&str, &str); 6] = [
+    ("int4-ch", "int4"),
+    ("int4-ch+sink4", "lm4"),
+    ("int4-ch+sink4", "lm4+sink4"),
+    ("int3-ch+win9", "int4+win9"),
+    ("int4-ch+secded84", "int4+secded84"),
+    ("int8-ch+sink2+win5", "fp16"),
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn staged_pages_read_as_their_plan_says(
+        forms in 0..FORMS.len(),
+        bs in prop::sample::select(vec![4usize, 8, 16]),
+        steps in prop::collection::vec((1usize..12, prop::bool::weighted(0.8)), 1..12),
+    ) {
+        let ch = shape().kv_channels();
+        let (k, v) = FORMS[forms];
+        let spec = LayerSpec { key: k.parse().unwrap(), value: v.parse().unwrap(), channels: ch };
+        let mut backend = PagedBackend::new(&[spec], bs, 64).unwrap();
+        backend.fit(&model()).unwrap();
+        for (n, commit) in steps {
+            let start = backend.tokens();
+            step(&mut backend, start, n, commit);
+            check_against_reference(&backend, &spec, bs);
+        }
+    }
+}
+
+#[test]
+fn attention_over_staged_pages_equals_attention_over_the_reference_rows() {
+    let ch = shape().kv_channels();
+    let mut attn = Attention::new(shape());
+    attn.set_numerics(Numerics::Exact);
+    for (k, v) in FORMS {
+        for bs in [4, 16] {
+            let spec = LayerSpec {
+                key: k.parse().unwrap(),
+                value: v.parse().unwrap(),
+                channels: ch,
+            };
+            let mut backend = PagedBackend::new(&[spec], bs, 64).unwrap();
+            backend.fit(&model()).unwrap();
+            for (start, n) in [(0, 21), (21, 1), (22, 1), (23, 17), (40, 3)] {
+                step(&mut backend, start, n, true);
+            }
+            let t = backend.tokens();
+            let q: Vec<f32> = (0..shape().q_len())
+                .map(|i| (i as f32 * 0.37).cos())
+                .collect();
+            // Attention of a query at the last position, read through the
+            // pages, against the same rows given as f32.
+            backend.begin(&[t as u32]).unwrap();
+            backend
+                .append(0, &row(t, 0, ch), &row(t, 1, ch))
+                .unwrap();
+            let got = backend
+                .attend(0, &attn, &q, &[t], &Mask::Causal)
+                .unwrap()
+                .out;
+            backend.rollback();
+            let kplan = BlockPlan::new(spec.key, bs).unwrap();
+            let vplan = BlockPlan::new(spec.value, bs).unwrap();
+            // The step's own row is staged exact (or row-local coded).
+            let with_step = |plan: &BlockPlan, p: usize| {
+                let mut rows = reference(plan, t, p, ch);
+                let last = if plan.staged { plan.exact } else { plan.sealed };
+                let own = KvStore::quantize(last, &row(t, p, ch), 1, ch).unwrap();
+                rows.extend(own.decode().unwrap().values);
+                rows
+            };
+            let (kr, vr) = (with_step(&kplan, 0), with_step(&vplan, 1));
+            let keys = DenseKv::new(&kr, t + 1, ch).unwrap();
+            let values = DenseKv::new(&vr, t + 1, ch).unwrap();
+            let want = attn.decode(&q, t, &keys, &values, &Mask::Causal).unwrap().out;
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4, "{k}/{v} blocks of {bs}: {g} against {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn forks_swaps_and_bytes_follow_the_staged_rows() {
+    let ch = shape().kv_channels();
+    let spec = LayerSpec::uniform("int4-ch+sink4".parse::<CacheForm>().unwrap(), ch);
+    let bs = 8;
+    let mut backend = PagedBackend::new(&[spec], bs, 16).unwrap();
+    backend.fit(&model()).unwrap();
+    step(&mut backend, 0, 13, true);
+    step(&mut backend, 13, 6, true);
+    let storage = backend.storage().clone();
+    let seq = backend.sequence().unwrap();
+    let table = backend.manager().block_table(seq).unwrap().to_vec();
+    // 19 tokens in blocks of 8: block 0 holds the sinks (staged for good),
+    // block 1 is sealed, block 2 is being written (staged).
+    let staged: Vec<bool> = table
+        .iter()
+        .map(|&b| storage.is_staged(b, 0, KvPart::Keys).unwrap())
+        .collect();
+    assert_eq!(staged, [true, false, true]);
+    let sealed = storage.part_block_bytes(0, KvPart::Keys).unwrap();
+    let exact = KvStore::zeroed("fp16".parse().unwrap(), bs, ch)
+        .unwrap()
+        .stored_bytes();
+    assert_eq!(
+        backend.stored_bytes().unwrap(),
+        2 * (3 * sealed + 2 * exact),
+        "every block's sealed rows, and the exact rows of the two staged blocks"
+    );
+    // A snapshot restored into another block reads the same; a block
+    // snapshot carries its staged rows.
+    let before = stored(&backend, KvPart::Keys, ch);
+    for &b in &table {
+        let data = storage.snapshot(b).unwrap();
+        storage.restore(b, data).unwrap();
+    }
+    assert_eq!(stored(&backend, KvPart::Keys, ch), before);
+    check_against_reference(&backend, &spec, bs);
+}
+
+#[test]
+fn blocks_a_form_cannot_use_are_refused_before_any_work() {
+    let ch = shape().kv_channels();
+    for (form, bs) in [("int4-ch32", 16), ("vq", 16), ("shard", 16), ("fp8-e4m3", 16)] {
+        let spec = LayerSpec::uniform(form.parse().unwrap(), ch);
+        assert!(
+            matches!(
+                PagedBackend::new(&[spec], bs, 4),
+                Err(PagedCacheError::InvalidParameter { name: "form", .. })
+            ),
+            "{form} in blocks of {bs}"
+        );
+    }
+    let spec = LayerSpec::uniform("int4-ch32".parse().unwrap(), ch);
+    assert!(PagedBackend::new(&[spec], 32, 4).is_ok());
+}
