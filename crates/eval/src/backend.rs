@@ -106,9 +106,9 @@ impl BackendKind {
 /// blocks are sealed when a step commits and a step reads its own rows
 /// exact.
 pub fn seals_blocks(mode: &CacheMode, block_size: usize) -> bool {
-    mode.forms().into_iter().any(|(form, _)| {
-        kv_quant::BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged)
-    })
+    mode.forms()
+        .into_iter()
+        .any(|(form, _)| kv_quant::BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged))
 }
 
 /// A paged backend for one sequence of up to `tokens` tokens of `model`,

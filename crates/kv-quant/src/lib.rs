@@ -57,9 +57,9 @@ pub use qjl::QjlSketch;
 pub use rotation::Hadamard;
 pub use simd::f16_to_f32 as widen_f16;
 pub use spec::{
-    BlockPlan, CacheForm, CoeffCode, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms, LloydMaxSpec,
-    LowRankMethod, LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer, RankRule, Rotation,
-    ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
+    BlockPlan, CacheForm, CoeffCode, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms,
+    LloydMaxSpec, LowRankMethod, LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer,
+    RankRule, Rotation, ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
 };
 pub use store::{
     DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection, KvDecodeStats, KvStore,

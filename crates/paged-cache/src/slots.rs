@@ -164,7 +164,8 @@ impl KvBackend for ReservedSlots {
                 let before = self.written;
                 self.written += n;
                 // Blocks the step made sealable are sealed now it is whole.
-                self.storage.seal_blocks(&self.table, before, self.written)?;
+                self.storage
+                    .seal_blocks(&self.table, before, self.written)?;
                 Ok(())
             }
             Err(e) => {

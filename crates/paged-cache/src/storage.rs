@@ -26,8 +26,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockW
 
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
-    BlockPlan, CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore,
-    NonFinite, QuantizeOptions, RowBuffers, RowEncoder, ScrubStats,
+    BlockPlan, CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, NonFinite,
+    QuantizeOptions, RowBuffers, RowEncoder, ScrubStats,
 };
 
 use crate::error::{PagedCacheError, Result};
@@ -136,7 +136,13 @@ impl Staged {
     }
 
     /// Stages `block`: a spare store, or a new one of `form`.
-    fn stage(&mut self, block: usize, form: CacheForm, rows: usize, channels: usize) -> Result<&mut KvStore> {
+    fn stage(
+        &mut self,
+        block: usize,
+        form: CacheForm,
+        rows: usize,
+        channels: usize,
+    ) -> Result<&mut KvStore> {
         if self.blocks.len() <= block {
             self.blocks.resize_with(block + 1, || None);
         }
@@ -324,7 +330,11 @@ impl BlockStorage {
 
     /// The staged (exact) rows of `part` of `layer`, read-locked for as
     /// long as the guard lives.
-    pub(crate) fn staged_rows(&self, layer: usize, part: KvPart) -> Result<RwLockReadGuard<'_, Staged>> {
+    pub(crate) fn staged_rows(
+        &self,
+        layer: usize,
+        part: KvPart,
+    ) -> Result<RwLockReadGuard<'_, Staged>> {
         self.layer(layer)?;
         Ok(read(&self.staged[layer][part as usize]))
     }
@@ -404,8 +414,14 @@ impl BlockStorage {
         let mut values = vec![0.0; self.block_size * channels];
         let mut scratch = DecodeScratch::new();
         scratch.limit_neighbours(Some(rows.clone()));
-        read(&self.stores[layer][p]).decode_rows_into(rows.start, self.block_size, &mut values, &mut scratch)?;
-        let decoded = KvStore::quantize_with(plan.exact, &values, self.block_size, channels, clamped())?;
+        read(&self.stores[layer][p]).decode_rows_into(
+            rows.start,
+            self.block_size,
+            &mut values,
+            &mut scratch,
+        )?;
+        let decoded =
+            KvStore::quantize_with(plan.exact, &values, self.block_size, channels, clamped())?;
         let exact = staged.stage(block.index(), plan.exact, self.block_size, channels)?;
         exact.copy_rows_from(0, &decoded)?;
         Ok(())
@@ -449,7 +465,13 @@ impl BlockStorage {
             .decode_rows_into(0, self.block_size, &mut values, &mut scratch)
             .map_err(PagedCacheError::from)
             .and_then(|_| {
-                Ok(KvStore::quantize_with(plan.sealed, &values, self.block_size, channels, clamped())?)
+                Ok(KvStore::quantize_with(
+                    plan.sealed,
+                    &values,
+                    self.block_size,
+                    channels,
+                    clamped(),
+                )?)
             });
         match sealed {
             Ok(sealed) => {
@@ -580,7 +602,11 @@ impl BlockStorage {
         for (kv, st) in self.stores.iter().zip(&self.staged) {
             for p in 0..2 {
                 let mut staged = write(&st[p]);
-                stats += match staged.blocks.get_mut(block.index()).and_then(Option::as_mut) {
+                stats += match staged
+                    .blocks
+                    .get_mut(block.index())
+                    .and_then(Option::as_mut)
+                {
                     Some(exact) => exact.scrub()?,
                     None => write(&kv[p]).scrub_rows(rows.clone())?,
                 };
@@ -605,7 +631,11 @@ impl BlockStorage {
         self.layer(layer)?;
         let rows = self.block_rows(block)?;
         let mut staged = write(&self.staged[layer][part as usize]);
-        if let Some(exact) = staged.blocks.get_mut(block.index()).and_then(Option::as_mut) {
+        if let Some(exact) = staged
+            .blocks
+            .get_mut(block.index())
+            .and_then(Option::as_mut)
+        {
             return Ok(exact.inject_rows(0..self.block_size, channel, seed, target)?);
         }
         let mut store = write(&self.stores[layer][part as usize]);

@@ -42,7 +42,9 @@ fn reference(plan: &BlockPlan, tokens: usize, part: usize, ch: usize) -> Vec<f32
     let mut out = Vec::with_capacity(tokens * ch);
     for b in 0..tokens.div_ceil(bs) {
         let n = (tokens - b * bs).min(bs);
-        let rows: Vec<f32> = (b * bs..b * bs + n).flat_map(|t| row(t, part, ch)).collect();
+        let rows: Vec<f32> = (b * bs..b * bs + n)
+            .flat_map(|t| row(t, part, ch))
+            .collect();
         let form = if plan.staged && b >= plan.sink_blocks && b < sealed {
             plan.sealed
         } else if plan.staged {
@@ -187,9 +189,7 @@ fn attention_over_staged_pages_equals_attention_over_the_reference_rows() {
             // Attention of a query at the last position, read through the
             // pages, against the same rows given as f32.
             backend.begin(&[t as u32]).unwrap();
-            backend
-                .append(0, &row(t, 0, ch), &row(t, 1, ch))
-                .unwrap();
+            backend.append(0, &row(t, 0, ch), &row(t, 1, ch)).unwrap();
             let got = backend
                 .attend(0, &attn, &q, &[t], &Mask::Causal)
                 .unwrap()
@@ -208,9 +208,15 @@ fn attention_over_staged_pages_equals_attention_over_the_reference_rows() {
             let (kr, vr) = (with_step(&kplan, 0), with_step(&vplan, 1));
             let keys = DenseKv::new(&kr, t + 1, ch).unwrap();
             let values = DenseKv::new(&vr, t + 1, ch).unwrap();
-            let want = attn.decode(&q, t, &keys, &values, &Mask::Causal).unwrap().out;
+            let want = attn
+                .decode(&q, t, &keys, &values, &Mask::Causal)
+                .unwrap()
+                .out;
             for (g, w) in got.iter().zip(&want) {
-                assert!((g - w).abs() < 1e-4, "{k}/{v} blocks of {bs}: {g} against {w}");
+                assert!(
+                    (g - w).abs() < 1e-4,
+                    "{k}/{v} blocks of {bs}: {g} against {w}"
+                );
             }
         }
     }
@@ -258,7 +264,12 @@ fn forks_swaps_and_bytes_follow_the_staged_rows() {
 #[test]
 fn blocks_a_form_cannot_use_are_refused_before_any_work() {
     let ch = shape().kv_channels();
-    for (form, bs) in [("int4-ch32", 16), ("vq", 16), ("shard", 16), ("fp8-e4m3", 16)] {
+    for (form, bs) in [
+        ("int4-ch32", 16),
+        ("vq", 16),
+        ("shard", 16),
+        ("fp8-e4m3", 16),
+    ] {
         let spec = LayerSpec::uniform(form.parse().unwrap(), ch);
         assert!(
             matches!(

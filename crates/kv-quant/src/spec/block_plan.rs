@@ -174,7 +174,10 @@ mod tests {
         assert!(p.staged);
         assert_eq!(p.sealed.to_string(), "int4-ch16");
         assert_eq!((p.sink_blocks, p.window), (0, 0));
-        assert_eq!(plan("int4-ch32", 32).unwrap().sealed.to_string(), "int4-ch32");
+        assert_eq!(
+            plan("int4-ch32", 32).unwrap().sealed.to_string(),
+            "int4-ch32"
+        );
         assert!(matches!(
             plan("int4-ch32", 16),
             Err(KvQuantError::InvalidSpec { .. })

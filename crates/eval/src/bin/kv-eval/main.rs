@@ -8,6 +8,7 @@ mod accumulate;
 mod adapt;
 mod batch;
 mod calib;
+mod frontier;
 mod generate;
 mod niah;
 mod source;
@@ -26,7 +27,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kv_eval::backend::BackendKind;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
 use kv_eval::calibration::Part;
-use kv_eval::frontier::{FrontierPoint, FrontierReport, LOWRANK_PRESET, PRESET};
 use kv_eval::lowrank_report::LowRankReport;
 use kv_eval::metrics::{RunConfig, RunMetrics, evaluate};
 use kv_eval::sweep::{SweepPoint, SweepReport};
@@ -123,12 +123,6 @@ impl BackendArgs {
             Backend::Paged => paged,
         }
     }
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Preset {
-    Frontier,
-    Lowrank,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -234,27 +228,7 @@ enum Command {
     /// The quality-versus-bytes frontier: bits per value, PPL, ΔPPL, KL and
     /// top-1 agreement of many key/value/per-layer form configurations at
     /// several context lengths; frontier.md, frontier.json and frontier.svg in --out.
-    Frontier {
-        #[command(flatten)]
-        source: Source,
-        /// Comma-separated context lengths (overrides --ctx).
-        #[arg(long, value_delimiter = ',', default_value = "256,2048")]
-        contexts: Vec<usize>,
-        /// `|`-separated configurations (FORM, KEY/VALUE or a layer policy)
-        /// [default: the --preset].
-        #[arg(long, value_delimiter = '|')]
-        configs: Vec<String>,
-        /// The configurations when --configs is not given: `frontier` (the
-        /// quality-versus-bytes frontier of kv-quant's forms) or `lowrank`
-        /// (the low-rank subspace paper's falsification table).
-        #[arg(long, value_enum, default_value_t = Preset::Frontier)]
-        preset: Preset,
-        #[command(flatten)]
-        calib: Calib,
-        /// Output folder.
-        #[arg(long)]
-        out: PathBuf,
-    },
+    Frontier(frontier::FrontierArgs),
     /// Spectra of the KV cache per layer and head (keys before and after
     /// RoPE, values) over the calibration text: ranks at 90/99/99.9% of the
     /// energy; lowrank.md, lowrank.json and lowrank.svg in --out.
@@ -672,94 +646,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 println!("  {}", f.display());
             }
         }
-        Command::Frontier {
-            source,
-            contexts,
-            configs,
-            preset,
-            calib,
-            out,
-        } => {
-            check_out_dir(&out)?;
-            let configs: Vec<String> = if configs.is_empty() {
-                let preset = match preset {
-                    Preset::Frontier => PRESET,
-                    Preset::Lowrank => LOWRANK_PRESET,
-                };
-                preset.iter().map(|c| c.to_string()).collect()
-            } else {
-                configs
-            };
-            if contexts.is_empty() || contexts.iter().any(|&c| c < 2) {
-                return Err("--contexts needs context lengths of at least 2".into());
-            }
-            let mut modes = Vec::new();
-            for c in &configs {
-                let mode = CacheMode::parse(c)?;
-                for &ctx in &contexts {
-                    check_segments(&mode, ctx)?;
-                }
-                modes.push(mode);
-            }
-            let Prepared {
-                model,
-                tokenizer,
-                tokens,
-                model_file,
-                text_file,
-            } = prepare(&source, &modes)?;
-            let cal = calibration_for(&modes, &calib, model.as_ref(), &tokenizer)?;
-            let calibration = cal
-                .as_ref()
-                .map_or("(no calibrated form)".to_string(), |c| {
-                    format!("{} tokens of {}", c.tokens, c.text)
-                });
-            let modes: Vec<CacheMode> = modes
-                .into_iter()
-                .map(|m| m.with_calibration(cal.clone()))
-                .collect();
-            let started = Instant::now();
-            let mut report = FrontierReport {
-                model: model_file,
-                text: text_file,
-                method: method_name(&source),
-                tokens: tokens.len(),
-                calibration,
-                plain: Vec::new(),
-                points: Vec::new(),
-            };
-            for &ctx in &contexts {
-                let mut runs = vec![RunConfig::new(CacheMode::Plain, None)];
-                runs.extend(modes.iter().map(|m| RunConfig::new(m.clone(), None)));
-                let mut metrics = evaluate_with_bar(
-                    &format!("frontier at {ctx}"),
-                    model.as_ref(),
-                    &tokens,
-                    ctx,
-                    method(&source),
-                    &runs,
-                )?;
-                let plain = metrics.remove(0);
-                for (config, m) in configs.iter().zip(metrics) {
-                    report
-                        .points
-                        .push(FrontierPoint::new(config, ctx, m, &plain));
-                }
-                report.plain.push((ctx, plain));
-                // Rewritten after every context, so a long run leaves
-                // what it has measured if it is stopped.
-                report.write(&out)?;
-                eprintln!(
-                    "context {ctx} done after {:.0} s (report in {})",
-                    started.elapsed().as_secs_f64(),
-                    out.display()
-                );
-            }
-            println!("{}", report.markdown());
-            for f in report.write(&out)? {
-                println!("wrote {}", f.display());
-            }
-        }
+        Command::Frontier(args) => frontier::run(args)?,
         Command::LowrankReport { model, calib, out } => {
             check_out_dir(&out)?;
             let (model, tokenizer) = load_model(&model_path(&model)?)?;
