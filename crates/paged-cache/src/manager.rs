@@ -237,6 +237,10 @@ impl<P: PrefixCache> KvCacheManager<P> {
         if let Some(hash) = a.evicted {
             self.prefix.forget(a.block, hash);
         }
+        if let Some(storage) = &self.storage {
+            // Staged forms stage a new block's rows exact from its first row.
+            storage.open_block(a.block)?;
+        }
         Ok(a.block)
     }
 

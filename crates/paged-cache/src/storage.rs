@@ -351,11 +351,34 @@ impl BlockStorage {
         Ok(self.staged_rows(layer, part)?.count())
     }
 
+    /// Makes `block` ready for a new owner's rows: in every staged layer
+    /// part it gets exact rows to stage into (a released store reused
+    /// where there is one), so a block taken from the free list is never
+    /// read as sealed. The manager calls it for every block it takes.
+    pub fn open_block(&self, block: BlockId) -> Result<()> {
+        self.block_rows(block)?;
+        for (layer, plans) in self.plans.iter().enumerate() {
+            for (p, plan) in plans.iter().enumerate() {
+                if plan.staged {
+                    let channels = self.layers[layer].channels;
+                    write(&self.staged[layer][p]).stage(
+                        block.index(),
+                        plan.exact,
+                        self.block_size,
+                        channels,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Writes one token's K and V rows of `layer` at slot `offset` of `block`
     /// (encoded once, here; no allocation once the layer's encoders are warm).
     /// A staged part writes the row exact into the block's staged rows; a
     /// block that was sealed is staged again first from its stored rows
-    /// (a sequence cut back into a sealed block and written anew).
+    /// (a sequence cut back into a sealed block, or one of its rows
+    /// written anew).
     pub fn write(
         &self,
         block: BlockId,
@@ -397,7 +420,7 @@ impl BlockStorage {
                 continue;
             }
             let mut staged = write(&self.staged[layer][p]);
-            if staged.get(b).is_none() && offset > 0 {
+            if staged.get(b).is_none() {
                 self.unseal(&mut staged, block, layer, p)?;
             }
             let exact = staged.stage(b, plan.exact, self.block_size, channels)?;

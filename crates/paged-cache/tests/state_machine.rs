@@ -9,6 +9,13 @@
 //! decoded from its blocks, equals what the model says it wrote, so a
 //! shared block written in place would show up in a sibling.
 //!
+//! Layer 0 also runs staged forms (per-channel keys, sinks, windows:
+//! kv-quant's `BlockPlan`) with a `Seal` op: the model then holds each
+//! position's exact (f16) row until a seal, which turns a block's rows into
+//! the values of the block quantized at once, in every sequence sharing
+//! it; a row written into a sealed block stages it again from its stored
+//! values (and, like `Write`, makes the sequence dirty).
+//!
 //! K/V rows are a fixed function of the token prefix, as in a real model,
 //! except after a `Write` op, which perturbs a row and marks the sequence
 //! (and its forks) dirty: dirty sequences are never put in the prefix cache,
@@ -17,10 +24,10 @@
 use std::sync::Arc;
 
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
-use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvStore};
+use kv_quant::{BlockPlan, CacheForm, DecodeScratch, FaultTarget, KvStore};
 use paged_cache::{
-    BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, KvPart, LayerSpec, PagedCacheError,
-    PrefixCache, RadixPrefixCache, SeqId,
+    BlockId, BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, KvPart, LayerSpec,
+    PagedCacheError, PrefixCache, RadixPrefixCache, SeqId,
 };
 use proptest::prelude::*;
 
@@ -28,7 +35,16 @@ const BS: usize = 4;
 const CH: usize = 8;
 const BLOCKS: usize = 24;
 const HOST: usize = 12;
-const LAYER0_FORMS: [&str; 5] = ["fp16", "int8", "fp8-e4m3-tok", "int4-g4+golay24", "nf4-g8"];
+const LAYER0_FORMS: [&str; 8] = [
+    "fp16",
+    "int8",
+    "fp8-e4m3-tok",
+    "int4-g4+golay24",
+    "nf4-g8",
+    "int4-ch+sink2",
+    "int8-ch+win3",
+    "int4-ch+secded84",
+];
 const PROTECTED: &str = "int4-g4+secded84";
 
 #[derive(Clone, Debug)]
@@ -45,6 +61,7 @@ enum Op {
     SwapIn { seq: usize },
     Inject { seq: usize, bit: u64 },
     Scrub,
+    Seal { seq: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -61,6 +78,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
         1 => (any::<usize>(), any::<u64>()).prop_map(|(seq, bit)| Op::Inject { seq, bit }),
         1 => Just(Op::Scrub),
+        3 => any::<usize>().prop_map(|seq| Op::Seal { seq }),
     ]
 }
 
@@ -103,22 +121,38 @@ fn canonical(prefix: &[u32], layer: usize, part: usize, version: u32) -> Vec<f32
         .collect()
 }
 
+/// `rows` (`n × CH`) quantized in `form` at once, decoded.
+fn decoded(form: CacheForm, rows: &[f32], n: usize) -> Vec<f32> {
+    KvStore::quantize(form, rows, n, CH)
+        .unwrap()
+        .decode()
+        .unwrap()
+        .values
+}
+
 /// Expected decoded rows of one position: `[layer][K, V]`.
 type Rows = [[Vec<f32>; 2]; 2];
 
 struct Harness<P: PrefixCache> {
     cache: KvCacheManager<P>,
     storage: Arc<BlockStorage>,
-    forms: [CacheForm; 2],
+    /// How each layer's K and V are kept in blocks.
+    plans: [[BlockPlan; 2]; 2],
     /// Per live sequence: expected decoded rows `[position][layer][part]`, dirty flag.
     model: std::collections::BTreeMap<SeqId, (Vec<Rows>, bool)>,
+    /// The values sealed blocks of layer 0 held, by the tokens from the
+    /// sequence's start to the block's end and by part, as the model said
+    /// while a sequence held the block whole (a dirty sequence's block of
+    /// the same tokens may hold other values: every one is kept).
+    sealed_rows: std::collections::HashMap<(Vec<u32>, usize), Vec<Vec<f32>>>,
     pending_flip: bool,
 }
 
 impl<P: PrefixCache> Harness<P> {
     fn new(prefix: P, layer0: &str) -> Self {
-        let forms = [layer0.parse().unwrap(), PROTECTED.parse().unwrap()];
+        let forms: [CacheForm; 2] = [layer0.parse().unwrap(), PROTECTED.parse().unwrap()];
         let layers = forms.map(|form| LayerSpec::uniform(form, CH));
+        let plans = forms.map(|form| [BlockPlan::new(form, BS).unwrap(); 2]);
         let storage = Arc::new(BlockStorage::new(BLOCKS, BS, &layers).unwrap());
         let config = CacheConfig {
             num_blocks: BLOCKS,
@@ -128,18 +162,48 @@ impl<P: PrefixCache> Harness<P> {
         Self {
             cache: KvCacheManager::with_storage(config, prefix, storage.clone()).unwrap(),
             storage,
-            forms,
+            plans,
             model: Default::default(),
+            sealed_rows: Default::default(),
             pending_flip: false,
         }
     }
 
-    fn expected(&self, row: &[f32], layer: usize) -> Vec<f32> {
-        KvStore::quantize(self.forms[layer], row, 1, CH)
-            .unwrap()
-            .decode()
-            .unwrap()
-            .values
+    /// The values a row written now reads back as: exact (f16) in a staged
+    /// part, quantized alone in a row-local one.
+    fn expected(&self, row: &[f32], layer: usize, part: usize) -> Vec<f32> {
+        let plan = &self.plans[layer][part];
+        let form = if plan.staged { plan.exact } else { plan.sealed };
+        decoded(form, row, 1)
+    }
+
+    /// Whether `block` holds sealed rows in a staged part of `layer`.
+    fn sealed(&self, block: BlockId, layer: usize, part: usize) -> bool {
+        self.plans[layer][part].staged
+            && !self
+                .storage
+                .is_staged(block, layer, [KvPart::Keys, KvPart::Values][part])
+                .unwrap()
+    }
+
+    /// Before a row of `id` is written at `pos`: where its block is sealed,
+    /// the write stages it again from its stored values (exact rows of
+    /// them), and the sequence stops holding canonical rows.
+    fn before_write(&mut self, id: SeqId, pos: usize, layer: usize) -> Result<(), PagedCacheError> {
+        let block = self.cache.block_table(id)?[pos / BS];
+        for part in 0..2 {
+            if self.sealed(block, layer, part) {
+                let exact = self.plans[layer][part].exact;
+                let entry = self.model.get_mut(&id).expect("modelled");
+                let end = entry.0.len().min((pos / BS + 1) * BS);
+                for q in pos / BS * BS..end {
+                    let row = &mut entry.0[q][layer][part];
+                    *row = decoded(exact, row, 1);
+                }
+                entry.1 = true;
+            }
+        }
+        Ok(())
     }
 
     /// Writes canonical (or perturbed) rows for positions `from..` of `id`.
@@ -150,8 +214,9 @@ impl<P: PrefixCache> Harness<P> {
             for (layer, row) in rows.iter_mut().enumerate() {
                 let k = canonical(&tokens[..=pos], layer, 0, version);
                 let v = canonical(&tokens[..=pos], layer, 1, version);
+                self.before_write(id, pos, layer)?;
                 self.cache.write_kv(id, pos, layer, &k, &v)?;
-                *row = [self.expected(&k, layer), self.expected(&v, layer)];
+                *row = [self.expected(&k, layer, 0), self.expected(&v, layer, 1)];
             }
             let entry = self.model.get_mut(&id).expect("modelled");
             if pos < entry.0.len() {
@@ -176,13 +241,24 @@ impl<P: PrefixCache> Harness<P> {
                     Err(PagedCacheError::PoolExhausted { .. }) => return Ok(()),
                     other => other?,
                 };
-                // Positions before the hit hold canonical rows already.
+                // Positions before the hit hold canonical rows already:
+                // exact, or in a sealed block the values it was sealed to.
+                let table = self.cache.block_table(id)?.to_vec();
                 let mut rows = Vec::new();
                 for pos in 0..hit {
                     let mut r: Rows = Default::default();
                     for (layer, r) in r.iter_mut().enumerate() {
                         for (part, r) in r.iter_mut().enumerate() {
-                            *r = self.expected(&canonical(&prompt[..=pos], layer, part, 0), layer);
+                            let block = table[pos / BS];
+                            *r = if self.sealed(block, layer, part) {
+                                self.sealed_hit(&prompt, hit, pos, block, part)
+                            } else {
+                                self.expected(
+                                    &canonical(&prompt[..=pos], layer, part, 0),
+                                    layer,
+                                    part,
+                                )
+                            };
                         }
                     }
                     rows.push(r);
@@ -231,13 +307,21 @@ impl<P: PrefixCache> Harness<P> {
                 for (layer, row) in rows.iter_mut().enumerate() {
                     let k = canonical(&tokens, layer, 0, 3);
                     let v = canonical(&tokens, layer, 1, 3);
+                    // A copy-on-write that runs out of blocks changes
+                    // nothing; the model's rows of a sealed block turn
+                    // exact only once the write goes ahead.
+                    let model = self.model[&id].clone();
+                    self.before_write(id, pos, layer)?;
                     match self.cache.write_kv(id, pos, layer, &k, &v) {
+                        Err(PagedCacheError::PoolExhausted { .. }) if layer == 0 => {
+                            self.model.insert(id, model);
+                            return Ok(());
+                        }
                         // Only the first layer can run out (copy-on-write);
                         // then nothing was written.
-                        Err(PagedCacheError::PoolExhausted { .. }) if layer == 0 => return Ok(()),
                         other => other?,
                     }
-                    *row = [self.expected(&k, layer), self.expected(&v, layer)];
+                    *row = [self.expected(&k, layer, 0), self.expected(&v, layer, 1)];
                 }
                 let entry = self.model.get_mut(&id).expect("modelled");
                 entry.0[pos] = rows;
@@ -322,6 +406,52 @@ impl<P: PrefixCache> Harness<P> {
                 self.pending_flip = true;
                 Ok(())
             }
+            Op::Seal { seq } => {
+                let Some(id) = self.live(seq) else {
+                    return Ok(());
+                };
+                if self.cache.is_swapped(id)? {
+                    return Ok(());
+                }
+                let table = self.cache.block_table(id)?.to_vec();
+                let before: Vec<[bool; 2]> = table
+                    .iter()
+                    .map(|&b| [0, 1].map(|part| self.sealed(b, 0, part)))
+                    .collect();
+                let len = self.cache.tokens(id)?.len();
+                self.cache.seal(id, 0, len)?;
+                for (i, &block) in table.iter().enumerate() {
+                    for part in 0..2 {
+                        if before[i][part] || !self.sealed(block, 0, part) {
+                            continue;
+                        }
+                        // Sealed now: the block's rows (all held by `id`)
+                        // quantized at once, in every sequence sharing it.
+                        let held: Vec<f32> = self.model[&id].0[i * BS..(i + 1) * BS]
+                            .iter()
+                            .flat_map(|r| r[0][part].clone())
+                            .collect();
+                        let sealed = decoded(self.plans[0][part].sealed, &held, BS);
+                        let ids: Vec<SeqId> = self.model.keys().copied().collect();
+                        for other in ids {
+                            if self.cache.is_swapped(other)? {
+                                continue;
+                            }
+                            let at = self
+                                .cache
+                                .block_table(other)?
+                                .iter()
+                                .position(|&b| b == block);
+                            let Some(j) = at else { continue };
+                            let rows = &mut self.model.get_mut(&other).expect("modelled").0;
+                            for q in j * BS..rows.len().min((j + 1) * BS) {
+                                rows[q][0][part] = sealed[(q - j * BS) * CH..][..CH].to_vec();
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            }
             Op::Scrub => {
                 self.cache.scrub()?;
                 let again = self.cache.scrub()?;
@@ -337,6 +467,76 @@ impl<P: PrefixCache> Harness<P> {
                 );
                 self.pending_flip = false;
                 Ok(())
+            }
+        }
+    }
+
+    /// The values of a prefix hit's position `pos` in a sealed `block`:
+    /// those of a block sealed while a clean sequence held it whole, whose
+    /// tokens up to the hit are the prompt's. A partial hit's block is a
+    /// copy whose later slots hold the new prompt already, so the source
+    /// is found by the hit tokens (a block of another prompt with the
+    /// same hit tokens would qualify too: the check is that the values are
+    /// those of a sealed block of this path, not of any other).
+    fn sealed_hit(
+        &self,
+        prompt: &[u32],
+        hit: usize,
+        pos: usize,
+        block: BlockId,
+        part: usize,
+    ) -> Vec<f32> {
+        let start = pos / BS * BS;
+        let known = (hit - start).min(BS);
+        let mut got = vec![0.0; CH];
+        self.storage
+            .read(
+                block,
+                0,
+                [KvPart::Keys, KvPart::Values][part],
+                pos % BS,
+                &mut got,
+                &mut DecodeScratch::new(),
+            )
+            .unwrap();
+        let found = self.sealed_rows.iter().any(|((path, p), held)| {
+            *p == part
+                && path.len() == start + BS
+                && path[..start + known] == prompt[..start + known]
+                && held.iter().any(|h| h[(pos % BS) * CH..][..CH] == got[..])
+        });
+        assert!(
+            found,
+            "position {pos} of a hit on a sealed block: {got:?} is no sealed block's"
+        );
+        got
+    }
+
+    /// Records the values of every sealed block a sequence holds whole
+    /// (after [`verify`](Self::verify) found them as the model says).
+    fn record_sealed(&mut self) {
+        let mut found = Vec::new();
+        for (&id, (rows, _)) in &self.model {
+            if self.cache.is_swapped(id).unwrap() {
+                continue;
+            }
+            let tokens = self.cache.tokens(id).unwrap();
+            for (i, &block) in self.cache.block_table(id).unwrap().iter().enumerate() {
+                for part in 0..2 {
+                    if rows.len() >= (i + 1) * BS && self.sealed(block, 0, part) {
+                        let held = rows[i * BS..(i + 1) * BS]
+                            .iter()
+                            .flat_map(|r| r[0][part].clone())
+                            .collect();
+                        found.push(((tokens[..(i + 1) * BS].to_vec(), part), held));
+                    }
+                }
+            }
+        }
+        for (key, held) in found {
+            let known = self.sealed_rows.entry(key).or_default();
+            if !known.contains(&held) {
+                known.push(held);
             }
         }
     }
@@ -377,6 +577,7 @@ fn run<P: PrefixCache>(prefix: P, layer0: &str, ops: &[Op]) {
     for op in ops {
         h.apply(op).unwrap_or_else(|e| panic!("{op:?}: {e}"));
         h.verify();
+        h.record_sealed();
     }
     // Freeing everything and evicting every cached prefix gives back every block.
     let ids: Vec<SeqId> = h.model.keys().copied().collect();
