@@ -18,7 +18,10 @@
 //!   `baseline-contiguous` reads one contiguous [`KvStore`] per K and V, the
 //!   others read the same rows through a page table of shuffled blocks of
 //!   16 or 64 tokens. The goal is paged within 1.1x of contiguous time
-//!   (a ratio of at least 0.91).
+//!   (a ratio of at least 0.91). `int4-ch` (per-channel keys and values)
+//!   is read paged with every block sealed (one scale and offset per
+//!   channel per block: `int4-ch<B>`), its baseline one contiguous store
+//!   with one scale per channel over all 16K tokens.
 //! - `paged-cache/write-token-2k`: one decode step's K/V writes at
 //!   SmolLM2-135M's shape (30 layers, 3 KV heads × 64) in `int4+secded84`
 //!   after 2,048 tokens: `paged` opens a step on a [`PagedBackend`], appends
@@ -199,7 +202,7 @@ fn decode(c: &mut Criterion) {
     let attn = Attention::new(shape);
     let q = matrix(1, shape.q_len(), 0.3);
     let (k, v) = pool.install(|| (matrix(TOKENS, ch, 0.0), matrix(TOKENS, ch, 1.0)));
-    for spelling in ["fp16", "int8", "int4", "int4+secded84"] {
+    for spelling in ["fp16", "int8", "int4", "int4+secded84", "int4-ch"] {
         let form: CacheForm = spelling.parse().expect("form");
         let mut group = c.benchmark_group(format!("paged-cache/decode-16k-{spelling}"));
         group
@@ -244,6 +247,9 @@ fn decode(c: &mut Criterion) {
                     .write(table_blocks[t / bs], t % bs, 0, &k[r.clone()], &v[r])
                     .expect("write");
             });
+            // Staged forms (int4-ch) seal every block, as the steps that
+            // wrote them would have when they committed.
+            storage.seal_blocks(&table_blocks, 0, TOKENS).expect("seal");
             let table = PageTable::from_tables(&[(&table_blocks, TOKENS)], bs).expect("table");
             let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).expect("keys");
             let values = PagedKv::new(&storage, &table, 0, 0, KvPart::Values).expect("values");
@@ -259,6 +265,88 @@ fn decode(c: &mut Criterion) {
         }
         group.finish();
     }
+}
+
+/// `paged-cache/seal-block-4k`: sealing one block of 16 tokens in every
+/// layer of SmolLM2-135M's shape (30 layers, 3 KV heads × 64;
+/// `int4-ch+sink4` keys, `lm4` values, so only keys seal) against
+/// `baseline-decode-attention`, one decode step's attention over 4,096
+/// tokens in the same cache (every layer, one query each; the model's
+/// projections not counted, which makes the baseline smaller than a
+/// decode step). A block seals once per 16 decode steps; the goal is a
+/// seal under 5% of one step (a ratio of at least 20).
+fn seal_block(c: &mut Criterion) {
+    const LAYERS: usize = 30;
+    const CONTEXT: usize = 4096;
+    const BS: usize = 16;
+    let heads = HeadShape::new(9, 3, 64).expect("shape");
+    let ch = heads.kv_channels();
+    let attn = Attention::new(heads);
+    let spec = LayerSpec {
+        key: "int4-ch+sink4".parse().expect("form"),
+        value: "lm4".parse().expect("form"),
+        channels: ch,
+    };
+    // One spare block to seal again and again.
+    let blocks = CONTEXT / BS + 1;
+    let storage = BlockStorage::new(blocks, BS, &vec![spec; LAYERS]).expect("storage");
+    let (k, v) = (matrix(CONTEXT + BS, ch, 0.0), matrix(CONTEXT + BS, ch, 1.0));
+    let table: Vec<BlockId> = (0..(CONTEXT / BS) as u32).map(BlockId).collect();
+    for (t, r) in (0..CONTEXT).map(|t| (t, t * ch..(t + 1) * ch)) {
+        for l in 0..LAYERS {
+            storage
+                .write(table[t / BS], t % BS, l, &k[r.clone()], &v[r.clone()])
+                .expect("write");
+        }
+    }
+    storage.seal_blocks(&table, 0, CONTEXT).expect("seal");
+    let pages = PageTable::from_tables(&[(&table, CONTEXT)], BS).expect("table");
+    let q = matrix(1, heads.q_len(), 0.3);
+    let mut group = c.benchmark_group("paged-cache/seal-block-4k");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    group.bench_function("baseline-decode-attention", |b| {
+        b.iter(|| {
+            let mut sum = 0.0;
+            for l in 0..LAYERS {
+                let keys = PagedKv::new(&storage, &pages, 0, l, KvPart::Keys).expect("keys");
+                let values = PagedKv::new(&storage, &pages, 0, l, KvPart::Values).expect("values");
+                sum += attn
+                    .decode(&q, CONTEXT - 1, &keys, &values, &Mask::Causal)
+                    .expect("decode")
+                    .out[0];
+            }
+            sum
+        })
+    });
+    // The spare block as a sequence's second block (the first holds sinks).
+    let spare = [table[0], BlockId((CONTEXT / BS) as u32)];
+    let rows = CONTEXT * ch..(CONTEXT + BS) * ch;
+    group.bench_function("seal", |b| {
+        b.iter_batched(
+            || {
+                // A block written row by row (staged), as decoding writes it.
+                storage.open_block(spare[1]).expect("open");
+                for (i, (kr, vr)) in k[rows.clone()]
+                    .chunks_exact(ch)
+                    .zip(v[rows.clone()].chunks_exact(ch))
+                    .enumerate()
+                {
+                    for l in 0..LAYERS {
+                        storage.write(spare[1], i, l, kr, vr).expect("write");
+                    }
+                }
+            },
+            |()| {
+                let sealed = storage.seal_blocks(&spare, BS, 2 * BS).expect("seal");
+                assert_eq!(sealed, LAYERS, "one key block per layer");
+            },
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    group.finish();
 }
 
 fn write_token(c: &mut Criterion) {
@@ -313,5 +401,12 @@ fn write_token(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, alloc_free, prefix_lookup, decode, write_token);
+criterion_group!(
+    benches,
+    alloc_free,
+    prefix_lookup,
+    decode,
+    seal_block,
+    write_token
+);
 criterion_main!(benches);

@@ -280,6 +280,12 @@ impl<P: PrefixCache> KvCacheManager<P> {
                 host: None,
             },
         );
+        if let Some(storage) = &self.storage {
+            // The hit is the new sequence's committed prefix: blocks of it
+            // another sequence left staged (inside its window) are sealed
+            // as that prefix makes them sealable.
+            storage.seal_blocks(&self.seqs[&id].table, 0, hit.tokens)?;
+        }
         self.append_reserved(id, &prompt[hit.tokens..])?;
         Ok((id, hit.tokens))
     }

@@ -237,6 +237,9 @@ impl<P: PrefixCache> Harness<P> {
         match *op {
             Op::Add { base, len, salt } => {
                 let prompt = bases()[base][..len].to_vec();
+                let was_sealed: Vec<[bool; 2]> = (0..BLOCKS as u32)
+                    .map(|b| [0, 1].map(|part| self.sealed(BlockId(b), 0, part)))
+                    .collect();
                 let (id, hit) = match self.cache.add_sequence(&prompt, salt) {
                     Err(PagedCacheError::PoolExhausted { .. }) => return Ok(()),
                     other => other?,
@@ -250,7 +253,27 @@ impl<P: PrefixCache> Harness<P> {
                     for (layer, r) in r.iter_mut().enumerate() {
                         for (part, r) in r.iter_mut().enumerate() {
                             let block = table[pos / BS];
-                            *r = if self.sealed(block, layer, part) {
+                            *r = if layer == 0
+                                && pos / BS < hit / BS
+                                && self.sealed(block, 0, part)
+                                && !was_sealed[block.index()][part]
+                            {
+                                // Sealed by this hit (its prefix made the
+                                // whole block sealable; a partial block is a
+                                // copy): the hit's exact rows.
+                                let start = pos / BS * BS;
+                                let held: Vec<f32> = (start..start + BS)
+                                    .flat_map(|q| {
+                                        self.expected(
+                                            &canonical(&prompt[..=q], 0, part, 0),
+                                            0,
+                                            part,
+                                        )
+                                    })
+                                    .collect();
+                                let sealed = decoded(self.plans[0][part].sealed, &held, BS);
+                                sealed[(pos - start) * CH..][..CH].to_vec()
+                            } else if self.sealed(block, layer, part) {
                                 self.sealed_hit(&prompt, hit, pos, block, part)
                             } else {
                                 self.expected(
@@ -262,6 +285,20 @@ impl<P: PrefixCache> Harness<P> {
                         }
                     }
                     rows.push(r);
+                }
+                // Every other sequence sharing a block this hit sealed
+                // reads the new values too.
+                for (i, &block) in table.iter().enumerate().take(hit / BS) {
+                    for part in 0..2 {
+                        if was_sealed[block.index()][part] || !self.sealed(block, 0, part) {
+                            continue;
+                        }
+                        let sealed: Vec<Vec<f32>> = rows[i * BS..(i + 1) * BS]
+                            .iter()
+                            .map(|r: &Rows| r[0][part].clone())
+                            .collect();
+                        self.share_sealed(block, part, &sealed)?;
+                    }
                 }
                 self.model.insert(id, (rows, false));
                 self.write_rows(id, hit, 0)
@@ -432,22 +469,9 @@ impl<P: PrefixCache> Harness<P> {
                             .flat_map(|r| r[0][part].clone())
                             .collect();
                         let sealed = decoded(self.plans[0][part].sealed, &held, BS);
-                        let ids: Vec<SeqId> = self.model.keys().copied().collect();
-                        for other in ids {
-                            if self.cache.is_swapped(other)? {
-                                continue;
-                            }
-                            let at = self
-                                .cache
-                                .block_table(other)?
-                                .iter()
-                                .position(|&b| b == block);
-                            let Some(j) = at else { continue };
-                            let rows = &mut self.model.get_mut(&other).expect("modelled").0;
-                            for q in j * BS..rows.len().min((j + 1) * BS) {
-                                rows[q][0][part] = sealed[(q - j * BS) * CH..][..CH].to_vec();
-                            }
-                        }
+                        let sealed: Vec<Vec<f32>> =
+                            sealed.chunks_exact(CH).map(<[f32]>::to_vec).collect();
+                        self.share_sealed(block, part, &sealed)?;
                     }
                 }
                 Ok(())
@@ -469,6 +493,33 @@ impl<P: PrefixCache> Harness<P> {
                 Ok(())
             }
         }
+    }
+
+    /// Sets the rows of `block` (part `part` of layer 0) to `sealed` in
+    /// every resident sequence holding it.
+    fn share_sealed(
+        &mut self,
+        block: BlockId,
+        part: usize,
+        sealed: &[Vec<f32>],
+    ) -> Result<(), PagedCacheError> {
+        let ids: Vec<SeqId> = self.model.keys().copied().collect();
+        for other in ids {
+            if self.cache.is_swapped(other)? {
+                continue;
+            }
+            let at = self
+                .cache
+                .block_table(other)?
+                .iter()
+                .position(|&b| b == block);
+            let Some(j) = at else { continue };
+            let rows = &mut self.model.get_mut(&other).expect("modelled").0;
+            for q in j * BS..rows.len().min((j + 1) * BS) {
+                rows[q][0][part] = sealed[q - j * BS].clone();
+            }
+        }
+        Ok(())
     }
 
     /// The values of a prefix hit's position `pos` in a sealed `block`:
