@@ -115,7 +115,8 @@ fn bad_settings_are_refused() {
         ..config(0.0)
     };
     assert!(bad(run(&m, &prompt(), &forms, &[None], &zero, |_| {})));
-    // A form a paged block cannot hold.
-    let ch = [CacheMode::parse("int4-ch").unwrap()];
+    // A form a paged block cannot hold (a channel group of 7 tokens in
+    // blocks of another size).
+    let ch = [CacheMode::parse("int4-ch7").unwrap()];
     assert!(run(&m, &prompt(), &ch, &[None], &config(0.0), |_| {}).is_err());
 }

@@ -426,7 +426,8 @@ fn generation_refuses_bad_input_before_any_work() {
         (
             tokens(5),
             GenerateConfig {
-                mode: form("int4-ch"),
+                // A channel group of 32 tokens in blocks of 16.
+                mode: form("int4-ch32"),
                 ..good.clone()
             },
             "form",
