@@ -87,6 +87,12 @@ pub struct GenerateConfig {
     pub sampling: Sampling,
     /// Faults accumulating over steps (paged backend only).
     pub faults: Option<StepFaults>,
+    /// Prompt tokens per step: `None` runs the prompt in one step (a
+    /// server's prefill, which reads a staged form's own rows exact);
+    /// `Some(block_size)` runs it a block at a time, so each block's
+    /// queries read the blocks before it sealed, as decoding does (what
+    /// evaluations of staged forms use).
+    pub prefill_step: Option<usize>,
 }
 
 /// What a generation produced and measured.
@@ -261,7 +267,20 @@ pub fn generate(
     let mut rng = FaultRng::with_stream(config.sampling.seed, 1);
     let mut out = Generation::default();
     let started = Instant::now();
-    let logits = model.forward(prompt, cache.model_cache(), prompt.len() - 1)?;
+    let step = match config.prefill_step {
+        Some(0) => {
+            return Err(EvalError::InvalidParameter {
+                name: "prefill-step",
+                reason: "a prefill step holds at least one token".into(),
+            });
+        }
+        Some(n) => n,
+        None => prompt.len(),
+    };
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(step) {
+        logits = model.forward(chunk, cache.model_cache(), chunk.len() - 1)?;
+    }
     out.prefill_seconds = started.elapsed().as_secs_f64();
     if config.max_new == 0 {
         return finish(out, &cache);

@@ -138,6 +138,7 @@ pub fn run(
             max_new: config.new_tokens,
             sampling: Sampling::default(),
             faults: None,
+            prefill_step: None,
         };
         Ok(generate(model, prompt, &c, |_| Ok(()))?.tokens)
     };

@@ -82,6 +82,7 @@ fn alone(model: &LlamaModel, q: &BatchRequest) -> Vec<u32> {
         max_new: q.max_new_tokens,
         sampling: q.sampling,
         faults: None,
+        prefill_step: None,
     };
     generate(model, &q.prompt, &config, |_| Ok(()))
         .unwrap()

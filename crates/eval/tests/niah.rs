@@ -116,6 +116,7 @@ fn the_grid_runs_end_to_end_and_reproducibly() {
         max_new: 0,
         sampling: Sampling::default(),
         faults: None,
+        prefill_step: None,
     };
     let mut seen = 0;
     let a = run_grid(&model, &tok, &hay, &config, &mode, &base, |_| seen += 1).unwrap();

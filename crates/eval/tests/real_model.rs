@@ -271,6 +271,7 @@ fn greedy_generation_starts_paris_on_every_backend() {
             max_new: 4,
             sampling: Sampling::default(),
             faults: None,
+            prefill_step: None,
         };
         let g = generate(&model, &ids, &config, |_| Ok(())).unwrap();
         assert_eq!(g.tokens.len(), 4);
@@ -489,6 +490,7 @@ fn niah_finds_the_passkey_in_1k_haystacks() {
             max_new: 0,
             sampling: Sampling::default(),
             faults: None,
+            prefill_step: None,
         };
         let base = if form == "plain" {
             GenerateConfig {

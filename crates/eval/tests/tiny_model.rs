@@ -397,6 +397,7 @@ fn generation_refuses_bad_input_before_any_work() {
         max_new: 8,
         sampling: Sampling::default(),
         faults: None,
+        prefill_step: None,
     };
     let called = std::cell::Cell::new(0);
     let count = |_| {
@@ -423,6 +424,14 @@ fn generation_refuses_bad_input_before_any_work() {
         (tokens(5), sampled(f64::NAN, 1.0), "temperature"),
         (tokens(5), sampled(1.0, 0.0), "top-p"),
         (tokens(5), sampled(1.0, 1.5), "top-p"),
+        (
+            tokens(5),
+            GenerateConfig {
+                prefill_step: Some(0),
+                ..good.clone()
+            },
+            "prefill-step",
+        ),
         (
             tokens(5),
             GenerateConfig {

@@ -70,6 +70,12 @@ pub(crate) struct GenerateArgs {
     /// Worker threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Prompt tokens per step [default: the whole prompt in one step]; a
+    /// paged staged form (per-channel keys, sinks, windows) prefilled a
+    /// block at a time reads each block's predecessors sealed, as
+    /// decoding does.
+    #[arg(long)]
+    prefill_step: Option<usize>,
 }
 
 /// Runs `kv-eval generate`.
@@ -93,6 +99,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         target,
         scrub_every,
         threads,
+        prefill_step,
     } = args;
     let mode = mode_of(&forms)?;
     crate::check_segments(&mode, ctx)?;
@@ -168,6 +175,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         max_new,
         sampling,
         faults: Some(faults),
+        prefill_step,
     };
     let mut text = String::new();
     let mut out_ids = Vec::new();

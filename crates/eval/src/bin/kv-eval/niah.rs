@@ -95,13 +95,26 @@ pub(crate) fn run(args: NiahArgs) -> Result<(), Error> {
     let mut grids = Vec::new();
     for mode in modes {
         let mode = mode.with_calibration(cal.clone());
+        let backend = backend_args.kind(&mode, None);
+        // Staged forms read their prompt as decoding would: a block per
+        // step, each block sealed before the next one reads it (in one
+        // step the whole haystack would be read exact).
+        let prefill_step = match backend {
+            kv_eval::backend::BackendKind::Paged { block_size }
+                if kv_eval::backend::seals_blocks(&mode, block_size) =>
+            {
+                Some(block_size)
+            }
+            _ => None,
+        };
         let base = GenerateConfig {
             mode: mode.clone(),
-            backend: backend_args.kind(&mode, None),
+            backend,
             context: longest,
             max_new: 0,
             sampling: Sampling::default(),
             faults: None,
+            prefill_step,
         };
         eprintln!("{}:", mode.label());
         let grid = run_grid(
