@@ -343,7 +343,8 @@ fn seal_block(c: &mut Criterion) {
                 let sealed = storage.seal_blocks(&spare, BS, 2 * BS).expect("seal");
                 assert_eq!(sealed, LAYERS, "one key block per layer");
             },
-            criterion::BatchSize::SmallInput,
+            // One setup per seal: each seal needs a freshly staged block.
+            criterion::BatchSize::PerIteration,
         )
     });
     group.finish();
