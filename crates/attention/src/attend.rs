@@ -56,7 +56,7 @@ pub struct AttentionConfig {
     /// rows (nor to an odd count). `None`:
     /// always `tile_tokens` rows. Default 128 KiB, where decode ran
     /// fastest on a 2-core Zen 4 host for every form and both benchmark
-    /// shapes measured (attention README, "Rows per tile").
+    /// shapes measured (attention `docs/measurements.md`, "Rows per tile").
     pub tile_bytes: Option<usize>,
     /// Keys per decode work item; a multiple of `tile_tokens`. Default 2048.
     pub split_tokens: usize,

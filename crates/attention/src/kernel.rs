@@ -253,7 +253,7 @@ fn kernels(
 /// Whether [`Numerics::Auto`] takes the integer path for `levels`: 4-bit
 /// affine levels in whole-row per-token groups (`int4` and its protected
 /// forms), the one layout whose perplexity the integer path kept within
-/// 0.1% of exact scores (attention README, "Perplexity of the two
+/// 0.1% of exact scores (attention `docs/measurements.md`, "Perplexity of the two
 /// codings").
 fn auto_integer(levels: &LevelRows<'_>) -> bool {
     levels.tokens_per_group() == 1

@@ -51,7 +51,7 @@ pub enum Numerics {
     /// measured) as under
     /// [`Int8Query`](Self::Int8Query), everything else exactly; keys and
     /// values are decided apart. Chosen by measurement on SmolLM2-135M
-    /// (`kv-eval ppl`, full corpus, attention README): `Int8Query` moved
+    /// (`kv-eval ppl`, full corpus, attention `docs/measurements.md`): `Int8Query` moved
     /// `int4` and `int4+secded84` by −0.05%, but `int4-ch` by +0.16%,
     /// `int8` by +0.66% and `int4-g32` by +0.80%, outside the 0.1% bound.
     /// `int4`'s small difference is a cancellation of the score and value

@@ -2,7 +2,7 @@
 //! tokenizer, so prompts are real token sequences): prompts of exactly the
 //! asked length with the needle at the asked depth after a sentence end,
 //! the grid run end to end and reproducibly, and the errors a bad haystack
-//! or length gets. The real models' grids are in the README.
+//! or length gets. The real models' grids are in docs/niah.md.
 
 mod common;
 

@@ -458,7 +458,7 @@ fn forms_the_model_cannot_run_fail_before_the_corpus_is_read() {
 /// The needle test on the default model: a 5-digit passkey at the start,
 /// middle and end of 1,024-token haystacks of the Jargon File, with the
 /// plain cache and with `int4+secded84` on the paged backend. Measured: all
-/// found (the README has the whole grid).
+/// found (docs/niah.md has the whole grid).
 #[test]
 fn niah_finds_the_passkey_in_1k_haystacks() {
     use kv_eval::backend::BackendKind;
