@@ -1,6 +1,7 @@
 //! Times single-query decode attention over one stored form (or `dense`
-//! f32 rows) at one shape and context, printing milliseconds and stored
-//! bytes read per second; `REPS` sets the repetitions (default 20),
+//! f32 rows; `KEY/VALUE` stores keys and values in two forms, as
+//! `int4-ch64/lm4`) at one shape and context, printing milliseconds and
+//! stored bytes read per second of each repetition, then their median; `REPS` sets the repetitions (default 20),
 //! `NUMERICS=exact|int8|auto` picks `Numerics::Exact`, `Int8Query` (integer
 //! keys scored with int8-quantized queries) or `Auto` (the default),
 //! `TILE` sets the rows of every tile (default: up to 256, fewer where a
@@ -46,9 +47,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let attn = Attention::with_config(shape, config)?;
     let spelling = if form == "dense" { "fp32" } else { form };
+    let (key_form, value_form) = spelling.split_once('/').unwrap_or((spelling, spelling));
     let (ks, vs) = (
-        KvStore::quantize(spelling.parse()?, &k, tokens, ch)?,
-        KvStore::quantize(spelling.parse()?, &v, tokens, ch)?,
+        KvStore::quantize(key_form.parse()?, &k, tokens, ch)?,
+        KvStore::quantize(value_form.parse()?, &v, tokens, ch)?,
     );
     let bytes = (ks.stored_bytes() + vs.stored_bytes()) as f64;
     let dense = (DenseKv::new(&k, tokens, ch)?, DenseKv::new(&v, tokens, ch)?);
@@ -59,6 +61,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fresh = std::env::var("FRESH").is_ok_and(|v| v == "1");
     let (mut out, mut lse) = (vec![0.0f32; shape.q_len()], vec![0.0f32; shape.q_heads()]);
     let (mut ws_dense, mut ws_store) = (Workspace::new(), Workspace::new());
+    let mut times = Vec::with_capacity(reps);
     for _ in 0..reps {
         let t = Instant::now();
         let p = tokens - 1;
@@ -84,11 +87,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         let s = t.elapsed().as_secs_f64();
+        times.push(s);
         println!(
             "{form}: {:.2} ms, {:.2} GB/s (out[0] = {})",
             s * 1e3,
             bytes / s / 1e9,
             out[0]
+        );
+    }
+    times.sort_by(f64::total_cmp);
+    if let Some(&median) = times.get(times.len() / 2) {
+        println!(
+            "{form}: median {:.2} ms, {:.2} GB/s",
+            median * 1e3,
+            bytes / median / 1e9
         );
     }
     Ok(())

@@ -37,7 +37,12 @@
 /// to 16 bits with the scale `S = max_t w_t·a_t / Q` (`Q = 32,767`, less for
 /// very long tiles of 8-bit levels or NF4's image), so a tile's sum for a channel moves by
 /// at most `(S/2)·Σ_t l_t`, and the output by at most `n·max(a·l) / (2Q)`
-/// over `n` keys (weights are at most 1 and their sum at least 1).
+/// over `n` keys (weights are at most 1 and their sum at least 1). Values
+/// in per-channel groups over blocks of at least 16 tokens (`int4-ch<B>`,
+/// the paged cache's sealed blocks) code the weights alone, once per tile
+/// and head (`S = max_t w_t / Q`), and apply each block's scales and
+/// offsets per channel to the integer sums of its rows, so a channel's sum
+/// moves by at most `(S/2)·Σ_t |a_tc|·l_tc`.
 ///
 /// The default, [`Auto`](Self::Auto), takes the integer path only for the
 /// layout whose perplexity it was measured to keep within 0.1% of the

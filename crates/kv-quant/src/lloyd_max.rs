@@ -21,6 +21,9 @@ pub const BITS: std::ops::RangeInclusive<u8> = 1..=8;
 #[derive(Clone, Debug, PartialEq)]
 pub struct LloydMax {
     centroids: Vec<f32>,
+    /// The centroids of widths up to 4 bits, zeros past them: the table
+    /// a 16-entry register lookup reads ([`LevelMap::Codebook`](crate::LevelMap::Codebook)).
+    padded: Option<[f32; 16]>,
     thresholds: Vec<f32>,
     mse: f64,
 }
@@ -110,8 +113,15 @@ impl LloydMax {
         static TABLES: [OnceLock<LloydMax>; 8] = [const { OnceLock::new() }; 8];
         TABLES[usize::from(bits - 1)].get_or_init(|| {
             let (c, t) = solve(bits);
+            let centroids: Vec<f32> = c.iter().map(|&v| v as f32).collect();
+            let padded = (centroids.len() <= 16).then(|| {
+                let mut table = [0.0f32; 16];
+                table[..centroids.len()].copy_from_slice(&centroids);
+                table
+            });
             LloydMax {
-                centroids: c.iter().map(|&v| v as f32).collect(),
+                padded,
+                centroids,
                 thresholds: t.iter().map(|&v| v as f32).collect(),
                 mse: mse(&c, &t),
             }
@@ -121,6 +131,13 @@ impl LloydMax {
     /// The centroids, ascending (symmetric about 0).
     pub fn centroids(&self) -> &[f32] {
         &self.centroids
+    }
+
+    /// The centroids padded with zeros to 16 entries, for widths of at
+    /// most 4 bits (`None` above): what attention's kernels look levels up
+    /// in, one register per table.
+    pub fn padded16(&self) -> Option<&[f32; 16]> {
+        self.padded.as_ref()
     }
 
     /// The decision thresholds between consecutive centroids.

@@ -21,7 +21,9 @@ fn levels<'s>(view: RowsView<'s>, form: &str) -> LevelRows<'s> {
 
 #[test]
 fn packed_views_hold_the_unpacked_levels() {
-    for form in ["int4", "int4-g32", "int4-sym", "int4-ch", "nf4", "nf4-g32"] {
+    for form in [
+        "int4", "int4-g32", "int4-sym", "int4-ch", "nf4", "nf4-g32", "lm4",
+    ] {
         let store = store(form);
         for (start, count) in [(0, TOKENS), (3, 17), (39, 1)] {
             let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());
@@ -65,6 +67,7 @@ fn other_forms_read_as_the_plain_view() {
         "int4+golay24",
         "nf4+secded84",
         "fp8-e4m3-tok",
+        "lm3",
     ] {
         let store = store(form);
         let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());

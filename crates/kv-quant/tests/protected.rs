@@ -592,6 +592,12 @@ fn row_views_equal_decoded_rows() {
         "fp8-e4m3",
         "nf4",
         "fp16",
+        // Lloyd-Max codebooks: levels in the store's rotated coordinates,
+        // so compared with the rotated decode; with QJL, values.
+        "lm4",
+        "lm3",
+        "lm4+secded84",
+        "lm3+qjl",
     ] {
         let (tokens, channels) = (70, 64);
         let clean = store(spelling, tokens, channels);
@@ -604,7 +610,9 @@ fn row_views_equal_decoded_rows() {
             let (mut a, mut b) = (DecodeScratch::default(), DecodeScratch::default());
             for (start, count) in [(0, 64), (64, 6), (5, 33)] {
                 let mut want = vec![0.0; count * channels];
-                let want_stats = s.decode_rows_into(start, count, &mut want, &mut a).unwrap();
+                let want_stats = s
+                    .decode_rows_rotated_into(start, count, &mut want, &mut a)
+                    .unwrap();
                 let (view, stats) = s.decode_rows_view(start, count, &mut b).unwrap();
                 assert_eq!(stats, want_stats, "{spelling} {start}+{count}");
                 erased_seen |= stats.erased_values > 0;
@@ -630,8 +638,9 @@ fn row_views_equal_decoded_rows() {
                 assert_eq!(bits(&got), bits(&want), "{spelling} {start}+{count}");
             }
         }
-        // Integer, FP8 and NF4 codes come back as levels; FP16 as values.
-        let coded = !spelling.starts_with("fp16");
+        // Integer, FP8, NF4 and Lloyd-Max codes come back as levels; FP16
+        // and QJL forms as values.
+        let coded = !spelling.starts_with("fp16") && !spelling.contains("qjl");
         assert_eq!(levels_seen, coded, "{spelling}: levels returned");
         // The detecting codes met erasures, so their value path ran too.
         if spelling.contains("secded") {

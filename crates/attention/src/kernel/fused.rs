@@ -228,6 +228,11 @@ impl<'a> Levels<'a> {
                     let table = _mm512_loadu_ps(kv_quant::NF4_LEVELS.as_ptr());
                     _mm512_mul_ps(_mm512_permutexvar_ps(levels, table), a)
                 }
+                // Lloyd-Max codes the same way, from their codebook.
+                LevelMap::Codebook(table) => {
+                    let table = _mm512_loadu_ps(table.as_ptr());
+                    _mm512_mul_ps(_mm512_permutexvar_ps(levels, table), a)
+                }
                 LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => {
                     _mm512_mul_ps(fp8_values(kv_quant::Fp8Format::E5M2, bytes), a)
                 }

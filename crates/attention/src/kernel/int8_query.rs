@@ -191,7 +191,8 @@ pub(crate) fn scores(
         // 16-bit one's.
         LevelMap::Nf4 if codes == QueryCodes::Int8 => (Some(NF4_MID), Some(&NF4_IMAGE)),
         // FP8 codes are not proportional to their values: scored exactly.
-        LevelMap::Nf4 | LevelMap::Fp8(_) => return false,
+        // Lloyd-Max codebooks likewise.
+        LevelMap::Nf4 | LevelMap::Fp8(_) | LevelMap::Codebook(_) => return false,
     };
     let ctx = Context {
         q,
@@ -719,12 +720,20 @@ fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Optio
     if non_finite {
         return None;
     }
+    // Whole chunks first, so the lanes stay in registers (a partial chunk
+    // in the loop made the compiler keep them in memory, behind masked
+    // stores: a third of the per-channel fold's time, `perf`).
     let mut lanes = [0.0f32; 16];
-    for chunk in x.chunks(16) {
+    let (whole, rest) = x.as_chunks::<16>();
+    for chunk in whole {
         for (l, &v) in lanes.iter_mut().zip(chunk) {
             let a = v.abs();
             *l = if a > *l { a } else { *l };
         }
+    }
+    for (l, &v) in lanes.iter_mut().zip(rest) {
+        let a = v.abs();
+        *l = if a > *l { a } else { *l };
     }
     let peak = lanes.iter().fold(0.0f32, |m, &l| if l > m { l } else { m });
     if peak == 0.0 {
@@ -734,10 +743,17 @@ fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Optio
     }
     let max = codes.max();
     let inv = max / peak;
-    // Adding and subtracting 1.5·2^23 rounds |y| < 2^22 to the nearest
-    // integer, ties to even, without a call to `roundf`.
+    // Adding 1.5·2^23 rounds |y| < 2^22 to the nearest integer, ties to
+    // even, and leaves it in the low bits of the sum: no call to `roundf`
+    // and no saturating conversion, so the loop vectorises (the float to
+    // integer conversion was scalar, a third of the per-channel fold's
+    // time). `max` is an integer, so clamping before rounding gives the
+    // codes clamping after it gave.
     const ROUND: f32 = 12_582_912.0;
-    let code = |v: f32| ((v * inv + ROUND) - ROUND).clamp(-max, max) as i32;
+    let code = |v: f32| {
+        let y = (v * inv).clamp(-max, max);
+        ((y + ROUND).to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32)
+    };
     match codes {
         QueryCodes::Int8 => {
             for (h, &v) in hi.iter_mut().zip(x) {
@@ -759,20 +775,30 @@ fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Optio
 /// `Σ x_c·y_c` (or `Σ x_c` with `y` = `None`) in 16 lanes with a fixed
 /// order, so the compiler vectorizes it and every ISA gets the same bits.
 fn lane_sum(x: &[f32], y: Option<&[f32]>) -> f32 {
+    // Whole chunks, then the rest into the first lanes: the lanes a
+    // chunked loop would give them, kept in registers.
     let mut lanes = [0.0f32; 16];
+    let (xs, x_rest) = x.as_chunks::<16>();
     match y {
         None => {
-            for chunk in x.chunks(16) {
+            for chunk in xs {
                 for (l, &v) in lanes.iter_mut().zip(chunk) {
                     *l += v;
                 }
             }
+            for (l, &v) in lanes.iter_mut().zip(x_rest) {
+                *l += v;
+            }
         }
         Some(y) => {
-            for (cx, cy) in x.chunks(16).zip(y.chunks(16)) {
+            let (ys, y_rest) = y[..x.len()].as_chunks::<16>();
+            for (cx, cy) in xs.iter().zip(ys) {
                 for ((l, &a), &b) in lanes.iter_mut().zip(cx).zip(cy) {
                     *l += a * b;
                 }
+            }
+            for ((l, &a), &b) in lanes.iter_mut().zip(x_rest).zip(y_rest) {
+                *l += a * b;
             }
         }
     }

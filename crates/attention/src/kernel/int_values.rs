@@ -60,14 +60,23 @@ pub(crate) struct ValueScratch {
     seg_b: Vec<f32>,
     /// Per head: its weights.
     w: Vec<f32>,
+    /// Per-channel groups: the tile's runs of rows sharing a block of
+    /// tokens (first row, end, index of the block's first group).
+    runs: Vec<(usize, usize, usize)>,
+    /// Per-channel groups: each head's sums over the runs so far.
+    wide: Vec<f32>,
 }
 
 /// Whether the integer value pass takes value rows `levels` of a tile of
 /// `geometry`: per-token groups of a multiple of 16 channels, integer
 /// levels, and head dimensions a multiple of 16 (both of 32 for levels
-/// packed two per byte).
+/// packed two per byte); or per-channel groups over blocks of tokens
+/// ([`channels`]).
 pub(crate) fn takes(levels: &LevelRows<'_>, geometry: TileGeometry) -> bool {
     let packed = levels.packing == LevelPacking::Nibbles;
+    if channels::takes(levels, geometry) {
+        return true;
+    }
     levels.tokens_per_group() == 1
         && (!packed
             || (levels.channels_per_group().is_multiple_of(32) && geometry.d.is_multiple_of(32)))
@@ -156,6 +165,9 @@ fn weighted_sums_with(
         || acc.len() < heads * geometry.d
     {
         return false;
+    }
+    if channels::takes(levels, geometry) {
+        return channels::weighted_sums(levels, geometry, weights, acc, dot, scratch);
     }
     // NF4 codes are read through their integer image (centred levels of
     // scale `a / 127`).
@@ -393,7 +405,8 @@ struct SumBlock<'a> {
     start: usize,
     len: usize,
     rows: usize,
-    /// `H × stride` weight codes.
+    /// `H × stride` weight codes (the last head's only up to its
+    /// `2·rows.div_ceil(2)`: the rows' pairs are all that is read).
     codes: &'a [u16],
     /// Codes per head (`2·rows.div_ceil(2)` or more).
     stride: usize,
@@ -414,7 +427,7 @@ fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
             && b.start + b.len <= b.ch
             && b.levels.len() >= b.rows * row_bytes
             && b.stride >= 2 * pairs
-            && b.codes.len() >= H * b.stride
+            && b.codes.len() >= (H - 1) * b.stride + 2 * pairs
             && out.len() >= H * b.len
     );
     match dot {
@@ -676,5 +689,6 @@ mod vnni {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod channels;
 #[cfg(test)]
 mod tests;

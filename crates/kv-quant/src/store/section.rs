@@ -68,7 +68,8 @@ impl Kind {
         }
     }
 
-    /// How a level becomes a value, for the integer, FP8 and NF4 forms (the one
+    /// How a level becomes a value, for the integer, FP8, NF4 and Lloyd-Max
+    /// (up to 4 bits, no QJL) forms (the one
     /// description attention's in-register dequantisation and the GPU
     /// kernels read); `None` for every other kind.
     pub(crate) fn level_map(self) -> Option<super::LevelMap> {
@@ -79,6 +80,9 @@ impl Kind {
             }),
             Kind::Fp8(format) => Some(super::LevelMap::Fp8(format)),
             Kind::Nf4 => Some(super::LevelMap::Nf4),
+            Kind::LloydMax { bits, qjl: false } => crate::lloyd_max::LloydMax::of(bits)
+                .padded16()
+                .map(super::LevelMap::Codebook),
             _ => None,
         }
     }

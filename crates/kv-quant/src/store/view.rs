@@ -33,6 +33,23 @@ pub enum LevelMap {
     Fp8(crate::Fp8Format),
     /// NF4 codes: `NF4_LEVELS[code & 15] · a` ([`NF4_LEVELS`](crate::NF4_LEVELS)).
     Nf4,
+    /// Codes of a scalar codebook of at most 16 entries: `table[code] · a`,
+    /// codes below the codebook's size (the Lloyd-Max forms `lm1` to `lm4`
+    /// without QJL, [`LloydMax::padded16`](crate::LloydMax::padded16)).
+    Codebook(&'static [f32; 16]),
+}
+
+impl LevelMap {
+    /// The 16-entry table of a map that looks its values up
+    /// ([`Nf4`](Self::Nf4), [`Codebook`](Self::Codebook)), so a kernel reads
+    /// both through one register lookup; `None` for the others.
+    pub fn table16(&self) -> Option<&'static [f32; 16]> {
+        match *self {
+            LevelMap::Nf4 => Some(&crate::nf4::NF4_LEVELS),
+            LevelMap::Codebook(table) => Some(table),
+            _ => None,
+        }
+    }
 }
 
 /// How [`LevelRows::levels`] holds its levels.

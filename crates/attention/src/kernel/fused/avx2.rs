@@ -128,21 +128,23 @@ impl Load for Halves<'_> {
 const AFFINE: u8 = 0;
 /// [`LevelMap::Centered`].
 const CENTERED: u8 = 1;
-/// [`LevelMap::Nf4`].
-const NF4: u8 = 2;
+/// [`LevelMap::Nf4`] and [`LevelMap::Codebook`]: a 16-entry table.
+const TABLE: u8 = 2;
 /// [`LevelMap::Fp8`] E5M2.
 const E5M2: u8 = 3;
 /// [`LevelMap::Fp8`] E4M3.
 const E4M3: u8 = 4;
 
-/// The constant of `map`, and the middle level of a centered map (0 for the others).
-fn map_code(map: LevelMap) -> (u8, f32) {
+/// The constant of `map`, the middle level of a centered map (0 for the
+/// others) and the table of a table map (NF4's for the others, unread).
+fn map_code(map: LevelMap) -> (u8, f32, &'static [f32; 16]) {
+    let table = map.table16().unwrap_or(&kv_quant::NF4_LEVELS);
     match map {
-        LevelMap::Affine => (AFFINE, 0.0),
-        LevelMap::Centered { mid } => (CENTERED, mid),
-        LevelMap::Nf4 => (NF4, 0.0),
-        LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => (E5M2, 0.0),
-        LevelMap::Fp8(kv_quant::Fp8Format::E4M3) => (E4M3, 0.0),
+        LevelMap::Affine => (AFFINE, 0.0, table),
+        LevelMap::Centered { mid } => (CENTERED, mid, table),
+        LevelMap::Nf4 | LevelMap::Codebook(_) => (TABLE, 0.0, table),
+        LevelMap::Fp8(kv_quant::Fp8Format::E5M2) => (E5M2, 0.0, table),
+        LevelMap::Fp8(kv_quant::Fp8Format::E4M3) => (E4M3, 0.0, table),
     }
 }
 
@@ -156,6 +158,8 @@ struct MappedLevels<'a, const MAP: u8, const SHARED: bool> {
     levels: Levels<'a>,
     /// The middle level of a centered map.
     mid: f32,
+    /// The entries of a table map.
+    table: &'static [f32; 16],
 }
 
 /// Binds `$l` to `$levels` as the [`MappedLevels`] of its map and grouping
@@ -163,25 +167,26 @@ struct MappedLevels<'a, const MAP: u8, const SHARED: bool> {
 macro_rules! with_mapped_levels {
     ($levels:expr, $l:ident => $body:expr) => {{
         let levels: Levels<'_> = $levels;
-        let (code, mid) = map_code(levels.map);
+        let (code, mid, table) = map_code(levels.map);
         match (code, levels.shared.is_some()) {
-            (AFFINE, true) => with_mapped_levels!(@ levels, mid, AFFINE, true, $l => $body),
-            (AFFINE, false) => with_mapped_levels!(@ levels, mid, AFFINE, false, $l => $body),
-            (CENTERED, true) => with_mapped_levels!(@ levels, mid, CENTERED, true, $l => $body),
-            (CENTERED, false) => with_mapped_levels!(@ levels, mid, CENTERED, false, $l => $body),
-            (NF4, true) => with_mapped_levels!(@ levels, mid, NF4, true, $l => $body),
-            (NF4, false) => with_mapped_levels!(@ levels, mid, NF4, false, $l => $body),
-            (E5M2, true) => with_mapped_levels!(@ levels, mid, E5M2, true, $l => $body),
-            (E5M2, false) => with_mapped_levels!(@ levels, mid, E5M2, false, $l => $body),
-            (E4M3, true) => with_mapped_levels!(@ levels, mid, E4M3, true, $l => $body),
-            (E4M3, false) => with_mapped_levels!(@ levels, mid, E4M3, false, $l => $body),
+            (AFFINE, true) => with_mapped_levels!(@ levels, mid, table, AFFINE, true, $l => $body),
+            (AFFINE, false) => with_mapped_levels!(@ levels, mid, table, AFFINE, false, $l => $body),
+            (CENTERED, true) => with_mapped_levels!(@ levels, mid, table, CENTERED, true, $l => $body),
+            (CENTERED, false) => with_mapped_levels!(@ levels, mid, table, CENTERED, false, $l => $body),
+            (TABLE, true) => with_mapped_levels!(@ levels, mid, table, TABLE, true, $l => $body),
+            (TABLE, false) => with_mapped_levels!(@ levels, mid, table, TABLE, false, $l => $body),
+            (E5M2, true) => with_mapped_levels!(@ levels, mid, table, E5M2, true, $l => $body),
+            (E5M2, false) => with_mapped_levels!(@ levels, mid, table, E5M2, false, $l => $body),
+            (E4M3, true) => with_mapped_levels!(@ levels, mid, table, E4M3, true, $l => $body),
+            (E4M3, false) => with_mapped_levels!(@ levels, mid, table, E4M3, false, $l => $body),
             _ => unreachable!("map_code gives one of the five map constants"),
         }
     }};
-    (@ $levels:ident, $mid:ident, $map:ident, $shared:literal, $l:ident => $body:expr) => {{
+    (@ $levels:ident, $mid:ident, $table:ident, $map:ident, $shared:literal, $l:ident => $body:expr) => {{
         let $l = MappedLevels::<$map, $shared> {
             levels: $levels,
             mid: $mid,
+            table: $table,
         };
         $body
     }};
@@ -236,8 +241,8 @@ impl<const MAP: u8, const SHARED: bool> Load for MappedLevels<'_, MAP, SHARED> {
                 }
             };
             [
-                dequantize8::<MAP>(self.mid, bytes, a0, b0),
-                dequantize8::<MAP>(self.mid, _mm_srli_si128::<8>(bytes), a1, b1),
+                dequantize8::<MAP>(self.mid, self.table, bytes, a0, b0),
+                dequantize8::<MAP>(self.mid, self.table, _mm_srli_si128::<8>(bytes), a1, b1),
             ]
         }
     }
@@ -249,7 +254,13 @@ impl<const MAP: u8, const SHARED: bool> Load for MappedLevels<'_, MAP, SHARED> {
 /// mid)·a`, `NF4_LEVELS[level & 15]·a`, or FP8 through IEEE half precision
 /// as the parent module's `fp8_values` (E4M3 as `half·(2^8·a)`).
 #[inline(always)]
-fn dequantize8<const MAP: u8>(mid: f32, bytes: __m128i, a: __m256, b: __m256) -> __m256 {
+fn dequantize8<const MAP: u8>(
+    mid: f32,
+    table: &'static [f32; 16],
+    bytes: __m128i,
+    a: __m256,
+    b: __m256,
+) -> __m256 {
     // SAFETY: only inlined into `attend_tile_avx2` (AVX2, F16C); no memory is touched.
     unsafe {
         match MAP {
@@ -263,9 +274,8 @@ fn dequantize8<const MAP: u8>(mid: f32, bytes: __m128i, a: __m256, b: __m256) ->
             }
             // Two 8-entry tables, chosen per lane by bit 3 of the level
             // (moved to the sign bit, which `blendv` reads).
-            NF4 => {
+            TABLE => {
                 let levels = _mm256_cvtepu8_epi32(bytes);
-                let table: &'static [f32; 16] = &kv_quant::NF4_LEVELS;
                 let table = table.as_ptr();
                 let low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), levels);
                 let high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table.add(8)), levels);
@@ -602,7 +612,7 @@ fn store_block<const H: usize, const N: usize>(
 mod tests {
     use std::arch::x86_64::*;
 
-    use kv_quant::{Fp8Format, LevelMap, NF4_LEVELS};
+    use kv_quant::{Fp8Format, LevelMap, LloydMax, NF4_LEVELS};
 
     /// `dequantize8` of eight bytes with scale `a` and offset `b`,
     /// compiled with the kernel's features.
@@ -616,14 +626,13 @@ mod tests {
         // and `out` 8 floats.
         unsafe {
             let bytes = _mm_loadu_si128(wide.as_ptr().cast());
-            let v = match super::map_code(map) {
-                (super::AFFINE, mid) => super::dequantize8::<{ super::AFFINE }>(mid, bytes, a, b),
-                (super::CENTERED, mid) => {
-                    super::dequantize8::<{ super::CENTERED }>(mid, bytes, a, b)
-                }
-                (super::NF4, mid) => super::dequantize8::<{ super::NF4 }>(mid, bytes, a, b),
-                (super::E5M2, mid) => super::dequantize8::<{ super::E5M2 }>(mid, bytes, a, b),
-                (_, mid) => super::dequantize8::<{ super::E4M3 }>(mid, bytes, a, b),
+            let (code, mid, t) = super::map_code(map);
+            let v = match code {
+                super::AFFINE => super::dequantize8::<{ super::AFFINE }>(mid, t, bytes, a, b),
+                super::CENTERED => super::dequantize8::<{ super::CENTERED }>(mid, t, bytes, a, b),
+                super::TABLE => super::dequantize8::<{ super::TABLE }>(mid, t, bytes, a, b),
+                super::E5M2 => super::dequantize8::<{ super::E5M2 }>(mid, t, bytes, a, b),
+                _ => super::dequantize8::<{ super::E4M3 }>(mid, t, bytes, a, b),
             };
             _mm256_storeu_ps(out.as_mut_ptr(), v);
         }
@@ -648,6 +657,8 @@ mod tests {
             LevelMap::Affine,
             LevelMap::Centered { mid: 8.0 },
             LevelMap::Nf4,
+            LevelMap::Codebook(LloydMax::of(4).padded16().expect("4 bits")),
+            LevelMap::Codebook(LloydMax::of(3).padded16().expect("3 bits")),
             LevelMap::Fp8(Fp8Format::E5M2),
             LevelMap::Fp8(Fp8Format::E4M3),
         ] {
@@ -661,6 +672,9 @@ mod tests {
                         LevelMap::Affine => b + f32::from(byte) * a,
                         LevelMap::Centered { mid } => (f32::from(byte) - mid) * a,
                         LevelMap::Nf4 => NF4_LEVELS[usize::from(byte & 15)] * a,
+                        // Codes past the codebook are never stored; the
+                        // lookup reads the low 4 bits (a padded entry).
+                        LevelMap::Codebook(table) => table[usize::from(byte & 15)] * a,
                         LevelMap::Fp8(format) => format.decode(byte) * a,
                     };
                     nans += usize::from(v.is_nan());
