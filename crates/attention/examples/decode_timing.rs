@@ -2,8 +2,9 @@
 //! f32 rows; `KEY/VALUE` stores keys and values in two forms, as
 //! `int4-ch64/lm4`) at one shape and context, printing milliseconds and
 //! stored bytes read per second of each repetition, then their median; `REPS` sets the repetitions (default 20),
-//! `NUMERICS=exact|int8|auto` picks `Numerics::Exact`, `Int8Query` (integer
-//! keys scored with int8-quantized queries) or `Auto` (the default),
+//! `NUMERICS=exact|int8|int16|auto` picks `Numerics::Exact`, `Int8Query`
+//! (integer keys scored with int8-quantized queries), `Int16Query` or
+//! `Auto` (the default),
 //! `TILE` sets the rows of every tile (default: up to 256, fewer where a
 //! tile would hold more than 128 KiB of stored K and V rows),
 //! `FRESH=1` calls `decode` (fresh buffers each call) instead of
@@ -33,9 +34,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let q: Vec<f32> = (0..shape.q_len()).map(|i| (i as f32 * 0.3).sin()).collect();
     let numerics = match std::env::var("NUMERICS").as_deref() {
         Ok("int8") => Numerics::Int8Query,
+        Ok("int16") => Numerics::Int16Query,
         Ok("exact") => Numerics::Exact,
         Ok("auto") | Err(_) => Numerics::Auto,
-        Ok(other) => return Err(format!("NUMERICS={other}: expected exact, int8 or auto").into()),
+        Ok(other) => {
+            return Err(format!("NUMERICS={other}: expected exact, int8, int16 or auto").into());
+        }
     };
     let mut config = AttentionConfig {
         numerics,

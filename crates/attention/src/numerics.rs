@@ -16,7 +16,9 @@
 ///
 /// plus f32 rounding (the integer sums themselves are exact). For
 /// per-channel groups the scale is folded into the query first
-/// (`q'_c = q_c·a_c`), and the bound reads `(s'/2)·Σ_c l_c` with
+/// (`q'_c = q_c·a_c`) and the levels are scored centred on
+/// `m = 2^(bits−1)` (`Σ q̂·l − m·Σ q̂`, exact, with `m·Σ q'` added back in
+/// f32), so the bound reads `(s'/2)·Σ_c |l_c − m|` with
 /// `s' = max|q'| / 127`. If every score of a head moves by at most `Δ`,
 /// its softmax weights move by a factor within `e^{±2Δ}` and its output
 /// by at most `max_t |v_t| · (e^{2Δ} − 1)`; `tests/numerics.rs` checks
@@ -53,14 +55,16 @@ pub enum Numerics {
     /// Per tile, by layout (the default): 4-bit affine levels in whole-row
     /// per-token groups (`int4` and its ECC-protected forms; also `int4+rot`
     /// and the INT4 middle of `+sink`/`+win` forms, the same layout but not
-    /// measured) as under
+    /// measured) and in per-channel groups over blocks of 16 to 128 tokens
+    /// (the paged cache's sealed `int4-ch` blocks) as under
     /// [`Int8Query`](Self::Int8Query), everything else exactly; keys and
     /// values are decided apart. Chosen by measurement on SmolLM2-135M
-    /// (`kv-eval ppl`, full corpus, attention `docs/measurements.md`): `Int8Query` moved
-    /// `int4` and `int4+secded84` by −0.05%, but `int4-ch` by +0.16%,
-    /// `int8` by +0.66% and `int4-g32` by +0.80%, outside the 0.1% bound.
-    /// `int4`'s small difference is a cancellation of the score and value
-    /// codings' errors, so other models may move it more.
+    /// (`kv-eval ppl`, attention `docs/measurements.md`): `Int8Query` moved
+    /// `int4` and `int4+secded84` by −0.05% and paged `int4-ch+sink4/lm4`
+    /// keys in blocks of 64 by +0.06%, but `int4-ch` over a whole window
+    /// by +0.16%, `int8` by +0.66% and `int4-g32` by +0.80%, outside the
+    /// 0.1% bound. `int4`'s small difference is a cancellation of the
+    /// score and value codings' errors, so other models may move it more.
     #[default]
     Auto,
     /// Keys dequantized to f32 in registers and dotted with the f32 query:

@@ -81,8 +81,9 @@ fn value_sum_bound(store: &KvStore, n: usize) -> f64 {
 }
 
 /// Per query head, the largest score error the bound allows over the keys:
-/// `(s_q/2)·Σ_c |a_g(c)|·l_c` for groups along rows, `(s'/2)·Σ_c l_c`
-/// with `s' = max|q_c·a_c| / code_max` for per-channel groups; for NF4,
+/// `(s_q/2)·Σ_c |a_g(c)|·l_c` for groups along rows,
+/// `(s'/2)·Σ_c |l_c − 2^(bits−1)|` with `s' = max|q_c·a_c| / code_max` for
+/// per-channel groups; for NF4,
 /// `l_c` is the code's image, `a` its scale over 127, and the image's own
 /// error `Σ_c |q_c·a_g(c)|·ε_c` is added.
 fn score_bounds(store: &KvStore, q: &[f32], shape: &HeadShape, code_max: f64) -> Vec<f64> {
@@ -104,7 +105,14 @@ fn score_bounds(store: &KvStore, q: &[f32], shape: &HeadShape, code_max: f64) ->
                 let peak = qh.iter().zip(a).fold(0.0f64, |m, (&q, &a)| {
                     m.max((f64::from(q) * f64::from(a)).abs())
                 });
-                peak / code_max / 2.0 * row.iter().map(|&l| f64::from(l)).sum::<f64>()
+                // Scored against levels centred on 2^(bits−1) (a centred
+                // map's middle level).
+                let centre = match levels.map {
+                    LevelMap::Centered { mid } => f64::from(mid),
+                    _ => (f64::from(levels.max_level()) + 1.0) / 2.0,
+                };
+                let spread: f64 = row.iter().map(|&l| (f64::from(l) - centre).abs()).sum();
+                peak / code_max / 2.0 * spread
             } else {
                 let peak = qh.iter().fold(0.0f64, |m, &q| m.max(f64::from(q).abs()));
                 let (mut weighted, mut image) = (0.0, 0.0);
@@ -270,7 +278,13 @@ fn auto_numerics_pick_by_layout() {
         ("int4-g32", &exact),
         ("int4-sym", &exact),
         ("int8", &exact),
+        // Per-channel groups: over the whole store (333 tokens) exactly,
+        // over blocks of 16 to 128 tokens (sealed paged blocks) as integers.
         ("int4-ch", &exact),
+        ("int4-ch256", &exact),
+        ("int4-ch64", &int8),
+        ("int4-ch16", &int8),
+        ("int8-ch64", &exact),
         ("int4-t", &exact),
         ("nf4", &exact),
     ];

@@ -125,11 +125,19 @@ pub fn paged_backend(
 ) -> Result<PagedBackend> {
     BackendKind::Paged { block_size }.check(mode, faults)?;
     let specs = layer_specs(model, mode)?;
-    Ok(PagedBackend::new(
-        &specs,
-        block_size,
-        tokens.div_ceil(block_size).max(1),
-    )?)
+    let backend = PagedBackend::new(&specs, block_size, tokens.div_ceil(block_size).max(1))?;
+    keep_non_finite(backend.storage());
+    Ok(backend)
+}
+
+/// Makes `storage` store NaN and infinite K/V values as their forms store
+/// numbers (kv-quant's `NonFinite::Keep`, counted by
+/// `BlockStorage::non_finite_written`): in a fault experiment, a flipped
+/// exponent in an unprotected cache makes the next layers' rows NaN, and
+/// that outcome (NaN logits, infinite perplexity, wrong tokens) is a
+/// result to report, not an error that ends the run.
+pub fn keep_non_finite(storage: &paged_cache::BlockStorage) {
+    storage.set_non_finite(kv_quant::NonFinite::Keep);
 }
 
 /// The paged cache's layer specs for `model` in `mode`'s forms (`plain`

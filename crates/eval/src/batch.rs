@@ -430,6 +430,7 @@ pub fn paged_cache<P: PrefixCache>(
         paged_cache::check_pageable(&spec.value, config.block_size)?;
     }
     let storage = BlockStorage::new(config.num_blocks, config.block_size, &specs)?;
+    crate::backend::keep_non_finite(&storage);
     Ok(KvCacheManager::with_storage(
         config,
         prefix,

@@ -114,6 +114,9 @@ pub struct Generation {
     pub injected_flips: u64,
     /// What the scrubber found and fixed.
     pub scrubbed: ScrubStats,
+    /// NaN and infinite K/V values the paged cache stored (faults in an
+    /// unprotected form: stored as the form stores numbers, and counted).
+    pub non_finite_stored: u64,
 }
 
 impl Generation {
@@ -322,6 +325,7 @@ fn finish(mut out: Generation, cache: &GenCache) -> Result<Generation> {
             out.cache_bytes = c.0.stored_bytes()? as u64;
             let r = c.0.read_stats();
             out.reads = [r.keys, r.values];
+            out.non_finite_stored = c.0.storage().non_finite_written();
         }
     }
     Ok(out)

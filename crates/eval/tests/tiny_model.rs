@@ -475,6 +475,50 @@ fn generation_refuses_bad_input_before_any_work() {
     assert_eq!(a.tokens, b.tokens);
 }
 
+/// Faults in an unprotected cache are measured, not fatal: an `fp16` cache
+/// whose exponents are flipped holds NaN and infinities, and generation
+/// runs to its end, counting what it stored.
+#[test]
+fn faults_in_an_unprotected_cache_are_an_outcome_not_an_error() {
+    use kv_eval::backend::BackendKind;
+    use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
+    let m = model();
+    let config = GenerateConfig {
+        mode: form("fp16"),
+        backend: BackendKind::Paged { block_size: 4 },
+        context: 32,
+        max_new: 12,
+        sampling: Sampling::default(),
+        faults: Some(StepFaults {
+            channel: ChannelKind::Bsc,
+            ber_per_step: 3e-2,
+            target: FaultTarget::Everything,
+            seed: 5,
+            scrub_every: None,
+        }),
+        prefill_step: None,
+    };
+    let g = generate(&m, &tokens(6), &config, |_| Ok(())).unwrap();
+    assert_eq!(g.tokens.len(), 12);
+    assert!(g.injected_flips > 0);
+    assert!(
+        g.non_finite_stored > 0,
+        "flipped fp16 exponents made no NaN or infinity"
+    );
+    // The same run without faults stores none.
+    let clean = generate(
+        &m,
+        &tokens(6),
+        &GenerateConfig {
+            faults: None,
+            ..config
+        },
+        |_| Ok(()),
+    )
+    .unwrap();
+    assert_eq!(clean.non_finite_stored, 0);
+}
+
 /// A normalisation epsilon that is NaN, infinite, zero or negative is
 /// refused when the model loads (it would give PPL inf without a word), and
 /// a corpus that scores no prediction is an error, not PPL 1.

@@ -35,10 +35,16 @@ fn gathered_rows_read_as_their_own_values() {
         "fp8-e4m3-tok",
         "int4+secded84",
         "int4+golay24",
+        // Lloyd-Max codes: levels in the store's rotated coordinates.
+        "lm4",
+        "lm3+rot32",
     ] {
         let store = KvStore::quantize(form.parse().unwrap(), &values(7), TOKENS, CHANNELS).unwrap();
         assert!(store.reads_levels_per_token(), "{form}");
-        let whole = store.decode().unwrap().values;
+        let mut whole = vec![0.0; TOKENS * CHANNELS];
+        store
+            .decode_rows_rotated_into(0, TOKENS, &mut whole, &mut DecodeScratch::new())
+            .unwrap();
         gathered.clear();
         assert!(gathered.view(&store).is_none(), "{form}: nothing held");
         for &(start, count) in &pieces {
@@ -72,7 +78,7 @@ fn gathered_rows_read_as_their_own_values() {
 
 #[test]
 fn rows_of_other_stores_layouts_and_too_many_rows_are_refused() {
-    for form in ["fp16", "fp8-e4m3", "int4-ch", "int4-t", "lm4"] {
+    for form in ["fp16", "fp8-e4m3", "int4-ch", "int4-t", "lm4+qjl", "lm8"] {
         let store = KvStore::quantize(form.parse().unwrap(), &values(3), TOKENS, CHANNELS).unwrap();
         assert!(!store.reads_levels_per_token(), "{form}");
     }

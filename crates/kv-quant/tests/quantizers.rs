@@ -253,6 +253,71 @@ fn non_finite_input_is_an_error_by_default_and_clamped_on_request() {
     }
 }
 
+/// `NonFinite::Keep`: float forms (and the exact rows of sinks) store NaN
+/// and the infinities as IEEE conversion gives them, a finite value past
+/// fp16's range included; every other form stores what `Clamp` stores,
+/// byte for byte.
+#[test]
+fn keep_stores_non_finite_floats_and_saturates_the_rest() {
+    let keep = QuantizeOptions {
+        non_finite: NonFinite::Keep,
+    };
+    let clamp = QuantizeOptions {
+        non_finite: NonFinite::Clamp,
+    };
+    let mut data: Vec<f32> = (0..32).map(|i| i as f32 / 8.0 - 2.0).collect();
+    data[1] = f32::NAN;
+    data[9] = f32::INFINITY;
+    data[10] = f32::NEG_INFINITY;
+    data[20] = 1e6;
+    let same_bits = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    for spelling in ["fp32", "fp16", "bf16"] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let back = KvStore::quantize_with(form, &data, 4, 8, keep)
+            .unwrap()
+            .decode()
+            .unwrap()
+            .values;
+        assert!(back[1].is_nan(), "{spelling}: NaN kept");
+        assert_eq!(back[9], f32::INFINITY, "{spelling}");
+        assert_eq!(back[10], f32::NEG_INFINITY, "{spelling}");
+        let want = match spelling {
+            "fp32" => 1e6,
+            "fp16" => f32::INFINITY,
+            _ => half::bf16::from_f32(1e6).to_f32(),
+        };
+        assert_eq!(back[20], want, "{spelling}: beyond the format's range");
+        if spelling == "fp32" {
+            assert!(same_bits(back[5], data[5]), "fp32 keeps every value");
+        }
+    }
+    // (A finite value past a scale type's range is an error of its own,
+    // the same under every policy: `values_beyond_a_storage_type_are_errors`.)
+    data[20] = 0.5;
+    // Sink rows are exact fp16 rows: NaN kept there; the middle saturates.
+    let sink = KvStore::quantize_with("int4+sink1".parse().unwrap(), &data, 4, 8, keep).unwrap();
+    let back = sink.decode().unwrap().values;
+    assert!(back[1].is_nan(), "the sink row keeps NaN");
+    assert!(
+        back[8..].iter().all(|v| v.is_finite()),
+        "the int4 middle saturates"
+    );
+    for spelling in [
+        "int4",
+        "int4-ch",
+        "int8-sym",
+        "nf4-g8",
+        "fp8-e4m3",
+        "int4+secded84",
+        "lm4+rot8",
+    ] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let kept = KvStore::quantize_with(form, &data, 4, 8, keep).unwrap();
+        let clamped = KvStore::quantize_with(form, &data, 4, 8, clamp).unwrap();
+        assert_eq!(kept, clamped, "{spelling}: Keep saturates as Clamp does");
+    }
+}
+
 /// The representable value nearest 0 and the largest representable value of
 /// the group of `(t, c)`, from the stated formulas of each form.
 fn extremes(store: &KvStore, t: usize, c: usize) -> (f32, f32) {

@@ -22,6 +22,7 @@
 //! write lock one block at a time.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use gf2_codes::channel::FaultChannel;
@@ -196,6 +197,30 @@ pub struct BlockStorage {
     stores: Vec<[RwLock<KvStore>; 2]>,
     /// Per layer: the K and V exact rows of the blocks not sealed.
     staged: Vec<[RwLock<Staged>; 2]>,
+    /// What a written row's NaN and infinities get ([`NonFinite`] as a
+    /// byte: [`non_finite_code`]).
+    non_finite: AtomicU8,
+    /// Non-finite values in the rows written so far (under a policy that
+    /// stores them).
+    non_finite_written: AtomicU64,
+}
+
+/// [`NonFinite`] as the byte [`BlockStorage`] keeps it in.
+fn non_finite_code(policy: NonFinite) -> u8 {
+    match policy {
+        NonFinite::Reject => 0,
+        NonFinite::Clamp => 1,
+        NonFinite::Keep => 2,
+    }
+}
+
+/// The [`NonFinite`] of a [`non_finite_code`].
+fn non_finite_of(code: u8) -> NonFinite {
+    match code {
+        1 => NonFinite::Clamp,
+        2 => NonFinite::Keep,
+        _ => NonFinite::Reject,
+    }
 }
 
 // A panic while holding a lock leaves plain bytes behind, never a broken
@@ -276,7 +301,26 @@ impl BlockStorage {
             plans,
             stores,
             staged,
+            non_finite: AtomicU8::new(non_finite_code(NonFinite::Reject)),
+            non_finite_written: AtomicU64::new(0),
         })
+    }
+
+    /// Sets what [`write`](Self::write) does with NaN and infinite values:
+    /// refuse the row ([`NonFinite::Reject`], the default: a model that
+    /// writes them has a bug), saturate them, or store them as the form
+    /// stores numbers ([`NonFinite::Keep`]: fault experiments on
+    /// unprotected forms, where a flipped exponent's NaN is an outcome to
+    /// measure). Stored ones are counted ([`non_finite_written`](Self::non_finite_written)).
+    pub fn set_non_finite(&self, policy: NonFinite) {
+        self.non_finite
+            .store(non_finite_code(policy), Ordering::Relaxed);
+    }
+
+    /// NaN and infinite values written so far under a policy that stores
+    /// them (saturated or kept).
+    pub fn non_finite_written(&self) -> u64 {
+        self.non_finite_written.load(Ordering::Relaxed)
     }
 
     /// Tokens per block.
@@ -408,10 +452,19 @@ impl BlockStorage {
         // nothing, and outside the stores' locks; no allocation once warm.
         let mut writer = lock(&self.writers[layer]);
         let w = &mut *writer;
-        let options = QuantizeOptions::default();
+        let non_finite = non_finite_of(self.non_finite.load(Ordering::Relaxed));
+        let options = QuantizeOptions { non_finite };
         w.key.encode_into(keys, w.key_rows.as_mut(), options)?;
         w.value
             .encode_into(values, w.value_rows.as_mut(), options)?;
+        // (Under `Reject` a non-finite row was refused above.)
+        if non_finite != NonFinite::Reject {
+            let bad = keys.iter().chain(values).filter(|x| !x.is_finite()).count();
+            if bad > 0 {
+                self.non_finite_written
+                    .fetch_add(bad as u64, Ordering::Relaxed);
+            }
+        }
         let b = block.index();
         for (p, rows) in [&w.key_rows, &w.value_rows].into_iter().enumerate() {
             let plan = &self.plans[layer][p];
@@ -796,5 +849,53 @@ mod tests {
             )
             .unwrap();
         assert!(out.iter().all(|&x| (x - 0.25).abs() < 1e-6), "{out:?}");
+    }
+
+    /// Under `NonFinite::Keep` a NaN row is stored as its form stores
+    /// numbers (fp16 keys keep it, int4 values and staged-then-sealed
+    /// per-channel keys saturate) and counted; `Reject` stays the default.
+    #[test]
+    fn kept_non_finite_rows_are_stored_and_counted() {
+        let layers = [
+            LayerSpec {
+                key: "fp16".parse().unwrap(),
+                value: "int4".parse().unwrap(),
+                channels: 8,
+            },
+            LayerSpec::uniform("int4-ch".parse().unwrap(), 8),
+        ];
+        let storage = BlockStorage::new(2, 4, &layers).unwrap();
+        let mut bad = [0.25f32; 8];
+        bad[3] = f32::NAN;
+        bad[5] = f32::INFINITY;
+        assert!(storage.write(BlockId(0), 0, 0, &bad, &bad).is_err());
+        storage.set_non_finite(NonFinite::Keep);
+        for t in 0..4 {
+            for layer in 0..2 {
+                storage.write(BlockId(0), t, layer, &bad, &bad).unwrap();
+            }
+        }
+        assert_eq!(storage.non_finite_written(), 4 * 2 * 2 * 2);
+        let read = |layer, part| {
+            let mut out = [0.0; 8];
+            storage
+                .read(
+                    BlockId(0),
+                    layer,
+                    part,
+                    2,
+                    &mut out,
+                    &mut DecodeScratch::new(),
+                )
+                .unwrap();
+            out
+        };
+        let keys = read(0, KvPart::Keys);
+        assert!(keys[3].is_nan() && keys[5] == f32::INFINITY, "{keys:?}");
+        assert!(read(0, KvPart::Values).iter().all(|x| x.is_finite()));
+        // Staged per-channel rows are exact (kept), sealed ones saturated.
+        assert!(read(1, KvPart::Keys)[3].is_nan());
+        storage.seal_blocks(&[BlockId(0)], 0, 4).unwrap();
+        assert!(read(1, KvPart::Keys).iter().all(|x| x.is_finite()));
     }
 }

@@ -144,6 +144,9 @@ fn default_tiles_read_pages_as_a_contiguous_store() {
         ("int4+secded84", 48, None),
         ("int8", 16, None),
         ("nf4", 32, None),
+        // Lloyd-Max codes gather as levels too, in rotated coordinates.
+        ("lm4", 16, None),
+        ("lm3", 32, None),
         ("fp16", 64, Some(64)),
         ("fp16", 16, Some(16)),
     ] {

@@ -14,7 +14,10 @@
 //! - **one group per channel** (per-channel groups over blocks of tokens):
 //!   for each run of rows sharing a block, the scale is folded into the
 //!   query (`q'_c = q_c·a_c`) before it is quantized, and the offset term
-//!   `Σ q_c·b_c` (or `−mid·Σ q'_c`) is one constant per head.
+//!   `Σ q_c·b_c` (or `−mid·Σ q'_c`) is one constant per head; the levels
+//!   are scored centred on `m = 2^(bits−1)` at no cost per row (the
+//!   constant takes `m·(Σ q'_c − s'·Σ q̂_c)`), which halves the codes'
+//!   rounding error for 4-bit levels.
 //!
 //! NF4 codes take the first layout through their integer image
 //! ([`NF4_IMAGE`], one `vpshufb` per 64 levels) as centred levels.
@@ -573,6 +576,9 @@ fn per_channel_runs(
     let (q, keys, mid) = (ctx.q, ctx.keys, ctx.mid);
     let TileGeometry { group, kv_heads, d } = ctx.geometry;
     let (ch, rows) = (kv_heads * d, keys.rows());
+    // The middle of the levels' range, `2^(bits−1)` (a centred map's own
+    // middle level).
+    let centre = mid.unwrap_or((f32::from(keys.max_level()) + 1.0) / 2.0);
     let mut t0 = 0;
     while t0 < rows {
         let base = keys.group_index(t0, 0);
@@ -601,12 +607,28 @@ fn per_channel_runs(
                     scratch.coded_for = None;
                     return false;
                 };
+                let code_sum: i32 = match ctx.codes {
+                    QueryCodes::Int8 => hi.iter().map(|&c| i32::from(c)).sum(),
+                    QueryCodes::Int16 => hi
+                        .iter()
+                        .zip(lo.iter())
+                        .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
+                        .sum(),
+                };
                 split_planes(hi, &mut scratch.planes[h * d..][..d]);
                 scratch.scale[h] = s;
-                scratch.constant[h] = match mid {
+                let folded_sum = lane_sum(folded, None);
+                let base = match mid {
                     None => lane_sum(q, Some(b)),
-                    Some(mid) => -mid * lane_sum(folded, None),
+                    Some(mid) => -mid * folded_sum,
                 };
+                // Scored against levels centred on `centre`: the integer
+                // sum `Σ q̂·l` less `centre·Σ q̂` (exact) is
+                // `Σ q̂·(l − centre)`, and `centre·Σ q'` puts back exactly
+                // what the centring took away, so the codes' rounding
+                // errors meet `l − centre` (at most 8 for 4-bit levels)
+                // instead of `l` (up to 15).
+                scratch.constant[h] = base + centre * (folded_sum - s * code_sum as f32);
             }
         }
         let mut pass = ChannelRun {

@@ -151,6 +151,8 @@ pub struct RowEncoder {
     meta: Option<&'static MetaCode>,
     /// Saturate rather than refuse out-of-range float input (set per call).
     clamp: bool,
+    /// Float forms keep non-finite values' bits ([`NonFinite::Keep`]).
+    keep: bool,
     /// The range of the protected metadata the last `encode_into` wrote.
     written: ParamBound,
     scratch: Scratch,
@@ -197,6 +199,7 @@ impl RowEncoder {
             codebook: probe.codebook,
             meta: coding.meta_code(),
             clamp: false,
+            keep: false,
             written: ParamBound::default(),
             scratch: Scratch::default(),
         })
@@ -291,7 +294,10 @@ impl RowEncoder {
         )?;
         let (rb, width) = (self.row_bytes(), self.coding.scale_type().bytes());
         let g = self.groups;
-        self.clamp = options.non_finite == NonFinite::Clamp;
+        // Integer and codebook forms saturate under `Keep` as under `Clamp`;
+        // float forms keep the bits.
+        self.clamp = options.non_finite != NonFinite::Reject;
+        self.keep = options.non_finite == NonFinite::Keep;
         self.written = ParamBound::default();
         for (r, row) in rows.chunks_exact(ch).enumerate() {
             let finite = all_finite(row);
@@ -434,7 +440,7 @@ impl RowEncoder {
         data: &mut [u8],
     ) -> Result<()> {
         let packed = grow(&mut self.scratch.packed, bytes * self.channels);
-        float_codes(kind, row, packed, self.clamp)?;
+        float_codes(kind, row, packed, self.clamp, self.keep)?;
         if self.coding.codec().is_none() {
             data.copy_from_slice(packed);
             return Ok(());
@@ -500,9 +506,31 @@ pub(crate) fn sanitize(x: f32) -> f32 {
     }
 }
 
-/// The little-endian bits of each value of a float form; values beyond the
-/// format saturate when `clamp` is set and are errors otherwise.
-fn float_codes(kind: Kind, row: &[f32], out: &mut [u8], clamp: bool) -> Result<()> {
+/// The little-endian bits of each value of a float form; with `keep`, the
+/// IEEE conversion of every value, NaN and infinities included; otherwise
+/// non-finite values are sanitized and values beyond the format saturate
+/// when `clamp` is set and are errors if not.
+fn float_codes(kind: Kind, row: &[f32], out: &mut [u8], clamp: bool, keep: bool) -> Result<()> {
+    if keep {
+        match kind {
+            Kind::F32 => {
+                for (o, &x) in out.chunks_exact_mut(4).zip(row) {
+                    o.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+            Kind::F16 => {
+                for (o, &x) in out.chunks_exact_mut(2).zip(row) {
+                    o.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+                }
+            }
+            _ => {
+                for (o, &x) in out.chunks_exact_mut(2).zip(row) {
+                    o.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+                }
+            }
+        }
+        return Ok(());
+    }
     let overflow = |x: f32, dtype: &'static str, max: f64| KvQuantError::OutOfRange {
         what: "input value",
         value: f64::from(x),

@@ -92,6 +92,14 @@ pub enum NonFinite {
     /// rotation). Finite inputs beyond an fp16 store's range saturate
     /// likewise. Group ranges and scales are computed from the finite values only.
     Clamp,
+    /// Store them as the form stores numbers: float forms (fp32, fp16,
+    /// bf16, and the exact rows of sinks, windows and staged blocks) keep
+    /// NaN and the infinities, and a finite value beyond fp16's or bf16's
+    /// range becomes an infinity, as the IEEE conversion gives it; every
+    /// other form saturates as under [`Clamp`](Self::Clamp). For fault
+    /// experiments on unprotected caches: a fault's NaN reaches attention
+    /// and the model, and its outcome is measured instead of ending the run.
+    Keep,
 }
 
 /// Options of [`KvStore::quantize_with`].

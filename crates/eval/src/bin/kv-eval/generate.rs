@@ -222,5 +222,12 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         g.scrubbed.values.corrected,
         g.scrubbed.values.detected
     );
+    if g.non_finite_stored > 0 {
+        eprintln!(
+            "non-finite K/V values stored: {} (faults in an unprotected form made NaN or infinity; \
+             the output above is their outcome)",
+            g.non_finite_stored
+        );
+    }
     Ok(())
 }
