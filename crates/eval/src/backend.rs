@@ -114,8 +114,8 @@ pub fn seals_blocks(mode: &CacheMode, block_size: usize) -> bool {
 /// A paged backend for one sequence of up to `tokens` tokens of `model`,
 /// in `mode`'s forms per layer (`plain` keeps `fp32` rows). Refuses faults
 /// (the paged cache's faults accumulate over steps; the per-call protocol
-/// is the re-encode backend's) and forms a block cannot hold, before any
-/// work.
+/// is the re-encode backend's), forms a block cannot hold, and a pool over
+/// the memory budget ([`crate::budget`]), before any work.
 pub fn paged_backend(
     model: &dyn CausalLm,
     mode: &CacheMode,
@@ -125,7 +125,12 @@ pub fn paged_backend(
 ) -> Result<PagedBackend> {
     BackendKind::Paged { block_size }.check(mode, faults)?;
     let specs = layer_specs(model, mode)?;
-    let backend = PagedBackend::new(&specs, block_size, tokens.div_ceil(block_size).max(1))?;
+    let blocks = tokens.div_ceil(block_size).max(1);
+    crate::budget::check(
+        &format!("a paged cache of {tokens} tokens ({blocks} blocks of {block_size})"),
+        paged_cache::BlockStorage::pool_bytes(blocks, block_size, &specs)?,
+    )?;
+    let backend = PagedBackend::new(&specs, block_size, blocks)?;
     keep_non_finite(backend.storage());
     Ok(backend)
 }

@@ -429,6 +429,13 @@ pub fn paged_cache<P: PrefixCache>(
         paged_cache::check_pageable(&spec.key, config.block_size)?;
         paged_cache::check_pageable(&spec.value, config.block_size)?;
     }
+    crate::budget::check(
+        &format!(
+            "the device pool of --blocks {} (blocks of {} tokens)",
+            config.num_blocks, config.block_size
+        ),
+        BlockStorage::pool_bytes(config.num_blocks, config.block_size, &specs)?,
+    )?;
     let storage = BlockStorage::new(config.num_blocks, config.block_size, &specs)?;
     crate::backend::keep_non_finite(&storage);
     Ok(KvCacheManager::with_storage(

@@ -67,6 +67,23 @@ pub enum EvalError {
         /// The first token whose logits were asked for.
         logits_from: usize,
     },
+    /// Something sized from user input would not fit the memory budget
+    /// ([`crate::budget`]).
+    #[error(
+        "{what} would take {}, over the memory budget of {} ({origin})",
+        crate::budget::human(*bytes),
+        crate::budget::human(*limit)
+    )]
+    MemoryBudget {
+        /// What was asked for (with the numbers that size it).
+        what: String,
+        /// Bytes it would take.
+        bytes: u64,
+        /// The budget.
+        limit: u64,
+        /// Where the budget came from.
+        origin: String,
+    },
     /// A parameter is out of its domain.
     #[error("invalid {name}: {reason}")]
     InvalidParameter {

@@ -10,6 +10,7 @@ pub mod accumulate;
 pub mod adaptive;
 pub mod backend;
 pub mod batch;
+pub mod budget;
 pub mod cache;
 pub mod calibration;
 pub mod frontier;

@@ -21,6 +21,11 @@ fn hostile_flags_are_refused_before_any_work() {
             "--stride 300",
         ),
         (&["ppl", "--max-tokens", "0"], "--max-tokens 0"),
+        (&["ppl", "--memory-limit", "12X"], "memory-limit"),
+        (
+            &["generate", "--memory-limit", "0", "--prompt", "hi"],
+            "memory-limit",
+        ),
         (&["ppl", "--ber", "2"], "not in [0, 1]"),
         (&["ppl", "--gemm-flips", "1e-6"], "need --abft"),
         (&["ppl", "--abft-correct"], "need --abft"),

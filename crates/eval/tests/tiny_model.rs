@@ -475,6 +475,45 @@ fn generation_refuses_bad_input_before_any_work() {
     assert_eq!(a.tokens, b.tokens);
 }
 
+/// Pools sized from user input are checked against the memory budget
+/// before anything is allocated: a paged cache of 2^40 tokens and a batch
+/// pool of 2^36 blocks are refused with the sizes, while a host tier of
+/// a hundred million blocks costs nothing until used.
+#[test]
+fn pools_past_the_memory_budget_are_refused_before_allocating() {
+    let m = model();
+    let mode = form("int4+secded84");
+    match kv_eval::backend::paged_backend(&m, &mode, None, 16, 1 << 40) {
+        Err(EvalError::MemoryBudget {
+            what, bytes, limit, ..
+        }) => {
+            assert!(bytes > limit, "{bytes} <= {limit}");
+            assert!(what.contains("1099511627776 tokens"), "{what}");
+        }
+        other => panic!("{:?}", other.err()),
+    }
+    let config = |num_blocks, host_blocks| paged_cache::CacheConfig {
+        num_blocks,
+        block_size: 16,
+        host_blocks,
+    };
+    let huge =
+        kv_eval::batch::paged_cache(&m, &mode, config(1 << 36, 0), paged_cache::NoPrefixCache);
+    assert!(
+        matches!(huge, Err(EvalError::MemoryBudget { .. })),
+        "{:?}",
+        huge.err()
+    );
+    let host = kv_eval::batch::paged_cache(
+        &m,
+        &mode,
+        config(64, 100_000_000),
+        paged_cache::NoPrefixCache,
+    )
+    .unwrap();
+    assert_eq!(host.host_free(), 100_000_000);
+}
+
 /// Faults in an unprotected cache are measured, not fatal: an `fp16` cache
 /// whose exponents are flipped holds NaN and infinities, and generation
 /// runs to its end, counting what it stored.

@@ -67,12 +67,37 @@ pub struct ManagerStats {
     pub evicted: u64,
 }
 
+/// The host tier: slots made as swapping needs them (up to `capacity`),
+/// so a large tier costs nothing until it is used.
 #[derive(Clone, Debug)]
 struct HostTier {
     capacity: usize,
+    /// Slots given back, handed out again first (last in, first out).
     free: Vec<u32>,
+    /// Slots made so far: `0..made` exist in `tokens` and `data`.
+    made: usize,
     tokens: Vec<u32>,
     data: Vec<Option<BlockData>>,
+}
+
+impl HostTier {
+    /// Slots that can still be handed out.
+    fn available(&self) -> usize {
+        self.free.len() + (self.capacity - self.made)
+    }
+
+    /// A free slot: a given-back one, or a new one (the caller checked
+    /// [`available`](Self::available)).
+    fn take(&mut self, block_size: usize) -> u32 {
+        if let Some(slot) = self.free.pop() {
+            return slot;
+        }
+        let slot = self.made;
+        self.made += 1;
+        self.tokens.resize(self.made * block_size, 0);
+        self.data.push(None);
+        slot as u32
+    }
 }
 
 /// Sequences, their block tables and the pool under them.
@@ -103,11 +128,8 @@ impl<P: PrefixCache> KvCacheManager<P> {
                     u32::MAX - 1
                 ),
             })?;
-        let slots = crate::pool::check_slots("host_blocks", config.host_blocks, bs)?;
-        let mut free = crate::error::try_vec(config.host_blocks, 0u32, "host blocks")?;
-        for (slot, id) in free.iter_mut().zip((0..host_blocks).rev()) {
-            *slot = id;
-        }
+        // Checked here, made on demand.
+        crate::pool::check_slots("host_blocks", host_blocks as usize, bs)?;
         Ok(Self {
             pool,
             prefix,
@@ -115,9 +137,10 @@ impl<P: PrefixCache> KvCacheManager<P> {
             next_id: 0,
             host: HostTier {
                 capacity: config.host_blocks,
-                free,
-                tokens: crate::error::try_vec(slots, 0, "host token slots")?,
-                data: crate::error::try_vec(config.host_blocks, None, "host blocks")?,
+                free: Vec::new(),
+                made: 0,
+                tokens: Vec::new(),
+                data: Vec::new(),
             },
             storage: None,
             stats: ManagerStats::default(),
@@ -181,7 +204,7 @@ impl<P: PrefixCache> KvCacheManager<P> {
 
     /// Free host-tier blocks.
     pub fn host_free(&self) -> usize {
-        self.host.free.len()
+        self.host.available()
     }
 
     /// Live sequences, in id order.
@@ -477,10 +500,10 @@ impl<P: PrefixCache> KvCacheManager<P> {
     pub fn swap_out(&mut self, id: SeqId) -> Result<()> {
         let s = self.resident(id)?;
         let n = s.table.len();
-        if self.host.free.len() < n {
+        if self.host.available() < n {
             return Err(PagedCacheError::HostTierFull {
                 needed: n,
-                free: self.host.free.len(),
+                free: self.host.available(),
             });
         }
         let s = self.seqs.get_mut(&id).expect("live");
@@ -489,7 +512,7 @@ impl<P: PrefixCache> KvCacheManager<P> {
         let bs = self.pool.block_size();
         let mut slots = Vec::with_capacity(n);
         for &b in &table {
-            let slot = self.host.free.pop().expect("counted");
+            let slot = self.host.take(bs);
             self.host.tokens[slot as usize * bs..][..bs].copy_from_slice(self.pool.tokens(b));
             if let Some(storage) = &self.storage {
                 self.host.data[slot as usize] = Some(storage.snapshot(b)?);
@@ -617,7 +640,7 @@ impl<P: PrefixCache> KvCacheManager<P> {
         let bs = self.block_size();
         let mut users = vec![0u32; self.pool.num_blocks()];
         self.prefix.for_each_held(&mut |b| users[b.index()] += 1);
-        let mut host_used = vec![false; self.host.capacity];
+        let mut host_used = vec![false; self.host.made];
         for &slot in &self.host.free {
             if std::mem::replace(&mut host_used[slot as usize], true) {
                 return Err(format!("host slot {slot} is free twice"));
@@ -664,6 +687,18 @@ impl<P: PrefixCache> KvCacheManager<P> {
         }
         if host_used.iter().any(|u| !u) {
             return Err("a host slot is neither free nor used".into());
+        }
+        let made = self.host.made;
+        if made > self.host.capacity
+            || self.host.tokens.len() != made * bs
+            || self.host.data.len() != made
+        {
+            return Err(format!(
+                "{made} host slots made of {}, holding {} tokens and {} blocks",
+                self.host.capacity,
+                self.host.tokens.len(),
+                self.host.data.len()
+            ));
         }
         for (i, &n) in users.iter().enumerate() {
             let count = self

@@ -306,6 +306,29 @@ impl BlockStorage {
         })
     }
 
+    /// Bytes [`new`](Self::new) takes for these arguments: every layer's K
+    /// and V stores (their sealed forms), counted from one block's bytes,
+    /// plus the largest f32 matrix it zero-fills while building one store
+    /// (`num_blocks · block_size · channels · 4`, freed before the next).
+    /// A caller sizing a pool from user input checks this against its
+    /// memory budget before building it. Staged exact rows are made as
+    /// blocks are written and are not counted.
+    pub fn pool_bytes(num_blocks: usize, block_size: usize, layers: &[LayerSpec]) -> Result<u64> {
+        let blocks = num_blocks as u64;
+        let rows = blocks.saturating_mul(block_size as u64);
+        let mut total = 0u64;
+        let mut widest = 0u64;
+        for l in layers {
+            for form in [l.key, l.value] {
+                let plan = block_plan(form, block_size)?;
+                let one = KvStore::zeroed(plan.sealed, block_size, l.channels)?.stored_bytes();
+                total = total.saturating_add((one as u64).saturating_mul(blocks));
+            }
+            widest = widest.max(rows.saturating_mul(4 * l.channels as u64));
+        }
+        Ok(total.saturating_add(widest))
+    }
+
     /// Sets what [`write`](Self::write) does with NaN and infinite values:
     /// refuse the row ([`NonFinite::Reject`], the default: a model that
     /// writes them has a bug), saturate them, or store them as the form
@@ -849,6 +872,29 @@ mod tests {
             )
             .unwrap();
         assert!(out.iter().all(|&x| (x - 0.25).abs() < 1e-6), "{out:?}");
+    }
+
+    /// `pool_bytes` is what `new` holds: the stores' bytes plus the
+    /// transient f32 matrix of one store.
+    #[test]
+    fn pool_bytes_count_what_new_allocates() {
+        let layers = [
+            LayerSpec::uniform("int4+secded84".parse().unwrap(), 64),
+            LayerSpec {
+                key: "int4-ch+sink4".parse().unwrap(),
+                value: "lm4".parse().unwrap(),
+                channels: 64,
+            },
+        ];
+        let (blocks, bs) = (10, 16);
+        let storage = BlockStorage::new(blocks, bs, &layers).unwrap();
+        let stores: usize = (0..2)
+            .map(|l| storage.layer_block_bytes(l).unwrap() * blocks)
+            .sum();
+        let want = stores as u64 + (blocks * bs * 64 * 4) as u64;
+        assert_eq!(BlockStorage::pool_bytes(blocks, bs, &layers).unwrap(), want);
+        let shard = [LayerSpec::uniform("shard".parse().unwrap(), 64)];
+        assert!(BlockStorage::pool_bytes(blocks, bs, &shard).is_err());
     }
 
     /// Under `NonFinite::Keep` a NaN row is stored as its form stores

@@ -196,3 +196,33 @@ fn sizes_that_cannot_fit_are_refused_before_allocating() {
         }
     }
 }
+
+/// The host tier is made as swapping needs it: a tier of 100 million
+/// blocks costs nothing until a sequence is swapped out, and then holds
+/// only what was swapped.
+#[test]
+fn a_large_host_tier_costs_nothing_until_used() {
+    let config = CacheConfig {
+        num_blocks: 8,
+        block_size: 16,
+        host_blocks: 100_000_000,
+    };
+    let mut cache = paged_cache::KvCacheManager::new(config, NoPrefixCache).unwrap();
+    assert_eq!(cache.host_free(), 100_000_000);
+    let prompt: Vec<u32> = (0..40).collect();
+    let (a, _) = cache.add_sequence(&prompt, 0).unwrap();
+    let (b, _) = cache.add_sequence(&prompt[..20], 1).unwrap();
+    cache.swap_out(a).unwrap();
+    assert_eq!(cache.host_free(), 100_000_000 - 3);
+    cache.swap_out(b).unwrap();
+    cache.check_invariants().unwrap();
+    cache.swap_in(a).unwrap();
+    // Slots given back are handed out again before new ones are made.
+    assert_eq!(cache.host_free(), 100_000_000 - 2);
+    cache.swap_out(a).unwrap();
+    cache.check_invariants().unwrap();
+    cache.swap_in(b).unwrap();
+    cache.swap_in(a).unwrap();
+    assert_eq!(cache.host_free(), 100_000_000);
+    cache.check_invariants().unwrap();
+}

@@ -99,6 +99,17 @@ pub(crate) fn run_accumulate(args: AccumulateArgs) -> Result<(), Error> {
     let text = std::fs::File::open(&text_file)
         .map_err(|e| format!("cannot read text {}: {e}", text_file.display()))?;
     let (model, tokenizer) = load_model(&model_path(&args.model)?)?;
+    let tokens = args.prompt_tokens.saturating_add(args.steps);
+    if let Some(trained) = model.context()
+        && tokens > trained
+    {
+        return Err(format!(
+            "--prompt-tokens {} plus --steps {} is {tokens} tokens, past the {trained} tokens \
+             the model was trained to",
+            args.prompt_tokens, args.steps
+        )
+        .into());
+    }
     let limits = ReadLimits {
         max_tokens: Some(args.prompt_tokens),
         ..ReadLimits::default()

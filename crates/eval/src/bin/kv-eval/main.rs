@@ -38,6 +38,11 @@ use kv_quant::{CacheForm, FaultTarget, LayerForms};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Memory budget for everything sized from the flags (paged pools):
+    /// bytes, or with K, M, G or T (24G) [default: 80% of the memory
+    /// available at start].
+    #[arg(long, global = true)]
+    memory_limit: Option<String>,
 }
 
 /// Which form each layer's keys and values are stored in.
@@ -409,6 +414,9 @@ fn progress_bar(what: &str) -> ProgressBar {
 }
 
 fn run(cli: Cli) -> Result<(), Error> {
+    if let Some(limit) = &cli.memory_limit {
+        kv_eval::budget::set_limit(kv_eval::budget::parse_size(limit)?);
+    }
     match cli.command {
         Command::Ppl {
             source,
