@@ -8,6 +8,10 @@ fn hostile_flags_are_refused_before_any_work() {
     let file = std::env::temp_dir().join(format!("kv-eval-cli-{}", std::process::id()));
     std::fs::write(&file, b"a file, not a folder").unwrap();
     let out = file.to_str().unwrap();
+    let tmp_dir = std::env::temp_dir();
+    let tmp = tmp_dir.to_str().unwrap();
+    // A path inside a file: no folder can be made there.
+    let inside_file = format!("{out}/sub/out.json");
     let missing = "/nonexistent/model.gguf";
     for (args, says) in [
         (&["ppl", "--ctx", "2"][..], "--ctx 2"),
@@ -22,6 +26,14 @@ fn hostile_flags_are_refused_before_any_work() {
         ),
         (&["ppl", "--max-tokens", "0"], "--max-tokens 0"),
         (&["ppl", "--memory-limit", "12X"], "memory-limit"),
+        // Output paths are probed before the model loads.
+        (&["ppl", "--json", tmp], "is a folder"),
+        (&["ppl", "--json", &inside_file], "cannot create"),
+        (
+            &["accumulate", "--text", out, "--out", &inside_file],
+            "cannot create the folder",
+        ),
+        (&["calibrate", "--out", tmp], "is a folder"),
         (
             &["generate", "--memory-limit", "0", "--prompt", "hi"],
             "memory-limit",

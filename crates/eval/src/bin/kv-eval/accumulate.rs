@@ -98,6 +98,7 @@ pub(crate) fn run_accumulate(args: AccumulateArgs) -> Result<(), Error> {
     let text_file = args.text.clone().unwrap_or_else(paths::default_text);
     let text = std::fs::File::open(&text_file)
         .map_err(|e| format!("cannot read text {}: {e}", text_file.display()))?;
+    crate::check_out_dir(&args.out)?;
     let (model, tokenizer) = load_model(&model_path(&args.model)?)?;
     let tokens = args.prompt_tokens.saturating_add(args.steps);
     if let Some(trained) = model.context()

@@ -133,6 +133,9 @@ pub(crate) fn run_adapt(args: AdaptArgs) -> Result<(), Error> {
         }
     }
     let region = hot_region(&args)?;
+    if let Some(path) = &args.json {
+        crate::check_out_file(path, "--json")?;
+    }
     let per_block = !matches!(region, HotRegion::Layers(_));
     // Hamming(7,4) has no interleaved layout: it stays plain.
     let codes = if args.interleaved {

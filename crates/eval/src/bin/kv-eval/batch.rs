@@ -141,6 +141,7 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
             None
         }
     };
+    crate::check_out_dir(&args.out)?;
     let (model, tokenizer) = load_model(&model_path(&args.model)?)?;
     let context = model.context().unwrap_or(usize::MAX);
     let requests = match (&text, &args.requests) {

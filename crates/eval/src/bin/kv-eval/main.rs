@@ -367,12 +367,45 @@ fn first_repeat<T: PartialEq>(items: &[T]) -> Option<&T> {
         .map(|(_, x)| x)
 }
 
-/// Refuses an output path that exists as a file before any work starts.
+/// Makes the output folder and checks that a file can be written in it,
+/// before any work starts (a run of an hour should not end in "cannot
+/// write").
 fn check_out_dir(out: &Path) -> Result<(), Error> {
     if out.exists() && !out.is_dir() {
         return Err(format!("--out {} exists and is not a folder", out.display()).into());
     }
-    Ok(())
+    std::fs::create_dir_all(out)
+        .map_err(|e| format!("--out {}: cannot create the folder: {e}", out.display()))?;
+    probe_writable(out, "--out")
+}
+
+/// Checks that the output file `path` (`--json`) can be written, before
+/// any work starts: not a folder, in a folder that exists (made if need
+/// be) and takes new files. The file itself is left as it was.
+fn check_out_file(path: &Path, flag: &str) -> Result<(), Error> {
+    if path.is_dir() {
+        return Err(format!("{flag} {} is a folder; name a file", path.display()).into());
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(parent).map_err(|e| {
+        format!(
+            "{flag} {}: cannot create {}: {e}",
+            path.display(),
+            parent.display()
+        )
+    })?;
+    probe_writable(parent, flag)
+}
+
+/// Creates and removes a probe file in `dir`.
+fn probe_writable(dir: &Path, flag: &str) -> Result<(), Error> {
+    let probe = dir.join(format!(".kv-eval-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|e| format!("{flag}: cannot write in {}: {e}", dir.display()).into())
 }
 
 fn check_ber(ber: f64) -> Result<(), Error> {
@@ -435,6 +468,9 @@ fn run(cli: Cli) -> Result<(), Error> {
             abft_correct,
             json,
         } => {
+            if let Some(path) = &json {
+                check_out_file(path, "--json")?;
+            }
             check_ber(ber)?;
             if !(0.0..=1.0).contains(&gemm_flips) {
                 return Err(format!("--gemm-flips {gemm_flips} is not in [0, 1]").into());
@@ -555,7 +591,6 @@ fn run(cli: Cli) -> Result<(), Error> {
             target,
             out,
         } => {
-            check_out_dir(&out)?;
             for &b in &bers {
                 check_ber(b)?;
             }
@@ -578,6 +613,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 check_segments(&mode, source.ctx)?;
                 modes.push(mode);
             }
+            check_out_dir(&out)?;
             let Prepared {
                 model,
                 tokenizer,
@@ -689,9 +725,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             if !forms.iter().any(|(f, _)| needs_calibration(f)) {
                 return Err("no form needs calibration (calibrate vq and pca-* forms)".into());
             }
-            if out.is_dir() {
-                return Err(format!("--out {} is a folder, not a file", out.display()).into());
-            }
+            check_out_file(&out, "--out")?;
             let (model, tokenizer) = load_model(&model_path(&model)?)?;
             let cal = fit_calibration(&forms, &calib, model.as_ref(), &tokenizer)?;
             cal.save(&out)?;

@@ -80,6 +80,7 @@ pub(crate) fn run(args: NiahArgs) -> Result<(), Error> {
         .unwrap_or_else(paths::default_haystack);
     let haystack = Haystack::open(&haystack_path)?;
     let model_file = model_path(&args.model)?;
+    crate::check_out_dir(&args.out)?;
     let (model, tokenizer) = load_model(&model_file)?;
     let longest = *args.lengths.iter().max().expect("checked non-empty");
     if let Some(trained) = model.context()

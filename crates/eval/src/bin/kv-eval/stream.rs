@@ -50,6 +50,9 @@ pub(crate) struct StreamArgs {
 pub(crate) fn run_stream(args: StreamArgs) -> Result<(), Error> {
     let form: CacheForm = args.form.parse()?;
     let reference: CacheForm = args.reference.parse()?;
+    if let Some(path) = &args.json {
+        crate::check_out_file(path, "--json")?;
+    }
     let mut modes = vec![CacheMode::form(reference)];
     modes.extend(
         stream_variants(&form, args.fold)?
