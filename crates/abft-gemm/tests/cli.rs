@@ -45,6 +45,14 @@ fn hostile_arguments_get_one_clear_error() {
         (&["run", "--fp-precisions", "bf16,bf16"], "twice"),
         (&["run", "--fp-trials", "0"], "at least one product"),
         (
+            &["run", "--fp-trials", "18446744073709551615"],
+            "at most 10000000 products",
+        ),
+        (
+            &["run", "--det-trials", "10000001", "--tables", "detection"],
+            "at most 10000000 products",
+        ),
+        (
             &["run", "--det-trials", "0", "--tables", "detection"],
             "at least one product",
         ),

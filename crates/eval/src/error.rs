@@ -120,7 +120,10 @@ pub enum EvalError {
     Channel(#[from] gf2_codes::Gf2Error),
     /// A safetensors file (checkpoint or calibration) is malformed: what is
     /// wrong, and the safetensors crate's own error when it found it.
-    #[error("safetensors: {context}")]
+    #[error(
+        "safetensors: {context}{}",
+        source.as_ref().map(|s| format!(": {s}")).unwrap_or_default()
+    )]
     Safetensors {
         /// What is wrong, and where.
         context: String,

@@ -262,12 +262,21 @@ impl TextTokenizer {
                 read += n;
                 eof = n == 0;
                 if read > limits.max_bytes {
-                    return Err(EvalError::InvalidParameter {
-                        name: "text",
-                        reason: format!(
-                            "more than {} bytes of text; pass a token limit (--max-tokens) or a smaller file",
+                    let reason = match limits.max_tokens {
+                        Some(t) => format!(
+                            "{} bytes read without reaching {t} tokens (is it text? the limit \
+                             on bytes read is {})",
+                            read, limits.max_bytes
+                        ),
+                        None => format!(
+                            "more than {} bytes of text; pass a token limit (--max-tokens) or a \
+                             smaller file",
                             limits.max_bytes
                         ),
+                    };
+                    return Err(EvalError::InvalidParameter {
+                        name: "text",
+                        reason,
                     });
                 }
             }

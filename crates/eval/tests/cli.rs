@@ -26,6 +26,15 @@ fn hostile_flags_are_refused_before_any_work() {
         ),
         (&["ppl", "--max-tokens", "0"], "--max-tokens 0"),
         (&["ppl", "--memory-limit", "12X"], "memory-limit"),
+        (
+            &["top", "--model", "/dev/zero", "--prompt", "hi"],
+            "neither a file nor a folder",
+        ),
+        // The form as spelled, not as a Rust structure.
+        (
+            &["shard-stream", "--fold", "0"],
+            "\"shard-f0\": folding chunks",
+        ),
         // Output paths are probed before the model loads.
         (&["ppl", "--json", tmp], "is a folder"),
         (&["ppl", "--json", &inside_file], "cannot create"),
@@ -76,7 +85,7 @@ fn hostile_flags_are_refused_before_any_work() {
             ],
             "demote-at",
         ),
-        (&["adapt", "--hot-layers", "70"], "layers 0..64"),
+        (&["adapt", "--hot-layers", "70"], "at most 64 layers"),
         (
             &["adapt", "--hot-layers", "3", "--ber", "0"],
             "--ber 0 is not in (0, 1]",

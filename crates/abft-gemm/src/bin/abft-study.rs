@@ -153,6 +153,10 @@ fn cell(ours: Option<f64>, design: Option<Option<f64>>) -> String {
     }
 }
 
+/// The most products `run` takes per table: 100 times `--full`'s, so a
+/// mistyped count is refused instead of running for years.
+const MAX_TRIALS: u64 = 10_000_000;
+
 fn main() {
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e}");
@@ -229,6 +233,15 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let det_trials = det_trials.unwrap_or(if full { 10_000 } else { 300 });
             if (run_fp && fp_trials == 0) || (run_det && det_trials == 0) {
                 return Err("--fp-trials and --det-trials need at least one product".into());
+            }
+            for (flag, trials) in [("--fp-trials", fp_trials), ("--det-trials", det_trials)] {
+                if trials > MAX_TRIALS {
+                    return Err(format!(
+                        "{flag} {trials}: at most {MAX_TRIALS} products (100 times --full's; \
+                         a 128×1024×256 product takes about a millisecond here)"
+                    )
+                    .into());
+                }
             }
             for name in &fp_precisions {
                 name.parse::<Precision>()

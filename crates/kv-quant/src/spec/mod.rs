@@ -495,7 +495,7 @@ impl CacheForm {
         };
         form.validate()
             .map_err(|reason| KvQuantError::InvalidSpec {
-                spec: format!("{form:?}"),
+                spec: form.to_string(),
                 reason,
             })?;
         Ok(form)

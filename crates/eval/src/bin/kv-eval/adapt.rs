@@ -113,7 +113,11 @@ fn hot_region(args: &AdaptArgs) -> Result<HotRegion, Error> {
         },
         _ => {
             if let Some(l) = args.hot_layers.iter().find(|&&l| l >= 64) {
-                return Err(format!("--hot-layers {l}: layers 0..64 only").into());
+                return Err(format!(
+                    "--hot-layers {l}: at most 64 layers (0 to 63) can be hot; the model's own \
+                     layer count is checked once it loads"
+                )
+                .into());
             }
             HotRegion::Layers(args.hot_layers.iter().fold(0u64, |m, &l| m | 1 << l))
         }

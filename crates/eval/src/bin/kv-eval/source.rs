@@ -72,6 +72,14 @@ pub(crate) fn model_path(p: &Option<PathBuf>) -> Result<PathBuf, Error> {
             None => p.clone(),
         },
     };
+    if path.exists() && !path.is_file() && !path.is_dir() {
+        return Err(format!(
+            "model {} is neither a file nor a folder (pass --model with a GGUF file or a \
+             Hugging Face folder)",
+            path.display()
+        )
+        .into());
+    }
     if !path.is_file() && !path.is_dir() {
         return Err(format!(
             "model {} not found (run `cargo xtask fetch-model`, or pass --model with a GGUF \
