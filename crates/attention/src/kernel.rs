@@ -104,7 +104,9 @@ pub(crate) fn attend_tile(
     let codes = match numerics {
         Numerics::Exact => None,
         Numerics::Auto => match keys {
-            TileRows::Levels(levels) if auto_integer(&levels) => Some(int8_query::QueryCodes::Int8),
+            TileRows::Levels(levels) if auto_integer_keys(&levels) => {
+                Some(int8_query::QueryCodes::Int8)
+            }
             _ => None,
         },
         Numerics::Int8Query => Some(int8_query::QueryCodes::Int8),
@@ -153,7 +155,7 @@ pub(crate) fn attend_tile(
     let integer_value_sums = |levels: &LevelRows<'_>| {
         let wanted = match numerics {
             Numerics::Int8Query => true,
-            Numerics::Auto => auto_integer(levels),
+            Numerics::Auto => auto_integer_values(levels),
             Numerics::Exact | Numerics::Int16Query => false,
         };
         wanted && int_values::takes(levels, geometry)
@@ -250,26 +252,40 @@ fn kernels(
     scratch.wide = wide;
 }
 
-/// Whether [`Numerics::Auto`] takes the integer path for `levels`: 4-bit
-/// affine levels in whole-row per-token groups (`int4` and its protected
-/// forms), or in per-channel groups over blocks of 16 to
-/// [`AUTO_CHANNEL_BLOCK`] tokens (the paged cache's sealed `int4-ch`
-/// blocks): the layouts whose perplexity the integer path was measured to
-/// keep within 0.1% of exact scores (attention `docs/measurements.md`,
-/// "Perplexity of the two codings" and "Per-channel blocks").
-fn auto_integer(levels: &LevelRows<'_>) -> bool {
-    let four_bit_affine = levels.max_level() == 15 && levels.map == LevelMap::Affine;
-    let whole_rows =
-        levels.tokens_per_group() == 1 && levels.channels_per_group() == levels.channels();
-    let channel_blocks = levels.channels_per_group() == 1
-        && (16..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group());
-    four_bit_affine && (whole_rows || channel_blocks)
+/// Whether [`Numerics::Auto`] scores keys `levels` with integer dot
+/// products: 4-bit affine levels in whole-row per-token groups (`int4` and
+/// its protected forms), the layout whose perplexity the integer path was
+/// measured to keep within 0.1% of exact scores (attention
+/// `docs/measurements.md`, "Perplexity of the two codings"). Per-channel
+/// keys stay exact: folded into the query they moved Qwen2.5-Coder-0.5B's
+/// perplexity by +0.13% ("Per-channel blocks"), and in blocks of 16 the
+/// fold costs more than the float kernel.
+fn auto_integer_keys(levels: &LevelRows<'_>) -> bool {
+    four_bit_affine(levels)
+        && levels.tokens_per_group() == 1
+        && levels.channels_per_group() == levels.channels()
 }
 
-/// The longest block of a per-channel group [`Numerics::Auto`] scores with
-/// integer dot products: measured at 64 (paged blocks, +0.06% perplexity
-/// on SmolLM2-135M) against +0.16% for one group over a whole 2,048-token
-/// window.
+/// Whether [`Numerics::Auto`] sums values `levels` with integer dot
+/// products: the key layout above, and 4-bit affine levels in per-channel
+/// groups over blocks of 16 to [`AUTO_CHANNEL_BLOCK`] tokens (the paged
+/// cache's sealed `int4-ch` blocks: +0.01% perplexity on SmolLM2-135M,
+/// "Per-channel blocks").
+fn auto_integer_values(levels: &LevelRows<'_>) -> bool {
+    auto_integer_keys(levels)
+        || (four_bit_affine(levels)
+            && levels.channels_per_group() == 1
+            && (16..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group()))
+}
+
+/// 4-bit levels read as `b + l·a`.
+fn four_bit_affine(levels: &LevelRows<'_>) -> bool {
+    levels.max_level() == 15 && levels.map == LevelMap::Affine
+}
+
+/// The longest block of per-channel value groups [`Numerics::Auto`] sums
+/// with integer dot products (measured at 64; the paged cache's blocks are
+/// 16 to 64 tokens).
 const AUTO_CHANNEL_BLOCK: usize = 128;
 
 /// The value pass of [`int_values`] into `scratch.acc`, where `levels` is

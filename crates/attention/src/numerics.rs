@@ -55,16 +55,18 @@ pub enum Numerics {
     /// Per tile, by layout (the default): 4-bit affine levels in whole-row
     /// per-token groups (`int4` and its ECC-protected forms; also `int4+rot`
     /// and the INT4 middle of `+sink`/`+win` forms, the same layout but not
-    /// measured) and in per-channel groups over blocks of 16 to 128 tokens
-    /// (the paged cache's sealed `int4-ch` blocks) as under
-    /// [`Int8Query`](Self::Int8Query), everything else exactly; keys and
-    /// values are decided apart. Chosen by measurement on SmolLM2-135M
+    /// measured) as under [`Int8Query`](Self::Int8Query), and values in
+    /// 4-bit per-channel groups over blocks of 16 to 128 tokens (the paged
+    /// cache's sealed `int4-ch` blocks) summed as integers; everything else
+    /// exactly; keys and values are decided apart. Chosen by measurement
     /// (`kv-eval ppl`, attention `docs/measurements.md`): `Int8Query` moved
-    /// `int4` and `int4+secded84` by −0.05% and paged `int4-ch+sink4/lm4`
-    /// keys in blocks of 64 by +0.06%, but `int4-ch` over a whole window
-    /// by +0.16%, `int8` by +0.66% and `int4-g32` by +0.80%, outside the
-    /// 0.1% bound. `int4`'s small difference is a cancellation of the
-    /// score and value codings' errors, so other models may move it more.
+    /// `int4` and `int4+secded84` by −0.05% and per-channel values in
+    /// blocks of 64 by +0.01% on SmolLM2-135M, but `int8` by +0.66%,
+    /// `int4-g32` by +0.80%, and per-channel keys in blocks of 64 (scored
+    /// against centred levels) by +0.005% on SmolLM2 and +0.13% on
+    /// Qwen2.5-Coder-0.5B, outside the 0.1% bound. `int4`'s small
+    /// difference is a cancellation of the score and value codings'
+    /// errors, so other models may move it more.
     #[default]
     Auto,
     /// Keys dequantized to f32 in registers and dotted with the f32 query:

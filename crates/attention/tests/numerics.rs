@@ -272,19 +272,15 @@ fn auto_numerics_pick_by_layout() {
     // (form, what `Auto` equals); every form here is one the integer path
     // takes, so the two paths differ on each.
     let cases = [
+        ("int4-ch256", &exact),
+        ("int8-ch64", &exact),
         ("int4", &int8),
         ("int4+secded84", &int8),
         ("int4+golay24", &int8),
         ("int4-g32", &exact),
         ("int4-sym", &exact),
         ("int8", &exact),
-        // Per-channel groups: over the whole store (333 tokens) exactly,
-        // over blocks of 16 to 128 tokens (sealed paged blocks) as integers.
         ("int4-ch", &exact),
-        ("int4-ch256", &exact),
-        ("int4-ch64", &int8),
-        ("int4-ch16", &int8),
-        ("int8-ch64", &exact),
         ("int4-t", &exact),
         ("nf4", &exact),
     ];
@@ -297,7 +293,15 @@ fn auto_numerics_pick_by_layout() {
     }
     // Keys and values decided apart: integer scores with f32 value sums,
     // and exact scores with integer value sums, neither pure path.
-    for (kf, vf, exact_scores) in [("int4", "int4-g32", false), ("int4-g32", "int4", true)] {
+    // Per-channel blocks of 16 to 128 tokens (sealed paged blocks) are
+    // summed as integers but scored exactly; over the whole store (333
+    // tokens) or in 8-bit levels they are exact on both sides.
+    for (kf, vf, exact_scores) in [
+        ("int4", "int4-g32", false),
+        ("int4-g32", "int4", true),
+        ("int4-ch64", "int4-ch64", true),
+        ("int4-ch16", "int4-ch128", true),
+    ] {
         let (ks, vs) = stores(kf, vf);
         let run = |a: &Attention| a.decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal).unwrap();
         let mixed = run(&auto);

@@ -76,6 +76,10 @@ pub(crate) struct GenerateArgs {
     /// decoding does.
     #[arg(long)]
     prefill_step: Option<usize>,
+    /// How attention scores integer-coded keys and sums integer values
+    /// (as `ppl --numerics`) [default: exact].
+    #[arg(long, value_enum)]
+    numerics: Option<crate::NumericsArg>,
 }
 
 /// Runs `kv-eval generate`.
@@ -100,6 +104,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         scrub_every,
         threads,
         prefill_step,
+        numerics,
     } = args;
     let mode = mode_of(&forms)?;
     crate::check_segments(&mode, ctx)?;
@@ -135,7 +140,10 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
             .num_threads(threads)
             .build_global()?;
     }
-    let (model, tokenizer) = load_model(&model_path(&model)?)?;
+    let (mut model, tokenizer) = load_model(&model_path(&model)?)?;
+    if let Some(n) = numerics {
+        model.set_numerics(n.numerics());
+    }
     let limits = ReadLimits {
         max_tokens: prompt_tokens,
         ..ReadLimits::default()

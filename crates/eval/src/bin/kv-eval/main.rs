@@ -80,8 +80,9 @@ struct BackendArgs {
     block_size: usize,
     /// How attention scores integer-coded keys: `exact` (f32, the
     /// evaluation's reference: every published table uses it), `auto`
-    /// (the attention crate's default: `int8` for `int4`'s layout, 4-bit
-    /// levels in whole-row per-token groups, exact for every other),
+    /// (the attention crate's default: `int8` for 4-bit affine levels in
+    /// whole-row per-token groups and in per-channel blocks of 16 to 128
+    /// tokens, exact for every other),
     /// `int8` (int8-quantized queries, integer dot products) or `int16`
     /// (16-bit query codes as two int8 halves) [default: exact].
     #[arg(long, value_enum)]
@@ -89,7 +90,7 @@ struct BackendArgs {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum NumericsArg {
+pub(crate) enum NumericsArg {
     Exact,
     Auto,
     Int8,
@@ -97,7 +98,7 @@ enum NumericsArg {
 }
 
 impl NumericsArg {
-    fn numerics(self) -> attention::Numerics {
+    pub(crate) fn numerics(self) -> attention::Numerics {
         match self {
             Self::Exact => attention::Numerics::Exact,
             Self::Auto => attention::Numerics::Auto,
