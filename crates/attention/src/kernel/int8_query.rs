@@ -280,7 +280,7 @@ fn layouts(
 ) -> bool {
     let cpg = ctx.keys.channels_per_group();
     if cpg == 1 && ctx.image.is_none() {
-        per_channel(ctx, scratch, weights, prefetch)
+        channels::per_channel(ctx, scratch, weights, prefetch)
     } else if cpg >= MIN_GROUP {
         along_rows(ctx, scratch, weights, prefetch)
     } else {
@@ -527,14 +527,6 @@ fn finish_segment<T: DotValue>(
     }
 }
 
-/// One head's scores of a run of rows (per-channel groups): `s·dot + k`.
-#[inline(always)]
-fn finish_run<T: DotValue>(w: &mut [f32], dots: &[T], s: f32, k: f32) {
-    for (w, &dot) in w.iter_mut().zip(dots) {
-        *w = s * dot.value() + k;
-    }
-}
-
 /// `n` values of `p` from `first` on, `stride` apart (`n >= 1`; panics
 /// past the end, as indexing would).
 fn strided(
@@ -546,144 +538,6 @@ fn strided(
     p[first..(n - 1) * stride + first + 1]
         .iter()
         .step_by(stride)
-}
-
-/// One group per channel: per run of rows in one block of tokens, the
-/// block's scales folded into the query before it is quantized.
-#[inline(always)]
-fn per_channel(
-    ctx: Context<'_, '_>,
-    scratch: &mut IntScratch,
-    weights: &mut [f32],
-    prefetch: &mut Prefetcher,
-) -> bool {
-    let mut folded = std::mem::take(&mut scratch.folded);
-    folded.resize(ctx.geometry.d, 0.0);
-    let scored = per_channel_runs(ctx, &mut folded, scratch, weights, prefetch);
-    scratch.folded = folded;
-    scored
-}
-
-/// [`per_channel`] with its folded-query buffer.
-#[inline(always)]
-fn per_channel_runs(
-    ctx: Context<'_, '_>,
-    folded: &mut [f32],
-    scratch: &mut IntScratch,
-    weights: &mut [f32],
-    prefetch: &mut Prefetcher,
-) -> bool {
-    let (q, keys, mid) = (ctx.q, ctx.keys, ctx.mid);
-    let TileGeometry { group, kv_heads, d } = ctx.geometry;
-    let (ch, rows) = (kv_heads * d, keys.rows());
-    // The middle of the levels' range, `2^(bits−1)` (a centred map's own
-    // middle level).
-    let centre = mid.unwrap_or((f32::from(keys.max_level()) + 1.0) / 2.0);
-    let mut t0 = 0;
-    while t0 < rows {
-        let base = keys.group_index(t0, 0);
-        let mut t1 = t0 + 1;
-        while t1 < rows && keys.group_index(t1, 0) == base {
-            t1 += 1;
-        }
-        let (Some(scale), Some(offset)) = (
-            keys.scale.get(base..base + ch),
-            keys.offset.get(base..base + ch),
-        ) else {
-            return false;
-        };
-        if !scratch.reuse(q, [scale, offset]) {
-            for (h, q) in q.chunks_exact(d).enumerate() {
-                let kvh = h / group;
-                let (a, b) = (&scale[kvh * d..][..d], &offset[kvh * d..][..d]);
-                for ((f, &q), &a) in folded.iter_mut().zip(q).zip(a) {
-                    *f = q * a;
-                }
-                let (hi, lo) = (
-                    &mut scratch.codes[h * d..][..d],
-                    &mut scratch.codes_lo[h * d..][..d],
-                );
-                let Some(s) = quantize(folded, ctx.codes, hi, lo) else {
-                    scratch.coded_for = None;
-                    return false;
-                };
-                let code_sum: i32 = match ctx.codes {
-                    QueryCodes::Int8 => hi.iter().map(|&c| i32::from(c)).sum(),
-                    QueryCodes::Int16 => hi
-                        .iter()
-                        .zip(lo.iter())
-                        .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
-                        .sum(),
-                };
-                split_planes(hi, &mut scratch.planes[h * d..][..d]);
-                scratch.scale[h] = s;
-                let folded_sum = lane_sum(folded, None);
-                let base = match mid {
-                    None => lane_sum(q, Some(b)),
-                    Some(mid) => -mid * folded_sum,
-                };
-                // Scored against levels centred on `centre`: the integer
-                // sum `Σ q̂·l` less `centre·Σ q̂` (exact) is
-                // `Σ q̂·(l − centre)`, and `centre·Σ q'` puts back exactly
-                // what the centring took away, so the codes' rounding
-                // errors meet `l − centre` (at most 8 for 4-bit levels)
-                // instead of `l` (up to 15).
-                scratch.constant[h] = base + centre * (folded_sum - s * code_sum as f32);
-            }
-        }
-        let mut pass = ChannelRun {
-            ctx,
-            scratch: &mut *scratch,
-            weights: &mut *weights,
-            prefetch: &mut *prefetch,
-            rows: t0..t1,
-        };
-        for_head_blocks(ctx.geometry, &mut pass);
-        t0 = t1;
-    }
-    true
-}
-
-/// One head block against a run of rows sharing a block of tokens
-/// (per-channel groups, scales folded into the codes).
-struct ChannelRun<'a, 'k> {
-    ctx: Context<'a, 'k>,
-    scratch: &'a mut IntScratch,
-    weights: &'a mut [f32],
-    prefetch: &'a mut Prefetcher,
-    rows: std::ops::Range<usize>,
-}
-
-impl HeadBlockPass for ChannelRun<'_, '_> {
-    #[inline(always)]
-    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
-        let (keys, d) = (self.ctx.keys, self.ctx.geometry.d);
-        let (ch, rows, run) = (keys.channels(), keys.rows(), self.rows.len());
-        let (t0, rb) = (self.rows.start, keys.row_bytes());
-        let block = DotBlock {
-            levels: &keys.levels[t0 * rb..self.rows.end * rb],
-            packed: keys.packing == LevelPacking::Nibbles,
-            ch,
-            start: kvh * d,
-            len: d,
-            codes: &[],
-            code_stride: d,
-            heads: H,
-            rows: run,
-            image: None,
-        };
-        self.scratch
-            .dot_products(self.ctx, block, h0 * d, 0, self.prefetch);
-        for j in 0..H {
-            let h = h0 + j;
-            let (s, k) = (self.scratch.scale[h], self.scratch.constant[h]);
-            let w = &mut self.weights[h * rows + t0..][..run];
-            match self.ctx.codes {
-                QueryCodes::Int8 => finish_run(w, &self.scratch.sums[j * run..][..run], s, k),
-                QueryCodes::Int16 => finish_run(w, &self.scratch.dots[j * run..][..run], s, k),
-            }
-        }
-    }
 }
 
 impl IntScratch {
@@ -913,6 +767,7 @@ fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod channels;
 mod dot;
 mod planes;
 #[cfg(target_arch = "x86_64")]
