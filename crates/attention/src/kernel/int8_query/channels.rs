@@ -43,17 +43,11 @@ fn per_channel_runs(
 ) -> bool {
     let (q, keys, mid) = (ctx.q, ctx.keys, ctx.mid);
     let TileGeometry { group, kv_heads, d } = ctx.geometry;
-    let (ch, rows) = (kv_heads * d, keys.rows());
+    let ch = kv_heads * d;
     // The middle of the levels' range, `2^(bits−1)` (a centred map's own
     // middle level).
     let centre = mid.unwrap_or((f32::from(keys.max_level()) + 1.0) / 2.0);
-    let mut t0 = 0;
-    while t0 < rows {
-        let base = keys.group_index(t0, 0);
-        let mut t1 = t0 + 1;
-        while t1 < rows && keys.group_index(t1, 0) == base {
-            t1 += 1;
-        }
+    for (t0, t1, base) in super::super::block_runs(keys) {
         let (Some(scale), Some(offset)) = (
             keys.scale.get(base..base + ch),
             keys.offset.get(base..base + ch),
@@ -107,7 +101,6 @@ fn per_channel_runs(
             rows: t0..t1,
         };
         for_head_blocks(ctx.geometry, &mut pass);
-        t0 = t1;
     }
     true
 }

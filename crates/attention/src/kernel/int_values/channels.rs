@@ -65,16 +65,7 @@ pub(super) fn weighted_sums(
     // The runs: rows sharing a block of tokens, found once per tile.
     let s = &mut *scratch;
     s.runs.clear();
-    let mut t0 = 0;
-    while t0 < rows {
-        let base = levels.group_index(t0, 0);
-        let mut t1 = t0 + 1;
-        while t1 < rows && levels.group_index(t1, 0) == base {
-            t1 += 1;
-        }
-        s.runs.push((t0, t1, base));
-        t0 = t1;
-    }
+    s.runs.extend(super::super::block_runs(levels));
     let ch = levels.channels();
     // A fold without early exit, so that it vectorises (`all` did not).
     let non_finite = |x: &[f32]| x.iter().fold(false, |bad, v| bad | !v.is_finite());
