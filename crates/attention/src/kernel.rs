@@ -16,9 +16,11 @@ mod int8_query;
 mod int_values;
 mod partial;
 mod prefetch;
+mod runs;
 
 pub(crate) use partial::Partial;
 pub(crate) use prefetch::{Prefetcher, Upcoming};
+pub(crate) use runs::block_runs;
 
 use crate::numerics::Numerics;
 use crate::source::TileRows;
@@ -276,28 +278,6 @@ fn auto_integer_values(levels: &LevelRows<'_>) -> bool {
         || (four_bit_affine(levels)
             && levels.channels_per_group() == 1
             && (16..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group()))
-}
-
-/// The runs of rows of `levels` that share a block of tokens (per-channel
-/// groups): `(first row, end, index of the block's first group)`.
-pub(crate) fn block_runs<'a>(
-    levels: &'a LevelRows<'_>,
-) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
-    let rows = levels.rows();
-    let mut t0 = 0;
-    std::iter::from_fn(move || {
-        if t0 >= rows {
-            return None;
-        }
-        let base = levels.group_index(t0, 0);
-        let mut t1 = t0 + 1;
-        while t1 < rows && levels.group_index(t1, 0) == base {
-            t1 += 1;
-        }
-        let run = (t0, t1, base);
-        t0 = t1;
-        Some(run)
-    })
 }
 
 /// 4-bit levels read as `b + l·a`.
