@@ -20,6 +20,9 @@
 //! - [`Attention::decode_into`] / [`Attention::prefill_into`]: the same
 //!   calls into caller-owned buffers with a reusable [`Workspace`], so a
 //!   decode step allocates nothing.
+//! - [`stored::StoredPart`]: the stored-layer interface, one part of one
+//!   layer of a paged cache in any form, made from a parsed form by
+//!   [`stored::open_part`] (and "how to add a cache form").
 //! - [`KvBackend`]: the one interface between a model's forward pass and its
 //!   cache (append, attend, commit or roll back a step); [`DenseBackend`]
 //!   keeps f32 rows, the oracle.
@@ -59,6 +62,7 @@ mod rope;
 mod shape;
 mod shard;
 mod source;
+pub mod stored;
 mod workspace;
 
 pub use attend::{

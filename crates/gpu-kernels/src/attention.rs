@@ -290,7 +290,7 @@ impl Gpu {
             // tensor-core kernels also need a bound on unprotected scales
             // (their f16 split of p·a): the bound of the words stored.
             let bound = if form.meta_checks {
-                storage.layer_store(layer, part)?.param_bound()
+                crate::layout::with_pool_store(storage, layer, part, |s| Ok(s.param_bound()))?
             } else {
                 stored_bound(form.scale, &host[1], &host[2])
             };

@@ -220,6 +220,26 @@ impl KernelForm {
     }
 }
 
+/// Applies `f` to the one kv-quant store holding every block's sealed rows
+/// of one part of `layer` (block `b` at rows `b·block_size..`), the pool
+/// the device copies; a part kept in another layout is refused.
+pub fn with_pool_store<R>(
+    storage: &paged_cache::BlockStorage,
+    layer: usize,
+    part: paged_cache::KvPart,
+    f: impl FnOnce(&kv_quant::KvStore) -> Result<R>,
+) -> Result<R> {
+    let guard = storage.part(layer, part)?;
+    let store = guard.sealed_store().ok_or_else(|| GpuError::Unsupported {
+        what: "cache form",
+        reason: format!(
+            "{}: its blocks are not one kv-quant store, which the device pools copy",
+            guard.form()
+        ),
+    })?;
+    f(store)
+}
+
 /// The device pools of one part of a layer: `[codes, scales, offsets,
 /// checks]`, each the concatenation of every block's buffers in block order.
 /// paged-cache's layer store spans every block, so codes, scales and
@@ -230,8 +250,13 @@ pub fn block_pool_bytes(
     layer: usize,
     part: paged_cache::KvPart,
 ) -> Result<[Vec<u8>; 4]> {
-    let num_blocks = storage.num_blocks();
-    let store = storage.layer_store(layer, part)?;
+    with_pool_store(storage, layer, part, |store| {
+        pool_bytes_of(store, storage.num_blocks())
+    })
+}
+
+/// [`block_pool_bytes`] of the pool store of `num_blocks` blocks.
+fn pool_bytes_of(store: &kv_quant::KvStore, num_blocks: usize) -> Result<[Vec<u8>; 4]> {
     let checks = store.meta_checks();
     let has_offsets = !store.offsets().is_empty();
     let per_block = checks.len().checked_div(num_blocks).unwrap_or(0);

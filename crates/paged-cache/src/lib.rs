@@ -60,7 +60,7 @@ pub use backend::{PagedBackend, PagedReadStats};
 pub use error::{PagedCacheError, Result};
 pub use hash::{BlockHash, HashPrefixCache};
 pub use manager::{CacheConfig, KvCacheManager, ManagerStats, SeqId};
-pub use page_table::{PageTable, PagedKv, PagedScratch, paged_decode};
+pub use page_table::{PageTable, PagedKv, paged_decode};
 pub use pool::{Allocated, BlockId, BlockPool, FreeList, MAX_SLOTS};
 pub use prefix::{NoPrefixCache, PrefixCache, PrefixHit, PrefixLock};
 pub use radix::RadixPrefixCache;

@@ -6,14 +6,13 @@
 
 use std::sync::RwLockReadGuard;
 
-use attention::{
-    Attention, AttentionOutput, BlockedScratch, KvSource, Mask, StoreScratch, Tile, TileRows,
-};
-use kv_quant::{DecodeScratch, Hadamard, KvStore};
+use attention::stored::{PartScratch, StoredPart};
+use attention::{Attention, AttentionOutput, KvSource, Mask, Tile};
+use kv_quant::Hadamard;
 
 use crate::error::{PagedCacheError, Result};
 use crate::pool::BlockId;
-use crate::storage::{BlockStorage, KvPart, Staged};
+use crate::storage::{BlockStorage, KvPart};
 
 /// A batch's block tables in CSR form: sequence `i` owns pages
 /// `indices[indptr[i]..indptr[i + 1]]`, all full except the last, which
@@ -149,28 +148,17 @@ impl PageTable {
     }
 }
 
-/// One sequence's K or V rows of one layer, read through its pages. It
-/// holds the layer store's read lock (and, for a staged part, the lock of
-/// its staged rows) while it lives (one attention call).
-/// A tile inside one page, or over pages that are consecutive blocks, is
-/// read straight from the layer store, exactly as a contiguous store is
-/// (FP16 halves or integer levels for the kernel); a tile over scattered
-/// pages has its levels gathered page by page (integer, NF4 and per-token
-/// FP8 forms), or is decoded page by page into f32 rows (other forms, and
-/// tiles with an erased value). A page whose block is staged (not sealed:
-/// [`BlockPlan`](kv_quant::BlockPlan)) is read from its exact rows, as
-/// stored halves where they are plain f16, rotated like the sealed rows
-/// where the form rotates. Interpolation of erased values reads
-/// neighbours from the erased row's own block only (never another
-/// sequence's token), on both paths.
+/// One sequence's K or V rows of one layer, read through its pages: a
+/// view of the layer part ([`StoredPart`]) that holds its read lock while
+/// it lives (one attention call) and hands each tile request to the part
+/// with the sequence's pages ([`StoredPart::read_tile`]: stored halves or
+/// levels where the form allows; interpolation of erased values never
+/// reads another sequence's token).
 #[derive(Debug)]
 pub struct PagedKv<'a> {
-    store: RwLockReadGuard<'a, KvStore>,
-    staged: Option<RwLockReadGuard<'a, Staged>>,
+    part: RwLockReadGuard<'a, Box<dyn StoredPart>>,
     pages: &'a [u32],
-    block_size: usize,
     tokens: usize,
-    channels: usize,
     bytes: usize,
 }
 
@@ -198,126 +186,26 @@ impl<'a> PagedKv<'a> {
                 storage.num_blocks()
             )));
         }
-        let store = storage.layer_store(layer, part)?;
-        let staged = if storage.plan(layer, part)?.staged {
-            Some(storage.staged_rows(layer, part)?)
-        } else {
-            None
-        };
-        let mut bytes = pages.len() * store.stored_bytes() / storage.num_blocks().max(1);
-        if let Some(staged) = &staged {
-            bytes += pages
-                .iter()
-                .filter_map(|&b| staged.get(b as usize))
-                .map(KvStore::stored_bytes)
-                .sum::<usize>();
-        }
+        let part = storage.part(layer, part)?;
+        let bytes = pages.iter().map(|&b| part.block_bytes(b as usize)).sum();
         Ok(Self {
-            channels: store.channels(),
-            store,
-            staged,
+            part,
             pages,
-            block_size: storage.block_size(),
             tokens: table.tokens(seq),
             bytes,
         })
     }
-
-    /// The store row of the sequence's token `t`.
-    fn row(&self, t: usize) -> usize {
-        self.pages[t / self.block_size] as usize * self.block_size + t % self.block_size
-    }
-
-    /// The pages of tokens `start..start + count`.
-    fn pages_of(&self, start: usize, count: usize) -> &[u32] {
-        &self.pages[start / self.block_size..=(start + count - 1) / self.block_size]
-    }
-
-    /// Whether tokens `start..start + count` sit in consecutive store rows.
-    fn contiguous(&self, start: usize, count: usize) -> bool {
-        self.pages_of(start, count)
-            .windows(2)
-            .all(|w| w[1] == w[0] + 1)
-    }
-
-    /// The staged exact rows of the page holding token `t`, if any.
-    fn exact(&self, t: usize) -> Option<&KvStore> {
-        let staged = self.staged.as_deref()?;
-        staged.get(self.pages[t / self.block_size] as usize)
-    }
-
-    /// Whether any page of tokens `start..start + count` is staged.
-    fn touches_staged(&self, start: usize, count: usize) -> bool {
-        self.staged.as_deref().is_some_and(|staged| {
-            self.pages_of(start, count)
-                .iter()
-                .any(|&b| staged.get(b as usize).is_some())
-        })
-    }
-
-    /// Rows `start..start + count`, some of them staged, decoded page by
-    /// page into f32 in the sealed rows' coordinates.
-    fn decode_mixed<'s>(
-        &'s self,
-        start: usize,
-        count: usize,
-        scratch: &'s mut PagedScratch,
-    ) -> attention::Result<Tile<'s>> {
-        let (channels, bs) = (self.channels, self.block_size);
-        let store: &KvStore = &self.store;
-        let rotation = KvSource::rotation(store);
-        let n = count * channels;
-        if scratch.rows.len() < n {
-            scratch.rows.resize(n, 0.0);
-        }
-        let mut stats = kv_quant::KvDecodeStats::default();
-        let mut t = start;
-        while t < start + count {
-            let k = (bs - t % bs).min(start + count - t);
-            let out = &mut scratch.rows[(t - start) * channels..][..k * channels];
-            match self.exact(t) {
-                Some(exact) => {
-                    scratch.decode.limit_neighbours(None);
-                    stats += exact.decode_rows_into(t % bs, k, out, &mut scratch.decode)?;
-                    if let Some(h) = rotation {
-                        h.rotate(out);
-                    }
-                }
-                None => {
-                    let row = self.row(t);
-                    let first = row - t % bs;
-                    scratch.decode.limit_neighbours(Some(first..first + bs));
-                    stats += store.decode_rows_rotated_into(row, k, out, &mut scratch.decode)?;
-                }
-            }
-            t += k;
-        }
-        Ok(Tile {
-            rows: TileRows::F32(&scratch.rows[..n]),
-            stats,
-        })
-    }
-}
-
-/// Scratch of [`PagedKv`]: attention's scratch of block-laid sources, and
-/// the buffers of tiles that read staged rows.
-#[derive(Debug, Default)]
-pub struct PagedScratch {
-    blocked: BlockedScratch,
-    exact: StoreScratch,
-    decode: DecodeScratch,
-    rows: Vec<f32>,
 }
 
 impl KvSource for PagedKv<'_> {
-    type Scratch = PagedScratch;
+    type Scratch = PartScratch;
 
     fn tokens(&self) -> usize {
         self.tokens
     }
 
     fn channels(&self) -> usize {
-        self.channels
+        self.part.channels()
     }
 
     fn stored_bytes(&self) -> usize {
@@ -325,79 +213,41 @@ impl KvSource for PagedKv<'_> {
     }
 
     fn row_bytes(&self) -> usize {
-        self.store.row_bytes()
+        self.part.row_bytes()
     }
 
     fn block_tokens(&self) -> Option<usize> {
-        Some(self.block_size)
+        Some(self.part.block_size())
     }
 
-    /// Forms read as levels: a tile over pages that are not adjacent has
-    /// its pages' levels copied side by side
-    /// ([`BlockedScratch::read_blocks`](attention::BlockedScratch::read_blocks)).
     fn gathers_blocks(&self) -> bool {
-        let store: &KvStore = &self.store;
-        store.reads_levels_per_token()
+        self.part.gathers_blocks()
     }
 
     fn read_tile<'s>(
         &'s self,
         start: usize,
         count: usize,
-        scratch: &'s mut PagedScratch,
+        scratch: &'s mut PartScratch,
     ) -> attention::Result<Tile<'s>> {
-        let store: &KvStore = &self.store;
-        if self.touches_staged(start, count) {
-            let one_page = start / self.block_size == (start + count - 1) / self.block_size;
-            if one_page && KvSource::rotation(store).is_none() {
-                let exact = self.exact(start).expect("a staged page");
-                return exact.read_tile(start % self.block_size, count, &mut scratch.exact);
-            }
-            return self.decode_mixed(start, count, scratch);
-        }
-        if self.contiguous(start, count) {
-            // A tile of several adjacent blocks: read as the store's tile.
-            return scratch
-                .blocked
-                .read_run(store, self.row(start), count, self.block_size);
-        }
-        scratch
-            .blocked
-            .read_blocks(store, start, count, self.block_size, |t| self.row(t))
+        self.part.read_tile(self.pages, start, count, scratch)
     }
 
     fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
-        let store: &KvStore = &self.store;
-        if self.contiguous(start, count) && !self.touches_staged(start, count) {
-            store.row_addresses(self.row(start), count)
-        } else {
-            None
-        }
+        self.part.row_addresses(self.pages, start, count)
     }
 
-    /// One range per page of the rows (sealed pages only).
     fn row_address_ranges(
         &self,
         start: usize,
         count: usize,
         each: &mut dyn FnMut(std::ops::Range<usize>),
     ) {
-        let store: &KvStore = &self.store;
-        let mut t = start;
-        while t < start + count {
-            let n = (self.block_size - t % self.block_size).min(start + count - t);
-            if self.exact(t).is_none()
-                && let Some(range) = store.row_addresses(self.row(t), n)
-            {
-                each(range);
-            }
-            t += n;
-        }
+        self.part.row_address_ranges(self.pages, start, count, each)
     }
 
     fn rotation(&self) -> Option<&'static Hadamard> {
-        let store: &KvStore = &self.store;
-        KvSource::rotation(store)
+        self.part.rotation()
     }
 }
 

@@ -1,34 +1,33 @@
-//! [`BlockStorage`]: the bytes behind the blocks, laid out as vLLM lays
-//! out its KV cache: for every layer, one kv-quant [`KvStore`] of keys and
-//! one of values spanning all blocks (`num_blocks × block_size` token rows,
-//! block `b` at rows `b·block_size..(b + 1)·block_size`), so each buffer
-//! (codes, scales, offsets, check bytes) is one contiguous array with a
-//! fixed block stride. kv-quant owns the byte layout; nothing here
-//! re-encodes anything. A layer can keep FP16, FP8, INT8, INT4 or
-//! ECC-protected INT4, with different forms for keys and values, and the
-//! pool reports the true bytes each form takes.
+//! [`BlockStorage`]: the bytes behind the blocks. For every layer it holds
+//! one [`StoredPart`] of keys and one of values, each over every block of
+//! the pool, made from the layer's forms by attention's registry
+//! ([`open_part`]); the stored-layer interface decides how a form keeps
+//! its blocks, and nothing here looks at the form. What this type adds is
+//! the cache's side of the contract: both rows of a token encoded before
+//! either is stored (a refused row changes nothing, and a write allocates
+//! nothing once warm), sealing at commit over a sequence's block table,
+//! copies and restores that fit every part before changing any, checked
+//! block indices, and a read-write lock per part: attention reads a layer
+//! under its read locks, and a background scrubber ([`crate::Scrubber`])
+//! takes a write lock one block at a time.
 //!
-//! Forms whose bytes span tokens (per-channel keys, exact sink and window
-//! tokens) follow kv-quant's [`BlockPlan`]: a block's rows are *staged*
-//! exact (f16 under the form's protection, one small store per block, kept
-//! beside the layer store and reused once released) until the block is
-//! *sealed* ([`BlockStorage::seal_blocks`], called when the step that made
-//! it sealable commits): its rows quantized at once into the block's rows
-//! of the layer store (per-channel scales over the block) and its exact
-//! rows dropped. Sealed blocks are immutable, hashable and shareable like
-//! any other; attention reads each page from where its rows are. Each layer's K and V stores
-//! sit behind their own read-write lock: attention reads a layer under one
-//! read lock, and a background scrubber ([`crate::Scrubber`]) takes the
-//! write lock one block at a time.
+//! Every form with a kv-quant block plan is one [`PlannedPart`](attention::stored::PlannedPart):
+//! its sealed rows lie in one kv-quant store spanning all blocks (block
+//! `b` at rows `b·block_size..`), as vLLM lays out its cache, row-local
+//! forms written in place, per-channel groups and exact sink and window
+//! blocks staged exact until sealed. A layer can keep different forms for
+//! keys and values, and the pool reports the true bytes each takes.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use attention::AttentionError;
+use attention::stored::{PartBlock, StoredPart, check_part_form, open_part, part_pool_bytes};
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
-    BlockPlan, CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, NonFinite,
-    QuantizeOptions, RowBuffers, RowEncoder, ScrubStats,
+    CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvQuantError, KvStore,
+    NonFinite, QuantizeOptions, RowBuffers, RowEncoder, ScrubStats,
 };
 
 use crate::error::{PagedCacheError, Result};
@@ -73,25 +72,18 @@ pub enum KvPart {
     Values,
 }
 
-/// The contents of one block: `[K, V]` stores of `block_size` rows per
-/// layer (a copy, for swapping and snapshots).
+/// The contents of one block: its K and V [`PartBlock`]s per layer (a
+/// copy, for swapping and snapshots).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockData {
-    layers: Vec<[KvStore; 2]>,
-    /// The staged (exact) rows of each layer and part, where the block is
-    /// not sealed.
-    staged: Vec<[Option<KvStore>; 2]>,
+    layers: Vec<[PartBlock; 2]>,
 }
 
 impl BlockData {
-    /// The K or V store of `layer` that holds the block's rows: its staged
-    /// exact rows where the block is not sealed, its sealed rows otherwise.
+    /// The K or V store of `layer` that holds the block's rows as read
+    /// (its staged exact rows where the block is not sealed).
     pub fn store(&self, layer: usize, part: KvPart) -> Option<&KvStore> {
-        let p = part as usize;
-        match self.staged.get(layer)?.get(p)? {
-            Some(exact) => Some(exact),
-            None => self.layers.get(layer).map(|kv| &kv[p]),
-        }
+        self.layers.get(layer)?[part as usize].rows()
     }
 
     /// Bytes held, counted from the stores' buffers (a staged part's
@@ -100,8 +92,7 @@ impl BlockData {
         self.layers
             .iter()
             .flatten()
-            .chain(self.staged.iter().flatten().flatten())
-            .map(KvStore::stored_bytes)
+            .map(PartBlock::stored_bytes)
             .sum()
     }
 
@@ -109,67 +100,10 @@ impl BlockData {
     /// [`KvStore::scrub`]): swapped-out blocks collect faults too.
     pub fn scrub(&mut self) -> Result<ScrubStats> {
         let mut stats = ScrubStats::default();
-        for (kv, staged) in self.layers.iter_mut().zip(&mut self.staged) {
-            for (store, exact) in kv.iter_mut().zip(staged) {
-                stats += match exact {
-                    Some(exact) => exact.scrub()?,
-                    None => store.scrub()?,
-                };
-            }
+        for part in self.layers.iter_mut().flatten() {
+            stats += part.scrub()?;
         }
         Ok(stats)
-    }
-}
-
-/// The staged blocks of one layer part: the exact rows of every block
-/// written but not sealed, by block index, and released stores kept for
-/// reuse (so a warm cache stages a block without allocating).
-#[derive(Debug, Default)]
-pub(crate) struct Staged {
-    blocks: Vec<Option<KvStore>>,
-    spare: Vec<KvStore>,
-}
-
-impl Staged {
-    /// The exact rows of `block`, if it is staged.
-    pub(crate) fn get(&self, block: usize) -> Option<&KvStore> {
-        self.blocks.get(block).and_then(Option::as_ref)
-    }
-
-    /// Stages `block`: a spare store, or a new one of `form`.
-    fn stage(
-        &mut self,
-        block: usize,
-        form: CacheForm,
-        rows: usize,
-        channels: usize,
-    ) -> Result<&mut KvStore> {
-        if self.blocks.len() <= block {
-            self.blocks.resize_with(block + 1, || None);
-        }
-        if self.blocks[block].is_none() {
-            let store = match self.spare.pop() {
-                Some(s) => s,
-                None => KvStore::zeroed(form, rows, channels)?,
-            };
-            self.blocks[block] = Some(store);
-        }
-        Ok(self.blocks[block].as_mut().expect("staged above"))
-    }
-
-    /// Releases `block`'s exact rows, returning them.
-    fn release(&mut self, block: usize) -> Option<KvStore> {
-        self.blocks.get_mut(block).and_then(Option::take)
-    }
-
-    /// Keeps `store` for reuse.
-    fn recycle(&mut self, store: KvStore) {
-        self.spare.push(store);
-    }
-
-    /// Staged blocks.
-    fn count(&self) -> usize {
-        self.blocks.iter().filter(|b| b.is_some()).count()
     }
 }
 
@@ -184,6 +118,22 @@ struct LayerWriter {
     value_rows: RowBuffers,
 }
 
+impl LayerWriter {
+    fn new(parts: &[RwLock<Box<dyn StoredPart>>; 2]) -> Result<Self> {
+        let encoder = |p: &RwLock<Box<dyn StoredPart>>| {
+            let part = read(p);
+            RowEncoder::new(part.written_form(), part.channels(), None)
+        };
+        let (key, value) = (encoder(&parts[0])?, encoder(&parts[1])?);
+        Ok(Self {
+            key_rows: RowBuffers::new(key.buffer_sizes(1)),
+            value_rows: RowBuffers::new(value.buffer_sizes(1)),
+            key,
+            value,
+        })
+    }
+}
+
 /// Block contents for a pool of `num_blocks` blocks.
 #[derive(Debug)]
 pub struct BlockStorage {
@@ -191,12 +141,8 @@ pub struct BlockStorage {
     num_blocks: usize,
     layers: Vec<LayerSpec>,
     writers: Vec<Mutex<LayerWriter>>,
-    /// Per layer: how K and V are kept in blocks.
-    plans: Vec<[BlockPlan; 2]>,
-    /// Per layer: the K and V stores of every block (sealed rows).
-    stores: Vec<[RwLock<KvStore>; 2]>,
-    /// Per layer: the K and V exact rows of the blocks not sealed.
-    staged: Vec<[RwLock<Staged>; 2]>,
+    /// Per layer: the K and V parts, each over every block.
+    parts: Vec<[RwLock<Box<dyn StoredPart>>; 2]>,
     /// What a written row's NaN and infinities get ([`NonFinite`] as a
     /// byte: [`non_finite_code`]).
     non_finite: AtomicU8,
@@ -229,102 +175,98 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+fn read<T: ?Sized>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
     m.read().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+fn write<T: ?Sized>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl BlockStorage {
-    /// Zeroed storage for `num_blocks` blocks of `block_size` tokens.
+    /// Zeroed storage for `num_blocks` blocks of `block_size` tokens, each
+    /// layer part made by attention's registry
+    /// ([`open_part`](attention::stored::open_part)) from its form.
     pub fn new(num_blocks: usize, block_size: usize, layers: &[LayerSpec]) -> Result<Self> {
-        if layers.is_empty() {
-            return Err(PagedCacheError::InvalidParameter {
-                name: "layers",
-                reason: "block storage needs at least one layer".into(),
-            });
+        check_shape(layers.len(), block_size)?;
+        for l in layers {
+            check_pageable(&l.key, block_size)?;
+            check_pageable(&l.value, block_size)?;
         }
-        if block_size == 0 {
-            return Err(PagedCacheError::InvalidParameter {
-                name: "block_size",
-                reason: "blocks hold at least one token".into(),
-            });
-        }
-        let plans = layers
+        let parts = layers
             .iter()
             .map(|l| {
-                Ok([
-                    block_plan(l.key, block_size)?,
-                    block_plan(l.value, block_size)?,
-                ])
+                let open =
+                    |form| open_part(form, block_size, l.channels, num_blocks).map_err(form_error);
+                Ok([open(l.key)?, open(l.value)?])
             })
             .collect::<Result<Vec<_>>>()?;
-        let rows = num_blocks.checked_mul(block_size).ok_or_else(|| {
-            PagedCacheError::InvalidParameter {
-                name: "num_blocks",
-                reason: "blocks × block size overflows".into(),
+        Self::from_parts(parts)
+    }
+
+    /// Storage over parts built elsewhere (a form with no spelling yet, an
+    /// experiment's own [`StoredPart`]): per layer, its K and V parts, all
+    /// of one block size and block count, K and V of one width.
+    pub fn from_parts(parts: Vec<[Box<dyn StoredPart>; 2]>) -> Result<Self> {
+        let (block_size, num_blocks) = parts
+            .first()
+            .map_or((0, 0), |[k, _]| (k.block_size(), k.num_blocks()));
+        check_shape(parts.len(), block_size)?;
+        let mut layers = Vec::with_capacity(parts.len());
+        for (i, [k, v]) in parts.iter().enumerate() {
+            if [k, v]
+                .iter()
+                .any(|p| p.block_size() != block_size || p.num_blocks() != num_blocks)
+                || k.channels() != v.channels()
+            {
+                return Err(PagedCacheError::InvalidParameter {
+                    name: "parts",
+                    reason: format!(
+                        "layer {i}'s parts differ in block size, block count or width from \
+                         layer 0's ({num_blocks} blocks of {block_size})"
+                    ),
+                });
             }
-        })?;
-        let stores = layers
+            layers.push(LayerSpec {
+                key: k.form(),
+                value: v.form(),
+                channels: k.channels(),
+            });
+        }
+        let parts: Vec<[RwLock<Box<dyn StoredPart>>; 2]> = parts
+            .into_iter()
+            .map(|[k, v]| [RwLock::new(k), RwLock::new(v)])
+            .collect();
+        let writers = parts
             .iter()
-            .zip(&plans)
-            .map(|(l, [k, v])| {
-                Ok([
-                    RwLock::new(KvStore::zeroed(k.sealed, rows, l.channels)?),
-                    RwLock::new(KvStore::zeroed(v.sealed, rows, l.channels)?),
-                ])
-            })
+            .map(|p| LayerWriter::new(p).map(Mutex::new))
             .collect::<Result<_>>()?;
-        let writers = layers
-            .iter()
-            .zip(&plans)
-            .map(|(l, [k, v])| {
-                let written = |p: &BlockPlan| if p.staged { p.exact } else { p.sealed };
-                let key = RowEncoder::new(written(k), l.channels, None)?;
-                let value = RowEncoder::new(written(v), l.channels, None)?;
-                Ok(Mutex::new(LayerWriter {
-                    key_rows: RowBuffers::new(key.buffer_sizes(1)),
-                    value_rows: RowBuffers::new(value.buffer_sizes(1)),
-                    key,
-                    value,
-                }))
-            })
-            .collect::<Result<_>>()?;
-        let staged = layers.iter().map(|_| Default::default()).collect();
         Ok(Self {
             block_size,
             num_blocks,
-            layers: layers.to_vec(),
+            layers,
             writers,
-            plans,
-            stores,
-            staged,
+            parts,
             non_finite: AtomicU8::new(non_finite_code(NonFinite::Reject)),
             non_finite_written: AtomicU64::new(0),
         })
     }
 
     /// Bytes [`new`](Self::new) takes for these arguments: every layer's K
-    /// and V stores (their sealed forms), counted from one block's bytes,
-    /// plus the largest f32 matrix it zero-fills while building one store
-    /// (`num_blocks · block_size · channels · 4`, freed before the next).
-    /// A caller sizing a pool from user input checks this against its
-    /// memory budget before building it. Staged exact rows are made as
-    /// blocks are written and are not counted.
+    /// and V blocks ([`part_pool_bytes`]), plus the largest buffer it fills
+    /// while building one part (freed before the next). A caller sizing a
+    /// pool from user input checks this against its memory budget before
+    /// building it. Rows staged later are not counted.
     pub fn pool_bytes(num_blocks: usize, block_size: usize, layers: &[LayerSpec]) -> Result<u64> {
-        let blocks = num_blocks as u64;
-        let rows = blocks.saturating_mul(block_size as u64);
         let mut total = 0u64;
         let mut widest = 0u64;
         for l in layers {
             for form in [l.key, l.value] {
-                let plan = block_plan(form, block_size)?;
-                let one = KvStore::zeroed(plan.sealed, block_size, l.channels)?.stored_bytes();
-                total = total.saturating_add((one as u64).saturating_mul(blocks));
+                let bytes = part_pool_bytes(form, block_size, l.channels, num_blocks)
+                    .map_err(form_error)?;
+                total = total.saturating_add(bytes.blocks);
+                widest = widest.max(bytes.building);
             }
-            widest = widest.max(rows.saturating_mul(4 * l.channels as u64));
         }
         Ok(total.saturating_add(widest))
     }
@@ -361,7 +303,7 @@ impl BlockStorage {
         self.num_blocks
     }
 
-    /// The rows of `block` in every layer store.
+    /// The token slots of `block` (`index·block_size..`), checked.
     pub fn block_rows(&self, block: BlockId) -> Result<Range<usize>> {
         let b = block.index();
         if b >= self.num_blocks {
@@ -382,59 +324,48 @@ impl BlockStorage {
             })
     }
 
-    /// The K or V store of `layer` over every block, read-locked for as long
-    /// as the guard lives (attention holds it for one call).
-    pub fn layer_store(&self, layer: usize, part: KvPart) -> Result<RwLockReadGuard<'_, KvStore>> {
-        self.layer(layer)?;
-        Ok(read(&self.stores[layer][part as usize]))
-    }
-
-    /// How `part` of `layer` is kept in blocks.
-    pub fn plan(&self, layer: usize, part: KvPart) -> Result<&BlockPlan> {
-        self.layer(layer)?;
-        Ok(&self.plans[layer][part as usize])
-    }
-
-    /// The staged (exact) rows of `part` of `layer`, read-locked for as
-    /// long as the guard lives.
-    pub(crate) fn staged_rows(
+    /// `part` of `layer` over every block, read-locked for as long as the
+    /// guard lives (attention holds it for one call).
+    pub fn part(
         &self,
         layer: usize,
         part: KvPart,
-    ) -> Result<RwLockReadGuard<'_, Staged>> {
+    ) -> Result<RwLockReadGuard<'_, Box<dyn StoredPart>>> {
         self.layer(layer)?;
-        Ok(read(&self.staged[layer][part as usize]))
+        Ok(read(&self.parts[layer][part as usize]))
+    }
+
+    /// `part` of `layer`, write-locked.
+    fn part_mut(
+        &self,
+        layer: usize,
+        part: KvPart,
+    ) -> Result<RwLockWriteGuard<'_, Box<dyn StoredPart>>> {
+        self.layer(layer)?;
+        Ok(write(&self.parts[layer][part as usize]))
     }
 
     /// Whether `part` of `layer` holds `block`'s rows staged (exact, not
     /// sealed yet).
     pub fn is_staged(&self, block: BlockId, layer: usize, part: KvPart) -> Result<bool> {
         self.block_rows(block)?;
-        Ok(self.staged_rows(layer, part)?.get(block.index()).is_some())
+        Ok(self.part(layer, part)?.is_staged(block.index()))
     }
 
     /// Blocks staged in `part` of `layer` (their exact rows held).
     pub fn staged_blocks(&self, layer: usize, part: KvPart) -> Result<usize> {
-        Ok(self.staged_rows(layer, part)?.count())
+        Ok(self.part(layer, part)?.staged_blocks())
     }
 
-    /// Makes `block` ready for a new owner's rows: in every staged layer
-    /// part it gets exact rows to stage into (a released store reused
-    /// where there is one), so a block taken from the free list is never
-    /// read as sealed. The manager calls it for every block it takes.
+    /// Makes `block` ready for a new owner's rows in every layer part
+    /// ([`StoredPart::open_block`]), so a block taken from the free list
+    /// is never read as sealed. The manager calls it for every block it
+    /// takes.
     pub fn open_block(&self, block: BlockId) -> Result<()> {
         self.block_rows(block)?;
-        for (layer, plans) in self.plans.iter().enumerate() {
-            for (p, plan) in plans.iter().enumerate() {
-                if plan.staged {
-                    let channels = self.layers[layer].channels;
-                    write(&self.staged[layer][p]).stage(
-                        block.index(),
-                        plan.exact,
-                        self.block_size,
-                        channels,
-                    )?;
-                }
+        for parts in &self.parts {
+            for p in parts {
+                write(p).open_block(block.index())?;
             }
         }
         Ok(())
@@ -442,10 +373,8 @@ impl BlockStorage {
 
     /// Writes one token's K and V rows of `layer` at slot `offset` of `block`
     /// (encoded once, here; no allocation once the layer's encoders are warm).
-    /// A staged part writes the row exact into the block's staged rows; a
-    /// block that was sealed is staged again first from its stored rows
-    /// (a sequence cut back into a sealed block, or one of its rows
-    /// written anew).
+    /// Both rows are encoded before either is stored, so a refused row
+    /// changes nothing.
     pub fn write(
         &self,
         block: BlockId,
@@ -470,9 +399,9 @@ impl BlockStorage {
                 tokens: self.block_size,
             });
         }
-        let row = self.block_rows(block)?.start + offset;
-        // Encode both rows before storing either, so a refused row changes
-        // nothing, and outside the stores' locks; no allocation once warm.
+        self.block_rows(block)?;
+        // Encode both rows before storing either, outside the parts'
+        // locks; no allocation once warm.
         let mut writer = lock(&self.writers[layer]);
         let w = &mut *writer;
         let non_finite = non_finite_of(self.non_finite.load(Ordering::Relaxed));
@@ -488,105 +417,35 @@ impl BlockStorage {
                     .fetch_add(bad as u64, Ordering::Relaxed);
             }
         }
-        let b = block.index();
         for (p, rows) in [&w.key_rows, &w.value_rows].into_iter().enumerate() {
-            let plan = &self.plans[layer][p];
-            if !plan.staged {
-                write(&self.stores[layer][p]).put_encoded_rows(row, rows)?;
-                continue;
-            }
-            let mut staged = write(&self.staged[layer][p]);
-            if staged.get(b).is_none() {
-                self.unseal(&mut staged, block, layer, p)?;
-            }
-            let exact = staged.stage(b, plan.exact, self.block_size, channels)?;
-            exact.put_encoded_rows(offset, rows)?;
+            write(&self.parts[layer][p]).put_row(block.index(), offset, rows)?;
         }
-        Ok(())
-    }
-
-    /// Stages a sealed `block` of part `p` of `layer` again, its exact rows
-    /// the values its sealed rows decode to.
-    fn unseal(&self, staged: &mut Staged, block: BlockId, layer: usize, p: usize) -> Result<()> {
-        let (plan, channels) = (&self.plans[layer][p], self.layers[layer].channels);
-        let rows = self.block_rows(block)?;
-        let mut values = vec![0.0; self.block_size * channels];
-        let mut scratch = DecodeScratch::new();
-        scratch.limit_neighbours(Some(rows.clone()));
-        read(&self.stores[layer][p]).decode_rows_into(
-            rows.start,
-            self.block_size,
-            &mut values,
-            &mut scratch,
-        )?;
-        let decoded =
-            KvStore::quantize_with(plan.exact, &values, self.block_size, channels, clamped())?;
-        let exact = staged.stage(block.index(), plan.exact, self.block_size, channels)?;
-        exact.copy_rows_from(0, &decoded)?;
         Ok(())
     }
 
     /// Seals the blocks of a sequence (its block table `table`) that a
     /// step taking it from `before` to `after` committed tokens made
-    /// sealable ([`BlockPlan::sealable`]), in every staged layer part:
-    /// each block's exact rows are quantized at once into its rows of the
-    /// layer store and released. Blocks already sealed (shared ones sealed
-    /// by another sequence) are left as they are. Call it when the step
-    /// commits, never before, so that a rollback only drops exact rows.
+    /// sealable ([`StoredPart::sealable`]), in every layer part. Blocks
+    /// already sealed (shared ones sealed by another sequence) are left as
+    /// they are. Call it when the step commits, never before, so that a
+    /// rollback only drops staged rows.
     pub fn seal_blocks(&self, table: &[BlockId], before: usize, after: usize) -> Result<usize> {
         let mut sealed = 0;
-        for (layer, plans) in self.plans.iter().enumerate() {
-            for (p, plan) in plans.iter().enumerate() {
-                if !plan.staged {
-                    continue;
-                }
-                let first = plan.sealable(before).max(plan.sink_blocks);
-                let last = plan.sealable(after).min(table.len());
-                for &block in table.get(first..last).unwrap_or(&[]) {
-                    sealed += usize::from(self.seal(block, layer, p)?);
+        for parts in &self.parts {
+            for p in parts {
+                let mut part = write(p);
+                let range = part.sealable(before, after);
+                let range = range.start.min(table.len())..range.end.min(table.len());
+                for &block in &table[range] {
+                    self.block_rows(block)?;
+                    sealed += usize::from(part.seal(block.index())?);
                 }
             }
         }
         Ok(sealed)
     }
 
-    /// Seals `block` in part `p` of `layer` if it is staged.
-    fn seal(&self, block: BlockId, layer: usize, p: usize) -> Result<bool> {
-        let (plan, channels) = (&self.plans[layer][p], self.layers[layer].channels);
-        let rows = self.block_rows(block)?;
-        let mut staged = write(&self.staged[layer][p]);
-        let Some(exact) = staged.release(block.index()) else {
-            return Ok(false);
-        };
-        let mut values = vec![0.0; self.block_size * channels];
-        let mut scratch = DecodeScratch::new();
-        let sealed = exact
-            .decode_rows_into(0, self.block_size, &mut values, &mut scratch)
-            .map_err(PagedCacheError::from)
-            .and_then(|_| {
-                Ok(KvStore::quantize_with(
-                    plan.sealed,
-                    &values,
-                    self.block_size,
-                    channels,
-                    clamped(),
-                )?)
-            });
-        match sealed {
-            Ok(sealed) => {
-                write(&self.stores[layer][p]).copy_rows_from(rows.start, &sealed)?;
-                staged.recycle(exact);
-                Ok(true)
-            }
-            Err(e) => {
-                // Nothing changed: the block stays staged.
-                staged.blocks[block.index()] = Some(exact);
-                Err(e)
-            }
-        }
-    }
-
-    /// Decodes rows `offset..offset + out.len() / channels` of one store of
+    /// Decodes rows `offset..offset + out.len() / channels` of one part of
     /// `block` into `out` (erased values interpolated from the block's own
     /// rows only).
     pub fn read(
@@ -599,7 +458,7 @@ impl BlockStorage {
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
         let channels = self.layer(layer)?.channels;
-        let rows = self.block_rows(block)?;
+        self.block_rows(block)?;
         let n = out.len() / channels;
         if offset + n > self.block_size {
             return Err(PagedCacheError::PositionOutOfRange {
@@ -607,82 +466,42 @@ impl BlockStorage {
                 tokens: self.block_size,
             });
         }
-        if let Some(exact) = self.staged_rows(layer, part)?.get(block.index()) {
-            scratch.limit_neighbours(None);
-            return Ok(exact.decode_rows_into(offset, n, out, scratch)?);
-        }
-        let store = read(&self.stores[layer][part as usize]);
-        // Interpolation reads neighbours within the block only.
-        scratch.limit_neighbours(Some(rows.clone()));
-        Ok(store.decode_rows_into(rows.start + offset, n, out, scratch)?)
+        Ok(self
+            .part(layer, part)?
+            .read_rows(block.index(), offset, out, scratch)?)
     }
 
     /// A copy of `block`'s contents (its staged exact rows included).
     pub fn snapshot(&self, block: BlockId) -> Result<BlockData> {
-        let rows = self.block_rows(block)?;
+        self.block_rows(block)?;
         let b = block.index();
-        let mut layers = Vec::with_capacity(self.stores.len());
-        let mut staged = Vec::with_capacity(self.stores.len());
-        for (kv, st) in self.stores.iter().zip(&self.staged) {
-            layers.push([
-                read(&kv[0]).rows_to_store(rows.start, self.block_size)?,
-                read(&kv[1]).rows_to_store(rows.start, self.block_size)?,
-            ]);
-            staged.push([read(&st[0]).get(b).cloned(), read(&st[1]).get(b).cloned()]);
-        }
-        Ok(BlockData { layers, staged })
+        let layers = self
+            .parts
+            .iter()
+            .map(|[k, v]| Ok([read(k).snapshot(b)?, read(v).snapshot(b)?]))
+            .collect::<Result<_>>()?;
+        Ok(BlockData { layers })
     }
 
     /// Replaces `block`'s contents (from [`snapshot`](Self::snapshot) of
-    /// storage with the same layers and block size).
+    /// storage with the same layers and block size); refused, changing
+    /// nothing, where any part does not fit.
     pub fn restore(&self, block: BlockId, data: BlockData) -> Result<()> {
-        let rows = self.block_rows(block)?;
+        self.block_rows(block)?;
+        let mut guards: Vec<_> = self.parts.iter().flatten().map(write).collect();
         let fits = data.layers.len() == self.layers.len()
-            && data.staged.len() == self.layers.len()
-            && data
-                .layers
+            && guards
                 .iter()
-                .zip(&data.staged)
-                .zip(self.layers.iter().zip(&self.plans))
-                .all(|((d, st), (l, plans))| {
-                    d.iter().zip(st).zip(plans).all(|((s, e), plan)| {
-                        *s.form() == plan.sealed
-                            && s.channels() == l.channels
-                            && s.tokens() == self.block_size
-                            && e.as_ref().is_none_or(|e| {
-                                plan.staged
-                                    && *e.form() == plan.exact
-                                    && e.channels() == l.channels
-                                    && e.tokens() == self.block_size
-                            })
-                    })
-                });
+                .zip(data.layers.iter().flatten())
+                .all(|(part, d)| part.accepts(d));
         if !fits {
             return Err(PagedCacheError::InvalidParameter {
                 name: "block data",
                 reason: "its layers differ from this storage's".into(),
             });
         }
-        let b = block.index();
-        for ((kv, st), (d, exact)) in self
-            .stores
-            .iter()
-            .zip(&self.staged)
-            .zip(data.layers.iter().zip(data.staged))
-        {
-            for p in 0..2 {
-                write(&kv[p]).copy_rows_from(rows.start, &d[p])?;
-                let mut staged = write(&st[p]);
-                if let Some(old) = staged.release(b) {
-                    staged.recycle(old);
-                }
-                if let Some(e) = &exact[p] {
-                    let form = *e.form();
-                    staged
-                        .stage(b, form, self.block_size, e.channels())?
-                        .copy_rows_from(0, e)?;
-                }
-            }
+        for (part, d) in guards.iter_mut().zip(data.layers.iter().flatten()) {
+            part.restore(block.index(), d)?;
         }
         Ok(())
     }
@@ -693,31 +512,20 @@ impl BlockStorage {
         self.restore(dst, data)
     }
 
-    /// Scrubs every store of `block` (see [`KvStore::scrub`]): its sealed
-    /// rows, or its staged exact rows where it is staged.
+    /// Scrubs every part of `block` ([`StoredPart::scrub`]).
     pub fn scrub(&self, block: BlockId) -> Result<ScrubStats> {
-        let rows = self.block_rows(block)?;
+        self.block_rows(block)?;
         let mut stats = ScrubStats::default();
-        for (kv, st) in self.stores.iter().zip(&self.staged) {
-            for p in 0..2 {
-                let mut staged = write(&st[p]);
-                stats += match staged
-                    .blocks
-                    .get_mut(block.index())
-                    .and_then(Option::as_mut)
-                {
-                    Some(exact) => exact.scrub()?,
-                    None => write(&kv[p]).scrub_rows(rows.clone())?,
-                };
-            }
+        for p in self.parts.iter().flatten() {
+            stats += write(p).scrub(block.index())?;
         }
         Ok(stats)
     }
 
-    /// Injects faults from `channel` with `seed` into one store of `block`
-    /// (see [`KvStore::inject_rows`]: flip positions count from the block's
-    /// first byte in each buffer): into its staged exact rows where it is
-    /// staged, its sealed rows otherwise.
+    /// Injects faults from `channel` with `seed` into one part of `block`
+    /// ([`StoredPart::inject`]: flip positions count from the block's
+    /// first byte in each buffer; its staged exact rows where it is
+    /// staged, its sealed rows otherwise).
     pub fn inject(
         &self,
         block: BlockId,
@@ -727,18 +535,10 @@ impl BlockStorage {
         seed: u64,
         target: FaultTarget,
     ) -> Result<Injection> {
-        self.layer(layer)?;
-        let rows = self.block_rows(block)?;
-        let mut staged = write(&self.staged[layer][part as usize]);
-        if let Some(exact) = staged
-            .blocks
-            .get_mut(block.index())
-            .and_then(Option::as_mut)
-        {
-            return Ok(exact.inject_rows(0..self.block_size, channel, seed, target)?);
-        }
-        let mut store = write(&self.stores[layer][part as usize]);
-        Ok(store.inject_rows(rows, channel, seed, target)?)
+        self.block_rows(block)?;
+        Ok(self
+            .part_mut(layer, part)?
+            .inject(block.index(), channel, seed, target)?)
     }
 
     /// Applies `f` to a copy of the store holding `block`'s rows of one
@@ -751,17 +551,14 @@ impl BlockStorage {
         part: KvPart,
         f: impl FnOnce(&KvStore) -> R,
     ) -> Result<R> {
-        let rows = self.block_rows(block)?;
-        if let Some(exact) = self.staged_rows(layer, part)?.get(block.index()) {
-            return Ok(f(exact));
-        }
-        let store = self.layer_store(layer, part)?;
-        Ok(f(&store.rows_to_store(rows.start, self.block_size)?))
+        self.block_rows(block)?;
+        let store = self.part(layer, part)?.block_store(block.index())?;
+        Ok(f(&store))
     }
 
     /// Bytes `block` holds in `layer` (K and V), counted from its buffers:
-    /// its rows of the layer stores, and its staged exact rows where it is
-    /// staged (both are held while it is).
+    /// its sealed rows, and its staged exact rows where it is staged (both
+    /// are held while it is).
     pub fn block_layer_bytes(&self, block: BlockId, layer: usize) -> Result<usize> {
         Ok(self.block_part_bytes(block, layer, KvPart::Keys)?
             + self.block_part_bytes(block, layer, KvPart::Values)?)
@@ -771,53 +568,57 @@ impl BlockStorage {
     /// [`block_layer_bytes`](Self::block_layer_bytes)).
     pub fn block_part_bytes(&self, block: BlockId, layer: usize, part: KvPart) -> Result<usize> {
         self.block_rows(block)?;
-        let exact = self
-            .staged_rows(layer, part)?
-            .get(block.index())
-            .map_or(0, KvStore::stored_bytes);
-        Ok(self.part_block_bytes(layer, part)? + exact)
+        Ok(self.part(layer, part)?.block_bytes(block.index()))
     }
 
-    /// Bytes one block holds in `layer` (K and V) in the layer stores: the
-    /// layer's stores' bytes over the block count (every block of a layer
-    /// has the same layout), staged exact rows not counted.
+    /// Bytes one sealed block holds in `layer` (K and V), staged exact
+    /// rows not counted.
     pub fn layer_block_bytes(&self, layer: usize) -> Result<usize> {
         Ok(self.part_block_bytes(layer, KvPart::Keys)?
             + self.part_block_bytes(layer, KvPart::Values)?)
     }
 
-    /// Bytes one block holds in one part of `layer` in the layer store.
+    /// Bytes one sealed block holds in one part of `layer`.
     pub fn part_block_bytes(&self, layer: usize, part: KvPart) -> Result<usize> {
-        self.layer(layer)?;
-        let bytes = read(&self.stores[layer][part as usize]).stored_bytes();
-        Ok(bytes.checked_div(self.num_blocks).unwrap_or(0))
+        Ok(self.part(layer, part)?.sealed_block_bytes())
     }
 }
 
-/// The quantization options of sealing: exact rows that a fault made
-/// non-finite are clamped (the fault's outcome is measured, not fatal).
-fn clamped() -> QuantizeOptions {
-    QuantizeOptions {
-        non_finite: NonFinite::Clamp,
+/// Refuses storage of no layers or blocks of no tokens.
+fn check_shape(layers: usize, block_size: usize) -> Result<()> {
+    if layers == 0 {
+        return Err(PagedCacheError::InvalidParameter {
+            name: "layers",
+            reason: "block storage needs at least one layer".into(),
+        });
     }
+    if block_size == 0 {
+        return Err(PagedCacheError::InvalidParameter {
+            name: "block_size",
+            reason: "blocks hold at least one token".into(),
+        });
+    }
+    Ok(())
 }
 
-/// Refuses forms blocks of `block_size` tokens cannot hold (see
-/// [`BlockPlan::new`]): shard, low-rank and codebook forms, per-tensor
-/// scales, and per-channel groups other than one block.
+/// Refuses forms blocks of `block_size` tokens cannot hold (attention's
+/// [`check_part_form`]: shard, low-rank and codebook forms, per-tensor
+/// scales, and per-channel groups other than one block).
 pub fn check_pageable(form: &CacheForm, block_size: usize) -> Result<()> {
-    block_plan(*form, block_size).map(|_| ())
+    check_part_form(*form, block_size).map_err(form_error)
 }
 
-/// [`BlockPlan::new`], its refusal as this crate's error.
-fn block_plan(form: CacheForm, block_size: usize) -> Result<BlockPlan> {
-    BlockPlan::new(form, block_size).map_err(|e| PagedCacheError::InvalidParameter {
-        name: "form",
-        reason: match e {
-            kv_quant::KvQuantError::InvalidSpec { spec, reason } => format!("{spec} {reason}"),
-            other => other.to_string(),
-        },
-    })
+/// A form's refusal by the registry as this crate's error (naming the form).
+fn form_error(e: AttentionError) -> PagedCacheError {
+    match e {
+        AttentionError::Store(KvQuantError::InvalidSpec { spec, reason }) => {
+            PagedCacheError::InvalidParameter {
+                name: "form",
+                reason: format!("{spec} {reason}"),
+            }
+        }
+        other => other.into(),
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,348 @@
+//! The stored-layer interface: [`StoredPart`], one part (keys or values)
+//! of one layer of a paged KV cache, whatever form it is kept in.
+//!
+//! A paged cache (paged-cache's `BlockStorage`) holds, per layer and
+//! part, one `Box<dyn StoredPart>` made by [`open_part`] from a parsed
+//! [`CacheForm`], and never looks at the form again: writing a token,
+//! sealing, reading attention's tiles, counting bytes, injecting faults,
+//! scrubbing, copying a block and swapping it out all go through the
+//! trait. [`open_part`] is the one place that maps a form to the type
+//! that stores it (the registry); no crate above this one branches on
+//! the form.
+//!
+//! # The contract
+//!
+//! - **Memory.** A part is the memory of every block of one pool (`blocks
+//!   × block_size` token rows of `channels` values). Block `b` is
+//!   addressed by its index; what a block holds, and whether it is laid
+//!   out beside its neighbours, is the implementation's affair.
+//! - **Writing.** Rows arrive one token at a time, already encoded by a
+//!   kv-quant [`RowEncoder`](kv_quant::RowEncoder) of the part's
+//!   [`written_form`](StoredPart::written_form), a row-local form (the
+//!   form itself, or its exact rows: f16 under the form's protection).
+//!   The cache encodes both parts of a token before storing either, so a
+//!   refused row changes nothing; [`put_row`](StoredPart::put_row) only
+//!   stores bytes. A block taken from the free list is
+//!   [opened](StoredPart::open_block) before its first row.
+//! - **Sealing.** A form whose bytes span tokens keeps a block's rows as
+//!   written (staged) until the step that completes the block commits;
+//!   then the cache calls [`seal`](StoredPart::seal) on each block of the
+//!   sequence's table that [`sealable`](StoredPart::sealable) names. A
+//!   rollback never reaches a sealed block, so nothing is ever unsealed
+//!   by one; a block written again after its sequence was cut back into
+//!   it is staged again from its sealed rows by `put_row`.
+//! - **Reading.** Attention reads a sequence's rows through its pages
+//!   (block indices in token order) tile by tile:
+//!   [`read_tile`](StoredPart::read_tile) hands the fused and integer
+//!   kernels stored halves or levels wherever the form allows, never an
+//!   f32 copy it does not need.
+//! - **Faults and bytes.** Every stored bit can be hit
+//!   ([`inject`](StoredPart::inject), with kv-quant's fault ledger, so
+//!   reads count miscorrected and silent words), every protected word
+//!   [scrubbed](StoredPart::scrub), and every byte counted
+//!   ([`block_bytes`](StoredPart::block_bytes)).
+//! - **Copies.** [`snapshot`](StoredPart::snapshot) and
+//!   [`restore`](StoredPart::restore) move one block's contents in and
+//!   out (copy-on-write, the host tier), as a [`PartBlock`].
+//!
+//! # How to add a cache form
+//!
+//! 1. Give the form a spelling in kv-quant (`spec/`), so `"name".parse::<CacheForm>()`
+//!    knows it: one variant and one line of the parser.
+//! 2. Write one module here that stores it: a type implementing
+//!    [`StoredPart`]. Most forms need only choose their written form and
+//!    what sealing does; [`planned`](self) (every kv-quant form a
+//!    [`BlockPlan`] describes) is the worked example: row-local forms
+//!    written in place, per-channel groups and exact sink and window
+//!    blocks staged and sealed.
+//! 3. Add one arm to [`open_part`] that builds it for its forms, and one
+//!    to [`part_pool_bytes`].
+//!
+//! Nothing in paged-cache, the model runner or kv-eval changes: the
+//! state-machine, swap, prefix and scrubbing tests of paged-cache run
+//! every form [`open_part`] accepts. A part defined outside this crate
+//! (an experiment's own form, before it has a spelling) is handed to
+//! paged-cache directly (`BlockStorage::from_parts`); paged-cache's
+//! `tests/custom_part.rs` stores and attends one that way.
+
+mod planned;
+
+use std::ops::Range;
+
+use gf2_codes::channel::FaultChannel;
+use kv_quant::{
+    BlockPlan, CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, KvStore,
+    RowBuffers, ScrubStats,
+};
+
+pub use planned::PlannedPart;
+
+use crate::error::{AttentionError, Result};
+use crate::source::{BlockedScratch, StoreScratch, Tile};
+
+/// One part (keys or values) of one layer of a paged cache, over every
+/// block of its pool (see the [module docs](self) for the contract).
+pub trait StoredPart: Send + Sync + std::fmt::Debug {
+    /// The form asked for (its spelling, as parsed).
+    fn form(&self) -> CacheForm;
+
+    /// Channels per token.
+    fn channels(&self) -> usize;
+
+    /// Tokens per block.
+    fn block_size(&self) -> usize;
+
+    /// Blocks held.
+    fn num_blocks(&self) -> usize;
+
+    /// The row-local kv-quant form a written row arrives encoded in.
+    fn written_form(&self) -> CacheForm;
+
+    /// Makes `block` ready for a new owner's rows (a block taken from the
+    /// free list is never read as another owner's sealed rows).
+    fn open_block(&mut self, block: usize) -> Result<()>;
+
+    /// Stores one row, encoded in [`written_form`](Self::written_form), at
+    /// slot `offset` of `block`.
+    fn put_row(&mut self, block: usize, offset: usize, row: &RowBuffers) -> Result<()>;
+
+    /// The positions in a sequence's block table of the blocks that a step
+    /// taking it from `before` to `after` committed tokens makes sealable
+    /// (empty for forms written in place).
+    fn sealable(&self, before: usize, after: usize) -> Range<usize>;
+
+    /// Seals `block` (its staged rows coded in the sealed form), or
+    /// returns `false` where it holds no staged rows (sealed already, by
+    /// another sequence sharing it). A failure leaves the block as it was.
+    fn seal(&mut self, block: usize) -> Result<bool>;
+
+    /// Whether `block` holds staged (not sealed) rows.
+    fn is_staged(&self, block: usize) -> bool;
+
+    /// Blocks holding staged rows.
+    fn staged_blocks(&self) -> usize;
+
+    /// Decodes rows `offset..offset + out.len() / channels` of `block` into
+    /// `out` (erased values interpolated from the block's own rows).
+    fn read_rows(
+        &self,
+        block: usize,
+        offset: usize,
+        out: &mut [f32],
+        scratch: &mut DecodeScratch,
+    ) -> Result<KvDecodeStats>;
+
+    /// Rows `start..start + count` of the sequence whose blocks are
+    /// `pages` (in token order), as attention's tile.
+    fn read_tile<'s>(
+        &'s self,
+        pages: &[u32],
+        start: usize,
+        count: usize,
+        scratch: &'s mut PartScratch,
+    ) -> Result<Tile<'s>>;
+
+    /// Bytes one token's row takes, group parameters not counted (what
+    /// sizes attention's tiles, [`KvSource::row_bytes`](crate::KvSource::row_bytes)).
+    fn row_bytes(&self) -> usize;
+
+    /// Whether a tile over blocks that are not adjacent reaches the kernel
+    /// as stored levels ([`KvSource::gathers_blocks`](crate::KvSource::gathers_blocks)).
+    fn gathers_blocks(&self) -> bool;
+
+    /// The rotation the tiles come in, if any
+    /// ([`KvSource::rotation`](crate::KvSource::rotation)).
+    fn rotation(&self) -> Option<&'static Hadamard>;
+
+    /// The addresses of the stored bytes of rows `start..start + count`,
+    /// one range per run of contiguous rows, given to `each` (prefetch
+    /// hints only; the default gives none).
+    fn row_address_ranges(
+        &self,
+        pages: &[u32],
+        start: usize,
+        count: usize,
+        each: &mut dyn FnMut(Range<usize>),
+    ) {
+        let _ = (pages, start, count, each);
+    }
+
+    /// The addresses of rows `start..start + count` where they are one
+    /// contiguous range (the default: never).
+    fn row_addresses(&self, pages: &[u32], start: usize, count: usize) -> Option<Range<usize>> {
+        let _ = (pages, start, count);
+        None
+    }
+
+    /// A copy of `block`'s contents.
+    fn snapshot(&self, block: usize) -> Result<PartBlock>;
+
+    /// Whether `data` is a [`snapshot`](Self::snapshot) this part can
+    /// [`restore`](Self::restore) (same form and shape), checked before a
+    /// cache restores any part of a block.
+    fn accepts(&self, data: &PartBlock) -> bool;
+
+    /// Replaces `block`'s contents with a [`snapshot`](Self::snapshot) of a
+    /// part of the same form and shape (refused, changing nothing, where
+    /// it does not [`accept`](Self::accepts) it).
+    fn restore(&mut self, block: usize, data: &PartBlock) -> Result<()>;
+
+    /// One scrubbing pass over `block`'s protected words.
+    fn scrub(&mut self, block: usize) -> Result<ScrubStats>;
+
+    /// Injects faults from `channel` with `seed` into `block`'s stored bits
+    /// (flip positions count from the block's first byte in each buffer).
+    fn inject(
+        &mut self,
+        block: usize,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection>;
+
+    /// The store holding `block`'s rows as read, as a store of
+    /// `block_size` rows (its bytes, flips and words), for parts kept in
+    /// kv-quant stores; the default refuses.
+    fn block_store(&self, block: usize) -> Result<KvStore> {
+        Err(AttentionError::InvalidParameter {
+            name: "block",
+            reason: format!(
+                "block {block} of {} is not kept in a kv-quant store",
+                self.form()
+            ),
+        })
+    }
+
+    /// Bytes `block` holds, counted from its buffers (staged rows
+    /// included while it holds them).
+    fn block_bytes(&self, block: usize) -> usize;
+
+    /// Bytes one sealed (or written-in-place) block holds.
+    fn sealed_block_bytes(&self) -> usize;
+
+    /// The one kv-quant store of every block's sealed rows, block `b` at
+    /// rows `b·block_size..`, where the part keeps them so (what a device
+    /// copies as the pool); `None` for other layouts.
+    fn sealed_store(&self) -> Option<&KvStore> {
+        None
+    }
+}
+
+/// One block's contents in one part, for copies and the host tier: the
+/// kv-quant stores the implementation keeps for it (the one read last,
+/// [`rows`](Self::rows), holding its rows as attention reads them), and
+/// any bytes it keeps outside kv-quant stores.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PartBlock {
+    stores: Vec<KvStore>,
+    bytes: Vec<u8>,
+}
+
+impl PartBlock {
+    /// A block kept in kv-quant stores, the one holding its rows as read
+    /// last.
+    pub fn of_stores(stores: Vec<KvStore>) -> Self {
+        Self {
+            stores,
+            bytes: Vec::new(),
+        }
+    }
+
+    /// A block kept as plain bytes (a part defined outside kv-quant's forms).
+    pub fn of_bytes(bytes: Vec<u8>) -> Self {
+        Self {
+            stores: Vec::new(),
+            bytes,
+        }
+    }
+
+    /// The stores, in the implementation's order.
+    pub fn stores(&self) -> &[KvStore] {
+        &self.stores
+    }
+
+    /// The bytes kept outside kv-quant stores.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The store holding the block's rows as read, if it is kept in stores.
+    pub fn rows(&self) -> Option<&KvStore> {
+        self.stores.last()
+    }
+
+    /// Bytes held, counted from the stores' buffers and the plain bytes.
+    pub fn stored_bytes(&self) -> usize {
+        self.stores.iter().map(KvStore::stored_bytes).sum::<usize>() + self.bytes.len()
+    }
+
+    /// One scrubbing pass over every store (swapped-out blocks collect
+    /// faults too); plain bytes carry no code to scrub.
+    pub fn scrub(&mut self) -> Result<ScrubStats> {
+        let mut stats = ScrubStats::default();
+        for s in &mut self.stores {
+            stats += s.scrub()?;
+        }
+        Ok(stats)
+    }
+}
+
+/// Per-thread buffers of [`StoredPart::read_tile`]: those of the block
+/// layouts this crate reads, and a slot an implementation from elsewhere
+/// keeps its own in.
+#[derive(Debug, Default)]
+pub struct PartScratch {
+    /// Block-laid kv-quant stores.
+    pub blocked: BlockedScratch,
+    /// One store's tile.
+    pub store: StoreScratch,
+    /// Decoding rows into f32.
+    pub decode: DecodeScratch,
+    /// f32 rows of a decoded tile.
+    pub rows: Vec<f32>,
+    /// Anything else an implementation needs (downcast it).
+    pub other: Option<Box<dyn std::any::Any + Send>>,
+}
+
+/// The one place a parsed form meets the type that stores it: a part of
+/// `num_blocks` zeroed blocks of `block_size` tokens of `channels` values,
+/// or why blocks cannot hold the form (before any memory is taken).
+pub fn open_part(
+    form: CacheForm,
+    block_size: usize,
+    channels: usize,
+    num_blocks: usize,
+) -> Result<Box<dyn StoredPart>> {
+    let plan = BlockPlan::new(form, block_size)?;
+    Ok(Box::new(PlannedPart::new(plan, channels, num_blocks)?))
+}
+
+/// Whether blocks of `block_size` tokens can hold `form` ([`open_part`]'s
+/// refusal, without building anything).
+pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
+    BlockPlan::new(form, block_size)?;
+    Ok(())
+}
+
+/// Memory [`open_part`] takes, counted before building anything (a caller
+/// sizing a pool from user input checks it against its memory budget
+/// first).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolBytes {
+    /// Bytes the part's blocks hold once built (rows staged later not
+    /// counted).
+    pub blocks: u64,
+    /// The largest buffer filled while building, freed before it returns.
+    pub building: u64,
+}
+
+/// [`PoolBytes`] of [`open_part`] for these arguments (saturating).
+pub fn part_pool_bytes(
+    form: CacheForm,
+    block_size: usize,
+    channels: usize,
+    num_blocks: usize,
+) -> Result<PoolBytes> {
+    let plan = BlockPlan::new(form, block_size)?;
+    PlannedPart::pool_bytes(&plan, channels, num_blocks)
+}
