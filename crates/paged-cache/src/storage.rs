@@ -36,7 +36,8 @@ use crate::pool::BlockId;
 /// The stored forms and width of one layer's K and V rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LayerSpec {
-    /// Form of the K rows (any form with a [`BlockPlan`]).
+    /// Form of the K rows (any form attention's registry,
+    /// [`open_part`], accepts in blocks).
     pub key: CacheForm,
     /// Form of the V rows.
     pub value: CacheForm,
