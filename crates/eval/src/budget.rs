@@ -112,6 +112,16 @@ pub fn parse_size(text: &str) -> Result<u64, EvalError> {
         'T' => 40,
         _ => return Err(bad("unknown unit")),
     };
+    if unit == ' '
+        && let Ok(bytes) = number.trim().parse::<u64>()
+    {
+        // Whole bytes are taken exactly (u64::MAX included).
+        return if bytes == 0 {
+            Err(bad("must be at least one byte"))
+        } else {
+            Ok(bytes)
+        };
+    }
     let value: f64 = number.trim().parse().map_err(|_| bad("not a number"))?;
     let bytes = value * (1u64 << shift) as f64;
     if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
@@ -148,6 +158,8 @@ mod tests {
         assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
         assert_eq!(parse_size("1.5g").unwrap(), 3 << 29);
         assert_eq!(parse_size("8kb").unwrap(), 8 << 10);
+        // Whole bytes exactly, the largest included (no f64 rounding).
+        assert_eq!(parse_size("18446744073709551615").unwrap(), u64::MAX);
         for bad in ["", "G", "-1G", "0", "12X", "nanG", "1e30T", "inf"] {
             assert!(
                 matches!(

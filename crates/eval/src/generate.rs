@@ -252,7 +252,9 @@ pub fn generate(
         }
         _ => None,
     };
-    let capacity = config.context.min(prompt.len() + config.max_new);
+    let capacity = config
+        .context
+        .min(prompt.len().saturating_add(config.max_new));
     let mut cache = match config.backend {
         BackendKind::Dense => GenCache::Dense(Adapted(DenseBackend::new())),
         BackendKind::Reencode => {

@@ -99,6 +99,9 @@ impl Haystack {
     /// Where the Jargon File's prose begins.
     pub const JARGON_START: &'static str = "Chapter 1. Hacker Slang and Hacker Culture";
 
+    /// The largest haystack file read (the Jargon File is 1.4 MB).
+    pub const MAX_BYTES: u64 = 256 << 20;
+
     /// Reflows `raw` from the first `start` on (the whole text when absent).
     pub fn from_text(raw: &str, start: Option<&str>) -> Self {
         let from = start.and_then(|s| raw.find(s)).unwrap_or(0);
@@ -124,13 +127,21 @@ impl Haystack {
 
     /// Reads and reflows a file; a missing file names what to fetch.
     pub fn open(path: &Path) -> Result<Self> {
-        let raw = std::fs::read_to_string(path).map_err(|e| EvalError::InvalidParameter {
-            name: "haystack",
-            reason: format!(
-                "cannot read {} ({e}): run `cargo xtask fetch-model` (it fetches the Jargon File \
-                 from Debian's jargon-text) or pass --haystack with a long UTF-8 text",
-                path.display()
-            ),
+        let raw = crate::paths::read_text_at_most(path, Self::MAX_BYTES).map_err(|e| {
+            let hint = if path.exists() {
+                format!(
+                    "pass --haystack with a UTF-8 text of at most {} bytes",
+                    Self::MAX_BYTES
+                )
+            } else {
+                "run `cargo xtask fetch-model` (it fetches the Jargon File from Debian's \
+                 jargon-text) or pass --haystack with a long UTF-8 text"
+                    .into()
+            };
+            EvalError::InvalidParameter {
+                name: "haystack",
+                reason: format!("cannot read {} ({e}): {hint}", path.display()),
+            }
         })?;
         Ok(Self::from_text(&raw, Some(Self::JARGON_START)))
     }

@@ -67,3 +67,43 @@ pub fn default_calibration_text() -> PathBuf {
 pub fn default_haystack() -> PathBuf {
     cache_dir().join(HAYSTACK_FILE)
 }
+
+/// Reads a UTF-8 text file of at most `max_bytes` bytes (a requests file,
+/// a haystack): a larger one, or a device that never ends (`/dev/zero`),
+/// is refused after `max_bytes + 1` bytes instead of filling memory.
+pub fn read_text_at_most(path: &std::path::Path, max_bytes: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    let mut bytes = Vec::new();
+    file.take(max_bytes.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("longer than {max_bytes} bytes"),
+        ));
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_text_at_most;
+
+    #[test]
+    fn endless_and_oversized_files_are_refused() {
+        let zero = read_text_at_most(std::path::Path::new("/dev/zero"), 1 << 20).unwrap_err();
+        assert!(
+            zero.to_string().contains("longer than 1048576 bytes"),
+            "{zero}"
+        );
+        let file = std::env::temp_dir().join(format!("kv-eval-paths-{}", std::process::id()));
+        std::fs::write(&file, "twelve bytes").unwrap();
+        assert_eq!(read_text_at_most(&file, 12).unwrap(), "twelve bytes");
+        assert!(read_text_at_most(&file, 11).is_err());
+        std::fs::write(&file, [0xff, 0xfe]).unwrap();
+        assert!(read_text_at_most(&file, 12).is_err());
+        std::fs::remove_file(&file).unwrap();
+    }
+}

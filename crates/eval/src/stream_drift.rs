@@ -117,7 +117,25 @@ pub fn run(
             ),
         });
     }
-    if tokens.len() < config.prefix + config.prompts {
+    let trained = model.context().unwrap_or(usize::MAX);
+    if config
+        .prefix
+        .checked_add(config.new_tokens)
+        .is_none_or(|c| c > trained)
+    {
+        return Err(EvalError::InvalidParameter {
+            name: "new-tokens",
+            reason: format!(
+                "a prefix of {} and {} new tokens pass the model's trained context of {trained}",
+                config.prefix, config.new_tokens
+            ),
+        });
+    }
+    if config
+        .prefix
+        .checked_add(config.prompts)
+        .is_none_or(|n| tokens.len() < n)
+    {
         return Err(EvalError::InvalidParameter {
             name: "corpus",
             reason: format!(

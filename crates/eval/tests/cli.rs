@@ -86,6 +86,22 @@ fn hostile_flags_are_refused_before_any_work() {
             "demote-at",
         ),
         (&["adapt", "--hot-layers", "70"], "at most 64 layers"),
+        (&["adapt", "--hot-layers", "0,0"], "names layer 0 twice"),
+        (&["--memory-limit", "0", "top"], "at least one byte"),
+        (
+            &[
+                "batch",
+                "--requests",
+                out,
+                "--blocks",
+                "100000000",
+                "--memory-limit",
+                "1G",
+                "--out",
+                tmp,
+            ],
+            "block tables of --blocks 100000000",
+        ),
         (
             &["adapt", "--hot-layers", "3", "--ber", "0"],
             "--ber 0 is not in (0, 1]",

@@ -505,3 +505,20 @@ fn niah_finds_the_passkey_in_1k_haystacks() {
         assert_eq!(grid.found, 3, "{form}: {answers:?}");
     }
 }
+
+/// `top` refuses a prompt past the model's trained context before the
+/// forward pass (it once ran one dense pass of 20,000 tokens).
+#[test]
+fn top_refuses_a_prompt_past_the_trained_context() {
+    if load().is_none() {
+        return;
+    }
+    let prompt = "word ".repeat(10_000);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-eval"))
+        .args(["top", "-k", "2", "--prompt", &prompt])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("the model was trained to"), "{stderr}");
+}

@@ -149,3 +149,34 @@ fn bad_input_is_a_typed_error() {
         .to_string();
     assert!(e.contains("shard"), "{e}");
 }
+
+/// `shard-stream`'s sizes near `usize::MAX` are refused (they wrapped
+/// around once: a slice panic, or a stride of 0 looping without end).
+#[test]
+fn drift_sizes_that_overflow_are_refused() {
+    use kv_eval::stream_drift::{DriftConfig, run};
+    let m = model();
+    let toks = tokens(256);
+    let reference: CacheForm = "fp16".parse().unwrap();
+    let form: CacheForm = SPEC.parse().unwrap();
+    for (prompts, prefix, new_tokens) in [
+        (1, usize::MAX, 4),
+        (usize::MAX, 32, 4),
+        (1, 32, usize::MAX),
+        (usize::MAX - 10, 20, 4),
+    ] {
+        let config = DriftConfig {
+            prompts,
+            prefix,
+            new_tokens,
+            checkpoints: vec![4],
+            fold: None,
+        };
+        let err = run(&m, &toks, reference, &form, &config, |_| {}).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("context") || msg.contains("cannot give"),
+            "{prompts} {prefix} {new_tokens}: {msg}"
+        );
+    }
+}

@@ -409,6 +409,14 @@ fn generation_refuses_bad_input_before_any_work() {
     // The context bounds prompt and continuation.
     let long = generate(&m, &tokens(30), &good, |_| Ok(())).unwrap();
     assert_eq!(long.tokens.len(), 3);
+    // Also for a continuation asked to run without end (prompt plus
+    // continuation wrapped around once, leaving a pool of no block).
+    let endless = GenerateConfig {
+        max_new: usize::MAX,
+        ..good.clone()
+    };
+    let g = generate(&m, &tokens(5), &endless, |_| Ok(())).unwrap();
+    assert_eq!(g.tokens.len(), 32 - 5 + 1);
     let sampled = |temperature, top_p| GenerateConfig {
         sampling: Sampling {
             temperature,

@@ -119,7 +119,17 @@ fn hot_region(args: &AdaptArgs) -> Result<HotRegion, Error> {
                 )
                 .into());
             }
-            HotRegion::Layers(args.hot_layers.iter().fold(0u64, |m, &l| m | 1 << l))
+            let mut mask = 0u64;
+            for &l in &args.hot_layers {
+                if mask & 1 << l != 0 {
+                    return Err(format!(
+                        "--hot-layers names layer {l} twice: list each hot layer once"
+                    )
+                    .into());
+                }
+                mask |= 1 << l;
+            }
+            HotRegion::Layers(mask)
         }
     })
 }

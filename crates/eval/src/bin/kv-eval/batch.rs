@@ -15,6 +15,9 @@ use paged_cache::{CacheConfig, KvCacheManager, NoPrefixCache};
 
 use crate::{Calib, Error, Forms, calibration_for, load_model, mode_of, model_path};
 
+/// The largest requests file read (a line per request).
+const MAX_REQUESTS_BYTES: u64 = 64 << 20;
+
 /// The prefix cache, as a flag.
 #[derive(clap::ValueEnum, Clone, Copy)]
 enum Prefix {
@@ -130,10 +133,22 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
     };
     // Everything a flag can get wrong is refused before the model loads.
     scheduler.check()?;
+    // The block tables (a token id per slot, a header per block), before
+    // they are made; the K/V pool is checked when it is sized.
+    let slots = (args.blocks as u64).saturating_mul(args.block_size as u64);
+    kv_eval::budget::check(
+        &format!(
+            "the block tables of --blocks {} × --block-size {}",
+            args.blocks, args.block_size
+        ),
+        slots
+            .saturating_mul(4)
+            .saturating_add((args.blocks as u64).saturating_mul(64)),
+    )?;
     KvCacheManager::new(cache, NoPrefixCache)?;
     let text = match &args.requests {
         Some(path) => Some(
-            std::fs::read_to_string(path)
+            kv_eval::paths::read_text_at_most(path, MAX_REQUESTS_BYTES)
                 .map_err(|e| format!("cannot read requests {}: {e}", path.display()))?,
         ),
         None => {

@@ -750,7 +750,21 @@ fn run(cli: Cli) -> Result<(), Error> {
             if ids.is_empty() {
                 return Err(format!("{prompt:?} has no tokens").into());
             }
-            println!("{prompt:?} -> {ids:?}");
+            if let Some(trained) = model.context()
+                && ids.len() > trained
+            {
+                return Err(format!(
+                    "the prompt is {} tokens, past the {trained} tokens the model was trained \
+                     to: shorten it",
+                    ids.len()
+                )
+                .into());
+            }
+            if ids.len() > 64 {
+                println!("{} tokens: {:?} ...", ids.len(), &ids[..64]);
+            } else {
+                println!("{prompt:?} -> {ids:?}");
+            }
             let mut cache = KvCache::new(CacheMode::Plain, None, 0)?;
             let logits = model.forward(&ids, &mut cache, ids.len() - 1)?;
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);

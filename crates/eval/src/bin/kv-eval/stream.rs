@@ -68,7 +68,10 @@ pub(crate) fn run_stream(args: StreamArgs) -> Result<(), Error> {
         fold: args.fold,
     };
     if let Some(trained) = prepared.model.context()
-        && config.prefix + config.new_tokens > trained
+        && config
+            .prefix
+            .checked_add(config.new_tokens)
+            .is_none_or(|n| n > trained)
     {
         return Err(format!(
             "--prefix {} and --new-tokens {} pass the {trained} tokens the model was trained to",
