@@ -68,6 +68,15 @@ impl BackendKind {
                 name: "block-size",
                 reason: "blocks hold at least one token".into(),
             }),
+            Self::Paged { block_size } if block_size > MAX_BLOCK_SIZE => {
+                Err(EvalError::InvalidParameter {
+                    name: "block-size",
+                    reason: format!(
+                        "{block_size}: a block holds at most {MAX_BLOCK_SIZE} tokens (16 to 64 \
+                         is what paged caches use)"
+                    ),
+                })
+            }
             Self::Paged { block_size } => {
                 for (form, _) in mode.forms() {
                     paged_cache::check_pageable(&form, block_size)?;
@@ -100,6 +109,10 @@ impl BackendKind {
         }
     }
 }
+
+/// The largest block size the paged backend takes (a block is one page of
+/// a sequence; larger ones only waste memory).
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
 
 /// Whether any form of `mode` is staged in blocks of `block_size` (per-channel
 /// scales, exact sinks or windows: [`kv_quant::BlockPlan`]), so that its

@@ -65,13 +65,17 @@ fn one() -> f64 {
     1.0
 }
 
+/// The latest `arrival_step` a requests file may give (the scheduler gives
+/// up on a run after 100,000,000 steps; idle steps before an arrival count).
+pub const MAX_ARRIVAL_STEP: u64 = 10_000_000;
+
 /// Reads a requests file: one JSON object per line (`prompt`,
 /// `max_new_tokens`, optional `arrival_step`, `priority`, `temperature`,
 /// `top_p`, `seed`; blank lines skipped), prompts tokenised by `encode`.
 /// Every refusal names its line: malformed JSON, unknown or missing
 /// fields, a negative count, an empty prompt, no token to generate, a
 /// prompt and tokens past `context`, a temperature below 0, a top-p
-/// outside (0, 1].
+/// outside (0, 1], an arrival past [`MAX_ARRIVAL_STEP`].
 pub fn parse_requests(
     text: &str,
     context: usize,
@@ -91,6 +95,13 @@ pub fn parse_requests(
             return Err(bad(
                 "max_new_tokens is 0 (a request generates at least one token)".into(),
             ));
+        }
+        if r.arrival_step > MAX_ARRIVAL_STEP {
+            return Err(bad(format!(
+                "arrival_step {} is past the last arrival the scheduler waits for \
+                 ({MAX_ARRIVAL_STEP})",
+                r.arrival_step
+            )));
         }
         let sampling = Sampling {
             temperature: r.temperature,

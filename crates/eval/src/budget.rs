@@ -6,7 +6,8 @@
 //! the process or grows until the machine kills it.
 //!
 //! The budget is 80% of the memory available when the command starts
-//! (`MemAvailable` of `/proc/meminfo`), or what `--memory-limit` sets
+//! (`MemAvailable` of `/proc/meminfo`, or the room left under the process's
+//! cgroup limit where that is less), or what `--memory-limit` sets
 //! ([`set_limit`], read by [`limit`]). Where the available memory cannot
 //! be read, only an explicit limit applies.
 
@@ -50,13 +51,37 @@ pub fn limit() -> Budget {
     })
 }
 
-/// `MemAvailable` of `/proc/meminfo`, in bytes (`None` where it cannot be
-/// read: not Linux, or a kernel without the field).
+/// The memory this process can still take, in bytes: `MemAvailable` of
+/// `/proc/meminfo`, or less where the process's cgroup (v2) caps it
+/// (`memory.max` less `memory.current`, a container's limit); `None` where
+/// neither can be read (not Linux, or a kernel without the field).
 pub fn available_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let machine = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|info| mem_available(&info));
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .zip(std::fs::read_to_string("/sys/fs/cgroup/memory.current").ok())
+        .and_then(|(max, current)| cgroup_room(&max, &current));
+    match (machine, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn mem_available(info: &str) -> Option<u64> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
+}
+
+/// Room left under a cgroup v2 limit (`memory.max`, `memory.current`):
+/// `None` for no limit (`max`) or unreadable text.
+fn cgroup_room(max: &str, current: &str) -> Option<u64> {
+    let max: u64 = max.trim().parse().ok()?;
+    let current: u64 = current.trim().parse().ok()?;
+    Some(max.saturating_sub(current))
 }
 
 /// Checks that `bytes` for `what` fit the process's budget.
@@ -150,6 +175,16 @@ pub fn human(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn available_memory_is_the_machines_or_the_cgroups() {
+        let info = "MemTotal: 100 kB\nMemAvailable:    2048 kB\n";
+        assert_eq!(mem_available(info), Some(2 << 20));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(cgroup_room("max\n", "123\n"), None);
+        assert_eq!(cgroup_room("1000\n", "300\n"), Some(700));
+        assert_eq!(cgroup_room("1000", "3000"), Some(0));
+    }
 
     #[test]
     fn sizes_parse_with_binary_units() {

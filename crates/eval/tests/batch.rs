@@ -261,6 +261,12 @@ fn bad_requests_are_refused_naming_the_line() {
             "no token",
         ),
         (
+            r#"{"prompt": "x", "max_new_tokens": 3, "arrival_step": 18446744073709551615}"#
+                .to_string(),
+            1,
+            "arrival_step 18446744073709551615 is past",
+        ),
+        (
             r#"{"prompt": "x", "max_new_tokens": 3, "temprature": 1}"#.to_string(),
             1,
             "unknown field",

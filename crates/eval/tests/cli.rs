@@ -16,6 +16,17 @@ fn hostile_flags_are_refused_before_any_work() {
     for (args, says) in [
         (&["ppl", "--ctx", "2"][..], "--ctx 2"),
         (&["ppl", "--threads", "100000"], "--threads 100000"),
+        (&["sweep", "--ctx", "0", "--out", "x"], "--ctx 0"),
+        (
+            &[
+                "ppl",
+                "--backend",
+                "paged",
+                "--block-size",
+                "18446744073709551615",
+            ],
+            "invalid block-size: 18446744073709551615: a block holds at most",
+        ),
         (
             &["ppl", "--method", "sliding", "--stride", "0"],
             "--stride 0",
@@ -48,6 +59,8 @@ fn hostile_flags_are_refused_before_any_work() {
             "memory-limit",
         ),
         (&["ppl", "--ber", "2"], "not in [0, 1]"),
+        // A negative number reaches the flag's own check.
+        (&["ppl", "--ber", "-1"], "--ber -1"),
         (&["ppl", "--gemm-flips", "1e-6"], "need --abft"),
         (&["ppl", "--abft-correct"], "need --abft"),
         (&["ppl", "--abft", "--gemm-flips", "2"], "--gemm-flips 2"),
@@ -87,6 +100,14 @@ fn hostile_flags_are_refused_before_any_work() {
         ),
         (&["adapt", "--hot-layers", "70"], "at most 64 layers"),
         (&["adapt", "--hot-layers", "0,0"], "names layer 0 twice"),
+        (
+            &["calibrate", "--calibration", "/dev/zero", "--out", out],
+            "drop --calibration /dev/zero",
+        ),
+        (
+            &["lowrank-report", "--calibration", out, "--out", tmp],
+            "lowrank-report reads the calibration text",
+        ),
         (&["--memory-limit", "0", "top"], "at least one byte"),
         (
             &[

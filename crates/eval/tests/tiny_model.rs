@@ -578,6 +578,13 @@ fn bad_epsilons_and_empty_scores_are_errors() {
             "{eps}"
         );
     }
+    // A header of no blocks is refused at load (it was refused only at the
+    // first step, as "the backend was not fitted to a model").
+    let file = GgufFile::from_bytes(common::tiny::tiny_gguf_with(1e-5, 0)).unwrap();
+    match LlamaModel::from_gguf(&file) {
+        Err(EvalError::Model(m)) => assert!(m.contains("llama.block_count is 0"), "{m}"),
+        other => panic!("{other:?}"),
+    }
     let m = model();
     let plain = [RunConfig::new(CacheMode::Plain, None)];
     for (n, ctx) in [(3, 4), (0, 8), (1, 4)] {

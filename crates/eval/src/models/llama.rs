@@ -115,6 +115,13 @@ impl LlamaConfig {
             )));
         }
         let head_dim = dim / q_heads;
+        let layers = u("block_count")?;
+        if layers == 0 {
+            return Err(EvalError::Model(format!(
+                "{} is 0: a model has at least one block",
+                key("block_count")
+            )));
+        }
         let vocab = match u("vocab_size") {
             Ok(v) => v,
             Err(_) => file.tensor("token_embd.weight")?.info.rows(),
@@ -123,7 +130,7 @@ impl LlamaConfig {
             arch,
             vocab,
             dim,
-            layers: u("block_count")?,
+            layers,
             ffn: u("feed_forward_length")?,
             q_heads,
             kv_heads,

@@ -52,12 +52,18 @@ pub(crate) fn tiny_gguf() -> Vec<u8> {
 
 /// The tiny model with RMSNorm epsilon `eps`.
 pub(crate) fn tiny_gguf_eps(eps: f32) -> Vec<u8> {
+    tiny_gguf_with(eps, LAYERS as u32)
+}
+
+/// The tiny model with RMSNorm epsilon `eps` whose header says it has
+/// `block_count` blocks (its tensors are always `LAYERS` blocks').
+pub(crate) fn tiny_gguf_with(eps: f32, block_count: u32) -> Vec<u8> {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let kvc = KV_HEADS * DIM / HEADS;
     let mut w = GgufWriter::new();
     w.meta("general.architecture", MetaValue::String("llama".into()))
         .meta("llama.embedding_length", MetaValue::U32(DIM as u32))
-        .meta("llama.block_count", MetaValue::U32(LAYERS as u32))
+        .meta("llama.block_count", MetaValue::U32(block_count))
         .meta("llama.feed_forward_length", MetaValue::U32(FFN as u32))
         .meta("llama.attention.head_count", MetaValue::U32(HEADS as u32))
         .meta(

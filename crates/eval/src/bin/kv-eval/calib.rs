@@ -32,6 +32,20 @@ pub(crate) struct Calib {
     pub(crate) calib_ctx: usize,
 }
 
+/// Refuses `--calibration` for a command that fits on the calibration
+/// text itself (`calibrate`, `lowrank-report`): the file would be ignored.
+pub(crate) fn refuse_calibration_file(calib: &Calib, command: &str) -> Result<(), Error> {
+    match &calib.calibration {
+        Some(path) => Err(format!(
+            "{command} reads the calibration text (--calib-text), not a calibration file: \
+             drop --calibration {}",
+            path.display()
+        )
+        .into()),
+        None => Ok(()),
+    }
+}
+
 /// The calibration the modes need (loaded from --calibration or fitted on
 /// --calib-text), or `None` when no form needs one.
 pub(crate) fn calibration_for(

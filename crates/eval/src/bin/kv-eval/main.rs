@@ -15,7 +15,10 @@ mod source;
 mod stream;
 
 use abft::{AbftRule, FlipSite, abft_rule};
-use calib::{Calib, calibration_for, calibration_rows, fit_calibration, needs_calibration};
+use calib::{
+    Calib, calibration_for, calibration_rows, fit_calibration, needs_calibration,
+    refuse_calibration_file,
+};
 use source::{Prepared, Source, load_model, method, method_name, model_path, prepare};
 
 use std::path::{Path, PathBuf};
@@ -308,8 +311,24 @@ enum Command {
 
 type Error = Box<dyn std::error::Error>;
 
+/// The command line, every subcommand taking negative numbers as values:
+/// `--ber -1` reaches the flag's own check (which names it and its range)
+/// instead of clap's "unexpected argument '-1'".
+fn parse_cli() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let mut command = Cli::command().allow_negative_numbers(true);
+    let names: Vec<String> = command
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .collect();
+    for name in names {
+        command = command.mut_subcommand(name, |c| c.allow_negative_numbers(true));
+    }
+    Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -409,9 +428,10 @@ fn probe_writable(dir: &Path, flag: &str) -> Result<(), Error> {
         .map_err(|e| format!("{flag}: cannot write in {}: {e}", dir.display()).into())
 }
 
-fn check_ber(ber: f64) -> Result<(), Error> {
+/// Refuses a bit error rate outside [0, 1], naming `flag`.
+fn check_ber(flag: &str, ber: f64) -> Result<(), Error> {
     if !(0.0..=1.0).contains(&ber) {
-        return Err(format!("bit error rate {ber} is not in [0, 1]").into());
+        return Err(format!("{flag} {ber}: a bit error rate is not in [0, 1]").into());
     }
     Ok(())
 }
@@ -472,7 +492,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             if let Some(path) = &json {
                 check_out_file(path, "--json")?;
             }
-            check_ber(ber)?;
+            check_ber("--ber", ber)?;
             if !(0.0..=1.0).contains(&gemm_flips) {
                 return Err(format!("--gemm-flips {gemm_flips} is not in [0, 1]").into());
             }
@@ -593,7 +613,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             out,
         } => {
             for &b in &bers {
-                check_ber(b)?;
+                check_ber("--bers", b)?;
             }
             if seeds.is_empty() || forms.is_empty() || bers.is_empty() {
                 return Err("--forms, --bers and --seeds each need at least one entry".into());
@@ -608,6 +628,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 return Err(format!("--forms names {f} twice").into());
             }
             let channel: ChannelKind = channel.parse()?;
+            // The flags themselves before what the forms make of them.
+            source::check_source(&source)?;
             let mut modes = Vec::new();
             for f in &forms {
                 let mode = CacheMode::parse(f)?;
@@ -693,6 +715,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         }
         Command::Frontier(args) => frontier::run(args)?,
         Command::LowrankReport { model, calib, out } => {
+            refuse_calibration_file(&calib, "lowrank-report")?;
             check_out_dir(&out)?;
             let (model, tokenizer) = load_model(&model_path(&model)?)?;
             let (rows, name) = calibration_rows(&calib, model.as_ref(), &tokenizer)?;
@@ -726,6 +749,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             if !forms.iter().any(|(f, _)| needs_calibration(f)) {
                 return Err("no form needs calibration (calibrate vq and pca-* forms)".into());
             }
+            refuse_calibration_file(&calib, "calibrate")?;
             check_out_file(&out, "--out")?;
             let (model, tokenizer) = load_model(&model_path(&model)?)?;
             let cal = fit_calibration(&forms, &calib, model.as_ref(), &tokenizer)?;
