@@ -3,10 +3,12 @@
 //! [`KvBackend`] whose errors convert into [`EvalError`], seen by the
 //! forward passes as a [`ModelCache`](crate::models::ModelCache).
 
+use attention::stored::Fitted;
 use attention::{Attention, AttentionOutput, KvBackend, Mask, ModelKvShape};
-use paged_cache::{KvPart, LayerSpec, PagedBackend};
+use paged_cache::{KvPart, LayerSpec, NoPrefixCache, PagedBackend};
 
 use crate::cache::{CacheMode, CacheStats, FaultSpec};
+use crate::calibration::Part;
 use crate::error::{EvalError, Result};
 use crate::models::CausalLm;
 
@@ -90,10 +92,17 @@ impl BackendKind {
     /// cache (blocks of `block_size`) wherever it reproduces the re-encode
     /// protocol, that is for forms a block can hold and no per-call faults;
     /// the re-encode backend otherwise (forms that share parameters across
-    /// tokens, low-rank and codebook forms, the paper's fault protocol).
+    /// tokens, low-rank forms, the paper's fault protocol) and for codebook
+    /// forms (which `--backend paged` serves with their fitted codebooks).
     pub fn auto(mode: &CacheMode, faults: Option<FaultSpec>, block_size: usize) -> Self {
         let paged = Self::Paged { block_size };
-        if paged.check(mode, faults).is_ok() {
+        // Calibrated forms stay on the re-encode protocol their tables
+        // were measured on; `--backend paged` serves them.
+        let calibrated = mode
+            .forms()
+            .iter()
+            .any(|(f, _)| f.quantizer().needs_codebook());
+        if !calibrated && paged.check(mode, faults).is_ok() {
             paged
         } else {
             Self::Reencode
@@ -138,12 +147,14 @@ pub fn paged_backend(
 ) -> Result<PagedBackend> {
     BackendKind::Paged { block_size }.check(mode, faults)?;
     let specs = layer_specs(model, mode)?;
+    let fitted = fitted_tables(mode, specs.len())?;
     let blocks = tokens.div_ceil(block_size).max(1);
     crate::budget::check(
         &format!("a paged cache of {tokens} tokens ({blocks} blocks of {block_size})"),
-        paged_cache::BlockStorage::pool_bytes(blocks, block_size, &specs)?,
+        paged_cache::BlockStorage::pool_bytes_fitted(blocks, block_size, &specs, &fitted)?,
     )?;
-    let backend = PagedBackend::new(&specs, block_size, blocks)?;
+    let storage = paged_cache::BlockStorage::with_fitted(blocks, block_size, &specs, &fitted)?;
+    let backend = PagedBackend::with_storage(std::sync::Arc::new(storage), NoPrefixCache)?;
     keep_non_finite(backend.storage());
     Ok(backend)
 }
@@ -180,6 +191,33 @@ pub fn layer_specs(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<LayerSp
     })
 }
 
+/// The fitted tables (calibrated `vq` codebooks) of each of `layers`
+/// layers' K and V parts, from `mode`'s calibration: loaded once, shared by
+/// every block of the paged cache.
+pub fn fitted_tables(mode: &CacheMode, layers: usize) -> Result<Vec<[Fitted; 2]>> {
+    let CacheMode::Stored(s) = mode else {
+        return Ok(Vec::new());
+    };
+    let Some(cal) = &s.calibration else {
+        return Ok(Vec::new());
+    };
+    Ok(s.layers
+        .resolve(layers)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, (key, value))| {
+            [
+                Fitted {
+                    codebook: cal.codebook(&key, i, Part::Key),
+                },
+                Fitted {
+                    codebook: cal.codebook(&value, i, Part::Value),
+                },
+            ]
+        })
+        .collect())
+}
+
 /// The statistics of a paged backend that held `tokens` tokens, in the
 /// re-encode backend's terms: decode statistics, and the bytes of the
 /// blocks the sequence holds (the last block counted whole, staged exact
@@ -203,10 +241,13 @@ pub fn paged_stats(
             }
         }
     }
+    // Fitted tables are stored once beside the blocks.
+    let shared = storage.shared_bytes() as u64;
     Ok(CacheStats {
         keys: read.keys,
         values: read.values,
-        stored_bytes: part_bytes[0] + part_bytes[1],
+        stored_bytes: part_bytes[0] + part_bytes[1] + shared,
+        codebook_bytes: shared,
         stored_values: 2 * (tokens * model.kv_channels() * model.layers()) as u64,
         part_bytes,
         ..CacheStats::default()

@@ -440,14 +440,15 @@ pub fn paged_cache<P: PrefixCache>(
         paged_cache::check_pageable(&spec.key, config.block_size)?;
         paged_cache::check_pageable(&spec.value, config.block_size)?;
     }
+    let fitted = crate::backend::fitted_tables(mode, specs.len())?;
     crate::budget::check(
         &format!(
             "the device pool of --blocks {} (blocks of {} tokens)",
             config.num_blocks, config.block_size
         ),
-        BlockStorage::pool_bytes(config.num_blocks, config.block_size, &specs)?,
+        BlockStorage::pool_bytes_fitted(config.num_blocks, config.block_size, &specs, &fitted)?,
     )?;
-    let storage = BlockStorage::new(config.num_blocks, config.block_size, &specs)?;
+    let storage = BlockStorage::with_fitted(config.num_blocks, config.block_size, &specs, &fitted)?;
     crate::backend::keep_non_finite(&storage);
     Ok(KvCacheManager::with_storage(
         config,

@@ -225,3 +225,46 @@ proptest::proptest! {
         }
     }
 }
+
+/// A calibrated `vq` form on the paged cache: its fitted codebooks go to
+/// the pool once (counted once, beside the blocks) and every token is coded
+/// against them as the re-encode protocol codes it, so the two backends
+/// give the same logits up to the order attention sums tiles in.
+#[test]
+fn vq_forms_are_paged_forms_with_their_codebooks() {
+    use attention::KvBackend;
+    use kv_eval::backend::{Adapted, BackendKind, paged_backend, paged_stats};
+    let m = model();
+    let cal = Arc::new(calibration(&m, "vq-k16+rot8"));
+    let mode = CacheMode::parse("fp32/vq-k16+rot8")
+        .unwrap()
+        .with_calibration(Some(cal));
+    // `auto` keeps calibrated forms on the re-encode protocol.
+    assert_eq!(BackendKind::auto(&mode, None, 16), BackendKind::Reencode);
+    let toks = tokens(40);
+    let (reencoded, _) = forward(&m, mode.clone()).unwrap();
+    let mut paged = Adapted(paged_backend(&m, &mode, None, 16, toks.len()).unwrap());
+    let logits = m.forward(&toks, &mut paged, 0).unwrap();
+    assert_eq!(paged.tokens(), toks.len());
+    let paged = paged.0;
+    let worst = logits
+        .iter()
+        .zip(&reencoded)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(
+        worst < 1e-4,
+        "paged vq differs from re-encoded vq by {worst}"
+    );
+    let s = paged_stats(&paged, &m, toks.len()).unwrap();
+    assert!(s.codebook_bytes > 0);
+    assert_eq!(
+        s.stored_bytes,
+        s.part_bytes[0] + s.part_bytes[1] + s.codebook_bytes
+    );
+    // Without its calibration the paged cache refuses the form by name.
+    let bare = CacheMode::parse("fp32/vq-k16+rot8").unwrap();
+    let e = paged_backend(&m, &bare, None, 16, 40)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs its fitted codebook"), "{e}");
+}

@@ -58,17 +58,25 @@ impl<P: PrefixCache> PagedBackend<P> {
         prefix: P,
     ) -> Result<Self> {
         let storage = Arc::new(BlockStorage::new(num_blocks, block_size, layers)?);
+        Self::with_storage(storage, prefix)
+    }
+
+    /// A cache over `storage` built by the caller (calibrated forms'
+    /// fitted tables: [`BlockStorage::with_fitted`]; parts defined
+    /// elsewhere: [`BlockStorage::from_parts`]), all of its blocks.
+    pub fn with_storage(storage: Arc<BlockStorage>, prefix: P) -> Result<Self> {
         let config = CacheConfig {
-            num_blocks,
-            block_size,
+            num_blocks: storage.num_blocks(),
+            block_size: storage.block_size(),
             host_blocks: 0,
         };
+        let layers = storage.layers().len();
         Ok(Self {
             manager: KvCacheManager::with_storage(config, prefix, storage.clone())?,
             storage,
             seq: None,
             tokens: 0,
-            step: StepRows::new(layers.len()),
+            step: StepRows::new(layers),
             stats: PagedReadStats::default(),
         })
     }

@@ -23,7 +23,9 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use attention::AttentionError;
-use attention::stored::{PartBlock, StoredPart, check_part_form, open_part, part_pool_bytes};
+use attention::stored::{
+    Fitted, PartBlock, StoredPart, check_part_form, open_part, part_pool_bytes,
+};
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
     CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvQuantError, KvStore,
@@ -121,10 +123,7 @@ struct LayerWriter {
 
 impl LayerWriter {
     fn new(parts: &[RwLock<Box<dyn StoredPart>>; 2]) -> Result<Self> {
-        let encoder = |p: &RwLock<Box<dyn StoredPart>>| {
-            let part = read(p);
-            RowEncoder::new(part.written_form(), part.channels(), None)
-        };
+        let encoder = |p: &RwLock<Box<dyn StoredPart>>| read(p).row_encoder();
         let (key, value) = (encoder(&parts[0])?, encoder(&parts[1])?);
         Ok(Self {
             key_rows: RowBuffers::new(key.buffer_sizes(1)),
@@ -189,17 +188,35 @@ impl BlockStorage {
     /// layer part made by attention's registry
     /// ([`open_part`](attention::stored::open_part)) from its form.
     pub fn new(num_blocks: usize, block_size: usize, layers: &[LayerSpec]) -> Result<Self> {
+        Self::with_fitted(num_blocks, block_size, layers, &[])
+    }
+
+    /// [`new`](Self::new) for calibrated forms: `fitted[layer]` holds the
+    /// tables (a `vq` codebook) of the layer's K and V parts, loaded once
+    /// and shared by every block (a layer past the end of `fitted` gets
+    /// none; a form that needs a table it lacks is refused).
+    pub fn with_fitted(
+        num_blocks: usize,
+        block_size: usize,
+        layers: &[LayerSpec],
+        fitted: &[[Fitted; 2]],
+    ) -> Result<Self> {
         check_shape(layers.len(), block_size)?;
         for l in layers {
             check_pageable(&l.key, block_size)?;
             check_pageable(&l.value, block_size)?;
         }
+        let none = Fitted::none();
         let parts = layers
             .iter()
-            .map(|l| {
-                let open =
-                    |form| open_part(form, block_size, l.channels, num_blocks).map_err(form_error);
-                Ok([open(l.key)?, open(l.value)?])
+            .enumerate()
+            .map(|(i, l)| {
+                let tables = |p: usize| fitted.get(i).map_or(&none, |f| &f[p]);
+                let open = |form, p| {
+                    open_part(form, block_size, l.channels, num_blocks, tables(p))
+                        .map_err(form_error)
+                };
+                Ok([open(l.key, 0)?, open(l.value, 1)?])
             })
             .collect::<Result<Vec<_>>>()?;
         Self::from_parts(parts)
@@ -259,11 +276,23 @@ impl BlockStorage {
     /// pool from user input checks this against its memory budget before
     /// building it. Rows staged later are not counted.
     pub fn pool_bytes(num_blocks: usize, block_size: usize, layers: &[LayerSpec]) -> Result<u64> {
+        Self::pool_bytes_fitted(num_blocks, block_size, layers, &[])
+    }
+
+    /// [`pool_bytes`](Self::pool_bytes) of [`with_fitted`](Self::with_fitted).
+    pub fn pool_bytes_fitted(
+        num_blocks: usize,
+        block_size: usize,
+        layers: &[LayerSpec],
+        fitted: &[[Fitted; 2]],
+    ) -> Result<u64> {
         let mut total = 0u64;
         let mut widest = 0u64;
-        for l in layers {
-            for form in [l.key, l.value] {
-                let bytes = part_pool_bytes(form, block_size, l.channels, num_blocks)
+        let none = Fitted::none();
+        for (i, l) in layers.iter().enumerate() {
+            for (p, form) in [l.key, l.value].into_iter().enumerate() {
+                let tables = fitted.get(i).map_or(&none, |f| &f[p]);
+                let bytes = part_pool_bytes(form, block_size, l.channels, num_blocks, tables)
                     .map_err(form_error)?;
                 total = total.saturating_add(bytes.blocks);
                 widest = widest.max(bytes.building);
@@ -583,6 +612,16 @@ impl BlockStorage {
     pub fn part_block_bytes(&self, layer: usize, part: KvPart) -> Result<usize> {
         Ok(self.part(layer, part)?.sealed_block_bytes())
     }
+
+    /// Bytes of the fitted tables (codebooks) the parts read, each part's
+    /// counted once: stored beside the blocks and shared by all of them.
+    pub fn shared_bytes(&self) -> usize {
+        self.parts
+            .iter()
+            .flatten()
+            .map(|p| read(p).shared_bytes())
+            .sum()
+    }
 }
 
 /// Refuses storage of no layers or blocks of no tokens.
@@ -603,8 +642,9 @@ fn check_shape(layers: usize, block_size: usize) -> Result<()> {
 }
 
 /// Refuses forms blocks of `block_size` tokens cannot hold (attention's
-/// [`check_part_form`]: shard, low-rank and codebook forms, per-tensor
-/// scales, and per-channel groups other than one block).
+/// [`check_part_form`]: shard and low-rank forms, per-tensor scales, and
+/// per-channel groups other than one block). A codebook form (`vq`) passes
+/// here and needs its table at [`BlockStorage::with_fitted`].
 pub fn check_pageable(form: &CacheForm, block_size: usize) -> Result<()> {
     check_part_form(*form, block_size).map_err(form_error)
 }

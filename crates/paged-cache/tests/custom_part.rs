@@ -10,7 +10,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use attention::stored::{PartBlock, PartScratch, StoredPart, open_part};
+use attention::stored::{Fitted, PartBlock, PartScratch, StoredPart, open_part};
 use attention::{
     Attention, AttentionConfig, AttentionError, DenseKv, HeadShape, Mask, Numerics, Tile, TileRows,
 };
@@ -209,7 +209,7 @@ const BLOCKS: usize = 12;
 fn storage(shape: &HeadShape) -> Arc<BlockStorage> {
     let ch = shape.kv_channels();
     let bf16 = || Box::new(Bf16Part::new(BLOCKS, BS, ch)) as Box<dyn StoredPart>;
-    let int4 = open_part("int4-ch".parse().unwrap(), BS, ch, BLOCKS).unwrap();
+    let int4 = open_part("int4-ch".parse().unwrap(), BS, ch, BLOCKS, &Fitted::none()).unwrap();
     Arc::new(BlockStorage::from_parts(vec![[bf16(), bf16()], [bf16(), int4]]).unwrap())
 }
 

@@ -340,3 +340,94 @@ proptest! {
         let _ = paged_decode(&attn, &storage, &table, 0, &q);
     }
 }
+
+/// A calibrated codebook form (`vq`, its codebook fitted once and shared by
+/// every block, as `kv-eval calibrate` fits it) is a paged form: rows
+/// written into shuffled blocks and attended through the pages equal the
+/// same rows quantized against the same codebook in one contiguous store,
+/// bit for bit; the codebook is counted once, beside the blocks; without
+/// its codebook the form is refused.
+#[test]
+fn a_calibrated_codebook_form_pages_like_a_contiguous_store() {
+    use attention::stored::Fitted;
+    use kv_quant::{FitOptions, VqCodebook};
+    let shape = HeadShape::new(4, 2, 64).unwrap();
+    let ch = shape.kv_channels();
+    let (bs, len) = (16usize, 150usize);
+    for spelling in ["vq", "vq+sink4"] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let calibration = rows(512, ch, 7);
+        let codebook =
+            Arc::new(VqCodebook::fit(&form, &calibration, 512, ch, FitOptions::default()).unwrap());
+        let fitted = [
+            Fitted {
+                codebook: Some(codebook.clone()),
+            },
+            Fitted {
+                codebook: Some(codebook.clone()),
+            },
+        ];
+        let blocks = len.div_ceil(bs);
+        let layer = [LayerSpec::uniform(form, ch)];
+        let storage = BlockStorage::with_fitted(blocks + 2, bs, &layer, &[fitted]).unwrap();
+        assert_eq!(storage.shared_bytes(), 2 * codebook.stored_bytes());
+        let table: Vec<BlockId> = (0..blocks as u32).rev().map(|b| BlockId(b + 2)).collect();
+        let (k, v) = (rows(len, ch, 1), rows(len, ch, 2));
+        for t in 0..len {
+            let r = t * ch..(t + 1) * ch;
+            storage
+                .write(table[t / bs], t % bs, 0, &k[r.clone()], &v[r])
+                .unwrap();
+        }
+        storage.seal_blocks(&table, 0, len).unwrap();
+        let page_table = PageTable::from_tables(&[(&table, len)], bs).unwrap();
+        let config = AttentionConfig {
+            tile_tokens: bs,
+            tile_bytes: None,
+            split_tokens: 4 * bs,
+            numerics: Numerics::Exact,
+            ..AttentionConfig::default()
+        };
+        let attn = Attention::with_config(shape, config).unwrap();
+        let q = rows(1, shape.q_len(), 3);
+        let paged = paged_decode(&attn, &storage, &page_table, 0, &q).unwrap();
+        // The same rows in one store: sink rows exact, the rest coded
+        // against the same codebook (row-local, so block by block or at
+        // once is the same code).
+        let quantize = |x: &[f32]| {
+            KvStore::quantize_with_codebook(
+                form,
+                x,
+                len,
+                ch,
+                kv_quant::QuantizeOptions::default(),
+                codebook.clone(),
+            )
+            .unwrap()
+        };
+        let contiguous = attn
+            .decode(&q, len - 1, &quantize(&k), &quantize(&v), &Mask::Causal)
+            .unwrap();
+        if spelling == "vq" {
+            assert_eq!(paged[0].out, contiguous.out, "{spelling}");
+        } else {
+            // A paged sink is a whole exact block (16 rows), the store's 4.
+            let err = paged[0]
+                .out
+                .iter()
+                .zip(&contiguous.out)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err < 0.1, "{spelling}: {err}");
+        }
+    }
+    let refused = BlockStorage::new(2, 16, &[LayerSpec::uniform("vq".parse().unwrap(), ch)]);
+    match refused {
+        Err(PagedCacheError::InvalidParameter {
+            name: "form",
+            reason,
+        }) => {
+            assert!(reason.contains("needs its fitted codebook"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

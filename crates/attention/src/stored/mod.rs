@@ -68,11 +68,12 @@
 mod planned;
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
-    BlockPlan, CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, KvStore,
-    RowBuffers, ScrubStats,
+    BlockPlan, CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
+    KvQuantError, KvStore, RowBuffers, RowEncoder, ScrubStats, VqCodebook,
 };
 
 pub use planned::PlannedPart;
@@ -97,6 +98,18 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
 
     /// The row-local kv-quant form a written row arrives encoded in.
     fn written_form(&self) -> CacheForm;
+
+    /// The encoder of written rows: [`written_form`](Self::written_form)'s
+    /// (with the part's codebook where that form has one).
+    fn row_encoder(&self) -> Result<RowEncoder> {
+        Ok(RowEncoder::new(self.written_form(), self.channels(), None)?)
+    }
+
+    /// Bytes of fitted tables the part reads and every block shares (a
+    /// calibrated codebook): stored once per cache, beside the blocks.
+    fn shared_bytes(&self) -> usize {
+        0
+    }
 
     /// Makes `block` ready for a new owner's rows (a block taken from the
     /// free list is never read as another owner's sealed rows).
@@ -304,21 +317,59 @@ pub struct PartScratch {
     pub other: Option<Box<dyn std::any::Any + Send>>,
 }
 
+/// Tables fitted offline (`kv-eval calibrate`) that a part of a calibrated
+/// form reads, loaded once per model and shared by every sequence and
+/// block, so sealed blocks stay hashable and shareable.
+#[derive(Clone, Debug, Default)]
+pub struct Fitted {
+    /// The codebook of a `vq` form.
+    pub codebook: Option<Arc<VqCodebook>>,
+}
+
+impl Fitted {
+    /// No fitted table.
+    pub fn none() -> Self {
+        Self::default()
+    }
+}
+
 /// The one place a parsed form meets the type that stores it: a part of
-/// `num_blocks` zeroed blocks of `block_size` tokens of `channels` values,
-/// or why blocks cannot hold the form (before any memory is taken).
+/// `num_blocks` zeroed blocks of `block_size` tokens of `channels` values
+/// (reading `fitted`'s tables where the form needs them), or why blocks
+/// cannot hold the form (before any memory is taken).
 pub fn open_part(
     form: CacheForm,
     block_size: usize,
     channels: usize,
     num_blocks: usize,
+    fitted: &Fitted,
 ) -> Result<Box<dyn StoredPart>> {
     let plan = BlockPlan::new(form, block_size)?;
-    Ok(Box::new(PlannedPart::new(plan, channels, num_blocks)?))
+    let codebook = codebook_of(form, fitted)?;
+    Ok(Box::new(PlannedPart::new(
+        plan, channels, num_blocks, codebook,
+    )?))
 }
 
-/// Whether blocks of `block_size` tokens can hold `form` ([`open_part`]'s
-/// refusal, without building anything).
+/// The codebook `form` needs from `fitted`, or its refusal.
+fn codebook_of(form: CacheForm, fitted: &Fitted) -> Result<Option<Arc<VqCodebook>>> {
+    if !form.quantizer().needs_codebook() {
+        return Ok(None);
+    }
+    match &fitted.codebook {
+        Some(cb) => Ok(Some(cb.clone())),
+        None => Err(AttentionError::Store(KvQuantError::InvalidSpec {
+            spec: form.to_string(),
+            reason: "needs its fitted codebook (fit one with `kv-eval calibrate`, or pass the \
+                     tables to the cache: BlockStorage::with_fitted)"
+                .into(),
+        })),
+    }
+}
+
+/// Whether blocks of `block_size` tokens can hold `form`, given the fitted
+/// tables it needs ([`open_part`]'s refusals of the form itself, without
+/// building anything).
 pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
     BlockPlan::new(form, block_size)?;
     Ok(())
@@ -329,8 +380,8 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
 /// first).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolBytes {
-    /// Bytes the part's blocks hold once built (rows staged later not
-    /// counted).
+    /// Bytes the part's blocks hold once built (rows staged later and
+    /// shared fitted tables not counted).
     pub blocks: u64,
     /// The largest buffer filled while building, freed before it returns.
     pub building: u64,
@@ -342,7 +393,8 @@ pub fn part_pool_bytes(
     block_size: usize,
     channels: usize,
     num_blocks: usize,
+    fitted: &Fitted,
 ) -> Result<PoolBytes> {
     let plan = BlockPlan::new(form, block_size)?;
-    PlannedPart::pool_bytes(&plan, channels, num_blocks)
+    PlannedPart::pool_bytes(&plan, channels, num_blocks, codebook_of(form, fitted)?)
 }

@@ -18,11 +18,12 @@
 //! Interpolation of erased values reads the erased row's own block only.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
     BlockPlan, CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, KvStore,
-    NonFinite, QuantizeOptions, RowBuffers, ScrubStats,
+    NonFinite, QuantizeOptions, RowBuffers, RowEncoder, ScrubStats, VqCodebook,
 };
 
 use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
@@ -43,11 +44,19 @@ pub struct PlannedPart {
     /// Released exact stores, kept so a warm cache stages a block without
     /// allocating.
     spare: Vec<KvStore>,
+    /// The fitted codebook of a `vq` form, shared by every block.
+    codebook: Option<Arc<VqCodebook>>,
 }
 
 impl PlannedPart {
-    /// Zeroed blocks of `plan`'s form.
-    pub fn new(plan: BlockPlan, channels: usize, num_blocks: usize) -> Result<Self> {
+    /// Zeroed blocks of `plan`'s form (with its fitted `codebook` for a
+    /// `vq` form).
+    pub fn new(
+        plan: BlockPlan,
+        channels: usize,
+        num_blocks: usize,
+        codebook: Option<Arc<VqCodebook>>,
+    ) -> Result<Self> {
         let rows = num_blocks.checked_mul(plan.block_size).ok_or_else(|| {
             AttentionError::InvalidParameter {
                 name: "num_blocks",
@@ -55,12 +64,24 @@ impl PlannedPart {
             }
         })?;
         Ok(Self {
-            sealed: KvStore::zeroed(plan.sealed, rows, channels)?,
+            sealed: KvStore::zeroed_with(plan.sealed, rows, channels, codebook.clone())?,
             plan,
             channels,
             num_blocks,
             staged: Vec::new(),
             spare: Vec::new(),
+            codebook,
+        })
+    }
+
+    /// `values` (`block_size` rows) quantized at once in the sealed form.
+    fn quantize_sealed(&self, values: &[f32]) -> Result<KvStore> {
+        let (bs, ch, form) = (self.plan.block_size, self.channels, self.plan.sealed);
+        Ok(match &self.codebook {
+            Some(cb) => {
+                KvStore::quantize_with_codebook(form, values, bs, ch, clamped(), cb.clone())?
+            }
+            None => KvStore::quantize_with(form, values, bs, ch, clamped())?,
         })
     }
 
@@ -72,8 +93,14 @@ impl PlannedPart {
     /// [`PoolBytes`] of [`new`](Self::new): one block's bytes counted from
     /// a zeroed block, times the blocks; building fills one f32 matrix of
     /// the whole pool.
-    pub fn pool_bytes(plan: &BlockPlan, channels: usize, num_blocks: usize) -> Result<PoolBytes> {
-        let one = KvStore::zeroed(plan.sealed, plan.block_size, channels)?.stored_bytes() as u64;
+    pub fn pool_bytes(
+        plan: &BlockPlan,
+        channels: usize,
+        num_blocks: usize,
+        codebook: Option<Arc<VqCodebook>>,
+    ) -> Result<PoolBytes> {
+        let one = KvStore::zeroed_with(plan.sealed, plan.block_size, channels, codebook)?
+            .stored_bytes() as u64;
         let rows = (num_blocks as u64).saturating_mul(plan.block_size as u64);
         Ok(PoolBytes {
             blocks: one.saturating_mul(num_blocks as u64),
@@ -252,6 +279,19 @@ impl StoredPart for PlannedPart {
         }
     }
 
+    fn row_encoder(&self) -> Result<RowEncoder> {
+        let form = self.written_form();
+        let codebook = self
+            .codebook
+            .clone()
+            .filter(|_| form.quantizer().needs_codebook());
+        Ok(RowEncoder::new(form, self.channels, codebook)?)
+    }
+
+    fn shared_bytes(&self) -> usize {
+        self.codebook.as_ref().map_or(0, |c| c.stored_bytes())
+    }
+
     fn open_block(&mut self, block: usize) -> Result<()> {
         self.rows_of(block)?;
         if self.plan.staged {
@@ -298,7 +338,7 @@ impl StoredPart for PlannedPart {
         exact.decode_rows_into(0, bs, &mut values, &mut scratch)?;
         // Exact rows a fault made non-finite are clamped: the fault's
         // outcome is measured, not fatal. On failure nothing changed.
-        let sealed = KvStore::quantize_with(self.plan.sealed, &values, bs, channels, clamped())?;
+        let sealed = self.quantize_sealed(&values)?;
         self.sealed.copy_rows_from(rows.start, &sealed)?;
         self.release(block);
         Ok(true)

@@ -49,8 +49,10 @@ pub struct BlockPlan {
 
 impl BlockPlan {
     /// The plan of `form` in blocks of `block_size` tokens, or why blocks
-    /// cannot hold it (shard, low-rank and codebook forms; per-tensor
-    /// scales; a per-channel group other than the block).
+    /// cannot hold it (shard and low-rank forms; per-tensor scales; a
+    /// per-channel group other than the block). A codebook form (`vq`) is
+    /// row-local given its fitted codebook, which whoever builds its
+    /// stores supplies.
     pub fn new(form: CacheForm, block_size: usize) -> Result<Self> {
         let refuse = |reason: String| {
             Err(KvQuantError::InvalidSpec {
@@ -73,13 +75,6 @@ impl BlockPlan {
             return refuse(
                 "is a low-rank form: its coefficients and bases live in kv-lowrank stores, \
                  not blocks (use --backend reencode)"
-                    .into(),
-            );
-        }
-        if q.needs_codebook() {
-            return refuse(
-                "needs a fitted codebook, which block storage does not carry yet \
-                 (use --backend reencode)"
                     .into(),
             );
         }
@@ -189,7 +184,16 @@ mod tests {
 
     #[test]
     fn row_local_forms_are_written_in_place_unless_segmented() {
-        for s in ["int4", "fp16", "int4+secded84", "lm4", "nf4", "int4-ch1"] {
+        // (`vq` with the fitted codebook its store is built with.)
+        for s in [
+            "int4",
+            "fp16",
+            "int4+secded84",
+            "lm4",
+            "nf4",
+            "int4-ch1",
+            "vq",
+        ] {
             let p = plan(s, 16).unwrap();
             assert!(!p.staged, "{s}");
             assert_eq!(p.sealed, p.form, "{s}");
@@ -223,7 +227,7 @@ mod tests {
 
     #[test]
     fn forms_blocks_cannot_hold_are_refused_with_a_reason() {
-        for s in ["shard", "pca-r4", "vq", "fp8-e4m3", "int4-t"] {
+        for s in ["shard", "pca-r4", "fp8-e4m3", "int4-t"] {
             match plan(s, 16) {
                 Err(KvQuantError::InvalidSpec { reason, .. }) => assert!(!reason.is_empty()),
                 other => panic!("{s}: {other:?}"),
