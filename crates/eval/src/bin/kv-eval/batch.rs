@@ -145,7 +145,12 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
             .saturating_mul(4)
             .saturating_add((args.blocks as u64).saturating_mul(64)),
     )?;
-    KvCacheManager::new(cache, NoPrefixCache)?;
+    KvCacheManager::new(cache, NoPrefixCache).map_err(|e| {
+        format!(
+            "--blocks {} × --block-size {}: {e}",
+            args.blocks, args.block_size
+        )
+    })?;
     let text = match &args.requests {
         Some(path) => Some(
             kv_eval::paths::read_text_at_most(path, MAX_REQUESTS_BYTES)
