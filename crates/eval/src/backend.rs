@@ -92,16 +92,17 @@ impl BackendKind {
     /// cache (blocks of `block_size`) wherever it reproduces the re-encode
     /// protocol, that is for forms a block can hold and no per-call faults;
     /// the re-encode backend otherwise (forms that share parameters across
-    /// tokens, low-rank forms, the paper's fault protocol) and for codebook
-    /// forms (which `--backend paged` serves with their fitted codebooks).
+    /// tokens, online low-rank forms, the paper's fault protocol) and for
+    /// calibrated forms (which `--backend paged` serves with their fitted
+    /// codebooks and bases).
     pub fn auto(mode: &CacheMode, faults: Option<FaultSpec>, block_size: usize) -> Self {
         let paged = Self::Paged { block_size };
         // Calibrated forms stay on the re-encode protocol their tables
         // were measured on; `--backend paged` serves them.
-        let calibrated = mode
-            .forms()
-            .iter()
-            .any(|(f, _)| f.quantizer().needs_codebook());
+        let calibrated = mode.forms().iter().any(|(f, _)| {
+            f.quantizer().needs_codebook()
+                || matches!(f.quantizer(), kv_quant::Quantizer::LowRank(_))
+        });
         if !calibrated && paged.check(mode, faults).is_ok() {
             paged
         } else {
@@ -124,13 +125,13 @@ impl BackendKind {
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
 
 /// Whether any form of `mode` is staged in blocks of `block_size` (per-channel
-/// scales, exact sinks or windows: [`kv_quant::BlockPlan`]), so that its
+/// scales, exact sinks or windows: attention's `stored::part_seals`), so that its
 /// blocks are sealed when a step commits and a step reads its own rows
 /// exact.
 pub fn seals_blocks(mode: &CacheMode, block_size: usize) -> bool {
     mode.forms()
         .into_iter()
-        .any(|(form, _)| kv_quant::BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged))
+        .any(|(form, _)| attention::stored::part_seals(form, block_size))
 }
 
 /// A paged backend for one sequence of up to `tokens` tokens of `model`,
@@ -191,7 +192,7 @@ pub fn layer_specs(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<LayerSp
     })
 }
 
-/// The fitted tables (calibrated `vq` codebooks) of each of `layers`
+/// The fitted tables (calibrated `vq` codebooks, `pca-*` bases) of each of `layers`
 /// layers' K and V parts, from `mode`'s calibration: loaded once, shared by
 /// every block of the paged cache.
 pub fn fitted_tables(mode: &CacheMode, layers: usize) -> Result<Vec<[Fitted; 2]>> {
@@ -209,9 +210,11 @@ pub fn fitted_tables(mode: &CacheMode, layers: usize) -> Result<Vec<[Fitted; 2]>
             [
                 Fitted {
                     codebook: cal.codebook(&key, i, Part::Key),
+                    bases: cal.bases(&key, i, Part::Key),
                 },
                 Fitted {
                     codebook: cal.codebook(&value, i, Part::Value),
+                    bases: cal.bases(&value, i, Part::Value),
                 },
             ]
         })

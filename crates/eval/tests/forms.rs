@@ -268,3 +268,42 @@ fn vq_forms_are_paged_forms_with_their_codebooks() {
         .to_string();
     assert!(e.contains("needs its fitted codebook"), "{e}");
 }
+
+/// A calibrated low-rank form (`pca-r4`) on the paged cache: blocks are
+/// staged exact and projected on the calibrated bases when they seal, the
+/// bases counted once; the logits stay near the plain pass (closer than
+/// the re-encode protocol's, which projects every row, the newest
+/// included); without bases the form is refused by name.
+#[test]
+fn calibrated_low_rank_forms_are_paged_forms() {
+    use kv_eval::backend::{Adapted, paged_backend, paged_stats};
+    let m = model();
+    let cal = Arc::new(calibration(&m, "pca-r4"));
+    let mode = CacheMode::parse("pca-r4")
+        .unwrap()
+        .with_calibration(Some(cal));
+    let toks = tokens(40);
+    let (plain, _) = forward(&m, CacheMode::Plain).unwrap();
+    let (reencoded, _) = forward(&m, mode.clone()).unwrap();
+    let mut paged = Adapted(paged_backend(&m, &mode, None, 8, toks.len()).unwrap());
+    let logits = m.forward(&toks, &mut paged, 0).unwrap();
+    assert!(logits.iter().all(|x| x.is_finite()));
+    let worst = |a: &[f32]| {
+        a.iter()
+            .zip(&plain)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    };
+    let (paged_err, reencode_err) = (worst(&logits), worst(&reencoded));
+    assert!(paged_err > 0.0, "a rank-4 projection changes the logits");
+    assert!(
+        paged_err <= reencode_err,
+        "paged {paged_err} against re-encoded {reencode_err}"
+    );
+    let s = paged_stats(&paged.0, &m, toks.len()).unwrap();
+    assert!(s.codebook_bytes > 0, "the bases are counted");
+    let bare = CacheMode::parse("pca-r4").unwrap();
+    let e = paged_backend(&m, &bare, None, 8, 40)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs its calibrated bases"), "{e}");
+}

@@ -77,7 +77,7 @@ pub enum KvPart {
 
 /// The contents of one block: its K and V [`PartBlock`]s per layer (a
 /// copy, for swapping and snapshots).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct BlockData {
     layers: Vec<[PartBlock; 2]>,
 }

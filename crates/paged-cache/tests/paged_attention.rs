@@ -359,14 +359,11 @@ fn a_calibrated_codebook_form_pages_like_a_contiguous_store() {
         let calibration = rows(512, ch, 7);
         let codebook =
             Arc::new(VqCodebook::fit(&form, &calibration, 512, ch, FitOptions::default()).unwrap());
-        let fitted = [
-            Fitted {
-                codebook: Some(codebook.clone()),
-            },
-            Fitted {
-                codebook: Some(codebook.clone()),
-            },
-        ];
+        let tables = || Fitted {
+            codebook: Some(codebook.clone()),
+            ..Fitted::default()
+        };
+        let fitted = [tables(), tables()];
         let blocks = len.div_ceil(bs);
         let layer = [LayerSpec::uniform(form, ch)];
         let storage = BlockStorage::with_fitted(blocks + 2, bs, &layer, &[fitted]).unwrap();

@@ -65,17 +65,20 @@
 //! paged-cache directly (`BlockStorage::from_parts`); paged-cache's
 //! `tests/custom_part.rs` stores and attends one that way.
 
+mod low_rank;
 mod planned;
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use gf2_codes::channel::FaultChannel;
+use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
     BlockPlan, CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
-    KvQuantError, KvStore, RowBuffers, RowEncoder, ScrubStats, VqCodebook,
+    KvQuantError, KvStore, Quantizer, RowBuffers, RowEncoder, ScrubStats, VqCodebook,
 };
 
+pub use low_rank::LowRankPart;
 pub use planned::PlannedPart;
 
 use crate::error::{AttentionError, Result};
@@ -243,11 +246,13 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
 
 /// One block's contents in one part, for copies and the host tier: the
 /// kv-quant stores the implementation keeps for it (the one read last,
-/// [`rows`](Self::rows), holding its rows as attention reads them), and
-/// any bytes it keeps outside kv-quant stores.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// [`rows`](Self::rows), holding its rows as attention reads them), a
+/// kv-lowrank store of a sealed low-rank block, and any bytes it keeps
+/// outside both.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PartBlock {
     stores: Vec<KvStore>,
+    low_rank: Option<LowRankStore>,
     bytes: Vec<u8>,
 }
 
@@ -257,16 +262,29 @@ impl PartBlock {
     pub fn of_stores(stores: Vec<KvStore>) -> Self {
         Self {
             stores,
-            bytes: Vec::new(),
+            ..Self::default()
+        }
+    }
+
+    /// A sealed low-rank block.
+    pub fn of_low_rank(store: LowRankStore) -> Self {
+        Self {
+            low_rank: Some(store),
+            ..Self::default()
         }
     }
 
     /// A block kept as plain bytes (a part defined outside kv-quant's forms).
     pub fn of_bytes(bytes: Vec<u8>) -> Self {
         Self {
-            stores: Vec::new(),
             bytes,
+            ..Self::default()
         }
+    }
+
+    /// The low-rank store of a sealed low-rank block.
+    pub fn low_rank(&self) -> Option<&LowRankStore> {
+        self.low_rank.as_ref()
     }
 
     /// The stores, in the implementation's order.
@@ -286,11 +304,14 @@ impl PartBlock {
 
     /// Bytes held, counted from the stores' buffers and the plain bytes.
     pub fn stored_bytes(&self) -> usize {
-        self.stores.iter().map(KvStore::stored_bytes).sum::<usize>() + self.bytes.len()
+        self.stores.iter().map(KvStore::stored_bytes).sum::<usize>()
+            + self.low_rank.as_ref().map_or(0, LowRankStore::stored_bytes)
+            + self.bytes.len()
     }
 
-    /// One scrubbing pass over every store (swapped-out blocks collect
-    /// faults too); plain bytes carry no code to scrub.
+    /// One scrubbing pass over every kv-quant store (swapped-out blocks
+    /// collect faults too); plain bytes and low-rank coefficients are not
+    /// rewritten here.
     pub fn scrub(&mut self) -> Result<ScrubStats> {
         let mut stats = ScrubStats::default();
         for s in &mut self.stores {
@@ -298,6 +319,35 @@ impl PartBlock {
         }
         Ok(stats)
     }
+}
+
+/// Rows `start..start + count` of a sequence on `pages` (blocks of
+/// `block_size` rows of `channels` values) decoded page by page into
+/// `rows` by `decode(page, offset, out)`, as one f32 tile: the loop every
+/// part that reconstructs rows shares.
+pub fn decode_pages<'s>(
+    rows: &'s mut Vec<f32>,
+    (pages, block_size, channels): (&[u32], usize, usize),
+    start: usize,
+    count: usize,
+    mut decode: impl FnMut(usize, usize, &mut [f32]) -> Result<KvDecodeStats>,
+) -> Result<Tile<'s>> {
+    let n = count * channels;
+    if rows.len() < n {
+        rows.resize(n, 0.0);
+    }
+    let mut stats = KvDecodeStats::default();
+    let mut t = start;
+    while t < start + count {
+        let k = (block_size - t % block_size).min(start + count - t);
+        let out = &mut rows[(t - start) * channels..][..k * channels];
+        stats += decode(pages[t / block_size] as usize, t % block_size, out)?;
+        t += k;
+    }
+    Ok(Tile {
+        rows: crate::TileRows::F32(&rows[..n]),
+        stats,
+    })
 }
 
 /// Per-thread buffers of [`StoredPart::read_tile`]: those of the block
@@ -313,6 +363,8 @@ pub struct PartScratch {
     pub decode: DecodeScratch,
     /// f32 rows of a decoded tile.
     pub rows: Vec<f32>,
+    /// Reconstructing low-rank rows.
+    pub low_rank: kv_lowrank::StoreScratch,
     /// Anything else an implementation needs (downcast it).
     pub other: Option<Box<dyn std::any::Any + Send>>,
 }
@@ -324,6 +376,8 @@ pub struct PartScratch {
 pub struct Fitted {
     /// The codebook of a `vq` form.
     pub codebook: Option<Arc<VqCodebook>>,
+    /// The per-head bases of a calibrated low-rank form (`pca-*`).
+    pub bases: Option<Arc<HeadBases>>,
 }
 
 impl Fitted {
@@ -344,11 +398,29 @@ pub fn open_part(
     num_blocks: usize,
     fitted: &Fitted,
 ) -> Result<Box<dyn StoredPart>> {
+    if let Quantizer::LowRank(_) = form.quantizer() {
+        let bases = bases_of(form, fitted)?;
+        return Ok(Box::new(LowRankPart::new(
+            form, block_size, channels, num_blocks, bases,
+        )?));
+    }
     let plan = BlockPlan::new(form, block_size)?;
     let codebook = codebook_of(form, fitted)?;
     Ok(Box::new(PlannedPart::new(
         plan, channels, num_blocks, codebook,
     )?))
+}
+
+/// The bases a low-rank `form` needs from `fitted`, or its refusal.
+fn bases_of(form: CacheForm, fitted: &Fitted) -> Result<Arc<HeadBases>> {
+    fitted.bases.clone().ok_or_else(|| {
+        AttentionError::Store(KvQuantError::InvalidSpec {
+            spec: form.to_string(),
+            reason: "needs its calibrated bases (fit them with `kv-eval calibrate`, or pass \
+                     the tables to the cache: BlockStorage::with_fitted)"
+                .into(),
+        })
+    })
 }
 
 /// The codebook `form` needs from `fitted`, or its refusal.
@@ -371,8 +443,43 @@ fn codebook_of(form: CacheForm, fitted: &Fitted) -> Result<Option<Arc<VqCodebook
 /// tables it needs ([`open_part`]'s refusals of the form itself, without
 /// building anything).
 pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
+    if let Quantizer::LowRank(spec) = form.quantizer() {
+        let refuse = |reason: &str| {
+            Err(AttentionError::Store(KvQuantError::InvalidSpec {
+                spec: form.to_string(),
+                reason: reason.into(),
+            }))
+        };
+        return match spec.method {
+            kv_quant::spec::LowRankMethod::Fd { .. } => refuse(
+                "is an online low-rank form: its bases are fitted per sequence, which paged \
+                 blocks do not carry yet (use --backend reencode)",
+            ),
+            _ if spec.pre_rope => refuse(
+                "projects keys before RoPE, which paged blocks do not undo yet (use the form \
+                 without -pre, or --backend reencode)",
+            ),
+            _ if !form.segments().is_empty() => {
+                refuse("keeps exact segments, which paged low-rank blocks do not hold yet")
+            }
+            _ if block_size < 2 => refuse("needs blocks of at least 2 tokens"),
+            _ => Ok(()),
+        };
+    }
     BlockPlan::new(form, block_size)?;
     Ok(())
+}
+
+/// Whether a part of `form` in blocks of `block_size` stages written rows
+/// and seals blocks at commit (per-channel groups, exact sinks and
+/// windows), so that a caller running a long prefill steps it a block at a
+/// time, as a server's decode would see it. `false` for forms written in
+/// place and forms blocks cannot hold.
+pub fn part_seals(form: CacheForm, block_size: usize) -> bool {
+    match form.quantizer() {
+        Quantizer::LowRank(_) => check_part_form(form, block_size).is_ok(),
+        _ => BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged),
+    }
 }
 
 /// Memory [`open_part`] takes, counted before building anything (a caller
@@ -395,6 +502,10 @@ pub fn part_pool_bytes(
     num_blocks: usize,
     fitted: &Fitted,
 ) -> Result<PoolBytes> {
+    if let Quantizer::LowRank(_) = form.quantizer() {
+        let bases = bases_of(form, fitted)?;
+        return LowRankPart::pool_bytes(form, block_size, channels, num_blocks, &bases);
+    }
     let plan = BlockPlan::new(form, block_size)?;
     PlannedPart::pool_bytes(&plan, channels, num_blocks, codebook_of(form, fitted)?)
 }

@@ -28,7 +28,7 @@ use kv_quant::{
 
 use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
 use crate::error::{AttentionError, Result};
-use crate::source::{KvSource, Tile, TileRows};
+use crate::source::{KvSource, Tile};
 
 /// A kv-quant form kept in blocks as its [`BlockPlan`] says (see the
 /// module docs).
@@ -203,39 +203,28 @@ impl PlannedPart {
         count: usize,
         scratch: &'s mut PartScratch,
     ) -> Result<Tile<'s>> {
-        let (channels, bs) = (self.channels, self.plan.block_size);
+        let bs = self.plan.block_size;
         let rotation = KvSource::rotation(&self.sealed);
-        let n = count * channels;
-        if scratch.rows.len() < n {
-            scratch.rows.resize(n, 0.0);
-        }
-        let mut stats = KvDecodeStats::default();
-        let mut t = start;
-        while t < start + count {
-            let k = (bs - t % bs).min(start + count - t);
-            let out = &mut scratch.rows[(t - start) * channels..][..k * channels];
-            match self.exact_at(pages, t) {
+        let PartScratch { rows, decode, .. } = scratch;
+        let layout = (pages, bs, self.channels);
+        super::decode_pages(rows, layout, start, count, |page, offset, out| {
+            let k = out.len() / self.channels;
+            Ok(match self.exact(page) {
                 Some(exact) => {
-                    scratch.decode.limit_neighbours(None);
-                    stats += exact.decode_rows_into(t % bs, k, out, &mut scratch.decode)?;
+                    decode.limit_neighbours(None);
+                    let stats = exact.decode_rows_into(offset, k, out, decode)?;
                     if let Some(h) = rotation {
                         h.rotate(out);
                     }
+                    stats
                 }
                 None => {
-                    let row = self.row(pages, t);
-                    let first = row - t % bs;
-                    scratch.decode.limit_neighbours(Some(first..first + bs));
-                    stats +=
-                        self.sealed
-                            .decode_rows_rotated_into(row, k, out, &mut scratch.decode)?;
+                    let first = page * bs;
+                    decode.limit_neighbours(Some(first..first + bs));
+                    self.sealed
+                        .decode_rows_rotated_into(first + offset, k, out, decode)?
                 }
-            }
-            t += k;
-        }
-        Ok(Tile {
-            rows: TileRows::F32(&scratch.rows[..n]),
-            stats,
+            })
         })
     }
 

@@ -321,7 +321,9 @@ pub struct CacheStats {
     pub stored_values: u64,
     /// Bytes of the codebooks the stores read were encoded against, each
     /// counted with every store that uses it (a codebook amortised over the
-    /// tokens of one sequence), included in `stored_bytes`.
+    /// tokens of one sequence), included in `stored_bytes`; on the paged
+    /// backend, the fitted tables (codebooks and calibrated bases) counted
+    /// once beside the blocks.
     pub codebook_bytes: u64,
     /// `stored_bytes` of the key stores and of the value stores.
     pub part_bytes: [u64; 2],
