@@ -244,13 +244,16 @@ pub fn paged_stats(
             }
         }
     }
-    // Fitted tables are stored once beside the blocks.
-    let shared = storage.shared_bytes() as u64;
+    // Fitted tables are stored once beside the blocks, counted with the
+    // part that reads them.
+    for (i, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
+        part_bytes[i] += storage.shared_part_bytes(part) as u64;
+    }
     Ok(CacheStats {
         keys: read.keys,
         values: read.values,
-        stored_bytes: part_bytes[0] + part_bytes[1] + shared,
-        codebook_bytes: shared,
+        stored_bytes: part_bytes[0] + part_bytes[1],
+        codebook_bytes: storage.shared_bytes() as u64,
         stored_values: 2 * (tokens * model.kv_channels() * model.layers()) as u64,
         part_bytes,
         ..CacheStats::default()

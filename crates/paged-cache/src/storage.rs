@@ -613,13 +613,19 @@ impl BlockStorage {
         Ok(self.part(layer, part)?.sealed_block_bytes())
     }
 
-    /// Bytes of the fitted tables (codebooks) the parts read, each part's
-    /// counted once: stored beside the blocks and shared by all of them.
+    /// Bytes of the fitted tables (codebooks, bases) the parts read, each
+    /// part's counted once: stored beside the blocks and shared by all of
+    /// them.
     pub fn shared_bytes(&self) -> usize {
+        self.shared_part_bytes(KvPart::Keys) + self.shared_part_bytes(KvPart::Values)
+    }
+
+    /// [`shared_bytes`](Self::shared_bytes) of the key parts or of the
+    /// value parts.
+    pub fn shared_part_bytes(&self, part: KvPart) -> usize {
         self.parts
             .iter()
-            .flatten()
-            .map(|p| read(p).shared_bytes())
+            .map(|p| read(&p[part as usize]).shared_bytes())
             .sum()
     }
 }
