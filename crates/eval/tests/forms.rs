@@ -261,7 +261,11 @@ fn vq_forms_are_paged_forms_with_their_codebooks() {
     assert_eq!(s.stored_bytes, s.part_bytes[0] + s.part_bytes[1]);
     let blocks = 40usize.div_ceil(16) as u64;
     let value_blocks = s.part_bytes[1] - s.codebook_bytes;
-    assert_eq!(value_blocks % blocks, 0, "whole value blocks beside the codebooks");
+    assert_eq!(
+        value_blocks % blocks,
+        0,
+        "whole value blocks beside the codebooks"
+    );
     // Without its calibration the paged cache refuses the form by name.
     let bare = CacheMode::parse("fp32/vq-k16+rot8").unwrap();
     let e = paged_backend(&m, &bare, None, 16, 40)
