@@ -40,6 +40,9 @@ pub struct PagedBackend<P: PrefixCache = NoPrefixCache> {
     stats: PagedReadStats,
 }
 
+/// Salt of the fault streams of the fitted tables (apart from the blocks').
+const TABLE_SALT: u64 = 0x7461_626c_6573;
+
 impl PagedBackend<NoPrefixCache> {
     /// A cache of `num_blocks` blocks of `block_size` tokens holding `layers`
     /// (each layer's key and value forms must be
@@ -116,8 +119,10 @@ impl<P: PrefixCache> PagedBackend<P> {
 
     /// Flips bits of every block the sequence holds (every layer, K and V)
     /// through `channel`: the store of layer `l`, part `p` in the `i`-th
-    /// block of the table draws from its own stream of `seed`. Returns the
-    /// bits flipped.
+    /// block of the table draws from its own stream of `seed`; then of the
+    /// fitted tables every layer part reads (a `vq` codebook, under
+    /// targets that reach metadata), each from a stream of its own.
+    /// Returns the bits flipped.
     pub fn inject(
         &self,
         channel: &dyn FaultChannel,
@@ -137,6 +142,16 @@ impl<P: PrefixCache> PagedBackend<P> {
                         .inject(block, layer as usize, part, channel, s, target)?
                         .total() as u64;
                 }
+            }
+        }
+        for layer in 0..layers {
+            for (p, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
+                let s =
+                    seed ^ TABLE_SALT ^ (layer * 2 + p as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                flips += self
+                    .storage
+                    .inject_shared(layer as usize, part, channel, s, target)?
+                    .total() as u64;
             }
         }
         Ok(flips)

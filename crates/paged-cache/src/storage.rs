@@ -571,6 +571,28 @@ impl BlockStorage {
             .inject(block.index(), channel, seed, target)?)
     }
 
+    /// Injects faults from `channel` with `seed` into the fitted tables one
+    /// part of `layer` reads ([`StoredPart::inject_shared`]: a `vq`
+    /// codebook, under targets that reach metadata). The layer's row
+    /// encoders read the faulted tables from then on too, as an encoder
+    /// reading the same memory would.
+    pub fn inject_shared(
+        &self,
+        layer: usize,
+        part: KvPart,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        let injection = self
+            .part_mut(layer, part)?
+            .inject_shared(channel, seed, target)?;
+        if !injection.tables.is_empty() {
+            *lock(&self.writers[layer]) = LayerWriter::new(&self.parts[layer])?;
+        }
+        Ok(injection)
+    }
+
     /// Applies `f` to a copy of the store holding `block`'s rows of one
     /// part of `layer` (its bytes, flips and words, as a store of
     /// `block_size` rows): its staged exact rows where it is staged.

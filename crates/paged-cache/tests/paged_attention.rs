@@ -407,6 +407,35 @@ fn a_calibrated_codebook_form_pages_like_a_contiguous_store() {
             .unwrap();
         if spelling == "vq" {
             assert_eq!(paged[0].out, contiguous.out, "{spelling}");
+            // The shared codebook is stored bits too: a flip in it is
+            // counted and read by every row coded with that centroid,
+            // in this cache only (the calibration's copy is untouched).
+            let flips = ExactFlips::new((0..64).map(|c| 16 * c + 9)); // top mantissa bits
+            let values_only = storage
+                .inject_shared(0, KvPart::Values, &flips, 0, kv_quant::FaultTarget::Values)
+                .unwrap();
+            assert_eq!(values_only.total(), 0, "tables are not value bits");
+            let hit = storage
+                .inject_shared(
+                    0,
+                    KvPart::Values,
+                    &flips,
+                    0,
+                    kv_quant::FaultTarget::Everything,
+                )
+                .unwrap();
+            assert_eq!(hit.tables.len(), 64);
+            assert_eq!(hit.total(), 64);
+            let faulted = paged_decode(&attn, &storage, &page_table, 0, &q).unwrap();
+            assert_ne!(faulted[0].out, paged[0].out);
+            assert_eq!(codebook.stored_bytes() * 8, 16 * codebook.centroids().len());
+            let again = attn
+                .decode(&q, len - 1, &quantize(&k), &quantize(&v), &Mask::Causal)
+                .unwrap();
+            assert_eq!(
+                again.out, contiguous.out,
+                "the shared codebook is untouched"
+            );
         } else {
             // A paged sink is a whole exact block (16 rows), the store's 4.
             let err = paged[0]

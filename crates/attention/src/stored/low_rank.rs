@@ -437,6 +437,7 @@ impl StoredPart for LowRankPart {
                     offsets,
                     checks,
                     exact,
+                    tables: Flips::default(),
                 }
             }
         })

@@ -216,6 +216,24 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
         target: FaultTarget,
     ) -> Result<Injection>;
 
+    /// Injects faults from `channel` with `seed` into the fitted tables the
+    /// part reads ([`shared_bytes`](Self::shared_bytes): a `vq` codebook),
+    /// under `target`s that reach metadata: the part's own copy is
+    /// faulted (taken on the first flip), so other caches sharing the
+    /// tables are untouched, and every row read through them from now on
+    /// reads the faulted table. Flips land in [`Injection::tables`]; the
+    /// rows' decode statistics cannot attribute them (a table has no code).
+    /// The default has no tables.
+    fn inject_shared(
+        &mut self,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        let _ = (channel, seed, target);
+        Ok(Injection::default())
+    }
+
     /// The store holding `block`'s rows as read, as a store of
     /// `block_size` rows (its bytes, flips and words), for parts kept in
     /// kv-quant stores; the default refuses.

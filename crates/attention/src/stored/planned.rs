@@ -500,6 +500,31 @@ impl StoredPart for PlannedPart {
         })
     }
 
+    fn inject_shared(
+        &mut self,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        let Some(codebook) = &self.codebook else {
+            return Ok(Injection::default());
+        };
+        if target == FaultTarget::Values {
+            return Ok(Injection::default());
+        }
+        let (faulted, tables) = codebook.with_flips(channel, seed);
+        if tables.is_empty() {
+            return Ok(Injection::default());
+        }
+        let faulted = Arc::new(faulted);
+        self.sealed.replace_codebook(faulted.clone())?;
+        self.codebook = Some(faulted);
+        Ok(Injection {
+            tables,
+            ..Injection::default()
+        })
+    }
+
     fn block_store(&self, block: usize) -> Result<KvStore> {
         let rows = self.rows_of(block)?;
         Ok(match self.exact(block) {

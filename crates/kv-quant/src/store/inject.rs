@@ -35,6 +35,9 @@ pub struct Injection {
     pub checks: Flips,
     /// Flips in the exact (sink and window) rows.
     pub exact: Flips,
+    /// Flips in fitted tables the rows are read through (a paged cache's
+    /// shared `vq` codebook: [`VqCodebook::with_flips`](crate::VqCodebook::with_flips)).
+    pub tables: Flips,
 }
 
 impl Injection {
@@ -45,6 +48,7 @@ impl Injection {
             + self.offsets.len()
             + self.checks.len()
             + self.exact.len()
+            + self.tables.len()
     }
 
     /// Flipped bits in the metadata buffers.

@@ -283,6 +283,7 @@ impl Section {
             offsets: Flips::from_events(ledger.of_bytes(Buffer::Offsets, meta)),
             checks: Flips::from_events(checks),
             exact: Flips::default(),
+            tables: Flips::default(),
         }
     }
 

@@ -445,6 +445,25 @@ impl KvStore {
         self.middle.codebook.as_ref()
     }
 
+    /// Reads the rows through `codebook` from now on (the same codebooks
+    /// with faults in them: [`VqCodebook::with_flips`]); refused for a store
+    /// without codebooks or codebooks of another shape.
+    pub fn replace_codebook(&mut self, codebook: Arc<VqCodebook>) -> Result<()> {
+        let fits = self.middle.codebook.as_ref().is_some_and(|c| {
+            c.spec() == codebook.spec()
+                && c.block() == codebook.block()
+                && c.blocks() == codebook.blocks()
+        });
+        if !fits {
+            return Err(KvQuantError::InvalidParameter {
+                name: "codebook",
+                reason: format!("{} has no codebooks of that shape to replace", self.form),
+            });
+        }
+        self.middle.codebook = Some(codebook);
+        Ok(())
+    }
+
     /// The range of the scales and offsets written into the quantized rows
     /// ([`ParamBound`]): with protected metadata, a decoded word outside it
     /// erases its group. Zero for forms whose metadata is unprotected.
