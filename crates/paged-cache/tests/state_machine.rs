@@ -23,8 +23,12 @@
 
 use std::sync::Arc;
 
+use attention::stored::Fitted;
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
-use kv_quant::{BlockPlan, CacheForm, DecodeScratch, FaultTarget, KvStore};
+use kv_quant::{
+    BlockPlan, CacheForm, DecodeScratch, FaultTarget, FitOptions, KvStore, QuantizeOptions,
+    VqCodebook,
+};
 use paged_cache::{
     BlockId, BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, KvPart, LayerSpec,
     PagedCacheError, PrefixCache, RadixPrefixCache, SeqId,
@@ -35,8 +39,9 @@ const BS: usize = 4;
 const CH: usize = 8;
 const BLOCKS: usize = 24;
 const HOST: usize = 12;
-const LAYER0_FORMS: [&str; 8] = [
+const LAYER0_FORMS: [&str; 9] = [
     "fp16",
+    "vq-k16+rot8",
     "int8",
     "fp8-e4m3-tok",
     "int4-g4+golay24",
@@ -121,13 +126,36 @@ fn canonical(prefix: &[u32], layer: usize, part: usize, version: u32) -> Vec<f32
         .collect()
 }
 
-/// `rows` (`n × CH`) quantized in `form` at once, decoded.
-fn decoded(form: CacheForm, rows: &[f32], n: usize) -> Vec<f32> {
-    KvStore::quantize(form, rows, n, CH)
-        .unwrap()
-        .decode()
-        .unwrap()
-        .values
+/// `rows` (`n × CH`) quantized in `form` at once (against `codebook` for
+/// a `vq` form), decoded.
+fn decoded(
+    form: CacheForm,
+    rows: &[f32],
+    n: usize,
+    codebook: &Option<Arc<VqCodebook>>,
+) -> Vec<f32> {
+    let store = match codebook
+        .clone()
+        .filter(|_| form.quantizer().needs_codebook())
+    {
+        Some(cb) => {
+            KvStore::quantize_with_codebook(form, rows, n, CH, QuantizeOptions::default(), cb)
+        }
+        None => KvStore::quantize(form, rows, n, CH),
+    };
+    store.unwrap().decode().unwrap().values
+}
+
+/// The codebook of a `vq` form, fitted on rows like the harness's, shared
+/// by every block (the calibrated tables of the paged cache).
+fn codebook(form: CacheForm) -> Option<Arc<VqCodebook>> {
+    form.quantizer().needs_codebook().then(|| {
+        let n = 256;
+        let rows: Vec<f32> = (0..n as u32)
+            .flat_map(|t| canonical(&[t % 7, t / 7], 0, (t % 2) as usize, 0))
+            .collect();
+        Arc::new(VqCodebook::fit(&form, &rows, n, CH, FitOptions::default()).unwrap())
+    })
 }
 
 /// Expected decoded rows of one position: `[layer][K, V]`.
@@ -138,6 +166,8 @@ struct Harness<P: PrefixCache> {
     storage: Arc<BlockStorage>,
     /// How each layer's K and V are kept in blocks.
     plans: [[BlockPlan; 2]; 2],
+    /// Layer 0's codebook (both parts), for a `vq` form.
+    codebook: Option<Arc<VqCodebook>>,
     /// Per live sequence: expected decoded rows `[position][layer][part]`, dirty flag.
     model: std::collections::BTreeMap<SeqId, (Vec<Rows>, bool)>,
     /// The values sealed blocks of layer 0 held, by the tokens from the
@@ -153,7 +183,13 @@ impl<P: PrefixCache> Harness<P> {
         let forms: [CacheForm; 2] = [layer0.parse().unwrap(), PROTECTED.parse().unwrap()];
         let layers = forms.map(|form| LayerSpec::uniform(form, CH));
         let plans = forms.map(|form| [BlockPlan::new(form, BS).unwrap(); 2]);
-        let storage = Arc::new(BlockStorage::new(BLOCKS, BS, &layers).unwrap());
+        let codebook = codebook(forms[0]);
+        let tables = || Fitted {
+            codebook: codebook.clone(),
+            ..Fitted::default()
+        };
+        let fitted = [[tables(), tables()]];
+        let storage = Arc::new(BlockStorage::with_fitted(BLOCKS, BS, &layers, &fitted).unwrap());
         let config = CacheConfig {
             num_blocks: BLOCKS,
             block_size: BS,
@@ -163,9 +199,19 @@ impl<P: PrefixCache> Harness<P> {
             cache: KvCacheManager::with_storage(config, prefix, storage.clone()).unwrap(),
             storage,
             plans,
+            codebook,
             model: Default::default(),
             sealed_rows: Default::default(),
             pending_flip: false,
+        }
+    }
+
+    /// The codebook `layer`'s parts read (layer 0's `vq` form only).
+    fn codebook_of(&self, layer: usize) -> Option<Arc<VqCodebook>> {
+        if layer == 0 {
+            self.codebook.clone()
+        } else {
+            None
         }
     }
 
@@ -174,7 +220,7 @@ impl<P: PrefixCache> Harness<P> {
     fn expected(&self, row: &[f32], layer: usize, part: usize) -> Vec<f32> {
         let plan = &self.plans[layer][part];
         let form = if plan.staged { plan.exact } else { plan.sealed };
-        decoded(form, row, 1)
+        decoded(form, row, 1, &self.codebook_of(layer))
     }
 
     /// Whether `block` holds sealed rows in a staged part of `layer`.
@@ -198,7 +244,7 @@ impl<P: PrefixCache> Harness<P> {
                 let end = entry.0.len().min((pos / BS + 1) * BS);
                 for q in pos / BS * BS..end {
                     let row = &mut entry.0[q][layer][part];
-                    *row = decoded(exact, row, 1);
+                    *row = decoded(exact, row, 1, &None);
                 }
                 entry.1 = true;
             }
@@ -271,7 +317,8 @@ impl<P: PrefixCache> Harness<P> {
                                         )
                                     })
                                     .collect();
-                                let sealed = decoded(self.plans[0][part].sealed, &held, BS);
+                                let sealed =
+                                    decoded(self.plans[0][part].sealed, &held, BS, &self.codebook);
                                 sealed[(pos - start) * CH..][..CH].to_vec()
                             } else if self.sealed(block, layer, part) {
                                 self.sealed_hit(&prompt, hit, pos, block, part)
@@ -468,7 +515,7 @@ impl<P: PrefixCache> Harness<P> {
                             .iter()
                             .flat_map(|r| r[0][part].clone())
                             .collect();
-                        let sealed = decoded(self.plans[0][part].sealed, &held, BS);
+                        let sealed = decoded(self.plans[0][part].sealed, &held, BS, &self.codebook);
                         let sealed: Vec<Vec<f32>> =
                             sealed.chunks_exact(CH).map(<[f32]>::to_vec).collect();
                         self.share_sealed(block, part, &sealed)?;
