@@ -8,7 +8,7 @@ use kv_eval::cache::CacheMode;
 use kv_eval::paths;
 use kv_eval::tokenizer::ReadLimits;
 
-use crate::{Error, Target, load_model, model_path};
+use crate::{Calib, Error, Target, calibration_for, load_model, model_path};
 
 /// The flags of `kv-eval accumulate`.
 #[derive(clap::Args)]
@@ -27,6 +27,8 @@ pub(crate) struct AccumulateArgs {
     /// Decode steps.
     #[arg(long, default_value_t = 128)]
     steps: usize,
+    #[command(flatten)]
+    calib: Calib,
     /// Comma-separated per-token forms (paged blocks).
     #[arg(
         long,
@@ -76,7 +78,7 @@ pub(crate) fn run_accumulate(args: AccumulateArgs) -> Result<(), Error> {
     if !(0.0..=1.0).contains(&args.ber_per_step) {
         return Err(format!("--ber-per-step {} is not in [0, 1]", args.ber_per_step).into());
     }
-    let forms = args
+    let mut forms = args
         .forms
         .iter()
         .map(|f| CacheMode::parse(f))
@@ -115,6 +117,13 @@ pub(crate) fn run_accumulate(args: AccumulateArgs) -> Result<(), Error> {
         max_tokens: Some(args.prompt_tokens),
         ..ReadLimits::default()
     };
+    // Calibrated forms (`vq`, `pca-*`) read their fitted tables: loaded
+    // from --calibration or fitted on --calib-text.
+    let cal = calibration_for(&forms, &args.calib, model.as_ref(), &tokenizer)?;
+    forms = forms
+        .into_iter()
+        .map(|m| m.with_calibration(cal.clone()))
+        .collect();
     let prompt = tokenizer.encode_reader(text, limits)?;
     if prompt.len() < args.prompt_tokens {
         return Err(format!(
