@@ -55,8 +55,10 @@ pub struct AccumulateRow {
     pub kl_last_quarter: f64,
     /// KL at every step.
     pub kl_per_step: Vec<f64>,
-    /// Bits flipped into the resident blocks.
+    /// Bits flipped into the resident blocks and fitted tables.
     pub injected_flips: u64,
+    /// Of them, bits flipped into fitted tables (a `vq` cache's codebooks).
+    pub table_flips: u64,
     /// Value codewords the scrubber rewrote.
     pub scrub_corrected: u64,
     /// Value codewords the scrubber found uncorrectable.
@@ -223,6 +225,7 @@ fn faulty_run(
         kl_last_quarter: mean(&kls[n - n.div_ceil(4)..]),
         kl_per_step: kls,
         injected_flips: injected,
+        table_flips: cache.0.table_flips(),
         scrub_corrected: scrubbed.values.corrected,
         scrub_detected: scrubbed.values.detected,
         read_corrected: reads.keys.values.corrected + reads.values.values.corrected,
@@ -243,7 +246,7 @@ impl AccumulateReport {
         );
         for r in &self.rows {
             s.push_str(&format!(
-                "| `{}` | {} | {:.2}% | {:.4} | {:.4} | {} | {} | {} | {} | {} |\n",
+                "| `{}` | {} | {:.2}% | {:.4} | {:.4} | {}{} | {} | {} | {} | {} |\n",
                 r.form,
                 r.scrub_every
                     .map_or("never".to_string(), |n| format!("{n} steps")),
@@ -251,6 +254,11 @@ impl AccumulateReport {
                 r.kl_mean,
                 r.kl_last_quarter,
                 r.injected_flips,
+                if r.table_flips > 0 {
+                    format!(" ({} in codebooks)", r.table_flips)
+                } else {
+                    String::new()
+                },
                 r.scrub_corrected,
                 r.scrub_detected,
                 r.read_corrected,

@@ -266,6 +266,18 @@ fn vq_forms_are_paged_forms_with_their_codebooks() {
         0,
         "whole value blocks beside the codebooks"
     );
+    // The codebooks are resident bits: metadata faults reach them (one
+    // exact flip in each layer's value codebook), value faults do not.
+    let flip = gf2_codes::channel::ExactFlips::new([9]);
+    paged
+        .inject(&flip, 0, kv_quant::FaultTarget::Values)
+        .unwrap();
+    assert_eq!(paged.table_flips(), 0);
+    let hit = paged
+        .inject(&flip, 0, kv_quant::FaultTarget::Metadata)
+        .unwrap();
+    assert_eq!(paged.table_flips(), LAYERS as u64);
+    assert!(hit >= LAYERS as u64);
     // Without its calibration the paged cache refuses the form by name.
     let bare = CacheMode::parse("fp32/vq-k16+rot8").unwrap();
     let e = paged_backend(&m, &bare, None, 16, 40)

@@ -38,6 +38,8 @@ pub struct PagedBackend<P: PrefixCache = NoPrefixCache> {
     tokens: usize,
     step: StepRows,
     stats: PagedReadStats,
+    /// Bits [`inject`](PagedBackend::inject) flipped in fitted tables.
+    table_flips: std::sync::atomic::AtomicU64,
 }
 
 /// Salt of the fault streams of the fitted tables (apart from the blocks').
@@ -81,6 +83,7 @@ impl<P: PrefixCache> PagedBackend<P> {
             tokens: 0,
             step: StepRows::new(layers),
             stats: PagedReadStats::default(),
+            table_flips: Default::default(),
         })
     }
 
@@ -148,13 +151,22 @@ impl<P: PrefixCache> PagedBackend<P> {
             for (p, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
                 let s =
                     seed ^ TABLE_SALT ^ (layer * 2 + p as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-                flips += self
+                let hit = self
                     .storage
                     .inject_shared(layer as usize, part, channel, s, target)?
                     .total() as u64;
+                self.table_flips
+                    .fetch_add(hit, std::sync::atomic::Ordering::Relaxed);
+                flips += hit;
             }
         }
         Ok(flips)
+    }
+
+    /// Of the bits [`inject`](Self::inject) flipped so far, those in the
+    /// fitted tables (codebooks) rather than in blocks.
+    pub fn table_flips(&self) -> u64 {
+        self.table_flips.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Scrubs every block the sequence holds: single-bit errors in
