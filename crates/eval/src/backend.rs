@@ -99,10 +99,10 @@ impl BackendKind {
         let paged = Self::Paged { block_size };
         // Calibrated forms stay on the re-encode protocol their tables
         // were measured on; `--backend paged` serves them.
-        let calibrated = mode.forms().iter().any(|(f, _)| {
-            f.quantizer().needs_codebook()
-                || matches!(f.quantizer(), kv_quant::Quantizer::LowRank(_))
-        });
+        let calibrated = mode
+            .forms()
+            .iter()
+            .any(|(f, _)| f.quantizer().needs_codebook() || f.quantizer().needs_bases());
         if !calibrated && paged.check(mode, faults).is_ok() {
             paged
         } else {

@@ -206,7 +206,7 @@ impl BlockStorage {
             check_pageable(&l.key, block_size)?;
             check_pageable(&l.value, block_size)?;
         }
-        let none = Fitted::none();
+        let none = Fitted::default();
         let parts = layers
             .iter()
             .enumerate()
@@ -288,7 +288,7 @@ impl BlockStorage {
     ) -> Result<u64> {
         let mut total = 0u64;
         let mut widest = 0u64;
-        let none = Fitted::none();
+        let none = Fitted::default();
         for (i, l) in layers.iter().enumerate() {
             for (p, form) in [l.key, l.value].into_iter().enumerate() {
                 let tables = fitted.get(i).map_or(&none, |f| &f[p]);

@@ -209,7 +209,14 @@ const BLOCKS: usize = 12;
 fn storage(shape: &HeadShape) -> Arc<BlockStorage> {
     let ch = shape.kv_channels();
     let bf16 = || Box::new(Bf16Part::new(BLOCKS, BS, ch)) as Box<dyn StoredPart>;
-    let int4 = open_part("int4-ch".parse().unwrap(), BS, ch, BLOCKS, &Fitted::none()).unwrap();
+    let int4 = open_part(
+        "int4-ch".parse().unwrap(),
+        BS,
+        ch,
+        BLOCKS,
+        &Fitted::default(),
+    )
+    .unwrap();
     Arc::new(BlockStorage::from_parts(vec![[bf16(), bf16()], [bf16(), int4]]).unwrap())
 }
 

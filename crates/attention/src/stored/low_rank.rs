@@ -23,11 +23,11 @@ use std::sync::Arc;
 use gf2_codes::channel::{FaultChannel, Flips};
 use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
-    CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, KvStore, NonFinite,
-    QuantizeOptions, RowBuffers, ScrubStats,
+    CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, KvStore, RowBuffers,
+    ScrubStats,
 };
 
-use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
+use super::{PartBlock, PartScratch, PoolBytes, StoredPart, clamped};
 use crate::error::{AttentionError, Result};
 use crate::source::Tile;
 
@@ -453,13 +453,5 @@ impl StoredPart for LowRankPart {
 
     fn sealed_block_bytes(&self) -> usize {
         self.sealed_bytes
-    }
-}
-
-/// Sealing's options for re-coding exact rows (a fault's non-finite value
-/// saturates).
-fn clamped() -> QuantizeOptions {
-    QuantizeOptions {
-        non_finite: NonFinite::Clamp,
     }
 }

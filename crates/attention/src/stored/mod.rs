@@ -17,7 +17,7 @@
 //!   addressed by its index; what a block holds, and whether it is laid
 //!   out beside its neighbours, is the implementation's affair.
 //! - **Writing.** Rows arrive one token at a time, already encoded by a
-//!   kv-quant [`RowEncoder`](kv_quant::RowEncoder) of the part's
+//!   kv-quant [`RowEncoder`] of the part's
 //!   [`written_form`](StoredPart::written_form), a row-local form (the
 //!   form itself, or its exact rows: f16 under the form's protection).
 //!   The cache encodes both parts of a token before storing either, so a
@@ -369,8 +369,7 @@ pub fn decode_pages<'s>(
 }
 
 /// Per-thread buffers of [`StoredPart::read_tile`]: those of the block
-/// layouts this crate reads, and a slot an implementation from elsewhere
-/// keeps its own in.
+/// layouts this crate reads (a part from elsewhere decodes into `rows`).
 #[derive(Debug, Default)]
 pub struct PartScratch {
     /// Block-laid kv-quant stores.
@@ -383,8 +382,15 @@ pub struct PartScratch {
     pub rows: Vec<f32>,
     /// Reconstructing low-rank rows.
     pub low_rank: kv_lowrank::StoreScratch,
-    /// Anything else an implementation needs (downcast it).
-    pub other: Option<Box<dyn std::any::Any + Send>>,
+}
+
+/// The quantization options of re-coding exact rows (sealing, staging a
+/// sealed block again): a value a fault made non-finite saturates, so the
+/// fault's outcome is measured, not fatal.
+pub(crate) fn clamped() -> kv_quant::QuantizeOptions {
+    kv_quant::QuantizeOptions {
+        non_finite: kv_quant::NonFinite::Clamp,
+    }
 }
 
 /// Tables fitted offline (`kv-eval calibrate`) that a part of a calibrated
@@ -396,13 +402,6 @@ pub struct Fitted {
     pub codebook: Option<Arc<VqCodebook>>,
     /// The per-head bases of a calibrated low-rank form (`pca-*`).
     pub bases: Option<Arc<HeadBases>>,
-}
-
-impl Fitted {
-    /// No fitted table.
-    pub fn none() -> Self {
-        Self::default()
-    }
 }
 
 /// The one place a parsed form meets the type that stores it: a part of

@@ -23,10 +23,10 @@ use std::sync::Arc;
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
     BlockPlan, CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, KvStore,
-    NonFinite, QuantizeOptions, RowBuffers, RowEncoder, ScrubStats, VqCodebook,
+    RowBuffers, RowEncoder, ScrubStats, VqCodebook,
 };
 
-use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
+use super::{PartBlock, PartScratch, PoolBytes, StoredPart, clamped};
 use crate::error::{AttentionError, Result};
 use crate::source::{KvSource, Tile};
 
@@ -548,13 +548,5 @@ impl StoredPart for PlannedPart {
 
     fn sealed_store(&self) -> Option<&KvStore> {
         Some(&self.sealed)
-    }
-}
-
-/// The quantization options of sealing and unsealing: exact rows that a
-/// fault made non-finite are clamped.
-fn clamped() -> QuantizeOptions {
-    QuantizeOptions {
-        non_finite: NonFinite::Clamp,
     }
 }
