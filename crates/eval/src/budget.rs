@@ -70,6 +70,25 @@ pub fn available_bytes() -> Option<u64> {
 }
 
 /// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+/// This process's resident memory now and at its peak (`VmRSS` and
+/// `VmHWM` of `/proc/self/status`), where the system reports them.
+pub fn resident_bytes() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    Some((status_kb(&status, "VmRSS:")?, status_kb(&status, "VmHWM:")?))
+}
+
+/// The value of a `Key:   N kB` line of a `/proc` status file, in bytes.
+fn status_kb(status: &str, key: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kb: u64 = line[key.len()..]
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kb.checked_mul(1024)
+}
+
 fn mem_available(info: &str) -> Option<u64> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -175,6 +194,15 @@ pub fn human(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_lines_are_read_in_kilobytes() {
+        let status = "Name:\tkv-eval\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n";
+        assert_eq!(status_kb(status, "VmRSS:"), Some(1024 * 1024));
+        assert_eq!(status_kb(status, "VmHWM:"), Some(2048 * 1024));
+        assert_eq!(status_kb(status, "VmSwap:"), None);
+        assert_eq!(status_kb("VmRSS: lots kB", "VmRSS:"), None);
+    }
 
     #[test]
     fn available_memory_is_the_machines_or_the_cgroups() {

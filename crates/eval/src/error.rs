@@ -22,7 +22,7 @@ pub enum EvalError {
     GgufVersion(u32),
     /// A tensor's element type is not one this crate can dequantise.
     #[error(
-        "tensor {name}: type {ty} cannot be dequantised (F32, F16, BF16, Q8_0, Q4_0, Q4_1 can)"
+        "tensor {name}: type {ty} is not a weight type (the ggml float and block types are; integer types, F64 and Q8_1 are not)"
     )]
     UnsupportedType {
         /// Tensor name.
@@ -115,6 +115,9 @@ pub enum EvalError {
     /// The paged cache refused a form, a shape or a step.
     #[error(transparent)]
     Paged(#[from] paged_cache::PagedCacheError),
+    /// A weight product or weight layout failed.
+    #[error(transparent)]
+    Weights(#[from] kv_model::ModelError),
     /// A fault channel could not be built.
     #[error(transparent)]
     Channel(#[from] gf2_codes::Gf2Error),

@@ -11,12 +11,15 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// File name of the second model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M)
 /// inside the cache folder.
 pub const QWEN_MODEL_FILE: &str = "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf";
+/// File name of Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) inside the cache folder.
+pub const QWEN_1_5B_MODEL_FILE: &str = "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf";
 
 /// The models `cargo xtask fetch-model --model NAME` fetches, by the name
 /// `kv-eval --model NAME` also takes: `(name, file in the cache folder)`.
-pub const NAMED_MODELS: [(&str, &str); 2] = [
+pub const NAMED_MODELS: [(&str, &str); 3] = [
     ("smollm2-135m", DEFAULT_MODEL_FILE),
     ("qwen2.5-0.5b", QWEN_MODEL_FILE),
+    ("qwen2.5-1.5b", QWEN_1_5B_MODEL_FILE),
 ];
 /// File name of the default corpus inside the cache folder.
 pub const DEFAULT_TEXT_FILE: &str = "python3.11-tutorial.txt";

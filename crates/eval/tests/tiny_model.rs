@@ -615,11 +615,13 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
     ];
     for rule in rules {
         let mut checked = model();
-        checked.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-            rule,
-            flips: None,
-            correct: false,
-        }));
+        checked
+            .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+                rule,
+                flips: None,
+                correct: false,
+            }))
+            .unwrap();
         let (a, b) = (run(&plain), run(&checked));
         let worst = a
             .iter()
@@ -646,11 +648,13 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
         seed: 3,
         site: kv_eval::models::FlipSite::Output,
     });
-    faulty.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-        rule,
-        flips,
-        correct: false,
-    }));
+    faulty
+        .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+            rule,
+            flips,
+            correct: false,
+        }))
+        .unwrap();
     let _ = run(&faulty);
     let s = faulty.gemm_checks().unwrap();
     let total: u64 = s.injected.iter().sum();
@@ -669,15 +673,17 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
     // With correction, the same flips leave products that pass: the
     // logits come back near the clean ones wherever a product had one bad row.
     let mut fixed = model();
-    fixed.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-        rule,
-        flips: Some(kv_eval::models::GemmFlips {
-            rate: 0.0005,
-            seed: 5,
-            site: kv_eval::models::FlipSite::Output,
-        }),
-        correct: true,
-    }));
+    fixed
+        .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+            rule,
+            flips: Some(kv_eval::models::GemmFlips {
+                rate: 0.0005,
+                seed: 5,
+                site: kv_eval::models::FlipSite::Output,
+            }),
+            correct: true,
+        }))
+        .unwrap();
     let _ = run(&fixed);
     let f = fixed.gemm_checks().unwrap();
     assert!(f.corrected > 0, "{f:?}");
@@ -690,15 +696,17 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
         (kv_eval::models::FlipSite::Weight, 0.0005),
     ] {
         let mut faulty = model();
-        faulty.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-            rule,
-            flips: Some(kv_eval::models::GemmFlips {
-                rate,
-                seed: 11,
-                site,
-            }),
-            correct: false,
-        }));
+        faulty
+            .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
+                rule,
+                flips: Some(kv_eval::models::GemmFlips {
+                    rate,
+                    seed: 11,
+                    site,
+                }),
+                correct: false,
+            }))
+            .unwrap();
         let _ = run(&faulty);
         let s = faulty.gemm_checks().unwrap();
         let share = |bits: std::ops::Range<usize>| {

@@ -207,15 +207,19 @@ fn llama(config: &Value, st: SafeTensors<'_>, arch: LlamaArch) -> Result<LlamaMo
                     w.matrix(&n("self_attn.q_proj"), q_heads * head_dim, dim)?,
                     w.matrix(&n("self_attn.k_proj"), kvc, dim)?,
                     w.matrix(&n("self_attn.v_proj"), kvc, dim)?,
-                ])?,
+                ])?
+                .into(),
                 qkv_bias,
-                out: w.matrix(&n("self_attn.o_proj"), dim, q_heads * head_dim)?,
+                out: w
+                    .matrix(&n("self_attn.o_proj"), dim, q_heads * head_dim)?
+                    .into(),
                 ffn_norm: w.get(&n("post_attention_layernorm"), &[dim])?,
                 gate_up: Matrix::stack(&[
                     w.matrix(&n("mlp.gate_proj"), c.ffn, dim)?,
                     w.matrix(&n("mlp.up_proj"), c.ffn, dim)?,
-                ])?,
-                down: w.matrix(&n("mlp.down_proj"), dim, c.ffn)?,
+                ])?
+                .into(),
+                down: w.matrix(&n("mlp.down_proj"), dim, c.ffn)?.into(),
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -226,7 +230,7 @@ fn llama(config: &Value, st: SafeTensors<'_>, arch: LlamaArch) -> Result<LlamaMo
         None
     };
     let norm = w.get("model.norm.weight", &[dim])?;
-    LlamaModel::from_parts(c, embed, layers, norm, output)
+    LlamaModel::from_parts(c, embed.into(), layers, norm, output.map(Into::into))
 }
 
 fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::{
     CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix, ModelCache,
-    check_norm_eps, forward_step, project,
+    check_norm_eps, forward_step, project_dense,
 };
 use crate::error::{EvalError, Result};
 
@@ -188,7 +188,7 @@ impl CausalLm for Gpt2Model {
         Some(self.config.positions)
     }
 
-    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) {
+    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) -> Result<()> {
         self.checks = ChecksSlot(config.map(|config| {
             let mut weights: Vec<&Matrix> = self
                 .layers
@@ -198,6 +198,7 @@ impl CausalLm for Gpt2Model {
             weights.push(&self.wte);
             Box::new(GemmChecks::new(config, &weights))
         }));
+        Ok(())
     }
 
     fn set_numerics(&mut self, numerics: attention::Numerics) {
@@ -217,6 +218,23 @@ impl CausalLm for Gpt2Model {
             c.dim / c.heads,
             c.positions
         )
+    }
+
+    fn weight_bytes(&self) -> usize {
+        let m = |m: &Matrix| m.data.len() * 4;
+        let pair = |p: &(Matrix, Vec<f32>)| m(&p.0) + p.1.len() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                pair(&l.qkv)
+                    + pair(&l.out)
+                    + pair(&l.fc)
+                    + pair(&l.proj)
+                    + 4 * (l.ln_1.0.len() + l.ln_1.1.len() + l.ln_2.0.len() + l.ln_2.1.len())
+            })
+            .sum();
+        layers + m(&self.wte) + m(&self.wpe) + 4 * (self.ln_f.0.len() + self.ln_f.1.len())
     }
 
     fn forward(
@@ -273,7 +291,7 @@ impl Gpt2Model {
         let mut fc = vec![0.0; t * 4 * d];
         for (l, layer) in self.layers.iter().enumerate() {
             layer_norm(&mut h, &x, &layer.ln_1, c.norm_eps);
-            project(&mut qkv, &h, &layer.qkv.0, false, checks)?;
+            project_dense(&mut qkv, &h, &layer.qkv.0, false, checks)?;
             add_bias(&mut qkv, &layer.qkv.1);
             for (i, row) in qkv.chunks_exact(3 * d).enumerate() {
                 q[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
@@ -283,19 +301,19 @@ impl Gpt2Model {
             cache.append(l, &k, &v)?;
             let attended = cache.attend(l, &self.attention, &q, &positions, &Mask::Causal)?;
             add_bias(&mut x, &layer.out.1);
-            project(&mut x, &attended.out, &layer.out.0, true, checks)?;
+            project_dense(&mut x, &attended.out, &layer.out.0, true, checks)?;
             layer_norm(&mut h, &x, &layer.ln_2, c.norm_eps);
-            project(&mut fc, &h, &layer.fc.0, false, checks)?;
+            project_dense(&mut fc, &h, &layer.fc.0, false, checks)?;
             add_bias(&mut fc, &layer.fc.1);
             fc.par_iter_mut().for_each(|v| *v = gelu_tanh(*v));
             add_bias(&mut x, &layer.proj.1);
-            project(&mut x, &fc, &layer.proj.0, true, checks)?;
+            project_dense(&mut x, &fc, &layer.proj.0, true, checks)?;
         }
         let rows = t - logits_from;
         let mut hf = vec![0.0; rows * d];
         layer_norm(&mut hf, &x[logits_from * d..], &self.ln_f, c.norm_eps);
         let mut logits = vec![0.0; rows * c.vocab];
-        project(&mut logits, &hf, &self.wte, false, checks)?;
+        project_dense(&mut logits, &hf, &self.wte, false, checks)?;
         Ok(logits)
     }
 }

@@ -9,9 +9,14 @@
 //! rotates adjacent pairs) and `qwen2` (Qwen2, Qwen2.5: biases on Q, K and
 //! V, rows as trained, so RoPE rotates halves as llama.cpp's NeoX mode does).
 //!
-//! Weights are dequantised to f32 once at load (the 135M default model takes
-//! 0.6 GB that way), so every projection is one dense GEMM; Q, K and V share
-//! one fused matrix, and so do the gate and up projections.
+//! Weights stay as the GGUF file stores them ([`Projection::Stored`]):
+//! every projection multiplies kv-model's blocks by activations quantised to
+//! 8 bits per block, as llama.cpp does; types without a kernel (`Q2_K`,
+//! `Q3_K`) are dequantised to f32 at load with a notice. Q, K and V share
+//! one stacked projection, and so do the gate and up projections. Checked
+//! GEMMs ([`CausalLm::set_gemm_checks`]) densify every projection to f32
+//! first (the checksums are taken over f32 weights), and so does
+//! [`LlamaModel::densify`].
 
 use attention::{
     Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, Numerics, OnNonFinite, Rope,
@@ -19,9 +24,11 @@ use attention::{
 };
 use rayon::prelude::*;
 
+use kv_model::weights::{Isa, QuantMatrix, StoredLinear};
+
 use super::{
     BatchItem, CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix,
-    ModelCache, check_norm_eps, forward_steps, project,
+    ModelCache, Projection, check_norm_eps, forward_steps, project,
 };
 use crate::error::{EvalError, Result};
 use crate::load::gguf::GgufFile;
@@ -157,31 +164,32 @@ pub struct LlamaLayer {
     /// RMSNorm weight before attention.
     pub attn_norm: Vec<f32>,
     /// Q, K and V projections stacked (`(q + 2·kv channels) × dim`).
-    pub qkv: Matrix,
+    pub qkv: Projection,
     /// Biases added to the Q, K and V projections, stacked as `qkv`'s rows
     /// (Qwen2; `None` for Llama).
     pub qkv_bias: Option<Vec<f32>>,
     /// Attention output projection.
-    pub out: Matrix,
+    pub out: Projection,
     /// RMSNorm weight before the MLP.
     pub ffn_norm: Vec<f32>,
     /// Gate and up projections stacked (`2·ffn × dim`).
-    pub gate_up: Matrix,
+    pub gate_up: Projection,
     /// Down projection.
-    pub down: Matrix,
+    pub down: Projection,
 }
 
-/// A Llama-family model held in f32.
+/// A Llama-family model.
 #[derive(Clone, Debug)]
 pub struct LlamaModel {
     config: LlamaConfig,
-    embed: Matrix,
+    embed: Projection,
     layers: Vec<LlamaLayer>,
     output_norm: Vec<f32>,
-    output: Option<Matrix>,
+    output: Option<Projection>,
     rope: Rope,
     attention: Attention,
     checks: ChecksSlot,
+    isa: Isa,
 }
 
 /// Scratch buffers of one forward call.
@@ -198,10 +206,12 @@ struct Buffers {
 }
 
 impl LlamaModel {
-    /// Loads a `llama` or `qwen2` GGUF file, dequantising every matrix to f32.
+    /// Loads a `llama` or `qwen2` GGUF file, keeping every matrix as
+    /// stored (norms and biases in f32).
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let config = LlamaConfig::from_gguf(file)?;
-        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
+        let mut converted = std::collections::BTreeSet::new();
+        let mut quant = |name: &str, rows: usize, cols: usize| -> Result<QuantMatrix> {
             let t = file.tensor(name)?;
             if t.info.row_len() != cols || t.info.rows() != rows {
                 return Err(EvalError::Model(format!(
@@ -209,11 +219,31 @@ impl LlamaModel {
                     t.info.dims
                 )));
             }
-            Ok(Matrix::new(rows, cols, t.to_f32()?)?)
+            let (m, dense) = t.to_quant_matrix()?.with_kernel();
+            if dense && converted.insert(t.info.ty.name()) {
+                eprintln!(
+                    "notice: {} weights have no product kernel; they are dequantised to f32 at load",
+                    t.info.ty.name()
+                );
+            }
+            Ok(m)
         };
         let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
-            let m = matrix(name, 1, len)?;
-            Ok(m.data)
+            let t = file.tensor(name)?;
+            if t.info.elements() != len as u64 {
+                return Err(EvalError::Model(format!(
+                    "tensor {name} is {:?}, expected {len} values",
+                    t.info.dims
+                )));
+            }
+            t.to_f32()
+        };
+        let mut matrix = |names: &[(&str, usize)], cols: usize| -> Result<Projection> {
+            let parts = names
+                .iter()
+                .map(|&(n, rows)| quant(n, rows, cols))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Projection::Stored(StoredLinear::new(parts)?))
         };
         let c = &config;
         let kvc = c.kv_channels();
@@ -234,25 +264,25 @@ impl LlamaModel {
                 };
                 Ok(LlamaLayer {
                     attn_norm: vector(&n("attn_norm"), c.dim)?,
-                    qkv: Matrix::stack(&[
-                        matrix(&n("attn_q"), c.dim, c.dim)?,
-                        matrix(&n("attn_k"), kvc, c.dim)?,
-                        matrix(&n("attn_v"), kvc, c.dim)?,
-                    ])?,
+                    qkv: matrix(
+                        &[
+                            (&n("attn_q"), c.dim),
+                            (&n("attn_k"), kvc),
+                            (&n("attn_v"), kvc),
+                        ],
+                        c.dim,
+                    )?,
                     qkv_bias,
-                    out: matrix(&n("attn_output"), c.dim, c.dim)?,
+                    out: matrix(&[(&n("attn_output"), c.dim)], c.dim)?,
                     ffn_norm: vector(&n("ffn_norm"), c.dim)?,
-                    gate_up: Matrix::stack(&[
-                        matrix(&n("ffn_gate"), c.ffn, c.dim)?,
-                        matrix(&n("ffn_up"), c.ffn, c.dim)?,
-                    ])?,
-                    down: matrix(&n("ffn_down"), c.dim, c.ffn)?,
+                    gate_up: matrix(&[(&n("ffn_gate"), c.ffn), (&n("ffn_up"), c.ffn)], c.dim)?,
+                    down: matrix(&[(&n("ffn_down"), c.dim)], c.ffn)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embed = matrix("token_embd.weight", c.vocab, c.dim)?;
+        let embed = matrix(&[("token_embd.weight", c.vocab)], c.dim)?;
         let output = match file.tensor("output.weight") {
-            Ok(_) => Some(matrix("output.weight", c.vocab, c.dim)?),
+            Ok(_) => Some(matrix(&[("output.weight", c.vocab)], c.dim)?),
             Err(_) => None,
         };
         let output_norm = vector("output_norm.weight", c.dim)?;
@@ -262,13 +292,13 @@ impl LlamaModel {
     /// Assembles a model from its weights (tests build small random ones).
     pub fn from_parts(
         config: LlamaConfig,
-        embed: Matrix,
+        embed: Projection,
         layers: Vec<LlamaLayer>,
         output_norm: Vec<f32>,
-        output: Option<Matrix>,
+        output: Option<Projection>,
     ) -> Result<Self> {
         let c = &config;
-        if embed.rows != c.vocab || embed.cols != c.dim || layers.len() != c.layers {
+        if embed.rows() != c.vocab || embed.cols() != c.dim || layers.len() != c.layers {
             return Err(EvalError::Shape(
                 "embedding or layer count does not fit the config".into(),
             ));
@@ -299,14 +329,14 @@ impl LlamaModel {
         for (l, layer) in layers.iter().enumerate() {
             let ok = layer.attn_norm.len() == c.dim
                 && layer.ffn_norm.len() == c.dim
-                && (layer.qkv.rows, layer.qkv.cols) == (c.dim + 2 * kvc, c.dim)
+                && (layer.qkv.rows(), layer.qkv.cols()) == (c.dim + 2 * kvc, c.dim)
                 && layer
                     .qkv_bias
                     .as_ref()
                     .is_none_or(|b| b.len() == c.dim + 2 * kvc)
-                && (layer.out.rows, layer.out.cols) == (c.dim, c.dim)
-                && (layer.gate_up.rows, layer.gate_up.cols) == (2 * c.ffn, c.dim)
-                && (layer.down.rows, layer.down.cols) == (c.dim, c.ffn);
+                && (layer.out.rows(), layer.out.cols()) == (c.dim, c.dim)
+                && (layer.gate_up.rows(), layer.gate_up.cols()) == (2 * c.ffn, c.dim)
+                && (layer.down.rows(), layer.down.cols()) == (c.dim, c.ffn);
             if !ok {
                 return Err(EvalError::Shape(format!(
                     "layer {l} weights do not fit the config"
@@ -316,7 +346,7 @@ impl LlamaModel {
         if output_norm.len() != c.dim
             || output
                 .as_ref()
-                .is_some_and(|o| o.rows != c.vocab || o.cols != c.dim)
+                .is_some_and(|o| o.rows() != c.vocab || o.cols() != c.dim)
         {
             return Err(EvalError::Shape(
                 "output weights do not fit the config".into(),
@@ -331,12 +361,58 @@ impl LlamaModel {
             rope,
             attention,
             checks: ChecksSlot(None),
+            isa: Isa::detect(),
         })
     }
 
     /// The hyper-parameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
+    }
+
+    /// Pins the instruction set of the stored weights' products (every
+    /// set computes the same bits; this changes the speed).
+    pub fn set_isa(&mut self, isa: Isa) -> Result<()> {
+        self.isa = isa.checked()?;
+        Ok(())
+    }
+
+    /// Dequantises every projection to dense f32 (the products then run
+    /// through faer's GEMM on f32 activations, as before kv-model).
+    pub fn densify(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            for p in [&mut l.qkv, &mut l.out, &mut l.gate_up, &mut l.down] {
+                p.densify()?;
+            }
+        }
+        self.embed.densify()?;
+        if let Some(o) = &mut self.output {
+            o.densify()?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the weights in memory (projections, embedding, norms and
+    /// biases).
+    pub fn weight_bytes(&self) -> usize {
+        let vec = |v: &[f32]| v.len() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.out, &l.gate_up, &l.down]
+                    .iter()
+                    .map(|p| p.bytes())
+                    .sum::<usize>()
+                    + vec(&l.attn_norm)
+                    + vec(&l.ffn_norm)
+                    + l.qkv_bias.as_deref().map_or(0, vec)
+            })
+            .sum();
+        layers
+            + self.embed.bytes()
+            + self.output.as_ref().map_or(0, Projection::bytes)
+            + vec(&self.output_norm)
     }
 
     /// See [`CausalLm::forward`]: a batch of one.
@@ -395,12 +471,12 @@ impl LlamaModel {
         let ids = batch.iter().flat_map(|item| item.tokens);
         for (row, &id) in b.x.chunks_exact_mut(c.dim).zip(ids) {
             let id = id as usize;
-            row.copy_from_slice(&self.embed.data[id * c.dim..(id + 1) * c.dim]);
+            self.embed.row_into(id, row)?;
         }
         let checks = self.checks.0.as_deref();
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
-            project(&mut b.qkv, &b.h, &layer.qkv, false, checks)?;
+            project(&mut b.qkv, &b.h, &layer.qkv, false, checks, self.isa)?;
             let width = c.dim + 2 * kvc;
             if let Some(bias) = &layer.qkv_bias {
                 for row in b.qkv.chunks_exact_mut(width) {
@@ -446,16 +522,16 @@ impl LlamaModel {
                 )?;
                 b.attended[qs].copy_from_slice(&out.out);
             }
-            project(&mut b.x, &b.attended, &layer.out, true, checks)?;
+            project(&mut b.x, &b.attended, &layer.out, true, checks, self.isa)?;
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
-            project(&mut b.gu, &b.h, &layer.gate_up, false, checks)?;
+            project(&mut b.gu, &b.h, &layer.gate_up, false, checks, self.isa)?;
             for_each_row(&mut b.act, c.ffn, &b.gu, 2 * c.ffn, |a, gu| {
                 let (g, u) = gu.split_at(c.ffn);
                 for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
                     *a = g / (1.0 + (-g).exp()) * u;
                 }
             });
-            project(&mut b.x, &b.act, &layer.down, true, checks)?;
+            project(&mut b.x, &b.act, &layer.down, true, checks, self.isa)?;
         }
         // The rows whose logits are asked for, through one output GEMM.
         let rows: Vec<usize> = batch
@@ -476,6 +552,7 @@ impl LlamaModel {
             self.output.as_ref().unwrap_or(&self.embed),
             false,
             checks,
+            self.isa,
         )?;
         let mut rest = logits.as_slice();
         Ok(batch
@@ -515,16 +592,21 @@ impl CausalLm for LlamaModel {
         Some(self.config.context)
     }
 
-    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) {
+    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) -> Result<()> {
+        if config.is_some() {
+            self.densify()?;
+        }
         self.checks = ChecksSlot(config.map(|config| {
             let mut weights: Vec<&Matrix> = self
                 .layers
                 .iter()
                 .flat_map(|l| [&l.qkv, &l.out, &l.gate_up, &l.down])
+                .filter_map(Projection::dense)
                 .collect();
-            weights.push(self.output.as_ref().unwrap_or(&self.embed));
+            weights.extend(self.output.as_ref().unwrap_or(&self.embed).dense());
             Box::new(GemmChecks::new(config, &weights))
         }));
+        Ok(())
     }
 
     fn set_numerics(&mut self, numerics: attention::Numerics) {
@@ -538,15 +620,20 @@ impl CausalLm for LlamaModel {
     fn describe(&self) -> String {
         let c = &self.config;
         format!(
-            "{}: {} layers, {} heads / {} KV heads × {}, RoPE {:?} base {}",
+            "{}: {} layers, {} heads / {} KV heads × {}, RoPE {:?} base {}; weights {:.1} MB",
             c.arch.gguf_name(),
             c.layers,
             c.q_heads,
             c.kv_heads,
             c.head_dim,
             c.rope_layout,
-            c.rope_base
+            c.rope_base,
+            self.weight_bytes() as f64 / 1e6
         )
+    }
+
+    fn weight_bytes(&self) -> usize {
+        LlamaModel::weight_bytes(self)
     }
 
     fn forward(

@@ -1,13 +1,17 @@
 //! The models kv-eval runs and what they share: the [`CausalLm`] interface
-//! (a forward pass over any [`KvBackend`], the [`ModelCache`]) and the
-//! projections: abft-gemm's [`Matrix`] and linear layer (faer's GEMM). Llama-family
-//! models in [`llama`], GPT-2 in [`gpt2`].
+//! (a forward pass over any [`KvBackend`], the [`ModelCache`]), the
+//! projections ([`Projection`]: weights as stored, multiplied by kv-model's
+//! kernels, or dense f32 through abft-gemm's linear layer) and their GEMM
+//! checks. Llama-family models in [`llama`], GPT-2 in [`gpt2`].
 
 pub mod gpt2;
 pub mod llama;
+mod weights;
 
 pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
 pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel};
+pub use weights::Projection;
+pub(crate) use weights::{project, project_dense};
 
 pub use abft_gemm::Matrix;
 use attention::{KvBackend, Rope};
@@ -40,14 +44,17 @@ pub trait CausalLm: Send + Sync {
         None
     }
     /// Checks every projection from now on as `config` says (`None`
-    /// switches the checks off).
-    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>);
+    /// switches the checks off). Stored weights are dequantised to f32
+    /// first (the checksums are taken over f32 weights).
+    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) -> Result<()>;
     /// What the projection checks found, when they are on.
     fn gemm_checks(&self) -> Option<GemmCheckStats>;
     /// How attention scores integer-coded keys from now on.
     fn set_numerics(&mut self, numerics: attention::Numerics);
     /// A one-line description (architecture and shape).
     fn describe(&self) -> String;
+    /// Bytes the weights take in memory.
+    fn weight_bytes(&self) -> usize;
     /// Runs `tokens` after what `cache` already holds (their positions
     /// follow the cache's), appends their K and V to it as one step
     /// (committed on success, rolled back on error), and returns the logits
@@ -164,35 +171,6 @@ pub(crate) fn forward_step(
     check_tokens(tokens, vocab, logits_from)?;
     cache.fit(model)?;
     attention::run_step(cache, tokens, step)
-}
-
-/// `out (t × w.rows) (=|+=) x (t × w.cols) · wᵀ`: abft-gemm's linear layer,
-/// so the projections are the GEMMs that crate checks. With `checks`, the
-/// product is verified by row checks (the configured rule) before it is added: it is then
-/// computed alone (not accumulated into `out` by the GEMM), which can change
-/// the last bit of a residual sum.
-pub(crate) fn project(
-    out: &mut [f32],
-    x: &[f32],
-    w: &Matrix,
-    accumulate: bool,
-    checks: Option<&GemmChecks>,
-) -> Result<()> {
-    let Some(checks) = checks else {
-        return Ok(abft_gemm::linear_into(out, x, w, accumulate)?);
-    };
-    if accumulate {
-        let mut product = vec![0.0; out.len()];
-        abft_gemm::linear_into(&mut product, x, w, false)?;
-        checks.check(w, x, &mut product)?;
-        for (o, p) in out.iter_mut().zip(&product) {
-            *o += p;
-        }
-    } else {
-        abft_gemm::linear_into(out, x, w, false)?;
-        checks.check(w, x, out)?;
-    }
-    Ok(())
 }
 
 /// Faults injected into the checked products: each element of the chosen
@@ -334,7 +312,7 @@ impl GemmChecks {
         }
     }
 
-    fn check(&self, w: &Matrix, x: &[f32], product: &mut [f32]) -> Result<()> {
+    pub(crate) fn check(&self, w: &Matrix, x: &[f32], product: &mut [f32]) -> Result<()> {
         use std::sync::atomic::Ordering::Relaxed;
         let prepared = self
             .prepared

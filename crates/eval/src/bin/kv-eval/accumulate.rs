@@ -14,7 +14,7 @@ use crate::{Calib, Error, Target, calibration_for, load_model, model_path};
 #[derive(clap::Args)]
 pub(crate) struct AccumulateArgs {
     /// GGUF model file, Hugging Face folder or fetched model name
-    /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
+    /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
     #[arg(long)]
     model: Option<PathBuf>,
     /// UTF-8 text whose first --prompt-tokens tokens are the prompt

@@ -37,7 +37,7 @@ enum PreemptBy {
 #[derive(clap::Args)]
 pub(crate) struct BatchArgs {
     /// GGUF model file, Hugging Face folder or fetched model name
-    /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
+    /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
     #[arg(long)]
     model: Option<PathBuf>,
     /// Requests, one JSON object per line: `prompt`, `max_new_tokens`,
@@ -111,11 +111,7 @@ pub(crate) struct BatchArgs {
 pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
     let mode = mode_of(&args.forms)?;
     crate::source::check_threads(args.threads)?;
-    if args.threads > 0 {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(args.threads)
-            .build_global()?;
-    }
+    crate::source::init_pool(args.threads)?;
     let cache = CacheConfig {
         num_blocks: args.blocks,
         block_size: args.block_size,

@@ -16,7 +16,7 @@ use crate::{
 #[derive(clap::Args)]
 pub(crate) struct GenerateArgs {
     /// GGUF model file, Hugging Face folder or fetched model name
-    /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
+    /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
     #[arg(long)]
     model: Option<PathBuf>,
     /// The prompt.
@@ -135,11 +135,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         return Err("give --prompt or --prompt-file".into());
     }
     crate::source::check_threads(threads)?;
-    if threads > 0 {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global()?;
-    }
+    crate::source::init_pool(threads)?;
     let (mut model, tokenizer) = load_model(&model_path(&model)?)?;
     if let Some(n) = numerics {
         model.set_numerics(n.numerics());
@@ -230,6 +226,15 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         g.scrubbed.values.corrected,
         g.scrubbed.values.detected
     );
+    if let Some((now, peak)) = kv_eval::budget::resident_bytes() {
+        eprintln!(
+            "memory: {:.1} MB resident after the run (peak {:.1} MB); weights {:.1} MB, cache {:.1} MB",
+            now as f64 / 1e6,
+            peak as f64 / 1e6,
+            model.weight_bytes() as f64 / 1e6,
+            g.cache_bytes as f64 / 1e6
+        );
+    }
     if g.non_finite_stored > 0 {
         eprintln!(
             "non-finite K/V values stored: {} (faults in an unprotected form made NaN or infinity; \

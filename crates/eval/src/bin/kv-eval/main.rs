@@ -243,7 +243,7 @@ enum Command {
     /// energy; lowrank.md, lowrank.json and lowrank.svg in --out.
     LowrankReport {
         /// GGUF model file, Hugging Face folder or fetched model name
-        /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
+        /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
         #[arg(long)]
         model: Option<PathBuf>,
         #[command(flatten)]
@@ -256,7 +256,7 @@ enum Command {
     /// on a calibration text and writes them to a file for --calibration.
     Calibrate {
         /// GGUF model file, Hugging Face folder or fetched model name
-        /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
+        /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
         #[arg(long)]
         model: Option<PathBuf>,
         /// Comma-separated forms to fit codebooks (vq) and bases (pca-*) for.
@@ -297,7 +297,7 @@ enum Command {
     /// The top-k next tokens of a prompt with their logits and probabilities.
     Top {
         /// GGUF model file, Hugging Face folder or fetched model name
-        /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
+        /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
         #[arg(long)]
         model: Option<PathBuf>,
         /// The prompt.
@@ -556,7 +556,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     rule,
                     flips,
                     correct: abft_correct,
-                }));
+                }))?;
             }
             let mode = mode.with_calibration(cal);
             let label = mode.label();

@@ -14,7 +14,7 @@ use crate::{Backend, BackendArgs, Calib, Error, calibration_for, load_model, mod
 #[derive(clap::Args)]
 pub(crate) struct NiahArgs {
     /// GGUF model file, Hugging Face folder or fetched model name
-    /// (smollm2-135m, qwen2.5-0.5b) [default: smollm2-135m].
+    /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
     #[arg(long)]
     model: Option<PathBuf>,
     /// Comma-separated cache forms, each a whole-model form (`plain`,

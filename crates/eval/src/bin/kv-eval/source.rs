@@ -21,7 +21,7 @@ use crate::calib::needs_calibration;
 pub(crate) struct Source {
     /// GGUF model file, Hugging Face folder (config.json, model.safetensors,
     /// tokenizer.json) or the name of a fetched model (smollm2-135m,
-    /// qwen2.5-0.5b) [default: smollm2-135m, the GGUF `cargo xtask
+    /// qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m, the GGUF `cargo xtask
     /// fetch-model` put in the cache folder].
     #[arg(long)]
     pub(crate) model: Option<PathBuf>,
@@ -128,6 +128,19 @@ pub(crate) fn check_source(source: &Source) -> Result<(), Error> {
     Ok(())
 }
 
+/// Builds the global thread pool with `threads` workers (0: one per core),
+/// this thread one of them: a forward pass then hands its products to the
+/// pool without waking and waiting for it across threads (measured on
+/// SmolLM2's decode: the calling thread outside the pool spent most of its
+/// time in futex waits and context switches, about 240 a token).
+pub(crate) fn init_pool(threads: usize) -> Result<(), Error> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .use_current_thread()
+        .build_global()?;
+    Ok(())
+}
+
 pub(crate) fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer), Error> {
     let started = Instant::now();
     let (model, tokenizer) = open_model(path)?;
@@ -155,11 +168,7 @@ pub(crate) struct Prepared {
 /// model's shape), so a form that cannot fit fails before the corpus is read.
 pub(crate) fn prepare(source: &Source, modes: &[CacheMode]) -> Result<Prepared, Error> {
     check_source(source)?;
-    if source.threads > 0 {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(source.threads)
-            .build_global()?;
-    }
+    crate::source::init_pool(source.threads)?;
     let model_file = model_path(&source.model)?;
     let text_file = source.text.clone().unwrap_or_else(paths::default_text);
     let text = std::fs::File::open(&text_file).map_err(|e| {

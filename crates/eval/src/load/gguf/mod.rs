@@ -7,8 +7,9 @@
 //! version, `u64` tensor and metadata counts, the metadata key/value pairs,
 //! the tensor infos, padding to `general.alignment` (32 when absent), then the
 //! tensor data, each tensor at an aligned offset from the data section's start.
-//! The cursor lives in `read.rs`, the block dequantisers in `dequant.rs` and
-//! `kquants.rs`, and the writer in `write.rs`.
+//! The cursor lives in `read.rs`, the bridge to kv-model's weights (whose
+//! dequantisers follow ggml's block layouts) in `dequant.rs`, and the
+//! writer in `write.rs`.
 //!
 //! Every length, count and offset read from the file is checked against what
 //! is left of the file before anything is allocated, so a malformed or hostile
@@ -20,7 +21,6 @@ use std::path::Path;
 use crate::error::{EvalError, Result};
 
 mod dequant;
-mod kquants;
 mod read;
 mod write;
 
@@ -421,41 +421,8 @@ impl GgufFile {
 
 #[cfg(test)]
 mod tests {
-    use super::dequant::*;
     use super::*;
-    use half::{bf16, f16};
-
-    #[test]
-    fn q4_1_block_follows_ggml_nibble_order() {
-        let mut b = vec![0u8; 20];
-        b[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
-        b[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
-        for j in 0..16 {
-            b[4 + j] = (j as u8) | (((15 - j) as u8) << 4);
-        }
-        let mut out = [0.0f32; 32];
-        dequant_q4_1(&b, &mut out);
-        for j in 0..16 {
-            assert_eq!(out[j], j as f32 * 0.5 - 1.0);
-            assert_eq!(out[j + 16], (15 - j) as f32 * 0.5 - 1.0);
-        }
-    }
-
-    #[test]
-    fn q4_0_and_q8_0_blocks() {
-        let mut b = vec![0u8; 18];
-        b[0..2].copy_from_slice(&f16::from_f32(2.0).to_le_bytes());
-        b[2] = 0x9f; // element 0: 15 → 14, element 16: 9 → 2
-        let mut out = [0.0f32; 32];
-        dequant_q4_0(&b, &mut out);
-        assert_eq!((out[0], out[16], out[1]), (14.0, 2.0, -16.0));
-        let mut b = vec![0u8; 34];
-        b[0..2].copy_from_slice(&f16::from_f32(0.25).to_le_bytes());
-        b[2] = (-128i8) as u8;
-        b[33] = 127;
-        dequant_q8_0(&b, &mut out);
-        assert_eq!((out[0], out[31], out[5]), (-32.0, 31.75, 0.0));
-    }
+    use half::bf16;
 
     #[test]
     fn round_trip_through_writer() {

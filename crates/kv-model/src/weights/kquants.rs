@@ -8,22 +8,18 @@
 //! formed in f32 in ggml's order (`d·sc` first, then `·q`, then `− d_min·m`),
 //! unfused, so the results equal ggml's and the `gguf` Python package's bit
 //! for bit (checked against that package's output in
-//! `tests/gguf_kquants.rs`).
+//! kv-eval's `tests/gguf_kquants.rs`).
 
-use half::f16;
+use super::dequant::f16_at;
 
 /// Values per super-block (`QK_K`).
-pub(super) const QK_K: usize = 256;
-
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
+pub(crate) const QK_K: usize = 256;
 
 /// `block_q2_K` (84 bytes): `scales[16]` (low nibble: scale, high nibble:
 /// min, one pair per 16 values), `qs[64]` (2-bit codes), f16 `d`, f16
 /// `dmin`; `x = d·sc·q − dmin·m`. Byte `l` of a 32-byte chunk of `qs` holds
 /// four values 32 apart, the lowest in bits 0-1.
-pub(super) fn dequant_q2_k(b: &[u8], out: &mut [f32]) {
+pub(crate) fn dequant_q2_k(b: &[u8], out: &mut [f32]) {
     let (scales, qs) = (&b[..16], &b[16..80]);
     let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
     for (i, out) in out.chunks_exact_mut(16).enumerate() {
@@ -53,7 +49,7 @@ fn q3_k_scales(s: &[u8]) -> [i8; 16] {
 /// `block_q3_K` (110 bytes): `hmask[32]` (the third bit of each code; a
 /// clear bit subtracts 4), `qs[64]` (low two bits, laid out as in `Q2_K`),
 /// `scales[12]` (sixteen 6-bit scales), f16 `d`; `x = d·(sc − 32)·q`.
-pub(super) fn dequant_q3_k(b: &[u8], out: &mut [f32]) {
+pub(crate) fn dequant_q3_k(b: &[u8], out: &mut [f32]) {
     let (hmask, qs) = (&b[..32], &b[32..96]);
     let scales = q3_k_scales(&b[96..108]);
     let d = f16_at(b, 108);
@@ -78,7 +74,7 @@ pub(super) fn dequant_q3_k(b: &[u8], out: &mut [f32]) {
 /// (ggml's `get_scale_min_k4`): 6 bits each; for `j < 4` the low six bits of
 /// bytes `j` and `j + 4`, else a nibble of byte `j + 4` and the top two bits
 /// of bytes `j − 4` and `j`.
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -92,7 +88,7 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 /// `block_q4_K` (144 bytes): f16 `d`, f16 `dmin`, `scales[12]` (eight 6-bit
 /// scale/min pairs, one per 32 values), `qs[128]`; 64 values share 32
 /// bytes, the first 32 in the low nibbles; `x = d·sc·q − dmin·m`.
-pub(super) fn dequant_q4_k(b: &[u8], out: &mut [f32]) {
+pub(crate) fn dequant_q4_k(b: &[u8], out: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qs) = (&b[4..16], &b[16..144]);
     for (j, out) in out.chunks_exact_mut(32).enumerate() {
@@ -109,7 +105,7 @@ pub(super) fn dequant_q4_k(b: &[u8], out: &mut [f32]) {
 /// `block_q5_K` (176 bytes): as `Q4_K` with `qh[32]` between the scales and
 /// `qs[128]`: bit `j` of `qh[l]` is the fifth bit of value `l` of the
 /// `j`-th run of 32; `x = d·sc·q − dmin·m`.
-pub(super) fn dequant_q5_k(b: &[u8], out: &mut [f32]) {
+pub(crate) fn dequant_q5_k(b: &[u8], out: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
     for (j, out) in out.chunks_exact_mut(32).enumerate() {
@@ -129,7 +125,7 @@ pub(super) fn dequant_q5_k(b: &[u8], out: &mut [f32]) {
 /// `x = d·sc·(q − 32)`. In each 128-value half, `ql` byte `l` (of 64) holds
 /// values `l` and `l + 64` (of that half); `qh` byte `l` (of 32) holds the
 /// high pairs of values `l`, `l + 32`, `l + 64`, `l + 96`.
-pub(super) fn dequant_q6_k(b: &[u8], out: &mut [f32]) {
+pub(crate) fn dequant_q6_k(b: &[u8], out: &mut [f32]) {
     let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
     let d = f16_at(b, 208);
     for (n, out) in out.chunks_exact_mut(128).enumerate() {
@@ -150,7 +146,7 @@ pub(super) fn dequant_q6_k(b: &[u8], out: &mut [f32]) {
 
 /// `block_q8_K` (292 bytes): f32 `d`, `qs[256]` (`i8`), `bsums[16]` (`i16`
 /// sums of 16 codes, used only by dot products); `x = d·q`.
-pub(super) fn dequant_q8_k(b: &[u8], out: &mut [f32]) {
+pub(crate) fn dequant_q8_k(b: &[u8], out: &mut [f32]) {
     let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     for (o, &q) in out.iter_mut().zip(&b[4..4 + QK_K]) {
         *o = d * f32::from(q as i8);

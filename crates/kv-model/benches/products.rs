@@ -1,0 +1,128 @@
+//! The product kernels against same-run baselines (`cargo xtask bench
+//! kv-model`):
+//!
+//! - `decode/<TYPE>`: one token through matrices of 2048 × 2048 weights
+//!   whose stored bytes total 64 MiB (past the last-level cache, as a
+//!   model's weights are), against `decode/baseline-<TYPE>`, a streaming
+//!   read of exactly those bytes: the ratio is the share of the memory
+//!   bandwidth the kernel reaches;
+//! - `prefill/<TYPE>`: 64 tokens through one 2048 × 2048 matrix, against
+//!   `prefill/baseline-f32`, abft-gemm's f32 product (faer's GEMM, what
+//!   kv-eval multiplied by before kv-model) on the same shapes, in
+//!   multiply-adds per second.
+
+use abft_gemm::Matrix;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kv_model::weights::{Isa, QuantMatrix, StoredLinear, WeightType};
+use std::hint::black_box;
+
+const TYPES: [WeightType; 10] = [
+    WeightType::F32,
+    WeightType::F16,
+    WeightType::Q8_0,
+    WeightType::Q4_0,
+    WeightType::Q4_1,
+    WeightType::Q5_0,
+    WeightType::Q5_1,
+    WeightType::Q4_K,
+    WeightType::Q5_K,
+    WeightType::Q6_K,
+];
+
+const SIDE: usize = 2048;
+
+/// A `SIDE × SIDE` matrix of `ty` with codes from a fixed pattern and small
+/// finite scales.
+fn matrix(ty: WeightType, seed: usize) -> StoredLinear {
+    if ty.block_elems() == 1 {
+        let v: Vec<f32> = (0..SIDE * SIDE)
+            .map(|i| ((i + seed) % 17) as f32 * 0.01)
+            .collect();
+        let m = QuantMatrix::from_f32(SIDE, SIDE, &v).unwrap();
+        let m = if ty == WeightType::F32 {
+            m
+        } else {
+            let data: Vec<u8> = v
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect();
+            QuantMatrix::new(ty, SIDE, SIDE, data).unwrap()
+        };
+        return StoredLinear::new(vec![m]).unwrap();
+    }
+    let len = QuantMatrix::data_len(ty, SIDE, SIDE).unwrap();
+    let mut data: Vec<u8> = (0..len).map(|i| ((i + seed) * 131 % 251) as u8).collect();
+    let scale = half::f16::from_f32(0.01).to_le_bytes();
+    let at: &[usize] = if ty == WeightType::Q6_K {
+        &[208]
+    } else {
+        &[0, 2]
+    };
+    for block in data.chunks_exact_mut(ty.block_bytes()) {
+        for &a in at {
+            block[a..a + 2].copy_from_slice(&scale);
+        }
+    }
+    StoredLinear::new(vec![QuantMatrix::new(ty, SIDE, SIDE, data).unwrap()]).unwrap()
+}
+
+fn input(t: usize) -> Vec<f32> {
+    (0..t * SIDE)
+        .map(|i| ((i % 29) as f32 - 14.0) * 0.1)
+        .collect()
+}
+
+fn decode(c: &mut Criterion) {
+    let isa = Isa::detect();
+    let x = input(1);
+    let mut out = vec![0.0; SIDE];
+    let mut g = c.benchmark_group("decode");
+    for ty in TYPES {
+        let per = QuantMatrix::data_len(ty, SIDE, SIDE).unwrap();
+        let count = (64 << 20usize).div_ceil(per);
+        let ms: Vec<StoredLinear> = (0..count).map(|s| matrix(ty, s)).collect();
+        g.throughput(Throughput::Bytes((count * per) as u64));
+        g.bench_function(ty.name(), |b| {
+            b.iter(|| {
+                for m in &ms {
+                    m.product_into(&mut out, black_box(&x), false, isa).unwrap();
+                }
+            })
+        });
+        g.bench_function(format!("baseline-{}", ty.name()), |b| {
+            b.iter(|| {
+                ms.iter().fold(0u64, |s, m| {
+                    black_box(m.parts()[0].data())
+                        .chunks_exact(8)
+                        .fold(s, |s, c| {
+                            s.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()))
+                        })
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+fn prefill(c: &mut Criterion) {
+    let isa = Isa::detect();
+    let t = 64;
+    let x = input(t);
+    let mut out = vec![0.0; t * SIDE];
+    let mut g = c.benchmark_group("prefill");
+    g.throughput(Throughput::Elements((t * SIDE * SIDE) as u64));
+    for ty in TYPES {
+        let m = matrix(ty, 0);
+        g.bench_function(ty.name(), |b| {
+            b.iter(|| m.product_into(&mut out, black_box(&x), false, isa).unwrap())
+        });
+    }
+    let dense = Matrix::new(SIDE, SIDE, matrix(WeightType::F32, 0).to_f32()).unwrap();
+    g.bench_function("baseline-f32", |b| {
+        b.iter(|| abft_gemm::linear_into(&mut out, black_box(&x), &dense, false).unwrap())
+    });
+    g.finish();
+}
+
+criterion_group!(benches, decode, prefill);
+criterion_main!(benches);

@@ -1,0 +1,392 @@
+//! The AVX2 + FMA + F16C kernels (x86-64). Each computes exactly what its
+//! twin in `scalar.rs` computes (the integer sums are exact, and the float
+//! accumulations run in the order that file defines), so the two are
+//! tested for equality bit for bit.
+//!
+//! The 32-value types follow the shape of llama.cpp's AVX2 `vec_dot`s: a
+//! block's 16 bytes of nibbles become 32 bytes (low nibbles, then high), the
+//! codes times the activation codes are summed in pairs by `vpmaddubsw`
+//! (unsigned × signed; signed weights go through `vpsignb` first) and in
+//! fours by `vpmaddwd`, and each block's eight lane sums are scaled into
+//! eight f32 accumulators. The k-quants sum whole super-blocks in integers
+//! with each sub-block's scale applied by `vpmaddwd`.
+//!
+//! Every function is `unsafe` for its target features only: the caller
+//! must have checked the CPU ([`Isa::Avx2`](crate::weights::Isa)). Loads
+//! are unaligned and stay inside the `chunks_exact` block they belong to.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::super::activations::{Q8Block, Q8KBlock};
+use super::super::kquants::scale_min_k4;
+
+/// The f16 at byte `i` of a block, converted by F16C (the `half` crate's
+/// conversion, without F16C enabled at compile time, costs more than the
+/// rest of a 32-value block's product). Broadcast rather than inserted: an
+/// insert into a register merges with its old contents, which tied every
+/// block's scale to the accumulator of the block before (measured: 14
+/// cycles a block instead of 5).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    let bits = i16::from_le_bytes([b[i], b[i + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits)))
+}
+
+/// Adds the eight lanes in [`hsum8`](super::scalar::hsum8)'s order.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// The sum of eight `i32` lanes (exact but for overflow, which the kernels'
+/// bounds rule out).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// 32 loaded bytes.
+///
+/// # Safety
+/// `p` must have 32 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes; the load is unaligned.
+    unsafe { _mm256_loadu_si256(p.cast()) }
+}
+
+/// 16 bytes of nibbles as 32 bytes: the low nibbles (values 0..16), then the
+/// high ones (values 16..32).
+///
+/// # Safety
+/// `p` must have 16 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes; the load is unaligned.
+    let t = unsafe { _mm_loadu_si128(p.cast()) };
+    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(t), t);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
+}
+
+/// The 32 bits at `p` (little-endian) as 32 bytes, `0xff` where the bit of
+/// that value is set.
+///
+/// # Safety
+/// `p` must have 4 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bit_bytes(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 4 readable bytes; read unaligned.
+    let bits = unsafe { p.cast::<i32>().read_unaligned() };
+    // Byte j takes byte j / 8 of the word, then is tested for bit j % 8.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select)
+}
+
+/// The f16 scale and min at bytes 0..4 of a 32-value block, in lanes 0
+/// and 1 (for `Q4_0`, `Q5_0` and `Q8_0` lane 1 is code bytes, unused).
+/// Loaded whole by `vmovd`, which clears the register's other lanes: a
+/// 16-bit insert would merge into a register that held the accumulator and
+/// tie every block to the one before it (measured: 14 cycles a block
+/// instead of 5).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn block_scales(b: &[u8]) -> __m128 {
+    let bits = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
+}
+
+/// The 32-value types' accumulation for `N` tokens at once: `unpack(block)`
+/// is a block's 32 weight codes as bytes (signed with `SIGNED`, else
+/// unsigned), unpacked once and multiplied by each token's codes; with
+/// `MIN`, each block adds `m·s` (`Q4_1`, `Q5_1`). Each token's arithmetic
+/// is the same whatever `N` is, so a token gets the same bits alone and in
+/// a group.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes32<const MIN: bool, const SIGNED: bool, const N: usize>(
+    w: &[u8],
+    block_bytes: usize,
+    a: [&[Q8Block]; N],
+    unpack: impl Fn(&[u8]) -> __m256i,
+) -> [f32; N] {
+    let blocks = w.len() / block_bytes;
+    let a = a.map(|a| &a[..blocks.min(a.len())]);
+    let blocks = a.iter().map(|a| a.len()).min().unwrap_or(0);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [0f32; N];
+    let ones = _mm256_set1_epi16(1);
+    for (i, b) in w.chunks_exact(block_bytes).take(blocks).enumerate() {
+        let x = unpack(b);
+        let ax = if SIGNED { _mm256_sign_epi8(x, x) } else { x };
+        let scales = block_scales(b);
+        let dw = _mm256_broadcastss_ps(scales);
+        for j in 0..N {
+            let act = &a[j][i];
+            // SAFETY: `qs` is 32 bytes.
+            let y = unsafe { load(act.qs.as_ptr().cast()) };
+            let sy = if SIGNED { _mm256_sign_epi8(y, x) } else { y };
+            let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
+            let d = _mm256_mul_ps(dw, _mm256_set1_ps(act.d));
+            acc[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), acc[j]);
+            if MIN {
+                mins[j] += _mm_cvtss_f32(_mm_movehdup_ps(scales)) * act.s;
+            }
+        }
+    }
+    std::array::from_fn(|j| hsum_ps(acc[j]) + mins[j])
+}
+
+/// `Q4_0 · Q8_0`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
+    lanes32::<false, true, N>(w, 18, a, |b| {
+        // SAFETY: a block is 18 bytes (nibbles at 2..18).
+        let x = unsafe { nibbles(b.as_ptr().add(2)) };
+        _mm256_sub_epi8(x, _mm256_set1_epi8(8))
+    })
+}
+
+/// `Q4_1 · Q8_1`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_1<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
+    // SAFETY: a block is 20 bytes (nibbles at 4..20).
+    lanes32::<true, false, N>(w, 20, a, |b| unsafe { nibbles(b.as_ptr().add(4)) })
+}
+
+/// `Q5_0 · Q8_0`: the fifth bit clear makes a code `nibble − 16`, which as
+/// a byte is the nibble with its top four bits set.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q5_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
+    lanes32::<false, true, N>(w, 22, a, |b| {
+        // SAFETY: a block is 22 bytes (`qh` at 2..6, nibbles at 6..22).
+        let (low, high) = unsafe { (nibbles(b.as_ptr().add(6)), bit_bytes(b.as_ptr().add(2))) };
+        _mm256_or_si256(
+            low,
+            _mm256_andnot_si256(high, _mm256_set1_epi8(0xf0u8 as i8)),
+        )
+    })
+}
+
+/// `Q5_1 · Q8_1`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q5_1<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
+    lanes32::<true, false, N>(w, 24, a, |b| {
+        // SAFETY: a block is 24 bytes (`qh` at 4..8, nibbles at 8..24).
+        let (low, high) = unsafe { (nibbles(b.as_ptr().add(8)), bit_bytes(b.as_ptr().add(4))) };
+        _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
+    })
+}
+
+/// `Q8_0 · Q8_0`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q8_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
+    // SAFETY: a block is 34 bytes (codes at 2..34).
+    lanes32::<false, true, N>(w, 34, a, |b| unsafe { load(b.as_ptr().add(2)) })
+}
+
+/// `Σ_j m_j·Σy_j` of a `Q4_K`/`Q5_K` super-block and its eight scales.
+fn k4_scales(scales: &[u8], a: &Q8KBlock) -> ([i16; 8], i32) {
+    let mut sc = [0i16; 8];
+    let mut summ = 0i32;
+    for (j, s) in sc.iter_mut().enumerate() {
+        let (scale, m) = scale_min_k4(j, scales);
+        *s = i16::from(scale);
+        summ += i32::from(m) * (i32::from(a.bsums[2 * j]) + i32::from(a.bsums[2 * j + 1]));
+    }
+    (sc, summ)
+}
+
+/// `Q4_K · Q8_K`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_k(w: &[u8], a: &[Q8KBlock]) -> f32 {
+    let mask = _mm256_set1_epi8(0x0f);
+    let mut acc = 0f32;
+    for (b, a) in w.chunks_exact(144).zip(a) {
+        let (sc, summ) = k4_scales(&b[4..16], a);
+        let mut sum = _mm256_setzero_si256();
+        for j in 0..4 {
+            // SAFETY: `qs` is bytes 16..144 of the block (32 per pair of
+            // sub-blocks); the activation codes are 256 bytes.
+            let (q, y0, y1) = unsafe {
+                (
+                    load(b.as_ptr().add(16 + 32 * j)),
+                    load(a.qs.as_ptr().add(64 * j).cast()),
+                    load(a.qs.as_ptr().add(64 * j + 32).cast()),
+                )
+            };
+            let low = _mm256_and_si256(q, mask);
+            let high = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
+            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, y0), _mm256_set1_epi16(sc[2 * j]));
+            let p1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(high, y1),
+                _mm256_set1_epi16(sc[2 * j + 1]),
+            );
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(p0, p1));
+        }
+        let (d, dmin) = (a.d * f16_at(b, 0), a.d * f16_at(b, 2));
+        acc = acc + d * hsum_epi32(sum) as f32 - dmin * summ as f32;
+    }
+    acc
+}
+
+/// `Q5_K · Q8_K`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q5_k(w: &[u8], a: &[Q8KBlock]) -> f32 {
+    let (mask, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
+    let mut acc = 0f32;
+    for (b, a) in w.chunks_exact(176).zip(a) {
+        let (sc, summ) = k4_scales(&b[4..16], a);
+        // SAFETY: `qh` is bytes 16..48 of the block.
+        let qh = unsafe { load(b.as_ptr().add(16)) };
+        let mut sum = _mm256_setzero_si256();
+        for j in 0..4 {
+            // SAFETY: `qs` is bytes 48..176 of the block; the activation
+            // codes are 256 bytes.
+            let (q, y0, y1) = unsafe {
+                (
+                    load(b.as_ptr().add(48 + 32 * j)),
+                    load(a.qs.as_ptr().add(64 * j).cast()),
+                    load(a.qs.as_ptr().add(64 * j + 32).cast()),
+                )
+            };
+            // Bit 2j of `qh[l]` tops value l of run 2j, bit 2j + 1 of run 2j + 1.
+            let shift = _mm_cvtsi32_si128(2 * j as i32);
+            let h0 = _mm256_and_si256(_mm256_srl_epi16(qh, shift), one);
+            let h1 = _mm256_and_si256(_mm256_srli_epi16::<1>(_mm256_srl_epi16(qh, shift)), one);
+            let low = _mm256_or_si256(_mm256_and_si256(q, mask), _mm256_slli_epi16::<4>(h0));
+            let high = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask),
+                _mm256_slli_epi16::<4>(h1),
+            );
+            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, y0), _mm256_set1_epi16(sc[2 * j]));
+            let p1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(high, y1),
+                _mm256_set1_epi16(sc[2 * j + 1]),
+            );
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(p0, p1));
+        }
+        let (d, dmin) = (a.d * f16_at(b, 0), a.d * f16_at(b, 2));
+        acc = acc + d * hsum_epi32(sum) as f32 - dmin * summ as f32;
+    }
+    acc
+}
+
+/// `Q6_K · Q8_K`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q6_k(w: &[u8], a: &[Q8KBlock]) -> f32 {
+    let (mask, pair) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(3));
+    let mut acc = 0f32;
+    for (b, a) in w.chunks_exact(210).zip(a) {
+        let sc: [i16; 16] = std::array::from_fn(|g| i16::from(b[192 + g] as i8));
+        let offset: i32 = (0..16)
+            .map(|g| i32::from(sc[g]) * i32::from(a.bsums[g]))
+            .sum();
+        let mut sum = _mm256_setzero_si256();
+        for n in 0..2 {
+            // SAFETY: `ql` is bytes 0..128 (64 per half), `qh` 128..192 (32
+            // per half); the activation codes are 256 bytes (128 per half).
+            let (l1, l2, h) = unsafe {
+                (
+                    load(b.as_ptr().add(64 * n)),
+                    load(b.as_ptr().add(64 * n + 32)),
+                    load(b.as_ptr().add(128 + 32 * n)),
+                )
+            };
+            let high = |s: i32| {
+                let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(s));
+                _mm256_slli_epi16::<4>(_mm256_and_si256(h, pair))
+            };
+            let codes = [
+                _mm256_or_si256(_mm256_and_si256(l1, mask), high(0)),
+                _mm256_or_si256(_mm256_and_si256(l2, mask), high(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l1), mask), high(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l2), mask), high(6)),
+            ];
+            for (k, q) in codes.into_iter().enumerate() {
+                // SAFETY: run k of half n is activation codes 128n + 32k ..+ 32.
+                let y = unsafe { load(a.qs.as_ptr().add(128 * n + 32 * k).cast()) };
+                let g = 8 * n + 2 * k;
+                let scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), scale));
+            }
+        }
+        let d = a.d * f16_at(b, 208);
+        acc += d * (hsum_epi32(sum) - 32 * offset) as f32;
+    }
+    acc
+}
+
+/// The float types' accumulation: `load8(i)` gives weights `i .. i + 8` in
+/// f32, `value(i)` weight `i`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes_f32(x: &[f32], load8: impl Fn(usize) -> __m256, value: impl Fn(usize) -> f32) -> f32 {
+    let n = x.len();
+    let runs = n / 32;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for r in 0..runs {
+        for (u, acc) in acc.iter_mut().enumerate() {
+            let i = 32 * r + 8 * u;
+            // SAFETY: i + 8 ≤ 32·runs ≤ n = x.len().
+            let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) };
+            *acc = _mm256_fmadd_ps(load8(i), xv, *acc);
+        }
+    }
+    let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut total = hsum_ps(sum);
+    for (i, &x) in x.iter().enumerate().skip(32 * runs) {
+        total += value(i) * x;
+    }
+    total
+}
+
+/// `F32 · f32`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn f32_row(w: &[u8], x: &[f32]) -> f32 {
+    let w = &w[..4 * x.len()];
+    lanes_f32(
+        x,
+        // SAFETY: weights i .. i + 8 are bytes 4i .. 4i + 32 of `w`, inside it.
+        |i| unsafe { _mm256_loadu_ps(w.as_ptr().add(4 * i).cast()) },
+        |i| f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]]),
+    )
+}
+
+/// `F16 · f32`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn f16_row(w: &[u8], x: &[f32]) -> f32 {
+    let w = &w[..2 * x.len()];
+    lanes_f32(
+        x,
+        // SAFETY: weights i .. i + 8 are bytes 2i .. 2i + 16 of `w`, inside it.
+        |i| _mm256_cvtph_ps(unsafe { _mm_loadu_si128(w.as_ptr().add(2 * i).cast()) }),
+        |i| f16_at(w, 2 * i),
+    )
+}
+
+/// `BF16 · f32`: a bf16 is the top half of its f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn bf16_row(w: &[u8], x: &[f32]) -> f32 {
+    let w = &w[..2 * x.len()];
+    lanes_f32(
+        x,
+        |i| {
+            // SAFETY: weights i .. i + 8 are bytes 2i .. 2i + 16 of `w`.
+            let h = unsafe { _mm_loadu_si128(w.as_ptr().add(2 * i).cast()) };
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        },
+        |i| f32::from_bits(u32::from(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])) << 16),
+    )
+}

@@ -1,0 +1,160 @@
+//! Products of activations with stored weights: `out = x · Wᵀ` for `t`
+//! rows of activations, each output the row kernel of its weight row and
+//! token ([`RowDot`]), so an output does not depend on how many tokens or
+//! which rows share the call: a token's logits are the same alone, in a
+//! prompt or in a batch.
+//!
+//! Work is split over the rayon pool by runs of weight rows. One token
+//! (decode) writes its outputs in place; several tokens (prefill, batches)
+//! go through token passes of [`TOKENS_PER_PASS`] per run, so a run's
+//! weight rows stay in cache while the pass's activations stream by, and
+//! each run's tile is then copied into the output rows.
+
+use rayon::prelude::*;
+
+use super::activations::Activations;
+use super::dot::{Isa, RowDot};
+use super::matrix::{QuantMatrix, StoredLinear};
+use crate::error::{ModelError, Result};
+
+/// Tasks per pool thread a product is split into: enough to even out
+/// threads that start late, few enough that each task's work (tens of
+/// microseconds in a decode step) dwarfs rayon's cost of handing it out
+/// (measured on SmolLM2: tasks of 16 rows spent 40% of a decode step in
+/// the pool's scheduling).
+const TASKS_PER_THREAD: usize = 4;
+/// The fewest weight rows a task gets.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// Weight rows per task of a product over `rows` rows.
+fn rows_per_task(rows: usize) -> usize {
+    rows.div_ceil(TASKS_PER_THREAD * rayon::current_num_threads())
+        .max(MIN_ROWS_PER_TASK)
+}
+/// Tokens per pass over a run of weight rows.
+const TOKENS_PER_PASS: usize = 32;
+
+impl QuantMatrix {
+    /// `out[i·stride + offset + r] (=|+=) Σ_c a[i][c]·w[r][c]` for every
+    /// token `i` of `a` and row `r` of this matrix; `a` must be quantised
+    /// as this type's product needs ([`WeightType::activation`](super::WeightType::activation)).
+    pub fn product_into(
+        &self,
+        a: &Activations,
+        out: &mut [f32],
+        stride: usize,
+        offset: usize,
+        accumulate: bool,
+        isa: Isa,
+    ) -> Result<()> {
+        let kernel = RowDot::new(self.ty(), isa)?;
+        if Some(a.kind()) != self.ty().activation() || a.cols() != self.cols() {
+            return Err(ModelError::ShapeMismatch {
+                what: "activation columns (in the form of the weights' type)",
+                expected: self.cols(),
+                got: a.cols(),
+            });
+        }
+        let (t, rows) = (a.rows(), self.rows());
+        if offset + rows > stride || out.len() != t * stride {
+            return Err(ModelError::ShapeMismatch {
+                what: "product outputs (tokens × stride)",
+                expected: t * stride.max(offset + rows),
+                got: out.len(),
+            });
+        }
+        let put = |o: &mut f32, v: f32| {
+            if accumulate { *o += v } else { *o = v }
+        };
+        let per_task = rows_per_task(rows);
+        if t == 1 {
+            out[offset..offset + rows]
+                .par_chunks_mut(per_task)
+                .enumerate()
+                .for_each(|(c, out)| {
+                    for (k, o) in out.iter_mut().enumerate() {
+                        let w = self.row(c * per_task + k).expect("row in range");
+                        put(o, kernel.dot(w, a, 0));
+                    }
+                });
+            return Ok(());
+        }
+        let tasks = rows.div_ceil(per_task);
+        let tiles: Vec<Vec<f32>> = (0..tasks)
+            .into_par_iter()
+            .map(|c| {
+                let first = c * per_task;
+                let len = per_task.min(rows - first);
+                let mut tile = vec![0.0f32; t * len];
+                for pass in (0..t).step_by(TOKENS_PER_PASS) {
+                    let tokens = pass..(pass + TOKENS_PER_PASS).min(t);
+                    for k in 0..len {
+                        let w = self.row(first + k).expect("row in range");
+                        let mut i = tokens.start;
+                        while i + 4 <= tokens.end {
+                            for (n, v) in kernel.dot4(w, a, i).into_iter().enumerate() {
+                                tile[(i + n) * len + k] = v;
+                            }
+                            i += 4;
+                        }
+                        for i in i..tokens.end {
+                            tile[i * len + k] = kernel.dot(w, a, i);
+                        }
+                    }
+                }
+                tile
+            })
+            .collect();
+        out.par_chunks_mut(stride).enumerate().for_each(|(i, out)| {
+            for (c, tile) in tiles.iter().enumerate() {
+                let len = tile.len() / t;
+                let dst = &mut out[offset + c * per_task..][..len];
+                for (o, &v) in dst.iter_mut().zip(&tile[i * len..(i + 1) * len]) {
+                    put(o, v);
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+impl StoredLinear {
+    /// `out (t × rows) (=|+=) x (t × cols) · Wᵀ`: the activations are
+    /// quantised once per form the parts need, then each part writes its
+    /// columns of `out`.
+    pub fn product_into(
+        &self,
+        out: &mut [f32],
+        x: &[f32],
+        accumulate: bool,
+        isa: Isa,
+    ) -> Result<()> {
+        let cols = self.cols();
+        if !x.len().is_multiple_of(cols.max(1)) || out.len() != x.len() / cols.max(1) * self.rows()
+        {
+            return Err(ModelError::ShapeMismatch {
+                what: "product outputs (tokens × rows)",
+                expected: x.len() / cols.max(1) * self.rows(),
+                got: out.len(),
+            });
+        }
+        let mut forms: Vec<Activations> = Vec::new();
+        let mut offset = 0;
+        for part in self.parts() {
+            let kind = part
+                .ty()
+                .activation()
+                .ok_or(ModelError::NoKernel(part.ty()))?;
+            let a = match forms.iter().position(|a| a.kind() == kind) {
+                Some(i) => &forms[i],
+                None => {
+                    forms.push(Activations::new(kind, x, cols)?);
+                    forms.last().expect("just pushed")
+                }
+            };
+            part.product_into(a, out, self.rows(), offset, accumulate, isa)?;
+            offset += part.rows();
+        }
+        Ok(())
+    }
+}
