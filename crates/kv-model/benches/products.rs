@@ -79,7 +79,7 @@ fn decode(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode");
     for ty in TYPES {
         let per = QuantMatrix::data_len(ty, SIDE, SIDE).unwrap();
-        let count = (64 << 20usize).div_ceil(per);
+        let count = (64usize << 20).div_ceil(per);
         let ms: Vec<StoredLinear> = (0..count).map(|s| matrix(ty, s)).collect();
         g.throughput(Throughput::Bytes((count * per) as u64));
         g.bench_function(ty.name(), |b| {
