@@ -124,6 +124,17 @@ impl Activations {
         self.cols
     }
 
+    /// Bytes one row of these activations takes.
+    pub fn row_bytes(&self) -> usize {
+        match self.kind {
+            ActivationKind::F32 => 4 * self.cols,
+            ActivationKind::Q8_0 | ActivationKind::Q8_1 => {
+                self.cols / 32 * std::mem::size_of::<Q8Block>()
+            }
+            ActivationKind::Q8_K => self.cols / 256 * std::mem::size_of::<Q8KBlock>(),
+        }
+    }
+
     /// Row `i` as Q8_0/Q8_1 blocks (empty in other forms).
     pub fn q8_row(&self, i: usize) -> &[Q8Block] {
         let n = self.cols / 32;

@@ -197,107 +197,125 @@ pub(crate) fn q8_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
     lanes32::<false, true, N>(w, 34, a, |b| unsafe { load(b.as_ptr().add(2)) })
 }
 
-/// `Σ_j m_j·Σy_j` of a `Q4_K`/`Q5_K` super-block and its eight scales.
-fn k4_scales(scales: &[u8], a: &Q8KBlock) -> ([i16; 8], i32) {
+/// The eight 6-bit scales and mins of a `Q4_K`/`Q5_K` super-block.
+#[inline(always)]
+fn k4_scales(scales: &[u8]) -> ([i16; 8], [i32; 8]) {
     let mut sc = [0i16; 8];
-    let mut summ = 0i32;
-    for (j, s) in sc.iter_mut().enumerate() {
-        let (scale, m) = scale_min_k4(j, scales);
-        *s = i16::from(scale);
-        summ += i32::from(m) * (i32::from(a.bsums[2 * j]) + i32::from(a.bsums[2 * j + 1]));
+    let mut mins = [0i32; 8];
+    for j in 0..8 {
+        let (s, m) = scale_min_k4(j, scales);
+        sc[j] = i16::from(s);
+        mins[j] = i32::from(m);
     }
-    (sc, summ)
+    (sc, mins)
 }
 
-/// `Q4_K · Q8_K`.
+/// The valid super-blocks of `N` activation rows against `w`.
+fn k_blocks<const N: usize>(w: &[u8], block_bytes: usize, a: &[&[Q8KBlock]; N]) -> usize {
+    a.iter()
+        .map(|a| a.len())
+        .fold(w.len() / block_bytes, usize::min)
+}
+
+/// `Σ_r Σ (codes_r · y_r)·scale_r` over a super-block's eight runs of 32
+/// (exact in integers).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q4_k(w: &[u8], a: &[Q8KBlock]) -> f32 {
+fn k_runs(codes: &[__m256i; 8], scales: &[__m256i; 8], y: &Q8KBlock) -> i32 {
+    let mut sum = _mm256_setzero_si256();
+    for r in 0..8 {
+        // SAFETY: run r is activation codes 32r .. 32r + 32 of 256.
+        let y = unsafe { load(y.qs.as_ptr().add(32 * r).cast()) };
+        sum = _mm256_add_epi32(
+            sum,
+            _mm256_madd_epi16(_mm256_maddubs_epi16(codes[r], y), scales[r]),
+        );
+    }
+    hsum_epi32(sum)
+}
+
+/// `Q4_K · Q8_K`, `N` tokens at once (the codes unpacked once per
+/// super-block; each token's arithmetic as alone).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_k<const N: usize>(w: &[u8], a: [&[Q8KBlock]; N]) -> [f32; N] {
     let mask = _mm256_set1_epi8(0x0f);
-    let mut acc = 0f32;
-    for (b, a) in w.chunks_exact(144).zip(a) {
-        let (sc, summ) = k4_scales(&b[4..16], a);
-        let mut sum = _mm256_setzero_si256();
+    let mut acc = [0f32; N];
+    let blocks = k_blocks(w, 144, &a);
+    for (i, b) in w.chunks_exact(144).take(blocks).enumerate() {
+        let (sc, mins) = k4_scales(&b[4..16]);
+        let mut codes = [_mm256_setzero_si256(); 8];
         for j in 0..4 {
-            // SAFETY: `qs` is bytes 16..144 of the block (32 per pair of
-            // sub-blocks); the activation codes are 256 bytes.
-            let (q, y0, y1) = unsafe {
-                (
-                    load(b.as_ptr().add(16 + 32 * j)),
-                    load(a.qs.as_ptr().add(64 * j).cast()),
-                    load(a.qs.as_ptr().add(64 * j + 32).cast()),
-                )
-            };
-            let low = _mm256_and_si256(q, mask);
-            let high = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
-            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, y0), _mm256_set1_epi16(sc[2 * j]));
-            let p1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(high, y1),
-                _mm256_set1_epi16(sc[2 * j + 1]),
-            );
-            sum = _mm256_add_epi32(sum, _mm256_add_epi32(p0, p1));
+            // SAFETY: `qs` is bytes 16..144 of the block, 32 per pair of runs.
+            let q = unsafe { load(b.as_ptr().add(16 + 32 * j)) };
+            codes[2 * j] = _mm256_and_si256(q, mask);
+            codes[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
         }
-        let (d, dmin) = (a.d * f16_at(b, 0), a.d * f16_at(b, 2));
-        acc = acc + d * hsum_epi32(sum) as f32 - dmin * summ as f32;
+        let scales = sc.map(|s| _mm256_set1_epi16(s));
+        let (dw, dminw) = (f16_at(b, 0), f16_at(b, 2));
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            let y = &a[i];
+            let sumi = k_runs(&codes, &scales, y);
+            let summ: i32 = (0..8)
+                .map(|j| mins[j] * (i32::from(y.bsums[2 * j]) + i32::from(y.bsums[2 * j + 1])))
+                .sum();
+            let (d, dmin) = (y.d * dw, y.d * dminw);
+            *acc = *acc + d * sumi as f32 - dmin * summ as f32;
+        }
     }
     acc
 }
 
-/// `Q5_K · Q8_K`.
+/// `Q5_K · Q8_K`, `N` tokens at once.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q5_k(w: &[u8], a: &[Q8KBlock]) -> f32 {
+pub(crate) fn q5_k<const N: usize>(w: &[u8], a: [&[Q8KBlock]; N]) -> [f32; N] {
     let (mask, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
-    let mut acc = 0f32;
-    for (b, a) in w.chunks_exact(176).zip(a) {
-        let (sc, summ) = k4_scales(&b[4..16], a);
+    let mut acc = [0f32; N];
+    let blocks = k_blocks(w, 176, &a);
+    for (i, b) in w.chunks_exact(176).take(blocks).enumerate() {
+        let (sc, mins) = k4_scales(&b[4..16]);
         // SAFETY: `qh` is bytes 16..48 of the block.
         let qh = unsafe { load(b.as_ptr().add(16)) };
-        let mut sum = _mm256_setzero_si256();
+        let mut codes = [_mm256_setzero_si256(); 8];
         for j in 0..4 {
-            // SAFETY: `qs` is bytes 48..176 of the block; the activation
-            // codes are 256 bytes.
-            let (q, y0, y1) = unsafe {
-                (
-                    load(b.as_ptr().add(48 + 32 * j)),
-                    load(a.qs.as_ptr().add(64 * j).cast()),
-                    load(a.qs.as_ptr().add(64 * j + 32).cast()),
-                )
-            };
+            // SAFETY: `qs` is bytes 48..176 of the block, 32 per pair of runs.
+            let q = unsafe { load(b.as_ptr().add(48 + 32 * j)) };
             // Bit 2j of `qh[l]` tops value l of run 2j, bit 2j + 1 of run 2j + 1.
-            let shift = _mm_cvtsi32_si128(2 * j as i32);
-            let h0 = _mm256_and_si256(_mm256_srl_epi16(qh, shift), one);
-            let h1 = _mm256_and_si256(_mm256_srli_epi16::<1>(_mm256_srl_epi16(qh, shift)), one);
-            let low = _mm256_or_si256(_mm256_and_si256(q, mask), _mm256_slli_epi16::<4>(h0));
-            let high = _mm256_or_si256(
+            let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j as i32));
+            let h0 = _mm256_and_si256(h, one);
+            let h1 = _mm256_and_si256(_mm256_srli_epi16::<1>(h), one);
+            codes[2 * j] = _mm256_or_si256(_mm256_and_si256(q, mask), _mm256_slli_epi16::<4>(h0));
+            codes[2 * j + 1] = _mm256_or_si256(
                 _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask),
                 _mm256_slli_epi16::<4>(h1),
             );
-            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, y0), _mm256_set1_epi16(sc[2 * j]));
-            let p1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(high, y1),
-                _mm256_set1_epi16(sc[2 * j + 1]),
-            );
-            sum = _mm256_add_epi32(sum, _mm256_add_epi32(p0, p1));
         }
-        let (d, dmin) = (a.d * f16_at(b, 0), a.d * f16_at(b, 2));
-        acc = acc + d * hsum_epi32(sum) as f32 - dmin * summ as f32;
+        let scales = sc.map(|s| _mm256_set1_epi16(s));
+        let (dw, dminw) = (f16_at(b, 0), f16_at(b, 2));
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            let y = &a[i];
+            let sumi = k_runs(&codes, &scales, y);
+            let summ: i32 = (0..8)
+                .map(|j| mins[j] * (i32::from(y.bsums[2 * j]) + i32::from(y.bsums[2 * j + 1])))
+                .sum();
+            let (d, dmin) = (y.d * dw, y.d * dminw);
+            *acc = *acc + d * sumi as f32 - dmin * summ as f32;
+        }
     }
     acc
 }
 
-/// `Q6_K · Q8_K`.
+/// `Q6_K · Q8_K`, `N` tokens at once: `Σ_g sc_g·(Σ q·y − 32·Σy)_g`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q6_k(w: &[u8], a: &[Q8KBlock]) -> f32 {
+pub(crate) fn q6_k<const N: usize>(w: &[u8], a: [&[Q8KBlock]; N]) -> [f32; N] {
     let (mask, pair) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(3));
-    let mut acc = 0f32;
-    for (b, a) in w.chunks_exact(210).zip(a) {
+    let mut acc = [0f32; N];
+    let blocks = k_blocks(w, 210, &a);
+    for (i, b) in w.chunks_exact(210).take(blocks).enumerate() {
         let sc: [i16; 16] = std::array::from_fn(|g| i16::from(b[192 + g] as i8));
-        let offset: i32 = (0..16)
-            .map(|g| i32::from(sc[g]) * i32::from(a.bsums[g]))
-            .sum();
-        let mut sum = _mm256_setzero_si256();
+        let mut codes = [_mm256_setzero_si256(); 8];
+        let mut scales = [_mm256_setzero_si256(); 8];
         for n in 0..2 {
             // SAFETY: `ql` is bytes 0..128 (64 per half), `qh` 128..192 (32
-            // per half); the activation codes are 256 bytes (128 per half).
+            // per half).
             let (l1, l2, h) = unsafe {
                 (
                     load(b.as_ptr().add(64 * n)),
@@ -309,22 +327,30 @@ pub(crate) fn q6_k(w: &[u8], a: &[Q8KBlock]) -> f32 {
                 let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(s));
                 _mm256_slli_epi16::<4>(_mm256_and_si256(h, pair))
             };
-            let codes = [
+            let runs = [
                 _mm256_or_si256(_mm256_and_si256(l1, mask), high(0)),
                 _mm256_or_si256(_mm256_and_si256(l2, mask), high(2)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l1), mask), high(4)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l2), mask), high(6)),
             ];
-            for (k, q) in codes.into_iter().enumerate() {
-                // SAFETY: run k of half n is activation codes 128n + 32k ..+ 32.
-                let y = unsafe { load(a.qs.as_ptr().add(128 * n + 32 * k).cast()) };
+            for (k, q) in runs.into_iter().enumerate() {
+                // Run k of half n: values 128n + 32k ..+ 32, groups g and g + 1.
                 let g = 8 * n + 2 * k;
-                let scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), scale));
+                codes[4 * n + k] = q;
+                scales[4 * n + k] =
+                    _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
             }
         }
-        let d = a.d * f16_at(b, 208);
-        acc += d * (hsum_epi32(sum) - 32 * offset) as f32;
+        let dw = f16_at(b, 208);
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            let y = &a[i];
+            let sumi = k_runs(&codes, &scales, y);
+            let offset: i32 = (0..16)
+                .map(|g| i32::from(sc[g]) * i32::from(y.bsums[g]))
+                .sum();
+            let d = y.d * dw;
+            *acc += d * (sumi - 32 * offset) as f32;
+        }
     }
     acc
 }

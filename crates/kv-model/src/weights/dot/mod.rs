@@ -66,13 +66,16 @@ impl Isa {
 /// Four tokens' Q8_0/Q8_1 rows against one weight row.
 pub(crate) type Dot4 = fn(&[u8], [&[Q8Block]; 4]) -> [f32; 4];
 
+/// Four tokens' Q8_K rows against one weight row.
+pub(crate) type Dot4K = fn(&[u8], [&[Q8KBlock]; 4]) -> [f32; 4];
+
 /// A row kernel, by the activation form it reads.
 #[derive(Clone, Copy)]
 pub(crate) enum RowDot {
     /// Against Q8_0/Q8_1 blocks, one token and four at once.
     Q8(fn(&[u8], &[Q8Block]) -> f32, Dot4),
-    /// Against Q8_K blocks.
-    Q8K(fn(&[u8], &[Q8KBlock]) -> f32),
+    /// Against Q8_K blocks, one token and four at once.
+    Q8K(fn(&[u8], &[Q8KBlock]) -> f32, Dot4K),
     /// Against f32 values.
     F32(fn(&[u8], &[f32]) -> f32),
 }
@@ -98,7 +101,7 @@ impl RowDot {
     pub(crate) fn dot(self, w: &[u8], a: &Activations, i: usize) -> f32 {
         match self {
             RowDot::Q8(f, _) => f(w, a.q8_row(i)),
-            RowDot::Q8K(f) => f(w, a.q8k_row(i)),
+            RowDot::Q8K(f, _) => f(w, a.q8k_row(i)),
             RowDot::F32(f) => f(w, a.f32_row(i)),
         }
     }
@@ -110,6 +113,7 @@ impl RowDot {
     pub(crate) fn dot4(self, w: &[u8], a: &Activations, i: usize) -> [f32; 4] {
         match self {
             RowDot::Q8(_, f) => f(w, std::array::from_fn(|k| a.q8_row(i + k))),
+            RowDot::Q8K(_, f) => f(w, std::array::from_fn(|k| a.q8k_row(i + k))),
             _ => std::array::from_fn(|k| self.dot(w, a, i + k)),
         }
     }
@@ -128,6 +132,16 @@ fn four<const K: usize>(w: &[u8], a: [&[Q8Block]; 4]) -> [f32; 4] {
     a.map(|a| one(w, a))
 }
 
+/// Four scalar k-quant dots.
+fn four_k<const K: usize>(w: &[u8], a: [&[Q8KBlock]; 4]) -> [f32; 4] {
+    let one = match K {
+        0 => scalar::q4_k,
+        1 => scalar::q5_k,
+        _ => scalar::q6_k,
+    };
+    a.map(|a| one(w, a))
+}
+
 fn scalar_kernel(ty: WeightType) -> Option<RowDot> {
     use scalar as s;
     Some(match ty {
@@ -136,9 +150,9 @@ fn scalar_kernel(ty: WeightType) -> Option<RowDot> {
         WeightType::Q5_0 => RowDot::Q8(s::q5_0, four::<2>),
         WeightType::Q5_1 => RowDot::Q8(s::q5_1, four::<3>),
         WeightType::Q8_0 => RowDot::Q8(s::q8_0, four::<4>),
-        WeightType::Q4_K => RowDot::Q8K(s::q4_k),
-        WeightType::Q5_K => RowDot::Q8K(s::q5_k),
-        WeightType::Q6_K => RowDot::Q8K(s::q6_k),
+        WeightType::Q4_K => RowDot::Q8K(s::q4_k, four_k::<0>),
+        WeightType::Q5_K => RowDot::Q8K(s::q5_k, four_k::<1>),
+        WeightType::Q6_K => RowDot::Q8K(s::q6_k, four_k::<2>),
         WeightType::F32 => RowDot::F32(s::f32_row),
         WeightType::F16 => RowDot::F32(s::f16_row),
         WeightType::BF16 => RowDot::F32(s::bf16_row),
@@ -161,28 +175,28 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
             RowDot::$variant(entry)
         }};
     }
-    macro_rules! wrap32 {
-        ($f:ident) => {{
-            fn one(w: &[u8], a: &[Q8Block]) -> f32 {
+    macro_rules! grouped {
+        ($variant:ident, $f:ident, $a:ty) => {{
+            fn one(w: &[u8], a: &[$a]) -> f32 {
                 // SAFETY: as in `wrap!`.
                 unsafe { avx2::$f::<1>(w, [a])[0] }
             }
-            fn four(w: &[u8], a: [&[Q8Block]; 4]) -> [f32; 4] {
+            fn four(w: &[u8], a: [&[$a]; 4]) -> [f32; 4] {
                 // SAFETY: as in `wrap!`.
                 unsafe { avx2::$f::<4>(w, a) }
             }
-            RowDot::Q8(one, four)
+            RowDot::$variant(one, four)
         }};
     }
     Some(match ty {
-        WeightType::Q4_0 => wrap32!(q4_0),
-        WeightType::Q4_1 => wrap32!(q4_1),
-        WeightType::Q5_0 => wrap32!(q5_0),
-        WeightType::Q5_1 => wrap32!(q5_1),
-        WeightType::Q8_0 => wrap32!(q8_0),
-        WeightType::Q4_K => wrap!(Q8K, q4_k, Q8KBlock),
-        WeightType::Q5_K => wrap!(Q8K, q5_k, Q8KBlock),
-        WeightType::Q6_K => wrap!(Q8K, q6_k, Q8KBlock),
+        WeightType::Q4_0 => grouped!(Q8, q4_0, Q8Block),
+        WeightType::Q4_1 => grouped!(Q8, q4_1, Q8Block),
+        WeightType::Q5_0 => grouped!(Q8, q5_0, Q8Block),
+        WeightType::Q5_1 => grouped!(Q8, q5_1, Q8Block),
+        WeightType::Q8_0 => grouped!(Q8, q8_0, Q8Block),
+        WeightType::Q4_K => grouped!(Q8K, q4_k, Q8KBlock),
+        WeightType::Q5_K => grouped!(Q8K, q5_k, Q8KBlock),
+        WeightType::Q6_K => grouped!(Q8K, q6_k, Q8KBlock),
         WeightType::F32 => wrap!(F32, f32_row, f32),
         WeightType::F16 => wrap!(F32, f16_row, f32),
         WeightType::BF16 => wrap!(F32, bf16_row, f32),
