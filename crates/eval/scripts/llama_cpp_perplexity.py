@@ -5,7 +5,10 @@ for one), each chunk evaluated alone, and the second half of each chunk
 scored. The reference behind kv-eval's clean-perplexity tests.
 
     pip install llama-cpp-python==0.3.36 numpy
-    python3 crates/eval/scripts/llama_cpp_perplexity.py MODEL.gguf TEXT [N_CTX] [THREADS]
+    python3 crates/eval/scripts/llama_cpp_perplexity.py MODEL.gguf TEXT [N_CTX] [THREADS] [MAX_CHUNKS]
+
+MAX_CHUNKS scores only the first chunks (`kv-eval ppl --max-tokens
+MAX_CHUNKS·N_CTX` scores the same ones).
 """
 
 import math
@@ -33,6 +36,8 @@ def main() -> None:
     add_bos = llm._model.add_bos_token()
     bos = llm.token_bos()
     chunks = len(ids) // n_ctx
+    if len(sys.argv) > 5:
+        chunks = min(chunks, int(sys.argv[5]))
     first = n_ctx // 2
     nll, count = 0.0, 0
     start = time.time()

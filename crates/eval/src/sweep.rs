@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 use statrs::distribution::{ContinuousCDF, StudentsT};
 
@@ -265,21 +266,22 @@ impl SweepReport {
             } else {
                 (lo.min(0.0), lo.max(0.0) + 1.0)
             };
-            // A log axis once the spread passes two decades (failing forms).
+            // A log axis once the spread passes two decades (failing forms),
+            // ticked at 1, 2 and 5 times powers of ten.
             let log = lo > 0.0 && hi / lo > 100.0;
+            let map = |y: f64| if log { y.ln() } else { y };
+            let (bottom, top) = if log {
+                (lo.ln() - 0.1, hi.ln() + 0.1)
+            } else {
+                (lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+            };
+            let ticks: Vec<f64> = axis_ticks(lo, hi, log).into_iter().map(map).collect();
             let mut chart = ChartBuilder::on(area)
                 .caption(format!("{name} against bit error rate"), ("sans-serif", 18))
                 .margin(12)
                 .x_label_area_size(36)
                 .y_label_area_size(60)
-                .build_cartesian_2d(
-                    -0.2f64..(n as f64 - 0.8),
-                    if log {
-                        (lo.ln() - 0.1)..(hi.ln() + 0.1)
-                    } else {
-                        (lo - 0.05 * (hi - lo))..(hi + 0.05 * (hi - lo))
-                    },
-                )?;
+                .build_cartesian_2d(-0.2f64..(n as f64 - 0.8), bottom..top)?;
             let x_labels = labels.clone();
             chart
                 .configure_mesh()
@@ -288,16 +290,24 @@ impl SweepReport {
                     let i = x.round() as usize;
                     x_labels.get(i).cloned().unwrap_or_default()
                 })
-                .y_label_formatter(&|y| {
-                    if log {
-                        format!("{:.3}", y.exp())
-                    } else {
-                        format!("{y:.3}")
-                    }
-                })
+                .y_labels(0)
+                .disable_y_mesh()
                 .x_desc("bit error rate")
+                .y_desc("▲ at the top: infinite or NaN")
                 .draw()?;
-            let map = |y: f64| if log { y.ln() } else { y };
+            // The y ticks, drawn here: plotters places its own at evenly
+            // spaced points of the axis, which on a log axis were powers of e.
+            let right = n as f64 - 0.8;
+            for &t in &ticks {
+                chart.draw_series(LineSeries::new([(-0.2, t), (right, t)], BLACK.mix(0.12)))?;
+                let (px, py) = chart.backend_coord(&(-0.2, t));
+                let label = tick_label(if log { t.exp() } else { t });
+                let style = ("sans-serif", 12)
+                    .into_font()
+                    .into_text_style(&root)
+                    .pos(Pos::new(HPos::Right, VPos::Center));
+                root.draw(&Text::new(label, (px - 6, py), style))?;
+            }
             for (i, (form, ys)) in series.iter().enumerate() {
                 let color = Palette99::pick(i).to_rgba();
                 let pts: Vec<(f64, f64)> = ys
@@ -311,6 +321,12 @@ impl SweepReport {
                     .label(form.as_str())
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
                 chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+                // Runs whose metric is infinite or NaN (an unprotected form
+                // under faults) are marked at the top instead of vanishing.
+                let failed = ys.iter().enumerate().filter(|(_, y)| !y.is_finite());
+                chart.draw_series(
+                    failed.map(|(x, _)| TriangleMarker::new((x as f64, top), 7, color.filled())),
+                )?;
             }
             chart
                 .configure_series_labels()
@@ -327,6 +343,43 @@ impl SweepReport {
 /// A metric read off a run.
 type Metric = fn(&RunMetrics) -> f64;
 
+/// The y ticks of `lo..=hi`: on a log axis, 1, 2 and 5 times the powers of
+/// ten inside it; on a linear one, about six multiples of a 1-2-5 step.
+fn axis_ticks(lo: f64, hi: f64, log: bool) -> Vec<f64> {
+    if !(lo.is_finite() && hi.is_finite() && hi > lo) {
+        return vec![lo];
+    }
+    if log {
+        let first = lo.log10().floor() as i32;
+        let last = hi.log10().ceil() as i32;
+        return (first..=last)
+            .flat_map(|e| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(e)))
+            .filter(|t| *t >= lo * 0.999 && *t <= hi * 1.001)
+            .collect();
+    }
+    let raw = (hi - lo) / 6.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    let mut t = (lo / step).ceil() * step;
+    let mut ticks = Vec::new();
+    while t <= hi + step * 1e-9 && ticks.len() < 50 {
+        ticks.push(t);
+        t += step;
+    }
+    ticks
+}
+
+/// A tick's text: no more digits than it needs (10, 20, 0.05, 12.5).
+fn tick_label(v: f64) -> String {
+    let s = format!("{v:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" { "0".into() } else { s.into() }
+}
+
 /// `0`, `1e-4`, `0.003`…
 pub fn ber_label(b: f64) -> String {
     if b == 0.0 {
@@ -341,6 +394,70 @@ pub fn ber_label(b: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sweep whose `fp16` runs fail (infinite perplexity) at the higher
+    /// rate: the plot keeps a marker for them and ticks its log axis at
+    /// 10, 20, 50, not at powers of e.
+    #[test]
+    fn the_plot_marks_failed_runs_and_ticks_decades() {
+        let metrics = |ppl: f64| RunMetrics {
+            ppl,
+            kl_mean: ppl / 100.0,
+            ..RunMetrics::default()
+        };
+        let point = |form: &str, ber: f64, ppl: f64| SweepPoint {
+            form: form.into(),
+            ber,
+            seed: 0,
+            metrics: metrics(ppl),
+        };
+        let report = SweepReport {
+            model: "m".into(),
+            text: "t".into(),
+            ctx: 256,
+            method: "llamacpp".into(),
+            channel: "iid".into(),
+            forms: vec!["fp16".into(), "int4+secded84".into()],
+            bers: vec![0.0, 1e-3, 1e-2],
+            seeds: vec![0],
+            oracle: metrics(10.5),
+            points: vec![
+                point("fp16", 0.0, 10.5),
+                point("fp16", 1e-3, 14.0),
+                point("fp16", 1e-2, f64::INFINITY),
+                point("int4+secded84", 0.0, 11.0),
+                point("int4+secded84", 1e-3, 11.2),
+                point("int4+secded84", 1e-2, 3000.0),
+            ],
+        };
+        let dir = std::env::temp_dir().join(format!("kv-eval-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let svg = dir.join("sweep.svg");
+        report.plot(&svg).unwrap();
+        let text = std::fs::read_to_string(&svg).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let label = |t: &str| format!("\n{t}\n</text>");
+        for tick in ["20", "50", "100", "1000"] {
+            assert!(text.contains(&label(tick)), "no tick {tick}");
+        }
+        assert!(!text.contains(&label("20.086")), "a power of e is ticked");
+        // One triangle per failed run (fp16 at 1e-2), in each panel.
+        assert_eq!(text.matches("<polygon").count(), 2, "{text}");
+    }
+
+    #[test]
+    fn log_ticks_are_one_two_five_decades() {
+        assert_eq!(
+            axis_ticks(12.0, 600.0, true),
+            [20.0, 50.0, 100.0, 200.0, 500.0]
+        );
+        let linear = axis_ticks(10.0, 11.0, false);
+        assert!(linear.len() >= 4 && linear.len() <= 11, "{linear:?}");
+        assert!(linear.iter().all(|t| (10.0..=11.0).contains(t)));
+        assert_eq!(tick_label(20.000000001), "20");
+        assert_eq!(tick_label(0.05), "0.05");
+        assert_eq!(tick_label(12.5), "12.5");
+    }
 
     #[test]
     fn confidence_interval_uses_student_t() {
