@@ -14,12 +14,22 @@ use crate::tokenizer::TextTokenizer;
 use gguf::GgufFile;
 
 /// Opens a model: a GGUF file (`llama` or `qwen2` architecture) or a Hugging
-/// Face folder.
+/// Face folder. A GGUF file whose tensors do not fit the memory budget
+/// ([`crate::budget`]) is refused before any of them is read.
 pub fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     if path.is_dir() {
         return load_hf(path);
     }
     let file = GgufFile::open(path)?;
+    let bytes: u64 = file.tensors().iter().map(|t| t.bytes).sum();
+    crate::budget::check(
+        &format!(
+            "the weights of {} ({} tensors)",
+            path.display(),
+            file.tensors().len()
+        ),
+        bytes,
+    )?;
     let model = LlamaModel::from_gguf(&file)?;
     let tokenizer = TextTokenizer::from_gguf(&file)?;
     Ok((Box::new(model), tokenizer))
