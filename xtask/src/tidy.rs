@@ -225,6 +225,36 @@ fn command_line_dependencies_stay_behind_cli() {
     assert!(bad.is_empty(), "command-line dependencies: {bad:#?}");
 }
 
+/// kv-model is what a program depends on to run a model on this
+/// workspace's caches: it pulls in no experiment (kv-eval), no command
+/// line and no report or plotting crate, not even optionally. Its tests
+/// and benches may (abft-gemm's f32 product is a bench baseline).
+#[test]
+fn the_model_runner_depends_on_nothing_experimental() {
+    let text = std::fs::read_to_string(root().join("crates/kv-model/Cargo.toml")).unwrap();
+    let deps = text
+        .split("\n[")
+        .find(|t| t.starts_with("dependencies]"))
+        .unwrap_or("");
+    let forbidden = [
+        "kv-eval",
+        "abft-gemm",
+        "clap",
+        "indicatif",
+        "plotters",
+        "statrs",
+        "serde_json",
+    ];
+    let bad: Vec<&str> = deps
+        .lines()
+        .filter(|l| {
+            let key = l.split(['=', '.', ' ']).next().unwrap_or("");
+            forbidden.contains(&key)
+        })
+        .collect();
+    assert!(bad.is_empty(), "kv-model's dependencies: {bad:?}");
+}
+
 /// No source file grows past this many lines; a file that does is split by
 /// concept (as kv-quant's `store/levels.rs` was out of `store/encode.rs`).
 const LINE_BUDGET: usize = 900;

@@ -24,3 +24,8 @@ pub mod error;
 pub mod weights;
 
 pub use error::{ModelError, Result};
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
