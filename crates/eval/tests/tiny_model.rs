@@ -602,7 +602,10 @@ fn bad_epsilons_and_empty_scores_are_errors() {
 #[test]
 fn gemm_checks_cover_every_projection_without_false_alarms() {
     use kv_eval::models::CausalLm;
-    let plain = model();
+    // Checked GEMMs run on f32 weights (the model densifies them), so the
+    // unchecked pass they are compared with does too.
+    let mut plain = model();
+    plain.densify().unwrap();
     let ids = tokens(48);
     let run = |m: &LlamaModel| {
         let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
@@ -723,5 +726,39 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
         );
         assert_eq!(s.false_alarms, 0, "{}", site.name());
         assert!(s.detected.iter().zip(&s.eligible).all(|(d, e)| d <= e));
+    }
+}
+
+/// The stored-weight products (Q8_0/Q4_1 blocks times 8-bit activations)
+/// against the same model dequantised to f32: close logits, the same
+/// next token wherever the f32 model's choice is clear; and the same
+/// bits on every instruction set the CPU has.
+#[test]
+fn stored_weights_track_the_f32_model_and_every_isa_agrees() {
+    use kv_eval::cache::CacheMode;
+    use kv_model::weights::Isa;
+    let ids = tokens(40);
+    let stored = model();
+    let mut dense = model();
+    dense.densify().unwrap();
+    let (a, _) = run(&stored, &ids, CacheMode::Plain, None);
+    let (b, _) = run(&dense, &ids, CacheMode::Plain, None);
+    for (t, (a, b)) in a.chunks_exact(VOCAB).zip(b.chunks_exact(VOCAB)).enumerate() {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(worst <= 0.05 * scale, "token {t}: {worst} against {scale}");
+        let top = |l: &[f32]| (0..VOCAB).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap();
+        let mut sorted = b.to_vec();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        if sorted[0] - sorted[1] > 2.0 * worst {
+            assert_eq!(top(a), top(b), "token {t}");
+        }
+    }
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+        let mut pinned = model();
+        pinned.set_isa(isa).unwrap();
+        let (c, _) = run(&pinned, &ids, CacheMode::Plain, None);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&c), bits(&a), "{isa:?}");
     }
 }
