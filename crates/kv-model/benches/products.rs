@@ -1,19 +1,20 @@
 //! The product kernels against same-run baselines (`cargo xtask bench
 //! kv-model`):
 //!
-//! - `decode/<TYPE>`: one token through matrices of 2048 × 2048 weights
-//!   whose stored bytes total 64 MiB (past the last-level cache, as a
-//!   model's weights are), against `decode/baseline-<TYPE>`, a streaming
-//!   read of exactly those bytes: the ratio is the share of the memory
-//!   bandwidth the kernel reaches;
-//! - `prefill/<TYPE>`: 64 tokens through one 2048 × 2048 matrix, against
-//!   `prefill/baseline-f32`, abft-gemm's f32 product (faer's GEMM, what
+//! - `kv-model/decode/<TYPE>`: one token through matrices of 2048 × 2048
+//!   weights whose stored bytes total 64 MiB (past the last-level cache, as
+//!   a model's weights are), against `baseline-<TYPE>`, a streaming read of
+//!   exactly those bytes on every pool thread: the ratio is the share of
+//!   the memory bandwidth the kernel reaches;
+//! - `kv-model/prefill/<TYPE>`: 64 tokens through one 2048 × 2048 matrix,
+//!   against `baseline-f32`, abft-gemm's f32 product (faer's GEMM, what
 //!   kv-eval multiplied by before kv-model) on the same shapes, in
 //!   multiply-adds per second.
 
 use abft_gemm::Matrix;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kv_model::weights::{Isa, QuantMatrix, StoredLinear, WeightType};
+use rayon::prelude::*;
 use std::hint::black_box;
 
 const TYPES: [WeightType; 10] = [
@@ -76,7 +77,7 @@ fn decode(c: &mut Criterion) {
     let isa = Isa::detect();
     let x = input(1);
     let mut out = vec![0.0; SIDE];
-    let mut g = c.benchmark_group("decode");
+    let mut g = c.benchmark_group("kv-model/decode");
     for ty in TYPES {
         let per = QuantMatrix::data_len(ty, SIDE, SIDE).unwrap();
         let count = (64usize << 20).div_ceil(per);
@@ -109,7 +110,7 @@ fn prefill(c: &mut Criterion) {
     let t = 64;
     let x = input(t);
     let mut out = vec![0.0; t * SIDE];
-    let mut g = c.benchmark_group("prefill");
+    let mut g = c.benchmark_group("kv-model/prefill");
     g.throughput(Throughput::Elements((t * SIDE * SIDE) as u64));
     for ty in TYPES {
         let m = matrix(ty, 0);
