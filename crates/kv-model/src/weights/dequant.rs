@@ -30,11 +30,29 @@ pub fn dequantize_into(ty: WeightType, data: &[u8], out: &mut [f32]) -> Result<(
     Ok(())
 }
 
+/// [`dequantize_into`] over rayon: large tensors (an embedding table, a
+/// whole matrix) at every pool thread.
+pub fn dequantize_parallel(ty: WeightType, data: &[u8], out: &mut [f32]) -> Result<()> {
+    use rayon::prelude::*;
+    let (elems, bytes) = (ty.block_elems(), ty.block_bytes());
+    if !data.len().is_multiple_of(bytes) || out.len() != data.len() / bytes * elems {
+        return Err(ModelError::ShapeMismatch {
+            what: "values of dequantised blocks",
+            expected: data.len() / bytes * elems,
+            got: out.len(),
+        });
+    }
+    // 256 blocks per work item keeps rayon's overhead negligible.
+    out.par_chunks_mut(elems * 256)
+        .zip(data.par_chunks(bytes * 256))
+        .try_for_each(|(out, data)| dequantize_into(ty, data, out))
+}
+
 /// Dequantises one block of a ggml type into its elements.
-pub(crate) type BlockDequant = fn(&[u8], &mut [f32]);
+type BlockDequant = fn(&[u8], &mut [f32]);
 
 /// The block dequantiser of `ty`.
-pub(crate) fn block_dequantizer(ty: WeightType) -> BlockDequant {
+fn block_dequantizer(ty: WeightType) -> BlockDequant {
     match ty {
         WeightType::F32 => dequant_f32,
         WeightType::F16 => dequant_f16,

@@ -3,10 +3,8 @@
 //! from such matrices by rows (Q, K and V; gate and up), each part keeping
 //! its own type.
 
-use rayon::prelude::*;
-
 use super::WeightType;
-use super::dequant::{block_dequantizer, dequantize_into};
+use super::dequant::{dequantize_into, dequantize_parallel};
 use crate::error::{ModelError, Result};
 
 /// `rows × cols` weights of one type, row-major, as stored.
@@ -109,16 +107,7 @@ impl QuantMatrix {
     /// Every value in f32, row-major.
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows * self.cols];
-        let (elems, bytes) = (self.ty.block_elems(), self.ty.block_bytes());
-        let dequant = block_dequantizer(self.ty);
-        // 256 blocks per work item keeps rayon's overhead negligible.
-        out.par_chunks_mut(elems * 256)
-            .zip(self.data.par_chunks(bytes * 256))
-            .for_each(|(out, data)| {
-                for (o, b) in out.chunks_exact_mut(elems).zip(data.chunks_exact(bytes)) {
-                    dequant(b, o);
-                }
-            });
+        dequantize_parallel(self.ty, &self.data, &mut out).expect("checked at construction");
         out
     }
 

@@ -23,7 +23,7 @@ mod product;
 mod types;
 
 pub use activations::{Activations, Q8Block, Q8KBlock};
-pub use dequant::dequantize_into;
+pub use dequant::{dequantize_into, dequantize_parallel};
 pub use dot::Isa;
 pub use matrix::{QuantMatrix, StoredLinear};
 pub use types::{ActivationKind, WeightType};

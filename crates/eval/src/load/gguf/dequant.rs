@@ -2,8 +2,7 @@
 //! in f32 (kv-model's dequantisers, exactly as ggml defines each block
 //! layout) and its stored blocks as a [`QuantMatrix`].
 
-use kv_model::weights::{QuantMatrix, WeightType, dequantize_into};
-use rayon::prelude::*;
+use kv_model::weights::{QuantMatrix, WeightType, dequantize_into, dequantize_parallel};
 
 use super::Tensor;
 use crate::error::{EvalError, Result};
@@ -21,13 +20,8 @@ impl Tensor<'_> {
     /// Dequantises the whole tensor to f32 (row-major, `dims[0]` contiguous).
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let ty = self.weight_type()?;
-        let n = self.info.elements() as usize;
-        let mut out = vec![0.0f32; n];
-        // 256 blocks per work item keeps rayon's overhead negligible.
-        let per_item = 256;
-        out.par_chunks_mut(ty.block_elems() * per_item)
-            .zip(self.data.par_chunks(ty.block_bytes() * per_item))
-            .try_for_each(|(out, data)| dequantize_into(ty, data, out))?;
+        let mut out = vec![0.0f32; self.info.elements() as usize];
+        dequantize_parallel(ty, self.data, &mut out)?;
         Ok(out)
     }
 

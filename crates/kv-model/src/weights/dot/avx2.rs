@@ -273,7 +273,9 @@ pub(crate) fn q4_k<const N: usize>(w: &[u8], a: [&[Q8KBlock]; N]) -> [f32; N] {
     acc
 }
 
-/// `Q5_K · Q8_K`, `N` tokens at once.
+/// `Q5_K · Q8_K`, `N` tokens at once. Its per-token tail is `q4_k`'s,
+/// written again: a shared helper measured 11% slower generation on
+/// Qwen2.5-1.5B (16.1 against 18.1 tokens/s; the call stayed out of line).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn q5_k<const N: usize>(w: &[u8], a: [&[Q8KBlock]; N]) -> [f32; N] {
     let (mask, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
