@@ -9,10 +9,10 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
-use kv_eval::load::gguf::GgufFile;
 use kv_eval::models::LlamaModel;
 use kv_eval::paths;
-use kv_eval::tokenizer::TextTokenizer;
+use kv_model::gguf::GgufFile;
+use kv_model::tokenizer::TextTokenizer;
 use kv_quant::FaultTarget;
 
 fn bench(c: &mut Criterion) {

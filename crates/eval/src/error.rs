@@ -14,28 +14,9 @@ pub enum EvalError {
         /// The cause.
         source: std::io::Error,
     },
-    /// A GGUF file is malformed (the reason says where and how).
-    #[error("malformed GGUF: {0}")]
-    Gguf(String),
-    /// A GGUF file uses a version this reader does not know.
-    #[error("unsupported GGUF version {0} (versions 2 and 3 are read)")]
-    GgufVersion(u32),
-    /// A tensor's element type is not one this crate can dequantise.
-    #[error(
-        "tensor {name}: type {ty} is not a weight type (the ggml float and block types are; integer types, F64 and Q8_1 are not)"
-    )]
-    UnsupportedType {
-        /// Tensor name.
-        name: String,
-        /// The ggml type name.
-        ty: String,
-    },
     /// A metadata key or tensor the model needs is missing or has the wrong type.
     #[error("model file: {0}")]
     Model(String),
-    /// The tokenizer could not be built or failed.
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
     /// Weights or configurations whose shapes do not fit each other.
     #[error("shape mismatch: {0}")]
     Shape(String),
@@ -115,9 +96,10 @@ pub enum EvalError {
     /// The paged cache refused a form, a shape or a step.
     #[error(transparent)]
     Paged(#[from] paged_cache::PagedCacheError),
-    /// A weight product or weight layout failed.
+    /// The model runner's foundation failed: a GGUF file, the tokenizer,
+    /// a weight product or layout.
     #[error(transparent)]
-    Weights(#[from] kv_model::ModelError),
+    KvModel(#[from] kv_model::ModelError),
     /// A fault channel could not be built.
     #[error(transparent)]
     Channel(#[from] gf2_codes::Gf2Error),

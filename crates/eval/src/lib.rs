@@ -3,7 +3,6 @@
 //! and the metrics and BER sweep of the ECC KV-cache paper's section 6.
 
 pub mod error;
-pub mod tokenizer;
 
 pub use error::{EvalError, Result};
 pub mod accumulate;

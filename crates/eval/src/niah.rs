@@ -23,7 +23,7 @@ use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
 use crate::generate::{GenerateConfig, Sampling, generate};
 use crate::models::CausalLm;
-use crate::tokenizer::{ReadLimits, TextTokenizer};
+use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 
 /// The instruction before the haystack.
 pub const INSTRUCTION: &str = "There is an important piece of information hidden inside a lot of \

@@ -16,8 +16,8 @@ use kv_eval::batch::{
 };
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::generate::{GenerateConfig, Sampling, generate};
-use kv_eval::load::gguf::GgufFile;
 use kv_eval::models::{BatchItem, CausalLm, LlamaModel};
+use kv_model::gguf::GgufFile;
 use paged_cache::CacheConfig;
 use paged_cache::scheduler::{Preemption, SchedulerConfig};
 

@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use half::f16;
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::load::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
 use kv_eval::load::load_hf;
 use kv_eval::models::{CausalLm, LlamaModel};
+use kv_model::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
 use safetensors::{Dtype, tensor::TensorView};
 
 fn dir(name: &str) -> PathBuf {
@@ -548,7 +548,10 @@ fn broken_folders_get_typed_errors() {
     // A broken tokenizer.json.
     write_gpt2(&d, &w, "");
     std::fs::write(d.join("tokenizer.json"), "{}").unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Tokenizer(_))));
+    assert!(matches!(
+        load_hf(&d),
+        Err(EvalError::KvModel(kv_model::ModelError::Tokenizer(_)))
+    ));
     std::fs::remove_dir_all(&d).unwrap();
 }
 

@@ -11,10 +11,10 @@ use kv_eval::EvalError;
 use kv_eval::backend::BackendKind;
 use kv_eval::cache::CacheMode;
 use kv_eval::generate::{GenerateConfig, Sampling};
-use kv_eval::load::gguf::GgufFile;
 use kv_eval::models::LlamaModel;
 use kv_eval::niah::{Haystack, NiahConfig, build_prompt, needle, run_grid};
-use kv_eval::tokenizer::TextTokenizer;
+use kv_model::gguf::GgufFile;
+use kv_model::tokenizer::TextTokenizer;
 
 fn tiny() -> (LlamaModel, TextTokenizer) {
     let file = GgufFile::from_bytes(tiny_qwen2_gguf()).unwrap();

@@ -7,11 +7,11 @@
 //! missing model is a failure.
 
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::load::gguf::GgufFile;
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
 use kv_eval::models::{LlamaArch, LlamaModel};
 use kv_eval::paths;
-use kv_eval::tokenizer::{ReadLimits, TextTokenizer};
+use kv_model::gguf::GgufFile;
+use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 
 fn skip(msg: &str) {
     assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");

@@ -6,11 +6,11 @@
 //! pass, except under `CI=true`, where a missing model is a failure.
 
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::load::gguf::GgufFile;
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
 use kv_eval::models::LlamaModel;
 use kv_eval::paths;
-use kv_eval::tokenizer::TextTokenizer;
+use kv_model::gguf::GgufFile;
+use kv_model::tokenizer::TextTokenizer;
 
 fn load() -> Option<(LlamaModel, TextTokenizer)> {
     let path = paths::default_model();
@@ -411,7 +411,7 @@ fn ledger_statistics_equal_the_clean_twin_numbers() {
 /// takes dozens of them; a token limit keeps exactly the first ids.
 #[test]
 fn incremental_tokenizing_equals_the_whole_text() {
-    use kv_eval::tokenizer::ReadLimits;
+    use kv_model::tokenizer::ReadLimits;
     let Some((_, tok)) = load() else { return };
     let Some(whole) = corpus(&tok) else { return };
     let text = std::fs::read(paths::default_text()).unwrap();

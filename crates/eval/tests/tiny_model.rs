@@ -8,9 +8,9 @@ mod common;
 use attention::{Attention, AttentionOutput, DenseBackend, KvBackend, Mask, ModelKvShape};
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
-use kv_eval::load::gguf::{GgufFile, GgufWriter, MetaValue};
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
 use kv_eval::models::LlamaModel;
+use kv_model::gguf::{GgufFile, GgufWriter, MetaValue};
 use kv_quant::FaultTarget;
 
 use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, run, tiny_gguf_eps, tokens};

@@ -1,11 +1,62 @@
 //! The crate's error type.
 
+use std::path::PathBuf;
+
 use crate::weights::{Isa, WeightType};
 
-/// Errors of the weight products.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Errors of model files, the tokenizer and the weight products.
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ModelError {
+    /// A file could not be opened or read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A GGUF file is malformed (the reason says where and how).
+    #[error("malformed GGUF: {0}")]
+    Gguf(String),
+    /// A GGUF file uses a version this reader does not know.
+    #[error("unsupported GGUF version {0} (versions 2 and 3 are read)")]
+    GgufVersion(u32),
+    /// A tensor's element type is not one this crate can dequantise.
+    #[error(
+        "tensor {name}: type {ty} is not a weight type (the ggml float and block types are; integer types, F64 and Q8_1 are not)"
+    )]
+    UnsupportedType {
+        /// Tensor name.
+        name: String,
+        /// The ggml type name.
+        ty: String,
+    },
+    /// A metadata key or tensor the model needs is missing or has the
+    /// wrong type.
+    #[error("model file: {0}")]
+    ModelFile(String),
+    /// The tokenizer could not be built or failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// An index past the end of what it indexes.
+    #[error("{what} {index} is past the {len} there are")]
+    OutOfRange {
+        /// What is indexed (`"row of blk.0.attn_q.weight"`).
+        what: String,
+        /// The index asked for.
+        index: usize,
+        /// How many there are.
+        len: usize,
+    },
+    /// A parameter is out of its domain.
+    #[error("invalid {name}: {reason}")]
+    InvalidParameter {
+        /// The parameter.
+        name: &'static str,
+        /// Why it is invalid.
+        reason: String,
+    },
     /// A ggml type id this crate does not know.
     #[error("ggml type id {0} is not a weight type this crate knows")]
     UnknownType(u32),

@@ -21,6 +21,8 @@
 //! ```
 
 pub mod error;
+pub mod gguf;
+pub mod tokenizer;
 pub mod weights;
 
 pub use error::{ModelError, Result};

@@ -5,7 +5,7 @@
 
 #![no_main]
 
-use kv_eval::load::gguf::GgufFile;
+use kv_model::gguf::GgufFile;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

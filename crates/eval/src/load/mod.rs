@@ -1,8 +1,7 @@
-//! Loading models: GGUF files ([`gguf`]: reader, dequantisation, writer)
+//! Loading models: GGUF files (kv-model's [`gguf`](kv_model::gguf) reader)
 //! and Hugging Face safetensors folders ([`safetensors`]), and
 //! [`load_model`], which opens either.
 
-pub mod gguf;
 pub mod safetensors;
 
 use std::path::Path;
@@ -10,8 +9,8 @@ use std::path::Path;
 pub use self::safetensors::load_hf;
 use crate::error::Result;
 use crate::models::{CausalLm, LlamaModel};
-use crate::tokenizer::TextTokenizer;
-use gguf::GgufFile;
+use kv_model::gguf::GgufFile;
+use kv_model::tokenizer::TextTokenizer;
 
 /// Opens a model: a GGUF file (`llama` or `qwen2` architecture) or a Hugging
 /// Face folder. A GGUF file whose tensors do not fit the memory budget

@@ -15,7 +15,7 @@ use crate::models::{
     CausalLm, Gpt2Config, Gpt2Layer, Gpt2Model, LlamaArch, LlamaConfig, LlamaLayer, LlamaModel,
     Matrix,
 };
-use crate::tokenizer::TextTokenizer;
+use kv_model::tokenizer::TextTokenizer;
 
 /// A malformed file, found by this crate's checks.
 fn malformed(context: String) -> EvalError {
@@ -109,8 +109,10 @@ pub fn load_hf(dir: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     let config = read(&dir.join("config.json"))?;
     let weights = read(&dir.join("model.safetensors"))?;
     let path = dir.join("tokenizer.json");
-    let tokenizer = std::fs::read(&path)
-        .map_err(|e| EvalError::Tokenizer(format!("{}: {e}", path.display())))?;
+    let tokenizer = std::fs::read(&path).map_err(|source| EvalError::Io {
+        path: path.clone(),
+        source,
+    })?;
     let tokenizer = TextTokenizer::from_json(&tokenizer, &path.display().to_string())?;
     load_hf_parts(&config, &weights, tokenizer)
 }

@@ -31,7 +31,7 @@ use super::{
     ModelCache, Projection, check_norm_eps, forward_steps, project,
 };
 use crate::error::{EvalError, Result};
-use crate::load::gguf::GgufFile;
+use kv_model::gguf::GgufFile;
 
 /// The member of the Llama family a model is (its GGUF
 /// `general.architecture`).
@@ -236,7 +236,7 @@ impl LlamaModel {
                     t.info.dims
                 )));
             }
-            t.to_f32()
+            Ok(t.to_f32()?)
         };
         let mut matrix = |names: &[(&str, usize)], cols: usize| -> Result<Projection> {
             let parts = names

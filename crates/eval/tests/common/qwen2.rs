@@ -4,7 +4,7 @@
 //! llama.cpp can load the same bytes (`scripts/llama_cpp_logits.py`).
 
 use half::f16;
-use kv_eval::load::gguf::{GgmlType, GgufWriter, MetaValue};
+use kv_model::gguf::{GgmlType, GgufWriter, MetaValue};
 
 use super::Rng;
 
@@ -160,7 +160,7 @@ pub(crate) fn tiny_qwen2_gguf() -> Vec<u8> {
 /// dequantisers): llama.cpp computes it without quantising activations, so
 /// its logits can be compared tightly.
 pub(crate) fn as_f32(bytes: Vec<u8>) -> Vec<u8> {
-    use kv_eval::load::gguf::GgufFile;
+    use kv_model::gguf::GgufFile;
     let file = GgufFile::from_bytes(bytes).unwrap();
     let mut w = GgufWriter::new();
     for (k, v) in file.metadata() {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use kv_eval::accumulate::{AccumulateConfig, run};
 use kv_eval::cache::CacheMode;
 use kv_eval::paths;
-use kv_eval::tokenizer::ReadLimits;
+use kv_model::tokenizer::ReadLimits;
 
 use crate::{Calib, Error, Target, calibration_for, load_model, model_path};
 

@@ -9,7 +9,7 @@ use kv_eval::batch::{
     BatchConfig, BatchRequest, PrefixKind, RequestOutput, parse_requests, run_batch_with,
     workload_requests,
 };
-use kv_eval::tokenizer::{ReadLimits, TextTokenizer};
+use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 use paged_cache::scheduler::{Preemption, SchedulerConfig, Workload, WorkloadConfig};
 use paged_cache::{CacheConfig, KvCacheManager, NoPrefixCache};
 
@@ -161,7 +161,7 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
     let (model, tokenizer) = load_model(&model_path(&args.model)?)?;
     let context = model.context().unwrap_or(usize::MAX);
     let requests = match (&text, &args.requests) {
-        (Some(text), Some(path)) => parse_requests(text, context, |p| tokenizer.encode(p))
+        (Some(text), Some(path)) => parse_requests(text, context, |p| Ok(tokenizer.encode(p)?))
             .map_err(|e| format!("{}: {e}", path.display()))?,
         _ => workload(&args, &tokenizer)?,
     };

@@ -9,7 +9,7 @@ use kv_eval::cache::CacheMode;
 use kv_eval::calibration::{Calibration, CalibrationRows, Part};
 use kv_eval::models::CausalLm;
 use kv_eval::paths;
-use kv_eval::tokenizer::{ReadLimits, TextTokenizer};
+use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 use kv_quant::{CacheForm, FitOptions};
 
 use crate::Error;

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
-use kv_eval::tokenizer::ReadLimits;
+use kv_model::tokenizer::ReadLimits;
 
 use crate::{
     Backend, BackendArgs, Calib, Error, Forms, Target, calibration_for, load_model, mode_of,

@@ -11,7 +11,7 @@ use kv_eval::load::load_model as open_model;
 use kv_eval::metrics::PplMethod;
 use kv_eval::models::CausalLm;
 use kv_eval::paths;
-use kv_eval::tokenizer::{ReadLimits, TextTokenizer};
+use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 
 use crate::Error;
 use crate::calib::needs_calibration;

@@ -1,8 +1,8 @@
 //! Prints a GGUF file's metadata (arrays abbreviated), its tensors, and the
-//! token ids of a text: `cargo run --release -p kv-eval --example inspect_gguf -- FILE [TEXT]`.
+//! token ids of a text: `cargo run --release -p kv-model --example inspect_gguf -- FILE [TEXT]`.
 
-use kv_eval::load::gguf::{GgufFile, MetaValue};
-use kv_eval::tokenizer::TextTokenizer;
+use kv_model::gguf::{GgufFile, MetaValue};
+use kv_model::tokenizer::TextTokenizer;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);

@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
-use kv_eval::EvalError;
-use kv_eval::load::gguf::{GgmlType, GgufFile, GgufWriter};
+use kv_model::ModelError;
+use kv_model::gguf::{GgmlType, GgufFile, GgufWriter};
 
 const TYPES: [&str; 7] = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"];
 
@@ -84,7 +84,7 @@ fn a_k_quant_tensor_whose_size_does_not_match_its_shape_is_refused() {
         let mut w = GgufWriter::new();
         w.tensor("bad", &[elems + elems / 2], t, vec![0u8; block * 2]);
         match GgufFile::from_bytes(w.to_bytes()) {
-            Err(EvalError::Gguf(m)) => assert!(m.contains("not a multiple"), "{ty}: {m}"),
+            Err(ModelError::Gguf(m)) => assert!(m.contains("not a multiple"), "{ty}: {m}"),
             other => panic!("{ty}: {other:?}"),
         }
         // Two blocks declared, one block of bytes present: the tensor runs
@@ -92,7 +92,7 @@ fn a_k_quant_tensor_whose_size_does_not_match_its_shape_is_refused() {
         let mut w = GgufWriter::new();
         w.tensor("short", &[2 * elems], t, vec![0u8; block]);
         match GgufFile::from_bytes(w.to_bytes()) {
-            Err(EvalError::Gguf(m)) => assert!(m.contains("outside"), "{ty}: {m}"),
+            Err(ModelError::Gguf(m)) => assert!(m.contains("outside"), "{ty}: {m}"),
             other => panic!("{ty}: {other:?}"),
         }
     }

@@ -2,16 +2,16 @@
 //! in f32 (kv-model's dequantisers, exactly as ggml defines each block
 //! layout) and its stored blocks as a [`QuantMatrix`].
 
-use kv_model::weights::{QuantMatrix, WeightType, dequantize_into, dequantize_parallel};
+use crate::weights::{QuantMatrix, WeightType, dequantize_into, dequantize_parallel};
 
 use super::Tensor;
-use crate::error::{EvalError, Result};
+use crate::error::{ModelError, Result};
 
 impl Tensor<'_> {
     /// The tensor's type as a weight type (every ggml float and block type
     /// but the integer types, F64 and Q8_1).
     pub fn weight_type(&self) -> Result<WeightType> {
-        WeightType::from_ggml_id(self.info.ty.id()).map_err(|_| EvalError::UnsupportedType {
+        WeightType::from_ggml_id(self.info.ty.id()).map_err(|_| ModelError::UnsupportedType {
             name: self.info.name.clone(),
             ty: self.info.ty.name().into(),
         })
@@ -30,14 +30,14 @@ impl Tensor<'_> {
         let ty = self.weight_type()?;
         let len = self.info.row_len();
         if row >= self.info.rows() {
-            return Err(EvalError::OutOfRange {
+            return Err(ModelError::OutOfRange {
                 what: format!("row of {}", self.info.name),
                 index: row,
                 len: self.info.rows(),
             });
         }
         if out.len() != len {
-            return Err(EvalError::ShapeMismatch {
+            return Err(ModelError::ShapeMismatch {
                 what: "values of a dequantised row",
                 expected: len,
                 got: out.len(),
@@ -51,11 +51,11 @@ impl Tensor<'_> {
     /// The tensor's stored blocks, copied, as `rows × row_len` weights.
     pub fn to_quant_matrix(&self) -> Result<QuantMatrix> {
         let ty = self.weight_type()?;
-        Ok(QuantMatrix::new(
+        QuantMatrix::new(
             ty,
             self.info.rows(),
             self.info.row_len(),
             self.data.to_vec(),
-        )?)
+        )
     }
 }

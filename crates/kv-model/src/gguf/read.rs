@@ -3,7 +3,7 @@
 //! file before anything is allocated.
 
 use super::{GgmlType, MAX_DIMS, MetaValue, TensorInfo};
-use crate::error::{EvalError, Result};
+use crate::error::{ModelError, Result};
 
 /// A bounds-checked little-endian cursor.
 pub(super) struct Reader<'a> {
@@ -21,7 +21,7 @@ impl<'a> Reader<'a> {
 
     pub(super) fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
-            return Err(EvalError::Gguf(format!(
+            return Err(ModelError::Gguf(format!(
                 "truncated: {what} needs {n} bytes at offset {}, {} left",
                 self.pos,
                 self.remaining()
@@ -52,7 +52,7 @@ impl<'a> Reader<'a> {
         if n.checked_mul(min_bytes)
             .is_none_or(|b| b > self.remaining())
         {
-            return Err(EvalError::Gguf(format!(
+            return Err(ModelError::Gguf(format!(
                 "{what} {n} cannot fit in the {} bytes left",
                 self.remaining()
             )));
@@ -64,7 +64,7 @@ impl<'a> Reader<'a> {
         let len = self.u64(what)?;
         let bytes = self.take(len, what)?;
         String::from_utf8(bytes.to_vec())
-            .map_err(|_| EvalError::Gguf(format!("{what} is not valid UTF-8")))
+            .map_err(|_| ModelError::Gguf(format!("{what} is not valid UTF-8")))
     }
 
     pub(super) fn value(&mut self, ty: u32, depth: u32) -> Result<MetaValue> {
@@ -79,12 +79,12 @@ impl<'a> Reader<'a> {
             7 => match self.array::<1>("bool")?[0] {
                 0 => MetaValue::Bool(false),
                 1 => MetaValue::Bool(true),
-                b => return Err(EvalError::Gguf(format!("bool value {b} is not 0 or 1"))),
+                b => return Err(ModelError::Gguf(format!("bool value {b} is not 0 or 1"))),
             },
             8 => MetaValue::String(self.string("string value")?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(EvalError::Gguf("arrays nested too deeply".into()));
+                    return Err(ModelError::Gguf("arrays nested too deeply".into()));
                 }
                 let item_ty = self.u32("array type")?;
                 let n = self.u64("array length")?;
@@ -94,7 +94,7 @@ impl<'a> Reader<'a> {
                     4..=6 => 4,
                     8 | 10..=12 => 8,
                     9 => 12,
-                    t => return Err(EvalError::Gguf(format!("unknown metadata type {t}"))),
+                    t => return Err(ModelError::Gguf(format!("unknown metadata type {t}"))),
                 };
                 self.check_count(n, min, "array length")?;
                 let mut items = Vec::with_capacity(n as usize);
@@ -106,7 +106,7 @@ impl<'a> Reader<'a> {
             10 => MetaValue::U64(self.u64("u64")?),
             11 => MetaValue::I64(i64::from_le_bytes(self.array("i64")?)),
             12 => MetaValue::F64(f64::from_le_bytes(self.array("f64")?)),
-            t => return Err(EvalError::Gguf(format!("unknown metadata type {t}"))),
+            t => return Err(ModelError::Gguf(format!("unknown metadata type {t}"))),
         })
     }
 
@@ -114,7 +114,7 @@ impl<'a> Reader<'a> {
         let name = self.string("tensor name")?;
         let n_dims = self.u32("tensor dimension count")?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(EvalError::Gguf(format!(
+            return Err(ModelError::Gguf(format!(
                 "tensor {name}: {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
             )));
         }
@@ -124,26 +124,26 @@ impl<'a> Reader<'a> {
         }
         let ty_id = self.u32("tensor type")?;
         let ty = GgmlType::from_id(ty_id)
-            .ok_or_else(|| EvalError::Gguf(format!("tensor {name}: unknown ggml type {ty_id}")))?;
+            .ok_or_else(|| ModelError::Gguf(format!("tensor {name}: unknown ggml type {ty_id}")))?;
         let offset = self.u64("tensor offset")?;
         let elements = dims
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| EvalError::Gguf(format!("tensor {name}: element count overflows")))?;
+            .ok_or_else(|| ModelError::Gguf(format!("tensor {name}: element count overflows")))?;
         if dims.contains(&0) {
-            return Err(EvalError::Gguf(format!("tensor {name}: a dimension is 0")));
+            return Err(ModelError::Gguf(format!("tensor {name}: a dimension is 0")));
         }
         if !dims[0].is_multiple_of(ty.block_elems) {
-            return Err(EvalError::Gguf(format!(
+            return Err(ModelError::Gguf(format!(
                 "tensor {name}: row length {} is not a multiple of the {} block of {}",
                 dims[0], ty.name, ty.block_elems
             )));
         }
         let bytes = (elements / ty.block_elems)
             .checked_mul(ty.block_bytes)
-            .ok_or_else(|| EvalError::Gguf(format!("tensor {name}: byte size overflows")))?;
+            .ok_or_else(|| ModelError::Gguf(format!("tensor {name}: byte size overflows")))?;
         if !offset.is_multiple_of(alignment) {
-            return Err(EvalError::Gguf(format!(
+            return Err(ModelError::Gguf(format!(
                 "tensor {name}: offset {offset} is not aligned to {alignment}"
             )));
         }

@@ -1,8 +1,8 @@
 //! Malformed GGUF files: every defect gives a typed error, never a panic or a
 //! huge allocation; random corruptions of a valid file never panic.
 
-use kv_eval::EvalError;
-use kv_eval::load::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_model::ModelError;
+use kv_model::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
 use proptest::prelude::*;
 
 fn valid() -> Vec<u8> {
@@ -20,7 +20,7 @@ fn valid() -> Vec<u8> {
 
 fn gguf_err(bytes: Vec<u8>) -> String {
     match GgufFile::from_bytes(bytes) {
-        Err(EvalError::Gguf(m)) => m,
+        Err(ModelError::Gguf(m)) => m,
         Err(e) => panic!("wrong error kind: {e}"),
         Ok(f) => panic!("malformed file accepted: {f:?}"),
     }
@@ -49,7 +49,7 @@ fn bad_magic_and_versions() {
         b[4..8].copy_from_slice(&v.to_le_bytes());
         assert!(matches!(
             GgufFile::from_bytes(b),
-            Err(EvalError::GgufVersion(x)) if x == v
+            Err(ModelError::GgufVersion(x)) if x == v
         ));
     }
     assert!(gguf_err(b"GG".to_vec()).contains("truncated"));
@@ -169,7 +169,7 @@ fn unsupported_tensor_types_error_on_dequantisation() {
         assert!(
             matches!(
                 f.tensor("k").unwrap().to_f32(),
-                Err(EvalError::UnsupportedType { .. })
+                Err(ModelError::UnsupportedType { .. })
             ),
             "{ty}"
         );

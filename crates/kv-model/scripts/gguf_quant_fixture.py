@@ -1,16 +1,16 @@
-"""Writes tests/data/gguf_quants.gguf: blocks of every GGUF type kv-eval
+"""Writes tests/data/gguf_quants.gguf: blocks of every GGUF type kv-model
 dequantises beyond the originals, with the values the `gguf` package (PyPI,
 from the llama.cpp project) dequantises them to.
 
 For each type `T` the file holds a tensor `T` of random blocks (random code
 bytes; the f16 scale fields random finite values of both signs, normal and
 subnormal) and an F32 tensor `T.expected` of `gguf.quants.dequantize` of
-those bytes. `tests/gguf_kquants.rs` compares kv-eval's dequantisation with
+those bytes. `tests/gguf_kquants.rs` compares kv-model's dequantisation with
 `T.expected` bit for bit. Q8_K has no NumPy dequantiser in the package and
 is checked by a unit test instead.
 
     pip install gguf==0.19.0 numpy
-    python3 crates/eval/scripts/gguf_quant_fixture.py crates/eval/tests/data/gguf_quants.gguf
+    python3 crates/kv-model/scripts/gguf_quant_fixture.py crates/kv-model/tests/data/gguf_quants.gguf
 """
 
 import sys

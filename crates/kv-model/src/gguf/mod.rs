@@ -13,12 +13,12 @@
 //!
 //! Every length, count and offset read from the file is checked against what
 //! is left of the file before anything is allocated, so a malformed or hostile
-//! file gives [`EvalError::Gguf`], never a panic or a huge allocation.
+//! file gives [`ModelError::Gguf`], never a panic or a huge allocation.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::error::{EvalError, Result};
+use crate::error::{ModelError, Result};
 
 mod dequant;
 mod read;
@@ -268,7 +268,7 @@ pub struct Tensor<'a> {
 impl GgufFile {
     /// Memory-maps and parses `path`.
     pub fn open(path: &Path) -> Result<Self> {
-        let io = |source| EvalError::Io {
+        let io = |source| ModelError::Io {
             path: path.to_path_buf(),
             source,
         };
@@ -291,11 +291,11 @@ impl GgufFile {
             pos: 0,
         };
         if r.take(4, "magic")? != MAGIC {
-            return Err(EvalError::Gguf("bad magic (not a GGUF file)".into()));
+            return Err(ModelError::Gguf("bad magic (not a GGUF file)".into()));
         }
         let version = r.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(EvalError::GgufVersion(version));
+            return Err(ModelError::GgufVersion(version));
         }
         let n_tensors = r.u64("tensor count")?;
         let n_kv = r.u64("metadata count")?;
@@ -307,7 +307,7 @@ impl GgufFile {
             let ty = r.u32("metadata type")?;
             let value = r.value(ty, 0)?;
             if metadata.insert(key.clone(), value).is_some() {
-                return Err(EvalError::Gguf(format!("duplicate metadata key {key}")));
+                return Err(ModelError::Gguf(format!("duplicate metadata key {key}")));
             }
         }
         let alignment = match metadata.get("general.alignment") {
@@ -315,7 +315,7 @@ impl GgufFile {
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() => a,
                 _ => {
-                    return Err(EvalError::Gguf(format!(
+                    return Err(ModelError::Gguf(format!(
                         "general.alignment {v:?} is not a positive power of two"
                     )));
                 }
@@ -330,19 +330,19 @@ impl GgufFile {
         let data_start = header_end
             .div_ceil(alignment)
             .checked_mul(alignment)
-            .ok_or_else(|| EvalError::Gguf("data section offset overflows".into()))?;
+            .ok_or_else(|| ModelError::Gguf("data section offset overflows".into()))?;
         let data_len = (bytes.len() as u64).saturating_sub(data_start);
         if n_tensors > 0 && data_start > bytes.len() as u64 {
-            return Err(EvalError::Gguf("file ends before its data section".into()));
+            return Err(ModelError::Gguf("file ends before its data section".into()));
         }
         let mut seen = std::collections::HashSet::new();
         for t in &infos {
             if !seen.insert(t.name.as_str()) {
-                return Err(EvalError::Gguf(format!("duplicate tensor {}", t.name)));
+                return Err(ModelError::Gguf(format!("duplicate tensor {}", t.name)));
             }
             let end = t.offset.checked_add(t.bytes);
             if end.is_none_or(|e| e > data_len) {
-                return Err(EvalError::Gguf(format!(
+                return Err(ModelError::Gguf(format!(
                     "tensor {} ({} bytes at offset {}) lies outside the {} data bytes (truncated file?)",
                     t.name, t.bytes, t.offset, data_len
                 )));
@@ -382,21 +382,21 @@ impl GgufFile {
     pub fn meta_u64(&self, key: &str) -> Result<u64> {
         self.meta(key)
             .and_then(MetaValue::as_u64)
-            .ok_or_else(|| EvalError::Model(format!("missing or non-integer metadata {key}")))
+            .ok_or_else(|| ModelError::ModelFile(format!("missing or non-integer metadata {key}")))
     }
 
     /// A required float metadata value.
     pub fn meta_f64(&self, key: &str) -> Result<f64> {
         self.meta(key)
             .and_then(MetaValue::as_f64)
-            .ok_or_else(|| EvalError::Model(format!("missing or non-numeric metadata {key}")))
+            .ok_or_else(|| ModelError::ModelFile(format!("missing or non-numeric metadata {key}")))
     }
 
     /// A required string metadata value.
     pub fn meta_str(&self, key: &str) -> Result<&str> {
         self.meta(key)
             .and_then(MetaValue::as_str)
-            .ok_or_else(|| EvalError::Model(format!("missing or non-string metadata {key}")))
+            .ok_or_else(|| ModelError::ModelFile(format!("missing or non-string metadata {key}")))
     }
 
     /// All tensor infos in file order.
@@ -410,7 +410,7 @@ impl GgufFile {
             .tensors
             .iter()
             .find(|t| t.name == name)
-            .ok_or_else(|| EvalError::Model(format!("missing tensor {name}")))?;
+            .ok_or_else(|| ModelError::ModelFile(format!("missing tensor {name}")))?;
         let start = (self.data_start + info.offset) as usize;
         Ok(Tensor {
             info,
@@ -464,10 +464,10 @@ mod tests {
         t.row_to_f32(1, &mut row).unwrap();
         assert_eq!(row, [4.0, 5.0, 6.0]);
         assert_eq!(f.tensor("h").unwrap().to_f32().unwrap(), vec![1.5, -2.0]);
-        assert!(matches!(f.tensor("nope"), Err(EvalError::Model(_))));
+        assert!(matches!(f.tensor("nope"), Err(ModelError::ModelFile(_))));
         assert!(matches!(
             t.row_to_f32(2, &mut row),
-            Err(EvalError::OutOfRange {
+            Err(ModelError::OutOfRange {
                 index: 2,
                 len: 2,
                 ..

@@ -23,8 +23,8 @@ use tokenizers::tokenizer::SplitDelimiterBehavior;
 
 use std::io::Read;
 
-use crate::error::{EvalError, Result};
-use crate::load::gguf::{GgufFile, MetaValue};
+use crate::error::{ModelError, Result};
+use crate::gguf::{GgufFile, MetaValue};
 
 /// llama.cpp's pre-tokenizer regex for `tokenizer.ggml.pre = "qwen2"`
 /// (`llama-vocab.cpp`): English contractions, letter runs with one leading
@@ -53,8 +53,8 @@ impl std::fmt::Debug for TextTokenizer {
     }
 }
 
-fn tok_err(e: impl std::fmt::Display) -> EvalError {
-    EvalError::Tokenizer(e.to_string())
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
 }
 
 impl TextTokenizer {
@@ -63,18 +63,18 @@ impl TextTokenizer {
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let model = file.meta_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
-            return Err(EvalError::Tokenizer(format!(
+            return Err(ModelError::Tokenizer(format!(
                 "tokenizer model {model:?} (only the byte-level BPE \"gpt2\" is supported)"
             )));
         }
         let strings = |key: &str| -> Result<Vec<&str>> {
             file.meta(key)
                 .and_then(MetaValue::as_array)
-                .ok_or_else(|| EvalError::Tokenizer(format!("missing array {key}")))?
+                .ok_or_else(|| ModelError::Tokenizer(format!("missing array {key}")))?
                 .iter()
                 .map(|v| {
                     v.as_str()
-                        .ok_or_else(|| EvalError::Tokenizer(format!("{key} holds a non-string")))
+                        .ok_or_else(|| ModelError::Tokenizer(format!("{key} holds a non-string")))
                 })
                 .collect()
         };
@@ -84,7 +84,7 @@ impl TextTokenizer {
             .map(|m| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| EvalError::Tokenizer(format!("merge {m:?} has no space")))
+                    .ok_or_else(|| ModelError::Tokenizer(format!("merge {m:?} has no space")))
             })
             .collect::<Result<Vec<_>>>()?;
         let vocab: tokenizers::models::bpe::Vocab = tokens
@@ -118,7 +118,7 @@ impl TextTokenizer {
             ])
             .into(),
             Some(other) => {
-                return Err(EvalError::Tokenizer(format!(
+                return Err(ModelError::Tokenizer(format!(
                     "pre-tokenizer {other:?} is not supported (smollm, starcoder, refact, gpt-2, qwen2 are)"
                 )));
             }
@@ -148,7 +148,7 @@ impl TextTokenizer {
     /// which special tokens `encode` adds.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
         let bytes = std::fs::read(path)
-            .map_err(|e| EvalError::Tokenizer(format!("{}: {e}", path.display())))?;
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
         Self::from_json(&bytes, &path.display().to_string())
     }
 
@@ -159,8 +159,8 @@ impl TextTokenizer {
         // `decoder` object panics in `decoders/mod.rs`): a malformed file
         // must be an error, so such a panic becomes one.
         let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes))
-            .map_err(|_| EvalError::Tokenizer(format!("{name}: malformed tokenizer JSON")))?;
-        let inner = parsed.map_err(|e| EvalError::Tokenizer(format!("{name}: {e}")))?;
+            .map_err(|_| ModelError::Tokenizer(format!("{name}: malformed tokenizer JSON")))?;
+        let inner = parsed.map_err(|e| ModelError::Tokenizer(format!("{name}: {e}")))?;
         let vocab = inner.get_vocab_size(true);
         Ok(Self {
             inner,
@@ -242,7 +242,7 @@ impl TextTokenizer {
         limits: ReadLimits,
         special: bool,
     ) -> Result<Vec<u32>> {
-        let io = |e: std::io::Error| EvalError::Tokenizer(format!("reading the text: {e}"));
+        let io = |e: std::io::Error| ModelError::Tokenizer(format!("reading the text: {e}"));
         let block = if self.post_process {
             limits.max_bytes.saturating_add(1)
         } else {
@@ -274,7 +274,7 @@ impl TextTokenizer {
                             limits.max_bytes
                         ),
                     };
-                    return Err(EvalError::InvalidParameter {
+                    return Err(ModelError::InvalidParameter {
                         name: "text",
                         reason,
                     });
@@ -296,7 +296,7 @@ impl TextTokenizer {
                 continue;
             };
             let text = std::str::from_utf8(&pending[..split]).map_err(|e| {
-                EvalError::Tokenizer(format!(
+                ModelError::Tokenizer(format!(
                     "the text is not UTF-8 near byte {}: {e}",
                     read - pending.len() + e.valid_up_to()
                 ))
