@@ -9,9 +9,9 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
-use kv_eval::models::LlamaModel;
 use kv_eval::paths;
 use kv_model::gguf::GgufFile;
+use kv_model::model::LlamaModel;
 use kv_model::tokenizer::TextTokenizer;
 use kv_quant::FaultTarget;
 

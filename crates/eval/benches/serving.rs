@@ -26,9 +26,9 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kv_eval::batch::{decode_step, paged_cache, prefill};
 use kv_eval::cache::CacheMode;
-use kv_eval::models::{CausalLm, LlamaModel};
 use kv_eval::paths;
 use kv_model::gguf::GgufFile;
+use kv_model::model::{CausalLm, LlamaModel};
 use kv_model::tokenizer::TextTokenizer;
 use paged_cache::{
     CacheConfig, HashPrefixCache, KvCacheManager, NoPrefixCache, PrefixCache, SeqId,

@@ -21,7 +21,7 @@ use crate::backend::paged_backend;
 use crate::cache::{CacheMode, ChannelKind};
 use crate::error::{EvalError, Result};
 use crate::metrics::{kl, probabilities, row_facts};
-use crate::models::CausalLm;
+use kv_model::model::CausalLm;
 
 /// The experiment's fixed settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -117,7 +117,7 @@ pub fn run(
     for mode in forms {
         // The clean run: greedy tokens and their logits, same form, no faults.
         let mut cache =
-            crate::backend::Adapted(paged_backend(model, mode, None, config.block_size, tokens)?);
+            kv_model::model::Adapted(paged_backend(model, mode, None, config.block_size, tokens)?);
         let first = model.forward(prompt, &mut cache, prompt.len() - 1)?;
         let mut next = argmax(&first[..vocab]);
         let mut clean = CleanRun::default();
@@ -188,7 +188,7 @@ fn faulty_run(
         config.block_size,
         prompt.len() + clean.forced.len(),
     )?;
-    let mut cache = crate::backend::Adapted(backend);
+    let mut cache = kv_model::model::Adapted(backend);
     model.forward(prompt, &mut cache, prompt.len() - 1)?;
     let mut injected = 0;
     let mut scrubbed = ScrubStats::default();

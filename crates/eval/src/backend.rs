@@ -1,16 +1,16 @@
 //! The KV backends a model can run on ([`BackendKind`]: the f32 oracle, the
-//! paper's re-encode protocol, the paged cache), and [`Adapted`]: any
-//! [`KvBackend`] whose errors convert into [`EvalError`], seen by the
-//! forward passes as a [`ModelCache`](crate::models::ModelCache).
+//! paper's re-encode protocol, the paged cache); kv-model's
+//! [`Adapted`](kv_model::model::Adapted) hands the first and the last to
+//! the forward passes, the re-encode [`KvCache`](crate::cache::KvCache)
+//! is one itself.
 
 use attention::stored::Fitted;
-use attention::{Attention, AttentionOutput, KvBackend, Mask, ModelKvShape};
 use paged_cache::{KvPart, LayerSpec, NoPrefixCache, PagedBackend};
 
 use crate::cache::{CacheMode, CacheStats, FaultSpec};
 use crate::calibration::Part;
 use crate::error::{EvalError, Result};
-use crate::models::CausalLm;
+use kv_model::model::CausalLm;
 
 /// Which KV backend a run uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -258,53 +258,6 @@ pub fn paged_stats(
         part_bytes,
         ..CacheStats::default()
     })
-}
-
-/// A backend with its errors converted into this crate's.
-#[derive(Debug)]
-pub struct Adapted<B>(pub B);
-
-impl<B> KvBackend for Adapted<B>
-where
-    B: KvBackend,
-    EvalError: From<B::Error>,
-{
-    type Error = EvalError;
-
-    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<()> {
-        Ok(self.0.fit(model)?)
-    }
-
-    fn tokens(&self) -> usize {
-        self.0.tokens()
-    }
-
-    fn begin(&mut self, tokens: &[u32]) -> Result<()> {
-        Ok(self.0.begin(tokens)?)
-    }
-
-    fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
-        Ok(self.0.append(layer, keys, values)?)
-    }
-
-    fn attend(
-        &mut self,
-        layer: usize,
-        attention: &Attention,
-        queries: &[f32],
-        positions: &[usize],
-        mask: &Mask<'_>,
-    ) -> Result<AttentionOutput> {
-        Ok(self.0.attend(layer, attention, queries, positions, mask)?)
-    }
-
-    fn commit(&mut self) -> Result<()> {
-        Ok(self.0.commit()?)
-    }
-
-    fn rollback(&mut self) {
-        self.0.rollback()
-    }
 }
 
 #[cfg(test)]

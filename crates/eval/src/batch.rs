@@ -22,11 +22,12 @@ use paged_cache::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{Adapted, layer_specs};
+use crate::backend::layer_specs;
 use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
 use crate::generate::{Sampling, pick};
-use crate::models::{BatchItem, CausalLm};
+use kv_model::model::Adapted;
+use kv_model::model::{BatchItem, CausalLm};
 
 /// One request of a batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -475,7 +476,7 @@ pub fn prefill<P: PrefixCache>(
             reason: format!("{cached} of the sequence's {} tokens", held.len()),
         })?;
     let mut slots = Adapted(ReservedSlots::new(cache, seq, cached)?);
-    model.forward(tokens, &mut slots, tokens.len() - 1)
+    Ok(model.forward(tokens, &mut slots, tokens.len() - 1)?)
 }
 
 /// One batched decode step: each sequence of `seqs` has appended one token
@@ -508,7 +509,7 @@ pub fn decode_step<P: PrefixCache>(
             logits_from: 0,
         })
         .collect();
-    model.forward_batch(&mut items)
+    Ok(model.forward_batch(&mut items)?)
 }
 
 /// Serves `requests` on `model` with continuous batching (see the module

@@ -34,7 +34,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use crate::cache::{CacheMode, KvCache};
 use crate::error::{EvalError, Result};
-use crate::models::CausalLm;
+use kv_model::model::CausalLm;
 
 /// The format tag of calibration files.
 pub const FORMAT: &str = "reliable-kv calibration 1";

@@ -40,14 +40,6 @@ pub enum EvalError {
         /// How many there are.
         len: usize,
     },
-    /// A forward call with no tokens, or logits asked from past its tokens.
-    #[error("{tokens} tokens with logits from token {logits_from}")]
-    EmptyForward {
-        /// Tokens in the call.
-        tokens: usize,
-        /// The first token whose logits were asked for.
-        logits_from: usize,
-    },
     /// Something sized from user input would not fit the memory budget
     /// ([`crate::budget`]).
     #[error(
@@ -73,14 +65,6 @@ pub enum EvalError {
         /// Why it is invalid.
         reason: String,
     },
-    /// A token id is past the vocabulary.
-    #[error("token id {id} is past the vocabulary of {vocab}")]
-    TokenId {
-        /// The id.
-        id: u32,
-        /// The vocabulary size.
-        vocab: usize,
-    },
     /// A cache form or fault channel failed.
     #[error(transparent)]
     Quant(#[from] kv_quant::KvQuantError),
@@ -96,10 +80,11 @@ pub enum EvalError {
     /// The paged cache refused a form, a shape or a step.
     #[error(transparent)]
     Paged(#[from] paged_cache::PagedCacheError),
-    /// The model runner's foundation failed: a GGUF file, the tokenizer,
-    /// a weight product or layout.
+    /// The model runner failed: a GGUF file, the tokenizer, a weight
+    /// product or layout, a forward pass (errors of kv-eval's own KV
+    /// backends and hooks come back as themselves: see the `From` impls).
     #[error(transparent)]
-    KvModel(#[from] kv_model::ModelError),
+    KvModel(kv_model::ModelError),
     /// A fault channel could not be built.
     #[error(transparent)]
     Channel(#[from] gf2_codes::Gf2Error),
@@ -119,6 +104,37 @@ pub enum EvalError {
     /// Writing a report failed.
     #[error("report: {0}")]
     Report(String),
+}
+
+/// A model runner's error as this crate's: errors kv-eval's backends and
+/// hooks handed the runner ([`ModelError::External`](kv_model::ModelError::External) holding an
+/// [`EvalError`]) come back as they were, attention's and the paged
+/// cache's as [`EvalError::Attention`] and [`EvalError::Paged`], the rest
+/// as [`EvalError::KvModel`].
+impl From<kv_model::ModelError> for EvalError {
+    fn from(e: kv_model::ModelError) -> Self {
+        match e {
+            kv_model::ModelError::External(inner) => match inner.downcast::<EvalError>() {
+                Ok(ours) => *ours,
+                Err(other) => Self::KvModel(kv_model::ModelError::External(other)),
+            },
+            kv_model::ModelError::Attention(e) => Self::Attention(e),
+            kv_model::ModelError::Paged(e) => Self::Paged(e),
+            e => Self::KvModel(e),
+        }
+    }
+}
+
+/// This crate's error handed to the model runner (by a KV backend or a
+/// projection hook): kept whole in [`ModelError::External`](kv_model::ModelError::External), unless it is
+/// the runner's own.
+impl From<EvalError> for kv_model::ModelError {
+    fn from(e: EvalError) -> Self {
+        match e {
+            EvalError::KvModel(inner) => inner,
+            e => Self::External(Box::new(e)),
+        }
+    }
 }
 
 /// Result alias of this crate.

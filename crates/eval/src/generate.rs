@@ -11,10 +11,11 @@ use gf2_codes::channel::{FaultChannel, FaultRng};
 use kv_quant::{FaultTarget, KvDecodeStats, ScrubStats};
 use paged_cache::PagedBackend;
 
-use crate::backend::{Adapted, BackendKind, paged_backend};
+use crate::backend::{BackendKind, paged_backend};
 use crate::cache::{CacheMode, ChannelKind, KvCache};
 use crate::error::{EvalError, Result};
-use crate::models::CausalLm;
+use kv_model::model::Adapted;
+use kv_model::model::CausalLm;
 
 /// How tokens are picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -139,7 +140,7 @@ enum GenCache {
 }
 
 impl GenCache {
-    fn model_cache(&mut self) -> &mut crate::models::ModelCache {
+    fn model_cache(&mut self) -> &mut kv_model::model::ModelCache {
         match self {
             Self::Dense(c) => c,
             Self::Reencode(c) => c.as_mut(),

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::calibration::{CalibrationRows, Part};
 use crate::error::{EvalError, Result};
-use crate::models::CausalLm;
+use kv_model::model::CausalLm;
 
 /// Which rows a spectrum is of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -11,10 +11,11 @@ use serde::Serialize;
 
 use attention::DenseBackend;
 
-use crate::backend::{Adapted, BackendKind, paged_backend, paged_stats, seals_blocks};
+use crate::backend::{BackendKind, paged_backend, paged_stats, seals_blocks};
 use crate::cache::{CacheMode, CacheStats, FaultSpec, KvCache};
 use crate::error::{EvalError, Result};
-use crate::models::CausalLm;
+use kv_model::model::Adapted;
+use kv_model::model::CausalLm;
 
 /// How the token stream is cut into windows and which predictions count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

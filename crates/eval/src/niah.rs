@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
 use crate::generate::{GenerateConfig, Sampling, generate};
-use crate::models::CausalLm;
+use kv_model::model::CausalLm;
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 
 /// The instruction before the haystack.

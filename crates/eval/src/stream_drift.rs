@@ -16,7 +16,7 @@ use crate::backend::BackendKind;
 use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
 use crate::generate::{GenerateConfig, Sampling, generate};
-use crate::models::CausalLm;
+use kv_model::model::CausalLm;
 use kv_quant::{CacheForm, Quantizer};
 
 /// What [`run`] measures.

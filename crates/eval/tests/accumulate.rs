@@ -9,8 +9,8 @@ use common::qwen2::tiny_qwen2_gguf;
 use kv_eval::EvalError;
 use kv_eval::accumulate::{AccumulateConfig, run};
 use kv_eval::cache::{CacheMode, ChannelKind};
-use kv_eval::models::LlamaModel;
 use kv_model::gguf::GgufFile;
+use kv_model::model::LlamaModel;
 use kv_quant::FaultTarget;
 
 fn model() -> LlamaModel {

@@ -16,8 +16,8 @@ use kv_eval::batch::{
 };
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::generate::{GenerateConfig, Sampling, generate};
-use kv_eval::models::{BatchItem, CausalLm, LlamaModel};
 use kv_model::gguf::GgufFile;
+use kv_model::model::{BatchItem, CausalLm, LlamaModel};
 use paged_cache::CacheConfig;
 use paged_cache::scheduler::{Preemption, SchedulerConfig};
 
@@ -426,7 +426,7 @@ fn a_batched_pass_equals_each_sequence_passed_alone() {
         .collect();
     assert!(matches!(
         model.forward_batch(&mut items),
-        Err(EvalError::TokenId { .. })
+        Err(kv_model::ModelError::TokenId { .. })
     ));
     drop(items);
     for (cache, p) in caches.iter().zip(&prompts) {

@@ -11,7 +11,7 @@ use common::tiny::{LAYERS, model, tokens};
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::calibration::{Calibration, CalibrationRows, Part};
-use kv_eval::models::LlamaModel;
+use kv_model::model::LlamaModel;
 use kv_quant::{CacheForm, FitOptions};
 
 fn forward(m: &LlamaModel, mode: CacheMode) -> Result<(Vec<f32>, KvCache), EvalError> {
@@ -233,7 +233,8 @@ proptest::proptest! {
 #[test]
 fn vq_forms_are_paged_forms_with_their_codebooks() {
     use attention::KvBackend;
-    use kv_eval::backend::{Adapted, BackendKind, paged_backend, paged_stats};
+    use kv_eval::backend::{BackendKind, paged_backend, paged_stats};
+    use kv_model::model::Adapted;
     let m = model();
     let cal = Arc::new(calibration(&m, "vq-k16+rot8"));
     let mode = CacheMode::parse("fp32/vq-k16+rot8")
@@ -293,7 +294,8 @@ fn vq_forms_are_paged_forms_with_their_codebooks() {
 /// included); without bases the form is refused by name.
 #[test]
 fn calibrated_low_rank_forms_are_paged_forms() {
-    use kv_eval::backend::{Adapted, paged_backend, paged_stats};
+    use kv_eval::backend::{paged_backend, paged_stats};
+    use kv_model::model::Adapted;
     let m = model();
     let cal = Arc::new(calibration(&m, "pca-r4"));
     let mode = CacheMode::parse("pca-r4")

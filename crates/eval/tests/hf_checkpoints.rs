@@ -14,8 +14,8 @@ use half::f16;
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::load::load_hf;
-use kv_eval::models::{CausalLm, LlamaModel};
 use kv_model::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_model::model::{CausalLm, LlamaModel};
 use safetensors::{Dtype, tensor::TensorView};
 
 fn dir(name: &str) -> PathBuf {
@@ -506,7 +506,7 @@ fn hf_gpt2_matches_an_f64_reference() {
         let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
         assert!(matches!(
             model.forward(&vec![1; P + 1], &mut cache, 0),
-            Err(EvalError::InvalidParameter {
+            Err(kv_model::ModelError::InvalidParameter {
                 name: "positions",
                 ..
             })

@@ -22,11 +22,10 @@
 mod common;
 
 use common::qwen2::{DIM, HEADS, as_f32, tiny_qwen2_gguf, vocab};
-use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::models::{CausalLm, LlamaArch, LlamaModel};
 use kv_model::ModelError;
 use kv_model::gguf::{GgufFile, GgufWriter, MetaValue};
+use kv_model::model::{CausalLm, LlamaArch, LlamaModel};
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 use sha2::{Digest, Sha256};
 
@@ -205,7 +204,7 @@ fn edited(drop: &[&str], replace: &[(&str, MetaValue)], drop_tensor: Option<&str
 fn load_err(bytes: Vec<u8>) -> String {
     let file = GgufFile::from_bytes(bytes).unwrap();
     match LlamaModel::from_gguf(&file) {
-        Err(EvalError::Model(m) | EvalError::KvModel(ModelError::ModelFile(m))) => m,
+        Err(ModelError::ModelFile(m)) => m,
         Err(e) => panic!("wrong error kind: {e}"),
         Ok(_) => panic!("a malformed Qwen2 file loaded"),
     }

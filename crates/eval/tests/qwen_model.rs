@@ -8,9 +8,9 @@
 
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
-use kv_eval::models::{LlamaArch, LlamaModel};
 use kv_eval::paths;
 use kv_model::gguf::GgufFile;
+use kv_model::model::{LlamaArch, LlamaModel};
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 
 fn skip(msg: &str) {

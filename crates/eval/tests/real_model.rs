@@ -7,9 +7,9 @@
 
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
-use kv_eval::models::LlamaModel;
 use kv_eval::paths;
 use kv_model::gguf::GgufFile;
+use kv_model::model::LlamaModel;
 use kv_model::tokenizer::TextTokenizer;
 
 fn load() -> Option<(LlamaModel, TextTokenizer)> {
@@ -211,7 +211,7 @@ fn clean_perplexity_matches_llama_perplexity() {
 #[test]
 fn full_rank_pca_reproduces_the_plain_perplexity() {
     use kv_eval::calibration::{Calibration, CalibrationRows, Part};
-    use kv_eval::models::CausalLm;
+    use kv_model::model::CausalLm;
     let Some((model, tok)) = load() else { return };
     let Some(ids) = corpus(&tok) else { return };
     let rows = CalibrationRows::collect(&model, &ids[40_000..41_024], 256).unwrap();

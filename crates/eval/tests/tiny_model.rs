@@ -9,8 +9,9 @@ use attention::{Attention, AttentionOutput, DenseBackend, KvBackend, Mask, Model
 use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
 use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
-use kv_eval::models::LlamaModel;
+use kv_model::ModelError;
 use kv_model::gguf::{GgufFile, GgufWriter, MetaValue};
+use kv_model::model::LlamaModel;
 use kv_quant::FaultTarget;
 
 use common::tiny::{DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, model, run, tiny_gguf_eps, tokens};
@@ -70,17 +71,17 @@ struct FailOnce {
 }
 
 impl KvBackend for FailOnce {
-    type Error = EvalError;
-    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<(), EvalError> {
+    type Error = ModelError;
+    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<(), ModelError> {
         self.inner.fit(model)
     }
     fn tokens(&self) -> usize {
         self.inner.tokens()
     }
-    fn begin(&mut self, tokens: &[u32]) -> Result<(), EvalError> {
+    fn begin(&mut self, tokens: &[u32]) -> Result<(), ModelError> {
         self.inner.begin(tokens)
     }
-    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), EvalError> {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), ModelError> {
         self.inner.append(layer, k, v)
     }
     fn attend(
@@ -90,14 +91,14 @@ impl KvBackend for FailOnce {
         q: &[f32],
         positions: &[usize],
         mask: &Mask<'_>,
-    ) -> Result<AttentionOutput, EvalError> {
+    ) -> Result<AttentionOutput, ModelError> {
         if self.layer == Some(layer) {
             self.layer = None;
-            return Err(EvalError::Shape("injected failure".into()));
+            return Err(ModelError::Shape("injected failure".into()));
         }
         self.inner.attend(layer, attention, q, positions, mask)
     }
-    fn commit(&mut self) -> Result<(), EvalError> {
+    fn commit(&mut self) -> Result<(), ModelError> {
         self.inner.commit()
     }
     fn rollback(&mut self) {
@@ -120,7 +121,7 @@ fn an_error_mid_pass_leaves_the_cache_as_before_the_step() {
     // Layer 0 appends 10 rows, then layer 1 fails: the step is rolled back.
     assert!(matches!(
         m.forward(&toks[20..], &mut cache, 0),
-        Err(EvalError::Shape(_))
+        Err(ModelError::Shape(_))
     ));
     assert_eq!(cache.tokens(), 20);
     assert_eq!(cache.inner.stats(), &stats);
@@ -163,7 +164,7 @@ fn the_dense_backend_is_the_plain_pass_bit_for_bit() {
     let m = model();
     let toks = tokens(40);
     let (plain, _) = run(&m, &toks, CacheMode::Plain, None);
-    let mut adapted = kv_eval::backend::Adapted(DenseBackend::new());
+    let mut adapted = kv_model::model::Adapted(DenseBackend::new());
     let got: Vec<f32> = [&toks[..25], &toks[25..]]
         .into_iter()
         .flat_map(|part| m.forward(part, &mut adapted, 0).unwrap())
@@ -275,18 +276,18 @@ fn bad_input_gets_typed_errors() {
     let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
     assert!(matches!(
         m.forward(&[VOCAB as u32], &mut cache, 0),
-        Err(EvalError::TokenId { id, vocab: VOCAB }) if id == VOCAB as u32
+        Err(ModelError::TokenId { id, vocab: VOCAB }) if id == VOCAB as u32
     ));
     assert!(matches!(
         m.forward(&[], &mut cache, 0),
-        Err(EvalError::EmptyForward {
+        Err(ModelError::EmptyForward {
             tokens: 0,
             logits_from: 0
         })
     ));
     assert!(matches!(
         m.forward(&[1, 2], &mut cache, 3),
-        Err(EvalError::EmptyForward {
+        Err(ModelError::EmptyForward {
             tokens: 2,
             logits_from: 3
         })
@@ -315,7 +316,7 @@ fn bad_input_gets_typed_errors() {
     let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
     assert!(matches!(
         LlamaModel::from_gguf(&f),
-        Err(EvalError::Model(_))
+        Err(ModelError::ModelFile(_))
     ));
 }
 
@@ -362,7 +363,8 @@ fn the_paged_backend_reproduces_reencode_for_row_local_forms() {
 
 #[test]
 fn token_by_token_on_pages_equals_the_batched_pass() {
-    use kv_eval::backend::{Adapted, paged_backend};
+    use kv_eval::backend::paged_backend;
+    use kv_model::model::Adapted;
     let m = model();
     let toks = tokens(48);
     let mode = form("int4+secded84");
@@ -379,7 +381,7 @@ fn token_by_token_on_pages_equals_the_batched_pass() {
     assert!(worst <= 1e-4, "{worst}");
     // The pool holds three blocks of 16; a 49th token is refused before any work.
     assert!(matches!(
-        m.forward(&[1], &mut cache, 0),
+        m.forward(&[1], &mut cache, 0).map_err(EvalError::from),
         Err(EvalError::Paged(_))
     ));
     assert_eq!(cache.tokens(), toks.len());
@@ -574,7 +576,7 @@ fn bad_epsilons_and_empty_scores_are_errors() {
     for eps in [f32::NAN, f32::INFINITY, 0.0, -1e-5] {
         let file = GgufFile::from_bytes(tiny_gguf_eps(eps)).unwrap();
         assert!(
-            matches!(LlamaModel::from_gguf(&file), Err(EvalError::Model(_))),
+            matches!(LlamaModel::from_gguf(&file), Err(ModelError::ModelFile(_))),
             "{eps}"
         );
     }
@@ -582,7 +584,7 @@ fn bad_epsilons_and_empty_scores_are_errors() {
     // first step, as "the backend was not fitted to a model").
     let file = GgufFile::from_bytes(common::tiny::tiny_gguf_with(1e-5, 0)).unwrap();
     match LlamaModel::from_gguf(&file) {
-        Err(EvalError::Model(m)) => assert!(m.contains("llama.block_count is 0"), "{m}"),
+        Err(ModelError::ModelFile(m)) => assert!(m.contains("llama.block_count is 0"), "{m}"),
         other => panic!("{other:?}"),
     }
     let m = model();
@@ -601,9 +603,9 @@ fn bad_epsilons_and_empty_scores_are_errors() {
 /// the GEMM instead of inside it: the last bits may differ).
 #[test]
 fn gemm_checks_cover_every_projection_without_false_alarms() {
-    use kv_eval::models::CausalLm;
-    // Checked GEMMs run on f32 weights (the model densifies them), so the
-    // unchecked pass they are compared with does too.
+    use kv_model::model::CausalLm;
+    // Checked GEMMs run on f32 weights (the checks hold f32 copies of the
+    // stored ones), so the unchecked pass they are compared with does too.
     let mut plain = model();
     plain.densify().unwrap();
     let ids = tokens(48);
@@ -611,20 +613,24 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
         let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
         CausalLm::forward(m, &ids, &mut cache, 0).unwrap()
     };
+    let install = |config| {
+        let mut m = model();
+        let checks = kv_eval::gemm_checks::install(&mut m, Some(config))
+            .unwrap()
+            .expect("checks installed");
+        (m, checks)
+    };
     let rules: [abft_gemm::LinearRule; 3] = [
         abft_gemm::VAbft::design(abft_gemm::Precision::Fp32.e_max_ascend()).into(),
         abft_gemm::AAbft::for_precision(abft_gemm::Precision::Fp32).into(),
         abft_gemm::FixedThreshold { tau: 1e-3 }.into(),
     ];
     for rule in rules {
-        let mut checked = model();
-        checked
-            .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-                rule,
-                flips: None,
-                correct: false,
-            }))
-            .unwrap();
+        let (checked, checks) = install(kv_eval::gemm_checks::GemmCheckConfig {
+            rule,
+            flips: None,
+            correct: false,
+        });
         let (a, b) = (run(&plain), run(&checked));
         let worst = a
             .iter()
@@ -632,34 +638,31 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         assert!(worst < 1e-4, "{worst}");
-        let stats = checked.gemm_checks().unwrap();
+        let stats = checks.stats();
         assert_eq!(stats.products, 4 * LAYERS as u64 + 1);
         assert_eq!(stats.rows, 48 * (4 * LAYERS as u64 + 1));
         assert_eq!(stats.flagged, 0, "{}", rule.name());
-        // A clone starts with the checks off.
-        assert!(checked.clone().gemm_checks().is_none());
+        // A clone starts with the checks off: its products are not counted.
+        let _ = run(&checked.clone());
+        assert_eq!(checks.stats(), stats);
     }
-    assert!(plain.gemm_checks().is_none());
     let rule = rules[0];
 
     // Flips injected into the products: every one is counted at its bit,
     // exponent flips are caught, low mantissa bits of large sums are not,
     // and no row without a flip fires.
-    let mut faulty = model();
-    let flips = Some(kv_eval::models::GemmFlips {
+    let flips = Some(kv_eval::gemm_checks::GemmFlips {
         rate: 0.01,
         seed: 3,
-        site: kv_eval::models::FlipSite::Output,
+        site: kv_eval::gemm_checks::FlipSite::Output,
     });
-    faulty
-        .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-            rule,
-            flips,
-            correct: false,
-        }))
-        .unwrap();
+    let (faulty, checks) = install(kv_eval::gemm_checks::GemmCheckConfig {
+        rule,
+        flips,
+        correct: false,
+    });
     let _ = run(&faulty);
-    let s = faulty.gemm_checks().unwrap();
+    let s = checks.stats();
     let total: u64 = s.injected.iter().sum();
     assert!(total > 0);
     assert_eq!(s.false_alarms, 0);
@@ -675,43 +678,37 @@ fn gemm_checks_cover_every_projection_without_false_alarms() {
 
     // With correction, the same flips leave products that pass: the
     // logits come back near the clean ones wherever a product had one bad row.
-    let mut fixed = model();
-    fixed
-        .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-            rule,
-            flips: Some(kv_eval::models::GemmFlips {
-                rate: 0.0005,
-                seed: 5,
-                site: kv_eval::models::FlipSite::Output,
-            }),
-            correct: true,
-        }))
-        .unwrap();
+    let (fixed, checks) = install(kv_eval::gemm_checks::GemmCheckConfig {
+        rule,
+        flips: Some(kv_eval::gemm_checks::GemmFlips {
+            rate: 0.0005,
+            seed: 5,
+            site: kv_eval::gemm_checks::FlipSite::Output,
+        }),
+        correct: true,
+    });
     let _ = run(&fixed);
-    let f = fixed.gemm_checks().unwrap();
+    let f = checks.stats();
     assert!(f.corrected > 0, "{f:?}");
 
     // Flips in running sums and in weights: every one counted, none of the
     // clean rows fires, and flips of the top exponent bit are caught far
     // more often than flips of the low mantissa bits.
     for (site, rate) in [
-        (kv_eval::models::FlipSite::Accumulator, 0.01),
-        (kv_eval::models::FlipSite::Weight, 0.0005),
+        (kv_eval::gemm_checks::FlipSite::Accumulator, 0.01),
+        (kv_eval::gemm_checks::FlipSite::Weight, 0.0005),
     ] {
-        let mut faulty = model();
-        faulty
-            .set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-                rule,
-                flips: Some(kv_eval::models::GemmFlips {
-                    rate,
-                    seed: 11,
-                    site,
-                }),
-                correct: false,
-            }))
-            .unwrap();
+        let (faulty, checks) = install(kv_eval::gemm_checks::GemmCheckConfig {
+            rule,
+            flips: Some(kv_eval::gemm_checks::GemmFlips {
+                rate,
+                seed: 11,
+                site,
+            }),
+            correct: false,
+        });
         let _ = run(&faulty);
-        let s = faulty.gemm_checks().unwrap();
+        let s = checks.stats();
         let share = |bits: std::ops::Range<usize>| {
             let (d, e) = bits.fold((0, 0), |(d, e), b| (d + s.detected[b], e + s.eligible[b]));
             (d as f64 / e.max(1) as f64, e)

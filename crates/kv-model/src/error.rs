@@ -117,6 +117,39 @@ pub enum ModelError {
     /// A type with no product kernel (dequantise it to F32 first).
     #[error("no product kernel for {0} weights (dequantise them to F32)")]
     NoKernel(WeightType),
+    /// Weights or configurations whose shapes do not fit each other.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    /// A forward call with no tokens, or logits asked from past its tokens.
+    #[error("{tokens} tokens with logits from token {logits_from}")]
+    EmptyForward {
+        /// Tokens in the call.
+        tokens: usize,
+        /// The first token whose logits were asked for.
+        logits_from: usize,
+    },
+    /// A token id is past the vocabulary.
+    #[error("token id {id} is past the vocabulary of {vocab}")]
+    TokenId {
+        /// The id.
+        id: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The attention kernel (or a KV backend, through it) refused its input.
+    #[error(transparent)]
+    Attention(#[from] attention::AttentionError),
+    /// The paged cache refused a form, a shape or a step.
+    #[error(transparent)]
+    Paged(#[from] paged_cache::PagedCacheError),
+    /// A dense f32 product's shapes disagree (abft-gemm's linear layer).
+    #[error(transparent)]
+    Gemm(#[from] abft_gemm::AbftError),
+    /// An error of a KV backend or projection hook defined outside this
+    /// crate (kv-eval's re-encode protocol, its GEMM checks), kept whole:
+    /// its owner can downcast it back.
+    #[error(transparent)]
+    External(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// An instruction set pinned by the caller that this CPU lacks.
     #[error("this CPU cannot run the {0:?} kernels")]
     IsaUnavailable(Isa),

@@ -572,12 +572,12 @@ impl KvCache {
 }
 
 impl KvBackend for KvCache {
-    type Error = EvalError;
+    type Error = kv_model::ModelError;
 
     /// Sizes the cache for a model on first use; refuses another model's
     /// shape, forms that name layers the model lacks, and forms whose
     /// codebooks the calibration does not hold.
-    fn fit(&mut self, model: &ModelKvShape<'_>) -> Result<()> {
+    fn fit(&mut self, model: &ModelKvShape<'_>) -> std::result::Result<(), kv_model::ModelError> {
         if self.rows.layers() == 0 {
             if let CacheMode::Stored(stored) = &self.mode {
                 self.codes = resolve(stored, model.layers, model.heads.kv_channels())?;
@@ -599,17 +599,22 @@ impl KvBackend for KvCache {
         self.rows.tokens()
     }
 
-    fn begin(&mut self, tokens: &[u32]) -> Result<()> {
+    fn begin(&mut self, tokens: &[u32]) -> std::result::Result<(), kv_model::ModelError> {
         self.rows.begin(tokens)?;
         self.checkpoint = Some(self.stats.clone());
         Ok(())
     }
 
-    fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+    fn append(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> std::result::Result<(), kv_model::ModelError> {
         Ok(self.rows.append(layer, keys, values)?)
     }
 
-    fn commit(&mut self) -> Result<()> {
+    fn commit(&mut self) -> std::result::Result<(), kv_model::ModelError> {
         // A refused step is rolled back by the rows; its statistics here.
         if let Err(e) = self.rows.commit() {
             self.rollback();
@@ -646,7 +651,7 @@ impl KvBackend for KvCache {
         queries: &[f32],
         positions: &[usize],
         mask: &Mask<'_>,
-    ) -> Result<AttentionOutput> {
+    ) -> std::result::Result<AttentionOutput, kv_model::ModelError> {
         let out = match &self.mode {
             CacheMode::Plain => self
                 .rows

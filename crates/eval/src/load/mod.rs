@@ -8,8 +8,8 @@ use std::path::Path;
 
 pub use self::safetensors::load_hf;
 use crate::error::Result;
-use crate::models::{CausalLm, LlamaModel};
 use kv_model::gguf::GgufFile;
+use kv_model::model::{CausalLm, LlamaModel};
 use kv_model::tokenizer::TextTokenizer;
 
 /// Opens a model: a GGUF file (`llama` or `qwen2` architecture) or a Hugging

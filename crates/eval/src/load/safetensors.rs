@@ -11,9 +11,9 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::error::{EvalError, Result};
-use crate::models::{
+use kv_model::model::{
     CausalLm, Gpt2Config, Gpt2Layer, Gpt2Model, LlamaArch, LlamaConfig, LlamaLayer, LlamaModel,
-    Matrix,
+    Matrix, Projection,
 };
 use kv_model::tokenizer::TextTokenizer;
 
@@ -232,7 +232,13 @@ fn llama(config: &Value, st: SafeTensors<'_>, arch: LlamaArch) -> Result<LlamaMo
         None
     };
     let norm = w.get("model.norm.weight", &[dim])?;
-    LlamaModel::from_parts(c, embed.into(), layers, norm, output.map(Into::into))
+    Ok(LlamaModel::from_parts(
+        c,
+        embed.into(),
+        layers,
+        norm,
+        output.map(Into::into),
+    )?)
 }
 
 fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
@@ -268,10 +274,10 @@ fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
         ))
     };
     // `Conv1D` weights are stored inputs × outputs.
-    let conv = |name: &str, inputs: usize, outputs: usize| -> Result<(Matrix, Vec<f32>)> {
+    let conv = |name: &str, inputs: usize, outputs: usize| -> Result<(Projection, Vec<f32>)> {
         let weight = w.get(&format!("{name}.weight"), &[inputs, outputs])?;
         Ok((
-            Matrix::new(inputs, outputs, weight)?.transpose(),
+            Matrix::new(inputs, outputs, weight)?.transpose().into(),
             w.get(&format!("{name}.bias"), &[outputs])?,
         ))
     };
@@ -290,5 +296,5 @@ fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
     let wte = w.matrix("wte.weight", c.vocab, d)?;
     let wpe = w.matrix("wpe.weight", c.positions, d)?;
     let ln_f = norm("ln_f")?;
-    Gpt2Model::new(c, wte, wpe, layers, ln_f)
+    Ok(Gpt2Model::new(c, wte.into(), wpe, layers, ln_f)?)
 }

@@ -2,8 +2,8 @@
 //! Q8_0 and Q4_1 tensors) and loaded back.
 
 use half::f16;
-use kv_eval::models::LlamaModel;
 use kv_model::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_model::model::LlamaModel;
 
 use super::Rng;
 

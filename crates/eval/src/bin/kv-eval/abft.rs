@@ -19,7 +19,7 @@ pub(crate) enum FlipSite {
     Weight,
 }
 
-impl From<FlipSite> for kv_eval::models::FlipSite {
+impl From<FlipSite> for kv_eval::gemm_checks::FlipSite {
     fn from(site: FlipSite) -> Self {
         match site {
             FlipSite::Output => Self::Output,
@@ -31,7 +31,7 @@ impl From<FlipSite> for kv_eval::models::FlipSite {
 
 impl FlipSite {
     pub(crate) fn name(self) -> &'static str {
-        kv_eval::models::FlipSite::from(self).name()
+        kv_eval::gemm_checks::FlipSite::from(self).name()
     }
 }
 
@@ -76,7 +76,7 @@ pub(crate) fn abft_rule(
 /// and the per-bit detection table when flips were injected.
 pub(crate) fn print_checks(
     rule: Option<abft_gemm::LinearRule>,
-    c: &kv_eval::models::GemmCheckStats,
+    c: &kv_eval::gemm_checks::GemmCheckStats,
     corrected: bool,
     flipped: bool,
 ) {

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use kv_eval::cache::CacheMode;
 use kv_eval::calibration::{Calibration, CalibrationRows, Part};
-use kv_eval::models::CausalLm;
 use kv_eval::paths;
+use kv_model::model::CausalLm;
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 use kv_quant::{CacheForm, FitOptions};
 

@@ -439,7 +439,7 @@ fn check_ber(flag: &str, ber: f64) -> Result<(), Error> {
 /// [`evaluate`] with a progress bar labelled `what`, cleared at the end.
 fn evaluate_with_bar(
     what: &str,
-    model: &dyn kv_eval::models::CausalLm,
+    model: &dyn kv_model::model::CausalLm,
     tokens: &[u32],
     ctx: usize,
     method: kv_eval::metrics::PplMethod,
@@ -546,17 +546,21 @@ fn run(cli: Cli) -> Result<(), Error> {
             if let Some(n) = numerics {
                 model.set_numerics(n.numerics());
             }
+            let mut checks = None;
             if let Some(rule) = rule {
-                let flips = (gemm_flips > 0.0).then_some(kv_eval::models::GemmFlips {
+                let flips = (gemm_flips > 0.0).then_some(kv_eval::gemm_checks::GemmFlips {
                     rate: gemm_flips,
                     seed,
                     site: gemm_flip_site.into(),
                 });
-                model.set_gemm_checks(Some(kv_eval::models::GemmCheckConfig {
-                    rule,
-                    flips,
-                    correct: abft_correct,
-                }))?;
+                checks = kv_eval::gemm_checks::install(
+                    model.as_mut(),
+                    Some(kv_eval::gemm_checks::GemmCheckConfig {
+                        rule,
+                        flips,
+                        correct: abft_correct,
+                    }),
+                )?;
             }
             let mode = mode.with_calibration(cal);
             let label = mode.label();
@@ -576,7 +580,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             )?
             .remove(0);
             print_metrics(&label, ber, &m);
-            let checks = model.gemm_checks();
+            let checks = checks.map(|c| c.stats());
             if let Some(c) = checks {
                 abft::print_checks(rule, &c, abft_correct, gemm_flips > 0.0);
             }

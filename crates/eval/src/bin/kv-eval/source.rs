@@ -9,8 +9,8 @@ use clap::ValueEnum;
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::load::load_model as open_model;
 use kv_eval::metrics::PplMethod;
-use kv_eval::models::CausalLm;
 use kv_eval::paths;
+use kv_model::model::CausalLm;
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 
 use crate::Error;

@@ -1,176 +1,34 @@
-//! The models kv-eval runs and what they share: the [`CausalLm`] interface
-//! (a forward pass over any [`KvBackend`], the [`ModelCache`]), the
-//! projections ([`Projection`]: weights as stored, multiplied by kv-model's
-//! kernels, or dense f32 through abft-gemm's linear layer) and their GEMM
-//! checks. Llama-family models in [`llama`], GPT-2 in [`gpt2`].
+//! kv-eval's GEMM checks: every projection of a model's forward pass
+//! checked by row checksums (abft-gemm's V-ABFT, A-ABFT or a fixed
+//! tolerance), optionally with faults injected into the products, plugged
+//! into kv-model's models as their [`ProjectionHook`]. The checksums are
+//! taken over f32 weights: [`install`] keeps a dense f32 copy of every
+//! projection the model stores quantised (the model keeps its stored
+//! weights for everything else).
 
-pub mod gpt2;
-pub mod llama;
-mod weights;
+use std::collections::HashMap;
+use std::sync::Arc;
 
-pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
-pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel};
-pub use weights::Projection;
-pub(crate) use weights::{project, project_dense};
-
-pub use abft_gemm::Matrix;
-use attention::{KvBackend, Rope};
+use abft_gemm::Matrix;
+use kv_model::ModelError;
+use kv_model::model::{CausalLm, Projection, ProjectionHook, ProjectionId};
 
 use crate::error::{EvalError, Result};
 
-/// The KV cache a forward pass talks to: any [`KvBackend`] whose errors are
-/// this crate's (the re-encoding [`KvCache`](crate::cache::KvCache), the
-/// f32 oracle, the paged cache).
-pub type ModelCache = dyn KvBackend<Error = EvalError>;
-
-/// A causal language model whose K and V go through a [`KvBackend`].
-pub trait CausalLm: Send + Sync {
-    /// Vocabulary size (logits per token).
-    fn vocab(&self) -> usize;
-    /// Transformer blocks.
-    fn layers(&self) -> usize;
-    /// K (or V) channels per token and layer.
-    fn kv_channels(&self) -> usize;
-    /// Channels per attention head.
-    fn head_dim(&self) -> usize;
-    /// The rotary embedding of the keys, if the model has one (forms that
-    /// project keys before RoPE undo and redo it).
-    fn rope(&self) -> Option<&Rope> {
-        None
-    }
-    /// The context the model was trained to (positions past it are
-    /// refused by learned-position models and unreliable for RoPE ones).
-    fn context(&self) -> Option<usize> {
-        None
-    }
-    /// Checks every projection from now on as `config` says (`None`
-    /// switches the checks off). Stored weights are dequantised to f32
-    /// first (the checksums are taken over f32 weights).
-    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) -> Result<()>;
-    /// What the projection checks found, when they are on.
-    fn gemm_checks(&self) -> Option<GemmCheckStats>;
-    /// How attention scores integer-coded keys from now on.
-    fn set_numerics(&mut self, numerics: attention::Numerics);
-    /// A one-line description (architecture and shape).
-    fn describe(&self) -> String;
-    /// Bytes the weights take in memory.
-    fn weight_bytes(&self) -> usize;
-    /// Runs `tokens` after what `cache` already holds (their positions
-    /// follow the cache's), appends their K and V to it as one step
-    /// (committed on success, rolled back on error), and returns the logits
-    /// (`vocab` per token) of the tokens from index `logits_from` on.
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut ModelCache,
-        logits_from: usize,
-    ) -> Result<Vec<f32>>;
-
-    /// Runs several sequences as one batch: each item's tokens after what
-    /// its cache holds, its logits from `logits_from` on (as
-    /// [`forward`](Self::forward) returns them, one vector per item).
-    /// Llama-family models share every projection's GEMM across the batch
-    /// (the weights are read once per step, not once per sequence) and
-    /// attend per sequence; an error rolls every item's step back. This
-    /// default runs the items one after the other (an error leaves the
-    /// items before it committed).
-    fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
-        batch
-            .iter_mut()
-            .map(|item| self.forward(item.tokens, &mut *item.cache, item.logits_from))
-            .collect()
-    }
-}
-
-/// One sequence of a batched forward pass ([`CausalLm::forward_batch`]).
-pub struct BatchItem<'a> {
-    /// Its new tokens.
-    pub tokens: &'a [u32],
-    /// Its cache.
-    pub cache: &'a mut ModelCache,
-    /// Index of its first token whose logits are returned.
-    pub logits_from: usize,
-}
-
-impl std::fmt::Debug for BatchItem<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BatchItem")
-            .field("tokens", &self.tokens)
-            .field("cached", &self.cache.tokens())
-            .field("logits_from", &self.logits_from)
-            .finish()
-    }
-}
-
-/// Refuses an empty call, a `logits_from` past the tokens and ids outside
-/// the vocabulary.
-fn check_tokens(tokens: &[u32], vocab: usize, logits_from: usize) -> Result<()> {
-    let t = tokens.len();
-    if t == 0 || logits_from > t {
-        return Err(EvalError::EmptyForward {
-            tokens: t,
-            logits_from,
-        });
-    }
-    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
-        return Err(EvalError::TokenId { id, vocab });
-    }
-    Ok(())
-}
-
-/// [`forward_step`] for a batch: checks every item and sizes its cache,
-/// opens a step on each, runs `step` over them all, then commits every
-/// step, or rolls every open step back if anything failed.
-pub(crate) fn forward_steps(
-    batch: &mut [BatchItem<'_>],
-    vocab: usize,
-    model: &attention::ModelKvShape<'_>,
-    step: impl FnOnce(&mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>>,
-) -> Result<Vec<Vec<f32>>> {
-    for item in batch.iter_mut() {
-        check_tokens(item.tokens, vocab, item.logits_from)?;
-        item.cache.fit(model)?;
-    }
-    for i in 0..batch.len() {
-        let item = &mut batch[i];
-        if let Err(e) = item.cache.begin(item.tokens) {
-            for open in &mut batch[..i] {
-                open.cache.rollback();
-            }
-            return Err(e);
-        }
-    }
-    match step(batch) {
-        Ok(out) => {
-            for item in batch.iter_mut() {
-                item.cache.commit()?;
-            }
-            Ok(out)
-        }
-        Err(e) => {
-            for item in batch.iter_mut() {
-                item.cache.rollback();
-            }
-            Err(e)
-        }
-    }
-}
-
-/// The set-up every forward pass shares: refuses an empty call, a
-/// `logits_from` past the tokens and ids outside the vocabulary, sizes
-/// `cache` for `model`, then runs `step` as one cache step (committed on
-/// success, rolled back on error).
-pub(crate) fn forward_step(
-    tokens: &[u32],
-    vocab: usize,
-    logits_from: usize,
-    model: &attention::ModelKvShape<'_>,
-    cache: &mut ModelCache,
-    step: impl FnOnce(&mut ModelCache) -> Result<Vec<f32>>,
-) -> Result<Vec<f32>> {
-    check_tokens(tokens, vocab, logits_from)?;
-    cache.fit(model)?;
-    attention::run_step(cache, tokens, step)
+/// Checks every projection of `model` from now on as `config` says (`None`
+/// switches the checks off) and returns the checks, whose
+/// [`stats`](GemmChecks::stats) say what they found.
+pub fn install(
+    model: &mut dyn CausalLm,
+    config: Option<GemmCheckConfig>,
+) -> Result<Option<Arc<GemmChecks>>> {
+    let Some(config) = config else {
+        model.set_projection_hook(None);
+        return Ok(None);
+    };
+    let checks = Arc::new(GemmChecks::new(config, &model.projections())?);
+    model.set_projection_hook(Some(checks.clone()));
+    Ok(Some(checks))
 }
 
 /// Faults injected into the checked products: each element of the chosen
@@ -236,8 +94,9 @@ pub struct GemmChecks {
     correct: bool,
     corrected: std::sync::atomic::AtomicU64,
     uncorrected: std::sync::atomic::AtomicU64,
-    /// Prepared weights, by the address of their data.
-    prepared: std::collections::HashMap<usize, abft_gemm::CheckedLinear>,
+    /// Per projection: its f32 weights (a copy where the model stores them
+    /// quantised) and their prepared checks.
+    prepared: HashMap<ProjectionId, (Option<Matrix>, abft_gemm::CheckedLinear)>,
     products: std::sync::atomic::AtomicU64,
     rows: std::sync::atomic::AtomicU64,
     flagged: std::sync::atomic::AtomicU64,
@@ -245,17 +104,6 @@ pub struct GemmChecks {
     injected: [std::sync::atomic::AtomicU64; 32],
     eligible: [std::sync::atomic::AtomicU64; 32],
     detected: [std::sync::atomic::AtomicU64; 32],
-}
-
-/// A model's projection checks, if switched on. A cloned model starts with
-/// them off (its weights live elsewhere, and the checks are keyed by them).
-#[derive(Debug, Default)]
-pub(crate) struct ChecksSlot(pub(crate) Option<Box<GemmChecks>>);
-
-impl Clone for ChecksSlot {
-    fn clone(&self) -> Self {
-        Self(None)
-    }
 }
 
 /// What the GEMM checks of a run found.
@@ -285,23 +133,30 @@ pub struct GemmCheckStats {
 }
 
 impl GemmChecks {
-    /// Prepares `weights` for `config`.
-    pub fn new(config: GemmCheckConfig, weights: &[&Matrix]) -> Self {
+    /// Prepares the projections `weights` for `config` (stored ones
+    /// dequantised to f32).
+    pub fn new(config: GemmCheckConfig, weights: &[(ProjectionId, &Projection)]) -> Result<Self> {
         let rule = config.rule;
-        Self {
+        let prepared = weights
+            .iter()
+            .map(|&(id, p)| {
+                let prepared = match p {
+                    Projection::Dense(m) => (None, abft_gemm::CheckedLinear::new(m, rule)),
+                    Projection::Stored(s) => {
+                        let m = Matrix::new(s.rows(), s.cols(), s.to_f32())?;
+                        let checked = abft_gemm::CheckedLinear::new(&m, rule);
+                        (Some(m), checked)
+                    }
+                };
+                Ok((id, prepared))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
             flips: config.flips,
             correct: config.correct,
             corrected: Default::default(),
             uncorrected: Default::default(),
-            prepared: weights
-                .iter()
-                .map(|w| {
-                    (
-                        w.data.as_ptr() as usize,
-                        abft_gemm::CheckedLinear::new(w, rule),
-                    )
-                })
-                .collect(),
+            prepared,
             products: Default::default(),
             rows: Default::default(),
             flagged: Default::default(),
@@ -309,19 +164,19 @@ impl GemmChecks {
             injected: Default::default(),
             eligible: Default::default(),
             detected: Default::default(),
-        }
+        })
     }
 
-    pub(crate) fn check(&self, w: &Matrix, x: &[f32], product: &mut [f32]) -> Result<()> {
+    /// Checks `product` (`x · wᵀ`, computed) of prepared weights `w`
+    /// (injecting the configured flips first).
+    fn check(
+        &self,
+        prepared: &abft_gemm::CheckedLinear,
+        w: &Matrix,
+        x: &[f32],
+        product: &mut [f32],
+    ) -> Result<()> {
         use std::sync::atomic::Ordering::Relaxed;
-        let prepared = self
-            .prepared
-            .get(&(w.data.as_ptr() as usize))
-            .ok_or_else(|| {
-                crate::error::EvalError::Model(
-                    "a projection whose weights were not prepared for checks".into(),
-                )
-            })?;
         let index = self.products.fetch_add(1, Relaxed);
         // The checks of the product as computed: a row that fires here has
         // no injected flip (a false alarm, or inputs already corrupted by
@@ -468,15 +323,39 @@ fn draw_hits(len: usize, rate: f64, rng: &mut gf2_codes::channel::FaultRng) -> V
     hits
 }
 
-/// Refuses a normalisation epsilon that is NaN, infinite or not positive
-/// (it would turn every hidden state into NaN or ∞ without a word).
-pub(crate) fn check_norm_eps(eps: f32) -> Result<()> {
-    if eps.is_finite() && eps > 0.0 {
+impl ProjectionHook for GemmChecks {
+    /// The product through abft-gemm's linear layer on the f32 weights,
+    /// verified by row checks before it is added: computed alone (not
+    /// accumulated into `out` by the GEMM), which can change the last bit
+    /// of a residual sum.
+    fn project(
+        &self,
+        id: ProjectionId,
+        weights: &Projection,
+        x: &[f32],
+        out: &mut [f32],
+        accumulate: bool,
+    ) -> std::result::Result<(), ModelError> {
+        let (copy, prepared) = self.prepared.get(&id).ok_or_else(|| {
+            ModelError::from(EvalError::Model(format!(
+                "projection {id:?} was not prepared for checks"
+            )))
+        })?;
+        let Some(w) = copy.as_ref().or(weights.dense()) else {
+            return Err(EvalError::Model(format!("projection {id:?} has no f32 weights")).into());
+        };
+        if accumulate {
+            let mut product = vec![0.0; out.len()];
+            abft_gemm::linear_into(&mut product, x, w, false)?;
+            self.check(prepared, w, x, &mut product)?;
+            for (o, p) in out.iter_mut().zip(&product) {
+                *o += p;
+            }
+        } else {
+            abft_gemm::linear_into(out, x, w, false)?;
+            self.check(prepared, w, x, out)?;
+        }
         Ok(())
-    } else {
-        Err(crate::error::EvalError::Model(format!(
-            "normalisation epsilon {eps} is not a positive finite number"
-        )))
     }
 }
 

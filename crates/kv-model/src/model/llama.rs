@@ -13,10 +13,9 @@
 //! every projection multiplies kv-model's blocks by activations quantised to
 //! 8 bits per block, as llama.cpp does; types without a kernel (`Q2_K`,
 //! `Q3_K`) are dequantised to f32 at load with a notice. Q, K and V share
-//! one stacked projection, and so do the gate and up projections. Checked
-//! GEMMs ([`CausalLm::set_gemm_checks`]) densify every projection to f32
-//! first (the checksums are taken over f32 weights), and so does
-//! [`LlamaModel::densify`].
+//! one stacked projection, and so do the gate and up projections.
+//! [`LlamaModel::densify`] turns every projection into f32 (faer's GEMM),
+//! and a [`ProjectionHook`] may compute every product instead.
 
 use attention::{
     Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, Numerics, OnNonFinite, Rope,
@@ -24,14 +23,13 @@ use attention::{
 };
 use rayon::prelude::*;
 
-use kv_model::weights::{Isa, QuantMatrix, StoredLinear};
-
 use super::{
-    BatchItem, CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix,
-    ModelCache, Projection, check_norm_eps, forward_steps, project,
+    BatchItem, CausalLm, HookSlot, ModelCache, Projection, ProjectionHook, ProjectionId,
+    ProjectionKind, check_norm_eps, forward_steps, listed, project,
 };
-use crate::error::{EvalError, Result};
-use kv_model::gguf::GgufFile;
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::weights::{Isa, QuantMatrix, StoredLinear};
 
 /// The member of the Llama family a model is (its GGUF
 /// `general.architecture`).
@@ -101,7 +99,7 @@ impl LlamaConfig {
             "llama" => LlamaArch::Llama,
             "qwen2" => LlamaArch::Qwen2,
             other => {
-                return Err(EvalError::Model(format!(
+                return Err(ModelError::ModelFile(format!(
                     "architecture {other:?} (this reader runs \"llama\" and \"qwen2\")"
                 )));
             }
@@ -112,19 +110,19 @@ impl LlamaConfig {
         let q_heads = u("attention.head_count")?;
         let kv_heads = u("attention.head_count_kv").unwrap_or(q_heads);
         if q_heads == 0 || dim % q_heads != 0 {
-            return Err(EvalError::Model(format!(
+            return Err(ModelError::ModelFile(format!(
                 "embedding length {dim} is not a multiple of {q_heads} heads"
             )));
         }
         if kv_heads == 0 || q_heads % kv_heads != 0 {
-            return Err(EvalError::Model(format!(
+            return Err(ModelError::ModelFile(format!(
                 "{q_heads} query heads are not a multiple of {kv_heads} KV heads"
             )));
         }
         let head_dim = dim / q_heads;
         let layers = u("block_count")?;
         if layers == 0 {
-            return Err(EvalError::Model(format!(
+            return Err(ModelError::ModelFile(format!(
                 "{} is 0: a model has at least one block",
                 key("block_count")
             )));
@@ -188,7 +186,7 @@ pub struct LlamaModel {
     output: Option<Projection>,
     rope: Rope,
     attention: Attention,
-    checks: ChecksSlot,
+    hook: HookSlot,
     isa: Isa,
 }
 
@@ -214,7 +212,7 @@ impl LlamaModel {
         let mut quant = |name: &str, rows: usize, cols: usize| -> Result<QuantMatrix> {
             let t = file.tensor(name)?;
             if t.info.row_len() != cols || t.info.rows() != rows {
-                return Err(EvalError::Model(format!(
+                return Err(ModelError::ModelFile(format!(
                     "tensor {name} is {:?}, expected {cols}×{rows}",
                     t.info.dims
                 )));
@@ -231,12 +229,12 @@ impl LlamaModel {
         let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
             let t = file.tensor(name)?;
             if t.info.elements() != len as u64 {
-                return Err(EvalError::Model(format!(
+                return Err(ModelError::ModelFile(format!(
                     "tensor {name} is {:?}, expected {len} values",
                     t.info.dims
                 )));
             }
-            Ok(t.to_f32()?)
+            t.to_f32()
         };
         let mut matrix = |names: &[(&str, usize)], cols: usize| -> Result<Projection> {
             let parts = names
@@ -299,16 +297,20 @@ impl LlamaModel {
     ) -> Result<Self> {
         let c = &config;
         if embed.rows() != c.vocab || embed.cols() != c.dim || layers.len() != c.layers {
-            return Err(EvalError::Shape(
+            return Err(ModelError::Shape(
                 "embedding or layer count does not fit the config".into(),
             ));
         }
         if c.q_heads * c.head_dim != c.dim {
-            return Err(EvalError::Shape("q_heads × head_dim must equal dim".into()));
+            return Err(ModelError::Shape(
+                "q_heads × head_dim must equal dim".into(),
+            ));
         }
         check_norm_eps(c.norm_eps)?;
         if c.context == 0 {
-            return Err(EvalError::Model("a training context of 0 tokens".into()));
+            return Err(ModelError::ModelFile(
+                "a training context of 0 tokens".into(),
+            ));
         }
         let rope = Rope::new(c.rope_layout, c.head_dim, c.rope_dims, c.rope_base)?;
         let shape = HeadShape::new(c.q_heads, c.kv_heads, c.head_dim)?;
@@ -338,7 +340,7 @@ impl LlamaModel {
                 && (layer.gate_up.rows(), layer.gate_up.cols()) == (2 * c.ffn, c.dim)
                 && (layer.down.rows(), layer.down.cols()) == (c.dim, c.ffn);
             if !ok {
-                return Err(EvalError::Shape(format!(
+                return Err(ModelError::Shape(format!(
                     "layer {l} weights do not fit the config"
                 )));
             }
@@ -348,7 +350,7 @@ impl LlamaModel {
                 .as_ref()
                 .is_some_and(|o| o.rows() != c.vocab || o.cols() != c.dim)
         {
-            return Err(EvalError::Shape(
+            return Err(ModelError::Shape(
                 "output weights do not fit the config".into(),
             ));
         }
@@ -360,7 +362,7 @@ impl LlamaModel {
             output,
             rope,
             attention,
-            checks: ChecksSlot(None),
+            hook: HookSlot(None),
             isa: Isa::detect(),
         })
     }
@@ -368,6 +370,11 @@ impl LlamaModel {
     /// The hyper-parameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
+    }
+
+    /// The output head: its own matrix, or the token embedding where tied.
+    fn output_projection(&self) -> &Projection {
+        self.output.as_ref().unwrap_or(&self.embed)
     }
 
     /// Pins the instruction set of the stored weights' products (every
@@ -378,7 +385,7 @@ impl LlamaModel {
     }
 
     /// Dequantises every projection to dense f32 (the products then run
-    /// through faer's GEMM on f32 activations, as before kv-model).
+    /// through faer's GEMM on f32 activations).
     pub fn densify(&mut self) -> Result<()> {
         for l in &mut self.layers {
             for p in [&mut l.qkv, &mut l.out, &mut l.gate_up, &mut l.down] {
@@ -473,10 +480,18 @@ impl LlamaModel {
             let id = id as usize;
             self.embed.row_into(id, row)?;
         }
-        let checks = self.checks.0.as_deref();
+        let hook = &self.hook;
         for (l, layer) in self.layers.iter().enumerate() {
+            let id = |kind| ProjectionId::block(l, kind);
             rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
-            project(&mut b.qkv, &b.h, &layer.qkv, false, checks, self.isa)?;
+            project(
+                &mut b.qkv,
+                &b.h,
+                (id(ProjectionKind::Qkv), &layer.qkv),
+                false,
+                hook,
+                self.isa,
+            )?;
             let width = c.dim + 2 * kvc;
             if let Some(bias) = &layer.qkv_bias {
                 for row in b.qkv.chunks_exact_mut(width) {
@@ -522,16 +537,37 @@ impl LlamaModel {
                 )?;
                 b.attended[qs].copy_from_slice(&out.out);
             }
-            project(&mut b.x, &b.attended, &layer.out, true, checks, self.isa)?;
+            project(
+                &mut b.x,
+                &b.attended,
+                (id(ProjectionKind::AttentionOut), &layer.out),
+                true,
+                hook,
+                self.isa,
+            )?;
             rms_norm(&mut b.h, &b.x, &layer.ffn_norm, c.norm_eps);
-            project(&mut b.gu, &b.h, &layer.gate_up, false, checks, self.isa)?;
+            project(
+                &mut b.gu,
+                &b.h,
+                (id(ProjectionKind::MlpUp), &layer.gate_up),
+                false,
+                hook,
+                self.isa,
+            )?;
             for_each_row(&mut b.act, c.ffn, &b.gu, 2 * c.ffn, |a, gu| {
                 let (g, u) = gu.split_at(c.ffn);
                 for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
                     *a = g / (1.0 + (-g).exp()) * u;
                 }
             });
-            project(&mut b.x, &b.act, &layer.down, true, checks, self.isa)?;
+            project(
+                &mut b.x,
+                &b.act,
+                (id(ProjectionKind::MlpDown), &layer.down),
+                true,
+                hook,
+                self.isa,
+            )?;
         }
         // The rows whose logits are asked for, through one output GEMM.
         let rows: Vec<usize> = batch
@@ -549,9 +585,9 @@ impl LlamaModel {
         project(
             &mut logits,
             &h,
-            self.output.as_ref().unwrap_or(&self.embed),
+            (ProjectionId::OUTPUT, self.output_projection()),
             false,
-            checks,
+            hook,
             self.isa,
         )?;
         let mut rest = logits.as_slice();
@@ -592,29 +628,21 @@ impl CausalLm for LlamaModel {
         Some(self.config.context)
     }
 
-    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) -> Result<()> {
-        if config.is_some() {
-            self.densify()?;
-        }
-        self.checks = ChecksSlot(config.map(|config| {
-            let mut weights: Vec<&Matrix> = self
-                .layers
+    fn projections(&self) -> Vec<(ProjectionId, &Projection)> {
+        listed(
+            self.layers
                 .iter()
-                .flat_map(|l| [&l.qkv, &l.out, &l.gate_up, &l.down])
-                .filter_map(Projection::dense)
-                .collect();
-            weights.extend(self.output.as_ref().unwrap_or(&self.embed).dense());
-            Box::new(GemmChecks::new(config, &weights))
-        }));
-        Ok(())
+                .map(|l| [&l.qkv, &l.out, &l.gate_up, &l.down]),
+            self.output_projection(),
+        )
+    }
+
+    fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>) {
+        self.hook = HookSlot(hook);
     }
 
     fn set_numerics(&mut self, numerics: attention::Numerics) {
         self.attention.set_numerics(numerics);
-    }
-
-    fn gemm_checks(&self) -> Option<GemmCheckStats> {
-        self.checks.0.as_ref().map(|c| c.stats())
     }
 
     fn describe(&self) -> String {

@@ -7,10 +7,11 @@ use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, Numer
 use rayon::prelude::*;
 
 use super::{
-    CausalLm, ChecksSlot, GemmCheckConfig, GemmCheckStats, GemmChecks, Matrix, ModelCache,
-    check_norm_eps, forward_step, project_dense,
+    CausalLm, HookSlot, Matrix, ModelCache, Projection, ProjectionHook, ProjectionId,
+    ProjectionKind, check_norm_eps, forward_step, listed, project,
 };
-use crate::error::{EvalError, Result};
+use crate::error::{ModelError, Result};
+use crate::weights::Isa;
 
 /// GPT-2 hyper-parameters (`config.json`'s `n_embd`, `n_layer`, ...).
 #[derive(Clone, Debug, PartialEq)]
@@ -29,40 +30,42 @@ pub struct Gpt2Config {
     pub norm_eps: f32,
 }
 
-/// One GPT-2 block's weights, matrices as `outputs × inputs`.
+/// One GPT-2 block's weights (each projection with its bias), matrices as
+/// `outputs × inputs`.
 #[derive(Clone, Debug)]
 pub struct Gpt2Layer {
     /// LayerNorm before attention: weight and bias.
     pub ln_1: (Vec<f32>, Vec<f32>),
     /// Fused Q, K, V projection (`3·dim × dim`) and its bias.
-    pub qkv: (Matrix, Vec<f32>),
+    pub qkv: (Projection, Vec<f32>),
     /// Attention output projection and bias.
-    pub out: (Matrix, Vec<f32>),
+    pub out: (Projection, Vec<f32>),
     /// LayerNorm before the MLP.
     pub ln_2: (Vec<f32>, Vec<f32>),
     /// MLP up projection (`4·dim × dim`) and bias.
-    pub fc: (Matrix, Vec<f32>),
+    pub fc: (Projection, Vec<f32>),
     /// MLP down projection and bias.
-    pub proj: (Matrix, Vec<f32>),
+    pub proj: (Projection, Vec<f32>),
 }
 
 /// A GPT-2 model held in f32.
 #[derive(Clone, Debug)]
 pub struct Gpt2Model {
     config: Gpt2Config,
-    wte: Matrix,
+    wte: Projection,
     wpe: Matrix,
     layers: Vec<Gpt2Layer>,
     ln_f: (Vec<f32>, Vec<f32>),
     attention: Attention,
-    checks: ChecksSlot,
+    hook: HookSlot,
+    isa: Isa,
 }
 
 impl Gpt2Model {
     /// Assembles a model, checking every shape.
     pub fn new(
         config: Gpt2Config,
-        wte: Matrix,
+        wte: Projection,
         wpe: Matrix,
         layers: Vec<Gpt2Layer>,
         ln_f: (Vec<f32>, Vec<f32>),
@@ -70,22 +73,22 @@ impl Gpt2Model {
         let c = &config;
         let d = c.dim;
         if c.heads == 0 || !d.is_multiple_of(c.heads) {
-            return Err(EvalError::Shape(format!(
+            return Err(ModelError::Shape(format!(
                 "width {d} is not a multiple of {} heads",
                 c.heads
             )));
         }
         check_norm_eps(c.norm_eps)?;
         let norm_ok = |n: &(Vec<f32>, Vec<f32>)| n.0.len() == d && n.1.len() == d;
-        let lin_ok = |l: &(Matrix, Vec<f32>), rows: usize, cols: usize| {
-            l.0.rows == rows && l.0.cols == cols && l.1.len() == rows
+        let lin_ok = |l: &(Projection, Vec<f32>), rows: usize, cols: usize| {
+            l.0.rows() == rows && l.0.cols() == cols && l.1.len() == rows
         };
-        if (wte.rows, wte.cols) != (c.vocab, d)
+        if (wte.rows(), wte.cols()) != (c.vocab, d)
             || (wpe.rows, wpe.cols) != (c.positions, d)
             || layers.len() != c.layers
             || !norm_ok(&ln_f)
         {
-            return Err(EvalError::Shape(
+            return Err(ModelError::Shape(
                 "GPT-2 embeddings or layer count do not fit the config".into(),
             ));
         }
@@ -97,7 +100,7 @@ impl Gpt2Model {
                 && lin_ok(&l.fc, 4 * d, d)
                 && lin_ok(&l.proj, d, 4 * d);
             if !ok {
-                return Err(EvalError::Shape(format!(
+                return Err(ModelError::Shape(format!(
                     "GPT-2 layer {i} weights do not fit the config"
                 )));
             }
@@ -123,7 +126,8 @@ impl Gpt2Model {
             layers,
             ln_f,
             attention,
-            checks: ChecksSlot(None),
+            hook: HookSlot(None),
+            isa: Isa::detect(),
         })
     }
 
@@ -188,25 +192,21 @@ impl CausalLm for Gpt2Model {
         Some(self.config.positions)
     }
 
-    fn set_gemm_checks(&mut self, config: Option<GemmCheckConfig>) -> Result<()> {
-        self.checks = ChecksSlot(config.map(|config| {
-            let mut weights: Vec<&Matrix> = self
-                .layers
+    fn projections(&self) -> Vec<(ProjectionId, &Projection)> {
+        listed(
+            self.layers
                 .iter()
-                .flat_map(|l| [&l.qkv.0, &l.out.0, &l.fc.0, &l.proj.0])
-                .collect();
-            weights.push(&self.wte);
-            Box::new(GemmChecks::new(config, &weights))
-        }));
-        Ok(())
+                .map(|l| [&l.qkv.0, &l.out.0, &l.fc.0, &l.proj.0]),
+            &self.wte,
+        )
+    }
+
+    fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>) {
+        self.hook = HookSlot(hook);
     }
 
     fn set_numerics(&mut self, numerics: attention::Numerics) {
         self.attention.set_numerics(numerics);
-    }
-
-    fn gemm_checks(&self) -> Option<GemmCheckStats> {
-        self.checks.0.as_ref().map(|c| c.stats())
     }
 
     fn describe(&self) -> String {
@@ -221,8 +221,7 @@ impl CausalLm for Gpt2Model {
     }
 
     fn weight_bytes(&self) -> usize {
-        let m = |m: &Matrix| m.data.len() * 4;
-        let pair = |p: &(Matrix, Vec<f32>)| m(&p.0) + p.1.len() * 4;
+        let pair = |p: &(Projection, Vec<f32>)| p.0.bytes() + p.1.len() * 4;
         let layers: usize = self
             .layers
             .iter()
@@ -234,7 +233,10 @@ impl CausalLm for Gpt2Model {
                     + 4 * (l.ln_1.0.len() + l.ln_1.1.len() + l.ln_2.0.len() + l.ln_2.1.len())
             })
             .sum();
-        layers + m(&self.wte) + m(&self.wpe) + 4 * (self.ln_f.0.len() + self.ln_f.1.len())
+        layers
+            + self.wte.bytes()
+            + self.wpe.data.len() * 4
+            + 4 * (self.ln_f.0.len() + self.ln_f.1.len())
     }
 
     fn forward(
@@ -259,11 +261,11 @@ impl Gpt2Model {
     /// The forward pass inside one cache step.
     fn step(&self, tokens: &[u32], cache: &mut ModelCache, logits_from: usize) -> Result<Vec<f32>> {
         let c = &self.config;
-        let checks = self.checks.0.as_deref();
+        let hook = &self.hook;
         let (t, d) = (tokens.len(), c.dim);
         let start = cache.tokens();
         if start + t > c.positions {
-            return Err(EvalError::InvalidParameter {
+            return Err(ModelError::InvalidParameter {
                 name: "positions",
                 reason: format!(
                     "{} tokens exceed GPT-2's {} learned positions",
@@ -274,14 +276,10 @@ impl Gpt2Model {
         }
         let mut x = vec![0.0f32; t * d];
         for (i, (row, &id)) in x.chunks_exact_mut(d).zip(tokens).enumerate() {
-            let id = id as usize;
+            self.wte.row_into(id as usize, row)?;
             let p = start + i;
-            for ((o, &e), &q) in row
-                .iter_mut()
-                .zip(&self.wte.data[id * d..(id + 1) * d])
-                .zip(&self.wpe.data[p * d..(p + 1) * d])
-            {
-                *o = e + q;
+            for (o, &q) in row.iter_mut().zip(&self.wpe.data[p * d..(p + 1) * d]) {
+                *o += q;
             }
         }
         let positions: Vec<usize> = (start..start + t).collect();
@@ -290,8 +288,16 @@ impl Gpt2Model {
         let (mut q, mut k, mut v) = (vec![0.0; t * d], vec![0.0; t * d], vec![0.0; t * d]);
         let mut fc = vec![0.0; t * 4 * d];
         for (l, layer) in self.layers.iter().enumerate() {
+            let id = |kind| ProjectionId::block(l, kind);
             layer_norm(&mut h, &x, &layer.ln_1, c.norm_eps);
-            project_dense(&mut qkv, &h, &layer.qkv.0, false, checks)?;
+            project(
+                &mut qkv,
+                &h,
+                (id(ProjectionKind::Qkv), &layer.qkv.0),
+                false,
+                hook,
+                self.isa,
+            )?;
             add_bias(&mut qkv, &layer.qkv.1);
             for (i, row) in qkv.chunks_exact(3 * d).enumerate() {
                 q[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
@@ -301,19 +307,47 @@ impl Gpt2Model {
             cache.append(l, &k, &v)?;
             let attended = cache.attend(l, &self.attention, &q, &positions, &Mask::Causal)?;
             add_bias(&mut x, &layer.out.1);
-            project_dense(&mut x, &attended.out, &layer.out.0, true, checks)?;
+            project(
+                &mut x,
+                &attended.out,
+                (id(ProjectionKind::AttentionOut), &layer.out.0),
+                true,
+                hook,
+                self.isa,
+            )?;
             layer_norm(&mut h, &x, &layer.ln_2, c.norm_eps);
-            project_dense(&mut fc, &h, &layer.fc.0, false, checks)?;
+            project(
+                &mut fc,
+                &h,
+                (id(ProjectionKind::MlpUp), &layer.fc.0),
+                false,
+                hook,
+                self.isa,
+            )?;
             add_bias(&mut fc, &layer.fc.1);
             fc.par_iter_mut().for_each(|v| *v = gelu_tanh(*v));
             add_bias(&mut x, &layer.proj.1);
-            project_dense(&mut x, &fc, &layer.proj.0, true, checks)?;
+            project(
+                &mut x,
+                &fc,
+                (id(ProjectionKind::MlpDown), &layer.proj.0),
+                true,
+                hook,
+                self.isa,
+            )?;
         }
         let rows = t - logits_from;
         let mut hf = vec![0.0; rows * d];
         layer_norm(&mut hf, &x[logits_from * d..], &self.ln_f, c.norm_eps);
         let mut logits = vec![0.0; rows * c.vocab];
-        project_dense(&mut logits, &hf, &self.wte, false, checks)?;
+        project(
+            &mut logits,
+            &hf,
+            (ProjectionId::OUTPUT, &self.wte),
+            false,
+            hook,
+            self.isa,
+        )?;
         Ok(logits)
     }
 }

@@ -1,0 +1,190 @@
+//! The models and what they share: the [`CausalLm`] interface (a forward
+//! pass over any [`KvBackend`], the [`ModelCache`]), the projections
+//! ([`Projection`]: weights as stored, multiplied by this crate's kernels,
+//! or dense f32 through abft-gemm's linear layer) and the hook that may
+//! replace their products ([`ProjectionHook`]: kv-eval's GEMM checks).
+//! Llama-family models in [`llama`], GPT-2 in [`gpt2`].
+
+mod backend;
+pub mod gpt2;
+pub mod llama;
+mod projection;
+
+pub use backend::Adapted;
+pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
+pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel};
+pub(crate) use projection::{HookSlot, listed, project};
+pub use projection::{Projection, ProjectionHook, ProjectionId, ProjectionKind};
+
+pub use abft_gemm::Matrix;
+use attention::{KvBackend, Rope};
+
+use crate::error::{ModelError, Result};
+
+/// The KV cache a forward pass talks to: any [`KvBackend`] whose errors are
+/// this crate's (the f32 oracle, the paged cache, kv-eval's re-encode
+/// protocol: a backend with errors of its own reports them as
+/// [`ModelError::External`]).
+pub type ModelCache = dyn KvBackend<Error = ModelError>;
+
+/// A causal language model whose K and V go through a [`KvBackend`].
+pub trait CausalLm: Send + Sync {
+    /// Vocabulary size (logits per token).
+    fn vocab(&self) -> usize;
+    /// Transformer blocks.
+    fn layers(&self) -> usize;
+    /// K (or V) channels per token and layer.
+    fn kv_channels(&self) -> usize;
+    /// Channels per attention head.
+    fn head_dim(&self) -> usize;
+    /// The rotary embedding of the keys, if the model has one (forms that
+    /// project keys before RoPE undo and redo it).
+    fn rope(&self) -> Option<&Rope> {
+        None
+    }
+    /// The context the model was trained to (positions past it are
+    /// refused by learned-position models and unreliable for RoPE ones).
+    fn context(&self) -> Option<usize> {
+        None
+    }
+    /// Every projection of the forward pass with its identity, in the
+    /// order the pass multiplies them (the output head last).
+    fn projections(&self) -> Vec<(ProjectionId, &Projection)>;
+    /// Computes every projection through `hook` from now on (`None`: the
+    /// plain products). A cloned model starts without a hook.
+    fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>);
+    /// How attention scores integer-coded keys from now on.
+    fn set_numerics(&mut self, numerics: attention::Numerics);
+    /// A one-line description (architecture and shape).
+    fn describe(&self) -> String;
+    /// Bytes the weights take in memory.
+    fn weight_bytes(&self) -> usize;
+    /// Runs `tokens` after what `cache` already holds (their positions
+    /// follow the cache's), appends their K and V to it as one step
+    /// (committed on success, rolled back on error), and returns the logits
+    /// (`vocab` per token) of the tokens from index `logits_from` on.
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+    ) -> Result<Vec<f32>>;
+
+    /// Runs several sequences as one batch: each item's tokens after what
+    /// its cache holds, its logits from `logits_from` on (as
+    /// [`forward`](Self::forward) returns them, one vector per item).
+    /// Llama-family models share every projection's GEMM across the batch
+    /// (the weights are read once per step, not once per sequence) and
+    /// attend per sequence; an error rolls every item's step back. This
+    /// default runs the items one after the other (an error leaves the
+    /// items before it committed).
+    fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        batch
+            .iter_mut()
+            .map(|item| self.forward(item.tokens, &mut *item.cache, item.logits_from))
+            .collect()
+    }
+}
+
+/// One sequence of a batched forward pass ([`CausalLm::forward_batch`]).
+pub struct BatchItem<'a> {
+    /// Its new tokens.
+    pub tokens: &'a [u32],
+    /// Its cache.
+    pub cache: &'a mut ModelCache,
+    /// Index of its first token whose logits are returned.
+    pub logits_from: usize,
+}
+
+impl std::fmt::Debug for BatchItem<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchItem")
+            .field("tokens", &self.tokens)
+            .field("cached", &self.cache.tokens())
+            .field("logits_from", &self.logits_from)
+            .finish()
+    }
+}
+
+/// Refuses an empty call, a `logits_from` past the tokens and ids outside
+/// the vocabulary.
+fn check_tokens(tokens: &[u32], vocab: usize, logits_from: usize) -> Result<()> {
+    let t = tokens.len();
+    if t == 0 || logits_from > t {
+        return Err(ModelError::EmptyForward {
+            tokens: t,
+            logits_from,
+        });
+    }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+        return Err(ModelError::TokenId { id, vocab });
+    }
+    Ok(())
+}
+
+/// [`forward_step`] for a batch: checks every item and sizes its cache,
+/// opens a step on each, runs `step` over them all, then commits every
+/// step, or rolls every open step back if anything failed.
+pub(crate) fn forward_steps(
+    batch: &mut [BatchItem<'_>],
+    vocab: usize,
+    model: &attention::ModelKvShape<'_>,
+    step: impl FnOnce(&mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>>,
+) -> Result<Vec<Vec<f32>>> {
+    for item in batch.iter_mut() {
+        check_tokens(item.tokens, vocab, item.logits_from)?;
+        item.cache.fit(model)?;
+    }
+    for i in 0..batch.len() {
+        let item = &mut batch[i];
+        if let Err(e) = item.cache.begin(item.tokens) {
+            for open in &mut batch[..i] {
+                open.cache.rollback();
+            }
+            return Err(e);
+        }
+    }
+    match step(batch) {
+        Ok(out) => {
+            for item in batch.iter_mut() {
+                item.cache.commit()?;
+            }
+            Ok(out)
+        }
+        Err(e) => {
+            for item in batch.iter_mut() {
+                item.cache.rollback();
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The set-up every forward pass shares: refuses an empty call, a
+/// `logits_from` past the tokens and ids outside the vocabulary, sizes
+/// `cache` for `model`, then runs `step` as one cache step (committed on
+/// success, rolled back on error).
+pub(crate) fn forward_step(
+    tokens: &[u32],
+    vocab: usize,
+    logits_from: usize,
+    model: &attention::ModelKvShape<'_>,
+    cache: &mut ModelCache,
+    step: impl FnOnce(&mut ModelCache) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    check_tokens(tokens, vocab, logits_from)?;
+    cache.fit(model)?;
+    attention::run_step(cache, tokens, step)
+}
+
+/// Refuses a normalisation epsilon that is NaN, infinite or not positive
+/// (it would turn every hidden state into NaN or ∞ without a word).
+pub(crate) fn check_norm_eps(eps: f32) -> Result<()> {
+    if eps.is_finite() && eps > 0.0 {
+        Ok(())
+    } else {
+        Err(ModelError::ModelFile(format!(
+            "normalisation epsilon {eps} is not a positive finite number"
+        )))
+    }
+}

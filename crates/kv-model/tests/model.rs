@@ -1,0 +1,173 @@
+//! The forward pass's contract with what plugs into it: a projection hook
+//! sees every projection once per pass, in `projections()` order, and a
+//! hook computing the plain product leaves the logits' bits unchanged; an
+//! error of a hook or backend defined elsewhere comes back whole and
+//! leaves the cache as it was before the step; bad input gets typed errors.
+
+use std::sync::{Arc, Mutex};
+
+use attention::{DenseBackend, KvBackend, RopeLayout};
+use kv_model::ModelError;
+use kv_model::model::{
+    Adapted, CausalLm, LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, Matrix, Projection,
+    ProjectionHook, ProjectionId,
+};
+use kv_model::weights::{Isa, QuantMatrix, StoredLinear};
+
+const VOCAB: usize = 40;
+const DIM: usize = 16;
+const FFN: usize = 24;
+const LAYERS: usize = 2;
+
+/// Seeded values in about ±0.5.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// Stored (F32 blocks) projections in even layers, dense ones in odd
+/// layers, so both kinds meet the hook.
+fn projection(rows: usize, cols: usize, seed: u64, stored: bool) -> Projection {
+    let v = values(rows * cols, seed);
+    if stored {
+        let m = QuantMatrix::from_f32(rows, cols, &v).unwrap();
+        Projection::Stored(StoredLinear::new(vec![m]).unwrap())
+    } else {
+        Projection::Dense(Matrix::new(rows, cols, v).unwrap())
+    }
+}
+
+fn model() -> LlamaModel {
+    let config = LlamaConfig {
+        arch: LlamaArch::Llama,
+        vocab: VOCAB,
+        dim: DIM,
+        layers: LAYERS,
+        ffn: FFN,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 4,
+        rope_base: 10_000.0,
+        rope_dims: 4,
+        rope_layout: RopeLayout::Adjacent,
+        norm_eps: 1e-5,
+        context: 64,
+    };
+    let kvc = config.kv_channels();
+    let layers = (0..LAYERS)
+        .map(|l| {
+            let (seed, stored) = (100 * l as u64, l % 2 == 0);
+            LlamaLayer {
+                attn_norm: vec![1.0; DIM],
+                qkv: projection(DIM + 2 * kvc, DIM, seed + 1, stored),
+                qkv_bias: None,
+                out: projection(DIM, DIM, seed + 2, stored),
+                ffn_norm: vec![1.0; DIM],
+                gate_up: projection(2 * FFN, DIM, seed + 3, stored),
+                down: projection(DIM, FFN, seed + 4, stored),
+            }
+        })
+        .collect();
+    let embed = projection(VOCAB, DIM, 7, true);
+    LlamaModel::from_parts(config, embed, layers, vec![1.0; DIM], None).unwrap()
+}
+
+/// Computes the plain product and records which projection it was; fails
+/// the call numbered `fail_at` (counting from 0) if set.
+#[derive(Debug, Default)]
+struct Recorder {
+    seen: Mutex<Vec<ProjectionId>>,
+    fail_at: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("refused by the test's hook")]
+struct Refused;
+
+impl ProjectionHook for Recorder {
+    fn project(
+        &self,
+        id: ProjectionId,
+        weights: &Projection,
+        x: &[f32],
+        out: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
+        let mut seen = self.seen.lock().unwrap();
+        if self.fail_at == Some(seen.len()) {
+            return Err(ModelError::External(Box::new(Refused)));
+        }
+        seen.push(id);
+        weights.product_into(out, x, accumulate, Isa::detect())
+    }
+}
+
+fn logits(m: &LlamaModel, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = Adapted(DenseBackend::new());
+    m.forward(tokens, &mut cache, 0).unwrap()
+}
+
+#[test]
+fn a_hook_sees_every_projection_once_per_pass_and_changes_no_bit() {
+    let tokens: Vec<u32> = (0..9).map(|i| (i * 7 % VOCAB) as u32).collect();
+    let plain = model();
+    let want = logits(&plain, &tokens);
+    let mut hooked = model();
+    let hook = Arc::new(Recorder::default());
+    hooked.set_projection_hook(Some(hook.clone()));
+    let got = logits(&hooked, &tokens);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got), bits(&want));
+    let order: Vec<ProjectionId> = hooked.projections().iter().map(|p| p.0).collect();
+    assert_eq!(order.len(), 4 * LAYERS + 1);
+    assert_eq!(*hook.seen.lock().unwrap(), order);
+    // A clone starts without the hook: its pass adds nothing.
+    let _ = logits(&hooked.clone(), &tokens);
+    assert_eq!(hook.seen.lock().unwrap().len(), order.len());
+}
+
+#[test]
+fn a_failing_hook_comes_back_whole_and_the_step_is_rolled_back() {
+    let mut m = model();
+    let mut cache = Adapted(DenseBackend::new());
+    m.forward(&[1, 2, 3], &mut cache, 0).unwrap();
+    let hook = Arc::new(Recorder {
+        fail_at: Some(5),
+        ..Recorder::default()
+    });
+    m.set_projection_hook(Some(hook));
+    match m.forward(&[4, 5], &mut cache, 0) {
+        Err(ModelError::External(e)) => assert!(e.downcast_ref::<Refused>().is_some(), "{e}"),
+        other => panic!("expected the hook's error, got {other:?}"),
+    }
+    assert_eq!(cache.tokens(), 3, "the failed step left rows behind");
+}
+
+#[test]
+fn bad_input_gets_typed_errors() {
+    let m = model();
+    let mut cache = Adapted(DenseBackend::new());
+    assert!(matches!(
+        m.forward(&[VOCAB as u32], &mut cache, 0),
+        Err(ModelError::TokenId { id, vocab: VOCAB }) if id == VOCAB as u32
+    ));
+    assert!(matches!(
+        m.forward(&[], &mut cache, 0),
+        Err(ModelError::EmptyForward { tokens: 0, .. })
+    ));
+    assert!(matches!(
+        m.forward(&[1, 2], &mut cache, 3),
+        Err(ModelError::EmptyForward {
+            tokens: 2,
+            logits_from: 3
+        })
+    ));
+    assert_eq!(cache.tokens(), 0);
+}
