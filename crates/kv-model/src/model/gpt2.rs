@@ -3,12 +3,12 @@
 //! through the model's [`ModelCache`], a GELU (tanh form, `gelu_new`) MLP, and the
 //! output head tied to the token embedding.
 
-use attention::{Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, Numerics, OnNonFinite};
+use attention::{Attention, HeadShape, Mask, ModelKvShape};
 use rayon::prelude::*;
 
 use super::{
     CausalLm, HookSlot, Matrix, ModelCache, Projection, ProjectionHook, ProjectionId,
-    ProjectionKind, check_norm_eps, forward_step, listed, project,
+    ProjectionKind, check_norm_eps, forward_step, listed, project, reference_attention,
 };
 use crate::error::{ModelError, Result};
 use crate::weights::Isa;
@@ -106,19 +106,7 @@ impl Gpt2Model {
             }
         }
         let shape = HeadShape::new(c.heads, c.heads, d / c.heads)?;
-        let attention = Attention::with_config(
-            shape,
-            AttentionConfig {
-                on_non_finite: OnNonFinite::Report,
-                // The evaluation's reference numerics and tiling: every
-                // published table was measured with exact scores over
-                // 64-row tiles (`set_numerics` picks other numerics).
-                numerics: Numerics::Exact,
-                tile_tokens: 64,
-                tile_bytes: None,
-                ..AttentionConfig::default()
-            },
-        )?;
+        let attention = reference_attention(shape)?;
         Ok(Self {
             config,
             wte,

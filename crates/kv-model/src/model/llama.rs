@@ -17,15 +17,12 @@
 //! [`LlamaModel::densify`] turns every projection into f32 (faer's GEMM),
 //! and a [`ProjectionHook`] may compute every product instead.
 
-use attention::{
-    Attention, AttentionConfig, HeadShape, Mask, ModelKvShape, Numerics, OnNonFinite, Rope,
-    RopeLayout,
-};
+use attention::{Attention, HeadShape, Mask, ModelKvShape, Rope, RopeLayout};
 use rayon::prelude::*;
 
 use super::{
     BatchItem, CausalLm, HookSlot, ModelCache, Projection, ProjectionHook, ProjectionId,
-    ProjectionKind, check_norm_eps, forward_steps, listed, project,
+    ProjectionKind, check_norm_eps, forward_steps, listed, project, reference_attention,
 };
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -314,19 +311,7 @@ impl LlamaModel {
         }
         let rope = Rope::new(c.rope_layout, c.head_dim, c.rope_dims, c.rope_base)?;
         let shape = HeadShape::new(c.q_heads, c.kv_heads, c.head_dim)?;
-        let attention = Attention::with_config(
-            shape,
-            AttentionConfig {
-                on_non_finite: OnNonFinite::Report,
-                // The evaluation's reference numerics and tiling: every
-                // published table was measured with exact scores over
-                // 64-row tiles (`set_numerics` picks other numerics).
-                numerics: Numerics::Exact,
-                tile_tokens: 64,
-                tile_bytes: None,
-                ..AttentionConfig::default()
-            },
-        )?;
+        let attention = reference_attention(shape)?;
         let kvc = c.kv_channels();
         for (l, layer) in layers.iter().enumerate() {
             let ok = layer.attn_norm.len() == c.dim

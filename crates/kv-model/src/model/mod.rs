@@ -14,6 +14,8 @@ pub use backend::Adapted;
 pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
 pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel};
 pub(crate) use projection::{HookSlot, listed, project};
+
+use attention::{Attention, AttentionConfig, HeadShape, Numerics, OnNonFinite};
 pub use projection::{Projection, ProjectionHook, ProjectionId, ProjectionKind};
 
 pub use abft_gemm::Matrix;
@@ -175,6 +177,24 @@ pub(crate) fn forward_step(
     check_tokens(tokens, vocab, logits_from)?;
     cache.fit(model)?;
     attention::run_step(cache, tokens, step)
+}
+
+/// The attention every model starts with: the evaluation's reference
+/// numerics and tiling (every published table was measured with exact
+/// scores over 64-row tiles; `set_numerics` picks other numerics), and
+/// non-finite outputs reported rather than refused (a fault experiment
+/// measures them).
+pub(crate) fn reference_attention(shape: HeadShape) -> Result<Attention> {
+    Ok(Attention::with_config(
+        shape,
+        AttentionConfig {
+            on_non_finite: OnNonFinite::Report,
+            numerics: Numerics::Exact,
+            tile_tokens: 64,
+            tile_bytes: None,
+            ..AttentionConfig::default()
+        },
+    )?)
 }
 
 /// Refuses a normalisation epsilon that is NaN, infinite or not positive
