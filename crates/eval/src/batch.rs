@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 use crate::backend::layer_specs;
 use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
-use crate::generate::{Sampling, pick};
 use kv_model::model::Adapted;
+use kv_model::model::Sampling;
 use kv_model::model::{BatchItem, CausalLm};
 
 /// One request of a batch.
@@ -379,7 +379,7 @@ impl<'a> ModelEngine<'a> {
             return;
         }
         let mut rng = FaultRng::with_stream(q.sampling.seed, 1 + index as u64);
-        out.tokens.push(pick(logits, &q.sampling, &mut rng));
+        out.tokens.push(q.sampling.pick(logits, &mut rng));
         out.token_times.push(self.start.elapsed().as_secs_f64());
     }
 }

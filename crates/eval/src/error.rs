@@ -108,9 +108,9 @@ pub enum EvalError {
 
 /// A model runner's error as this crate's: errors kv-eval's backends and
 /// hooks handed the runner ([`ModelError::External`](kv_model::ModelError::External) holding an
-/// [`EvalError`]) come back as they were, attention's and the paged
-/// cache's as [`EvalError::Attention`] and [`EvalError::Paged`], the rest
-/// as [`EvalError::KvModel`].
+/// [`EvalError`]) come back as they were; attention's, the paged cache's,
+/// invalid parameters, model-file and I/O errors as this crate's variants
+/// of the same name; the rest as [`EvalError::KvModel`].
 impl From<kv_model::ModelError> for EvalError {
     fn from(e: kv_model::ModelError) -> Self {
         match e {
@@ -120,6 +120,11 @@ impl From<kv_model::ModelError> for EvalError {
             },
             kv_model::ModelError::Attention(e) => Self::Attention(e),
             kv_model::ModelError::Paged(e) => Self::Paged(e),
+            kv_model::ModelError::InvalidParameter { name, reason } => {
+                Self::InvalidParameter { name, reason }
+            }
+            kv_model::ModelError::ModelFile(m) => Self::Model(m),
+            kv_model::ModelError::Io { path, source } => Self::Io { path, source },
             e => Self::KvModel(e),
         }
     }

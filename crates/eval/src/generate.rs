@@ -1,62 +1,19 @@
-//! Text generation on a KV backend: prefill the prompt in one step, then one
-//! token per step, greedy or sampled (temperature and nucleus, from a seeded
-//! stream). On the paged backend, faults can accumulate over time: before
-//! each decode step the resident blocks take flips at a given rate, and a
-//! scrubber can rewrite single-bit errors every few steps before they pair up.
-
-use std::time::Instant;
+//! Text generation on one of kv-eval's KV backends, through kv-model's
+//! [`generate`](kv_model::model::generate) (the prompt in one step, then
+//! one token per step, greedy or sampled). On the paged backend, faults
+//! can accumulate over time: before each decode step the resident blocks
+//! take flips at a given rate, and a scrubber can rewrite single-bit
+//! errors every few steps before they pair up.
 
 use attention::DenseBackend;
-use gf2_codes::channel::{FaultChannel, FaultRng};
+use gf2_codes::channel::FaultChannel;
 use kv_quant::{FaultTarget, KvDecodeStats, ScrubStats};
 use paged_cache::PagedBackend;
 
 use crate::backend::{BackendKind, paged_backend};
 use crate::cache::{CacheMode, ChannelKind, KvCache};
 use crate::error::{EvalError, Result};
-use kv_model::model::Adapted;
-use kv_model::model::CausalLm;
-
-/// How tokens are picked from the logits.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Sampling {
-    /// Softmax temperature; 0 picks the most likely token (greedy).
-    pub temperature: f64,
-    /// Nucleus: sample among the most likely tokens whose probabilities sum
-    /// to at least this, in (0, 1].
-    pub top_p: f64,
-    /// Seed of the sampling stream.
-    pub seed: u64,
-}
-
-impl Default for Sampling {
-    fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-        }
-    }
-}
-
-impl Sampling {
-    /// Refuses a negative or non-finite temperature and a top-p outside (0, 1].
-    pub fn check(&self) -> Result<()> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(EvalError::InvalidParameter {
-                name: "temperature",
-                reason: format!("{} is not a finite value ≥ 0", self.temperature),
-            });
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(EvalError::InvalidParameter {
-                name: "top-p",
-                reason: format!("{} is not in (0, 1]", self.top_p),
-            });
-        }
-        Ok(())
-    }
-}
+use kv_model::model::{Adapted, CausalLm, GenerateOptions, Sampling, check_prompt};
 
 /// Faults that accumulate in the resident blocks of a paged cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -132,100 +89,31 @@ impl Generation {
     }
 }
 
-/// The cache of one generation.
-enum GenCache {
-    Dense(Adapted<DenseBackend>),
-    Reencode(Box<KvCache>),
-    Paged(Box<Adapted<PagedBackend>>),
+/// No faults between the steps.
+fn no_faults<C>(_: usize, _: &mut C) -> Result<()> {
+    Ok(())
 }
 
-impl GenCache {
-    fn model_cache(&mut self) -> &mut kv_model::model::ModelCache {
-        match self {
-            Self::Dense(c) => c,
-            Self::Reencode(c) => c.as_mut(),
-            Self::Paged(c) => c.as_mut(),
-        }
-    }
-}
-
-/// Picks the next token from one row of logits.
-pub(crate) fn pick(logits: &[f32], sampling: &Sampling, rng: &mut FaultRng) -> u32 {
-    let argmax = || {
-        logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
-            .map_or(0, |(i, _)| i as u32)
-    };
-    if sampling.temperature == 0.0 {
-        return argmax();
-    }
-    let max = f64::from(logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
-    let mut probs: Vec<(u32, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            (
-                i as u32,
-                ((f64::from(x) - max) / sampling.temperature).exp(),
-            )
-        })
-        .collect();
-    let total: f64 = probs.iter().map(|p| p.1).sum();
-    if !(total.is_finite() && total > 0.0) {
-        return argmax();
-    }
-    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    let mut kept = 0.0;
-    let mut n = 0;
-    for &(_, p) in &probs {
-        kept += p / total;
-        n += 1;
-        if kept >= sampling.top_p {
-            break;
-        }
-    }
-    let nucleus = &probs[..n];
-    let mass: f64 = nucleus.iter().map(|p| p.1).sum();
-    let mut u = rng.next_f64() * mass;
-    for &(id, p) in nucleus {
-        if u < p {
-            return id;
-        }
-        u -= p;
-    }
-    nucleus[n - 1].0
-}
-
-/// Generates up to `config.max_new` tokens after `prompt`, calling
-/// `on_token` with each as soon as it is picked. Bad input (an empty or
-/// too long prompt, bad sampling parameters, a form the backend cannot
-/// hold, faults on a backend without resident blocks) is refused before
-/// any work.
+/// Generates up to `config.max_new` tokens after `prompt` (kv-model's
+/// [`generate`](kv_model::model::generate) on the configured backend),
+/// calling `on_token` with each as soon as it is picked. Bad input (an
+/// empty or too long prompt, bad sampling parameters, a form the backend
+/// cannot hold, faults on a backend without resident blocks) is refused
+/// before any work.
 pub fn generate(
     model: &dyn CausalLm,
     prompt: &[u32],
     config: &GenerateConfig,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Generation> {
-    config.sampling.check()?;
-    if prompt.is_empty() {
-        return Err(EvalError::InvalidParameter {
-            name: "prompt",
-            reason: "the prompt has no token".into(),
-        });
-    }
-    if prompt.len() > config.context {
-        return Err(EvalError::InvalidParameter {
-            name: "prompt",
-            reason: format!(
-                "{} tokens do not fit a context of {}",
-                prompt.len(),
-                config.context
-            ),
-        });
-    }
+    let options = GenerateOptions {
+        context: config.context,
+        max_new: config.max_new,
+        sampling: config.sampling,
+        prefill_step: config.prefill_step,
+    };
+    options.sampling.check()?;
+    check_prompt(prompt, &options)?;
     config.backend.check(&config.mode, None)?;
     let channel: Option<(StepFaults, Box<dyn FaultChannel + Send + Sync>)> = match config.faults {
         Some(f) if f.ber_per_step > 0.0 || f.scrub_every.is_some() => {
@@ -256,80 +144,69 @@ pub fn generate(
     let capacity = config
         .context
         .min(prompt.len().saturating_add(config.max_new));
-    let mut cache = match config.backend {
-        BackendKind::Dense => GenCache::Dense(Adapted(DenseBackend::new())),
-        BackendKind::Reencode => {
-            GenCache::Reencode(Box::new(KvCache::new(config.mode.clone(), None, 0)?))
-        }
-        BackendKind::Paged { block_size } => GenCache::Paged(Box::new(Adapted(paged_backend(
-            model,
-            &config.mode,
-            None,
-            block_size,
-            capacity,
-        )?))),
-    };
-    let vocab = model.vocab();
-    let mut rng = FaultRng::with_stream(config.sampling.seed, 1);
     let mut out = Generation::default();
-    let started = Instant::now();
-    let step = match config.prefill_step {
-        Some(0) => {
-            return Err(EvalError::InvalidParameter {
-                name: "prefill-step",
-                reason: "a prefill step holds at least one token".into(),
-            });
-        }
-        Some(n) => n,
-        None => prompt.len(),
-    };
-    let mut logits = Vec::new();
-    for chunk in prompt.chunks(step) {
-        logits = model.forward(chunk, cache.model_cache(), chunk.len() - 1)?;
-    }
-    out.prefill_seconds = started.elapsed().as_secs_f64();
-    if config.max_new == 0 {
-        return finish(out, &cache);
-    }
-    let mut next = pick(&logits[..vocab], &config.sampling, &mut rng);
-    on_token(next)?;
-    out.tokens.push(next);
-    let started = Instant::now();
-    let mut step = 0;
-    // The picked token enters the cache with the next step.
-    while out.tokens.len() < config.max_new && prompt.len() + out.tokens.len() <= config.context {
-        if let (Some((f, ch)), GenCache::Paged(p)) = (&channel, &cache) {
-            let seed = f.seed ^ (step as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-            out.injected_flips += p.0.inject(ch.as_ref(), seed, f.target)?;
-            if f.scrub_every.is_some_and(|n| (step + 1) % n == 0) {
-                out.scrubbed += p.0.scrub()?;
-            }
-        }
-        let logits = model.forward(&[next], cache.model_cache(), 0)?;
-        next = pick(&logits, &config.sampling, &mut rng);
-        on_token(next)?;
-        out.tokens.push(next);
-        step += 1;
-    }
-    out.decode_seconds = started.elapsed().as_secs_f64();
-    finish(out, &cache)
-}
-
-fn finish(mut out: Generation, cache: &GenCache) -> Result<Generation> {
-    match cache {
-        GenCache::Dense(c) => {
+    let generated = match config.backend {
+        BackendKind::Dense => {
+            let mut cache = Adapted(DenseBackend::new());
+            let g = kv_model::model::generate(
+                model,
+                &mut cache,
+                prompt,
+                &options,
+                no_faults,
+                &mut on_token,
+            )?;
             out.cache_bytes = (0..)
-                .map_while(|l| c.0.rows(l))
+                .map_while(|l| cache.0.rows(l))
                 .map(|(k, v)| 4 * (k.len() + v.len()) as u64)
                 .sum();
+            g
         }
-        GenCache::Reencode(c) => out.cache_bytes = c.held_bytes(),
-        GenCache::Paged(c) => {
-            out.cache_bytes = c.0.stored_bytes()? as u64;
-            let r = c.0.read_stats();
+        BackendKind::Reencode => {
+            let mut cache = KvCache::new(config.mode.clone(), None, 0)?;
+            let g = kv_model::model::generate(
+                model,
+                &mut cache,
+                prompt,
+                &options,
+                no_faults,
+                &mut on_token,
+            )?;
+            out.cache_bytes = cache.held_bytes();
+            g
+        }
+        BackendKind::Paged { block_size } => {
+            let backend = paged_backend(model, &config.mode, None, block_size, capacity)?;
+            let mut cache = Adapted(backend);
+            let (mut flips, mut scrubbed) = (0, ScrubStats::default());
+            let faults = |step: usize, cache: &mut Adapted<PagedBackend>| -> Result<()> {
+                if let Some((f, ch)) = &channel {
+                    let seed = f.seed ^ (step as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+                    flips += cache.0.inject(ch.as_ref(), seed, f.target)?;
+                    if f.scrub_every.is_some_and(|n| (step + 1).is_multiple_of(n)) {
+                        scrubbed += cache.0.scrub()?;
+                    }
+                }
+                Ok(())
+            };
+            let g = kv_model::model::generate(
+                model,
+                &mut cache,
+                prompt,
+                &options,
+                faults,
+                &mut on_token,
+            )?;
+            (out.injected_flips, out.scrubbed) = (flips, scrubbed);
+            out.cache_bytes = cache.0.stored_bytes()? as u64;
+            let r = cache.0.read_stats();
             out.reads = [r.keys, r.values];
-            out.non_finite_stored = c.0.storage().non_finite_written();
+            out.non_finite_stored = cache.0.storage().non_finite_written();
+            g
         }
-    }
+    };
+    out.tokens = generated.tokens;
+    out.prefill_seconds = generated.prefill_seconds;
+    out.decode_seconds = generated.decode_seconds;
     Ok(out)
 }

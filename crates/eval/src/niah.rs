@@ -14,6 +14,7 @@
 //! after the filler token nearest the requested depth that ends a sentence
 //! or a line, so it never splits a word.
 
+use kv_model::model::Sampling;
 use std::path::{Path, PathBuf};
 
 use gf2_codes::channel::FaultRng;
@@ -21,7 +22,7 @@ use serde::Serialize;
 
 use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
-use crate::generate::{GenerateConfig, Sampling, generate};
+use crate::generate::{GenerateConfig, generate};
 use kv_model::model::CausalLm;
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 

@@ -10,12 +10,13 @@
 //! and with the same `shard` prefill whose stream is off, so the stream's
 //! own drift is seen apart from the prefill's compression.
 
+use kv_model::model::Sampling;
 use serde::Serialize;
 
 use crate::backend::BackendKind;
 use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
-use crate::generate::{GenerateConfig, Sampling, generate};
+use crate::generate::{GenerateConfig, generate};
 use kv_model::model::CausalLm;
 use kv_quant::{CacheForm, Quantizer};
 

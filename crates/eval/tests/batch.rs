@@ -15,8 +15,9 @@ use kv_eval::batch::{
     BatchConfig, BatchReport, BatchRequest, PrefixKind, parse_requests, run_batch, run_batch_with,
 };
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::generate::{GenerateConfig, Sampling, generate};
+use kv_eval::generate::{GenerateConfig, generate};
 use kv_model::gguf::GgufFile;
+use kv_model::model::Sampling;
 use kv_model::model::{BatchItem, CausalLm, LlamaModel};
 use paged_cache::CacheConfig;
 use paged_cache::scheduler::{Preemption, SchedulerConfig};

@@ -10,10 +10,11 @@ use common::qwen2::tiny_qwen2_gguf;
 use kv_eval::EvalError;
 use kv_eval::backend::BackendKind;
 use kv_eval::cache::CacheMode;
-use kv_eval::generate::{GenerateConfig, Sampling};
+use kv_eval::generate::GenerateConfig;
 use kv_eval::niah::{Haystack, NiahConfig, build_prompt, needle, run_grid};
 use kv_model::gguf::GgufFile;
 use kv_model::model::LlamaModel;
+use kv_model::model::Sampling;
 use kv_model::tokenizer::TextTokenizer;
 
 fn tiny() -> (LlamaModel, TextTokenizer) {

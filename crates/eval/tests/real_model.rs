@@ -10,6 +10,7 @@ use kv_eval::metrics::{PplMethod, RunConfig, evaluate};
 use kv_eval::paths;
 use kv_model::gguf::GgufFile;
 use kv_model::model::LlamaModel;
+use kv_model::model::Sampling;
 use kv_model::tokenizer::TextTokenizer;
 
 fn load() -> Option<(LlamaModel, TextTokenizer)> {
@@ -255,7 +256,7 @@ fn full_rank_pca_reproduces_the_plain_perplexity() {
 #[test]
 fn greedy_generation_starts_paris_on_every_backend() {
     use kv_eval::backend::BackendKind;
-    use kv_eval::generate::{GenerateConfig, Sampling, generate};
+    use kv_eval::generate::{GenerateConfig, generate};
     let Some((model, tok)) = load() else { return };
     let ids = tok.encode("The capital of France is").unwrap();
     for (backend, form) in [
@@ -462,7 +463,7 @@ fn forms_the_model_cannot_run_fail_before_the_corpus_is_read() {
 #[test]
 fn niah_finds_the_passkey_in_1k_haystacks() {
     use kv_eval::backend::BackendKind;
-    use kv_eval::generate::{GenerateConfig, Sampling};
+    use kv_eval::generate::GenerateConfig;
     use kv_eval::niah::{Haystack, NiahConfig, run_grid};
     let Some((mut model, tok)) = load() else {
         return;

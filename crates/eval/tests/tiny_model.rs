@@ -390,7 +390,8 @@ fn token_by_token_on_pages_equals_the_batched_pass() {
 #[test]
 fn generation_refuses_bad_input_before_any_work() {
     use kv_eval::backend::BackendKind;
-    use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
+    use kv_eval::generate::{GenerateConfig, StepFaults, generate};
+    use kv_model::model::Sampling;
     let m = model();
     let good = GenerateConfig {
         mode: form("int4+secded84"),
@@ -530,7 +531,8 @@ fn pools_past_the_memory_budget_are_refused_before_allocating() {
 #[test]
 fn faults_in_an_unprotected_cache_are_an_outcome_not_an_error() {
     use kv_eval::backend::BackendKind;
-    use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
+    use kv_eval::generate::{GenerateConfig, StepFaults, generate};
+    use kv_model::model::Sampling;
     let m = model();
     let config = GenerateConfig {
         mode: form("fp16"),

@@ -171,3 +171,65 @@ fn bad_input_gets_typed_errors() {
     ));
     assert_eq!(cache.tokens(), 0);
 }
+
+#[test]
+fn generation_is_the_greedy_loop_and_refuses_bad_input_before_any_work() {
+    use kv_model::model::{GenerateOptions, Sampling, generate};
+    let m = model();
+    let prompt = [3, 1, 4, 1, 5];
+    let options = GenerateOptions {
+        context: 32,
+        max_new: 6,
+        sampling: Sampling::default(),
+        prefill_step: Some(2),
+    };
+    let mut steps = Vec::new();
+    let mut seen = Vec::new();
+    let mut cache = Adapted(DenseBackend::new());
+    let got = generate(
+        &m,
+        &mut cache,
+        &prompt,
+        &options,
+        |step, _: &mut Adapted<DenseBackend>| {
+            steps.push(step);
+            Ok::<(), ModelError>(())
+        },
+        |t| {
+            seen.push(t);
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(got.tokens, seen);
+    assert_eq!(steps, (0..5).collect::<Vec<_>>());
+    assert_eq!(cache.tokens(), prompt.len() + 5);
+    // The same tokens by hand: the whole prompt, then argmax after argmax.
+    let mut hand = Adapted(DenseBackend::new());
+    let mut logits = m.forward(&prompt, &mut hand, prompt.len() - 1).unwrap();
+    let mut want = Vec::new();
+    for _ in 0..6 {
+        let next = (0..VOCAB)
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+            .unwrap() as u32;
+        want.push(next);
+        logits = m.forward(&[next], &mut hand, 0).unwrap();
+    }
+    assert_eq!(got.tokens, want);
+    // An over-long prompt: refused, no callback, nothing cached.
+    let mut fresh = Adapted(DenseBackend::new());
+    let long = vec![1; 33];
+    let refused = generate(
+        &m,
+        &mut fresh,
+        &long,
+        &options,
+        |_, _: &mut Adapted<DenseBackend>| Ok::<(), ModelError>(()),
+        |_| panic!("a token from a refused generation"),
+    );
+    assert!(matches!(
+        refused,
+        Err(ModelError::InvalidParameter { name: "prompt", .. })
+    ));
+    assert_eq!(fresh.tokens(), 0);
+}

@@ -6,11 +6,13 @@
 //! Llama-family models in [`llama`], GPT-2 in [`gpt2`].
 
 mod backend;
+mod generate;
 pub mod gpt2;
 pub mod llama;
 mod projection;
 
 pub use backend::Adapted;
+pub use generate::{GenerateOptions, Generated, Sampling, check_prompt, generate};
 pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
 pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel};
 pub(crate) use projection::{HookSlot, listed, project};

@@ -2,9 +2,10 @@
 //! stdout, then tokens/s, the cache's true bytes and the codec statistics
 //! on stderr.
 
+use kv_model::model::Sampling;
 use std::path::PathBuf;
 
-use kv_eval::generate::{GenerateConfig, Sampling, StepFaults, generate};
+use kv_eval::generate::{GenerateConfig, StepFaults, generate};
 use kv_model::tokenizer::ReadLimits;
 
 use crate::{

@@ -1,10 +1,11 @@
 //! `kv-eval niah`: the needle-in-a-haystack grid for one or more cache
 //! forms; niah.md, niah.json and niah.svg in --out.
 
+use kv_model::model::Sampling;
 use std::path::PathBuf;
 
 use kv_eval::cache::CacheMode;
-use kv_eval::generate::{GenerateConfig, Sampling};
+use kv_eval::generate::GenerateConfig;
 use kv_eval::niah::{Haystack, NiahConfig, NiahReport, run_grid};
 use kv_eval::paths;
 
