@@ -24,10 +24,11 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kv_eval::batch::{decode_step, paged_cache, prefill};
+use kv_eval::batch::paged_cache;
 use kv_eval::cache::CacheMode;
 use kv_eval::paths;
 use kv_model::gguf::GgufFile;
+use kv_model::model::batch::{decode_step, prefill};
 use kv_model::model::{CausalLm, LlamaModel};
 use kv_model::tokenizer::TextTokenizer;
 use paged_cache::{

@@ -1,48 +1,24 @@
-//! Continuous batching of a real model on the paged cache (`kv-eval
-//! batch`): paged-cache's scheduler ([`serve`]) decides every step, and
-//! [`ModelEngine`] runs it: a prefill per admitted request (after the
-//! tokens its prefix-cache hit already holds), then one batched forward
-//! pass per decode step over every running request ([`CausalLm::forward_batch`]:
-//! the projections' weights read once for the whole batch, attention per
-//! sequence over its own pages through [`ReservedSlots`]). Preemption
-//! really recomputes (the request's prompt and tokens so far are prefilled
-//! again) or swaps (its blocks move to the host tier and back).
-//!
-//! Token `i` of a request is drawn from stream `i` of its seed, so what a
-//! request generates does not depend on what it was batched with, on
-//! preemption or on recompute (greedy requests take the most likely token).
-
-use std::time::Instant;
+//! `kv-eval batch`: a requests file ([`parse_requests`]) or a synthetic
+//! workload served with continuous batching by kv-model's engine
+//! ([`kv_model::model::batch`]: paged-cache's scheduler decides every
+//! step, a prefill per admitted request, one batched forward pass per
+//! decode step) on a paged cache in any of kv-eval's forms and prefix
+//! caches, and the report: throughput, time to first token and
+//! inter-token latency percentiles, the scheduler's counts.
 
 use gf2_codes::channel::FaultRng;
-use paged_cache::scheduler::{Engine, Report, Request, SchedulerConfig, Workload, serve};
+use kv_model::model::batch::{BatchRequest, RequestOutput, Served, check_requests, serve_batch};
+use kv_model::model::{CausalLm, Sampling};
+use paged_cache::scheduler::{Report, SchedulerConfig, Workload};
 use paged_cache::{
     BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, NoPrefixCache, PrefixCache,
-    RadixPrefixCache, ReservedSlots, SeqId,
+    RadixPrefixCache,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::backend::layer_specs;
 use crate::cache::CacheMode;
 use crate::error::{EvalError, Result};
-use kv_model::model::Adapted;
-use kv_model::model::Sampling;
-use kv_model::model::{BatchItem, CausalLm};
-
-/// One request of a batch.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BatchRequest {
-    /// Prompt token ids (at least one).
-    pub prompt: Vec<u32>,
-    /// Tokens to generate (at least one).
-    pub max_new_tokens: usize,
-    /// Scheduler step at which it arrives.
-    pub arrival_step: u64,
-    /// Priority (higher is preempted last).
-    pub priority: u32,
-    /// How its tokens are picked.
-    pub sampling: Sampling,
-}
 
 /// One line of a requests file (JSON).
 #[derive(Debug, Deserialize)]
@@ -211,29 +187,6 @@ pub struct BatchConfig {
     pub scheduler: SchedulerConfig,
 }
 
-/// What one request produced and when.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct RequestOutput {
-    /// Generated token ids.
-    pub tokens: Vec<u32>,
-    /// Seconds from the batch's start to its arrival.
-    pub arrived: f64,
-    /// Seconds from the batch's start to each token.
-    pub token_times: Vec<f64>,
-}
-
-impl RequestOutput {
-    /// Time to first token, seconds.
-    pub fn ttft(&self) -> f64 {
-        self.token_times.first().map_or(0.0, |t| t - self.arrived)
-    }
-
-    /// Gaps between successive tokens, seconds.
-    pub fn inter_token(&self) -> impl Iterator<Item = f64> + '_ {
-        self.token_times.windows(2).map(|w| w[1] - w[0])
-    }
-}
-
 /// 50th, 90th and 99th percentiles (nearest rank), seconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Percentiles {
@@ -323,111 +276,6 @@ impl BatchReport {
     }
 }
 
-/// Called with each request's index and output as it finishes.
-pub type OnFinished<'a> = dyn FnMut(usize, &RequestOutput) -> Result<()> + 'a;
-
-/// The engine that runs the scheduler's steps on a model.
-pub struct ModelEngine<'a> {
-    model: &'a dyn CausalLm,
-    requests: &'a [BatchRequest],
-    on_finished: &'a mut OnFinished<'a>,
-    outputs: Vec<RequestOutput>,
-    start: Instant,
-    prefill_seconds: f64,
-    decode_seconds: f64,
-    decode_steps: u64,
-}
-
-impl std::fmt::Debug for ModelEngine<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelEngine")
-            .field("model", &self.model.describe())
-            .field("requests", &self.requests.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl<'a> ModelEngine<'a> {
-    /// An engine for `requests` on `model`, its clock started, handing
-    /// each finished request's output to `on_finished`.
-    pub fn new(
-        model: &'a dyn CausalLm,
-        requests: &'a [BatchRequest],
-        on_finished: &'a mut OnFinished<'a>,
-    ) -> Self {
-        Self {
-            model,
-            requests,
-            on_finished,
-            outputs: vec![RequestOutput::default(); requests.len()],
-            start: Instant::now(),
-            prefill_seconds: 0.0,
-            decode_seconds: 0.0,
-            decode_steps: 0,
-        }
-    }
-
-    /// Records the token picked from `logits` for `request`, whose cache
-    /// holds `held` tokens: its output index is `held − prompt` (a token a
-    /// recompute picks again keeps its first pick and time: it was
-    /// delivered).
-    fn record(&mut self, request: usize, held: usize, logits: &[f32]) {
-        let q = &self.requests[request];
-        let index = held - q.prompt.len();
-        let out = &mut self.outputs[request];
-        if index < out.tokens.len() {
-            return;
-        }
-        let mut rng = FaultRng::with_stream(q.sampling.seed, 1 + index as u64);
-        out.tokens.push(q.sampling.pick(logits, &mut rng));
-        out.token_times.push(self.start.elapsed().as_secs_f64());
-    }
-}
-
-impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
-    type Error = EvalError;
-
-    fn token(&self, request: usize, index: usize) -> u32 {
-        self.outputs[request].tokens[index]
-    }
-
-    fn prefill(
-        &mut self,
-        cache: &mut KvCacheManager<P>,
-        request: usize,
-        seq: SeqId,
-        cached: usize,
-    ) -> Result<()> {
-        let started = Instant::now();
-        let logits = prefill(self.model, cache, seq, cached)?;
-        let held = cache.tokens(seq)?.len();
-        self.record(request, held, &logits);
-        self.prefill_seconds += started.elapsed().as_secs_f64();
-        Ok(())
-    }
-
-    fn decode(&mut self, cache: &mut KvCacheManager<P>, batch: &[(usize, SeqId)]) -> Result<()> {
-        let started = Instant::now();
-        let seqs: Vec<SeqId> = batch.iter().map(|&(_, seq)| seq).collect();
-        let logits = decode_step(self.model, cache, &seqs)?;
-        for (&(request, seq), logits) in batch.iter().zip(&logits) {
-            let held = cache.tokens(seq)?.len();
-            self.record(request, held, logits);
-        }
-        self.decode_seconds += started.elapsed().as_secs_f64();
-        self.decode_steps += 1;
-        Ok(())
-    }
-
-    fn arrived(&mut self, request: usize) {
-        self.outputs[request].arrived = self.start.elapsed().as_secs_f64();
-    }
-
-    fn finished(&mut self, request: usize) -> Result<()> {
-        (self.on_finished)(request, &self.outputs[request])
-    }
-}
-
 /// A paged cache whose blocks hold `model`'s K/V in `mode`'s forms
 /// (every layer's key and value form must be pageable).
 pub fn paged_cache<P: PrefixCache>(
@@ -458,60 +306,6 @@ pub fn paged_cache<P: PrefixCache>(
     )?)
 }
 
-/// Computes sequence `seq`'s K/V after its first `cached` tokens (which a
-/// prefix hit holds already) in its reserved slots, and returns the logits
-/// of its last token.
-pub fn prefill<P: PrefixCache>(
-    model: &dyn CausalLm,
-    cache: &mut KvCacheManager<P>,
-    seq: SeqId,
-    cached: usize,
-) -> Result<Vec<f32>> {
-    let held = cache.tokens(seq)?.to_vec();
-    let tokens = held
-        .get(cached..)
-        .filter(|t| !t.is_empty())
-        .ok_or_else(|| EvalError::InvalidParameter {
-            name: "cached",
-            reason: format!("{cached} of the sequence's {} tokens", held.len()),
-        })?;
-    let mut slots = Adapted(ReservedSlots::new(cache, seq, cached)?);
-    Ok(model.forward(tokens, &mut slots, tokens.len() - 1)?)
-}
-
-/// One batched decode step: each sequence of `seqs` has appended one token
-/// whose K/V is not computed yet; computes them all in one forward pass
-/// and returns each sequence's logits.
-pub fn decode_step<P: PrefixCache>(
-    model: &dyn CausalLm,
-    cache: &mut KvCacheManager<P>,
-    seqs: &[SeqId],
-) -> Result<Vec<Vec<f32>>> {
-    let mut last = Vec::with_capacity(seqs.len());
-    let mut slots = Vec::with_capacity(seqs.len());
-    for &seq in seqs {
-        let held = cache.tokens(seq)?;
-        let Some(&token) = held.last() else {
-            return Err(EvalError::InvalidParameter {
-                name: "seqs",
-                reason: format!("{seq:?} holds no token to decode"),
-            });
-        };
-        last.push([token]);
-        slots.push(Adapted(ReservedSlots::new(cache, seq, held.len() - 1)?));
-    }
-    let mut items: Vec<BatchItem<'_>> = slots
-        .iter_mut()
-        .zip(&last)
-        .map(|(slots, token)| BatchItem {
-            tokens: token,
-            cache: slots,
-            logits_from: 0,
-        })
-        .collect();
-    Ok(model.forward_batch(&mut items)?)
-}
-
 /// Serves `requests` on `model` with continuous batching (see the module
 /// docs). Refused before any work: no request, a request past the model's
 /// context, forms a block cannot hold, a request the pool cannot hold
@@ -524,92 +318,64 @@ pub fn run_batch(
     run_batch_with(model, requests, config, &mut |_, _| Ok(()))
 }
 
+/// Called with each request's index and output as it finishes.
+pub type OnFinished<'a> = dyn FnMut(usize, &RequestOutput) -> Result<()> + 'a;
+
 /// [`run_batch`], handing each request's output to `on_finished` as the
 /// request finishes (to write it out before the batch ends: an error later
 /// loses nothing already delivered; an error of `on_finished` stops the
 /// batch).
-pub fn run_batch_with<'a>(
-    model: &'a dyn CausalLm,
-    requests: &'a [BatchRequest],
+pub fn run_batch_with(
+    model: &dyn CausalLm,
+    requests: &[BatchRequest],
     config: &BatchConfig,
-    on_finished: &'a mut OnFinished<'a>,
+    on_finished: &mut OnFinished<'_>,
 ) -> Result<BatchReport> {
-    if requests.is_empty() {
-        return Err(EvalError::InvalidParameter {
-            name: "requests",
-            reason: "no request to serve".into(),
-        });
-    }
-    let context = model.context().unwrap_or(usize::MAX);
-    for (i, q) in requests.iter().enumerate() {
-        q.sampling.check()?;
-        if q.prompt.is_empty() || q.max_new_tokens == 0 {
-            return Err(EvalError::InvalidParameter {
-                name: "requests",
-                reason: format!("request {i}: an empty prompt or no token to generate"),
-            });
-        }
-        if q.prompt.len() + q.max_new_tokens > context {
-            return Err(EvalError::InvalidParameter {
-                name: "requests",
-                reason: format!(
-                    "request {i}: {} prompt and {} new tokens exceed the model's context of {context}",
-                    q.prompt.len(),
-                    q.max_new_tokens
-                ),
-            });
-        }
-    }
+    check_requests(model, requests)?;
     let bs = config.cache.block_size;
-    let workload = Workload {
-        requests: requests
-            .iter()
-            .enumerate()
-            .map(|(id, q)| Request {
-                id,
-                arrival: q.arrival_step,
-                priority: q.priority,
-                prompt: q.prompt.clone(),
-                shared_prefix: None,
-                output_len: q.max_new_tokens - 1,
-            })
-            .collect(),
-    };
-    let mut engine = ModelEngine::new(model, requests, on_finished);
-    let scheduler = match config.prefix {
-        PrefixKind::None => serve_on(NoPrefixCache, config, &workload, &mut engine)?,
+    let served = match config.prefix {
+        PrefixKind::None => serve_on(NoPrefixCache, model, requests, config, on_finished)?,
         PrefixKind::Hash => {
             let prefix = HashPrefixCache::new(bs);
-            serve_on(prefix, config, &workload, &mut engine)?
+            serve_on(prefix, model, requests, config, on_finished)?
         }
         PrefixKind::Radix => {
             let prefix = RadixPrefixCache::new(bs);
-            serve_on(prefix, config, &workload, &mut engine)?
+            serve_on(prefix, model, requests, config, on_finished)?
         }
     };
-    let seconds = engine.start.elapsed().as_secs_f64();
-    let outputs = engine.outputs;
+    let outputs = served.outputs;
     let generated = outputs.iter().map(|o| o.tokens.len() as u64).sum();
     Ok(BatchReport {
         ttft: Percentiles::of(outputs.iter().map(RequestOutput::ttft).collect()),
         inter_token: Percentiles::of(outputs.iter().flat_map(|o| o.inter_token()).collect()),
-        scheduler,
-        seconds,
-        prefill_seconds: engine.prefill_seconds,
-        decode_seconds: engine.decode_seconds,
-        decode_steps: engine.decode_steps,
+        scheduler: served.scheduler,
+        seconds: served.seconds,
+        prefill_seconds: served.prefill_seconds,
+        decode_seconds: served.decode_seconds,
+        decode_steps: served.decode_steps,
         generated,
-        tokens_per_second: generated as f64 / seconds.max(f64::MIN_POSITIVE),
+        tokens_per_second: generated as f64 / served.seconds.max(f64::MIN_POSITIVE),
         outputs,
     })
 }
 
+/// The batch on a paged cache in `config`'s forms with prefix cache
+/// `prefix`, served by kv-model's engine.
 fn serve_on<P: PrefixCache>(
     prefix: P,
+    model: &dyn CausalLm,
+    requests: &[BatchRequest],
     config: &BatchConfig,
-    workload: &Workload,
-    engine: &mut ModelEngine<'_>,
-) -> Result<Report> {
-    let mut cache = paged_cache(engine.model, &config.mode, config.cache, prefix)?;
-    serve(&mut cache, workload, &config.scheduler, engine)
+    on_finished: &mut OnFinished<'_>,
+) -> Result<Served> {
+    let mut cache = paged_cache(model, &config.mode, config.cache, prefix)?;
+    let mut deliver = |i: usize, out: &RequestOutput| on_finished(i, out).map_err(Into::into);
+    Ok(serve_batch(
+        model,
+        requests,
+        &mut cache,
+        &config.scheduler,
+        &mut deliver,
+    )?)
 }

@@ -12,12 +12,13 @@ use common::qwen2::tiny_qwen2_gguf;
 use kv_eval::EvalError;
 use kv_eval::backend::BackendKind;
 use kv_eval::batch::{
-    BatchConfig, BatchReport, BatchRequest, PrefixKind, parse_requests, run_batch, run_batch_with,
+    BatchConfig, BatchReport, PrefixKind, parse_requests, run_batch, run_batch_with,
 };
 use kv_eval::cache::{CacheMode, KvCache};
 use kv_eval::generate::{GenerateConfig, generate};
 use kv_model::gguf::GgufFile;
 use kv_model::model::Sampling;
+use kv_model::model::batch::BatchRequest;
 use kv_model::model::{BatchItem, CausalLm, LlamaModel};
 use paged_cache::CacheConfig;
 use paged_cache::scheduler::{Preemption, SchedulerConfig};

@@ -233,3 +233,69 @@ fn generation_is_the_greedy_loop_and_refuses_bad_input_before_any_work() {
     ));
     assert_eq!(fresh.tokens(), 0);
 }
+
+/// A greedy request served in a batch (with others, on the paged cache)
+/// generates what it generates alone.
+#[test]
+fn a_batched_request_generates_what_it_generates_alone() {
+    use kv_model::model::batch::{BatchRequest, serve_batch};
+    use kv_model::model::{GenerateOptions, Sampling, generate};
+    use paged_cache::scheduler::SchedulerConfig;
+    use paged_cache::{BlockStorage, CacheConfig, KvCacheManager, LayerSpec, NoPrefixCache};
+
+    let m = model();
+    let prompts: [&[u32]; 3] = [&[3, 1, 4, 1, 5], &[9, 2, 6], &[5, 3, 5, 8, 9, 7, 9]];
+    let requests: Vec<BatchRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| BatchRequest {
+            prompt: p.to_vec(),
+            max_new_tokens: 4 + i,
+            arrival_step: i as u64,
+            priority: 0,
+            sampling: Sampling::default(),
+        })
+        .collect();
+    let config = CacheConfig {
+        num_blocks: 16,
+        block_size: 4,
+        host_blocks: 0,
+    };
+    let form = "fp32".parse::<kv_quant::CacheForm>().unwrap();
+    let layers = vec![LayerSpec::uniform(form, m.kv_channels()); LAYERS];
+    let storage = BlockStorage::new(config.num_blocks, config.block_size, &layers).unwrap();
+    let mut cache = KvCacheManager::with_storage(config, NoPrefixCache, Arc::new(storage)).unwrap();
+    let mut finished = Vec::new();
+    let served = serve_batch(
+        &m,
+        &requests,
+        &mut cache,
+        &SchedulerConfig::default(),
+        &mut |i, _| {
+            finished.push(i);
+            Ok(())
+        },
+    )
+    .unwrap();
+    finished.sort_unstable();
+    assert_eq!(finished, [0, 1, 2]);
+    for (q, out) in requests.iter().zip(&served.outputs) {
+        let options = GenerateOptions {
+            context: 64,
+            max_new: q.max_new_tokens,
+            sampling: q.sampling,
+            prefill_step: None,
+        };
+        let mut alone = Adapted(DenseBackend::new());
+        let want = generate(
+            &m,
+            &mut alone,
+            &q.prompt,
+            &options,
+            |_, _: &mut Adapted<DenseBackend>| Ok::<(), ModelError>(()),
+            |_| Ok(()),
+        )
+        .unwrap();
+        assert_eq!(out.tokens, want.tokens);
+    }
+}

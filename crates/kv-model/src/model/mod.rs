@@ -6,6 +6,7 @@
 //! Llama-family models in [`llama`], GPT-2 in [`gpt2`].
 
 mod backend;
+pub mod batch;
 mod generate;
 pub mod gpt2;
 pub mod llama;

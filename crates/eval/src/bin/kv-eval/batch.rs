@@ -5,10 +5,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use kv_eval::batch::{
-    BatchConfig, BatchRequest, PrefixKind, RequestOutput, parse_requests, run_batch_with,
-    workload_requests,
-};
+use kv_eval::batch::{BatchConfig, PrefixKind, parse_requests, run_batch_with, workload_requests};
+use kv_model::model::batch::{BatchRequest, RequestOutput};
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 use paged_cache::scheduler::{Preemption, SchedulerConfig, Workload, WorkloadConfig};
 use paged_cache::{CacheConfig, KvCacheManager, NoPrefixCache};
