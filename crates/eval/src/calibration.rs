@@ -67,6 +67,15 @@ impl Part {
 }
 
 /// The codebook shape of a `vq` form, as a form spelling (`vq+rot`,
+/// A malformed calibration file, found by the safetensors crate.
+fn st_err(context: impl Into<String>) -> impl FnOnce(safetensors::SafeTensorError) -> EvalError {
+    let context = context.into();
+    move |source| EvalError::Safetensors {
+        context,
+        source: Some(source),
+    }
+}
+
 /// `vq-d2-k16+rot128`): what two forms must share to share a codebook.
 pub fn codebook_shape(form: &CacheForm) -> Option<String> {
     let Quantizer::Vq(mut spec) = *form.quantizer() else {
@@ -392,7 +401,7 @@ impl Calibration {
             .map(|(name, bytes, shape)| {
                 TensorView::new(Dtype::F32, shape.clone(), bytes)
                     .map(|v| (name.clone(), v))
-                    .map_err(crate::load::safetensors::st_err(name.clone()))
+                    .map_err(st_err(name.clone()))
             })
             .collect::<Result<_>>()?;
         let metadata: HashMap<String, String> = [
@@ -421,8 +430,7 @@ impl Calibration {
             context: format!("calibration file {}: {reason}", path.display()),
             source: None,
         };
-        let header_err =
-            crate::load::safetensors::st_err(format!("calibration file {}", path.display()));
+        let header_err = st_err(format!("calibration file {}", path.display()));
         let (_, header) = SafeTensors::read_metadata(&bytes).map_err(header_err)?;
         let meta = header.metadata().clone().unwrap_or_default();
         let field = |k: &str| {
@@ -439,9 +447,8 @@ impl Calibration {
                 .map_err(|_| bad(format!("`{k}` is not a number")))
         };
         let (layers, kv_channels) = (number("layers")?, number("kv_channels")?);
-        let tensors = SafeTensors::deserialize(&bytes).map_err(
-            crate::load::safetensors::st_err(format!("calibration file {}", path.display())),
-        )?;
+        let tensors = SafeTensors::deserialize(&bytes)
+            .map_err(st_err(format!("calibration file {}", path.display())))?;
         let mut codebooks = BTreeMap::new();
         let mut basis_parts: BTreeMap<(String, usize, Part, usize), BasisParts> = BTreeMap::new();
         let floats = |view: &TensorView<'_>| -> Vec<f32> {

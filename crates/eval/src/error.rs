@@ -125,6 +125,9 @@ impl From<kv_model::ModelError> for EvalError {
             }
             kv_model::ModelError::ModelFile(m) => Self::Model(m),
             kv_model::ModelError::Io { path, source } => Self::Io { path, source },
+            kv_model::ModelError::Safetensors { context, source } => {
+                Self::Safetensors { context, source }
+            }
             e => Self::KvModel(e),
         }
     }

@@ -11,10 +11,10 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use half::f16;
-use kv_eval::EvalError;
 use kv_eval::cache::{CacheMode, KvCache};
-use kv_eval::load::load_hf;
+use kv_model::ModelError;
 use kv_model::gguf::{GgmlType, GgufFile, GgufWriter, MetaValue};
+use kv_model::hf::load_hf;
 use kv_model::model::{CausalLm, LlamaModel};
 use safetensors::{Dtype, tensor::TensorView};
 
@@ -518,40 +518,37 @@ fn hf_gpt2_matches_an_f64_reference() {
 #[test]
 fn broken_folders_get_typed_errors() {
     let d = dir("broken");
-    assert!(matches!(load_hf(&d), Err(EvalError::Io { .. })));
+    assert!(matches!(load_hf(&d), Err(ModelError::Io { .. })));
     let w = gpt2_weights();
     write_gpt2(&d, &w, "");
     // Unknown architecture.
     std::fs::write(d.join("config.json"), r#"{"model_type": "mamba"}"#).unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Model(_))));
+    assert!(matches!(load_hf(&d), Err(ModelError::ModelFile(_))));
     // Not JSON.
     std::fs::write(d.join("config.json"), "{").unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Model(_))));
+    assert!(matches!(load_hf(&d), Err(ModelError::ModelFile(_))));
     // A config whose width disagrees with the tensors.
     let config = serde_json::json!({
         "model_type": "gpt2", "n_embd": 2 * D, "n_layer": L, "n_head": HEADS,
         "n_positions": P, "vocab_size": V
     });
     std::fs::write(d.join("config.json"), config.to_string()).unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors { .. })));
+    assert!(matches!(load_hf(&d), Err(ModelError::Safetensors { .. })));
     // A truncated safetensors file.
     write_gpt2(&d, &w, "");
     let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
     std::fs::write(d.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors { .. })));
+    assert!(matches!(load_hf(&d), Err(ModelError::Safetensors { .. })));
     std::fs::write(
         d.join("model.safetensors"),
         b"\xff\xff\xff\xff\xff\xff\xff\xff{",
     )
     .unwrap();
-    assert!(matches!(load_hf(&d), Err(EvalError::Safetensors { .. })));
+    assert!(matches!(load_hf(&d), Err(ModelError::Safetensors { .. })));
     // A broken tokenizer.json.
     write_gpt2(&d, &w, "");
     std::fs::write(d.join("tokenizer.json"), "{}").unwrap();
-    assert!(matches!(
-        load_hf(&d),
-        Err(EvalError::KvModel(kv_model::ModelError::Tokenizer(_)))
-    ));
+    assert!(matches!(load_hf(&d), Err(ModelError::Tokenizer(_))));
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -645,7 +642,7 @@ proptest::proptest! {
             weights.truncate(cut.min(weights.len()));
         }
         let tokenizer = &tokenizer[..tokenizer_cut.map_or(tokenizer.len(), |c| c.min(tokenizer.len()))];
-        if let Ok((model, _)) = kv_eval::load::safetensors::load_hf_bytes(&config, &weights, tokenizer) {
+        if let Ok((model, _)) = kv_model::hf::load_hf_bytes(&config, &weights, tokenizer) {
             let mut cache = KvCache::new(CacheMode::Plain, None, 0).unwrap();
             let _ = model.forward(&[0, 1, 2], &mut cache, 0);
         }

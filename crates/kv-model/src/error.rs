@@ -32,6 +32,19 @@ pub enum ModelError {
         /// The ggml type name.
         ty: String,
     },
+    /// A safetensors checkpoint is malformed: what is wrong, and where,
+    /// and the safetensors crate's own error when it found it.
+    #[error(
+        "safetensors: {context}{}",
+        source.as_ref().map(|s| format!(": {s}")).unwrap_or_default()
+    )]
+    Safetensors {
+        /// What is wrong, and where.
+        context: String,
+        /// The safetensors crate's error, when the problem was found there.
+        #[source]
+        source: Option<safetensors::SafeTensorError>,
+    },
     /// A metadata key or tensor the model needs is missing or has the
     /// wrong type.
     #[error("model file: {0}")]

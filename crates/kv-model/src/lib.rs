@@ -48,6 +48,7 @@
 
 pub mod error;
 pub mod gguf;
+pub mod hf;
 pub mod model;
 pub mod tokenizer;
 pub mod weights;

@@ -6,7 +6,7 @@
 
 #![no_main]
 
-use kv_eval::load::safetensors::load_hf_bytes;
+use kv_model::hf::load_hf_bytes;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,14 +1,12 @@
-//! Loading models: GGUF files (kv-model's [`gguf`](kv_model::gguf) reader)
-//! and Hugging Face safetensors folders ([`safetensors`]), and
-//! [`load_model`], which opens either.
-
-pub mod safetensors;
+//! [`load_model`]: a GGUF file (kv-model's [`gguf`](kv_model::gguf)
+//! reader), its tensors checked against the memory budget before any is
+//! read, or a Hugging Face folder (kv-model's [`hf`](kv_model::hf)).
 
 use std::path::Path;
 
-pub use self::safetensors::load_hf;
 use crate::error::Result;
 use kv_model::gguf::GgufFile;
+use kv_model::hf::load_hf;
 use kv_model::model::{CausalLm, LlamaModel};
 use kv_model::tokenizer::TextTokenizer;
 
@@ -17,7 +15,7 @@ use kv_model::tokenizer::TextTokenizer;
 /// ([`crate::budget`]) is refused before any of them is read.
 pub fn load_model(path: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     if path.is_dir() {
-        return load_hf(path);
+        return Ok(load_hf(path)?);
     }
     let file = GgufFile::open(path)?;
     let bytes: u64 = file.tensors().iter().map(|t| t.bytes).sum();

@@ -1,7 +1,7 @@
 //! Hugging Face checkpoints: a folder with `config.json`,
 //! `model.safetensors` and `tokenizer.json`, for Llama-family
 //! (`model_type` `"llama"` or `"qwen2"`, rotate-half RoPE) and GPT-2 models,
-//! read with the `safetensors` and `tokenizers` crates.
+//! read with the `safetensors` crate and this crate's tokenizer.
 
 use std::path::Path;
 
@@ -10,34 +10,32 @@ use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-use crate::error::{EvalError, Result};
-use kv_model::model::{
+use crate::error::{ModelError, Result};
+use crate::model::{
     CausalLm, Gpt2Config, Gpt2Layer, Gpt2Model, LlamaArch, LlamaConfig, LlamaLayer, LlamaModel,
     Matrix, Projection,
 };
-use kv_model::tokenizer::TextTokenizer;
+use crate::tokenizer::TextTokenizer;
 
 /// A malformed file, found by this crate's checks.
-fn malformed(context: String) -> EvalError {
-    EvalError::Safetensors {
+fn malformed(context: String) -> ModelError {
+    ModelError::Safetensors {
         context,
         source: None,
     }
 }
 
 /// A malformed file, found by the safetensors crate.
-pub(crate) fn st_err(
-    context: impl Into<String>,
-) -> impl FnOnce(safetensors::SafeTensorError) -> EvalError {
+fn st_err(context: impl Into<String>) -> impl FnOnce(safetensors::SafeTensorError) -> ModelError {
     let context = context.into();
-    move |source| EvalError::Safetensors {
+    move |source| ModelError::Safetensors {
         context,
         source: Some(source),
     }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|source| EvalError::Io {
+    std::fs::read(path).map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
         source,
     })
@@ -96,7 +94,7 @@ fn field(config: &Value, key: &str) -> Result<usize> {
         .get(key)
         .and_then(Value::as_u64)
         .map(|v| v as usize)
-        .ok_or_else(|| EvalError::Model(format!("config.json: missing integer {key}")))
+        .ok_or_else(|| ModelError::ModelFile(format!("config.json: missing integer {key}")))
 }
 
 fn float(config: &Value, key: &str, default: f64) -> f64 {
@@ -109,7 +107,7 @@ pub fn load_hf(dir: &Path) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     let config = read(&dir.join("config.json"))?;
     let weights = read(&dir.join("model.safetensors"))?;
     let path = dir.join("tokenizer.json");
-    let tokenizer = std::fs::read(&path).map_err(|source| EvalError::Io {
+    let tokenizer = std::fs::read(&path).map_err(|source| ModelError::Io {
         path: path.clone(),
         source,
     })?;
@@ -133,7 +131,7 @@ fn load_hf_parts(
     tokenizer: TextTokenizer,
 ) -> Result<(Box<dyn CausalLm>, TextTokenizer)> {
     let config: Value = serde_json::from_slice(config)
-        .map_err(|e| EvalError::Model(format!("config.json: {e}")))?;
+        .map_err(|e| ModelError::ModelFile(format!("config.json: {e}")))?;
     let st = SafeTensors::deserialize(weights).map_err(st_err("model.safetensors"))?;
     let model_type = config
         .get("model_type")
@@ -144,13 +142,13 @@ fn load_hf_parts(
         "qwen2" => Box::new(llama(&config, st, LlamaArch::Qwen2)?),
         "gpt2" => Box::new(gpt2(&config, st)?),
         other => {
-            return Err(EvalError::Model(format!(
+            return Err(ModelError::ModelFile(format!(
                 "config.json: model_type {other:?} (llama, qwen2 and gpt2 are read)"
             )));
         }
     };
     if tokenizer.vocab_size() > model.vocab() {
-        return Err(EvalError::Model(format!(
+        return Err(ModelError::ModelFile(format!(
             "tokenizer has {} tokens, the model {}",
             tokenizer.vocab_size(),
             model.vocab()
@@ -166,7 +164,7 @@ fn llama(config: &Value, st: SafeTensors<'_>, arch: LlamaArch) -> Result<LlamaMo
     let q_heads = field(config, "num_attention_heads")?;
     let kv_heads = field(config, "num_key_value_heads").unwrap_or(q_heads);
     if q_heads == 0 || !dim.is_multiple_of(q_heads) {
-        return Err(EvalError::Model(format!(
+        return Err(ModelError::ModelFile(format!(
             "hidden_size {dim} is not a multiple of {q_heads} heads"
         )));
     }
@@ -232,13 +230,7 @@ fn llama(config: &Value, st: SafeTensors<'_>, arch: LlamaArch) -> Result<LlamaMo
         None
     };
     let norm = w.get("model.norm.weight", &[dim])?;
-    Ok(LlamaModel::from_parts(
-        c,
-        embed.into(),
-        layers,
-        norm,
-        output.map(Into::into),
-    )?)
+    LlamaModel::from_parts(c, embed.into(), layers, norm, output.map(Into::into))
 }
 
 fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
@@ -255,7 +247,7 @@ fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
         .and_then(Value::as_str)
         .unwrap_or("gelu_new");
     if act != "gelu_new" {
-        return Err(EvalError::Model(format!(
+        return Err(ModelError::ModelFile(format!(
             "activation_function {act:?} (gelu_new is run)"
         )));
     }
@@ -296,5 +288,5 @@ fn gpt2(config: &Value, st: SafeTensors<'_>) -> Result<Gpt2Model> {
     let wte = w.matrix("wte.weight", c.vocab, d)?;
     let wpe = w.matrix("wpe.weight", c.positions, d)?;
     let ln_f = norm("ln_f")?;
-    Ok(Gpt2Model::new(c, wte.into(), wpe, layers, ln_f)?)
+    Gpt2Model::new(c, wte.into(), wpe, layers, ln_f)
 }
