@@ -1,6 +1,8 @@
-//! Real-model fault-injection evaluation: a Llama-family forward pass read
-//! from GGUF whose KV cache runs through kv-quant forms and fault channels,
-//! and the metrics and BER sweep of the ECC KV-cache paper's section 6.
+//! Real-model fault-injection evaluation: kv-model's models (GGUF and
+//! Hugging Face checkpoints) with their KV cache in kv-quant forms and
+//! fault channels, on the paper's re-encode protocol or the paged cache,
+//! and the metrics, BER sweep and experiments of the ECC KV-cache paper's
+//! section 6 and beyond.
 
 pub mod error;
 

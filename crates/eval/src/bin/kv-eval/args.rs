@@ -1,0 +1,148 @@
+//! The flags several commands share: the cache forms (`--form`,
+//! `--key-form`, `--value-form`, `--layer-forms`), the backend and its
+//! numerics, the fault target.
+
+use clap::ValueEnum;
+use kv_eval::backend::BackendKind;
+use kv_eval::cache::{CacheMode, FaultSpec};
+use kv_quant::{CacheForm, FaultTarget, LayerForms};
+
+use crate::Error;
+
+/// Which form each layer's keys and values are stored in.
+#[derive(clap::Args, Clone)]
+pub(crate) struct Forms {
+    /// Cache form of keys and values (kv-quant spelling: fp32, fp16, int8,
+    /// int4, int4-ch, int4+rot, lm4, vq, int4+secded84+interp,
+    /// int4-ch32+win32, ...) or `plain` for the unstored f32 pass.
+    #[arg(long, default_value = "plain")]
+    pub(crate) form: String,
+    /// Form of the keys (default: --form).
+    #[arg(long)]
+    pub(crate) key_form: Option<String>,
+    /// Form of the values (default: --form).
+    #[arg(long)]
+    pub(crate) value_form: Option<String>,
+    /// Per-layer forms, `LAYERS:FORM[/VALUE_FORM];...` (`0,last:fp16;*:int4`);
+    /// layers without a rule take --key-form/--value-form.
+    #[arg(long)]
+    pub(crate) layer_forms: Option<String>,
+}
+
+/// The KV backend a run uses.
+#[derive(clap::Args, Clone, Copy)]
+pub(crate) struct BackendArgs {
+    /// KV backend: `auto` (paged where it holds the forms and no per-call
+    /// faults are asked for, reencode otherwise), `reencode` (the paper's
+    /// protocol: each forward call quantises, encodes and faults the whole
+    /// window), `paged` (each token encoded once, when written, into a paged
+    /// block) or `dense` (f32 rows, `plain` only).
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    pub(crate) backend: Backend,
+    /// Tokens per block of the paged backend.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) block_size: usize,
+    /// How attention scores integer-coded keys: `exact` (f32, the
+    /// evaluation's reference: every published table uses it), `auto`
+    /// (the attention crate's default: `int8` for 4-bit affine levels in
+    /// whole-row per-token groups and in per-channel blocks of 16 to 128
+    /// tokens, exact for every other),
+    /// `int8` (int8-quantized queries, integer dot products) or `int16`
+    /// (16-bit query codes as two int8 halves) [default: exact].
+    #[arg(long, value_enum)]
+    pub(crate) numerics: Option<NumericsArg>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum NumericsArg {
+    Exact,
+    Auto,
+    Int8,
+    Int16,
+}
+
+impl NumericsArg {
+    pub(crate) fn numerics(self) -> attention::Numerics {
+        match self {
+            Self::Exact => attention::Numerics::Exact,
+            Self::Auto => attention::Numerics::Auto,
+            Self::Int8 => attention::Numerics::Int8Query,
+            Self::Int16 => attention::Numerics::Int16Query,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum Backend {
+    Auto,
+    Dense,
+    Reencode,
+    Paged,
+}
+
+impl BackendArgs {
+    /// The backend for `mode` and `faults` (which `auto` chooses by).
+    pub(crate) fn kind(self, mode: &CacheMode, faults: Option<FaultSpec>) -> BackendKind {
+        let paged = BackendKind::Paged {
+            block_size: self.block_size,
+        };
+        match self.backend {
+            Backend::Auto => BackendKind::auto(mode, faults, self.block_size),
+            Backend::Dense => BackendKind::Dense,
+            Backend::Reencode => BackendKind::Reencode,
+            Backend::Paged => paged,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum Target {
+    Values,
+    Metadata,
+    Everything,
+}
+
+impl From<Target> for FaultTarget {
+    fn from(t: Target) -> Self {
+        match t {
+            Target::Values => FaultTarget::Values,
+            Target::Metadata => FaultTarget::Metadata,
+            Target::Everything => FaultTarget::Everything,
+        }
+    }
+}
+
+/// The cache mode the form flags name (no model needed).
+pub(crate) fn mode_of(forms: &Forms) -> Result<CacheMode, Error> {
+    let base = CacheMode::parse(&forms.form)?;
+    if forms.key_form.is_none() && forms.value_form.is_none() && forms.layer_forms.is_none() {
+        return Ok(base);
+    }
+    let part = |flag: &str, text: &Option<String>| -> Result<Option<CacheForm>, Error> {
+        match text.as_deref().unwrap_or(&forms.form) {
+            "plain" if text.is_some() || forms.layer_forms.is_none() => Err(format!(
+                "{flag} plain: one part cannot stay unstored while the other is stored; use fp32"
+            )
+            .into()),
+            "plain" => Ok(None),
+            f => Ok(Some(f.parse()?)),
+        }
+    };
+    let (key, value) = (
+        part("--key-form", &forms.key_form)?,
+        part("--value-form", &forms.value_form)?,
+    );
+    let Some(layers) = &forms.layer_forms else {
+        let (Some(k), Some(v)) = (key, value) else {
+            return Err("give --key-form and --value-form (or --form) a stored form".into());
+        };
+        return Ok(CacheMode::key_value(k, v));
+    };
+    let mut spec = layers.clone();
+    if let (Some(k), Some(v)) = (key, value)
+        && !spec.split(';').any(|r| r.trim_start().starts_with('*'))
+    {
+        spec.push_str(&format!(";*:{k}/{v}"));
+    }
+    Ok(CacheMode::layered(spec.parse::<LayerForms>()?, None))
+}
