@@ -256,6 +256,34 @@ impl std::fmt::Debug for GgufFile {
     }
 }
 
+/// Refuses tensors whose bytes are not laid out as GGUF writers lay them
+/// out: one after another from offset 0, each padded to `alignment`, none
+/// overlapping another. A tensor whose type byte or offset was changed
+/// breaks that layout (its size or start no longer meets its neighbours).
+fn check_layout(infos: &[TensorInfo], alignment: u64) -> Result<()> {
+    let mut by_offset: Vec<&TensorInfo> = infos.iter().collect();
+    by_offset.sort_by_key(|t| t.offset);
+    let mut expected = 0u64;
+    let mut previous: Option<&str> = None;
+    for t in by_offset {
+        if t.offset != expected {
+            let after = previous.map_or("the data section's start".to_string(), |p| {
+                format!("the end of {p}")
+            });
+            return Err(ModelError::Gguf(format!(
+                "tensor {} starts at offset {}, but {after} puts the next tensor at {expected} \
+                 (a changed type or offset?)",
+                t.name, t.offset
+            )));
+        }
+        // Offsets and sizes are inside the file (checked above), so this
+        // neither overflows nor passes the data section.
+        expected = (t.offset + t.bytes).div_ceil(alignment) * alignment;
+        previous = Some(&t.name);
+    }
+    Ok(())
+}
+
 /// A tensor's info and its bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct Tensor<'a> {
@@ -348,6 +376,7 @@ impl GgufFile {
                 )));
             }
         }
+        check_layout(&infos, alignment)?;
         Ok(Self {
             bytes,
             version,

@@ -26,7 +26,7 @@ use super::{
 };
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::weights::{Isa, QuantMatrix, StoredLinear};
+use crate::weights::{Isa, QuantMatrix, StoredLinear, first_non_finite};
 
 /// The member of the Llama family a model is (its GGUF
 /// `general.architecture`).
@@ -200,14 +200,51 @@ struct Buffers {
     act: Vec<f32>,
 }
 
+/// How a model file is checked when it loads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Load weights holding NaN or infinity (a fault experiment's file);
+    /// by default they are refused.
+    pub allow_non_finite: bool,
+}
+
 impl LlamaModel {
     /// Loads a `llama` or `qwen2` GGUF file, keeping every matrix as
-    /// stored (norms and biases in f32).
+    /// stored (norms and biases in f32), verified as
+    /// [`from_gguf_with`](Self::from_gguf_with) verifies it by default.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        Self::from_gguf_with(file, &LoadOptions::default())
+    }
+
+    /// Loads a `llama` or `qwen2` GGUF file after checking it against the
+    /// architecture: every tensor the file holds is one the model uses
+    /// (a file whose `block_count` was lowered keeps the last block's
+    /// tensors, and is refused), every tensor has the shape the
+    /// hyper-parameters give it, norms and biases are F32, and no weight is
+    /// NaN or infinite unless `options` allows it. (The reader has already
+    /// checked that the tensors' bytes are aligned, inside the file and
+    /// laid out one after another, so a changed type or offset shows.)
+    pub fn from_gguf_with(file: &GgufFile, options: &LoadOptions) -> Result<Self> {
         let config = LlamaConfig::from_gguf(file)?;
+        let used = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        let read = |name: &str| -> Result<crate::gguf::Tensor<'_>> {
+            let t = file.tensor(name)?;
+            used.borrow_mut().insert(name.to_string());
+            if !options.allow_non_finite
+                && let Ok(ty) = t.weight_type()
+                && let Some(block) = first_non_finite(ty, t.data)
+            {
+                return Err(ModelError::ModelFile(format!(
+                    "tensor {name}: block {block} holds a NaN or an infinity (a fault experiment \
+                     can allow it: LoadOptions::allow_non_finite, kv-eval's \
+                     --allow-non-finite-weights)"
+                )));
+            }
+            Ok(t)
+        };
         let mut converted = std::collections::BTreeSet::new();
         let mut quant = |name: &str, rows: usize, cols: usize| -> Result<QuantMatrix> {
-            let t = file.tensor(name)?;
+            let t = read(name)?;
             if t.info.row_len() != cols || t.info.rows() != rows {
                 return Err(ModelError::ModelFile(format!(
                     "tensor {name} is {:?}, expected {cols}×{rows}",
@@ -224,11 +261,17 @@ impl LlamaModel {
             Ok(m)
         };
         let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
-            let t = file.tensor(name)?;
-            if t.info.elements() != len as u64 {
+            let t = read(name)?;
+            if t.info.elements() != len as u64 || t.info.dims.len() != 1 {
                 return Err(ModelError::ModelFile(format!(
                     "tensor {name} is {:?}, expected {len} values",
                     t.info.dims
+                )));
+            }
+            if t.info.ty.name() != "F32" {
+                return Err(ModelError::ModelFile(format!(
+                    "tensor {name} is {}: norms and biases are stored as F32",
+                    t.info.ty.name()
                 )));
             }
             t.to_f32()
@@ -281,6 +324,17 @@ impl LlamaModel {
             Err(_) => None,
         };
         let output_norm = vector("output_norm.weight", c.dim)?;
+        let used = used.into_inner();
+        if let Some(extra) = file.tensors().iter().find(|t| !used.contains(&t.name)) {
+            return Err(ModelError::ModelFile(format!(
+                "tensor {} is not used by a {}-block {} model (does {}.block_count or the \
+                 architecture disagree with the tensors?)",
+                extra.name,
+                c.layers,
+                c.arch.gguf_name(),
+                c.arch.gguf_name()
+            )));
+        }
         Self::from_parts(config, embed, layers, output_norm, output)
     }
 

@@ -15,7 +15,7 @@ mod projection;
 pub use backend::Adapted;
 pub use generate::{GenerateOptions, Generated, Sampling, check_prompt, generate};
 pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
-pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel};
+pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, LoadOptions};
 pub(crate) use projection::{HookSlot, listed, project};
 
 use attention::{Attention, AttentionConfig, HeadShape, Numerics, OnNonFinite};

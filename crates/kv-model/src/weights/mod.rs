@@ -17,6 +17,7 @@
 mod activations;
 mod dequant;
 mod dot;
+mod finite;
 mod kquants;
 mod matrix;
 mod product;
@@ -25,5 +26,6 @@ mod types;
 pub use activations::{Activations, Q8Block, Q8KBlock};
 pub use dequant::{dequantize_into, dequantize_parallel};
 pub use dot::Isa;
+pub use finite::first_non_finite;
 pub use matrix::{QuantMatrix, StoredLinear};
 pub use types::{ActivationKind, WeightType};

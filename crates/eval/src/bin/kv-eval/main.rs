@@ -45,6 +45,10 @@ struct Cli {
     /// available at start].
     #[arg(long, global = true)]
     memory_limit: Option<String>,
+    /// Load GGUF weights holding NaN or infinity (a fault experiment's
+    /// damaged file) instead of refusing them.
+    #[arg(long, global = true)]
+    allow_non_finite_weights: bool,
 }
 
 #[derive(Subcommand)]
@@ -129,6 +133,7 @@ fn run(cli: Cli) -> Result<(), Error> {
     if let Some(limit) = &cli.memory_limit {
         kv_eval::budget::set_limit(kv_eval::budget::parse_size(limit)?);
     }
+    kv_eval::load::allow_non_finite_weights(cli.allow_non_finite_weights);
     match cli.command {
         Command::Ppl(args) => ppl::run(args),
         Command::Sweep(args) => sweep::run(args),
