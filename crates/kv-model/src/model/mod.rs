@@ -2,7 +2,8 @@
 //! pass over any [`KvBackend`], the [`ModelCache`]), the projections
 //! ([`Projection`]: weights as stored, multiplied by this crate's kernels,
 //! or dense f32 through abft-gemm's linear layer) and the hook that may
-//! replace their products ([`ProjectionHook`]: kv-eval's GEMM checks).
+//! replace their products ([`ProjectionHook`]: kv-eval's GEMM checks);
+//! generation ([`generate`]) and continuous batching ([`batch`]) on top.
 //! Llama-family models in [`llama`], GPT-2 in [`gpt2`].
 
 mod backend;
@@ -12,17 +13,15 @@ pub mod gpt2;
 pub mod llama;
 mod projection;
 
+pub use abft_gemm::Matrix;
 pub use backend::Adapted;
 pub use generate::{GenerateOptions, Generated, Sampling, check_prompt, generate};
 pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
 pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, LoadOptions};
 pub(crate) use projection::{HookSlot, listed, project};
-
-use attention::{Attention, AttentionConfig, HeadShape, Numerics, OnNonFinite};
 pub use projection::{Projection, ProjectionHook, ProjectionId, ProjectionKind};
 
-pub use abft_gemm::Matrix;
-use attention::{KvBackend, Rope};
+use attention::{Attention, AttentionConfig, HeadShape, KvBackend, Numerics, OnNonFinite, Rope};
 
 use crate::error::{ModelError, Result};
 
