@@ -155,6 +155,11 @@ for _ in range(n_tensors):
     name, noff = string(); nd = u32(); doff = p
     dims = [u64() for _ in range(nd)]; toff = p; u32(); u64()
     tensors[name] = (doff, toff)
+data_start = (p + 31) // 32 * 32   # the reader's default alignment
+def info_offset(name):
+    return struct.unpack_from('<Q', data, tensors[name][1] + 4)[0]
+def data_at(name):
+    return data_start + info_offset(name)
 def out(name, edits):
     b = bytearray(data)
     for off, fmt, val in edits:
@@ -178,6 +183,10 @@ out('dim-small', [(tensors['token_embd.weight'][0] + 8, '<Q', 1)])  # 1-token vo
 out('layers0', [m('llama.block_count', 0)])
 out('layers-huge', [m('llama.block_count', 2**32 - 1)])
 out('layers31', [m('llama.block_count', 31)])
+out('layers29', [m('llama.block_count', 29)])   # the last block's tensors unused
+out('offset32', [(tensors['blk.0.attn_k.weight'][1] + 4, '<Q',
+                  info_offset('blk.0.attn_k.weight') + 32)])   # still aligned
+out('norm-nan', [(data_at('blk.1.ffn_norm.weight') + 8, '<f', nan)])
 out('embd0', [m('llama.embedding_length', 0)])
 out('embd577', [m('llama.embedding_length', 577)])
 out('heads0', [m('llama.attention.head_count', 0)])
@@ -269,12 +278,16 @@ bad  tensor.count                   top --model $W/ntensors-huge.gguf
 bad  key|truncat                    top --model $W/keylen-huge.gguf
 bad  token_embd|type                top --model $W/toktype-unknown.gguf
 bad  token_embd                     top --model $W/toktype-f32.gguf
-any  attn_norm                      top --model $W/normtype-f16.gguf
+bad  offset|attn_norm                top --model $W/normtype-f16.gguf
 bad  token_embd                     top --model $W/dim-huge.gguf
 bad  token_embd|vocab               top --model $W/dim-small.gguf
 bad  block_count|layer              top --model $W/layers0.gguf
 bad  block_count|layer|blk\.        top --model $W/layers-huge.gguf
 bad  block_count|layer|blk\.30      top --model $W/layers31.gguf
+bad  blk\.29|not.used               top --model $W/layers29.gguf
+bad  offset                         top --model $W/offset32.gguf
+bad  ffn_norm|nan                   top --model $W/norm-nan.gguf
+ok   -                              top --model $W/norm-nan.gguf --allow-non-finite-weights
 bad  embedding                      top --model $W/embd577.gguf
 bad  head                           top --model $W/kvheads4.gguf
 bad  feed_forward|ffn               top --model $W/ffn-huge.gguf
