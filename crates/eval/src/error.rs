@@ -17,29 +17,6 @@ pub enum EvalError {
     /// A metadata key or tensor the model needs is missing or has the wrong type.
     #[error("model file: {0}")]
     Model(String),
-    /// Weights or configurations whose shapes do not fit each other.
-    #[error("shape mismatch: {0}")]
-    Shape(String),
-    /// A buffer or count does not have the size the call needs.
-    #[error("{what}: {got}, expected {expected}")]
-    ShapeMismatch {
-        /// What was measured.
-        what: &'static str,
-        /// The size the call needs.
-        expected: usize,
-        /// The size it got.
-        got: usize,
-    },
-    /// An index past the end of what it indexes.
-    #[error("{what} {index} is past the {len} there are")]
-    OutOfRange {
-        /// What is indexed (`"row of blk.0.attn_q.weight"`).
-        what: String,
-        /// The index asked for.
-        index: usize,
-        /// How many there are.
-        len: usize,
-    },
     /// Something sized from user input would not fit the memory budget
     /// ([`crate::budget`]).
     #[error(

@@ -6,6 +6,7 @@
 //! projection the model stores quantised (the model keeps its stored
 //! weights for everything else).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -140,15 +141,14 @@ impl GemmChecks {
         let prepared = weights
             .iter()
             .map(|&(id, p)| {
-                let prepared = match p {
-                    Projection::Dense(m) => (None, abft_gemm::CheckedLinear::new(m, rule)),
-                    Projection::Stored(s) => {
-                        let m = Matrix::new(s.rows(), s.cols(), s.to_f32())?;
-                        let checked = abft_gemm::CheckedLinear::new(&m, rule);
-                        (Some(m), checked)
-                    }
+                let dense = p.to_dense()?;
+                let checked = abft_gemm::CheckedLinear::new(&dense, rule);
+                // Kept only where the model's own weights are not f32.
+                let copy = match dense {
+                    Cow::Owned(m) => Some(m),
+                    Cow::Borrowed(_) => None,
                 };
-                Ok((id, prepared))
+                Ok((id, (copy, checked)))
             })
             .collect::<Result<_>>()?;
         Ok(Self {

@@ -13,7 +13,9 @@ use paged_cache::PagedBackend;
 use crate::backend::{BackendKind, paged_backend};
 use crate::cache::{CacheMode, ChannelKind, KvCache};
 use crate::error::{EvalError, Result};
-use kv_model::model::{Adapted, CausalLm, GenerateOptions, Sampling, check_prompt};
+use attention::KvBackend;
+use kv_model::ModelError;
+use kv_model::model::{Adapted, CausalLm, GenerateOptions, Generated, Sampling, check_prompt};
 
 /// Faults that accumulate in the resident blocks of a paged cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -89,9 +91,25 @@ impl Generation {
     }
 }
 
-/// No faults between the steps.
-fn no_faults<C>(_: usize, _: &mut C) -> Result<()> {
-    Ok(())
+/// kv-model's generation on `cache` with nothing between the steps.
+fn without_faults<C>(
+    model: &dyn CausalLm,
+    cache: &mut C,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Generated>
+where
+    C: KvBackend<Error = ModelError> + 'static,
+{
+    kv_model::model::generate(
+        model,
+        cache,
+        prompt,
+        options,
+        |_, _: &mut C| Ok(()),
+        on_token,
+    )
 }
 
 /// Generates up to `config.max_new` tokens after `prompt` (kv-model's
@@ -148,14 +166,7 @@ pub fn generate(
     let generated = match config.backend {
         BackendKind::Dense => {
             let mut cache = Adapted(DenseBackend::new());
-            let g = kv_model::model::generate(
-                model,
-                &mut cache,
-                prompt,
-                &options,
-                no_faults,
-                &mut on_token,
-            )?;
+            let g = without_faults(model, &mut cache, prompt, &options, &mut on_token)?;
             out.cache_bytes = (0..)
                 .map_while(|l| cache.0.rows(l))
                 .map(|(k, v)| 4 * (k.len() + v.len()) as u64)
@@ -164,14 +175,7 @@ pub fn generate(
         }
         BackendKind::Reencode => {
             let mut cache = KvCache::new(config.mode.clone(), None, 0)?;
-            let g = kv_model::model::generate(
-                model,
-                &mut cache,
-                prompt,
-                &options,
-                no_faults,
-                &mut on_token,
-            )?;
+            let g = without_faults(model, &mut cache, prompt, &options, &mut on_token)?;
             out.cache_bytes = cache.held_bytes();
             g
         }

@@ -26,7 +26,7 @@ use super::{
 };
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::weights::{Isa, QuantMatrix, StoredLinear, first_non_finite};
+use crate::weights::{Isa, QuantMatrix, StoredLinear, WeightType, first_non_finite};
 
 /// The member of the Llama family a model is (its GGUF
 /// `general.architecture`).
@@ -268,7 +268,7 @@ impl LlamaModel {
                     t.info.dims
                 )));
             }
-            if t.info.ty.name() != "F32" {
+            if t.weight_type().ok() != Some(WeightType::F32) {
                 return Err(ModelError::ModelFile(format!(
                     "tensor {name} is {}: norms and biases are stored as F32",
                     t.info.ty.name()

@@ -154,11 +154,22 @@ impl Projection {
         }
     }
 
+    /// The weights as dense f32: borrowed where they are, a dequantised
+    /// copy of stored ones.
+    pub fn to_dense(&self) -> Result<std::borrow::Cow<'_, Matrix>> {
+        Ok(match self {
+            Self::Dense(m) => std::borrow::Cow::Borrowed(m),
+            Self::Stored(s) => {
+                std::borrow::Cow::Owned(Matrix::new(s.rows(), s.cols(), s.to_f32())?)
+            }
+        })
+    }
+
     /// Turns stored weights into dense f32 ones (faer's GEMM on f32
     /// activations).
     pub fn densify(&mut self) -> Result<()> {
-        if let Self::Stored(s) = self {
-            *self = Self::Dense(Matrix::new(s.rows(), s.cols(), s.to_f32())?);
+        if let std::borrow::Cow::Owned(m) = self.to_dense()? {
+            *self = Self::Dense(m);
         }
         Ok(())
     }
