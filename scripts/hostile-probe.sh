@@ -251,6 +251,15 @@ bad  abft.emax|nan                  ppl $P --abft --abft-emax NaN
 bad  gemm.flips                     ppl $P --abft --gemm-flips 2
 bad  gemm.flips|abft                ppl $P --gemm-flips 0.5
 bad  abft.correct|abft              ppl $P --abft-correct
+bad  weight.flips                   ppl $P --weight-flips 2
+bad  weight.flips|nan               ppl $P --weight-flips NaN
+bad  weight.check|never             ppl $P --weight-check 0
+bad  weight.check|never             ppl $P --weight-check -3
+bad  weight.group                   ppl $P --weight-check 1 --weight-group 0
+bad  weight.flips|abft|use.one      ppl $P --weight-flips 1e-7 --abft
+bad  weight.flips|plain             ppl $P --weight-flips 1e-7 --form int4
+bad  weight|memory.limit            --memory-limit 150M ppl $P --weight-check 1 --weight-group 1
+ok   -                              ppl $P --weight-flips 1e-7 --weight-check 1 --weight-group 18446744073709551615
 bad  calib.tokens|calibration.tokens ppl $P --form vq --calib-tokens 0 --calib-ctx 32
 any  calib                          ppl $P --form vq --calib-tokens 18446744073709551615 --calib-ctx 32 --calib-text $W/small.txt
 # ---- ppl: paths

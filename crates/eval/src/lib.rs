@@ -25,6 +25,7 @@ mod niah_plot;
 pub mod paths;
 pub mod stream_drift;
 pub mod sweep;
+pub mod weight_faults;
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

@@ -54,6 +54,32 @@ fn hostile_flags_are_refused_before_any_work() {
             "cannot create the folder",
         ),
         (&["calibrate", "--out", tmp], "is a folder"),
+        (&["ppl", "--weight-flips", "2"], "weight-flips"),
+        (
+            &["ppl", "--weight-check", "0"],
+            "neither `never` nor a number",
+        ),
+        (
+            &["ppl", "--weight-check", "1", "--weight-group", "0"],
+            "weight-group",
+        ),
+        (&["ppl", "--weight-flips", "1e-7", "--abft"], "use one"),
+        (
+            &["ppl", "--weight-flips", "1e-7", "--form", "int4"],
+            "run on the plain cache",
+        ),
+        (
+            &[
+                "ppl",
+                "--weight-check",
+                "1",
+                "--key-form",
+                "int4",
+                "--value-form",
+                "lm4",
+            ],
+            "run on the plain cache",
+        ),
         (
             &["generate", "--memory-limit", "0", "--prompt", "hi"],
             "memory-limit",

@@ -9,10 +9,16 @@
 //! - `kv-model/prefill/<TYPE>`: 64 tokens through one 2048 × 2048 matrix,
 //!   against `baseline-f32`, abft-gemm's f32 product (faer's GEMM, what
 //!   kv-eval multiplied by before kv-model) on the same shapes, in
-//!   multiply-adds per second.
+//!   multiply-adds per second;
+//! - `kv-model/guard/<check|decode-Q4_K>`: a [`WeightGuard`] check (the CRC
+//!   of every row) over `Q4_K` matrices whose bytes total 64 MiB, and one
+//!   token's product through the same matrices, against `baseline-read`,
+//!   the streaming read of those bytes: what a check costs beside a
+//!   decode step.
 
 use abft_gemm::Matrix;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kv_model::model::{Projection, WeightGuard};
 use kv_model::weights::{Isa, QuantMatrix, StoredLinear, WeightType};
 use rayon::prelude::*;
 use std::hint::black_box;
@@ -91,20 +97,8 @@ fn decode(c: &mut Criterion) {
             })
         });
         g.bench_function(format!("baseline-{}", ty.name()), |b| {
-            b.iter(|| {
-                // Read on every pool thread, as the product runs.
-                ms.iter().fold(0u64, |s, m| {
-                    let sum = black_box(m.parts()[0].data())
-                        .par_chunks(64 << 10)
-                        .map(|chunk| {
-                            chunk.chunks_exact(8).fold(0u64, |s, c| {
-                                s.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()))
-                            })
-                        })
-                        .reduce(|| 0, u64::wrapping_add);
-                    s.wrapping_add(sum)
-                })
-            })
+            // Read on every pool thread, as the product runs.
+            b.iter(|| read_all(&ms))
         });
     }
     g.finish();
@@ -130,5 +124,53 @@ fn prefill(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, prefill);
+/// Streams `ms`' bytes on every pool thread (the memory-bandwidth baseline).
+fn read_all(ms: &[StoredLinear]) -> u64 {
+    ms.iter().fold(0u64, |s, m| {
+        let sum = black_box(m.parts()[0].data())
+            .par_chunks(64 << 10)
+            .map(|chunk| {
+                chunk.chunks_exact(8).fold(0u64, |s, c| {
+                    s.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()))
+                })
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        s.wrapping_add(sum)
+    })
+}
+
+fn guard(c: &mut Criterion) {
+    let ty = WeightType::Q4_K;
+    let per = QuantMatrix::data_len(ty, SIDE, SIDE).unwrap();
+    let count = (64usize << 20).div_ceil(per);
+    let ps: Vec<Projection> = (0..count)
+        .map(|s| Projection::Stored(matrix(ty, s)))
+        .collect();
+    let guards: Vec<WeightGuard> = ps
+        .iter()
+        .map(|p| WeightGuard::new(p, kv_model::model::DEFAULT_ROWS_PER_GROUP).unwrap())
+        .collect();
+    let ms: Vec<StoredLinear> = (0..count).map(|s| matrix(ty, s)).collect();
+    let (x, mut out, isa) = (input(1), vec![0.0; SIDE], Isa::detect());
+    let mut g = c.benchmark_group("kv-model/guard");
+    g.throughput(Throughput::Bytes((count * per) as u64));
+    g.bench_function("check", |b| {
+        b.iter(|| {
+            for (guard, p) in guards.iter().zip(&ps) {
+                assert!(guard.verify(black_box(p)).unwrap().is_empty());
+            }
+        })
+    });
+    g.bench_function("decode-Q4_K", |b| {
+        b.iter(|| {
+            for m in &ms {
+                m.product_into(&mut out, black_box(&x), false, isa).unwrap();
+            }
+        })
+    });
+    g.bench_function("baseline-read", |b| b.iter(|| read_all(&ms)));
+    g.finish();
+}
+
+criterion_group!(benches, decode, prefill, guard);
 criterion_main!(benches);

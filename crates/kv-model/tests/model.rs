@@ -2,7 +2,9 @@
 //! sees every projection once per pass, in `projections()` order, and a
 //! hook computing the plain product leaves the logits' bits unchanged; an
 //! error of a hook or backend defined elsewhere comes back whole and
-//! leaves the cache as it was before the step; bad input gets typed errors.
+//! leaves the cache as it was before the step; bad input gets typed errors;
+//! weight guards over `projections_mut()` repair flipped weights to the
+//! model's bits.
 
 use std::sync::{Arc, Mutex};
 
@@ -10,7 +12,7 @@ use attention::{DenseBackend, KvBackend, RopeLayout};
 use kv_model::ModelError;
 use kv_model::model::{
     Adapted, CausalLm, LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, Matrix, Projection,
-    ProjectionHook, ProjectionId,
+    ProjectionHook, ProjectionId, RowRepair, WeightGuard,
 };
 use kv_model::weights::{Isa, QuantMatrix, StoredLinear};
 
@@ -131,6 +133,47 @@ fn a_hook_sees_every_projection_once_per_pass_and_changes_no_bit() {
     // A clone starts without the hook: its pass adds nothing.
     let _ = logits(&hooked.clone(), &tokens);
     assert_eq!(hook.seen.lock().unwrap().len(), order.len());
+}
+
+#[test]
+fn guards_over_projections_mut_repair_flipped_weights_to_the_models_bits() {
+    let tokens: Vec<u32> = (0..9).map(|i| (i * 5 % VOCAB) as u32).collect();
+    let mut m = model();
+    let want = logits(&m, &tokens);
+    let ids: Vec<ProjectionId> = m.projections().iter().map(|p| p.0).collect();
+    let ids_mut: Vec<ProjectionId> = m.projections_mut().iter().map(|p| p.0).collect();
+    assert_eq!(ids, ids_mut);
+    let mut guards: Vec<WeightGuard> = m
+        .projections()
+        .iter()
+        .map(|(_, p)| WeightGuard::new(p, 4).unwrap())
+        .collect();
+    // One sign bit in every projection, two bits of one row in the first.
+    for (i, (_, p)) in m.projections_mut().into_iter().enumerate() {
+        let (bytes, row_bytes) = &mut p.byte_rows_mut()[0];
+        bytes[(i % 3) * *row_bytes + 3] ^= 0x80;
+        if i == 0 {
+            bytes[*row_bytes + 7] ^= 0x80;
+            bytes[*row_bytes + 11] ^= 0x01;
+        }
+    }
+    assert_ne!(logits(&m, &tokens), want);
+    let mut repairs = Vec::new();
+    for (guard, (_, p)) in guards.iter_mut().zip(m.projections_mut()) {
+        let (report, fates) = guard.check(p).unwrap();
+        assert_eq!(report.unrepaired, 0);
+        repairs.extend(fates.into_iter().map(|f| f.repair));
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&logits(&m, &tokens)), bits(&want));
+    assert_eq!(repairs.len(), ids.len() + 1);
+    assert_eq!(
+        repairs
+            .iter()
+            .filter(|r| **r == Some(RowRepair::Parity))
+            .count(),
+        1
+    );
 }
 
 #[test]

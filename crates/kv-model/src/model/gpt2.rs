@@ -189,6 +189,15 @@ impl CausalLm for Gpt2Model {
         )
     }
 
+    fn projections_mut(&mut self) -> Vec<(ProjectionId, &mut Projection)> {
+        listed(
+            self.layers
+                .iter_mut()
+                .map(|l| [&mut l.qkv.0, &mut l.out.0, &mut l.fc.0, &mut l.proj.0]),
+            &mut self.wte,
+        )
+    }
+
     fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>) {
         self.hook = HookSlot(hook);
     }

@@ -676,6 +676,16 @@ impl CausalLm for LlamaModel {
         )
     }
 
+    fn projections_mut(&mut self) -> Vec<(ProjectionId, &mut Projection)> {
+        let output = self.output.as_mut().unwrap_or(&mut self.embed);
+        listed(
+            self.layers
+                .iter_mut()
+                .map(|l| [&mut l.qkv, &mut l.out, &mut l.gate_up, &mut l.down]),
+            output,
+        )
+    }
+
     fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>) {
         self.hook = HookSlot(hook);
     }

@@ -10,6 +10,7 @@ mod backend;
 pub mod batch;
 mod generate;
 pub mod gpt2;
+mod guard;
 pub mod llama;
 mod projection;
 
@@ -17,6 +18,7 @@ pub use abft_gemm::Matrix;
 pub use backend::Adapted;
 pub use generate::{GenerateOptions, Generated, Sampling, check_prompt, generate};
 pub use gpt2::{Gpt2Config, Gpt2Layer, Gpt2Model};
+pub use guard::{DEFAULT_ROWS_PER_GROUP, DamagedRow, GuardReport, RowRepair, WeightGuard};
 pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, LoadOptions};
 pub(crate) use projection::{HookSlot, listed, project};
 pub use projection::{Projection, ProjectionHook, ProjectionId, ProjectionKind};
@@ -54,6 +56,10 @@ pub trait CausalLm: Send + Sync {
     /// Every projection of the forward pass with its identity, in the
     /// order the pass multiplies them (the output head last).
     fn projections(&self) -> Vec<(ProjectionId, &Projection)>;
+    /// [`projections`](Self::projections), to change in place (a
+    /// [`WeightGuard`]'s repairs, a fault experiment's flips): the same
+    /// order; a tied output head is the token embedding.
+    fn projections_mut(&mut self) -> Vec<(ProjectionId, &mut Projection)>;
     /// Computes every projection through `hook` from now on (`None`: the
     /// plain products). A cloned model starts without a hook.
     fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>);

@@ -54,11 +54,9 @@ impl ProjectionId {
 }
 
 /// Every projection of a model: each block's four (Q/K/V, attention
-/// output, MLP up and down, in that order), then the output head.
-pub(crate) fn listed<'a>(
-    blocks: impl Iterator<Item = [&'a Projection; 4]>,
-    output: &'a Projection,
-) -> Vec<(ProjectionId, &'a Projection)> {
+/// output, MLP up and down, in that order), then the output head (`P` a
+/// shared or a mutable reference).
+pub(crate) fn listed<P>(blocks: impl Iterator<Item = [P; 4]>, output: P) -> Vec<(ProjectionId, P)> {
     const KINDS: [ProjectionKind; 4] = [
         ProjectionKind::Qkv,
         ProjectionKind::AttentionOut,
@@ -187,6 +185,30 @@ impl Projection {
         match self {
             Self::Stored(s) => s.product_into(out, x, accumulate, isa),
             Self::Dense(m) => dense_product(out, x, m, accumulate),
+        }
+    }
+
+    /// The weights' bytes as stored, in segments of equal rows, each with
+    /// its bytes per row: every part of stacked weights, or a dense
+    /// matrix's f32 values as they lie in memory (4 bytes a value). What
+    /// [`WeightGuard`](super::WeightGuard) checks and fault experiments
+    /// flip.
+    pub fn byte_rows(&self) -> Vec<(&[u8], usize)> {
+        match self {
+            Self::Stored(s) => s
+                .parts()
+                .iter()
+                .map(|p| (p.data(), p.row_bytes()))
+                .collect(),
+            Self::Dense(m) => vec![(bytemuck::cast_slice(&m.data), 4 * m.cols)],
+        }
+    }
+
+    /// [`byte_rows`](Self::byte_rows), to change in place; the shapes stay.
+    pub fn byte_rows_mut(&mut self) -> Vec<(&mut [u8], usize)> {
+        match self {
+            Self::Stored(s) => s.part_bytes_mut().collect(),
+            Self::Dense(m) => vec![(bytemuck::cast_slice_mut(&mut m.data), 4 * m.cols)],
         }
     }
 

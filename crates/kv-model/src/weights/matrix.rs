@@ -83,6 +83,13 @@ impl QuantMatrix {
         &self.data
     }
 
+    /// The bytes as stored, to change in place (fault experiments, and
+    /// [`WeightGuard`](crate::model::WeightGuard)'s repairs): any bytes
+    /// are a matrix of this type, though not necessarily a finite one.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        &mut self.data
+    }
+
     /// Bytes per row.
     pub fn row_bytes(&self) -> usize {
         self.data.len().checked_div(self.rows).unwrap_or(0)
@@ -156,6 +163,15 @@ impl StoredLinear {
     /// The parts, in row order.
     pub fn parts(&self) -> &[QuantMatrix] {
         &self.parts
+    }
+
+    /// Each part's bytes as stored with its bytes per row, to change in
+    /// place (see [`QuantMatrix::data_mut`]); the shapes stay.
+    pub fn part_bytes_mut(&mut self) -> impl Iterator<Item = (&mut [u8], usize)> {
+        self.parts.iter_mut().map(|p| {
+            let row_bytes = p.row_bytes();
+            (p.data_mut(), row_bytes)
+        })
     }
 
     /// Outputs (rows of all parts).

@@ -1,5 +1,6 @@
 //! `kv-eval ppl`: perplexity, KL from the clean run, top-k and codec
-//! statistics of one configuration, with optional GEMM checks and flips.
+//! statistics of one configuration, with optional GEMM checks and flips,
+//! or faults in the stored weights and their checks.
 
 use std::path::PathBuf;
 
@@ -62,9 +63,38 @@ pub(crate) struct PplArgs {
     /// located by column checksums and rewritten).
     #[arg(long)]
     pub(crate) abft_correct: bool,
+    /// Flip every stored weight bit with this probability per forward
+    /// pass (seeded by --seed); flips stay until a check repairs them.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) weight_flips: f64,
+    /// Check the stored weights (a CRC-32 per row, an XOR parity row per
+    /// group) and rebuild damaged rows before the products of every Nth
+    /// pass, or never.
+    #[arg(long, default_value = "never", value_parser = parse_check_every)]
+    pub(crate) weight_check: Every,
+    /// Rows per parity group of the weight checks.
+    #[arg(long, default_value_t = kv_model::model::DEFAULT_ROWS_PER_GROUP)]
+    pub(crate) weight_group: usize,
     /// Also write the result as JSON to this file.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
+}
+
+/// How often the stored weights are checked: every N passes, or never.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Every(Option<u64>);
+
+/// `never` or a number of passes (at least 1).
+fn parse_check_every(s: &str) -> Result<Every, String> {
+    if s == "never" {
+        return Ok(Every(None));
+    }
+    match s.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(Every(Some(n))),
+        _ => Err(format!(
+            "{s:?} is neither `never` nor a number of passes of at least 1"
+        )),
+    }
 }
 
 /// Runs `kv-eval ppl`.
@@ -84,6 +114,9 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
         gemm_flips,
         gemm_flip_site,
         abft_correct,
+        weight_flips,
+        weight_check,
+        weight_group,
         json,
     } = args;
     if let Some(path) = &json {
@@ -102,8 +135,37 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
         return Err("--gemm-flip-site goes with --gemm-flips".into());
     }
     let gemm_flip_site = gemm_flip_site.unwrap_or(FlipSite::Output);
+    let weight_faults = (weight_flips != 0.0 || weight_check.0.is_some())
+        .then(|| {
+            kv_eval::weight_faults::WeightFaults::new(
+                kv_eval::weight_faults::WeightFaultConfig {
+                    rate: weight_flips,
+                    seed,
+                    check_every: weight_check.0,
+                    rows_per_group: weight_group,
+                },
+                kv_model::weights::Isa::detect(),
+            )
+        })
+        .transpose()?
+        .map(std::sync::Arc::new);
+    if weight_faults.is_some() && abft.is_some() {
+        return Err(
+            "--weight-flips/--weight-check and --abft both compute every product: \
+                    use one"
+                .into(),
+        );
+    }
     let rule = abft_rule(abft, abft_emax, abft_tau)?;
     let mode = mode_of(&forms)?;
+    if weight_faults.is_some() && mode != CacheMode::Plain {
+        return Err(format!(
+            "--weight-flips/--weight-check run on the plain cache (the clean reference \
+             pass would read the faulty weights too), not {}",
+            mode.label()
+        )
+        .into());
+    }
     check_segments(&mode, source.ctx)?;
     let channel: ChannelKind = channel.parse()?;
     let faults = FaultSpec {
@@ -156,6 +218,14 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
             }),
         )?;
     }
+    if let Some(faults) = &weight_faults {
+        kv_eval::budget::check(
+            "--weight-flips/--weight-check: a faulty copy of the weights, their parity rows \
+             and CRCs",
+            kv_eval::weight_faults::WeightFaults::memory_needed(model.as_ref(), weight_group),
+        )?;
+        model.set_projection_hook(Some(faults.clone()));
+    }
     let mode = mode.with_calibration(cal);
     let label = mode.label();
     let run = RunConfig {
@@ -178,6 +248,10 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
     if let Some(c) = checks {
         abft::print_checks(rule, &c, abft_correct, gemm_flips > 0.0);
     }
+    let weight_stats = weight_faults.map(|w| w.stats());
+    if let Some(w) = &weight_stats {
+        print_weight_faults(w, weight_check.0);
+    }
     if let Some(path) = json {
         let value = serde_json::json!({
             "model": model_file, "text": text_file, "ctx": source.ctx,
@@ -194,12 +268,45 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
             "tokens_per_second": m.tokens_per_second, "metrics": m,
             "gemm_checks": checks, "abft_rule": rule.map(|r| r.name()),
             "gemm_flip_site": (gemm_flips > 0.0).then_some(gemm_flip_site.name()),
+            "weight_flips": weight_flips, "weight_check_every": weight_check.0,
+            "weight_group": weight_group, "weight_faults": weight_stats,
         });
         std::fs::write(&path, serde_json::to_string_pretty(&value)?)
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// Prints what the stored weights' faults and checks did.
+fn print_weight_faults(w: &kv_eval::weight_faults::WeightFaultStats, every: Option<u64>) {
+    let schedule = every.map_or("never".to_string(), |n| format!("every {n} passes"));
+    println!(
+        "weights: {} bits flipped over {} passes ({} stored bytes; checks {schedule}: {}, \
+         {:.3} s; guard {} bytes, {:.2}%)",
+        w.flips,
+        w.passes,
+        w.weight_bytes,
+        w.checks,
+        w.check_seconds,
+        w.guard_bytes,
+        100.0 * w.guard_bytes as f64 / (w.weight_bytes.max(1)) as f64
+    );
+    println!(
+        "  flipped bits: {} corrected, {} miscorrected, {} detected (rows left), {} silent, \
+         {} cancelled, {} pending; rows repaired {} ({} by their CRC), left {}, parity rows \
+         recomputed {}",
+        w.corrected,
+        w.miscorrected,
+        w.detected,
+        w.silent,
+        w.cancelled,
+        w.pending,
+        w.rows_repaired,
+        w.rows_repaired_by_crc,
+        w.rows_unrepaired,
+        w.parity_rebuilt
+    );
 }
 
 /// Prints one run's metrics (perplexity, agreement, codec counts, low-rank
