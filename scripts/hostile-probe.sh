@@ -394,6 +394,13 @@ bad  block.size                     generate --prompt hi --max-new 4 --ctx 64 --
 bad  scrub.every                    generate --prompt hi --max-new 4 --ctx 64 --form int4+secded84 --scrub-every 0
 bad  ber.per.step                   generate --prompt hi --max-new 4 --ctx 64 --form int4+secded84 --ber-per-step 2
 bad  prefill.step                   generate --prompt hi --max-new 4 --ctx 64 --prefill-step 0
+bad  speculate|self                 generate --prompt hi --max-new 4 --ctx 64 --speculate self
+bad  speculate|k=0                  generate --prompt hi --max-new 4 --ctx 64 --speculate lookup:k=0
+bad  k|context                      generate --prompt hi --max-new 4 --ctx 64 --speculate lookup:k=18446744073709551615
+bad  speculate|lookup               generate --prompt hi --max-new 4 --ctx 64 --speculate draft:
+bad  draft|tokenizer                generate --prompt hi --max-new 4 --ctx 64 --speculate draft:qwen2.5-0.5b
+bad  draft|nonexistent|cannot       generate --prompt hi --max-new 4 --ctx 64 --speculate draft:$W/nonexistent.gguf
+ok   -                              generate --prompt hi --max-new 8 --ctx 64 --speculate lookup:k=3
 bad  dense|plain|backend            generate --prompt hi --max-new 4 --ctx 64 --backend dense --form int4
 bad  form|pca-r100000|rank          generate --prompt hi --max-new 4 --ctx 64 $C --form pca-r100000
 # ---- batch

@@ -75,6 +75,39 @@ pub trait KvBackend {
 
     /// Drops the rows appended since the last commit, from every layer.
     fn rollback(&mut self);
+
+    /// Drops every committed token from position `tokens` on, in every
+    /// layer (a speculative draft's cache going back to what the target
+    /// accepted). Refused while a step is open or past the tokens held.
+    fn truncate(&mut self, tokens: usize) -> Result<(), Self::Error>;
+
+    /// Commits the first `keep` tokens of the open step and drops the rest
+    /// from every layer: speculative decoding's verification keeps the
+    /// accepted drafts. `keep` equal to the step's tokens is
+    /// [`commit`](Self::commit). This default commits the whole step and
+    /// [truncates](Self::truncate) it; a backend whose commit does work
+    /// over the committed rows (a paged cache sealing per-channel groups)
+    /// commits only the kept rows instead. `keep` past the step's tokens
+    /// is refused, and the step undone.
+    fn commit_prefix(&mut self, keep: usize) -> Result<(), Self::Error> {
+        let before = self.tokens();
+        self.commit()?;
+        let after = self.tokens();
+        if before + keep > after {
+            self.truncate(before)?;
+            return Err(keep_past_step(keep, after - before).into());
+        }
+        self.truncate(before + keep)
+    }
+}
+
+/// The error of a [`KvBackend::commit_prefix`] keeping more tokens than
+/// its step holds.
+pub fn keep_past_step(keep: usize, step: usize) -> AttentionError {
+    AttentionError::InvalidParameter {
+        name: "keep",
+        reason: format!("{keep} tokens kept of a step of {step}"),
+    }
 }
 
 /// Runs one step of `tokens` on `backend` through `forward`: commits it
@@ -221,6 +254,24 @@ impl StepRows {
         Ok(n)
     }
 
+    /// Refuses a truncation to `tokens` while a step is open or past the
+    /// `held` committed tokens.
+    pub fn check_truncate(&self, tokens: usize, held: usize) -> Result<()> {
+        if let Some(open) = self.open {
+            return Err(AttentionError::InvalidParameter {
+                name: "truncate",
+                reason: format!("a step of {open} tokens is open (commit or roll it back first)"),
+            });
+        }
+        if tokens > held {
+            return Err(AttentionError::InvalidParameter {
+                name: "truncate",
+                reason: format!("to {tokens} tokens, past the {held} held"),
+            });
+        }
+        Ok(())
+    }
+
     /// Forgets the open step (if any).
     pub fn discard(&mut self) {
         self.pending.iter_mut().for_each(|p| *p = 0);
@@ -338,7 +389,21 @@ impl KvBackend for DenseBackend {
 
     fn rollback(&mut self) {
         self.step.discard();
-        let keep = self.tokens * self.channels;
+        self.drop_rows_past(self.tokens);
+    }
+
+    fn truncate(&mut self, tokens: usize) -> Result<()> {
+        self.step.check_truncate(tokens, self.tokens)?;
+        self.tokens = tokens;
+        self.drop_rows_past(tokens);
+        Ok(())
+    }
+}
+
+impl DenseBackend {
+    /// Keeps the first `tokens` rows of every layer.
+    fn drop_rows_past(&mut self, tokens: usize) {
+        let keep = tokens * self.channels;
         for (k, v) in &mut self.layers {
             k.truncate(keep);
             v.truncate(keep);
@@ -379,6 +444,51 @@ mod tests {
             heads: HeadShape::new(4, 2, 8).unwrap(),
             rope: None,
         }
+    }
+
+    #[test]
+    fn a_step_keeps_a_prefix_and_committed_rows_truncate() {
+        let model = shape();
+        let ch = model.heads.kv_channels();
+        let mut b = DenseBackend::new();
+        b.fit(&model).unwrap();
+        let open = |b: &mut DenseBackend, n: usize| {
+            b.begin(&vec![3; n]).unwrap();
+            for l in 0..model.layers {
+                b.append(l, &rows(n, ch, l as f32), &rows(n, ch, 2.0))
+                    .unwrap();
+            }
+        };
+        open(&mut b, 6);
+        b.commit_prefix(4).unwrap();
+        assert_eq!(b.tokens(), 4);
+        assert!((0..3).all(|l| b.rows(l).unwrap().0 == &rows(6, ch, l as f32)[..4 * ch]));
+        // A step of 3 keeping none leaves the 4; keeping more is refused.
+        open(&mut b, 3);
+        b.commit_prefix(0).unwrap();
+        assert_eq!(b.tokens(), 4);
+        open(&mut b, 3);
+        assert!(matches!(
+            b.commit_prefix(4),
+            Err(AttentionError::InvalidParameter { name: "keep", .. })
+        ));
+        assert_eq!(b.tokens(), 4);
+        open(&mut b, 3);
+        b.commit().unwrap();
+        // Truncation: not while a step is open, not past the tokens held.
+        b.begin(&[1]).unwrap();
+        assert!(matches!(
+            b.truncate(2),
+            Err(AttentionError::InvalidParameter {
+                name: "truncate",
+                ..
+            })
+        ));
+        b.rollback();
+        assert!(b.truncate(8).is_err());
+        b.truncate(2).unwrap();
+        assert_eq!(b.tokens(), 2);
+        assert!((0..3).all(|l| b.rows(l).unwrap().1.len() == 2 * ch));
     }
 
     #[test]

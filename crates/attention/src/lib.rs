@@ -68,7 +68,9 @@ mod workspace;
 pub use attend::{
     Attention, AttentionConfig, AttentionInfo, AttentionOutput, AttentionStats, OnNonFinite,
 };
-pub use backend::{DenseBackend, KvBackend, ModelKvShape, StepRows, check_fit, run_step};
+pub use backend::{
+    DenseBackend, KvBackend, ModelKvShape, StepRows, check_fit, keep_past_step, run_step,
+};
 pub use error::{AttentionError, Result};
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use numerics::Numerics;

@@ -1,9 +1,12 @@
 //! Text generation on one of kv-eval's KV backends, through kv-model's
 //! [`generate`](kv_model::model::generate) (the prompt in one step, then
-//! one token per step, greedy or sampled). On the paged backend, faults
-//! can accumulate over time: before each decode step the resident blocks
-//! take flips at a given rate, and a scrubber can rewrite single-bit
-//! errors every few steps before they pair up.
+//! one token per step, greedy or sampled) or its
+//! [`generate_speculative`](kv_model::model::generate_speculative) (each
+//! decode step verifying a drafter's tokens: [`generate_speculative`]).
+//! On the paged backend, faults can accumulate over time: before each
+//! decode step the resident blocks take flips at a given rate, and a
+//! scrubber can rewrite single-bit errors every few steps before they pair
+//! up.
 
 use attention::DenseBackend;
 use gf2_codes::channel::FaultChannel;
@@ -15,7 +18,10 @@ use crate::cache::{CacheMode, ChannelKind, KvCache};
 use crate::error::{EvalError, Result};
 use attention::KvBackend;
 use kv_model::ModelError;
-use kv_model::model::{Adapted, CausalLm, GenerateOptions, Generated, Sampling, check_prompt};
+use kv_model::model::{
+    Adapted, CausalLm, Drafter, GenerateOptions, Generated, Sampling, SpeculativeOptions,
+    SpeculativeStats, check_prompt, check_speculative,
+};
 
 /// Faults that accumulate in the resident blocks of a paged cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -77,6 +83,58 @@ pub struct Generation {
     /// NaN and infinite K/V values the paged cache stored (faults in an
     /// unprotected form: stored as the form stores numbers, and counted).
     pub non_finite_stored: u64,
+    /// Drafting and verification, where the run speculated.
+    pub speculation: Option<SpeculativeStats>,
+}
+
+/// How the decode steps run: one token each, or verifying a drafter's.
+enum Decode<'d> {
+    Plain,
+    Speculative {
+        drafter: &'d mut dyn Drafter,
+        k: usize,
+        stats: SpeculativeStats,
+    },
+}
+
+impl Decode<'_> {
+    /// kv-model's generation on `cache`, plain or speculative, with
+    /// `before_step` between decode steps.
+    fn run<C>(
+        &mut self,
+        model: &dyn CausalLm,
+        cache: &mut C,
+        prompt: &[u32],
+        options: &GenerateOptions,
+        before_step: impl FnMut(usize, &mut C) -> Result<()>,
+        on_token: impl FnMut(u32) -> Result<()>,
+    ) -> Result<Generated>
+    where
+        C: KvBackend<Error = ModelError> + 'static,
+    {
+        match self {
+            Decode::Plain => {
+                kv_model::model::generate(model, cache, prompt, options, before_step, on_token)
+            }
+            Decode::Speculative { drafter, k, stats } => {
+                let options = SpeculativeOptions {
+                    generate: *options,
+                    k: *k,
+                };
+                let out = kv_model::model::generate_speculative(
+                    model,
+                    cache,
+                    &mut **drafter,
+                    prompt,
+                    &options,
+                    before_step,
+                    on_token,
+                )?;
+                *stats = out.stats;
+                Ok(out.generated)
+            }
+        }
+    }
 }
 
 impl Generation {
@@ -91,27 +149,6 @@ impl Generation {
     }
 }
 
-/// kv-model's generation on `cache` with nothing between the steps.
-fn without_faults<C>(
-    model: &dyn CausalLm,
-    cache: &mut C,
-    prompt: &[u32],
-    options: &GenerateOptions,
-    on_token: impl FnMut(u32) -> Result<()>,
-) -> Result<Generated>
-where
-    C: KvBackend<Error = ModelError> + 'static,
-{
-    kv_model::model::generate(
-        model,
-        cache,
-        prompt,
-        options,
-        |_, _: &mut C| Ok(()),
-        on_token,
-    )
-}
-
 /// Generates up to `config.max_new` tokens after `prompt` (kv-model's
 /// [`generate`](kv_model::model::generate) on the configured backend),
 /// calling `on_token` with each as soon as it is picked. Bad input (an
@@ -122,6 +159,38 @@ pub fn generate(
     model: &dyn CausalLm,
     prompt: &[u32],
     config: &GenerateConfig,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
+    generate_with(model, prompt, config, Decode::Plain, on_token)
+}
+
+/// [`generate`] with speculative decoding: each decode step drafts up to
+/// `k` tokens with `drafter` and keeps what the model accepts (kv-model's
+/// [`generate_speculative`](kv_model::model::generate_speculative)); the
+/// drafting statistics are in [`Generation::speculation`]. A `k` of 0 or
+/// past the context left after the prompt is refused before any work.
+pub fn generate_speculative(
+    model: &dyn CausalLm,
+    drafter: &mut dyn Drafter,
+    k: usize,
+    prompt: &[u32],
+    config: &GenerateConfig,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
+    let decode = Decode::Speculative {
+        drafter,
+        k,
+        stats: SpeculativeStats::default(),
+    };
+    generate_with(model, prompt, config, decode, on_token)
+}
+
+/// [`generate`] with its decode steps run by `decode`.
+fn generate_with(
+    model: &dyn CausalLm,
+    prompt: &[u32],
+    config: &GenerateConfig,
+    mut decode: Decode<'_>,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Generation> {
     let options = GenerateOptions {
@@ -132,6 +201,15 @@ pub fn generate(
     };
     options.sampling.check()?;
     check_prompt(prompt, &options)?;
+    if let Decode::Speculative { k, .. } = &decode {
+        check_speculative(
+            prompt,
+            &SpeculativeOptions {
+                generate: options,
+                k: *k,
+            },
+        )?;
+    }
     config.backend.check(&config.mode, None)?;
     let channel: Option<(StepFaults, Box<dyn FaultChannel + Send + Sync>)> = match config.faults {
         Some(f) if f.ber_per_step > 0.0 || f.scrub_every.is_some() => {
@@ -166,7 +244,14 @@ pub fn generate(
     let generated = match config.backend {
         BackendKind::Dense => {
             let mut cache = Adapted(DenseBackend::new());
-            let g = without_faults(model, &mut cache, prompt, &options, &mut on_token)?;
+            let g = decode.run(
+                model,
+                &mut cache,
+                prompt,
+                &options,
+                no_faults,
+                &mut on_token,
+            )?;
             out.cache_bytes = (0..)
                 .map_while(|l| cache.0.rows(l))
                 .map(|(k, v)| 4 * (k.len() + v.len()) as u64)
@@ -175,7 +260,14 @@ pub fn generate(
         }
         BackendKind::Reencode => {
             let mut cache = KvCache::new(config.mode.clone(), None, 0)?;
-            let g = without_faults(model, &mut cache, prompt, &options, &mut on_token)?;
+            let g = decode.run(
+                model,
+                &mut cache,
+                prompt,
+                &options,
+                no_faults,
+                &mut on_token,
+            )?;
             out.cache_bytes = cache.held_bytes();
             g
         }
@@ -193,14 +285,7 @@ pub fn generate(
                 }
                 Ok(())
             };
-            let g = kv_model::model::generate(
-                model,
-                &mut cache,
-                prompt,
-                &options,
-                faults,
-                &mut on_token,
-            )?;
+            let g = decode.run(model, &mut cache, prompt, &options, faults, &mut on_token)?;
             (out.injected_flips, out.scrubbed) = (flips, scrubbed);
             out.cache_bytes = cache.0.stored_bytes()? as u64;
             let r = cache.0.read_stats();
@@ -212,5 +297,13 @@ pub fn generate(
     out.tokens = generated.tokens;
     out.prefill_seconds = generated.prefill_seconds;
     out.decode_seconds = generated.decode_seconds;
+    if let Decode::Speculative { stats, .. } = decode {
+        out.speculation = Some(stats);
+    }
     Ok(out)
+}
+
+/// Nothing between decode steps.
+fn no_faults<C>(_: usize, _: &mut C) -> Result<()> {
+    Ok(())
 }

@@ -56,6 +56,22 @@ fn hostile_flags_are_refused_before_any_work() {
         (&["calibrate", "--out", tmp], "is a folder"),
         (&["ppl", "--weight-flips", "2"], "weight-flips"),
         (
+            &["generate", "--prompt", "hi", "--speculate", "self"],
+            "self-speculation",
+        ),
+        (
+            &["generate", "--prompt", "hi", "--speculate", "lookup:k=0"],
+            "k=0",
+        ),
+        (
+            &["generate", "--prompt", "hi", "--speculate", "draft:"],
+            "is not lookup",
+        ),
+        (
+            &["generate", "--prompt", "hi", "--speculate", "lookup:k=x"],
+            "not a number of drafts",
+        ),
+        (
             &["ppl", "--weight-check", "0"],
             "neither `never` nor a number",
         ),

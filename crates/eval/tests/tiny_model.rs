@@ -104,6 +104,9 @@ impl KvBackend for FailOnce {
     fn rollback(&mut self) {
         self.inner.rollback()
     }
+    fn truncate(&mut self, tokens: usize) -> Result<(), ModelError> {
+        self.inner.truncate(tokens)
+    }
 }
 
 #[test]
@@ -759,5 +762,49 @@ fn stored_weights_track_the_f32_model_and_every_isa_agrees() {
         let (c, _) = run(&pinned, &ids, CacheMode::Plain, None);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&c), bits(&a), "{isa:?}");
+    }
+}
+
+/// Speculative generation through kv-eval's backends: greedy prompt lookup
+/// gives plain greedy decoding's tokens on the dense, re-encode and paged
+/// backends (faults between steps included), with its drafting counted;
+/// `k` of 0 is refused before any work.
+#[test]
+fn speculative_generation_equals_plain_greedy_on_every_backend() {
+    use kv_eval::backend::BackendKind;
+    use kv_eval::generate::{GenerateConfig, generate, generate_speculative};
+    use kv_model::model::{PromptLookup, Sampling};
+    let m = model();
+    // A prompt that repeats, so lookup proposes.
+    let prompt: Vec<u32> = tokens(8).into_iter().cycle().take(20).collect();
+    for (mode, backend) in [
+        (CacheMode::Plain, BackendKind::Dense),
+        (form("int4+secded84"), BackendKind::Reencode),
+        (form("int4-ch+sink4"), BackendKind::Paged { block_size: 4 }),
+    ] {
+        let config = GenerateConfig {
+            mode,
+            backend,
+            context: 48,
+            max_new: 16,
+            sampling: Sampling::default(),
+            faults: None,
+            prefill_step: None,
+        };
+        let plain = generate(&m, &prompt, &config, |_| Ok(())).unwrap();
+        let mut lookup = PromptLookup::default();
+        let spec = generate_speculative(&m, &mut lookup, 3, &prompt, &config, |_| Ok(())).unwrap();
+        assert_eq!(spec.tokens, plain.tokens, "{backend:?}");
+        let stats = spec.speculation.expect("speculated");
+        assert!(stats.drafted > 0 && stats.verify_passes < 16, "{stats:?}");
+        assert!(plain.speculation.is_none());
+        let refused = generate_speculative(&m, &mut lookup, 0, &prompt, &config, |_| Ok(()));
+        assert!(
+            matches!(
+                refused,
+                Err(kv_eval::EvalError::InvalidParameter { name: "k", .. })
+            ),
+            "{refused:?}"
+        );
     }
 }

@@ -6,80 +6,18 @@
 //! weight guards over `projections_mut()` repair flipped weights to the
 //! model's bits.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 
-use attention::{DenseBackend, KvBackend, RopeLayout};
+use attention::{DenseBackend, KvBackend};
 use kv_model::ModelError;
 use kv_model::model::{
-    Adapted, CausalLm, LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, Matrix, Projection,
-    ProjectionHook, ProjectionId, RowRepair, WeightGuard,
+    Adapted, CausalLm, LlamaModel, Projection, ProjectionHook, ProjectionId, RowRepair, WeightGuard,
 };
-use kv_model::weights::{Isa, QuantMatrix, StoredLinear};
+use kv_model::weights::Isa;
 
-const VOCAB: usize = 40;
-const DIM: usize = 16;
-const FFN: usize = 24;
-const LAYERS: usize = 2;
-
-/// Seeded values in about ±0.5.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
-
-/// Stored (F32 blocks) projections in even layers, dense ones in odd
-/// layers, so both kinds meet the hook.
-fn projection(rows: usize, cols: usize, seed: u64, stored: bool) -> Projection {
-    let v = values(rows * cols, seed);
-    if stored {
-        let m = QuantMatrix::from_f32(rows, cols, &v).unwrap();
-        Projection::Stored(StoredLinear::new(vec![m]).unwrap())
-    } else {
-        Projection::Dense(Matrix::new(rows, cols, v).unwrap())
-    }
-}
-
-fn model() -> LlamaModel {
-    let config = LlamaConfig {
-        arch: LlamaArch::Llama,
-        vocab: VOCAB,
-        dim: DIM,
-        layers: LAYERS,
-        ffn: FFN,
-        q_heads: 4,
-        kv_heads: 2,
-        head_dim: 4,
-        rope_base: 10_000.0,
-        rope_dims: 4,
-        rope_layout: RopeLayout::Adjacent,
-        norm_eps: 1e-5,
-        context: 64,
-    };
-    let kvc = config.kv_channels();
-    let layers = (0..LAYERS)
-        .map(|l| {
-            let (seed, stored) = (100 * l as u64, l % 2 == 0);
-            LlamaLayer {
-                attn_norm: vec![1.0; DIM],
-                qkv: projection(DIM + 2 * kvc, DIM, seed + 1, stored),
-                qkv_bias: None,
-                out: projection(DIM, DIM, seed + 2, stored),
-                ffn_norm: vec![1.0; DIM],
-                gate_up: projection(2 * FFN, DIM, seed + 3, stored),
-                down: projection(DIM, FFN, seed + 4, stored),
-            }
-        })
-        .collect();
-    let embed = projection(VOCAB, DIM, 7, true);
-    LlamaModel::from_parts(config, embed, layers, vec![1.0; DIM], None).unwrap()
-}
+use common::{LAYERS, VOCAB, model};
 
 /// Computes the plain product and records which projection it was; fails
 /// the call numbered `fail_at` (counting from 0) if set.

@@ -348,12 +348,66 @@ impl<P: PrefixCache> KvBackend for PagedBackend<P> {
         };
         // The sequence is resident and holds the step's `n` tokens after
         // the committed ones, so neither call can fail.
-        let undone = if self.tokens == 0 {
+        let undone = self.drop_last(seq, n, self.tokens);
+        debug_assert!(undone.is_ok(), "{undone:?}");
+    }
+
+    /// Drops committed tokens past `tokens` (the manager's truncation: a
+    /// block cut into is staged again from its sealed rows when written).
+    fn truncate(&mut self, tokens: usize) -> Result<()> {
+        self.step.check_truncate(tokens, self.tokens)?;
+        if let Some(seq) = self.seq {
+            self.drop_last(seq, self.tokens - tokens, tokens)?;
+        }
+        self.tokens = tokens;
+        Ok(())
+    }
+
+    /// Commits the first `keep` rows of the step and seals only what they
+    /// complete: rows dropped here never enter a sealed group.
+    fn commit_prefix(&mut self, keep: usize) -> Result<()> {
+        let n = match self.step.close() {
+            Ok(n) if keep <= n => n,
+            Ok(n) => {
+                self.undo_step(n);
+                return Err(attention::keep_past_step(keep, n).into());
+            }
+            Err(e) => {
+                self.rollback();
+                return Err(e.into());
+            }
+        };
+        let before = self.tokens;
+        if let Some(seq) = self.seq {
+            self.drop_last(seq, n - keep, before + keep)?;
+        }
+        self.tokens += keep;
+        if let Some(seq) = self.seq {
+            self.manager.seal(seq, before, self.tokens)?;
+        }
+        Ok(())
+    }
+}
+
+impl<P: PrefixCache> PagedBackend<P> {
+    /// Drops the last `n` tokens of `seq`, which keeps `left` (freeing the
+    /// sequence when none is left).
+    fn drop_last(&mut self, seq: SeqId, n: usize, left: usize) -> Result<()> {
+        if left == 0 {
             self.seq = None;
             self.manager.free(seq)
-        } else {
+        } else if n > 0 {
             self.manager.truncate(seq, n)
-        };
-        debug_assert!(undone.is_ok(), "{undone:?}");
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Undoes a closed step of `n` tokens (its rows past the committed).
+    fn undo_step(&mut self, n: usize) {
+        if let Some(seq) = self.seq {
+            let undone = self.drop_last(seq, n, self.tokens);
+            debug_assert!(undone.is_ok(), "{undone:?}");
+        }
     }
 }

@@ -178,4 +178,30 @@ impl KvBackend for ReservedSlots {
     fn rollback(&mut self) {
         self.step.discard();
     }
+
+    /// Goes back to `tokens` written; the slots stay reserved, so the next
+    /// step writes the reserved tokens again.
+    fn truncate(&mut self, tokens: usize) -> Result<()> {
+        self.step.check_truncate(tokens, self.written)?;
+        self.written = tokens;
+        Ok(())
+    }
+
+    /// Commits the first `keep` rows and seals only what they complete.
+    fn commit_prefix(&mut self, keep: usize) -> Result<()> {
+        match self.step.close() {
+            Ok(n) if keep <= n => {
+                let before = self.written;
+                self.written += keep;
+                self.storage
+                    .seal_blocks(&self.table, before, self.written)?;
+                Ok(())
+            }
+            Ok(n) => Err(attention::keep_past_step(keep, n).into()),
+            Err(e) => {
+                self.rollback();
+                Err(e.into())
+            }
+        }
+    }
 }

@@ -4,7 +4,9 @@
 //! each layer part reads back as its block's rows quantized at once in the
 //! sealed form where the plan says the block is sealed, and as exact f16
 //! rows where it is not; attention over the pages equals attention over
-//! those reference rows; forks, copy-on-write, swap and rollback keep them.
+//! those reference rows; forks, copy-on-write, swap and rollback keep them,
+//! and a step that keeps a prefix of its rows (speculative decoding's
+//! `commit_prefix`) reads as if only those rows had been written.
 
 use attention::{Attention, DenseKv, HeadShape, KvBackend, Mask, ModelKvShape, Numerics};
 use kv_quant::{BlockPlan, CacheForm, DecodeScratch, KvStore};
@@ -98,15 +100,27 @@ fn stored(backend: &PagedBackend, part: KvPart, ch: usize) -> Vec<f32> {
     out
 }
 
-/// Appends tokens `start..start + n` in one step, then commits it or
-/// rolls it back.
-fn step(backend: &mut PagedBackend, start: usize, n: usize, commit: bool) {
+/// Opens a step and appends tokens `start..start + n` to it.
+fn open_step(backend: &mut PagedBackend, start: usize, n: usize) {
     let ch = shape().kv_channels();
     let ids: Vec<u32> = (start..start + n).map(|t| t as u32).collect();
     backend.begin(&ids).unwrap();
     let k: Vec<f32> = (start..start + n).flat_map(|t| row(t, 0, ch)).collect();
     let v: Vec<f32> = (start..start + n).flat_map(|t| row(t, 1, ch)).collect();
     backend.append(0, &k, &v).unwrap();
+}
+
+/// Appends tokens `start..start + n` in one step, then keeps its first
+/// `keep` rows (`commit_prefix`).
+fn step_keeping(backend: &mut PagedBackend, start: usize, n: usize, keep: usize) {
+    open_step(backend, start, n);
+    backend.commit_prefix(keep).unwrap();
+}
+
+/// Appends tokens `start..start + n` in one step, then commits it or
+/// rolls it back.
+fn step(backend: &mut PagedBackend, start: usize, n: usize, commit: bool) {
+    open_step(backend, start, n);
     if commit {
         backend.commit().unwrap();
     } else {
@@ -150,16 +164,20 @@ proptest! {
     fn staged_pages_read_as_their_plan_says(
         forms in 0..FORMS.len(),
         bs in prop::sample::select(vec![4usize, 8, 16]),
-        steps in prop::collection::vec((1usize..12, prop::bool::weighted(0.8)), 1..12),
+        steps in prop::collection::vec((1usize..12, 0usize..10, 0usize..12), 1..12),
     ) {
         let ch = shape().kv_channels();
         let (k, v) = FORMS[forms];
         let spec = LayerSpec { key: k.parse().unwrap(), value: v.parse().unwrap(), channels: ch };
         let mut backend = PagedBackend::new(&[spec], bs, 64).unwrap();
         backend.fit(&model()).unwrap();
-        for (n, commit) in steps {
+        for (n, kind, keep) in steps {
             let start = backend.tokens();
-            step(&mut backend, start, n, commit);
+            match kind {
+                0..=5 => step(&mut backend, start, n, true),
+                6 => step(&mut backend, start, n, false),
+                _ => step_keeping(&mut backend, start, n, keep.min(n)),
+            }
             check_against_reference(&backend, &spec, bs);
         }
     }
@@ -281,4 +299,50 @@ fn blocks_a_form_cannot_use_are_refused_before_any_work() {
     }
     let spec = LayerSpec::uniform("int4-ch32".parse().unwrap(), ch);
     assert!(PagedBackend::new(&[spec], 32, 4).is_ok());
+}
+
+/// Cutting a sequence back (`truncate`: a speculative draft's cache) to a
+/// length at which the same blocks are sealed leaves the rows a sequence
+/// of that length holds; so does any cut of row-local forms. Cuts into a sealed block keep
+/// its sealed rows (re-staged from them when written again): not the
+/// reference's exact rows, so not checked here.
+#[test]
+fn truncation_that_keeps_the_sealed_blocks_reads_as_the_shorter_sequence() {
+    let ch = shape().kv_channels();
+    let bs = 4;
+    for (k, v) in FORMS
+        .into_iter()
+        .chain([("int8", "int4"), ("fp16", "int4+secded84")])
+    {
+        let spec = LayerSpec {
+            key: k.parse().unwrap(),
+            value: v.parse().unwrap(),
+            channels: ch,
+        };
+        let plans = [spec.key, spec.value].map(|f| BlockPlan::new(f, bs).unwrap());
+        let mut backend = PagedBackend::new(&[spec], bs, 64).unwrap();
+        backend.fit(&model()).unwrap();
+        step(&mut backend, 0, 13, true);
+        step(&mut backend, 13, 2, true);
+        // The shortest cut every part allows: one where each staged part
+        // has sealed what it has at 15 tokens (a window seals a block only
+        // once its rows are old enough, so that can be past the blocks).
+        let floor = (0..=15)
+            .find(|&t| {
+                plans
+                    .iter()
+                    .all(|p| !p.staged || p.sealable(t) == p.sealable(15))
+            })
+            .unwrap();
+        for t in (floor..=15).rev() {
+            backend.truncate(t).unwrap();
+            assert_eq!(backend.tokens(), t);
+            check_against_reference(&backend, &spec, bs);
+        }
+        assert!(backend.truncate(16).is_err(), "past the tokens held");
+        // Written again from the cut: as a sequence written in one go.
+        let t = backend.tokens();
+        step(&mut backend, t, 15 - t, true);
+        check_against_reference(&backend, &spec, bs);
+    }
 }

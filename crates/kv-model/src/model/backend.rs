@@ -52,4 +52,12 @@ where
     fn rollback(&mut self) {
         self.0.rollback()
     }
+
+    fn truncate(&mut self, tokens: usize) -> Result<()> {
+        Ok(self.0.truncate(tokens)?)
+    }
+
+    fn commit_prefix(&mut self, keep: usize) -> Result<()> {
+        Ok(self.0.commit_prefix(keep)?)
+    }
 }

@@ -69,8 +69,38 @@ impl Sampling {
                 .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
                 .map_or(0, |(i, _)| i as u32)
         };
-        if self.temperature == 0.0 {
+        let Some(Nucleus { probs, n, mass }) = self.nucleus(logits) else {
             return argmax();
+        };
+        let nucleus = &probs[..n];
+        let mut u = rng.next_f64() * mass;
+        for &(id, p) in nucleus {
+            if u < p {
+                return id;
+            }
+            u -= p;
+        }
+        nucleus[n - 1].0
+    }
+
+    /// The distribution [`pick`](Self::pick) draws from, over the whole
+    /// vocabulary (zero outside the nucleus), or `None` where it takes the
+    /// argmax (temperature 0, or no finite probability).
+    pub fn distribution(&self, logits: &[f32]) -> Option<Vec<f64>> {
+        let Nucleus { probs, n, mass } = self.nucleus(logits)?;
+        let mut dense = vec![0.0; logits.len()];
+        for &(id, p) in &probs[..n] {
+            dense[id as usize] = p / mass;
+        }
+        Some(dense)
+    }
+
+    /// The unnormalised probabilities `exp((x − max)/T)` sorted by
+    /// decreasing probability (ties by id), the nucleus' length and mass;
+    /// `None` where sampling takes the argmax.
+    fn nucleus(&self, logits: &[f32]) -> Option<Nucleus> {
+        if self.temperature == 0.0 {
+            return None;
         }
         let max = f64::from(logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
         let mut probs: Vec<(u32, f64)> = logits
@@ -80,7 +110,7 @@ impl Sampling {
             .collect();
         let total: f64 = probs.iter().map(|p| p.1).sum();
         if !(total.is_finite() && total > 0.0) {
-            return argmax();
+            return None;
         }
         probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut kept = 0.0;
@@ -92,17 +122,18 @@ impl Sampling {
                 break;
             }
         }
-        let nucleus = &probs[..n];
-        let mass: f64 = nucleus.iter().map(|p| p.1).sum();
-        let mut u = rng.next_f64() * mass;
-        for &(id, p) in nucleus {
-            if u < p {
-                return id;
-            }
-            u -= p;
-        }
-        nucleus[n - 1].0
+        let mass = probs[..n].iter().map(|p| p.1).sum();
+        Some(Nucleus { probs, n, mass })
     }
+}
+
+/// What [`Sampling::pick`] draws from: `(id, exp((x − max)/T))` sorted by
+/// decreasing probability (ties by id), the first `n` of them the nucleus
+/// of unnormalised mass `mass`.
+struct Nucleus {
+    probs: Vec<(u32, f64)>,
+    n: usize,
+    mass: f64,
 }
 
 /// What to generate.

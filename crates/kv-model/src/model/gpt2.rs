@@ -8,7 +8,8 @@ use rayon::prelude::*;
 
 use super::{
     CausalLm, HookSlot, Matrix, ModelCache, Projection, ProjectionHook, ProjectionId,
-    ProjectionKind, check_norm_eps, forward_step, listed, project, reference_attention,
+    ProjectionKind, check_norm_eps, forward_step, forward_step_keeping, listed, project,
+    reference_attention,
 };
 use crate::error::{ModelError, Result};
 use crate::weights::Isa;
@@ -249,6 +250,24 @@ impl CausalLm for Gpt2Model {
             rope: None,
         };
         forward_step(tokens, c.vocab, logits_from, &shape, cache, |cache| {
+            self.step(tokens, cache, logits_from)
+        })
+    }
+
+    fn forward_keeping(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+        keep: &mut dyn FnMut(&[f32]) -> usize,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let shape = ModelKvShape {
+            layers: c.layers,
+            heads: *self.attention.shape(),
+            rope: None,
+        };
+        forward_step_keeping(tokens, c.vocab, logits_from, &shape, cache, keep, |cache| {
             self.step(tokens, cache, logits_from)
         })
     }

@@ -22,7 +22,8 @@ use rayon::prelude::*;
 
 use super::{
     BatchItem, CausalLm, HookSlot, ModelCache, Projection, ProjectionHook, ProjectionId,
-    ProjectionKind, check_norm_eps, forward_steps, listed, project, reference_attention,
+    ProjectionKind, check_norm_eps, forward_step_keeping, forward_steps, listed, project,
+    reference_attention,
 };
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -724,6 +725,30 @@ impl CausalLm for LlamaModel {
 
     fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
         LlamaModel::forward_batch(self, batch)
+    }
+
+    fn forward_keeping(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+        keep: &mut dyn FnMut(&[f32]) -> usize,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let shape = ModelKvShape {
+            layers: c.layers,
+            heads: *self.attention.shape(),
+            rope: Some(&self.rope),
+        };
+        forward_step_keeping(tokens, c.vocab, logits_from, &shape, cache, keep, |cache| {
+            let mut batch = [BatchItem {
+                tokens,
+                cache,
+                logits_from,
+            }];
+            let mut logits = self.step(&mut batch)?;
+            Ok(logits.pop().expect("one item, one result"))
+        })
     }
 }
 

@@ -2,9 +2,11 @@
 //! pass over any [`KvBackend`], the [`ModelCache`]), the projections
 //! ([`Projection`]: weights as stored, multiplied by this crate's kernels,
 //! or dense f32 through abft-gemm's linear layer) and the hook that may
-//! replace their products ([`ProjectionHook`]: kv-eval's GEMM checks);
-//! generation ([`generate`]) and continuous batching ([`batch`]) on top.
-//! Llama-family models in [`llama`], GPT-2 in [`gpt2`].
+//! replace their products ([`ProjectionHook`]: kv-eval's GEMM checks), and
+//! their integrity ([`WeightGuard`]); generation ([`generate`]),
+//! speculative decoding ([`generate_speculative`]) and continuous batching
+//! ([`batch`]) on top. Llama-family models in [`llama`], GPT-2 in
+//! [`gpt2`].
 
 mod backend;
 pub mod batch;
@@ -13,6 +15,7 @@ pub mod gpt2;
 mod guard;
 pub mod llama;
 mod projection;
+mod speculative;
 
 pub use abft_gemm::Matrix;
 pub use backend::Adapted;
@@ -22,6 +25,10 @@ pub use guard::{DEFAULT_ROWS_PER_GROUP, DamagedRow, GuardReport, RowRepair, Weig
 pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, LoadOptions};
 pub(crate) use projection::{HookSlot, listed, project};
 pub use projection::{Projection, ProjectionHook, ProjectionId, ProjectionKind};
+pub use speculative::{
+    Draft, Drafter, ModelDrafter, PromptLookup, SpeculativeGenerated, SpeculativeOptions,
+    SpeculativeStats, check_speculative, generate_speculative,
+};
 
 use attention::{Attention, AttentionConfig, HeadShape, KvBackend, Numerics, OnNonFinite, Rope};
 
@@ -78,6 +85,20 @@ pub trait CausalLm: Send + Sync {
         tokens: &[u32],
         cache: &mut ModelCache,
         logits_from: usize,
+    ) -> Result<Vec<f32>>;
+
+    /// As [`forward`](Self::forward), but commits only the first
+    /// `keep(&logits)` tokens of the step and drops the rest from every
+    /// layer of `cache` (speculative decoding: the target verifies its
+    /// drafts in one pass and keeps the accepted ones, through
+    /// `KvBackend::commit_prefix`). A `keep` past the tokens is refused
+    /// and the step undone.
+    fn forward_keeping(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache,
+        logits_from: usize,
+        keep: &mut dyn FnMut(&[f32]) -> usize,
     ) -> Result<Vec<f32>>;
 
     /// Runs several sequences as one batch: each item's tokens after what
@@ -185,6 +206,32 @@ pub(crate) fn forward_step(
     check_tokens(tokens, vocab, logits_from)?;
     cache.fit(model)?;
     attention::run_step(cache, tokens, step)
+}
+
+/// [`forward_step`], committing only the first `keep(&logits)` tokens of
+/// the step ([`CausalLm::forward_keeping`]).
+pub(crate) fn forward_step_keeping(
+    tokens: &[u32],
+    vocab: usize,
+    logits_from: usize,
+    model: &attention::ModelKvShape<'_>,
+    cache: &mut ModelCache,
+    keep: &mut dyn FnMut(&[f32]) -> usize,
+    step: impl FnOnce(&mut ModelCache) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    check_tokens(tokens, vocab, logits_from)?;
+    cache.fit(model)?;
+    cache.begin(tokens)?;
+    match step(cache) {
+        Ok(logits) => {
+            cache.commit_prefix(keep(&logits))?;
+            Ok(logits)
+        }
+        Err(e) => {
+            cache.rollback();
+            Err(e)
+        }
+    }
 }
 
 /// The attention every model starts with: the evaluation's reference

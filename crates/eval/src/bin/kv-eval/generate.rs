@@ -1,11 +1,13 @@
 //! `kv-eval generate`: text after a prompt on a KV backend, streamed to
 //! stdout, then tokens/s, the cache's true bytes and the codec statistics
-//! on stderr.
+//! on stderr; with `--speculate`, decoded plainly first and then
+//! speculatively, with the acceptance and the speedup.
 
 use kv_model::model::Sampling;
 use std::path::PathBuf;
 
-use kv_eval::generate::{GenerateConfig, StepFaults, generate};
+use kv_eval::generate::{GenerateConfig, Generation, StepFaults, generate, generate_speculative};
+use kv_model::model::{Adapted, ModelDrafter, PromptLookup, SpeculativeStats};
 use kv_model::tokenizer::ReadLimits;
 
 use crate::{
@@ -81,6 +83,63 @@ pub(crate) struct GenerateArgs {
     /// (as `ppl --numerics`) [default: exact].
     #[arg(long, value_enum)]
     numerics: Option<crate::NumericsArg>,
+    /// Speculative decoding: `lookup[:k=K]` (prompt lookup: the last 3 to 1
+    /// tokens matched earlier in the prompt and output, what followed
+    /// proposed) or `draft:MODEL[:k=K]` (a smaller model with the same
+    /// tokenizer drafting greedily on a dense cache of its own); K drafts
+    /// per step, 4 by default. The run decodes plainly first on the same
+    /// cache form and reports the speedup.
+    #[arg(long, value_parser = parse_speculate)]
+    speculate: Option<Speculate>,
+}
+
+/// A `--speculate` spelling.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Speculate {
+    /// Prompt lookup, `k` drafts per step.
+    Lookup { k: usize },
+    /// A draft model, `k` drafts per step.
+    Draft { model: PathBuf, k: usize },
+}
+
+impl Speculate {
+    /// Drafts per step.
+    fn k(&self) -> usize {
+        match self {
+            Self::Lookup { k } | Self::Draft { k, .. } => *k,
+        }
+    }
+}
+
+/// Parses `lookup[:k=K]` or `draft:MODEL[:k=K]`.
+fn parse_speculate(s: &str) -> Result<Speculate, String> {
+    let (head, k) = match s.rsplit_once(":k=") {
+        Some((head, k)) => {
+            let k: usize = k
+                .parse()
+                .map_err(|_| format!("{s:?}: k={k} is not a number of drafts"))?;
+            if k == 0 {
+                return Err(format!("{s:?}: k=0 drafts nothing (k is at least 1)"));
+            }
+            (head, k)
+        }
+        None => (s, 4),
+    };
+    match head.split_once(':') {
+        None if head == "lookup" => Ok(Speculate::Lookup { k }),
+        Some(("draft", model)) if !model.is_empty() => Ok(Speculate::Draft {
+            model: PathBuf::from(model),
+            k,
+        }),
+        _ if head == "self" || head.starts_with("self:") => Err(format!(
+            "{s:?}: self-speculation needs a hierarchical (4-bit view of an 8-bit) cache \
+             form, not built yet; use lookup or draft:MODEL"
+        )),
+        _ => Err(format!(
+            "{s:?} is not lookup[:k=K] or draft:MODEL[:k=K] (MODEL a GGUF file, a folder or a \
+             fetched model name)"
+        )),
+    }
 }
 
 /// Runs `kv-eval generate`.
@@ -106,6 +165,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         threads,
         prefill_step,
         numerics,
+        speculate,
     } = args;
     let mode = mode_of(&forms)?;
     crate::check_segments(&mode, ctx)?;
@@ -135,6 +195,12 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
     if prompt.is_none() && prompt_file.is_none() {
         return Err("give --prompt or --prompt-file".into());
     }
+    if let Some(k) = speculate.as_ref().map(Speculate::k).filter(|&k| k >= ctx) {
+        return Err(format!(
+            "--speculate k={k}: at most the context left after the prompt (--ctx {ctx})"
+        )
+        .into());
+    }
     crate::source::check_threads(threads)?;
     crate::source::init_pool(threads)?;
     let (mut model, tokenizer) = load_model(&model_path(&model)?)?;
@@ -163,7 +229,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         ids.truncate(n);
     }
     let shown = match prompt {
-        Some(p) if prompt_tokens.is_none() => p,
+        Some(ref p) if prompt_tokens.is_none() => p.clone(),
         _ => tokenizer.decode(&ids)?,
     };
     let cal = calibration_for(
@@ -182,11 +248,55 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         faults: Some(faults),
         prefill_step,
     };
+    if let Some(k) = speculate.as_ref().map(Speculate::k) {
+        let generate = kv_model::model::GenerateOptions {
+            context: ctx,
+            max_new,
+            sampling,
+            prefill_step,
+        };
+        kv_model::model::check_speculative(
+            &ids,
+            &kv_model::model::SpeculativeOptions { generate, k },
+        )?;
+    }
+    let draft_model = match &speculate {
+        Some(Speculate::Draft { model: path, .. }) => {
+            let (draft, draft_tokenizer) = load_model(&model_path(&Some(path.clone()))?)?;
+            let draft_ids = match (&prompt, &prompt_file) {
+                (Some(p), _) => draft_tokenizer.encode_reader(p.as_bytes(), limits)?,
+                (None, Some(f)) => draft_tokenizer.encode_reader(
+                    std::fs::File::open(f)
+                        .map_err(|e| format!("cannot read prompt {}: {e}", f.display()))?,
+                    limits,
+                )?,
+                (None, None) => unreachable!("checked above"),
+            };
+            if draft.vocab() != model.vocab() || draft_ids[..ids.len().min(draft_ids.len())] != ids
+            {
+                return Err(format!(
+                    "the draft model {} does not share the target's tokenizer (vocabularies \
+                     of {} and {} tokens, or the prompt's ids differ)",
+                    path.display(),
+                    draft.vocab(),
+                    model.vocab()
+                )
+                .into());
+            }
+            Some(draft)
+        }
+        _ => None,
+    };
+    // Plain decoding first, on the same cache form: the baseline.
+    let plain = match &speculate {
+        Some(_) => Some(generate(model.as_ref(), &ids, &config, |_| Ok(()))?),
+        None => None,
+    };
     let mut text = String::new();
     let mut out_ids = Vec::new();
     let mut stdout = std::io::stdout();
     print!("{shown}");
-    let g = generate(model.as_ref(), &ids, &config, |id| {
+    let stream = |id| {
         use std::io::Write;
         out_ids.push(id);
         let now = tokenizer.decode(&out_ids)?;
@@ -196,7 +306,24 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         }
         text = now;
         Ok(())
-    })?;
+    };
+    let g = match &speculate {
+        None => generate(model.as_ref(), &ids, &config, stream)?,
+        Some(Speculate::Lookup { k }) => {
+            let mut lookup = PromptLookup::default();
+            generate_speculative(model.as_ref(), &mut lookup, *k, &ids, &config, stream)?
+        }
+        Some(Speculate::Draft { k, .. }) => {
+            let draft = draft_model.as_deref().expect("loaded above");
+            let mut drafter = ModelDrafter::new(
+                draft,
+                Adapted(attention::DenseBackend::new()),
+                model.vocab(),
+                kv_model::model::Sampling::default(),
+            )?;
+            generate_speculative(model.as_ref(), &mut drafter, *k, &ids, &config, stream)?
+        }
+    };
     println!();
     let values =
         2 * (ids.len() + g.tokens.len().saturating_sub(1)) * model.kv_channels() * model.layers();
@@ -236,6 +363,9 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
             g.cache_bytes as f64 / 1e6
         );
     }
+    if let (Some(plain), Some(stats), Some(how)) = (&plain, &g.speculation, &speculate) {
+        print_speculation(how, stats, plain, &g, sampling.temperature == 0.0);
+    }
     if g.non_finite_stored > 0 {
         eprintln!(
             "non-finite K/V values stored: {} (faults in an unprotected form made NaN or infinity; \
@@ -244,4 +374,49 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         );
     }
     Ok(())
+}
+
+/// Prints the drafting statistics and the speedup over plain decoding.
+fn print_speculation(
+    how: &Speculate,
+    s: &SpeculativeStats,
+    plain: &Generation,
+    g: &Generation,
+    greedy: bool,
+) {
+    let (name, k) = match how {
+        Speculate::Lookup { k } => ("prompt lookup".to_string(), k),
+        Speculate::Draft { model, k } => (format!("draft model {}", model.display()), k),
+    };
+    eprintln!(
+        "speculation ({name}, k={k}): {} verify passes, {} drafted, {} accepted ({:.1}%), \
+         {:.2} tokens per pass; drafting {:.2} s, verifying {:.2} s",
+        s.verify_passes,
+        s.drafted,
+        s.accepted,
+        100.0 * s.acceptance_rate(),
+        s.tokens_per_pass(),
+        s.draft_seconds,
+        s.verify_seconds
+    );
+    let agree = plain
+        .tokens
+        .iter()
+        .zip(&g.tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    eprintln!(
+        "plain decoding on the same cache: {:.2} tokens/s; speculative {:.2} tokens/s: {:.2}x{}",
+        plain.tokens_per_second(),
+        g.tokens_per_second(),
+        g.tokens_per_second() / plain.tokens_per_second().max(1e-9),
+        if greedy {
+            format!(
+                "; the first {agree} of {} tokens equal plain greedy decoding's",
+                g.tokens.len()
+            )
+        } else {
+            String::new()
+        }
+    );
 }
