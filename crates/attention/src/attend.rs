@@ -304,6 +304,9 @@ impl Attention {
         self.prepare_into(queries, positions, keys, values, mask, ws)?;
         let ql = self.shape.q_len();
         let tile = self.tile_rows(keys, values);
+        if positions.len() <= QUERY_BLOCK {
+            return self.prefill_split(keys, values, tile, out, lse, ws);
+        }
         let blocks = positions.len().div_ceil(QUERY_BLOCK);
         ws.items.clear();
         ws.items.extend(
@@ -339,6 +342,106 @@ impl Attention {
             ws.tiles.extend_from_slice(&slot.tiles);
         }
         let partials = ws.slots[..blocks].iter().flat_map(|s| &s.partials);
+        self.finish_into(partials, &mut ws.tiles, values.rotation(), out, lse)
+    }
+
+    /// One block of queries (at most [`QUERY_BLOCK`], already prepared in
+    /// `ws`) split across threads as decode splits one query: the keys in
+    /// chunks of `split_tokens` aligned as decode aligns them (and, where
+    /// there are fewer chunks than threads, the queries in groups), each
+    /// chunk's tiles read once for every query of a group, and each
+    /// query's partial states merged in chunk order over the chunks decode
+    /// would give it. So a few queries over a long cache (a speculative
+    /// verification's rows) use every thread, and each query's arithmetic
+    /// is decode's for that query alone.
+    fn prefill_split<K: KvSource, V: KvSource>(
+        &self,
+        keys: &K,
+        values: &V,
+        tile: usize,
+        out: &mut [f32],
+        lse: &mut [f32],
+        ws: &mut Workspace<K, V>,
+    ) -> Result<AttentionInfo> {
+        let split = self.config.split_tokens;
+        let spans: Vec<Range<usize>> = ws
+            .ranges
+            .iter()
+            .map(|r| tile_span(r, keys.tokens(), tile))
+            .collect();
+        let rows = spans.len();
+        let lo = spans
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| s.start)
+            .min();
+        let hi = spans.iter().map(|s| s.end).max().unwrap_or(0);
+        let span = lo.map_or(0..0, |lo| lo..hi);
+        let chunks: Vec<Range<usize>> = (span.start / split * split..span.end)
+            .step_by(split)
+            .map(|s| s.max(span.start)..(s / split * split + split).min(span.end))
+            .collect();
+        // Groups of queries where the chunks alone leave threads idle.
+        let threads = rayon::current_num_threads();
+        let groups = (threads / chunks.len().max(1)).clamp(1, rows.max(1));
+        let per_group = rows.div_ceil(groups).max(1);
+        let group_rows = |g: usize| g * per_group..((g + 1) * per_group).min(rows);
+        ws.items.clear();
+        for c in &chunks {
+            ws.items.extend((0..groups).map(|_| c.clone()));
+        }
+        let n = ws.items.len();
+        let per = ws.ensure_slots(n);
+        let Workspace {
+            q,
+            ranges,
+            items,
+            slots,
+            scratch,
+            ..
+        } = ws;
+        let ql = self.shape.q_len();
+        slots[..n]
+            .par_chunks_mut(per)
+            .zip(items.par_chunks(per))
+            .zip(scratch.par_iter_mut())
+            .enumerate()
+            .for_each(|(batch, ((slots, items), scratch))| {
+                for (i, (slot, chunk)) in slots.iter_mut().zip(items).enumerate() {
+                    let r = group_rows((batch * per + i) % groups);
+                    let q = &q[r.start * ql..r.end * ql];
+                    let sources = (keys, values);
+                    slot.result = self.run_block(
+                        q,
+                        &ranges[r],
+                        chunk.clone(),
+                        tile,
+                        sources,
+                        (slot, scratch),
+                    );
+                }
+            });
+        let (heads, d) = (self.shape.q_heads(), self.shape.head_dim());
+        ws.merged_rows.resize_with(rows, || Partial::new(0, 0));
+        ws.tiles.clear();
+        for m in &mut ws.merged_rows[..rows] {
+            m.reset(heads, d);
+        }
+        for (i, (slot, chunk)) in ws.slots[..n].iter_mut().zip(&ws.items).enumerate() {
+            std::mem::replace(&mut slot.result, Ok(()))?;
+            // Every group reads the chunk's tiles; the first one counts them.
+            if i % groups == 0 {
+                ws.tiles.extend_from_slice(&slot.tiles);
+            }
+            let r = group_rows(i % groups);
+            for (p, row) in slot.partials.iter().zip(r) {
+                // The chunks decode visits for this query: those meeting its span.
+                if chunk.start < spans[row].end && spans[row].start < chunk.end {
+                    ws.merged_rows[row].merge(p);
+                }
+            }
+        }
+        let partials = ws.merged_rows[..rows].iter();
         self.finish_into(partials, &mut ws.tiles, values.rotation(), out, lse)
     }
 

@@ -30,6 +30,8 @@ pub struct Workspace<K: KvSource, V: KvSource> {
     pub(crate) scratch: Vec<Scratch<K, V>>,
     pub(crate) tiles: Vec<TileStats>,
     pub(crate) merged: Partial,
+    /// Per query, the merged partials of a split prefill.
+    pub(crate) merged_rows: Vec<Partial>,
 }
 
 impl<K: KvSource, V: KvSource> Workspace<K, V> {
@@ -43,6 +45,7 @@ impl<K: KvSource, V: KvSource> Workspace<K, V> {
             scratch: Vec::new(),
             tiles: Vec::new(),
             merged: Partial::new(0, 0),
+            merged_rows: Vec::new(),
         }
     }
 

@@ -2,7 +2,8 @@
 //! oracle: random shapes and tilings (proptest), very long contexts, large
 //! score magnitudes, fully masked rows, and independence from the thread
 //! count. Tolerance: 1e-5 of the largest |value| on the output, 1e-5
-//! relative on the log-sum-exp.
+//! relative on the log-sum-exp. A prefill of at most 16 queries gives each
+//! query the bits decode gives it alone, at any split of the keys.
 
 mod common;
 
@@ -77,6 +78,40 @@ proptest! {
         let want = oracle(&q, &positions, &k, &v, tokens, &shape, &mask);
         let (out, lse) = error_against(&got, &want, &v);
         prop_assert!(out < TOL && lse < TOL, "output error {out}, lse error {lse}");
+    }
+
+    /// A few queries (a speculative verification's rows) over a cache
+    /// longer than the key split: each row's output and log-sum-exp are
+    /// decode's bits for that query alone.
+    #[test]
+    fn few_query_prefill_rows_are_decode_bits(
+        (kv_heads, group, d) in (1usize..3, 1usize..4, 1usize..70),
+        tokens in 1usize..400,
+        queries in 1usize..17,
+        tile in 1usize..40,
+        split_tiles in 1usize..4,
+        window in prop_oneof![Just(None), (1usize..100).prop_map(Some)],
+        seed in any::<u64>(),
+    ) {
+        let shape = HeadShape::new(kv_heads * group, kv_heads, d).unwrap();
+        let ch = shape.kv_channels();
+        let k = uniform(seed, tokens * ch, 2.0);
+        let v = uniform(seed ^ 1, tokens * ch, 1.0);
+        let q = uniform(seed ^ 2, queries * shape.q_len(), 2.0);
+        // The last `queries` positions, as a verification step holds them.
+        let positions: Vec<usize> =
+            (0..queries).map(|i| tokens.saturating_sub(queries) + i).map(|p| p.min(tokens - 1)).collect();
+        let mask = window.map_or(Mask::Causal, Mask::SlidingWindow);
+        let attn = Attention::with_config(shape, config(tile, split_tiles)).unwrap();
+        let (kd, vd) = (DenseKv::new(&k, tokens, ch).unwrap(), DenseKv::new(&v, tokens, ch).unwrap());
+        let got = attn.prefill(&q, &positions, &kd, &vd, &mask).unwrap();
+        let (ql, qh) = (shape.q_len(), shape.q_heads());
+        for (i, &p) in positions.iter().enumerate() {
+            let one = attn.decode(&q[i * ql..][..ql], p, &kd, &vd, &mask).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&got.out[i * ql..][..ql]), bits(&one.out), "row {}", i);
+            prop_assert_eq!(bits(&got.lse[i * qh..][..qh]), bits(&one.lse), "row {}", i);
+        }
     }
 
     #[test]

@@ -87,7 +87,8 @@ pub(crate) struct GenerateArgs {
     /// tokens matched earlier in the prompt and output, what followed
     /// proposed) or `draft:MODEL[:k=K]` (a smaller model with the same
     /// tokenizer drafting greedily on a dense cache of its own); K drafts
-    /// per step, 4 by default. The run decodes plainly first on the same
+    /// per step, 3 by default (a verification of four rows: one group of
+    /// kv-model's four-token kernels). The run decodes plainly first on the same
     /// cache form and reports the speedup.
     #[arg(long, value_parser = parse_speculate)]
     speculate: Option<Speculate>,
@@ -123,7 +124,8 @@ fn parse_speculate(s: &str) -> Result<Speculate, String> {
             }
             (head, k)
         }
-        None => (s, 4),
+        // Four rows a verification: one group of the grouped kernels.
+        None => (s, 3),
     };
     match head.split_once(':') {
         None if head == "lookup" => Ok(Speculate::Lookup { k }),
