@@ -21,8 +21,9 @@
 //!   proposals are deterministic (prompt lookup, a greedy draft model) has
 //!   `q` one-hot.
 //!
-//! Drafters: [`PromptLookup`] (the last n tokens matched earlier in the
-//! prompt and output, what followed proposed) and [`ModelDrafter`] (a
+//! Drafters: [`PromptLookup`] (the last 3 or 2 tokens matched earlier in
+//! the prompt and output, what followed proposed; single-token matches
+//! proposed too little that was accepted to pay for their verification) and [`ModelDrafter`] (a
 //! smaller model with the same vocabulary, on a cache of its own, cut back
 //! to the accepted tokens before each proposal).
 
@@ -278,7 +279,9 @@ fn residual(p: &[f64], q: Option<&[f64]>, d: u32, rng: &mut FaultRng) -> u32 {
 /// tokens down to `min_ngram`, found earlier in the context (the most
 /// recent match); the tokens that followed it are proposed. Deterministic,
 /// free, and strong where the output copies the input (edits, code,
-/// extraction).
+/// extraction). The default matches 3 or 2 tokens: on the corpus'
+/// prompts single-token matches were accepted too rarely to pay for the
+/// verification they cost (kv-eval's `docs/speculative.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PromptLookup {
     /// Longest suffix matched.
@@ -288,11 +291,11 @@ pub struct PromptLookup {
 }
 
 impl Default for PromptLookup {
-    /// Suffixes of 3 tokens down to 1.
+    /// Suffixes of 3 tokens down to 2.
     fn default() -> Self {
         Self {
             max_ngram: 3,
-            min_ngram: 1,
+            min_ngram: 2,
         }
     }
 }

@@ -83,7 +83,7 @@ pub(crate) struct GenerateArgs {
     /// (as `ppl --numerics`) [default: exact].
     #[arg(long, value_enum)]
     numerics: Option<crate::NumericsArg>,
-    /// Speculative decoding: `lookup[:k=K]` (prompt lookup: the last 3 to 1
+    /// Speculative decoding: `lookup[:k=K]` (prompt lookup: the last 3 or 2
     /// tokens matched earlier in the prompt and output, what followed
     /// proposed) or `draft:MODEL[:k=K]` (a smaller model with the same
     /// tokenizer drafting greedily on a dense cache of its own); K drafts
