@@ -385,6 +385,8 @@ impl Attention {
         let threads = rayon::current_num_threads();
         let groups = (threads / chunks.len().max(1)).clamp(1, rows.max(1));
         let per_group = rows.div_ceil(groups).max(1);
+        // No empty group: 5 rows over 4 groups are groups of 2, 2 and 1.
+        let groups = rows.div_ceil(per_group).max(1);
         let group_rows = |g: usize| g * per_group..((g + 1) * per_group).min(rows);
         ws.items.clear();
         for c in &chunks {
@@ -429,10 +431,9 @@ impl Attention {
         }
         for (i, (slot, chunk)) in ws.slots[..n].iter_mut().zip(&ws.items).enumerate() {
             std::mem::replace(&mut slot.result, Ok(()))?;
-            // Every group reads the chunk's tiles; the first one counts them.
-            if i % groups == 0 {
-                ws.tiles.extend_from_slice(&slot.tiles);
-            }
+            // A group records the tiles its queries reach (the last tiles
+            // only by the later queries); `finish_into` counts each once.
+            ws.tiles.extend_from_slice(&slot.tiles);
             let r = group_rows(i % groups);
             for (p, row) in slot.partials.iter().zip(r) {
                 // The chunks decode visits for this query: those meeting its span.

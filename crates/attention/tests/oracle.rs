@@ -91,6 +91,7 @@ proptest! {
         tile in 1usize..40,
         split_tiles in 1usize..4,
         window in prop_oneof![Just(None), (1usize..100).prop_map(Some)],
+        threads in 1usize..17,
         seed in any::<u64>(),
     ) {
         let shape = HeadShape::new(kv_heads * group, kv_heads, d).unwrap();
@@ -104,8 +105,16 @@ proptest! {
         let mask = window.map_or(Mask::Causal, Mask::SlidingWindow);
         let attn = Attention::with_config(shape, config(tile, split_tiles)).unwrap();
         let (kd, vd) = (DenseKv::new(&k, tokens, ch).unwrap(), DenseKv::new(&v, tokens, ch).unwrap());
-        let got = attn.prefill(&q, &positions, &kd, &vd, &mask).unwrap();
+        // Pools of 1 to 16 threads split the queries into every group count.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let got = pool.install(|| attn.prefill(&q, &positions, &kd, &vd, &mask)).unwrap();
         let (ql, qh) = (shape.q_len(), shape.q_heads());
+        if window.is_none() {
+            // Every tile the last query reads is counted once.
+            let last = queries - 1;
+            let one = attn.decode(&q[last * ql..][..ql], positions[last], &kd, &vd, &mask).unwrap();
+            prop_assert_eq!(got.stats.tiles, one.stats.tiles);
+        }
         for (i, &p) in positions.iter().enumerate() {
             let one = attn.decode(&q[i * ql..][..ql], p, &kd, &vd, &mask).unwrap();
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

@@ -13,6 +13,7 @@ mod common;
 use attention::KvBackend;
 use kv_eval::backend::BackendKind;
 use kv_eval::cache::{CacheMode, ChannelKind, FaultSpec, KvCache};
+use kv_model::ModelError;
 use kv_quant::{CacheForm, FaultTarget};
 
 use common::tiny::{DIM, HEADS, KV_HEADS, VOCAB, model, tokens};
@@ -179,4 +180,29 @@ fn drift_sizes_that_overflow_are_refused() {
             "{prompts} {prefix} {new_tokens}: {msg}"
         );
     }
+}
+
+/// A shard cache cannot be cut back: a verification step that keeps fewer
+/// rows than it ran is refused and rolled back, and a whole one commits.
+#[test]
+fn shard_caches_refuse_to_keep_part_of_a_step() {
+    use kv_model::model::CausalLm;
+    let m = model();
+    let toks = tokens(104);
+    let mut cache = KvCache::new(CacheMode::form(SPEC.parse().unwrap()), None, 0).unwrap();
+    m.forward(&toks[..100], &mut cache, 99).unwrap();
+    let refused = m.forward_keeping(&toks[100..104], &mut cache, 0, &mut |_| 2);
+    assert!(
+        matches!(
+            refused,
+            Err(ModelError::External(_) | ModelError::InvalidParameter { .. })
+        ),
+        "{refused:?}"
+    );
+    let err = kv_eval::EvalError::from(refused.unwrap_err());
+    assert!(err.to_string().contains("cannot be cut back"), "{err}");
+    assert_eq!(cache.tokens(), 100);
+    m.forward_keeping(&toks[100..104], &mut cache, 0, &mut |_| 4)
+        .unwrap();
+    assert_eq!(cache.tokens(), 104);
 }

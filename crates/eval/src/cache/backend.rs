@@ -74,22 +74,32 @@ impl KvBackend for KvCache {
         }
     }
 
+    /// Commits the first `keep` rows of the step (the default: commit,
+    /// then cut back), except that shard forms, which cannot be cut back,
+    /// refuse to keep fewer than all and roll the step back.
+    fn commit_prefix(&mut self, keep: usize) -> std::result::Result<(), kv_model::ModelError> {
+        let channels = self.rows.channels().max(1);
+        let held = self.rows.rows(0).map_or(0, |(k, _)| k.len() / channels);
+        let step = held.saturating_sub(self.rows.tokens());
+        if keep < step && self.has_shard_forms() {
+            self.rollback();
+            return Err(shard_cut_back().into());
+        }
+        let before = self.tokens();
+        self.commit()?;
+        if before + keep > self.tokens() {
+            self.truncate(before)?;
+            return Err(EvalError::from(attention::keep_past_step(keep, step)).into());
+        }
+        self.truncate(before + keep)
+    }
+
     /// Drops committed tokens past `tokens` (the stored forms are encoded
     /// again from the rows on every call, so nothing else changes).
     /// Refused for shard forms, whose state is built at the prefill.
     fn truncate(&mut self, tokens: usize) -> std::result::Result<(), kv_model::ModelError> {
-        let shard = self
-            .codes
-            .iter()
-            .any(|c| c.key.form.quantizer().is_shard() || c.value.form.quantizer().is_shard());
-        if shard && tokens < self.rows.tokens() {
-            return Err(EvalError::InvalidParameter {
-                name: "truncate",
-                reason: "shard forms fit their state at the prefill; their cache cannot be \
-                         cut back"
-                    .into(),
-            }
-            .into());
+        if self.has_shard_forms() && tokens < self.rows.tokens() {
+            return Err(shard_cut_back().into());
         }
         self.rows.truncate(tokens)?;
         if tokens == 0 {
@@ -259,5 +269,24 @@ impl KvBackend for KvCache {
         }
         self.stats.non_finite += out.non_finite as u64;
         Ok(out)
+    }
+}
+
+impl KvCache {
+    /// Whether a layer keeps a part in a shard form.
+    fn has_shard_forms(&self) -> bool {
+        self.codes
+            .iter()
+            .any(|c| c.key.form.quantizer().is_shard() || c.value.form.quantizer().is_shard())
+    }
+}
+
+/// The refusal to cut back a cache of shard forms.
+fn shard_cut_back() -> EvalError {
+    EvalError::InvalidParameter {
+        name: "truncate",
+        reason: "shard forms fit their state at the prefill; their cache cannot be cut back \
+                 (speculative decoding needs another form)"
+            .into(),
     }
 }

@@ -427,18 +427,22 @@ where
         self.fed.extend_from_slice(new);
         let deterministic = self.sampling.temperature == 0.0;
         for i in 0..k {
-            if let Some(p) = self.sampling.distribution(&logits) {
-                draft.probs.push(p);
-            }
+            let p = self.sampling.distribution(&logits);
             let token = self.sampling.pick(&logits, &mut self.rng);
+            if !deterministic {
+                // A row without a finite distribution took its argmax: q
+                // is one-hot there.
+                draft.probs.push(p.unwrap_or_else(|| {
+                    let mut one = vec![0.0; logits.len()];
+                    one[token as usize] = 1.0;
+                    one
+                }));
+            }
             draft.tokens.push(token);
             if i + 1 < k {
                 logits = self.model.forward(&[token], cache, 0)?;
                 self.fed.push(token);
             }
-        }
-        if deterministic || draft.probs.len() != draft.tokens.len() {
-            draft.probs.clear();
         }
         Ok(draft)
     }
