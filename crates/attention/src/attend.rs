@@ -213,11 +213,7 @@ impl Attention {
         let tile = self.tile_rows(keys, values);
         let span = tile_span(&range, keys.tokens(), tile);
         ws.items.clear();
-        ws.items.extend(
-            (span.start / split * split..span.end)
-                .step_by(split)
-                .map(|s| s.max(span.start)..(s / split * split + split).min(span.end)),
-        );
+        ws.items.extend(key_chunks(&span, split));
         let n = ws.items.len();
         let per = ws.ensure_slots(n);
         let Workspace {
@@ -364,11 +360,9 @@ impl Attention {
         ws: &mut Workspace<K, V>,
     ) -> Result<AttentionInfo> {
         let split = self.config.split_tokens;
-        let spans: Vec<Range<usize>> = ws
-            .ranges
-            .iter()
-            .map(|r| tile_span(r, keys.tokens(), tile))
-            .collect();
+        let mut spans = std::mem::take(&mut ws.spans);
+        spans.clear();
+        spans.extend(ws.ranges.iter().map(|r| tile_span(r, keys.tokens(), tile)));
         let rows = spans.len();
         let lo = spans
             .iter()
@@ -377,19 +371,15 @@ impl Attention {
             .min();
         let hi = spans.iter().map(|s| s.end).max().unwrap_or(0);
         let span = lo.map_or(0..0, |lo| lo..hi);
-        let chunks: Vec<Range<usize>> = (span.start / split * split..span.end)
-            .step_by(split)
-            .map(|s| s.max(span.start)..(s / split * split + split).min(span.end))
-            .collect();
         // Groups of queries where the chunks alone leave threads idle.
         let threads = rayon::current_num_threads();
-        let groups = (threads / chunks.len().max(1)).clamp(1, rows.max(1));
+        let groups = (threads / key_chunks(&span, split).count().max(1)).clamp(1, rows.max(1));
         let per_group = rows.div_ceil(groups).max(1);
         // No empty group: 5 rows over 4 groups are groups of 2, 2 and 1.
         let groups = rows.div_ceil(per_group).max(1);
         let group_rows = |g: usize| g * per_group..((g + 1) * per_group).min(rows);
         ws.items.clear();
-        for c in &chunks {
+        for c in key_chunks(&span, split) {
             ws.items.extend((0..groups).map(|_| c.clone()));
         }
         let n = ws.items.len();
@@ -442,6 +432,7 @@ impl Attention {
                 }
             }
         }
+        ws.spans = spans;
         let partials = ws.merged_rows[..rows].iter();
         self.finish_into(partials, &mut ws.tiles, values.rotation(), out, lse)
     }
@@ -673,6 +664,14 @@ impl Attention {
 }
 
 /// The `tile`-aligned rows covering `range`, clipped to the cache.
+/// The chunks decode splits `span` into: aligned to multiples of `split`,
+/// the first and last cut to the span.
+fn key_chunks(span: &Range<usize>, split: usize) -> impl Iterator<Item = Range<usize>> + '_ {
+    (span.start / split * split..span.end)
+        .step_by(split)
+        .map(move |s| s.max(span.start)..(s / split * split + split).min(span.end))
+}
+
 fn tile_span(range: &Range<usize>, tokens: usize, tile: usize) -> Range<usize> {
     if range.is_empty() {
         return 0..0;

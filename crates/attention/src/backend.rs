@@ -90,15 +90,26 @@ pub trait KvBackend {
     /// commits only the kept rows instead. `keep` past the step's tokens
     /// is refused, and the step undone.
     fn commit_prefix(&mut self, keep: usize) -> Result<(), Self::Error> {
-        let before = self.tokens();
-        self.commit()?;
-        let after = self.tokens();
-        if before + keep > after {
-            self.truncate(before)?;
-            return Err(keep_past_step(keep, after - before).into());
-        }
-        self.truncate(before + keep)
+        commit_then_truncate(self, keep)
     }
+}
+
+/// [`KvBackend::commit_prefix`]'s default: commits the step, then cuts it
+/// back to its first `keep` rows (refusing, and undoing the step, where
+/// `keep` is past them). For backends that override `commit_prefix` to
+/// check something first and then do what the default does.
+pub fn commit_then_truncate<B: KvBackend + ?Sized>(
+    backend: &mut B,
+    keep: usize,
+) -> Result<(), B::Error> {
+    let before = backend.tokens();
+    backend.commit()?;
+    let after = backend.tokens();
+    if before + keep > after {
+        backend.truncate(before)?;
+        return Err(keep_past_step(keep, after - before).into());
+    }
+    backend.truncate(before + keep)
 }
 
 /// The error of a [`KvBackend::commit_prefix`] keeping more tokens than

@@ -69,7 +69,8 @@ pub use attend::{
     Attention, AttentionConfig, AttentionInfo, AttentionOutput, AttentionStats, OnNonFinite,
 };
 pub use backend::{
-    DenseBackend, KvBackend, ModelKvShape, StepRows, check_fit, keep_past_step, run_step,
+    DenseBackend, KvBackend, ModelKvShape, StepRows, check_fit, commit_then_truncate,
+    keep_past_step, run_step,
 };
 pub use error::{AttentionError, Result};
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};

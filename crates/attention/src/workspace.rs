@@ -32,6 +32,8 @@ pub struct Workspace<K: KvSource, V: KvSource> {
     pub(crate) merged: Partial,
     /// Per query, the merged partials of a split prefill.
     pub(crate) merged_rows: Vec<Partial>,
+    /// Per query, the tile-aligned key span of a split prefill.
+    pub(crate) spans: Vec<Range<usize>>,
 }
 
 impl<K: KvSource, V: KvSource> Workspace<K, V> {
@@ -46,6 +48,7 @@ impl<K: KvSource, V: KvSource> Workspace<K, V> {
             tiles: Vec::new(),
             merged: Partial::new(0, 0),
             merged_rows: Vec::new(),
+            spans: Vec::new(),
         }
     }
 

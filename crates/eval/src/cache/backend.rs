@@ -85,13 +85,7 @@ impl KvBackend for KvCache {
             self.rollback();
             return Err(shard_cut_back().into());
         }
-        let before = self.tokens();
-        self.commit()?;
-        if before + keep > self.tokens() {
-            self.truncate(before)?;
-            return Err(EvalError::from(attention::keep_past_step(keep, step)).into());
-        }
-        self.truncate(before + keep)
+        attention::commit_then_truncate(self, keep)
     }
 
     /// Drops committed tokens past `tokens` (the stored forms are encoded

@@ -243,12 +243,7 @@ impl CausalLm for Gpt2Model {
         cache: &mut ModelCache,
         logits_from: usize,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let shape = ModelKvShape {
-            layers: c.layers,
-            heads: *self.attention.shape(),
-            rope: None,
-        };
+        let (c, shape) = (&self.config, self.kv_shape());
         forward_step(tokens, c.vocab, logits_from, &shape, cache, |cache| {
             self.step(tokens, cache, logits_from)
         })
@@ -261,12 +256,7 @@ impl CausalLm for Gpt2Model {
         logits_from: usize,
         keep: &mut dyn FnMut(&[f32]) -> usize,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let shape = ModelKvShape {
-            layers: c.layers,
-            heads: *self.attention.shape(),
-            rope: None,
-        };
+        let (c, shape) = (&self.config, self.kv_shape());
         forward_step_keeping(tokens, c.vocab, logits_from, &shape, cache, keep, |cache| {
             self.step(tokens, cache, logits_from)
         })
@@ -274,6 +264,15 @@ impl CausalLm for Gpt2Model {
 }
 
 impl Gpt2Model {
+    /// The shape its KV backends are fitted to.
+    fn kv_shape(&self) -> ModelKvShape<'_> {
+        ModelKvShape {
+            layers: self.config.layers,
+            heads: *self.attention.shape(),
+            rope: None,
+        }
+    }
+
     /// The forward pass inside one cache step.
     fn step(&self, tokens: &[u32], cache: &mut ModelCache, logits_from: usize) -> Result<Vec<f32>> {
         let c = &self.config;

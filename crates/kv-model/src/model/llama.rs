@@ -210,6 +210,15 @@ pub struct LoadOptions {
 }
 
 impl LlamaModel {
+    /// The shape its KV backends are fitted to.
+    fn kv_shape(&self) -> ModelKvShape<'_> {
+        ModelKvShape {
+            layers: self.config.layers,
+            heads: *self.attention.shape(),
+            rope: Some(&self.rope),
+        }
+    }
+
     /// Loads a `llama` or `qwen2` GGUF file, keeping every matrix as
     /// stored (norms and biases in f32), verified as
     /// [`from_gguf_with`](Self::from_gguf_with) verifies it by default.
@@ -480,12 +489,7 @@ impl LlamaModel {
 
     /// See [`CausalLm::forward_batch`].
     pub fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
-        let c = &self.config;
-        let shape = ModelKvShape {
-            layers: c.layers,
-            heads: *self.attention.shape(),
-            rope: Some(&self.rope),
-        };
+        let (c, shape) = (&self.config, self.kv_shape());
         forward_steps(batch, c.vocab, &shape, |batch| self.step(batch))
     }
 
@@ -734,12 +738,7 @@ impl CausalLm for LlamaModel {
         logits_from: usize,
         keep: &mut dyn FnMut(&[f32]) -> usize,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let shape = ModelKvShape {
-            layers: c.layers,
-            heads: *self.attention.shape(),
-            rope: Some(&self.rope),
-        };
+        let (c, shape) = (&self.config, self.kv_shape());
         forward_step_keeping(tokens, c.vocab, logits_from, &shape, cache, keep, |cache| {
             let mut batch = [BatchItem {
                 tokens,
