@@ -85,8 +85,8 @@ fn pages_read_as_each_sealed_block_reconstructs() {
     }
     let sealable = part.sealable(0, tokens);
     assert_eq!(sealable, 0..3);
-    for &p in &pages[sealable] {
-        assert!(part.seal(p as usize).unwrap());
+    for i in sealable {
+        assert!(part.seal(pages[i] as usize, i * BS).unwrap());
     }
     assert_eq!(part.staged_blocks(), 1);
     // Expected: full blocks reconstructed from a store of their f16 rows,

@@ -57,8 +57,12 @@ pub struct AccumulateRow {
     pub kl_per_step: Vec<f64>,
     /// Bits flipped into the resident blocks and fitted tables.
     pub injected_flips: u64,
-    /// Of them, bits flipped into fitted tables (a `vq` cache's codebooks).
+    /// Of them, bits flipped into fitted tables (a `vq` codebook, calibrated bases).
     pub table_flips: u64,
+    /// Words of the fitted tables at the end: corrected (by reads now or
+    /// by the scrubber), detected (read as zero), wrong (miscorrected or
+    /// silent).
+    pub table_words: [u64; 3],
     /// Value codewords the scrubber rewrote.
     pub scrub_corrected: u64,
     /// Value codewords the scrubber found uncorrectable.
@@ -226,6 +230,14 @@ fn faulty_run(
         kl_per_step: kls,
         injected_flips: injected,
         table_flips: cache.0.table_flips(),
+        table_words: {
+            let t = cache.0.table_stats();
+            [
+                t.corrected + scrubbed.tables.corrected,
+                t.detected,
+                t.miscorrected + t.silent,
+            ]
+        },
         scrub_corrected: scrubbed.values.corrected,
         scrub_detected: scrubbed.values.detected,
         read_corrected: reads.keys.values.corrected + reads.values.values.corrected,
@@ -255,7 +267,11 @@ impl AccumulateReport {
                 r.kl_last_quarter,
                 r.injected_flips,
                 if r.table_flips > 0 {
-                    format!(" ({} in codebooks)", r.table_flips)
+                    let [c, d, w] = r.table_words;
+                    format!(
+                        " ({} in fitted tables: words corrected {c}, detected {d}, wrong {w})",
+                        r.table_flips
+                    )
                 } else {
                     String::new()
                 },

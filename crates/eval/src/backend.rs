@@ -148,7 +148,7 @@ pub fn paged_backend(
 ) -> Result<PagedBackend> {
     BackendKind::Paged { block_size }.check(mode, faults)?;
     let specs = layer_specs(model, mode)?;
-    let fitted = fitted_tables(mode, specs.len())?;
+    let fitted = fitted_tables(model, mode)?;
     let blocks = tokens.div_ceil(block_size).max(1);
     crate::budget::check(
         &format!("a paged cache of {tokens} tokens ({blocks} blocks of {block_size})"),
@@ -192,18 +192,24 @@ pub fn layer_specs(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<LayerSp
     })
 }
 
-/// The fitted tables (calibrated `vq` codebooks, `pca-*` bases) of each of `layers`
-/// layers' K and V parts, from `mode`'s calibration: loaded once, shared by
-/// every block of the paged cache.
-pub fn fitted_tables(mode: &CacheMode, layers: usize) -> Result<Vec<[Fitted; 2]>> {
+/// The fitted tables (calibrated `vq` codebooks, `pca-*` bases, the
+/// tables of `shard-*-cal` forms) of each of `model`'s layers' K and V
+/// parts, from `mode`'s calibration: loaded once, shared by every block of
+/// the paged cache.
+pub fn fitted_tables(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<[Fitted; 2]>> {
     let CacheMode::Stored(s) = mode else {
         return Ok(Vec::new());
     };
     let Some(cal) = &s.calibration else {
         return Ok(Vec::new());
     };
+    let shard = |form: &kv_quant::CacheForm, layer, part| {
+        model
+            .rope()
+            .and_then(|rope| cal.shard_tables(form, layer, part, rope))
+    };
     Ok(s.layers
-        .resolve(layers)?
+        .resolve(model.layers())?
         .into_iter()
         .enumerate()
         .map(|(i, (key, value))| {
@@ -211,10 +217,12 @@ pub fn fitted_tables(mode: &CacheMode, layers: usize) -> Result<Vec<[Fitted; 2]>
                 Fitted {
                     codebook: cal.codebook(&key, i, Part::Key),
                     bases: cal.bases(&key, i, Part::Key),
+                    shard: shard(&key, i, Part::Key),
                 },
                 Fitted {
                     codebook: cal.codebook(&value, i, Part::Value),
                     bases: cal.bases(&value, i, Part::Value),
+                    shard: shard(&value, i, Part::Value),
                 },
             ]
         })
@@ -289,6 +297,7 @@ mod tests {
             ("fp8-e4m3", 0.0, BackendKind::Reencode),
             ("vq", 0.0, BackendKind::Reencode),
             ("pca-r32", 0.0, BackendKind::Reencode),
+            ("shard-k3-cal", 0.0, BackendKind::Reencode),
         ] {
             let mode = CacheMode::parse(form).unwrap();
             assert_eq!(

@@ -289,7 +289,7 @@ pub fn paged_cache<P: PrefixCache>(
         paged_cache::check_pageable(&spec.key, config.block_size)?;
         paged_cache::check_pageable(&spec.value, config.block_size)?;
     }
-    let fitted = crate::backend::fitted_tables(mode, specs.len())?;
+    let fitted = crate::backend::fitted_tables(model, mode)?;
     crate::budget::check(
         &format!(
             "the device pool of --blocks {} (blocks of {} tokens)",

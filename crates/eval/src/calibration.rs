@@ -17,18 +17,28 @@
 //! tensors, `pca/<form>/<layer>/<k|v>/<head>/rows` (`[rank, head_dim]`, the
 //! f16 values as stored) and `.../mean` (`[head_dim]`), `<form>` being the
 //! basis' shape (`pca-r32`, `pca-e0.99`, `pca-r32-pre` for keys projected
-//! before RoPE). The header metadata holds
-//! `format` (`reliable-kv calibration 1`), `model` (the model's one-line
+//! before RoPE). Every table carries a U8 tensor of check words beside it
+//! (`vq/<form>/<layer>/<k|v>/check`, `pca/.../<head>/check`): the
+//! Reed-Muller RM(2,5) check bytes of each 16-bit word of the table as
+//! stored (kv-quant's `ProtectedTable`: the codebook's f16 centroids; the
+//! basis' f16 rows, then its mean). The header metadata holds
+//! `format` (`reliable-kv calibration 2`), `model` (the model's one-line
 //! description), `layers`, `kv_channels`, `text` and `tokens` (where the
-//! rows came from). Loading checks the format, every tensor's shape, and
-//! that the file was fitted for a model of the same shape.
+//! rows came from). Loading checks the format, every tensor's shape, that
+//! every value is the f16 it was stored as and every word passes its
+//! check (a file changed after it was written is refused, naming the
+//! word), and that the file was fitted for a model of the same shape.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
-use kv_lowrank::{Basis, BasisStorage, HeadBases};
-use kv_quant::{CacheForm, CoeffCode, FitOptions, LowRankSpec, Quantizer, Segments, VqCodebook};
+use attention::stored::ShardTables;
+use kv_lowrank::{Basis, BasisStorage, HeadBases, ShardKeys};
+use kv_quant::{
+    CacheForm, ChannelVq, CoeffCode, FitOptions, LowRankSpec, Quantizer, Segments, TableBytes,
+    VqCodebook,
+};
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
@@ -37,7 +47,17 @@ use crate::error::{EvalError, Result};
 use kv_model::model::CausalLm;
 
 /// The format tag of calibration files.
-pub const FORMAT: &str = "reliable-kv calibration 1";
+pub const FORMAT: &str = "reliable-kv calibration 2";
+
+/// The code of the check words beside each table in a calibration file.
+const CHECK_CODE: kv_quant::MetaProtection = kv_quant::MetaProtection::ReedMuller;
+
+/// The check bytes of a table's stored bytes under [`CHECK_CODE`].
+fn table_checks(bytes: &[u8]) -> Vec<u8> {
+    kv_quant::ProtectedTable::new(bytes, CHECK_CODE)
+        .check_bytes()
+        .to_vec()
+}
 
 /// Keys or values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -155,7 +175,17 @@ pub struct Calibration {
     pub tokens: usize,
     codebooks: BTreeMap<(String, usize, Part), Arc<VqCodebook>>,
     bases: BTreeMap<(String, usize, Part), Arc<HeadBases>>,
+    /// Per calibrated Shard form and layer: keys stored on its basis (the
+    /// bit allocation fitted on the calibration keys) and the value
+    /// codebook, what a paged Shard cache codes every block on. Fitted in
+    /// memory, not written to the file.
+    shard: BTreeMap<(String, usize), ShardPrototypes>,
 }
+
+/// The tables a calibrated Shard form's paged blocks are coded on, for one
+/// layer: keys on the calibrated basis with the allocation fitted on the
+/// calibration keys, and the values' codebook (`None` under `-vnf4`).
+type ShardPrototypes = (Arc<ShardKeys>, Option<Arc<ChannelVq>>);
 
 /// Every layer's key and value rows over the calibration tokens.
 pub struct CalibrationRows {
@@ -316,6 +346,8 @@ impl Calibration {
                 Ok(((shape, l, part), Arc::new(HeadBases { heads })))
             })
             .collect::<Result<_>>()?;
+        let bases: BTreeMap<(String, usize, Part), Arc<HeadBases>> = bases.into_iter().collect();
+        let shard = Self::fit_shard(model, rows, needs, &bases)?;
         Ok(Self {
             model: model.describe(),
             layers: model.layers(),
@@ -323,7 +355,91 @@ impl Calibration {
             text: text.to_string(),
             tokens: rows.tokens,
             codebooks: fitted.into_iter().collect(),
-            bases: bases.into_iter().collect(),
+            bases,
+            shard,
+        })
+    }
+
+    /// For every calibrated Shard form in `needs` and every layer: the
+    /// calibration keys (RoPE undone) stored on the form's fitted basis,
+    /// which fits the bit allocation, and the value codebook fitted on the
+    /// calibration values (as `ShardLayer` fits them on a prefill).
+    fn fit_shard(
+        model: &dyn CausalLm,
+        rows: &CalibrationRows,
+        needs: &[(CacheForm, Part)],
+        bases: &BTreeMap<(String, usize, Part), Arc<HeadBases>>,
+    ) -> Result<BTreeMap<(String, usize), ShardPrototypes>> {
+        let mut forms: Vec<CacheForm> = Vec::new();
+        for (f, _) in needs {
+            if matches!(f.quantizer(), Quantizer::Shard(s) if s.calibrated) && !forms.contains(f) {
+                forms.push(*f);
+            }
+        }
+        if forms.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let rope = model.rope().ok_or_else(|| EvalError::InvalidParameter {
+            name: "form",
+            reason: format!("{} has no RoPE: shard forms undo it", model.describe()),
+        })?;
+        let jobs: Vec<(CacheForm, usize)> = forms
+            .iter()
+            .flat_map(|f| (0..rows.layers.len()).map(move |l| (*f, l)))
+            .collect();
+        let (ch, head_dim) = (rows.channels, model.head_dim());
+        jobs.into_par_iter()
+            .map(|(form, l)| {
+                let Quantizer::Shard(spec) = *form.quantizer() else {
+                    unreachable!("shard forms only");
+                };
+                // The key basis is fitted where the form keys a layer.
+                let shape = basis_shape(&form, Part::Key).expect("a calibrated shard form");
+                let Some(basis) = bases.get(&(shape, l, Part::Key)).map(|b| &b.heads[0]) else {
+                    return Ok(None);
+                };
+                let keys = rows.head_rows(l, Part::Key, 0, ch, Some(rope))?;
+                let keys =
+                    ShardKeys::with_basis(&keys, rows.tokens, basis, spec.key_bits(), spec.group)?;
+                let values = match spec.values {
+                    kv_quant::ShardValues::Vq => Some(Arc::new(ChannelVq::fit(
+                        &rows.layers[l].1,
+                        rows.tokens,
+                        ch,
+                        head_dim,
+                        FitOptions {
+                            seed: 0,
+                            iterations: 20,
+                            max_samples: 1 << 15,
+                        },
+                    )?)),
+                    kv_quant::ShardValues::Nf4 => None,
+                };
+                Ok(Some(((form.to_string(), l), (Arc::new(keys), values))))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(|fitted| fitted.into_iter().flatten().collect())
+    }
+
+    /// The tables one part of the calibrated Shard `form` reads in `layer`
+    /// of a paged cache, if fitted (keys rotated by `rope`).
+    pub fn shard_tables(
+        &self,
+        form: &CacheForm,
+        layer: usize,
+        part: Part,
+        rope: &attention::Rope,
+    ) -> Option<ShardTables> {
+        let (keys, values) = self.shard.get(&(form.to_string(), layer))?;
+        Some(match part {
+            Part::Key => ShardTables::Keys {
+                prototype: keys.clone(),
+                rope: rope.clone(),
+            },
+            Part::Value => ShardTables::Values {
+                prototype: values.clone(),
+                head_dim: rope.head_dim(),
+            },
         })
     }
 
@@ -381,11 +497,10 @@ impl Calibration {
                 .iter()
                 .flat_map(|c| c.to_le_bytes())
                 .collect();
-            buffers.push((
-                format!("vq/{shape}/{layer}/{}", part.tag()),
-                bytes,
-                vec![cb.blocks(), spec.centroids, spec.dim],
-            ));
+            let name = format!("vq/{shape}/{layer}/{}", part.tag());
+            let check = table_checks(&cb.table_bytes());
+            buffers.push((format!("{name}/check"), check.clone(), vec![check.len()]));
+            buffers.push((name, bytes, vec![cb.blocks(), spec.centroids, spec.dim]));
         }
         for ((shape, layer, part), bases) in &self.bases {
             for (h, b) in bases.heads.iter().enumerate() {
@@ -394,12 +509,19 @@ impl Calibration {
                 let mean: Vec<u8> = b.mean().iter().flat_map(|c| c.to_le_bytes()).collect();
                 buffers.push((format!("{name}/rows"), rows, vec![b.rank(), b.dim()]));
                 buffers.push((format!("{name}/mean"), mean, vec![b.dim()]));
+                let check = table_checks(&b.table_bytes());
+                buffers.push((format!("{name}/check"), check.clone(), vec![check.len()]));
             }
         }
         let views: Vec<(String, TensorView<'_>)> = buffers
             .iter()
             .map(|(name, bytes, shape)| {
-                TensorView::new(Dtype::F32, shape.clone(), bytes)
+                let dtype = if name.ends_with("/check") {
+                    Dtype::U8
+                } else {
+                    Dtype::F32
+                };
+                TensorView::new(dtype, shape.clone(), bytes)
                     .map(|v| (name.clone(), v))
                     .map_err(st_err(name.clone()))
             })
@@ -462,7 +584,54 @@ impl Calibration {
             "v" => Ok(Part::Value),
             _ => Err(bad(format!("{name}: part {tag:?}"))),
         };
+        // Check words first: every table is verified against its own.
+        let mut checks: HashMap<String, Vec<u8>> = HashMap::new();
         for (name, view) in tensors.tensors() {
+            if let Some(table) = name.strip_suffix("/check") {
+                if view.dtype() != Dtype::U8 || view.shape().len() != 1 {
+                    return Err(bad(format!("{name}: not a 1-dimensional U8 tensor")));
+                }
+                checks.insert(table.to_string(), view.data().to_vec());
+            }
+        }
+        let mut verify = |table: &str, values: &[(&[f32], &[f32])], bytes: &[u8]| -> Result<()> {
+            // Each value as loaded, and as the table stores it (f16).
+            for (loaded, stored) in values {
+                if let Some(i) = loaded
+                    .iter()
+                    .zip(*stored)
+                    .position(|(a, b)| a.to_bits() != b.to_bits())
+                {
+                    return Err(bad(format!(
+                        "{table}: value {i} ({}) is not the f16 it was stored as: the file \
+                         was changed after it was written",
+                        loaded[i]
+                    )));
+                }
+            }
+            let check = checks
+                .remove(table)
+                .ok_or_else(|| bad(format!("{table}: no check words ({table}/check)")))?;
+            let failing = kv_quant::ProtectedTable::failing_words(bytes, &check, CHECK_CODE)
+                .map_err(|e| bad(format!("{table}/check: {e}")))?;
+            if let Some(&(word, outcome)) = failing.first() {
+                return Err(bad(format!(
+                    "{table}: {} of its 16-bit words fail their RM(2,5) check (first: word \
+                     {word}, {}): the file was changed after it was written; refit it with \
+                     `kv-eval calibrate`",
+                    failing.len(),
+                    match outcome {
+                        gf2_codes::DecodeOutcome::Detected => "more than three flips",
+                        _ => "one to three flips",
+                    }
+                )));
+            }
+            Ok(())
+        };
+        for (name, view) in tensors.tensors() {
+            if name.ends_with("/check") {
+                continue;
+            }
             let parts: Vec<&str> = name.split('/').collect();
             if let ["pca", shape, layer, part, head, which] = parts[..] {
                 let form: CacheForm = shape.parse().map_err(|e| bad(format!("{name}: {e}")))?;
@@ -513,6 +682,7 @@ impl Calibration {
             if view.shape() != [cb.blocks(), cb.spec().centroids, cb.spec().dim] {
                 return Err(bad(format!("{name}: shape {:?}", view.shape())));
             }
+            verify(&name, &[(&values, cb.centroids())], &cb.table_bytes())?;
             let canonical = codebook_shape(&form).expect("a vq form");
             codebooks.insert((canonical, layer, part), Arc::new(cb));
         }
@@ -525,8 +695,14 @@ impl Calibration {
                 )));
             };
             let dim = mean.len();
+            let name = format!("pca/{shape}/{layer}/{}/{head}", part.tag());
             let b = Basis::from_parts(dim, &rows, &mean, BasisStorage::F16)
-                .map_err(|e| bad(format!("pca/{shape}/{layer}/{}/{head}: {e}", part.tag())))?;
+                .map_err(|e| bad(format!("{name}: {e}")))?;
+            verify(
+                &name,
+                &[(&rows, b.rows()), (&mean, b.mean())],
+                &b.table_bytes(),
+            )?;
             let heads = bases.entry((shape, layer, part)).or_default();
             if heads.len() != head {
                 return Err(bad(format!(
@@ -534,6 +710,9 @@ impl Calibration {
                 )));
             }
             heads.push(Arc::new(b));
+        }
+        if let Some(table) = checks.keys().min() {
+            return Err(bad(format!("{table}/check: check words of no table")));
         }
         for ((shape, layer, _), heads) in &bases {
             let dims: usize = heads.iter().map(|b| b.dim()).sum();
@@ -555,6 +734,7 @@ impl Calibration {
             tokens: number("tokens")?,
             codebooks,
             bases,
+            shard: BTreeMap::new(),
         })
     }
 }

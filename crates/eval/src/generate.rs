@@ -80,6 +80,10 @@ pub struct Generation {
     pub injected_flips: u64,
     /// What the scrubber found and fixed.
     pub scrubbed: ScrubStats,
+    /// Bits of `injected_flips` that hit the fitted tables (codebooks,
+    /// calibrated bases), and how the tables' words decode at the end
+    /// (paged backend).
+    pub tables: (u64, gf2_codes::DecodeStats),
     /// NaN and infinite K/V values the paged cache stored (faults in an
     /// unprotected form: stored as the form stores numbers, and counted).
     pub non_finite_stored: u64,
@@ -287,6 +291,7 @@ fn generate_with(
             };
             let g = decode.run(model, &mut cache, prompt, &options, faults, &mut on_token)?;
             (out.injected_flips, out.scrubbed) = (flips, scrubbed);
+            out.tables = (cache.0.table_flips(), cache.0.table_stats());
             out.cache_bytes = cache.0.stored_bytes()? as u64;
             let r = cache.0.read_stats();
             out.reads = [r.keys, r.values];

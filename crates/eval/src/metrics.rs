@@ -242,6 +242,10 @@ pub struct StatsReport {
     pub erased_values: u64,
     /// Metadata words corrected, detected, miscorrected, silent.
     pub metadata: [u64; 4],
+    /// Words of the fitted tables (codebooks, calibrated bases) read, and
+    /// of them corrected, detected, miscorrected, silent (tables faulted
+    /// under `--target metadata|everything`; summed over calls).
+    pub tables: [u64; 5],
     /// Non-finite attention outputs.
     pub non_finite_attention: u64,
     /// Stored bits per K/V value, metadata and codebooks included (a
@@ -313,6 +317,10 @@ impl From<&CacheStats> for StatsReport {
             silent: v.silent,
             erased_values: s.keys.erased_values + s.values.erased_values,
             metadata: [m.corrected, m.detected, m.miscorrected, m.silent],
+            tables: {
+                let t = &s.tables;
+                [t.words, t.corrected, t.detected, t.miscorrected, t.silent]
+            },
             non_finite_attention: s.non_finite,
             bits_per_value: bits(s.stored_bytes, s.stored_values),
             key_bits_per_value: bits(s.part_bytes[0], s.stored_values / 2),

@@ -149,7 +149,7 @@ fn calibration_files_round_trip_and_refuse_bad_ones() {
     );
     // Not a calibration file, garbage, a truncated file.
     let bytes = std::fs::read(&path).unwrap();
-    let tag = b"reliable-kv calibration 1";
+    let tag = b"reliable-kv calibration 2";
     let at = bytes.windows(tag.len()).position(|w| w == tag).unwrap();
     let mut other_format = bytes.clone();
     other_format[at + tag.len() - 1] = b'9';
@@ -163,6 +163,26 @@ fn calibration_files_round_trip_and_refuse_bad_ones() {
         let e = Calibration::load(&p).unwrap_err();
         assert!(matches!(e, EvalError::Safetensors { .. }), "{name}: {e}");
         assert!(e.to_string().contains(needle), "{name}: {e}");
+    }
+    // A table changed after it was written: a bit of an f16 value (its
+    // lowest mantissa bit, bit 13 of the f32 holding it) fails the table's
+    // RM(2,5) check words; a bit below the f16's precision leaves no f16.
+    let form: kv_quant::CacheForm = "vq-d2-k8+rot8".parse().unwrap();
+    let first = cal.codebook(&form, 0, Part::Key).unwrap().centroids()[0];
+    assert!(first.abs() > 1e-3, "a normal f16: {first}");
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let at = header
+        + bytes[header..]
+            .windows(4)
+            .position(|w| w == first.to_le_bytes())
+            .unwrap();
+    for (bit, needle) in [(13, "fail their RM(2,5) check"), (0, "is not the f16")] {
+        let mut changed = bytes.clone();
+        changed[at + bit / 8] ^= 1 << (bit % 8);
+        let p = dir.join(format!("changed-{bit}.safetensors"));
+        std::fs::write(&p, changed).unwrap();
+        let e = Calibration::load(&p).unwrap_err().to_string();
+        assert!(e.contains(needle), "bit {bit}: {e}");
     }
     let missing = Calibration::load(&dir.join("missing.safetensors")).unwrap_err();
     assert!(matches!(missing, EvalError::Io { .. }), "{missing}");

@@ -348,6 +348,75 @@ pub(crate) fn check_rule(rule: RankRule, d: usize) -> Result<()> {
     }
 }
 
+/// Bytes of a basis as stored: the entries row by row (f16 each, or an f16
+/// scale then `dim` int8 entries per row), then the mean (f16, centred
+/// bases): what a protected table of the bases holds
+/// ([`kv_quant::ProtectedTable`]).
+impl Basis {
+    /// The basis as stored, in bytes (little-endian).
+    pub fn table_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.stored_bytes());
+        let f16_bytes = |v: f32| f16::from_f32(v).to_le_bytes();
+        match self.storage {
+            BasisStorage::F16 => out.extend(self.rows.iter().flat_map(|&v| f16_bytes(v))),
+            BasisStorage::Int8 => {
+                for row in self.rows.chunks_exact(self.dim) {
+                    // The stored rows are q·s with s an f16 and |q| ≤ 127,
+                    // the largest 127 (s was rounded from max/127, within
+                    // 2⁻¹¹): both products and this quotient are exact in
+                    // f32, so the codes come back as written.
+                    let max = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let scale = max / 127.0;
+                    out.extend(f16_bytes(scale));
+                    out.extend(row.iter().map(|&v| {
+                        let q = if scale > 0.0 {
+                            (v / scale).round()
+                        } else {
+                            0.0
+                        };
+                        (q.clamp(-127.0, 127.0) as i8) as u8
+                    }));
+                }
+            }
+        }
+        if self.centred {
+            out.extend(self.mean.iter().flat_map(|&v| f16_bytes(v)));
+        }
+        out
+    }
+
+    /// A basis of this shape holding `bytes` ([`table_bytes`](Self::table_bytes)'s
+    /// layout), entries taken as read: a faulted entry may be infinite.
+    pub fn with_table_bytes(&self, bytes: &[u8]) -> Result<Basis> {
+        check_len("basis bytes", self.stored_bytes(), bytes.len())?;
+        let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let (d, r) = (self.dim, self.rank());
+        let (entries, mean) = bytes.split_at(bytes.len() - if self.centred { 2 * d } else { 0 });
+        let rows = match self.storage {
+            BasisStorage::F16 => entries.chunks_exact(2).map(half).collect(),
+            BasisStorage::Int8 => {
+                let mut rows = Vec::with_capacity(r * d);
+                for row in entries.chunks_exact(2 + d) {
+                    let scale = half(row);
+                    rows.extend(row[2..].iter().map(|&q| f32::from(q as i8) * scale));
+                }
+                rows
+            }
+        };
+        Ok(Basis {
+            dim: d,
+            rows,
+            mean: if self.centred {
+                mean.chunks_exact(2).map(half).collect()
+            } else {
+                self.mean.clone()
+            },
+            storage: self.storage,
+            centred: self.centred,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,6 +440,28 @@ mod tests {
             }
         }
         rows
+    }
+
+    #[test]
+    fn table_bytes_give_the_basis_back_bit_for_bit() {
+        let rows = plane(64, 8);
+        for storage in [BasisStorage::F16, BasisStorage::Int8] {
+            let (b, _) = Basis::fit(&rows, 64, 8, RankRule::Fixed(3), storage).unwrap();
+            let bytes = b.table_bytes();
+            assert_eq!(bytes.len(), b.stored_bytes(), "{storage:?}");
+            let back = b.with_table_bytes(&bytes).unwrap();
+            assert_eq!(back, b, "{storage:?}");
+            assert_eq!(back.table_bytes(), bytes);
+            // A flipped sign bit of the first entry (f16: byte 1 bit 7;
+            // int8: the first code after the row scale) is read as written.
+            let mut hit = bytes.clone();
+            let at = if storage == BasisStorage::F16 { 1 } else { 2 };
+            hit[at] ^= 0x80;
+            let faulted = b.with_table_bytes(&hit).unwrap();
+            assert_ne!(faulted.rows()[0], b.rows()[0]);
+            assert_eq!(faulted.rows()[1..], b.rows()[1..]);
+            assert!(b.with_table_bytes(&bytes[1..]).is_err());
+        }
     }
 
     #[test]

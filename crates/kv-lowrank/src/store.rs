@@ -51,6 +51,37 @@ impl HeadBases {
     }
 }
 
+/// The heads' bases end to end, each as [`Basis::table_bytes`] lays it out.
+impl kv_quant::TableBytes for HeadBases {
+    fn table_bytes(&self) -> Vec<u8> {
+        self.heads.iter().flat_map(|b| b.table_bytes()).collect()
+    }
+
+    fn with_table_bytes(&self, bytes: &[u8]) -> kv_quant::Result<Self> {
+        let invalid = |e: LowRankError| kv_quant::KvQuantError::InvalidParameter {
+            name: "bases",
+            reason: e.to_string(),
+        };
+        if bytes.len() != self.stored_bytes() {
+            return Err(invalid(LowRankError::Bases(format!(
+                "{} bytes for bases of {}",
+                bytes.len(),
+                self.stored_bytes()
+            ))));
+        }
+        let mut at = 0;
+        let mut heads = Vec::with_capacity(self.heads.len());
+        for b in &self.heads {
+            let n = b.stored_bytes();
+            heads.push(Arc::new(
+                b.with_table_bytes(&bytes[at..at + n]).map_err(invalid)?,
+            ));
+            at += n;
+        }
+        Ok(Self { heads })
+    }
+}
+
 /// A run of tokens with one basis per head.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Chunk {
@@ -367,6 +398,29 @@ impl LowRankStore {
             }
         }
         Ok(stats)
+    }
+
+    /// Reads the coefficients through `bases` from now on (the calibrated
+    /// bases read back through their protected table, faults and all);
+    /// refused for a store owning its bases (online forms) or bases of
+    /// another shape.
+    pub fn replace_bases(&mut self, bases: &HeadBases) -> Result<()> {
+        let fits = |chunk: &Chunk| {
+            chunk.bases.len() == bases.heads.len()
+                && chunk.bases.iter().zip(&bases.heads).all(|(a, b)| {
+                    (a.dim(), a.rank(), a.storage()) == (b.dim(), b.rank(), b.storage())
+                })
+        };
+        if self.owns_bases || !self.chunks.iter().all(fits) {
+            return Err(LowRankError::Bases(format!(
+                "{} reads no calibrated bases of that shape to replace",
+                self.form
+            )));
+        }
+        for chunk in &mut self.chunks {
+            chunk.bases.clone_from(&bases.heads);
+        }
+        Ok(())
     }
 
     /// Injects faults into every head's coefficients (head `h` draws from

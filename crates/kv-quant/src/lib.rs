@@ -44,6 +44,7 @@ pub mod rotation;
 mod simd;
 pub mod spec;
 mod store;
+pub mod table;
 pub mod vq;
 
 pub use channel_vq::ChannelVq;
@@ -66,6 +67,7 @@ pub use store::{
     LevelMap, LevelPacking, LevelRows, NonFinite, ParamBound, QuantizeOptions, RowBufferSizes,
     RowBuffers, RowBuffersMut, RowEncoder, RowsView, ScrubStats, SegmentRows,
 };
+pub use table::{ProtectedTable, TableBytes};
 pub use vq::{FitOptions, VqCodebook};
 
 /// The README's example, compiled and run as a doctest.

@@ -243,27 +243,6 @@ impl VqCodebook {
         2 * self.bits.len()
     }
 
-    /// A copy of these codebooks with faults from `channel` (stream `seed`)
-    /// flipped into their stored f16 bits (little-endian bytes, centroid by
-    /// centroid), and the flips. A flipped exponent can make a centroid
-    /// infinite or NaN: rows coded with it decode to what it holds.
-    pub fn with_flips(
-        &self,
-        channel: &dyn gf2_codes::channel::FaultChannel,
-        seed: u64,
-    ) -> (Self, gf2_codes::channel::Flips) {
-        let mut bytes: Vec<u8> = self.bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-        let flips = channel.inject(&mut bytes, seed);
-        let bits = bytes
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        (
-            Self::from_bits(self.spec, self.block, self.blocks, bits),
-            flips,
-        )
-    }
-
     /// Index of the centroid of block `block` nearest `x` (`dim` values).
     #[inline]
     pub fn nearest(&self, block: usize, x: &[f32]) -> u8 {
@@ -399,6 +378,22 @@ pub(crate) fn kmeans(
         }
     }
     centroids
+}
+
+impl crate::table::TableBytes for VqCodebook {
+    /// The stored centroids, f16 little-endian, centroid by centroid.
+    fn table_bytes(&self) -> Vec<u8> {
+        self.bits.iter().flat_map(|b| b.to_le_bytes()).collect()
+    }
+
+    fn with_table_bytes(&self, bytes: &[u8]) -> Result<Self> {
+        crate::error::check_len("codebook bytes", 2 * self.bits.len(), bytes.len())?;
+        let bits = bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        Ok(Self::from_bits(self.spec, self.block, self.blocks, bits))
+    }
 }
 
 #[cfg(test)]

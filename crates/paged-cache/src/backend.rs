@@ -123,8 +123,8 @@ impl<P: PrefixCache> PagedBackend<P> {
     /// Flips bits of every block the sequence holds (every layer, K and V)
     /// through `channel`: the store of layer `l`, part `p` in the `i`-th
     /// block of the table draws from its own stream of `seed`; then of the
-    /// fitted tables every layer part reads (a `vq` codebook, under
-    /// targets that reach metadata), each from a stream of its own.
+    /// fitted tables every layer part reads (a `vq` codebook, calibrated
+    /// bases, under targets that reach metadata), each from a stream of its own.
     /// Returns the bits flipped.
     pub fn inject(
         &self,
@@ -164,14 +164,14 @@ impl<P: PrefixCache> PagedBackend<P> {
     }
 
     /// Of the bits [`inject`](Self::inject) flipped so far, those in the
-    /// fitted tables (codebooks) rather than in blocks.
+    /// fitted tables (codebooks, calibrated bases) rather than in blocks.
     pub fn table_flips(&self) -> u64 {
         self.table_flips.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Scrubs every block the sequence holds: single-bit errors in
-    /// protected words are rewritten before a second flip can pair up with
-    /// them.
+    /// Scrubs every block the sequence holds and the fitted tables the
+    /// cache reads: correctable errors in protected words are rewritten
+    /// before further flips pair up with them.
     pub fn scrub(&self) -> Result<ScrubStats> {
         let Some(seq) = self.seq else {
             return Ok(ScrubStats::default());
@@ -180,7 +180,15 @@ impl<P: PrefixCache> PagedBackend<P> {
         for &block in self.manager.block_table(seq)? {
             stats += self.storage.scrub(block)?;
         }
+        stats.tables += self.storage.scrub_shared()?;
         Ok(stats)
+    }
+
+    /// How the words of the fitted tables (codebooks, calibrated bases) the
+    /// cache reads decode now, against the words as written: corrected,
+    /// detected (read as zero), miscorrected and silent words.
+    pub fn table_stats(&self) -> gf2_codes::DecodeStats {
+        self.storage.shared_stats()
     }
 
     fn layer_spec(&self, layer: usize) -> Result<&LayerSpec> {

@@ -26,6 +26,7 @@ use attention::AttentionError;
 use attention::stored::{
     Fitted, PartBlock, StoredPart, check_part_form, open_part, part_pool_bytes,
 };
+use gf2_codes::DecodeStats;
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{
     CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvQuantError, KvStore,
@@ -466,9 +467,10 @@ impl BlockStorage {
                 let mut part = write(p);
                 let range = part.sealable(before, after);
                 let range = range.start.min(table.len())..range.end.min(table.len());
-                for &block in &table[range] {
+                for i in range {
+                    let block = table[i];
                     self.block_rows(block)?;
-                    sealed += usize::from(part.seal(block.index())?);
+                    sealed += usize::from(part.seal(block.index(), i * self.block_size)?);
                 }
             }
         }
@@ -633,6 +635,29 @@ impl BlockStorage {
     /// Bytes one sealed block holds in one part of `layer`.
     pub fn part_block_bytes(&self, layer: usize, part: KvPart) -> Result<usize> {
         Ok(self.part(layer, part)?.sealed_block_bytes())
+    }
+
+    /// How the words of the fitted tables (codebooks, bases) of every part
+    /// decode now, against the words as written
+    /// ([`StoredPart::shared_stats`]).
+    pub fn shared_stats(&self) -> DecodeStats {
+        let mut stats = DecodeStats::default();
+        for p in self.parts.iter().flatten() {
+            stats += read(p).shared_stats();
+        }
+        stats
+    }
+
+    /// One scrubbing pass over the fitted tables of every part
+    /// ([`StoredPart::scrub_shared`]): the words their code corrects are
+    /// rewritten (the tables as read, which reads already decode, do not
+    /// change).
+    pub fn scrub_shared(&self) -> Result<DecodeStats> {
+        let mut stats = DecodeStats::default();
+        for p in self.parts.iter().flatten() {
+            stats += write(p).scrub_shared()?;
+        }
+        Ok(stats)
     }
 
     /// Bytes of the fitted tables (codebooks, bases) the parts read, each

@@ -98,7 +98,7 @@ impl StoredPart for Bf16Part {
     fn sealable(&self, _: usize, _: usize) -> Range<usize> {
         0..0
     }
-    fn seal(&mut self, _: usize) -> attention::Result<bool> {
+    fn seal(&mut self, _: usize, _: usize) -> attention::Result<bool> {
         Ok(false)
     }
     fn is_staged(&self, _: usize) -> bool {

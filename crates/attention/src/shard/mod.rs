@@ -622,7 +622,7 @@ fn as_stored(
 }
 
 /// The NF4 form of the middle's values: per head Hadamard, groups of 64.
-fn nf4_form(head_dim: usize) -> Result<CacheForm> {
+pub(crate) fn nf4_form(head_dim: usize) -> Result<CacheForm> {
     let nf4 = CacheForm::plain(Quantizer::Nf4(Nf4Spec {
         group: kv_quant::spec::DEFAULT_NF4_GROUP.min(head_dim),
         scale: ScaleType::F16,

@@ -27,7 +27,7 @@ use kv_quant::{
     ScrubStats,
 };
 
-use super::{PartBlock, PartScratch, PoolBytes, StoredPart, clamped};
+use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart, clamped};
 use crate::error::{AttentionError, Result};
 use crate::source::Tile;
 
@@ -47,7 +47,9 @@ enum Block {
 pub struct LowRankPart {
     form: CacheForm,
     exact: CacheForm,
-    bases: Arc<HeadBases>,
+    /// The calibrated bases, shared by every block, as stored, protected
+    /// bytes; sealed blocks read them as last decoded.
+    bases: SharedTable<HeadBases>,
     head_dim: usize,
     channels: usize,
     block_size: usize,
@@ -73,8 +75,8 @@ impl LowRankPart {
                 .stored_bytes();
         Ok(Self {
             exact: form.exact_rows_form(),
+            bases: SharedTable::new(bases, &form),
             form,
-            bases,
             head_dim,
             channels,
             block_size,
@@ -104,6 +106,17 @@ impl LowRankPart {
             blocks: (sealed.max(exact) as u64).saturating_mul(num_blocks as u64),
             building: 0,
         })
+    }
+
+    /// Every sealed block reads the bases as last decoded.
+    fn reread_bases(&mut self) -> Result<()> {
+        let bases = self.bases.read().clone();
+        for block in &mut self.blocks {
+            if let Block::Sealed(store) = block {
+                store.replace_bases(&bases)?;
+            }
+        }
+        Ok(())
     }
 
     fn block(&self, block: usize) -> Result<&Block> {
@@ -193,6 +206,27 @@ impl StoredPart for LowRankPart {
         self.bases.stored_bytes()
     }
 
+    fn inject_shared(
+        &mut self,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        let (injection, changed) = self.bases.inject(channel, seed, target)?;
+        if changed {
+            self.reread_bases()?;
+        }
+        Ok(injection)
+    }
+
+    fn shared_stats(&self) -> gf2_codes::DecodeStats {
+        self.bases.stats()
+    }
+
+    fn scrub_shared(&mut self) -> Result<gf2_codes::DecodeStats> {
+        Ok(self.bases.scrub())
+    }
+
     fn open_block(&mut self, block: usize) -> Result<()> {
         self.block(block)?;
         if !matches!(self.blocks[block], Block::Staged(_)) {
@@ -246,7 +280,7 @@ impl StoredPart for LowRankPart {
         first..(after / self.block_size).max(first)
     }
 
-    fn seal(&mut self, block: usize) -> Result<bool> {
+    fn seal(&mut self, block: usize, _first: usize) -> Result<bool> {
         let Block::Staged(exact) = self.block(block)? else {
             return Ok(false);
         };
@@ -269,7 +303,7 @@ impl StoredPart for LowRankPart {
             self.block_size,
             self.channels,
             self.head_dim,
-            Some(&self.bases),
+            Some(self.bases.read()),
         )?;
         if let Block::Staged(exact) =
             std::mem::replace(&mut self.blocks[block], Block::Sealed(store))
@@ -381,7 +415,13 @@ impl StoredPart for LowRankPart {
                 s.copy_rows_from(0, exact)?;
                 Block::Staged(s)
             }
-            (_, Some(lr)) => Block::Sealed(lr.clone()),
+            (_, Some(lr)) => {
+                // Projected on the bases as fitted; read through this
+                // part's bases as they are now.
+                let mut lr = lr.clone();
+                lr.replace_bases(self.bases.read())?;
+                Block::Sealed(lr)
+            }
             _ => Block::Empty,
         };
         if let Block::Staged(old) = std::mem::replace(&mut self.blocks[block], new) {

@@ -67,6 +67,8 @@
 
 mod low_rank;
 mod planned;
+mod shard;
+mod shared;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -80,6 +82,8 @@ use kv_quant::{
 
 pub use low_rank::LowRankPart;
 pub use planned::PlannedPart;
+pub use shard::{ShardBlock, ShardPart, ShardTables};
+pub use shared::SharedTable;
 
 use crate::error::{AttentionError, Result};
 use crate::source::{BlockedScratch, StoreScratch, Tile};
@@ -127,10 +131,12 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     /// (empty for forms written in place).
     fn sealable(&self, before: usize, after: usize) -> Range<usize>;
 
-    /// Seals `block` (its staged rows coded in the sealed form), or
-    /// returns `false` where it holds no staged rows (sealed already, by
+    /// Seals `block` (its staged rows coded in the sealed form), whose first
+    /// row is position `first` of its sequence (a block shared through the
+    /// prefix cache holds the same positions in every sequence sharing it),
+    /// or returns `false` where it holds no staged rows (sealed already, by
     /// another sequence sharing it). A failure leaves the block as it was.
-    fn seal(&mut self, block: usize) -> Result<bool>;
+    fn seal(&mut self, block: usize, first: usize) -> Result<bool>;
 
     /// Whether `block` holds staged (not sealed) rows.
     fn is_staged(&self, block: usize) -> bool;
@@ -217,13 +223,13 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     ) -> Result<Injection>;
 
     /// Injects faults from `channel` with `seed` into the fitted tables the
-    /// part reads ([`shared_bytes`](Self::shared_bytes): a `vq` codebook),
-    /// under `target`s that reach metadata: the part's own copy is
-    /// faulted (taken on the first flip), so other caches sharing the
-    /// tables are untouched, and every row read through them from now on
-    /// reads the faulted table. Flips land in [`Injection::tables`]; the
-    /// rows' decode statistics cannot attribute them (a table has no code).
-    /// The default has no tables.
+    /// part reads ([`shared_bytes`](Self::shared_bytes): a `vq` codebook,
+    /// calibrated bases), under `target`s that reach metadata. The part
+    /// keeps its tables as stored, protected bytes ([`SharedTable`]), so
+    /// other caches sharing the fitted tables are untouched, and every row
+    /// read from now on reads the tables as decoded through their code.
+    /// Flips land in [`Injection::tables`], the words' outcomes in
+    /// [`shared_stats`](Self::shared_stats). The default has no tables.
     fn inject_shared(
         &mut self,
         channel: &dyn FaultChannel,
@@ -232,6 +238,19 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     ) -> Result<Injection> {
         let _ = (channel, seed, target);
         Ok(Injection::default())
+    }
+
+    /// How the words of the part's fitted tables decode now, against the
+    /// words as written: corrected, detected (erased to zero),
+    /// miscorrected, silent. The default has no tables.
+    fn shared_stats(&self) -> gf2_codes::DecodeStats {
+        gf2_codes::DecodeStats::default()
+    }
+
+    /// One scrubbing pass over the fitted tables' stored words (every
+    /// corrected word rewritten). The default has no tables.
+    fn scrub_shared(&mut self) -> Result<gf2_codes::DecodeStats> {
+        Ok(gf2_codes::DecodeStats::default())
     }
 
     /// The store holding `block`'s rows as read, as a store of
@@ -271,6 +290,7 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
 pub struct PartBlock {
     stores: Vec<KvStore>,
     low_rank: Option<LowRankStore>,
+    shard: Option<ShardBlock>,
     bytes: Vec<u8>,
 }
 
@@ -290,6 +310,19 @@ impl PartBlock {
             low_rank: Some(store),
             ..Self::default()
         }
+    }
+
+    /// A sealed Shard block.
+    pub fn of_shard(block: ShardBlock) -> Self {
+        Self {
+            shard: Some(block),
+            ..Self::default()
+        }
+    }
+
+    /// The sealed Shard block, if it is one.
+    pub fn shard(&self) -> Option<&ShardBlock> {
+        self.shard.as_ref()
     }
 
     /// A block kept as plain bytes (a part defined outside kv-quant's forms).
@@ -324,6 +357,7 @@ impl PartBlock {
     pub fn stored_bytes(&self) -> usize {
         self.stores.iter().map(KvStore::stored_bytes).sum::<usize>()
             + self.low_rank.as_ref().map_or(0, LowRankStore::stored_bytes)
+            + self.shard.as_ref().map_or(0, ShardBlock::stored_bytes)
             + self.bytes.len()
     }
 
@@ -402,6 +436,8 @@ pub struct Fitted {
     pub codebook: Option<Arc<VqCodebook>>,
     /// The per-head bases of a calibrated low-rank form (`pca-*`).
     pub bases: Option<Arc<HeadBases>>,
+    /// The tables of a calibrated Shard form's part (`shard-*-cal`).
+    pub shard: Option<ShardTables>,
 }
 
 /// The one place a parsed form meets the type that stores it: a part of
@@ -421,6 +457,12 @@ pub fn open_part(
             form, block_size, channels, num_blocks, bases,
         )?));
     }
+    if let Quantizer::Shard(_) = form.quantizer() {
+        let tables = shard_tables_of(form, fitted)?;
+        return Ok(Box::new(ShardPart::new(
+            form, block_size, channels, num_blocks, tables,
+        )?));
+    }
     let plan = BlockPlan::new(form, block_size)?;
     let codebook = codebook_of(form, fitted)?;
     Ok(Box::new(PlannedPart::new(
@@ -435,6 +477,20 @@ fn bases_of(form: CacheForm, fitted: &Fitted) -> Result<Arc<HeadBases>> {
             spec: form.to_string(),
             reason: "needs its calibrated bases (fit them with `kv-eval calibrate`, or pass \
                      the tables to the cache: BlockStorage::with_fitted)"
+                .into(),
+        })
+    })
+}
+
+/// The tables a Shard `form` needs from `fitted`, or its refusal.
+fn shard_tables_of(form: CacheForm, fitted: &Fitted) -> Result<ShardTables> {
+    shard::check_shard_form(form, 4)?;
+    fitted.shard.clone().ok_or_else(|| {
+        AttentionError::Store(KvQuantError::InvalidSpec {
+            spec: form.to_string(),
+            reason: "needs its calibrated key basis, bit allocation and value codebook (fit \
+                     them with --calib-text, or pass the tables to the cache: \
+                     BlockStorage::with_fitted)"
                 .into(),
         })
     })
@@ -483,6 +539,9 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
             _ => Ok(()),
         };
     }
+    if let Quantizer::Shard(_) = form.quantizer() {
+        return shard::check_shard_form(form, block_size);
+    }
     BlockPlan::new(form, block_size)?;
     Ok(())
 }
@@ -494,7 +553,7 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
 /// place and forms blocks cannot hold.
 pub fn part_seals(form: CacheForm, block_size: usize) -> bool {
     match form.quantizer() {
-        Quantizer::LowRank(_) => check_part_form(form, block_size).is_ok(),
+        Quantizer::LowRank(_) | Quantizer::Shard(_) => check_part_form(form, block_size).is_ok(),
         _ => BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged),
     }
 }
@@ -522,6 +581,10 @@ pub fn part_pool_bytes(
     if let Quantizer::LowRank(_) = form.quantizer() {
         let bases = bases_of(form, fitted)?;
         return LowRankPart::pool_bytes(form, block_size, channels, num_blocks, &bases);
+    }
+    if let Quantizer::Shard(_) = form.quantizer() {
+        let tables = shard_tables_of(form, fitted)?;
+        return ShardPart::pool_bytes(form, block_size, channels, num_blocks, &tables);
     }
     let plan = BlockPlan::new(form, block_size)?;
     PlannedPart::pool_bytes(&plan, channels, num_blocks, codebook_of(form, fitted)?)

@@ -26,9 +26,10 @@ use kv_quant::{
     RowBuffers, RowEncoder, ScrubStats, VqCodebook,
 };
 
-use super::{PartBlock, PartScratch, PoolBytes, StoredPart, clamped};
+use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart, clamped};
 use crate::error::{AttentionError, Result};
 use crate::source::{KvSource, Tile};
+use gf2_codes::DecodeStats;
 
 /// A kv-quant form kept in blocks as its [`BlockPlan`] says (see the
 /// module docs).
@@ -44,8 +45,9 @@ pub struct PlannedPart {
     /// Released exact stores, kept so a warm cache stages a block without
     /// allocating.
     spare: Vec<KvStore>,
-    /// The fitted codebook of a `vq` form, shared by every block.
-    codebook: Option<Arc<VqCodebook>>,
+    /// The fitted codebook of a `vq` form, shared by every block, as
+    /// stored, protected bytes.
+    codebook: Option<SharedTable<VqCodebook>>,
 }
 
 impl PlannedPart {
@@ -65,12 +67,12 @@ impl PlannedPart {
         })?;
         Ok(Self {
             sealed: KvStore::zeroed_with(plan.sealed, rows, channels, codebook.clone())?,
+            codebook: codebook.map(|cb| SharedTable::new(cb, &plan.form)),
             plan,
             channels,
             num_blocks,
             staged: Vec::new(),
             spare: Vec::new(),
-            codebook,
         })
     }
 
@@ -79,7 +81,7 @@ impl PlannedPart {
         let (bs, ch, form) = (self.plan.block_size, self.channels, self.plan.sealed);
         Ok(match &self.codebook {
             Some(cb) => {
-                KvStore::quantize_with_codebook(form, values, bs, ch, clamped(), cb.clone())?
+                KvStore::quantize_with_codebook(form, values, bs, ch, clamped(), cb.read().clone())?
             }
             None => KvStore::quantize_with(form, values, bs, ch, clamped())?,
         })
@@ -272,7 +274,8 @@ impl StoredPart for PlannedPart {
         let form = self.written_form();
         let codebook = self
             .codebook
-            .clone()
+            .as_ref()
+            .map(|cb| cb.read().clone())
             .filter(|_| form.quantizer().needs_codebook());
         Ok(RowEncoder::new(form, self.channels, codebook)?)
     }
@@ -316,7 +319,7 @@ impl StoredPart for PlannedPart {
         first..self.plan.sealable(after).max(first)
     }
 
-    fn seal(&mut self, block: usize) -> Result<bool> {
+    fn seal(&mut self, block: usize, _first: usize) -> Result<bool> {
         let rows = self.rows_of(block)?;
         let Some(exact) = self.exact(block) else {
             return Ok(false);
@@ -506,23 +509,27 @@ impl StoredPart for PlannedPart {
         seed: u64,
         target: FaultTarget,
     ) -> Result<Injection> {
-        let Some(codebook) = &self.codebook else {
+        let Some(codebook) = &mut self.codebook else {
             return Ok(Injection::default());
         };
-        if target == FaultTarget::Values {
-            return Ok(Injection::default());
+        let (injection, changed) = codebook.inject(channel, seed, target)?;
+        if changed {
+            self.sealed.replace_codebook(codebook.read().clone())?;
         }
-        let (faulted, tables) = codebook.with_flips(channel, seed);
-        if tables.is_empty() {
-            return Ok(Injection::default());
-        }
-        let faulted = Arc::new(faulted);
-        self.sealed.replace_codebook(faulted.clone())?;
-        self.codebook = Some(faulted);
-        Ok(Injection {
-            tables,
-            ..Injection::default()
-        })
+        Ok(injection)
+    }
+
+    fn shared_stats(&self) -> DecodeStats {
+        self.codebook
+            .as_ref()
+            .map_or_else(DecodeStats::default, SharedTable::stats)
+    }
+
+    fn scrub_shared(&mut self) -> Result<DecodeStats> {
+        let Some(codebook) = &mut self.codebook else {
+            return Ok(DecodeStats::default());
+        };
+        Ok(codebook.scrub())
     }
 
     fn block_store(&self, block: usize) -> Result<KvStore> {

@@ -185,14 +185,19 @@ impl KvBackend for KvCache {
                     // miscorrected and silent words.
                     if let Some(faults) = &self.faults {
                         let base = mix(faults.spec.seed ^ mix(self.stream ^ mix(self.calls)));
+                        let parts = [&codes.key, &codes.value];
                         for (part, read) in [&mut read_k, &mut read_v].into_iter().enumerate() {
-                            self.stats.injected_flips += read.inject(&PartFaults {
+                            let part_faults = PartFaults {
                                 faults,
                                 layer,
                                 part,
                                 seed: mix(base ^ mix((2 * layer + part) as u64)),
                                 block: blocks.map(|b| b.block),
-                            })?;
+                            };
+                            self.stats.injected_flips += read.inject(&part_faults)?;
+                            let (flips, tables) = read.inject_tables(parts[part], &part_faults)?;
+                            self.stats.injected_flips += flips;
+                            self.stats.tables += tables;
                         }
                     }
                     if blocks.is_some_and(|b| b.observe) {

@@ -31,6 +31,7 @@ pub use mode::{CacheMode, StoredForms};
 pub use crate::adaptive::{HotMap, HotRegion, LayerCodewords};
 use std::sync::Arc;
 
+use attention::stored::SharedTable;
 use attention::{
     Attention, AttentionOutput, DenseBackend, KvBackend, KvSource, LowRankScratch, Mask,
     ModelKvShape, PreRopeKeys, Rope, StoreScratch, Tile, certificates,
@@ -38,8 +39,8 @@ use attention::{
 use gf2_codes::channel::FaultChannel;
 use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
-    CacheForm, FaultTarget, KvDecodeStats, KvStore, NonFinite, QuantizeOptions, Quantizer,
-    VqCodebook,
+    CacheForm, FaultTarget, KvDecodeStats, KvStore, NonFinite, ProtectedTable, QuantizeOptions,
+    Quantizer, VqCodebook,
 };
 
 use blocks::{BlockedPart, PartFaults};
@@ -102,6 +103,23 @@ impl StoredPart {
             }
             _ => rows,
         };
+        // A value made non-finite upstream (a layer that read a faulted
+        // table) is clamped, as the kv-quant stores and the paged part
+        // clamp it: the fault's outcome is measured, not fatal.
+        let clamped;
+        let rows = if rows.iter().all(|x| x.is_finite()) {
+            rows
+        } else {
+            clamped = rows
+                .iter()
+                .map(|&x| match x {
+                    x if x.is_nan() => 0.0,
+                    x if x.is_infinite() => x.signum() * f32::MAX,
+                    x => x,
+                })
+                .collect::<Vec<f32>>();
+            &clamped[..]
+        };
         let bases = code.bases.as_deref();
         Ok(Self::LowRank(LowRankStore::build(
             code.form, rows, tokens, channels, head_dim, bases,
@@ -111,17 +129,25 @@ impl StoredPart {
     /// Bytes held, and the bytes of shared fitted data it reads (codebooks,
     /// calibrated bases), counted with every store that uses them.
     fn bytes(&self) -> (u64, u64) {
+        // Shared tables are stored under the form's metadata code.
+        let table = |form: &CacheForm, bytes: usize| {
+            let protection = form
+                .protection()
+                .map_or(kv_quant::MetaProtection::Unprotected, |p| p.metadata);
+            ProtectedTable::stored_len(bytes, protection) as u64
+        };
         match self {
             Self::Quant(s) => (
                 s.stored_bytes() as u64,
-                s.codebook().map_or(0, |c| c.stored_bytes()) as u64,
+                s.codebook()
+                    .map_or(0, |c| table(s.form(), c.stored_bytes())),
             ),
             Self::LowRank(s) => (
                 s.stored_bytes() as u64,
                 if s.owns_bases() {
                     0
                 } else {
-                    s.basis_bytes() as u64
+                    table(s.form(), s.basis_bytes())
                 },
             ),
             Self::Blocked(s) => (s.bytes(), 0),
@@ -151,6 +177,47 @@ impl StoredPart {
                 });
             }
         })
+    }
+
+    /// Injects this call's faults into the fitted tables the part reads
+    /// (a `vq` codebook, calibrated bases) under targets that reach
+    /// metadata: a fresh copy of the tables as stored, protected bytes
+    /// (the form's metadata code, [`SharedTable`]), hit once like the
+    /// rows, and the part reads them as decoded. Returns the flips and how
+    /// the tables' words decoded.
+    fn inject_tables(
+        &mut self,
+        code: &PartCode,
+        faults: &PartFaults<'_>,
+    ) -> Result<(u64, gf2_codes::DecodeStats)> {
+        let spec = &faults.faults.spec;
+        let channel = faults.faults.layer_channel(faults.layer);
+        let seed = mix(faults.seed ^ TABLE_SALT);
+        match self {
+            Self::Quant(s) => {
+                let Some(cb) = s.codebook().cloned() else {
+                    return Ok(Default::default());
+                };
+                let mut table = SharedTable::new(cb, &code.form);
+                let (hit, changed) = table.inject(channel, seed, spec.target)?;
+                if changed {
+                    s.replace_codebook(table.read().clone())?;
+                }
+                Ok((hit.total() as u64, table.stats()))
+            }
+            Self::LowRank(s) if !s.owns_bases() => {
+                let Some(bases) = &code.bases else {
+                    return Ok(Default::default());
+                };
+                let mut table = SharedTable::new(bases.clone(), &code.form);
+                let (hit, changed) = table.inject(channel, seed, spec.target)?;
+                if changed {
+                    s.replace_bases(table.read())?;
+                }
+                Ok((hit.total() as u64, table.stats()))
+            }
+            Self::LowRank(_) | Self::Blocked(_) => Ok(Default::default()),
+        }
     }
 
     fn low_rank(&self) -> Option<&LowRankStore> {
@@ -328,6 +395,10 @@ pub struct CacheStats {
     pub codebook_bytes: u64,
     /// `stored_bytes` of the key stores and of the value stores.
     pub part_bytes: [u64; 2],
+    /// Words of the fitted tables (codebooks, calibrated bases) as read
+    /// through their code after each call's faults: corrected, detected,
+    /// miscorrected, silent (zero without faults in metadata).
+    pub tables: gf2_codes::DecodeStats,
     /// Runtime error certificates of the low-rank layers, per layer.
     pub certificates: Vec<CertificateSums>,
     /// Value codewords read, corrected and detected, per layer: what a
@@ -373,6 +444,7 @@ impl std::ops::AddAssign for CacheStats {
         self.stored_bytes += r.stored_bytes;
         self.stored_values += r.stored_values;
         self.codebook_bytes += r.codebook_bytes;
+        self.tables += r.tables;
         self.part_bytes[0] += r.part_bytes[0];
         self.part_bytes[1] += r.part_bytes[1];
         if self.layers.len() < r.layers.len() {
@@ -462,6 +534,9 @@ impl Faults {
 const MAP_SALT: u64 = 0x4d41_5053;
 
 /// splitmix64's finaliser, to derive independent seeds.
+/// Salt of the streams that fault fitted tables (apart from the rows').
+const TABLE_SALT: u64 = 0x7461_626c_6573;
+
 pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

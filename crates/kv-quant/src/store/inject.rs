@@ -36,7 +36,7 @@ pub struct Injection {
     /// Flips in the exact (sink and window) rows.
     pub exact: Flips,
     /// Flips in fitted tables the rows are read through (a paged cache's
-    /// shared `vq` codebook: [`VqCodebook::with_flips`](crate::VqCodebook::with_flips)).
+    /// shared `vq` codebook, flipped in its [`ProtectedTable`](crate::ProtectedTable)).
     pub tables: Flips,
 }
 

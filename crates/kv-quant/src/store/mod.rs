@@ -446,7 +446,7 @@ impl KvStore {
     }
 
     /// Reads the rows through `codebook` from now on (the same codebooks
-    /// with faults in them: [`VqCodebook::with_flips`]); refused for a store
+    /// read back through their [`ProtectedTable`](crate::ProtectedTable), faults and all); refused for a store
     /// without codebooks or codebooks of another shape.
     pub fn replace_codebook(&mut self, codebook: Arc<VqCodebook>) -> Result<()> {
         let fits = self.middle.codebook.as_ref().is_some_and(|c| {

@@ -434,12 +434,16 @@ pub struct ScrubStats {
     pub values: DecodeStats,
     /// Metadata words (scales and offsets), counted the same way.
     pub metadata: DecodeStats,
+    /// Words of fitted tables (codebooks, bases: a
+    /// [`ProtectedTable`](crate::ProtectedTable)), counted the same way.
+    pub tables: DecodeStats,
 }
 
 impl std::ops::AddAssign for ScrubStats {
     fn add_assign(&mut self, rhs: Self) {
         self.values += rhs.values;
         self.metadata += rhs.metadata;
+        self.tables += rhs.tables;
     }
 }
 

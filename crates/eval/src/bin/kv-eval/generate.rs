@@ -356,6 +356,13 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         g.scrubbed.values.corrected,
         g.scrubbed.values.detected
     );
+    let (table_flips, t) = g.tables;
+    if table_flips > 0 {
+        eprintln!(
+            "fitted tables: {table_flips} of the flips; {} words now read {} corrected, {} detected (read as 0), {} miscorrected, {} silent; scrubbed {} corrected",
+            t.words, t.corrected, t.detected, t.miscorrected, t.silent, g.scrubbed.tables.corrected
+        );
+    }
     if let Some((now, peak)) = kv_eval::budget::resident_bytes() {
         eprintln!(
             "memory: {:.1} MB resident after the run (peak {:.1} MB); weights {:.1} MB, cache {:.1} MB",

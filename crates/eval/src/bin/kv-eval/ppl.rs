@@ -338,6 +338,18 @@ pub(crate) fn print_metrics(form: &str, ber: f64, m: &RunMetrics) {
         "  {flips} flips injected; {words} words: {corrected} corrected, {detected} detected, {miscorrected} miscorrected, {silent} silent; {erased} values erased; {:.3} bits/value",
         s.bits_per_value
     );
+    let [m_corr, m_det, m_wrong, m_silent] = s.metadata;
+    if m_corr + m_det + m_wrong + m_silent > 0 {
+        println!(
+            "  metadata words: {m_corr} corrected, {m_det} detected, {m_wrong} miscorrected, {m_silent} silent"
+        );
+    }
+    let [t_words, t_corr, t_det, t_wrong, t_silent] = s.tables;
+    if t_corr + t_det + t_wrong + t_silent > 0 {
+        println!(
+            "  fitted-table words (codebooks, bases; summed over calls): {t_words} read, {t_corr} corrected, {t_det} detected (read as 0), {t_wrong} miscorrected, {t_silent} silent"
+        );
+    }
     if !s.certificates.is_empty() {
         let n: u64 = s.certificates.iter().map(|c| c.count).sum();
         let mean = |f: fn(&kv_eval::metrics::LayerCertificate) -> f64| {

@@ -1,0 +1,230 @@
+//! The calibrated Shard part (`stored::ShardPart`) through the stored-layer
+//! interface: rows written one at a time into scattered blocks read back,
+//! tile by tile over the pages, as exactly what the calibrated tables code
+//! each sealed block to (keys: RoPE undone at the block's positions, coded
+//! on the calibration's basis and bit allocation, rebuilt and rotated
+//! back; values: coded on the calibration's codebook or in NF4) and as the
+//! f16 rows of blocks in the sink or the window; snapshots restore bit for
+//! bit and are refused by a part on other tables; a flipped code is read;
+//! the per-sequence form and coded spellings are refused.
+
+use std::sync::Arc;
+
+use attention::stored::{
+    Fitted, PartScratch, ShardBlock, ShardTables, StoredPart, check_part_form, open_part,
+    part_seals,
+};
+use attention::{Rope, RopeLayout, TileRows};
+use gf2_codes::channel::ExactFlips;
+use kv_lowrank::{Basis, BasisStorage, ShardKeys};
+use kv_quant::{CacheForm, ChannelVq, FaultTarget, FitOptions, KvStore, QuantizeOptions, RankRule};
+
+const HEAD_DIM: usize = 16;
+const CH: usize = 2 * HEAD_DIM;
+const BS: usize = 4;
+/// Sink 2 (block 0 exact), window 8 (the last two or three blocks exact).
+const FORM: &str = "shard-k3-cal+sink2+win8";
+
+fn rows(tokens: usize, seed: u64) -> Vec<f32> {
+    (0..tokens * CH)
+        .map(|i| {
+            let x = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+            let c = (i % CH) as f32;
+            (c * 0.37 + (i / CH) as f32 * 0.11).sin()
+                + 0.3 * ((x as f32 / (1u64 << 24) as f32) - 0.5)
+        })
+        .collect()
+}
+
+fn rope() -> Rope {
+    Rope::new(RopeLayout::Adjacent, HEAD_DIM, HEAD_DIM, 10_000.0).unwrap()
+}
+
+/// Tables fitted on 512 calibration rows, as `kv-eval calibrate` fits them.
+fn tables() -> (ShardTables, ShardTables) {
+    let n = 512;
+    let mut keys = rows(n, 99);
+    for (t, row) in keys.chunks_exact_mut(CH).enumerate() {
+        rope().undo(row, t % 64).unwrap();
+    }
+    let (basis, _) = Basis::fit(&keys, n, CH, RankRule::Fixed(16), BasisStorage::Int8).unwrap();
+    let keys = ShardKeys::with_basis(&keys, n, &basis, 3.0, 8).unwrap();
+    let values = ChannelVq::fit(&rows(n, 98), n, CH, HEAD_DIM, FitOptions::default()).unwrap();
+    (
+        ShardTables::Keys {
+            prototype: Arc::new(keys),
+            rope: rope(),
+        },
+        ShardTables::Values {
+            prototype: Some(Arc::new(values)),
+            head_dim: HEAD_DIM,
+        },
+    )
+}
+
+fn f16_rows(x: &[f32], tokens: usize) -> Vec<f32> {
+    let fp16: CacheForm = "fp16".parse().unwrap();
+    KvStore::quantize(fp16, x, tokens, CH)
+        .unwrap()
+        .decode()
+        .unwrap()
+        .values
+}
+
+fn fitted(t: &ShardTables) -> Fitted {
+    Fitted {
+        shard: Some(t.clone()),
+        ..Fitted::default()
+    }
+}
+
+/// Writes `x` (`tokens` rows) into `pages` and seals what the step from 0
+/// to `tokens` makes sealable.
+fn write(part: &mut dyn StoredPart, pages: &[u32], x: &[f32], tokens: usize) {
+    let mut encoder = part.row_encoder().unwrap();
+    let mut buf = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
+    for &p in pages {
+        part.open_block(p as usize).unwrap();
+    }
+    for t in 0..tokens {
+        encoder
+            .encode_into(&x[t * CH..][..CH], buf.as_mut(), QuantizeOptions::default())
+            .unwrap();
+        part.put_row(pages[t / BS] as usize, t % BS, &buf).unwrap();
+    }
+    for i in part.sealable(0, tokens) {
+        assert!(part.seal(pages[i] as usize, i * BS).unwrap());
+    }
+}
+
+fn read(part: &dyn StoredPart, pages: &[u32], start: usize, count: usize) -> Vec<f32> {
+    let mut scratch = PartScratch::default();
+    let tile = part.read_tile(pages, start, count, &mut scratch).unwrap();
+    let TileRows::F32(r) = tile.rows else {
+        panic!("rebuilt rows are f32")
+    };
+    r.to_vec()
+}
+
+#[test]
+fn pages_read_as_the_calibrated_tables_code_each_block() {
+    let form: CacheForm = FORM.parse().unwrap();
+    assert!(part_seals(form, BS));
+    let (key_tables, value_tables) = tables();
+    // 7 blocks, the last one partly written: block 0 holds the sink,
+    // blocks 4-6 hold the window's rows, blocks 1-3 are sealed.
+    let tokens = 6 * BS + 2;
+    let pages: Vec<u32> = vec![9, 3, 7, 0, 5, 1, 8];
+    for (tables, seed) in [(&key_tables, 1), (&value_tables, 2)] {
+        let mut part = open_part(form, BS, CH, 10, &fitted(tables)).unwrap();
+        let x = rows(tokens, seed);
+        write(part.as_mut(), &pages, &x, tokens);
+        assert_eq!(part.sealable(0, tokens), 1..4);
+        assert_eq!(part.staged_blocks(), 4);
+        let staged = f16_rows(&x, tokens);
+        let mut want = staged.clone();
+        for b in 1..4 {
+            let block = &staged[b * BS * CH..][..BS * CH];
+            let got = &mut want[b * BS * CH..][..BS * CH];
+            match tables {
+                ShardTables::Keys { prototype, rope } => {
+                    let mut unrotated = block.to_vec();
+                    for (i, row) in unrotated.chunks_exact_mut(CH).enumerate() {
+                        rope.undo(row, b * BS + i).unwrap();
+                    }
+                    let coded = prototype.encode_chunk(&unrotated, BS).unwrap();
+                    for (i, row) in got.chunks_exact_mut(CH).enumerate() {
+                        coded.reconstruct_into(i, row).unwrap();
+                        rope.apply(row, b * BS + i).unwrap();
+                    }
+                }
+                ShardTables::Values { prototype, .. } => {
+                    let vq = prototype.as_ref().unwrap();
+                    vq.encode_chunk(block, BS)
+                        .unwrap()
+                        .decode_rows_into(0, BS, got)
+                        .unwrap();
+                }
+            }
+        }
+        for (start, count) in [
+            (0, tokens),
+            (3, 9),
+            (BS, BS),
+            (2 * BS + 1, tokens - 2 * BS - 1),
+        ] {
+            assert_eq!(
+                read(part.as_ref(), &pages, start, count),
+                &want[start * CH..][..count * CH],
+                "{start}+{count}"
+            );
+        }
+        // A sealed block is coded: it reads other than its exact rows,
+        // and holds fewer bytes.
+        assert_ne!(want[BS * CH..2 * BS * CH], staged[BS * CH..2 * BS * CH]);
+        assert!(part.block_bytes(pages[1] as usize) < part.block_bytes(pages[0] as usize));
+        // Snapshots restore bit for bit, sealed and staged.
+        for &p in &pages {
+            let snap = part.snapshot(p as usize).unwrap();
+            assert!(part.accepts(&snap));
+            part.restore(2, &snap).unwrap();
+            assert_eq!(part.snapshot(2).unwrap(), snap);
+        }
+        // A flipped code of a sealed block is read.
+        let before = read(part.as_ref(), &pages, BS, BS);
+        let hit = part
+            .inject(
+                pages[1] as usize,
+                &ExactFlips::new([3]),
+                0,
+                FaultTarget::Values,
+            )
+            .unwrap();
+        assert_eq!(hit.total(), 1);
+        assert_ne!(read(part.as_ref(), &pages, BS, BS), before);
+    }
+}
+
+#[test]
+fn a_sealed_key_block_is_refused_by_a_part_on_other_tables() {
+    let form: CacheForm = FORM.parse().unwrap();
+    let (keys, values) = tables();
+    let mut a = open_part(form, BS, CH, 4, &fitted(&keys)).unwrap();
+    let x = rows(4 * BS, 5);
+    write(a.as_mut(), &[0, 1, 2, 3], &x, 4 * BS);
+    let snap = a.snapshot(1).unwrap();
+    assert!(matches!(
+        snap.shard(),
+        Some(ShardBlock::Keys { first: 4, .. })
+    ));
+    let v = open_part(form, BS, CH, 4, &fitted(&values)).unwrap();
+    assert!(!v.accepts(&snap));
+    let other = {
+        let n = 256;
+        let cal = rows(n, 77);
+        let (basis, _) = Basis::fit(&cal, n, CH, RankRule::Fixed(8), BasisStorage::Int8).unwrap();
+        ShardTables::Keys {
+            prototype: Arc::new(ShardKeys::with_basis(&cal, n, &basis, 3.0, 8).unwrap()),
+            rope: rope(),
+        }
+    };
+    let mut b = open_part(form, BS, CH, 4, &fitted(&other)).unwrap();
+    assert!(!b.accepts(&snap));
+    assert!(b.restore(0, &snap).is_err());
+}
+
+#[test]
+fn what_the_shard_part_cannot_hold_is_refused() {
+    for spelling in ["shard-k3", "shard-k3-cal+secded84", "shard-k3-cal-f16"] {
+        let form: CacheForm = spelling.parse().unwrap();
+        assert!(check_part_form(form, BS).is_err(), "{spelling}");
+        assert!(!part_seals(form, BS), "{spelling}");
+    }
+    let form: CacheForm = FORM.parse().unwrap();
+    assert!(check_part_form(form, 2).is_err());
+    let e = match open_part(form, BS, CH, 4, &Fitted::default()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("accepted without tables"),
+    };
+    assert!(e.contains("calibrated key basis"), "{e}");
+}
