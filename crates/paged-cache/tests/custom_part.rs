@@ -16,8 +16,7 @@ use attention::{
 };
 use gf2_codes::channel::{ExactFlips, FaultChannel};
 use kv_quant::{
-    CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, RowBuffers,
-    ScrubStats,
+    CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, RowBuffers, ScrubStats,
 };
 use paged_cache::{
     BlockStorage, CacheConfig, KvCacheManager, KvPart, NoPrefixCache, PagedCacheError, paged_decode,
@@ -142,12 +141,6 @@ impl StoredPart for Bf16Part {
     }
     fn row_bytes(&self) -> usize {
         2 * self.channels
-    }
-    fn gathers_blocks(&self) -> bool {
-        false
-    }
-    fn rotation(&self) -> Option<&'static Hadamard> {
-        None
     }
     fn snapshot(&self, block: usize) -> attention::Result<PartBlock> {
         Ok(PartBlock::of_bytes(self.block(block)?.clone()))

@@ -23,38 +23,26 @@ use std::sync::Arc;
 use gf2_codes::channel::{FaultChannel, Flips};
 use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
-    CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats, KvStore, RowBuffers,
+    CacheForm, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, RowBuffers,
     ScrubStats,
 };
 
-use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart, clamped};
+use super::staging::{BlockState, StagedBlocks};
+use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart};
 use crate::error::{AttentionError, Result};
 use crate::source::Tile;
-
-/// One block of a [`LowRankPart`].
-#[derive(Clone, Debug)]
-enum Block {
-    /// Never opened: reads as zeros.
-    Empty,
-    /// Rows written exact, not sealed yet.
-    Staged(KvStore),
-    /// Rows projected on the bases.
-    Sealed(LowRankStore),
-}
 
 /// A calibrated low-rank form kept in blocks (see the module docs).
 #[derive(Debug)]
 pub struct LowRankPart {
     form: CacheForm,
-    exact: CacheForm,
     /// The calibrated bases, shared by every block, as stored, protected
     /// bytes; sealed blocks read them as last decoded.
     bases: SharedTable<HeadBases>,
     head_dim: usize,
     channels: usize,
     block_size: usize,
-    blocks: Vec<Block>,
-    spare: Vec<KvStore>,
+    blocks: StagedBlocks<LowRankStore>,
     /// Bytes of one sealed block (the same for every block of a form).
     sealed_bytes: usize,
 }
@@ -74,14 +62,12 @@ impl LowRankPart {
             LowRankStore::build(form, &zeros, block_size, channels, head_dim, Some(&bases))?
                 .stored_bytes();
         Ok(Self {
-            exact: form.exact_rows_form(),
+            blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             bases: SharedTable::new(bases, &form),
             form,
             head_dim,
             channels,
             block_size,
-            blocks: vec![Block::Empty; num_blocks],
-            spare: Vec::new(),
             sealed_bytes,
         })
     }
@@ -111,29 +97,12 @@ impl LowRankPart {
     /// Every sealed block reads the bases as last decoded.
     fn reread_bases(&mut self) -> Result<()> {
         let bases = self.bases.read().clone();
-        for block in &mut self.blocks {
-            if let Block::Sealed(store) = block {
+        for block in self.blocks.iter_mut() {
+            if let BlockState::Sealed(store) = block {
                 store.replace_bases(&bases)?;
             }
         }
         Ok(())
-    }
-
-    fn block(&self, block: usize) -> Result<&Block> {
-        self.blocks
-            .get(block)
-            .ok_or_else(|| AttentionError::InvalidParameter {
-                name: "block",
-                reason: format!("block {block} of {}", self.blocks.len()),
-            })
-    }
-
-    /// An exact store for a block: a spare one, or a new one.
-    fn fresh_exact(&mut self) -> Result<KvStore> {
-        match self.spare.pop() {
-            Some(s) => Ok(s),
-            None => Ok(KvStore::zeroed(self.exact, self.block_size, self.channels)?),
-        }
     }
 
     /// Rows `offset..offset + out.len() / channels` of `block` as f32.
@@ -145,18 +114,13 @@ impl LowRankPart {
         scratch: &mut DecodeScratch,
         low_rank: &mut kv_lowrank::StoreScratch,
     ) -> Result<KvDecodeStats> {
-        let n = out.len() / self.channels;
-        Ok(match self.block(block)? {
-            Block::Empty => {
-                out.fill(0.0);
-                KvDecodeStats::default()
-            }
-            Block::Staged(exact) => {
-                scratch.limit_neighbours(None);
-                exact.decode_rows_into(offset, n, out, scratch)?
-            }
-            Block::Sealed(store) => store.decode_rows_into(offset, n, out, low_rank)?,
-        })
+        if let Some(stats) = self.blocks.read_unsealed(block, offset, out, scratch)? {
+            return Ok(stats);
+        }
+        let BlockState::Sealed(store) = self.blocks.get(block)? else {
+            unreachable!("read_unsealed reads the others");
+        };
+        Ok(store.decode_rows_into(offset, out.len() / self.channels, out, low_rank)?)
     }
 }
 
@@ -199,7 +163,7 @@ impl StoredPart for LowRankPart {
     }
 
     fn written_form(&self) -> CacheForm {
-        self.exact
+        self.blocks.exact_form()
     }
 
     fn shared_bytes(&self) -> usize {
@@ -228,51 +192,17 @@ impl StoredPart for LowRankPart {
     }
 
     fn open_block(&mut self, block: usize) -> Result<()> {
-        self.block(block)?;
-        if !matches!(self.blocks[block], Block::Staged(_)) {
-            let exact = self.fresh_exact()?;
-            self.blocks[block] = Block::Staged(exact);
-        }
-        Ok(())
+        self.blocks.open(block)
     }
 
     fn put_row(&mut self, block: usize, offset: usize, row: &RowBuffers) -> Result<()> {
-        self.block(block)?;
-        if offset >= self.block_size {
-            return Err(AttentionError::InvalidParameter {
-                name: "offset",
-                reason: format!("slot {offset} of a block of {}", self.block_size),
-            });
-        }
-        if let Block::Sealed(store) = &self.blocks[block] {
-            // A sequence cut back into a sealed block: stage it again from
-            // the rows its coefficients give.
-            let mut rows = vec![0.0; self.block_size * self.channels];
-            store.decode_rows_into(
-                0,
-                self.block_size,
-                &mut rows,
-                &mut kv_lowrank::StoreScratch::default(),
-            )?;
-            let decoded = KvStore::quantize_with(
-                self.exact,
-                &rows,
-                self.block_size,
-                self.channels,
-                clamped(),
-            )?;
-            let mut exact = self.fresh_exact()?;
-            exact.copy_rows_from(0, &decoded)?;
-            self.blocks[block] = Block::Staged(exact);
-        }
-        if matches!(self.blocks[block], Block::Empty) {
-            self.open_block(block)?;
-        }
-        let Block::Staged(exact) = &mut self.blocks[block] else {
-            unreachable!("staged above");
-        };
-        exact.put_encoded_rows(offset, row)?;
-        Ok(())
+        let bs = self.block_size;
+        // A sequence cut back into a sealed block: staged again from the
+        // rows its coefficients give.
+        self.blocks.put_row(block, offset, row, |store, rows| {
+            store.decode_rows_into(0, bs, rows, &mut kv_lowrank::StoreScratch::default())?;
+            Ok(())
+        })
     }
 
     fn sealable(&self, before: usize, after: usize) -> Range<usize> {
@@ -281,47 +211,19 @@ impl StoredPart for LowRankPart {
     }
 
     fn seal(&mut self, block: usize, _first: usize) -> Result<bool> {
-        let Block::Staged(exact) = self.block(block)? else {
-            return Ok(false);
-        };
-        let mut rows = vec![0.0; self.block_size * self.channels];
-        exact.decode_rows_into(0, self.block_size, &mut rows, &mut DecodeScratch::new())?;
-        // A fault that made an exact value non-finite is clamped, as
-        // sealing a per-channel block clamps it: measured, not fatal.
-        for x in &mut rows {
-            if !x.is_finite() {
-                *x = if x.is_nan() {
-                    0.0
-                } else {
-                    x.signum() * f32::MAX
-                };
-            }
-        }
-        let store = LowRankStore::build(
-            self.form,
-            &rows,
-            self.block_size,
-            self.channels,
-            self.head_dim,
-            Some(self.bases.read()),
-        )?;
-        if let Block::Staged(exact) =
-            std::mem::replace(&mut self.blocks[block], Block::Sealed(store))
-        {
-            self.spare.push(exact);
-        }
-        Ok(true)
+        let (form, bs, ch, hd) = (self.form, self.block_size, self.channels, self.head_dim);
+        let bases = self.bases.read();
+        self.blocks.seal(block, |rows| {
+            Ok(LowRankStore::build(form, rows, bs, ch, hd, Some(bases))?)
+        })
     }
 
     fn is_staged(&self, block: usize) -> bool {
-        matches!(self.blocks.get(block), Some(Block::Staged(_)))
+        self.blocks.is_staged(block)
     }
 
     fn staged_blocks(&self) -> usize {
-        self.blocks
-            .iter()
-            .filter(|b| matches!(b, Block::Staged(_)))
-            .count()
+        self.blocks.staged_count()
     }
 
     fn read_rows(
@@ -331,12 +233,7 @@ impl StoredPart for LowRankPart {
         out: &mut [f32],
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
-        if offset + out.len() / self.channels > self.block_size {
-            return Err(AttentionError::InvalidParameter {
-                name: "rows",
-                reason: format!("rows past a block of {}", self.block_size),
-            });
-        }
+        self.blocks.check_rows(offset, out.len() / self.channels)?;
         let mut low_rank = kv_lowrank::StoreScratch::default();
         self.decode(block, offset, out, scratch, &mut low_rank)
     }
@@ -364,42 +261,27 @@ impl StoredPart for LowRankPart {
         self.sealed_bytes.div_ceil(self.block_size)
     }
 
-    fn gathers_blocks(&self) -> bool {
-        false
-    }
-
-    fn rotation(&self) -> Option<&'static Hadamard> {
-        None
-    }
-
     fn snapshot(&self, block: usize) -> Result<PartBlock> {
-        Ok(match self.block(block)? {
-            Block::Empty => PartBlock::default(),
-            Block::Staged(exact) => PartBlock::of_stores(vec![exact.clone()]),
-            Block::Sealed(store) => PartBlock::of_low_rank(store.clone()),
-        })
+        self.blocks
+            .snapshot(block, |store| PartBlock::of_low_rank(store.clone()))
     }
 
     fn accepts(&self, data: &PartBlock) -> bool {
-        let shape = |s: &KvStore| {
-            *s.form() == self.exact
-                && s.tokens() == self.block_size
-                && s.channels() == self.channels
-        };
-        match (data.stores(), data.low_rank(), data.bytes().is_empty()) {
-            ([], None, true) => true,
-            ([exact], None, true) => shape(exact),
-            ([], Some(lr), true) => {
-                *lr.form() == self.form
+        match data.low_rank() {
+            Some(lr) => {
+                data.stores().is_empty()
+                    && data.bytes().is_empty()
+                    && data.shard().is_none()
+                    && *lr.form() == self.form
                     && lr.tokens() == self.block_size
                     && lr.channels() == self.channels
             }
-            _ => false,
+            None => self.blocks.accepts_unsealed(data),
         }
     }
 
     fn restore(&mut self, block: usize, data: &PartBlock) -> Result<()> {
-        self.block(block)?;
+        self.blocks.get(block)?;
         if !self.accepts(data) {
             return Err(AttentionError::InvalidParameter {
                 name: "block data",
@@ -409,35 +291,24 @@ impl StoredPart for LowRankPart {
                 ),
             });
         }
-        let new = match (data.stores(), data.low_rank()) {
-            ([exact], _) => {
-                let mut s = self.fresh_exact()?;
-                s.copy_rows_from(0, exact)?;
-                Block::Staged(s)
-            }
-            (_, Some(lr)) => {
-                // Projected on the bases as fitted; read through this
-                // part's bases as they are now.
-                let mut lr = lr.clone();
-                lr.replace_bases(self.bases.read())?;
-                Block::Sealed(lr)
-            }
-            _ => Block::Empty,
-        };
-        if let Block::Staged(old) = std::mem::replace(&mut self.blocks[block], new) {
-            self.spare.push(old);
-        }
-        Ok(())
+        let bases = self.bases.read();
+        self.blocks.restore(block, data, |data| {
+            // Projected on the bases as fitted; read through this part's
+            // bases as they are now.
+            data.low_rank()
+                .map(|lr| {
+                    let mut lr = lr.clone();
+                    lr.replace_bases(bases)?;
+                    Ok(lr)
+                })
+                .transpose()
+        })
     }
 
     fn scrub(&mut self, block: usize) -> Result<ScrubStats> {
-        self.block(block)?;
-        Ok(match &mut self.blocks[block] {
-            Block::Staged(exact) => exact.scrub()?,
-            // The coefficient stores of a sealed block are read (and their
-            // words corrected on every read) but not rewritten here yet.
-            Block::Sealed(_) | Block::Empty => ScrubStats::default(),
-        })
+        // The coefficient stores of a sealed block are read (and their
+        // words corrected on every read) but not rewritten here yet.
+        self.blocks.scrub(block)
     }
 
     fn inject(
@@ -447,48 +318,39 @@ impl StoredPart for LowRankPart {
         seed: u64,
         target: FaultTarget,
     ) -> Result<Injection> {
-        self.block(block)?;
-        let bs = self.block_size;
-        Ok(match &mut self.blocks[block] {
-            Block::Empty => Injection::default(),
-            Block::Staged(exact) => exact.inject_rows(0..bs, channel, seed, target)?,
-            Block::Sealed(store) => {
-                // One injection per head's coefficient store, their flip
-                // positions laid end to end in bits (each head's buffers
-                // after the previous head's bytes).
-                let sizes: Vec<u64> = (0..store.heads())
-                    .map(|h| 8 * store.coefficients(h).stored_bytes() as u64)
-                    .collect();
-                let mut merged: [Vec<u64>; 5] = Default::default();
-                let mut base = 0u64;
-                for (i, size) in store.inject(channel, seed, target).iter().zip(sizes) {
-                    for (m, flips) in merged
-                        .iter_mut()
-                        .zip([&i.values, &i.scales, &i.offsets, &i.checks, &i.exact])
-                    {
-                        m.extend(flips.positions().iter().map(|p| p + base));
-                    }
-                    base += size;
+        self.blocks.inject(block, channel, seed, target, |store| {
+            // One injection per head's coefficient store, their flip
+            // positions laid end to end in bits (each head's buffers after
+            // the previous head's bytes).
+            let sizes: Vec<u64> = (0..store.heads())
+                .map(|h| 8 * store.coefficients(h).stored_bytes() as u64)
+                .collect();
+            let mut merged: [Vec<u64>; 5] = Default::default();
+            let mut base = 0u64;
+            for (i, size) in store.inject(channel, seed, target).iter().zip(sizes) {
+                for (m, flips) in merged
+                    .iter_mut()
+                    .zip([&i.values, &i.scales, &i.offsets, &i.checks, &i.exact])
+                {
+                    m.extend(flips.positions().iter().map(|p| p + base));
                 }
-                let [values, scales, offsets, checks, exact] = merged.map(Flips::from_events);
-                Injection {
-                    values,
-                    scales,
-                    offsets,
-                    checks,
-                    exact,
-                    tables: Flips::default(),
-                }
+                base += size;
             }
+            let [values, scales, offsets, checks, exact] = merged.map(Flips::from_events);
+            Ok(Injection {
+                values,
+                scales,
+                offsets,
+                checks,
+                exact,
+                tables: Flips::default(),
+            })
         })
     }
 
     fn block_bytes(&self, block: usize) -> usize {
-        match self.blocks.get(block) {
-            Some(Block::Staged(exact)) => exact.stored_bytes(),
-            Some(Block::Sealed(store)) => store.stored_bytes(),
-            _ => self.sealed_bytes,
-        }
+        self.blocks
+            .block_bytes(block, LowRankStore::stored_bytes, self.sealed_bytes)
     }
 
     fn sealed_block_bytes(&self) -> usize {

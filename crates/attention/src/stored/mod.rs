@@ -69,6 +69,7 @@ mod low_rank;
 mod planned;
 mod shard;
 mod shared;
+mod staging;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -169,12 +170,18 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     fn row_bytes(&self) -> usize;
 
     /// Whether a tile over blocks that are not adjacent reaches the kernel
-    /// as stored levels ([`KvSource::gathers_blocks`](crate::KvSource::gathers_blocks)).
-    fn gathers_blocks(&self) -> bool;
+    /// as stored levels ([`KvSource::gathers_blocks`](crate::KvSource::gathers_blocks));
+    /// the default (a part reconstructing f32 rows): no.
+    fn gathers_blocks(&self) -> bool {
+        false
+    }
 
     /// The rotation the tiles come in, if any
-    /// ([`KvSource::rotation`](crate::KvSource::rotation)).
-    fn rotation(&self) -> Option<&'static Hadamard>;
+    /// ([`KvSource::rotation`](crate::KvSource::rotation)); the default
+    /// (tiles in the rows' own coordinates): none.
+    fn rotation(&self) -> Option<&'static Hadamard> {
+        None
+    }
 
     /// The addresses of the stored bytes of rows `start..start + count`,
     /// one range per run of contiguous rows, given to `each` (prefetch

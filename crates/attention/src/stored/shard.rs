@@ -32,14 +32,15 @@ use std::sync::Arc;
 use gf2_codes::channel::FaultChannel;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
-    CacheForm, ChannelVq, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
-    KvQuantError, KvStore, Quantizer, RowBuffers, ScrubStats,
+    CacheForm, ChannelVq, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvQuantError,
+    KvStore, Quantizer, RowBuffers, ScrubStats,
 };
 
+use super::staging::{BlockState, StagedBlocks};
 use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
 use crate::error::{AttentionError, Result};
 use crate::rope::Rope;
-use crate::source::{Tile, TileRows};
+use crate::source::Tile;
 
 /// The calibrated tables one part of a Shard form reads (`kv-eval
 /// calibrate` fits them on its text, per layer).
@@ -92,22 +93,10 @@ impl ShardBlock {
     }
 }
 
-/// One block of a [`ShardPart`].
-#[derive(Clone, Debug)]
-enum Block {
-    /// Never opened: reads as zeros.
-    Empty,
-    /// Rows written exact, not sealed yet.
-    Staged(Box<KvStore>),
-    /// Rows coded on the calibrated tables.
-    Sealed(ShardBlock),
-}
-
 /// A calibrated Shard form kept in blocks (see the module docs).
 #[derive(Debug)]
 pub struct ShardPart {
     form: CacheForm,
-    exact: CacheForm,
     tables: ShardTables,
     channels: usize,
     block_size: usize,
@@ -115,8 +104,7 @@ pub struct ShardPart {
     sink_blocks: usize,
     /// Rows kept exact at the end of the sequence.
     window: usize,
-    blocks: Vec<Block>,
-    spare: Vec<KvStore>,
+    blocks: StagedBlocks<ShardBlock>,
     /// Bytes of one sealed block.
     sealed_bytes: usize,
 }
@@ -132,20 +120,17 @@ impl ShardPart {
     ) -> Result<Self> {
         check_form(form, block_size)?;
         let mut part = Self {
-            exact: form.exact_rows_form(),
+            blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             form,
             tables,
             channels,
             block_size,
             sink_blocks: form.segments().sink.div_ceil(block_size),
             window: form.segments().window,
-            blocks: vec![Block::Empty; num_blocks],
-            spare: Vec::new(),
             sealed_bytes: 0,
         };
-        part.sealed_bytes = part
-            .code(&vec![0.0; block_size * channels], 0)?
-            .stored_bytes();
+        part.sealed_bytes =
+            code(&part.tables, channels, &vec![0.0; block_size * channels], 0)?.stored_bytes();
         Ok(part)
     }
 
@@ -166,62 +151,6 @@ impl ShardPart {
         })
     }
 
-    /// `rows` (one block, as written) coded on the tables; `first` is the
-    /// position of the first row.
-    fn code(&self, rows: &[f32], first: usize) -> Result<ShardBlock> {
-        let bs = self.block_size;
-        Ok(match &self.tables {
-            ShardTables::Keys { prototype, rope } => {
-                let mut unrotated = rows.to_vec();
-                for (i, row) in unrotated.chunks_exact_mut(self.channels).enumerate() {
-                    rope.undo(row, first + i)?;
-                }
-                ShardBlock::Keys {
-                    keys: Box::new(prototype.encode_chunk(&unrotated, bs)?),
-                    first,
-                }
-            }
-            ShardTables::Values {
-                prototype: Some(vq),
-                ..
-            } => ShardBlock::Vq(vq.encode_chunk(rows, bs)?),
-            ShardTables::Values {
-                prototype: None,
-                head_dim,
-            } => {
-                let nf4 = crate::shard::nf4_form(*head_dim)?;
-                ShardBlock::Nf4(Box::new(KvStore::quantize_with(
-                    nf4,
-                    rows,
-                    bs,
-                    self.channels,
-                    super::clamped(),
-                )?))
-            }
-        })
-    }
-
-    fn block(&self, block: usize) -> Result<&Block> {
-        self.blocks
-            .get(block)
-            .ok_or_else(|| AttentionError::InvalidParameter {
-                name: "block",
-                reason: format!("block {block} of {}", self.blocks.len()),
-            })
-    }
-
-    /// An exact store for a block: a spare one, or a new one.
-    fn fresh_exact(&mut self) -> Result<Box<KvStore>> {
-        match self.spare.pop() {
-            Some(s) => Ok(Box::new(s)),
-            None => Ok(Box::new(KvStore::zeroed(
-                self.exact,
-                self.block_size,
-                self.channels,
-            )?)),
-        }
-    }
-
     /// Rows `offset..offset + out.len() / channels` of `block` as f32.
     fn decode(
         &self,
@@ -230,30 +159,107 @@ impl ShardPart {
         out: &mut [f32],
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
-        let n = out.len() / self.channels;
-        match self.block(block)? {
-            Block::Empty => out.fill(0.0),
-            Block::Staged(exact) => {
-                scratch.limit_neighbours(None);
-                return Ok(exact.decode_rows_into(offset, n, out, scratch)?);
+        if let Some(stats) = self.blocks.read_unsealed(block, offset, out, scratch)? {
+            return Ok(stats);
+        }
+        let BlockState::Sealed(sealed) = self.blocks.get(block)? else {
+            unreachable!("read_unsealed reads the others");
+        };
+        decode_sealed(&self.tables, self.channels, sealed, offset, out, scratch)
+    }
+
+    /// Whether a sealed block was coded on this part's tables.
+    fn fits(&self, sealed: &ShardBlock) -> bool {
+        match (sealed, &self.tables) {
+            (ShardBlock::Keys { keys, .. }, ShardTables::Keys { prototype, .. }) => {
+                keys.tokens() == self.block_size
+                    && keys.dim() == self.channels
+                    && keys.basis() == prototype.basis()
+                    && keys.allocation() == prototype.allocation()
             }
-            Block::Sealed(ShardBlock::Keys { keys, first }) => {
-                let ShardTables::Keys { rope, .. } = &self.tables else {
-                    unreachable!("a key part holds key blocks");
-                };
-                for (i, row) in out.chunks_exact_mut(self.channels).enumerate() {
-                    keys.reconstruct_into(offset + i, row)?;
-                    rope.apply(row, first + offset + i)?;
-                }
+            (
+                ShardBlock::Vq(v),
+                ShardTables::Values {
+                    prototype: Some(p), ..
+                },
+            ) => {
+                v.tokens() == self.block_size
+                    && v.channels() == self.channels
+                    && v.centroids() == p.centroids()
             }
-            Block::Sealed(ShardBlock::Vq(values)) => values.decode_rows_into(offset, n, out)?,
-            Block::Sealed(ShardBlock::Nf4(store)) => {
-                scratch.limit_neighbours(None);
-                return Ok(store.decode_rows_into(offset, n, out, scratch)?);
+            (
+                ShardBlock::Nf4(s),
+                ShardTables::Values {
+                    prototype: None, ..
+                },
+            ) => s.tokens() == self.block_size && s.channels() == self.channels,
+            _ => false,
+        }
+    }
+}
+
+/// `rows` (one block of `channels`-value rows, as written) coded on
+/// `tables`; `first` is the position of the first row.
+fn code(tables: &ShardTables, channels: usize, rows: &[f32], first: usize) -> Result<ShardBlock> {
+    let bs = rows.len() / channels;
+    Ok(match tables {
+        ShardTables::Keys { prototype, rope } => {
+            let mut unrotated = rows.to_vec();
+            for (i, row) in unrotated.chunks_exact_mut(channels).enumerate() {
+                rope.undo(row, first + i)?;
+            }
+            ShardBlock::Keys {
+                keys: Box::new(prototype.encode_chunk(&unrotated, bs)?),
+                first,
             }
         }
-        Ok(KvDecodeStats::default())
+        ShardTables::Values {
+            prototype: Some(vq),
+            ..
+        } => ShardBlock::Vq(vq.encode_chunk(rows, bs)?),
+        ShardTables::Values {
+            prototype: None,
+            head_dim,
+        } => {
+            let nf4 = crate::shard::nf4_form(*head_dim)?;
+            ShardBlock::Nf4(Box::new(KvStore::quantize_with(
+                nf4,
+                rows,
+                bs,
+                channels,
+                super::clamped(),
+            )?))
+        }
+    })
+}
+
+/// Rows `offset..offset + out.len() / channels` of a sealed block read
+/// through `tables` (keys rotated back to their positions).
+fn decode_sealed(
+    tables: &ShardTables,
+    channels: usize,
+    sealed: &ShardBlock,
+    offset: usize,
+    out: &mut [f32],
+    scratch: &mut DecodeScratch,
+) -> Result<KvDecodeStats> {
+    match sealed {
+        ShardBlock::Keys { keys, first } => {
+            let ShardTables::Keys { rope, .. } = tables else {
+                unreachable!("a key part holds key blocks");
+            };
+            for (i, row) in out.chunks_exact_mut(channels).enumerate() {
+                keys.reconstruct_into(offset + i, row)?;
+                rope.apply(row, first + offset + i)?;
+            }
+        }
+        ShardBlock::Vq(values) => values.decode_rows_into(offset, out.len() / channels, out)?,
+        ShardBlock::Nf4(store) => {
+            scratch.limit_neighbours(None);
+            return Ok(store.decode_rows_into(offset, out.len() / channels, out, scratch)?);
+        }
     }
+    Ok(KvDecodeStats::default())
 }
 
 /// Refuses what this part cannot hold.
@@ -312,7 +318,7 @@ impl StoredPart for ShardPart {
     }
 
     fn written_form(&self) -> CacheForm {
-        self.exact
+        self.blocks.exact_form()
     }
 
     fn shared_bytes(&self) -> usize {
@@ -325,46 +331,17 @@ impl StoredPart for ShardPart {
     }
 
     fn open_block(&mut self, block: usize) -> Result<()> {
-        self.block(block)?;
-        if !matches!(self.blocks[block], Block::Staged(_)) {
-            let exact = self.fresh_exact()?;
-            self.blocks[block] = Block::Staged(exact);
-        }
-        Ok(())
+        self.blocks.open(block)
     }
 
     fn put_row(&mut self, block: usize, offset: usize, row: &RowBuffers) -> Result<()> {
-        self.block(block)?;
-        if offset >= self.block_size {
-            return Err(AttentionError::InvalidParameter {
-                name: "offset",
-                reason: format!("slot {offset} of a block of {}", self.block_size),
-            });
-        }
-        if matches!(self.blocks[block], Block::Sealed(_)) {
-            // A sequence cut back into a sealed block: stage it again from
-            // the rows it reads as.
-            let mut rows = vec![0.0; self.block_size * self.channels];
-            self.decode(block, 0, &mut rows, &mut DecodeScratch::new())?;
-            let decoded = KvStore::quantize_with(
-                self.exact,
-                &rows,
-                self.block_size,
-                self.channels,
-                super::clamped(),
-            )?;
-            let mut exact = self.fresh_exact()?;
-            exact.copy_rows_from(0, &decoded)?;
-            self.blocks[block] = Block::Staged(exact);
-        }
-        if matches!(self.blocks[block], Block::Empty) {
-            self.open_block(block)?;
-        }
-        let Block::Staged(exact) = &mut self.blocks[block] else {
-            unreachable!("staged above");
-        };
-        exact.put_encoded_rows(offset, row)?;
-        Ok(())
+        // A sequence cut back into a sealed block: staged again from the
+        // rows it reads as.
+        let (tables, ch) = (&self.tables, self.channels);
+        self.blocks.put_row(block, offset, row, |sealed, rows| {
+            decode_sealed(tables, ch, sealed, 0, rows, &mut DecodeScratch::new())?;
+            Ok(())
+        })
     }
 
     fn sealable(&self, before: usize, after: usize) -> Range<usize> {
@@ -376,40 +353,17 @@ impl StoredPart for ShardPart {
     }
 
     fn seal(&mut self, block: usize, first: usize) -> Result<bool> {
-        let Block::Staged(exact) = self.block(block)? else {
-            return Ok(false);
-        };
-        let mut rows = vec![0.0; self.block_size * self.channels];
-        exact.decode_rows_into(0, self.block_size, &mut rows, &mut DecodeScratch::new())?;
-        // A fault that made an exact value non-finite is clamped, as
-        // sealing a per-channel block clamps it: measured, not fatal.
-        for x in &mut rows {
-            if !x.is_finite() {
-                *x = if x.is_nan() {
-                    0.0
-                } else {
-                    x.signum() * f32::MAX
-                };
-            }
-        }
-        let sealed = self.code(&rows, first)?;
-        if let Block::Staged(exact) =
-            std::mem::replace(&mut self.blocks[block], Block::Sealed(sealed))
-        {
-            self.spare.push(*exact);
-        }
-        Ok(true)
+        let (tables, ch) = (&self.tables, self.channels);
+        self.blocks
+            .seal(block, |rows| code(tables, ch, rows, first))
     }
 
     fn is_staged(&self, block: usize) -> bool {
-        matches!(self.blocks.get(block), Some(Block::Staged(_)))
+        self.blocks.is_staged(block)
     }
 
     fn staged_blocks(&self) -> usize {
-        self.blocks
-            .iter()
-            .filter(|b| matches!(b, Block::Staged(_)))
-            .count()
+        self.blocks.staged_count()
     }
 
     fn read_rows(
@@ -419,12 +373,7 @@ impl StoredPart for ShardPart {
         out: &mut [f32],
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
-        if offset + out.len() / self.channels > self.block_size {
-            return Err(AttentionError::InvalidParameter {
-                name: "rows",
-                reason: format!("rows past a block of {}", self.block_size),
-            });
-        }
+        self.blocks.check_rows(offset, out.len() / self.channels)?;
         self.decode(block, offset, out, scratch)
     }
 
@@ -437,109 +386,50 @@ impl StoredPart for ShardPart {
     ) -> Result<Tile<'s>> {
         let PartScratch { rows, decode, .. } = scratch;
         let layout = (pages, self.block_size, self.channels);
-        let tile = super::decode_pages(rows, layout, start, count, |page, offset, out| {
+        super::decode_pages(rows, layout, start, count, |page, offset, out| {
             self.decode(page, offset, out, decode)
-        })?;
-        debug_assert!(matches!(tile.rows, TileRows::F32(_)));
-        Ok(tile)
+        })
     }
 
     fn row_bytes(&self) -> usize {
         self.sealed_bytes.div_ceil(self.block_size)
     }
 
-    fn gathers_blocks(&self) -> bool {
-        false
-    }
-
-    fn rotation(&self) -> Option<&'static Hadamard> {
-        None
-    }
-
     fn snapshot(&self, block: usize) -> Result<PartBlock> {
-        Ok(match self.block(block)? {
-            Block::Empty => PartBlock::default(),
-            Block::Staged(exact) => PartBlock::of_stores(vec![(**exact).clone()]),
-            Block::Sealed(sealed) => PartBlock::of_shard(sealed.clone()),
-        })
+        self.blocks
+            .snapshot(block, |sealed| PartBlock::of_shard(sealed.clone()))
     }
 
     fn accepts(&self, data: &PartBlock) -> bool {
-        let shape = |s: &KvStore| {
-            *s.form() == self.exact
-                && s.tokens() == self.block_size
-                && s.channels() == self.channels
-        };
-        let sealed = |b: &ShardBlock| match (b, &self.tables) {
-            (ShardBlock::Keys { keys, .. }, ShardTables::Keys { prototype, .. }) => {
-                keys.tokens() == self.block_size
-                    && keys.dim() == self.channels
-                    && keys.basis() == prototype.basis()
-                    && keys.allocation() == prototype.allocation()
+        match data.shard() {
+            Some(sealed) => {
+                data.stores().is_empty()
+                    && data.bytes().is_empty()
+                    && data.low_rank().is_none()
+                    && self.fits(sealed)
             }
-            (
-                ShardBlock::Vq(v),
-                ShardTables::Values {
-                    prototype: Some(p), ..
-                },
-            ) => {
-                v.tokens() == self.block_size
-                    && v.channels() == self.channels
-                    && v.centroids() == p.centroids()
-            }
-            (
-                ShardBlock::Nf4(s),
-                ShardTables::Values {
-                    prototype: None, ..
-                },
-            ) => s.tokens() == self.block_size && s.channels() == self.channels,
-            _ => false,
-        };
-        match (
-            data.stores(),
-            data.shard(),
-            data.low_rank(),
-            data.bytes().is_empty(),
-        ) {
-            ([], None, None, true) => true,
-            ([exact], None, None, true) => shape(exact),
-            ([], Some(b), None, true) => sealed(b),
-            _ => false,
+            None => self.blocks.accepts_unsealed(data),
         }
     }
 
     fn restore(&mut self, block: usize, data: &PartBlock) -> Result<()> {
-        self.block(block)?;
+        self.blocks.get(block)?;
         if !self.accepts(data) {
             return Err(AttentionError::InvalidParameter {
                 name: "block data",
                 reason: format!(
-                    "it does not hold a block of {} rows of {} channels in {} on this part's tables",
+                    "it does not hold a block of {} rows of {} channels in {} on this part's \
+                     tables",
                     self.block_size, self.channels, self.form
                 ),
             });
         }
-        let new = match (data.stores(), data.shard()) {
-            ([exact], _) => {
-                let mut s = self.fresh_exact()?;
-                s.copy_rows_from(0, exact)?;
-                Block::Staged(s)
-            }
-            (_, Some(sealed)) => Block::Sealed(sealed.clone()),
-            _ => Block::Empty,
-        };
-        if let Block::Staged(old) = std::mem::replace(&mut self.blocks[block], new) {
-            self.spare.push(*old);
-        }
-        Ok(())
+        self.blocks
+            .restore(block, data, |data| Ok(data.shard().cloned()))
     }
 
     fn scrub(&mut self, block: usize) -> Result<ScrubStats> {
-        self.block(block)?;
-        Ok(match &mut self.blocks[block] {
-            Block::Staged(exact) => exact.scrub()?,
-            Block::Sealed(_) | Block::Empty => ScrubStats::default(),
-        })
+        self.blocks.scrub(block)
     }
 
     fn inject(
@@ -549,35 +439,29 @@ impl StoredPart for ShardPart {
         seed: u64,
         target: FaultTarget,
     ) -> Result<Injection> {
-        self.block(block)?;
         let bs = self.block_size;
         let codes = target != FaultTarget::Metadata;
-        Ok(match &mut self.blocks[block] {
-            Block::Empty => Injection::default(),
-            Block::Staged(exact) => exact.inject_rows(0..bs, channel, seed, target)?,
+        self.blocks.inject(block, channel, seed, target, |sealed| {
             // The codes and indices (the bulk of a sealed block); the
             // per-block scales are not exposed yet.
-            Block::Sealed(ShardBlock::Keys { keys, .. }) if codes => Injection {
-                values: channel.inject(keys.codes_mut(), seed),
-                ..Injection::default()
-            },
-            Block::Sealed(ShardBlock::Vq(values)) if codes => Injection {
-                values: channel.inject(values.indices_mut(), seed),
-                ..Injection::default()
-            },
-            Block::Sealed(ShardBlock::Nf4(store)) => {
-                store.inject_rows(0..bs, channel, seed, target)?
-            }
-            Block::Sealed(_) => Injection::default(),
+            Ok(match sealed {
+                ShardBlock::Keys { keys, .. } if codes => Injection {
+                    values: channel.inject(keys.codes_mut(), seed),
+                    ..Injection::default()
+                },
+                ShardBlock::Vq(values) if codes => Injection {
+                    values: channel.inject(values.indices_mut(), seed),
+                    ..Injection::default()
+                },
+                ShardBlock::Nf4(store) => store.inject_rows(0..bs, channel, seed, target)?,
+                _ => Injection::default(),
+            })
         })
     }
 
     fn block_bytes(&self, block: usize) -> usize {
-        match self.blocks.get(block) {
-            Some(Block::Staged(exact)) => exact.stored_bytes(),
-            Some(Block::Sealed(sealed)) => sealed.stored_bytes(),
-            _ => self.sealed_bytes,
-        }
+        self.blocks
+            .block_bytes(block, ShardBlock::stored_bytes, self.sealed_bytes)
     }
 
     fn sealed_block_bytes(&self) -> usize {
