@@ -346,3 +346,54 @@ fn calibrated_low_rank_forms_are_paged_forms() {
         .to_string();
     assert!(e.contains("needs its calibrated bases"), "{e}");
 }
+
+/// A calibrated Shard form on the paged cache: blocks past the sink and
+/// out of the window are coded on the calibration's tables as their step
+/// commits, so a sequence fed four tokens a step reads its middle
+/// compressed: its logits stay finite and near the plain pass, differ from
+/// it, and the blocks hold fewer bytes than f16 blocks; with a window
+/// covering every token nothing is sealed and the logits are f16-paged's
+/// bit for bit; without its tables the form is refused by name.
+#[test]
+fn calibrated_shard_forms_are_paged_forms() {
+    use kv_eval::backend::{paged_backend, paged_stats};
+    use kv_model::model::Adapted;
+    let m = model();
+    let toks = tokens(40);
+    let run = |mode: &CacheMode| {
+        let mut paged = Adapted(paged_backend(&m, mode, None, 4, toks.len()).unwrap());
+        let mut logits = Vec::new();
+        for step in toks.chunks(4) {
+            logits = m.forward(step, &mut paged, 0).unwrap();
+        }
+        let s = paged_stats(&paged.0, &m, toks.len()).unwrap();
+        (logits, s)
+    };
+    let with = |spelling: &str| {
+        let cal = Arc::new(calibration(&m, spelling));
+        CacheMode::parse(spelling)
+            .unwrap()
+            .with_calibration(Some(cal))
+    };
+    let (plain, _) = run(&CacheMode::parse("plain").unwrap());
+    let (f16, f16_stats) = run(&CacheMode::parse("fp16").unwrap());
+    let (shard, stats) = run(&with("shard-k4-g4-cal+sink2+win8"));
+    assert!(shard.iter().all(|x| x.is_finite()));
+    let scale = plain.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let worst = shard
+        .iter()
+        .zip(&plain)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(worst > 0.0 && worst < 0.5 * scale, "{worst} of {scale}");
+    let blocks = |s: &kv_eval::cache::CacheStats| s.stored_bytes - s.codebook_bytes;
+    assert!(stats.codebook_bytes > 0, "the tables are counted");
+    assert!(blocks(&stats) < blocks(&f16_stats), "{stats:?}");
+    // A window over every token: nothing sealed, f16 rows throughout.
+    let (open, _) = run(&with("shard-k4-g4-cal+sink2+win64"));
+    assert_eq!(open, f16);
+    let bare = CacheMode::parse("shard-k4-g4-cal").unwrap();
+    let e = paged_backend(&m, &bare, None, 4, 40)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("calibrated key basis"), "{e}");
+}

@@ -80,6 +80,10 @@ impl kv_quant::TableBytes for HeadBases {
         }
         Ok(Self { heads })
     }
+
+    fn f16_words(&self) -> bool {
+        self.heads.iter().all(|b| b.storage() == BasisStorage::F16)
+    }
 }
 
 /// A run of tokens with one basis per head.

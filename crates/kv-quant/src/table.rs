@@ -33,6 +33,13 @@ pub trait TableBytes: Sized {
     /// A table of this shape holding `bytes` (as
     /// [`table_bytes`](Self::table_bytes) lays them out).
     fn with_table_bytes(&self, bytes: &[u8]) -> crate::Result<Self>;
+
+    /// Whether every 16-bit word of [`table_bytes`](Self::table_bytes) is
+    /// an f16 value (so a protected table can check decoded words against
+    /// the range written: [`ProtectedTable::with_f16_range`]).
+    fn f16_words(&self) -> bool {
+        false
+    }
 }
 
 /// A table's bytes as 16-bit words (little-endian pairs, the last padded
@@ -47,6 +54,11 @@ pub struct ProtectedTable {
     stored: Vec<u8>,
     /// The words as written: what a read is compared with.
     truth: Arc<[u16]>,
+    /// For a table of f16 values under a code: the largest magnitude
+    /// written, as f16 bits without the sign (for finite f16 values the
+    /// order of these bits is the order of magnitudes). A decoded word
+    /// above it (or not finite) is an error the code let through.
+    f16_bound: Option<u16>,
 }
 
 impl ProtectedTable {
@@ -71,7 +83,28 @@ impl ProtectedTable {
             len: bytes.len(),
             stored,
             truth: words.into(),
+            f16_bound: None,
         }
+    }
+
+    /// The same table, its words known to be f16 values: under a code, a
+    /// word that decodes to a magnitude above the largest written, or to a
+    /// non-finite value, is treated as detected (read as zero, left by a
+    /// scrub), as protected metadata outside the range its writers wrote
+    /// is. One exponent flip the code let through would otherwise read as
+    /// a value up to 65,504 in every row that uses it. Unprotected tables
+    /// are not checked.
+    #[must_use]
+    pub fn with_f16_range(mut self) -> Self {
+        if code_of(self.protection).is_some() {
+            self.f16_bound = self
+                .truth
+                .iter()
+                .map(|w| w & 0x7FFF)
+                .filter(|&m| m < 0x7C00)
+                .max();
+        }
+        self
     }
 
     /// Bytes a table of `bytes` bytes stores under `protection`: whole
@@ -144,7 +177,7 @@ impl ProtectedTable {
 
     /// Whether every stored bit is as written.
     pub fn is_pristine(&self) -> bool {
-        *self == Self::new(&self.written_bytes(), self.protection)
+        self.stored == Self::new(&self.written_bytes(), self.protection).stored
     }
 
     /// The table's bytes as written (the ledger's truth).
@@ -160,7 +193,7 @@ impl ProtectedTable {
         let mut stats = DecodeStats::default();
         let mut out = Vec::with_capacity(2 * self.words());
         for i in 0..self.words() {
-            let (word, outcome) = self.decode_word(i);
+            let (word, outcome) = self.checked_word(i);
             let word = match outcome {
                 gf2_codes::DecodeOutcome::Detected => 0,
                 _ => word,
@@ -181,7 +214,7 @@ impl ProtectedTable {
             return stats;
         };
         for i in 0..self.words() {
-            let (word, outcome) = self.decode_word(i);
+            let (word, outcome) = self.checked_word(i);
             stats.record_with_truth(outcome, word == self.truth[i]);
             if outcome == gf2_codes::DecodeOutcome::Corrected {
                 self.stored[2 * i..2 * i + 2].copy_from_slice(&word.to_le_bytes());
@@ -192,6 +225,20 @@ impl ProtectedTable {
             }
         }
         stats
+    }
+
+    /// Word `i` decoded, and flagged as detected where it is outside the
+    /// f16 range written ([`with_f16_range`](Self::with_f16_range)).
+    fn checked_word(&self, i: usize) -> (u16, gf2_codes::DecodeOutcome) {
+        let (word, outcome) = self.decode_word(i);
+        match self.f16_bound {
+            Some(bound)
+                if outcome != gf2_codes::DecodeOutcome::Detected && word & 0x7FFF > bound =>
+            {
+                (word, gf2_codes::DecodeOutcome::Detected)
+            }
+            _ => (word, outcome),
+        }
     }
 
     /// Word `i` as received, decoded.
@@ -305,6 +352,37 @@ mod tests {
             ProtectedTable::failing_words(&bytes, &checks[1..], MetaProtection::ReedMuller)
                 .is_err()
         );
+    }
+
+    #[test]
+    fn an_f16_word_the_code_let_through_above_the_range_is_detected() {
+        let values = [0.5f32, -1.25, 0.75, 2.0];
+        let bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect();
+        let code = MetaCode::rm_f16();
+        // A stored word replaced by another codeword (what five or more
+        // flips can leave): 0.5 becomes 512.0, in range of nothing written.
+        let big = half::f16::from_f32(512.0).to_bits();
+        let mut t = ProtectedTable::new(&bytes, MetaProtection::ReedMuller).with_f16_range();
+        t.stored[..2].copy_from_slice(&big.to_le_bytes());
+        let at = 2 * t.words();
+        t.stored[at..at + 2].copy_from_slice(&code.check(u32::from(big)).to_le_bytes()[..2]);
+        let (read, stats) = t.read();
+        assert_eq!((stats.detected, stats.silent), (1, 0));
+        assert_eq!(&read[..2], &[0, 0]);
+        assert_eq!(&read[2..], &bytes[2..]);
+        // 1.5 is within the range written: a wrong word the check passes.
+        let mut t = ProtectedTable::new(&bytes, MetaProtection::ReedMuller).with_f16_range();
+        let mid = half::f16::from_f32(1.5).to_bits();
+        t.stored[..2].copy_from_slice(&mid.to_le_bytes());
+        t.stored[at..at + 2].copy_from_slice(&code.check(u32::from(mid)).to_le_bytes()[..2]);
+        assert_eq!(t.read().1.silent, 1);
+        // Unprotected tables are not checked.
+        let mut t = ProtectedTable::new(&bytes, MetaProtection::Unprotected).with_f16_range();
+        t.stored[..2].copy_from_slice(&big.to_le_bytes());
+        assert_eq!(t.read().1.silent, 1);
     }
 
     #[test]

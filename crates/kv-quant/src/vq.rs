@@ -394,6 +394,10 @@ impl crate::table::TableBytes for VqCodebook {
             .collect();
         Ok(Self::from_bits(self.spec, self.block, self.blocks, bits))
     }
+
+    fn f16_words(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -39,8 +39,13 @@ impl<T: TableBytes> SharedTable<T> {
         let protection = form
             .protection()
             .map_or(MetaProtection::Unprotected, |p| p.metadata);
+        let stored = ProtectedTable::new(&fitted.table_bytes(), protection);
         Self {
-            stored: ProtectedTable::new(&fitted.table_bytes(), protection),
+            stored: if fitted.f16_words() {
+                stored.with_f16_range()
+            } else {
+                stored
+            },
             read: fitted.clone(),
             fitted,
         }
