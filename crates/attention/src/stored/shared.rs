@@ -6,8 +6,9 @@
 //! under the form's metadata code (RM(2,5) under SECDED and Golay values,
 //! SECDED under Hamming, none for unprotected forms): counted in the
 //! part's [`shared_bytes`](super::StoredPart::shared_bytes), exposed to
-//! faults under targets that reach metadata, read through its code, and
-//! scrubbed. What the kernels read is the table as last decoded (a
+//! faults under targets that reach metadata, read through its code (a
+//! table of f16 values also checked against the range written, as
+//! protected metadata is), and scrubbed. What the kernels read is the table as last decoded (a
 //! detected word erased to zero), rebuilt whenever faults reach the stored
 //! bytes or a scrub rewrites them; the fitted table shared by other caches
 //! is never touched.
