@@ -423,6 +423,8 @@ pub struct PartScratch {
     pub rows: Vec<f32>,
     /// Reconstructing low-rank rows.
     pub low_rank: kv_lowrank::StoreScratch,
+    /// Coefficients of rebuilt rows (Shard keys).
+    pub coeffs: Vec<f32>,
 }
 
 /// The quantization options of re-coding exact rows (sealing, staging a

@@ -157,7 +157,7 @@ impl ShardPart {
         block: usize,
         offset: usize,
         out: &mut [f32],
-        scratch: &mut DecodeScratch,
+        (scratch, coeffs): (&mut DecodeScratch, &mut Vec<f32>),
     ) -> Result<KvDecodeStats> {
         if let Some(stats) = self.blocks.read_unsealed(block, offset, out, scratch)? {
             return Ok(stats);
@@ -165,7 +165,14 @@ impl ShardPart {
         let BlockState::Sealed(sealed) = self.blocks.get(block)? else {
             unreachable!("read_unsealed reads the others");
         };
-        decode_sealed(&self.tables, self.channels, sealed, offset, out, scratch)
+        decode_sealed(
+            &self.tables,
+            self.channels,
+            sealed,
+            offset,
+            out,
+            (scratch, coeffs),
+        )
     }
 
     /// Whether a sealed block was coded on this part's tables.
@@ -241,15 +248,20 @@ fn decode_sealed(
     sealed: &ShardBlock,
     offset: usize,
     out: &mut [f32],
-    scratch: &mut DecodeScratch,
+    (scratch, coeffs): (&mut DecodeScratch, &mut Vec<f32>),
 ) -> Result<KvDecodeStats> {
     match sealed {
         ShardBlock::Keys { keys, first } => {
             let ShardTables::Keys { rope, .. } = tables else {
                 unreachable!("a key part holds key blocks");
             };
+            // The rows' coefficients at once, then `μ + c·B` row by row.
+            let (n, kept) = (out.len() / channels, keys.kept());
+            coeffs.resize(n * kept, 0.0);
+            keys.coefficients_into(offset, n, &mut coeffs[..n * kept])?;
             for (i, row) in out.chunks_exact_mut(channels).enumerate() {
-                keys.reconstruct_into(offset + i, row)?;
+                keys.basis()
+                    .reconstruct(&coeffs[i * kept..(i + 1) * kept], row);
                 rope.apply(row, first + offset + i)?;
             }
         }
@@ -339,7 +351,8 @@ impl StoredPart for ShardPart {
         // rows it reads as.
         let (tables, ch) = (&self.tables, self.channels);
         self.blocks.put_row(block, offset, row, |sealed, rows| {
-            decode_sealed(tables, ch, sealed, 0, rows, &mut DecodeScratch::new())?;
+            let scratch = (&mut DecodeScratch::new(), &mut Vec::new());
+            decode_sealed(tables, ch, sealed, 0, rows, scratch)?;
             Ok(())
         })
     }
@@ -374,7 +387,7 @@ impl StoredPart for ShardPart {
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
         self.blocks.check_rows(offset, out.len() / self.channels)?;
-        self.decode(block, offset, out, scratch)
+        self.decode(block, offset, out, (scratch, &mut Vec::new()))
     }
 
     fn read_tile<'s>(
@@ -384,10 +397,15 @@ impl StoredPart for ShardPart {
         count: usize,
         scratch: &'s mut PartScratch,
     ) -> Result<Tile<'s>> {
-        let PartScratch { rows, decode, .. } = scratch;
+        let PartScratch {
+            rows,
+            decode,
+            coeffs,
+            ..
+        } = scratch;
         let layout = (pages, self.block_size, self.channels);
         super::decode_pages(rows, layout, start, count, |page, offset, out| {
-            self.decode(page, offset, out, decode)
+            self.decode(page, offset, out, (decode, coeffs))
         })
     }
 
