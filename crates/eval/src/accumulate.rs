@@ -59,9 +59,9 @@ pub struct AccumulateRow {
     pub injected_flips: u64,
     /// Of them, bits flipped into fitted tables (a `vq` codebook, calibrated bases).
     pub table_flips: u64,
-    /// Words of the fitted tables at the end: corrected (by reads now or
-    /// by the scrubber), detected (read as zero), wrong (miscorrected or
-    /// silent).
+    /// Words of the fitted tables as they read at the end: corrected
+    /// (their code corrects them on every read; a scrub rewrites them),
+    /// detected (read as zero), wrong (miscorrected or silent).
     pub table_words: [u64; 3],
     /// Value codewords the scrubber rewrote.
     pub scrub_corrected: u64,
@@ -232,11 +232,7 @@ fn faulty_run(
         table_flips: cache.0.table_flips(),
         table_words: {
             let t = cache.0.table_stats();
-            [
-                t.corrected + scrubbed.tables.corrected,
-                t.detected,
-                t.miscorrected + t.silent,
-            ]
+            [t.corrected, t.detected, t.miscorrected + t.silent]
         },
         scrub_corrected: scrubbed.values.corrected,
         scrub_detected: scrubbed.values.detected,

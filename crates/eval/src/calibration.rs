@@ -696,7 +696,14 @@ impl Calibration {
             };
             let dim = mean.len();
             let name = format!("pca/{shape}/{layer}/{}/{head}", part.tag());
-            let b = Basis::from_parts(dim, &rows, &mean, BasisStorage::F16)
+            // Shard's key basis is stored in int8 with a scale per row
+            // (the rows as written are those codes times their scales),
+            // the pca bases in f16.
+            let storage = match shape.parse::<CacheForm>().map(|f| *f.quantizer()) {
+                Ok(Quantizer::Shard(_)) => BasisStorage::Int8,
+                _ => BasisStorage::F16,
+            };
+            let b = Basis::from_parts(dim, &rows, &mean, storage)
                 .map_err(|e| bad(format!("{name}: {e}")))?;
             verify(
                 &name,

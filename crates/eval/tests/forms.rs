@@ -396,4 +396,29 @@ fn calibrated_shard_forms_are_paged_forms() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("calibrated key basis"), "{e}");
+    // A calibration file keeps the int8 key basis bit for bit (the
+    // re-encode protocol reads it); the paged tables are refit from a text.
+    let spelling = "shard-k4-g4-cal";
+    let cal = calibration(&m, spelling);
+    let dir = std::env::temp_dir().join(format!("kv-eval-shard-cal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cal.safetensors");
+    cal.save(&path).unwrap();
+    let back = Arc::new(Calibration::load(&path).unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+    let form: CacheForm = spelling.parse().unwrap();
+    for l in 0..LAYERS {
+        assert_eq!(
+            back.bases(&form, l, Part::Key),
+            cal.bases(&form, l, Part::Key)
+        );
+    }
+    let loaded = CacheMode::parse(spelling)
+        .unwrap()
+        .with_calibration(Some(back));
+    assert!(forward(&m, loaded.clone()).is_ok());
+    let e = paged_backend(&m, &loaded, None, 4, 40)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--calib-text"), "{e}");
 }

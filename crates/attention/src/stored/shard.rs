@@ -22,9 +22,17 @@
 //! the prefill), every block beyond the sink and window is compressed
 //! (prefill and generated tokens alike: no Lloyd-Max decode stream), the
 //! per-component scales are per block, and tiles are rebuilt rows rather
-//! than scores taken in coefficient space. Not yet: coded spellings
+//! than scores taken in coefficient space. The window is exact for the
+//! sequence that seals: a block shared through the prefix cache is sealed
+//! when the longest sequence holding it moves past it, so a shorter one
+//! may read that block coded within its own window (as it may after a
+//! committed truncation back into sealed blocks). Not yet: coded spellings
 //! (`shard+secded84`), the per-sequence forms (`shard-k3`: bases fitted on
-//! each prefill), and faults in the scales and the tables.
+//! each prefill), and faults in the scales and the tables (they are
+//! counted in bytes, but not stored as protected tables yet). A
+//! calibration file carries the key basis only; the paged tables (the bit
+//! allocation and the value codebook) are fitted from a text
+//! (`--calib-text`).
 
 use std::ops::Range;
 use std::sync::Arc;

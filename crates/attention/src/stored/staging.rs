@@ -180,14 +180,16 @@ impl<S> StagedBlocks<S> {
         };
         let mut rows = vec![0.0; self.block_size * self.channels];
         exact.decode_rows_into(0, self.block_size, &mut rows, &mut DecodeScratch::new())?;
-        // A fault that made an exact value non-finite is clamped, as
-        // sealing a per-channel block clamps it: measured, not fatal.
+        // A fault that made an exact (f16) value non-finite is clamped to
+        // the largest f16, so sealing measures the fault's outcome instead
+        // of failing (a pair of such values stays finite through a
+        // rotation, which f32::MAX would not).
         for x in &mut rows {
             if !x.is_finite() {
                 *x = if x.is_nan() {
                     0.0
                 } else {
-                    x.signum() * f32::MAX
+                    x.signum() * f32::from(half::f16::MAX)
                 };
             }
         }

@@ -200,6 +200,9 @@ impl StoredPart {
                 };
                 let mut table = SharedTable::new(cb, &code.form);
                 let (hit, changed) = table.inject(channel, seed, spec.target)?;
+                if hit.total() == 0 {
+                    return Ok(Default::default());
+                }
                 if changed {
                     s.replace_codebook(table.read().clone())?;
                 }
@@ -211,6 +214,9 @@ impl StoredPart {
                 };
                 let mut table = SharedTable::new(bases.clone(), &code.form);
                 let (hit, changed) = table.inject(channel, seed, spec.target)?;
+                if hit.total() == 0 {
+                    return Ok(Default::default());
+                }
                 if changed {
                     s.replace_bases(table.read())?;
                 }
@@ -396,8 +402,9 @@ pub struct CacheStats {
     /// `stored_bytes` of the key stores and of the value stores.
     pub part_bytes: [u64; 2],
     /// Words of the fitted tables (codebooks, calibrated bases) as read
-    /// through their code after each call's faults: corrected, detected,
-    /// miscorrected, silent (zero without faults in metadata).
+    /// through their code after each call whose faults hit them:
+    /// corrected, detected, miscorrected, silent (zero without faults in
+    /// metadata).
     pub tables: gf2_codes::DecodeStats,
     /// Runtime error certificates of the low-rank layers, per layer.
     pub certificates: Vec<CertificateSums>,
@@ -533,10 +540,10 @@ impl Faults {
 /// Salt of the seed a row-resolved [`HotMap`] is drawn from.
 const MAP_SALT: u64 = 0x4d41_5053;
 
-/// splitmix64's finaliser, to derive independent seeds.
 /// Salt of the streams that fault fitted tables (apart from the rows').
 const TABLE_SALT: u64 = 0x7461_626c_6573;
 
+/// splitmix64's finaliser, to derive independent seeds.
 pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
