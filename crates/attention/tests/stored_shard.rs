@@ -147,17 +147,26 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
                 }
             }
         }
+        // Keys are rebuilt as one GEMM per page (faer), the reference row
+        // by row: equal within f32 rounding of the sums (values and exact
+        // rows bit for bit).
         for (start, count) in [
             (0, tokens),
             (3, 9),
             (BS, BS),
             (2 * BS + 1, tokens - 2 * BS - 1),
         ] {
-            assert_eq!(
-                read(part.as_ref(), &pages, start, count),
-                &want[start * CH..][..count * CH],
-                "{start}+{count}"
-            );
+            let got = read(part.as_ref(), &pages, start, count);
+            let want = &want[start * CH..][..count * CH];
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "{start}+{count} [{i}]: {g} vs {w}"
+                );
+            }
+            if matches!(tables, ShardTables::Values { .. }) {
+                assert_eq!(got, want, "{start}+{count}");
+            }
         }
         // A sealed block is coded: it reads other than its exact rows,
         // and holds fewer bytes.
