@@ -128,7 +128,7 @@ impl ShardPart {
         num_blocks: usize,
         tables: ShardTables,
     ) -> Result<Self> {
-        check_form(form, block_size)?;
+        check_shard_form(form, block_size)?;
         let mut part = Self {
             blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             form,
@@ -298,8 +298,9 @@ fn decode_sealed(
     Ok(KvDecodeStats::default())
 }
 
-/// Refuses what this part cannot hold.
-fn check_form(form: CacheForm, block_size: usize) -> Result<()> {
+/// Whether blocks of `block_size` tokens can hold the Shard `form`
+/// (what this part refuses, before anything is built).
+pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<()> {
     let refuse = |reason: &str| {
         Err(AttentionError::Store(KvQuantError::InvalidSpec {
             spec: form.to_string(),
@@ -329,11 +330,6 @@ fn check_form(form: CacheForm, block_size: usize) -> Result<()> {
         return refuse("needs blocks of at least 4 tokens");
     }
     Ok(())
-}
-
-/// Whether blocks of `block_size` tokens can hold the Shard `form`.
-pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<()> {
-    check_form(form, block_size)
 }
 
 impl StoredPart for ShardPart {

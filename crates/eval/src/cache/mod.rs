@@ -191,6 +191,10 @@ impl StoredPart {
         faults: &PartFaults<'_>,
     ) -> Result<(u64, gf2_codes::DecodeStats)> {
         let spec = &faults.faults.spec;
+        if spec.target == FaultTarget::Values {
+            // Tables are not value bits: no copy to encode and fault.
+            return Ok(Default::default());
+        }
         let channel = faults.faults.layer_channel(faults.layer);
         let seed = mix(faults.seed ^ TABLE_SALT);
         match self {
