@@ -117,6 +117,51 @@ impl Rope {
         self.rotate(x, position, -1.0)
     }
 
+    /// Rotates consecutive rows of `x` (`x.len() / row` rows of `row`
+    /// channels, each a whole number of heads) to positions `first`,
+    /// `first + 1`, …: [`apply`](Self::apply) row by row, with one `sin_cos`
+    /// per pair for the whole run. The angles of later rows come from the
+    /// first row's by f64 angle addition, re-anchored every
+    /// [`ANCHOR`](Self::ANCHOR) rows, so they stay within a few f64 ulps of
+    /// `apply`'s: the rotated f32 values are `apply`'s bits but for rare
+    /// rounding ties, one f32 ulp apart (a test checks both).
+    pub fn apply_rows(&self, x: &mut [f32], row: usize, first: usize) -> Result<()> {
+        if row == 0 || !row.is_multiple_of(self.head_dim) || !x.len().is_multiple_of(row) {
+            return Err(AttentionError::InvalidParameter {
+                name: "RoPE rows",
+                reason: format!(
+                    "{} values in rows of {row} are not whole rows of whole heads of {}",
+                    x.len(),
+                    self.head_dim
+                ),
+            });
+        }
+        let pairs = self.inv_freq.len();
+        // (sin, cos) of the current row's angle, and of one step.
+        let mut trig = vec![(0.0f64, 1.0f64); 2 * pairs];
+        let (now, step) = trig.split_at_mut(pairs);
+        for (i, &f) in self.inv_freq.iter().enumerate() {
+            step[i] = f.sin_cos();
+        }
+        for (r, rows) in x.chunks_exact_mut(row).enumerate() {
+            if r % Self::ANCHOR == 0 {
+                for (t, &f) in now.iter_mut().zip(&self.inv_freq) {
+                    *t = ((first + r) as f64 * f).sin_cos();
+                }
+            } else {
+                for (t, &(s1, c1)) in now.iter_mut().zip(step.iter()) {
+                    let (s0, c0) = *t;
+                    *t = (s0 * c1 + c0 * s1, c0 * c1 - s0 * s1);
+                }
+            }
+            self.rotate_heads(rows, now);
+        }
+        Ok(())
+    }
+
+    /// Rows of [`apply_rows`](Self::apply_rows) between two exact `sin_cos`.
+    pub const ANCHOR: usize = 16;
+
     fn rotate(&self, x: &mut [f32], position: usize, sign: f64) -> Result<()> {
         if !x.len().is_multiple_of(self.head_dim) {
             return Err(AttentionError::ShapeMismatch {
@@ -130,6 +175,13 @@ impl Rope {
             .iter()
             .map(|&f| (sign * position as f64 * f).sin_cos())
             .collect();
+        self.rotate_heads(x, &trig);
+        Ok(())
+    }
+
+    /// Rotates pair `i` of every head of `x` by the angle whose `(sin,
+    /// cos)` is `trig[i]`, each pair in f64 and rounded to f32 once.
+    fn rotate_heads(&self, x: &mut [f32], trig: &[(f64, f64)]) {
         for head in x.chunks_exact_mut(self.head_dim) {
             for (i, &(sin, cos)) in trig.iter().enumerate() {
                 let (a, b) = self.pair(i);
@@ -138,13 +190,54 @@ impl Rope {
                 head[b] = (x0 * sin + x1 * cos) as f32;
             }
         }
-        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_of_rows_is_apply_row_by_row_within_one_ulp() {
+        use rand_chacha::ChaCha8Rng;
+        use rand_core::{Rng, SeedableRng};
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut uniform = move || ((rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 16.0;
+        for (layout, base) in [
+            (RopeLayout::RotateHalf, 100_000.0),
+            (RopeLayout::Adjacent, 1e4),
+        ] {
+            let rope = Rope::new(layout, 64, 64, base).unwrap();
+            let (row, rows) = (192, 70);
+            let (mut same, mut all) = (0usize, 0usize);
+            for first in [0usize, 1, 63, 4_095, 131_000] {
+                let x: Vec<f32> = (0..row * rows).map(|_| uniform()).collect();
+                let mut run = x.clone();
+                rope.apply_rows(&mut run, row, first).unwrap();
+                for (r, (want, got)) in x.chunks(row).zip(run.chunks(row)).enumerate() {
+                    let mut want = want.to_vec();
+                    rope.apply(&mut want, first + r).unwrap();
+                    for (w, g) in want.iter().zip(got) {
+                        let ulps = (w.to_bits() as i64 - g.to_bits() as i64).abs();
+                        assert!(
+                            ulps <= 1 || (w - g).abs() <= 1e-30,
+                            "{w} {g} at {first}+{r}"
+                        );
+                        same += usize::from(w.to_bits() == g.to_bits());
+                        all += 1;
+                    }
+                }
+            }
+            assert!(same * 1000 >= all * 999, "{same} of {all} bit-identical");
+        }
+        let rope = Rope::new(RopeLayout::Adjacent, 64, 64, 1e4).unwrap();
+        for (len, row) in [(192, 0), (192, 96), (190, 64)] {
+            assert!(matches!(
+                rope.apply_rows(&mut vec![0.0; len], row, 0),
+                Err(AttentionError::InvalidParameter { .. })
+            ));
+        }
+    }
 
     #[test]
     fn pairs_follow_the_layout() {

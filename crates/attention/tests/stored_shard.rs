@@ -17,7 +17,10 @@ use attention::stored::{
 use attention::{Rope, RopeLayout, TileRows};
 use gf2_codes::channel::ExactFlips;
 use kv_lowrank::{Basis, BasisStorage, ShardKeys};
-use kv_quant::{CacheForm, ChannelVq, FaultTarget, FitOptions, KvStore, QuantizeOptions, RankRule};
+use kv_quant::{
+    CacheForm, ChannelVq, DecodeScratch, FaultTarget, FitOptions, KvStore, QuantizeOptions,
+    RankRule,
+};
 
 const HEAD_DIM: usize = 16;
 const CH: usize = 2 * HEAD_DIM;
@@ -123,6 +126,18 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
         assert_eq!(part.staged_blocks(), 4);
         let staged = f16_rows(&x, tokens);
         let mut want = staged.clone();
+        // Value tiles come in the codebook's Hadamard rotation (the
+        // attention sum is rotated back once per output): exact rows
+        // rotated, sealed rows as the codebook reads them rotated.
+        let rotation = part.rotation();
+        assert_eq!(
+            rotation.is_some(),
+            matches!(tables, ShardTables::Values { .. })
+        );
+        let mut want_tile = staged.clone();
+        if let Some(h) = rotation {
+            h.rotate(&mut want_tile);
+        }
         for b in 1..4 {
             let block = &staged[b * BS * CH..][..BS * CH];
             let got = &mut want[b * BS * CH..][..BS * CH];
@@ -139,13 +154,16 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
                     }
                 }
                 ShardTables::Values { prototype, .. } => {
-                    let vq = prototype.as_ref().unwrap();
-                    vq.encode_chunk(block, BS)
-                        .unwrap()
-                        .decode_rows_into(0, BS, got)
+                    let coded = prototype.as_ref().unwrap().encode_chunk(block, BS).unwrap();
+                    coded.decode_rows_into(0, BS, got).unwrap();
+                    coded
+                        .rotated_rows_into(0, BS, &mut want_tile[b * BS * CH..][..BS * CH])
                         .unwrap();
                 }
             }
+        }
+        if rotation.is_none() {
+            want_tile.clone_from(&want);
         }
         // Keys are rebuilt as one GEMM per page (faer), the reference row
         // by row: equal within f32 rounding of the sums (values and exact
@@ -157,7 +175,7 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
             (2 * BS + 1, tokens - 2 * BS - 1),
         ] {
             let got = read(part.as_ref(), &pages, start, count);
-            let want = &want[start * CH..][..count * CH];
+            let want = &want_tile[start * CH..][..count * CH];
             for (i, (g, w)) in got.iter().zip(want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
@@ -166,6 +184,23 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
             }
             if matches!(tables, ShardTables::Values { .. }) {
                 assert_eq!(got, want, "{start}+{count}");
+            }
+        }
+        // Rows read one block at a time come unrotated.
+        for (b, &page) in pages.iter().enumerate() {
+            let n = if b == 6 { 2 } else { BS };
+            let mut got = vec![0.0; n * CH];
+            part.read_rows(page as usize, 0, &mut got, &mut DecodeScratch::new())
+                .unwrap();
+            let want = &want[b * BS * CH..][..n * CH];
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "block {b}: {g} vs {w}"
+                );
+            }
+            if rotation.is_some() {
+                assert_eq!(got, want, "block {b}");
             }
         }
         // A sealed block is coded: it reads other than its exact rows,

@@ -9,25 +9,32 @@
 //! decoded from its blocks, equals what the model says it wrote, so a
 //! shared block written in place would show up in a sibling.
 //!
-//! Layer 0 also runs staged forms (per-channel keys, sinks, windows:
-//! kv-quant's `BlockPlan`) with a `Seal` op: the model then holds each
+//! Layer 0 also runs staged forms (per-channel keys, sinks, windows, and
+//! the calibrated low-rank and Shard forms, whose tables are fitted once
+//! and shared by every block) with a `Seal` op: the model then holds each
 //! position's exact (f16) row until a seal, which turns a block's rows into
-//! the values of the block quantized at once, in every sequence sharing
-//! it; a row written into a sealed block stages it again from its stored
-//! values (and, like `Write`, makes the sequence dirty).
+//! the values of the block coded at once, in every sequence sharing it; a
+//! row written into a sealed block stages it again from its stored values
+//! (and, like `Write`, makes the sequence dirty). What a row written now
+//! reads back as, and what a block seals to, come from an oracle: a fresh
+//! one-block part of the same form and tables (sealing is a function of
+//! the block's rows, its first position and the tables).
 //!
 //! K/V rows are a fixed function of the token prefix, as in a real model,
 //! except after a `Write` op, which perturbs a row and marks the sequence
 //! (and its forks) dirty: dirty sequences are never put in the prefix cache,
 //! so every prefix hit must return exactly the canonical rows.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
-use attention::stored::Fitted;
+use attention::stored::{Fitted, ShardTables, StoredPart, open_part, part_seals};
+use attention::{Rope, RopeLayout};
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
+use kv_lowrank::{Basis, BasisStorage, HeadBases, ShardKeys};
 use kv_quant::{
-    BlockPlan, CacheForm, DecodeScratch, FaultTarget, FitOptions, KvStore, QuantizeOptions,
-    VqCodebook,
+    CacheForm, ChannelVq, DecodeScratch, FaultTarget, FitOptions, QuantizeOptions, Quantizer,
+    RankRule, RowBuffers, VqCodebook,
 };
 use paged_cache::{
     BlockId, BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, KvPart, LayerSpec,
@@ -39,7 +46,9 @@ const BS: usize = 4;
 const CH: usize = 8;
 const BLOCKS: usize = 24;
 const HOST: usize = 12;
-const LAYER0_FORMS: [&str; 9] = [
+/// Channels per head of the low-rank and Shard forms' tables.
+const HEAD_DIM: usize = 4;
+const LAYER0_FORMS: [&str; 11] = [
     "fp16",
     "vq-k16+rot8",
     "int8",
@@ -49,6 +58,8 @@ const LAYER0_FORMS: [&str; 9] = [
     "int4-ch+sink2",
     "int8-ch+win3",
     "int4-ch+secded84",
+    "pca-r2",
+    "shard-k3-cal+sink2+win3",
 ];
 const PROTECTED: &str = "int4-g4+secded84";
 
@@ -126,36 +137,73 @@ fn canonical(prefix: &[u32], layer: usize, part: usize, version: u32) -> Vec<f32
         .collect()
 }
 
-/// `rows` (`n × CH`) quantized in `form` at once (against `codebook` for
-/// a `vq` form), decoded.
-fn decoded(
-    form: CacheForm,
-    rows: &[f32],
-    n: usize,
-    codebook: &Option<Arc<VqCodebook>>,
-) -> Vec<f32> {
-    let store = match codebook
-        .clone()
-        .filter(|_| form.quantizer().needs_codebook())
-    {
-        Some(cb) => {
-            KvStore::quantize_with_codebook(form, rows, n, CH, QuantizeOptions::default(), cb)
-        }
-        None => KvStore::quantize(form, rows, n, CH),
+/// The tables `form`'s keys and values read, fitted on rows like the
+/// harness's and shared by every block (the calibrated tables of the paged
+/// cache): a `vq` codebook, `pca-*` bases, Shard's key basis and value
+/// codebook; none for the other forms.
+fn fitted(form: CacheForm) -> [Fitted; 2] {
+    let n = 256;
+    let rows = |part: usize| -> Vec<f32> {
+        (0..n as u32)
+            .flat_map(|t| canonical(&[t % 7, t / 7], 0, part, 0))
+            .collect()
     };
-    store.unwrap().decode().unwrap().values
-}
-
-/// The codebook of a `vq` form, fitted on rows like the harness's, shared
-/// by every block (the calibrated tables of the paged cache).
-fn codebook(form: CacheForm) -> Option<Arc<VqCodebook>> {
-    form.quantizer().needs_codebook().then(|| {
-        let n = 256;
-        let rows: Vec<f32> = (0..n as u32)
-            .flat_map(|t| canonical(&[t % 7, t / 7], 0, (t % 2) as usize, 0))
-            .collect();
-        Arc::new(VqCodebook::fit(&form, &rows, n, CH, FitOptions::default()).unwrap())
-    })
+    match form.quantizer() {
+        Quantizer::LowRank(_) => [0, 1].map(|part| {
+            let rows = rows(part);
+            let heads = (0..CH / HEAD_DIM)
+                .map(|h| {
+                    let head: Vec<f32> = rows
+                        .chunks_exact(CH)
+                        .flat_map(|r| r[h * HEAD_DIM..][..HEAD_DIM].to_vec())
+                        .collect();
+                    let rule = RankRule::Fixed(2);
+                    let (b, _) = Basis::fit(&head, n, HEAD_DIM, rule, BasisStorage::F16).unwrap();
+                    Arc::new(b)
+                })
+                .collect();
+            Fitted {
+                bases: Some(Arc::new(HeadBases { heads })),
+                ..Fitted::default()
+            }
+        }),
+        Quantizer::Shard(_) => {
+            let rope = Rope::new(RopeLayout::Adjacent, HEAD_DIM, HEAD_DIM, 10_000.0).unwrap();
+            let mut keys = rows(0);
+            for (t, row) in keys.chunks_exact_mut(CH).enumerate() {
+                rope.undo(row, t % 16).unwrap();
+            }
+            let rule = RankRule::Fixed(4);
+            let (basis, _) = Basis::fit(&keys, n, CH, rule, BasisStorage::Int8).unwrap();
+            let keys = ShardKeys::with_basis(&keys, n, &basis, 3.0, 4).unwrap();
+            let values = ChannelVq::fit(&rows(1), n, CH, HEAD_DIM, FitOptions::default()).unwrap();
+            let tables = [
+                ShardTables::Keys {
+                    prototype: Arc::new(keys),
+                    rope,
+                },
+                ShardTables::Values {
+                    prototype: Some(Arc::new(values)),
+                    head_dim: HEAD_DIM,
+                },
+            ];
+            tables.map(|t| Fitted {
+                shard: Some(t),
+                ..Fitted::default()
+            })
+        }
+        q if q.needs_codebook() => {
+            let rows: Vec<f32> = (0..n as u32)
+                .flat_map(|t| canonical(&[t % 7, t / 7], 0, (t % 2) as usize, 0))
+                .collect();
+            let cb = Arc::new(VqCodebook::fit(&form, &rows, n, CH, FitOptions::default()).unwrap());
+            [0, 1].map(|_| Fitted {
+                codebook: Some(cb.clone()),
+                ..Fitted::default()
+            })
+        }
+        _ => Default::default(),
+    }
 }
 
 /// Expected decoded rows of one position: `[layer][K, V]`.
@@ -164,10 +212,11 @@ type Rows = [[Vec<f32>; 2]; 2];
 struct Harness<P: PrefixCache> {
     cache: KvCacheManager<P>,
     storage: Arc<BlockStorage>,
-    /// How each layer's K and V are kept in blocks.
-    plans: [[BlockPlan; 2]; 2],
-    /// Layer 0's codebook (both parts), for a `vq` form.
-    codebook: Option<Arc<VqCodebook>>,
+    /// Whether each layer's K and V stage rows and seal blocks.
+    seals: [[bool; 2]; 2],
+    /// One-block parts of each layer's K and V forms and tables (`[layer *
+    /// 2 + part]`): what a written row reads back as, what a block seals to.
+    oracles: RefCell<Vec<Box<dyn StoredPart>>>,
     /// Per live sequence: expected decoded rows `[position][layer][part]`, dirty flag.
     model: std::collections::BTreeMap<SeqId, (Vec<Rows>, bool)>,
     /// The values sealed blocks of layer 0 held, by the tokens from the
@@ -182,13 +231,11 @@ impl<P: PrefixCache> Harness<P> {
     fn new(prefix: P, layer0: &str) -> Self {
         let forms: [CacheForm; 2] = [layer0.parse().unwrap(), PROTECTED.parse().unwrap()];
         let layers = forms.map(|form| LayerSpec::uniform(form, CH));
-        let plans = forms.map(|form| [BlockPlan::new(form, BS).unwrap(); 2]);
-        let codebook = codebook(forms[0]);
-        let tables = || Fitted {
-            codebook: codebook.clone(),
-            ..Fitted::default()
-        };
-        let fitted = [[tables(), tables()]];
+        let seals = forms.map(|form| [part_seals(form, BS); 2]);
+        let fitted = forms.map(fitted);
+        let oracles = (0..4)
+            .map(|i| open_part(forms[i / 2], BS, CH, 1, &fitted[i / 2][i % 2]).unwrap())
+            .collect();
         let storage = Arc::new(BlockStorage::with_fitted(BLOCKS, BS, &layers, &fitted).unwrap());
         let config = CacheConfig {
             num_blocks: BLOCKS,
@@ -198,34 +245,58 @@ impl<P: PrefixCache> Harness<P> {
         Self {
             cache: KvCacheManager::with_storage(config, prefix, storage.clone()).unwrap(),
             storage,
-            plans,
-            codebook,
+            seals,
+            oracles: RefCell::new(oracles),
             model: Default::default(),
             sealed_rows: Default::default(),
             pending_flip: false,
         }
     }
 
-    /// The codebook `layer`'s parts read (layer 0's `vq` form only).
-    fn codebook_of(&self, layer: usize) -> Option<Arc<VqCodebook>> {
-        if layer == 0 {
-            self.codebook.clone()
-        } else {
-            None
+    /// `rows` written into the oracle block of `layer`'s `part` (sealed as
+    /// the block whose first row is position `first`, if given), read back.
+    fn oracle(&self, layer: usize, part: usize, rows: &[f32], seal: Option<usize>) -> Vec<f32> {
+        let mut oracles = self.oracles.borrow_mut();
+        let p = &mut oracles[layer * 2 + part];
+        p.open_block(0).unwrap();
+        let mut encoder = p.row_encoder().unwrap();
+        let mut buf = RowBuffers::new(encoder.buffer_sizes(1));
+        for (i, row) in rows.chunks_exact(CH).enumerate() {
+            encoder
+                .encode_into(row, buf.as_mut(), QuantizeOptions::default())
+                .unwrap();
+            p.put_row(0, i, &buf).unwrap();
         }
+        if let Some(first) = seal {
+            assert!(p.seal(0, first).unwrap(), "the oracle block seals");
+        }
+        // Row by row, as `verify` reads (a Shard key row rebuilt in a tile
+        // of several rounds its sums another way).
+        let mut out = vec![0.0; rows.len()];
+        for (i, row) in out.chunks_exact_mut(CH).enumerate() {
+            p.read_rows(0, i, row, &mut DecodeScratch::new()).unwrap();
+        }
+        out
     }
 
     /// The values a row written now reads back as: exact (f16) in a staged
     /// part, quantized alone in a row-local one.
     fn expected(&self, row: &[f32], layer: usize, part: usize) -> Vec<f32> {
-        let plan = &self.plans[layer][part];
-        let form = if plan.staged { plan.exact } else { plan.sealed };
-        decoded(form, row, 1, &self.codebook_of(layer))
+        self.oracle(layer, part, row, None)
+    }
+
+    /// What layer 0's `part` seals `held` (one block's rows as the model
+    /// holds them, the first at position `first`) to, row by row.
+    fn sealed_to(&self, part: usize, held: &[f32], first: usize) -> Vec<Vec<f32>> {
+        self.oracle(0, part, held, Some(first))
+            .chunks_exact(CH)
+            .map(<[f32]>::to_vec)
+            .collect()
     }
 
     /// Whether `block` holds sealed rows in a staged part of `layer`.
     fn sealed(&self, block: BlockId, layer: usize, part: usize) -> bool {
-        self.plans[layer][part].staged
+        self.seals[layer][part]
             && !self
                 .storage
                 .is_staged(block, layer, [KvPart::Keys, KvPart::Values][part])
@@ -239,12 +310,15 @@ impl<P: PrefixCache> Harness<P> {
         let block = self.cache.block_table(id)?[pos / BS];
         for part in 0..2 {
             if self.sealed(block, layer, part) {
-                let exact = self.plans[layer][part].exact;
+                let rows = &self.model[&id].0;
+                let span = pos / BS * BS..rows.len().min((pos / BS + 1) * BS);
+                let exact: Vec<Vec<f32>> = span
+                    .clone()
+                    .map(|q| self.expected(&rows[q][layer][part], layer, part))
+                    .collect();
                 let entry = self.model.get_mut(&id).expect("modelled");
-                let end = entry.0.len().min((pos / BS + 1) * BS);
-                for q in pos / BS * BS..end {
-                    let row = &mut entry.0[q][layer][part];
-                    *row = decoded(exact, row, 1, &None);
+                for (q, row) in span.zip(exact) {
+                    entry.0[q][layer][part] = row;
                 }
                 entry.1 = true;
             }
@@ -317,9 +391,7 @@ impl<P: PrefixCache> Harness<P> {
                                         )
                                     })
                                     .collect();
-                                let sealed =
-                                    decoded(self.plans[0][part].sealed, &held, BS, &self.codebook);
-                                sealed[(pos - start) * CH..][..CH].to_vec()
+                                self.sealed_to(part, &held, start).swap_remove(pos - start)
                             } else if self.sealed(block, layer, part) {
                                 self.sealed_hit(&prompt, hit, pos, block, part)
                             } else {
@@ -515,9 +587,7 @@ impl<P: PrefixCache> Harness<P> {
                             .iter()
                             .flat_map(|r| r[0][part].clone())
                             .collect();
-                        let sealed = decoded(self.plans[0][part].sealed, &held, BS, &self.codebook);
-                        let sealed: Vec<Vec<f32>> =
-                            sealed.chunks_exact(CH).map(<[f32]>::to_vec).collect();
+                        let sealed = self.sealed_to(part, &held, i * BS);
                         self.share_sealed(block, part, &sealed)?;
                     }
                 }

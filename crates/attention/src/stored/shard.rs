@@ -14,8 +14,11 @@
 //! out to whole blocks (exact while staged), so rolling a step back only
 //! drops staged rows. The tables are loaded once per model and shared by
 //! every block, so sealed blocks are hashable and shareable like any
-//! other; a page is read by rebuilding its rows (keys rotated back to
-//! their positions).
+//! other. A page of keys is read by rebuilding its rows (one GEMM of its
+//! coefficients on the basis, then RoPE at the page's positions with one
+//! `sin_cos` per pair for the page: `Rope::apply_rows`); a page of values
+//! comes in the codebook's Hadamard rotation, exact rows rotated to match,
+//! and attention rotates the weighted sum back once per output.
 //!
 //! Differences from the re-encode protocol's `ShardLayer`, by design: the
 //! basis, bit allocation and codebook are the calibration's (not fitted on
@@ -42,15 +45,15 @@ use faer::{Accum, MatMut, MatRef, Par};
 use gf2_codes::channel::FaultChannel;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
-    CacheForm, ChannelVq, DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvQuantError,
-    KvStore, Quantizer, RowBuffers, ScrubStats,
+    CacheForm, ChannelVq, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
+    KvQuantError, KvStore, Quantizer, RowBuffers, ScrubStats,
 };
 
 use super::staging::{BlockState, StagedBlocks};
 use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
 use crate::error::{AttentionError, Result};
 use crate::rope::Rope;
-use crate::source::Tile;
+use crate::source::{KvSource, Tile};
 
 /// The calibrated tables one part of a Shard form reads (`kv-eval
 /// calibrate` fits them on its text, per layer).
@@ -117,6 +120,9 @@ pub struct ShardPart {
     blocks: StagedBlocks<ShardBlock>,
     /// Bytes of one sealed block.
     sealed_bytes: usize,
+    /// The Hadamard rotation sealed values are coded in: value tiles come
+    /// in it (the sum is rotated back once per output, not once per row).
+    rotation: Option<&'static Hadamard>,
 }
 
 impl ShardPart {
@@ -138,9 +144,15 @@ impl ShardPart {
             sink_blocks: form.segments().sink.div_ceil(block_size),
             window: form.segments().window,
             sealed_bytes: 0,
+            rotation: None,
         };
-        part.sealed_bytes =
-            code(&part.tables, channels, &vec![0.0; block_size * channels], 0)?.stored_bytes();
+        let zero = code(&part.tables, channels, &vec![0.0; block_size * channels], 0)?;
+        part.sealed_bytes = zero.stored_bytes();
+        part.rotation = match &zero {
+            ShardBlock::Keys { .. } => None,
+            ShardBlock::Vq(v) => Some(v.hadamard()),
+            ShardBlock::Nf4(s) => KvSource::rotation(&**s),
+        };
         Ok(part)
     }
 
@@ -161,28 +173,45 @@ impl ShardPart {
         })
     }
 
-    /// Rows `offset..offset + out.len() / channels` of `block` as f32.
+    /// Rows `offset..offset + out.len() / channels` of `block` as f32, in
+    /// the part's [`rotation`](StoredPart::rotation) where `rotated`.
     fn decode(
         &self,
         block: usize,
         offset: usize,
         out: &mut [f32],
+        rotated: bool,
         (scratch, coeffs): (&mut DecodeScratch, &mut Vec<f32>),
     ) -> Result<KvDecodeStats> {
+        let rotation = self.rotation.filter(|_| rotated);
         if let Some(stats) = self.blocks.read_unsealed(block, offset, out, scratch)? {
+            if let Some(h) = rotation {
+                h.rotate(out);
+            }
             return Ok(stats);
         }
         let BlockState::Sealed(sealed) = self.blocks.get(block)? else {
             unreachable!("read_unsealed reads the others");
         };
-        decode_sealed(
-            &self.tables,
-            self.channels,
-            sealed,
-            offset,
-            out,
-            (scratch, coeffs),
-        )
+        let n = out.len() / self.channels;
+        match (sealed, rotation) {
+            (ShardBlock::Vq(values), Some(_)) => values.rotated_rows_into(offset, n, out)?,
+            (ShardBlock::Nf4(store), Some(_)) => {
+                scratch.limit_neighbours(None);
+                return Ok(store.decode_rows_rotated_into(offset, n, out, scratch)?);
+            }
+            _ => {
+                return decode_sealed(
+                    &self.tables,
+                    self.channels,
+                    sealed,
+                    offset,
+                    out,
+                    (scratch, coeffs),
+                );
+            }
+        }
+        Ok(KvDecodeStats::default())
     }
 
     /// Whether a sealed block was coded on this part's tables.
@@ -285,9 +314,7 @@ fn decode_sealed(
                     Par::Seq,
                 );
             }
-            for (i, row) in out.chunks_exact_mut(channels).enumerate() {
-                rope.apply(row, first + offset + i)?;
-            }
+            rope.apply_rows(out, channels, first + offset)?;
         }
         ShardBlock::Vq(values) => values.decode_rows_into(offset, out.len() / channels, out)?,
         ShardBlock::Nf4(store) => {
@@ -407,7 +434,7 @@ impl StoredPart for ShardPart {
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
         self.blocks.check_rows(offset, out.len() / self.channels)?;
-        self.decode(block, offset, out, (scratch, &mut Vec::new()))
+        self.decode(block, offset, out, false, (scratch, &mut Vec::new()))
     }
 
     fn read_tile<'s>(
@@ -425,12 +452,16 @@ impl StoredPart for ShardPart {
         } = scratch;
         let layout = (pages, self.block_size, self.channels);
         super::decode_pages(rows, layout, start, count, |page, offset, out| {
-            self.decode(page, offset, out, (decode, coeffs))
+            self.decode(page, offset, out, true, (decode, coeffs))
         })
     }
 
     fn row_bytes(&self) -> usize {
         self.sealed_bytes.div_ceil(self.block_size)
+    }
+
+    fn rotation(&self) -> Option<&'static Hadamard> {
+        self.rotation
     }
 
     fn snapshot(&self, block: usize) -> Result<PartBlock> {
