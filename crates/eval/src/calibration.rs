@@ -5,7 +5,8 @@
 //! windows, collects every layer's key and value rows (keys after RoPE, as
 //! the cache stores them, and rotated back for forms that project before
 //! RoPE), and fits, per layer and part, a [`VqCodebook`] for each `vq` form
-//! and a PCA [`Basis`] per KV head for each `pca-*` form asked for.
+//! and a PCA [`Basis`] per KV head for each `pca-*` form asked for, and
+//! the tables of each calibrated Shard form (`shard-*-cal`).
 //!
 //! # File format
 //! A safetensors file. Each codebook is an F32 tensor named
@@ -21,7 +22,14 @@
 //! (`vq/<form>/<layer>/<k|v>/check`, `pca/.../<head>/check`): the
 //! Reed-Muller RM(2,5) check bytes of each 16-bit word of the table as
 //! stored (kv-quant's `ProtectedTable`: the codebook's f16 centroids; the
-//! basis' f16 rows, then its mean). The header metadata holds
+//! basis' f16 rows, then its mean). A calibrated Shard form's tables are
+//! its key basis (`pca/<form's basis shape>/<layer>/k/0`, int8 rows with
+//! their scales, as the form stores it), the bit allocation fitted on the
+//! calibration keys over that basis' groups (U8 `shard/<form>/<layer>/k/allocation`,
+//! bits per group) and the value codebook (F32 `shard/<form>/<layer>/v/centroids`,
+//! `[256, 4]`, f16 values; none under `-vnf4`), each with its check words;
+//! the metadata then holds `shard_head_dim`, the heads the codebook's
+//! rotation works in. The header metadata holds
 //! `format` (`reliable-kv calibration 2`), `model` (the model's one-line
 //! description), `layers`, `kv_channels`, `text` and `tokens` (where the
 //! rows came from). Loading checks the format, every tensor's shape, that
@@ -175,10 +183,9 @@ pub struct Calibration {
     pub tokens: usize,
     codebooks: BTreeMap<(String, usize, Part), Arc<VqCodebook>>,
     bases: BTreeMap<(String, usize, Part), Arc<HeadBases>>,
-    /// Per calibrated Shard form and layer: keys stored on its basis (the
-    /// bit allocation fitted on the calibration keys) and the value
-    /// codebook, what a paged Shard cache codes every block on. Fitted in
-    /// memory, not written to the file.
+    /// Per calibrated Shard form and layer: the tables of keys on its basis
+    /// (the bit allocation fitted on the calibration keys) and the value
+    /// codebook, what a paged Shard cache codes every block on.
     shard: BTreeMap<(String, usize), ShardPrototypes>,
 }
 
@@ -402,7 +409,7 @@ impl Calibration {
                 let keys =
                     ShardKeys::with_basis(&keys, rows.tokens, basis, spec.key_bits(), spec.group)?;
                 let values = match spec.values {
-                    kv_quant::ShardValues::Vq => Some(Arc::new(ChannelVq::fit(
+                    kv_quant::ShardValues::Vq => Some(ChannelVq::fit(
                         &rows.layers[l].1,
                         rows.tokens,
                         ch,
@@ -412,10 +419,15 @@ impl Calibration {
                             iterations: 20,
                             max_samples: 1 << 15,
                         },
-                    )?)),
+                    )?),
                     kv_quant::ShardValues::Nf4 => None,
                 };
-                Ok(Some(((form.to_string(), l), (Arc::new(keys), values))))
+                // The tables alone: the calibration's own rows are not kept.
+                let values = values.map(|v| Arc::new(v.tables()));
+                Ok(Some((
+                    (form.to_string(), l),
+                    (Arc::new(keys.tables()), values),
+                )))
             })
             .collect::<Result<Vec<_>>>()
             .map(|fitted| fitted.into_iter().flatten().collect())
@@ -455,13 +467,14 @@ impl Calibration {
         self.codebooks.get(&(shape, layer, part)).cloned()
     }
 
-    /// Codebook and basis shapes held (form spellings).
+    /// Codebook and basis shapes and Shard forms held (form spellings).
     pub fn shapes(&self) -> Vec<String> {
         let mut s: Vec<String> = self
             .codebooks
             .keys()
             .map(|k| k.0.clone())
             .chain(self.bases.keys().map(|k| k.0.clone()))
+            .chain(self.shard.keys().map(|k| k.0.clone()))
             .collect();
         s.sort();
         s.dedup();
@@ -470,6 +483,20 @@ impl Calibration {
 
     /// Refuses a calibration fitted for a model of another shape.
     pub fn check_model(&self, model: &dyn CausalLm) -> Result<()> {
+        if let Some(d) = self.shard_head_dim()
+            && d != model.head_dim()
+        {
+            return Err(EvalError::InvalidParameter {
+                name: "calibration",
+                reason: format!(
+                    "its Shard value codebooks rotate heads of {d} channels ({}), but the model's \
+                     heads have {} ({})",
+                    self.model,
+                    model.head_dim(),
+                    model.describe()
+                ),
+            });
+        }
         if self.layers != model.layers() || self.kv_channels != model.kv_channels() {
             return Err(EvalError::InvalidParameter {
                 name: "calibration",
@@ -487,9 +514,30 @@ impl Calibration {
         Ok(())
     }
 
+    /// Channels per head the Shard value codebooks rotate, if any is held.
+    fn shard_head_dim(&self) -> Option<usize> {
+        self.shard
+            .values()
+            .find_map(|(_, v)| v.as_ref().map(|v| v.hadamard().block()))
+    }
+
     /// Writes the calibration file (see the module docs).
     pub fn save(&self, path: &Path) -> Result<()> {
         let mut buffers: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+        for ((form, layer), (keys, values)) in &self.shard {
+            let name = format!("shard/{form}/{layer}/k/allocation");
+            let allocation = keys.allocation().to_vec();
+            let check = table_checks(&allocation);
+            buffers.push((format!("{name}/check"), check.clone(), vec![check.len()]));
+            buffers.push((name, allocation.clone(), vec![allocation.len()]));
+            if let Some(v) = values {
+                let name = format!("shard/{form}/{layer}/v/centroids");
+                let check = table_checks(&f16_bytes(v.centroids()));
+                let bytes = v.centroids().iter().flat_map(|c| c.to_le_bytes()).collect();
+                buffers.push((format!("{name}/check"), check.clone(), vec![check.len()]));
+                buffers.push((name, bytes, vec![v.centroids().len() / 4, 4]));
+            }
+        }
         for ((shape, layer, part), cb) in &self.codebooks {
             let spec = cb.spec();
             let bytes: Vec<u8> = cb
@@ -516,7 +564,7 @@ impl Calibration {
         let views: Vec<(String, TensorView<'_>)> = buffers
             .iter()
             .map(|(name, bytes, shape)| {
-                let dtype = if name.ends_with("/check") {
+                let dtype = if name.ends_with("/check") || name.ends_with("/allocation") {
                     Dtype::U8
                 } else {
                     Dtype::F32
@@ -535,6 +583,10 @@ impl Calibration {
             ("tokens", self.tokens.to_string()),
         ]
         .into_iter()
+        .chain(
+            self.shard_head_dim()
+                .map(|d| ("shard_head_dim", d.to_string())),
+        )
         .map(|(k, v)| (k.to_string(), v))
         .collect();
         safetensors::serialize_to_file(views, Some(metadata), path)
@@ -628,11 +680,38 @@ impl Calibration {
             }
             Ok(())
         };
+        // Per Shard form and layer: the keys' allocation, the values' codebook.
+        type ShardParts = (Option<Vec<u8>>, Option<Vec<f32>>);
+        let mut shard_parts: BTreeMap<(String, usize), ShardParts> = BTreeMap::new();
         for (name, view) in tensors.tensors() {
             if name.ends_with("/check") {
                 continue;
             }
             let parts: Vec<&str> = name.split('/').collect();
+            if let ["shard", form, layer, part, which] = parts[..] {
+                let layer: usize = layer.parse().map_err(|_| bad(format!("{name}: layer")))?;
+                if layer >= layers {
+                    return Err(bad(format!("{name}: layer {layer} of {layers}")));
+                }
+                let slot = shard_parts.entry((form.to_string(), layer)).or_default();
+                match (part, which, view.dtype(), view.shape()) {
+                    ("k", "allocation", Dtype::U8, [_]) => {
+                        verify(&name, &[], view.data())?;
+                        slot.0 = Some(view.data().to_vec());
+                    }
+                    ("v", "centroids", Dtype::F32, [_, 4]) => {
+                        let values = floats(&view);
+                        let stored: Vec<f32> = values
+                            .iter()
+                            .map(|&c| half::f16::from_f32(c).to_f32())
+                            .collect();
+                        verify(&name, &[(&values, &stored)], &f16_bytes(&stored))?;
+                        slot.1 = Some(values);
+                    }
+                    _ => return Err(bad(format!("{name}: unknown or misshapen"))),
+                }
+                continue;
+            }
             if let ["pca", shape, layer, part, head, which] = parts[..] {
                 let form: CacheForm = shape.parse().map_err(|e| bad(format!("{name}: {e}")))?;
                 let part = part_of(&name, part)?;
@@ -729,10 +808,24 @@ impl Calibration {
                 )));
             }
         }
-        let bases = bases
+        let bases: BTreeMap<_, _> = bases
             .into_iter()
             .map(|(k, heads)| (k, Arc::new(HeadBases { heads })))
             .collect();
+        let head_dim = match meta.get("shard_head_dim") {
+            Some(d) => Some(
+                d.parse()
+                    .map_err(|_| bad("`shard_head_dim` is not a number".into()))?,
+            ),
+            None => None,
+        };
+        let shard = shard_parts
+            .into_iter()
+            .map(|((form, layer), parts)| {
+                let tables = shard_tables_of(&form, layer, parts, &bases, (kv_channels, head_dim));
+                Ok(((form, layer), tables.map_err(bad)?))
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
             model: field("model")?,
             layers,
@@ -741,7 +834,55 @@ impl Calibration {
             tokens: number("tokens")?,
             codebooks,
             bases,
-            shard: BTreeMap::new(),
+            shard,
         })
     }
+}
+
+/// The little-endian f16 bytes of `values` (f16 as stored, held in f32):
+/// the words a Shard value codebook's check words cover.
+fn f16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&c| half::f16::from_f32(c).to_le_bytes())
+        .collect()
+}
+
+/// The tables of the calibrated Shard `form`'s `layer` from a file's
+/// tensors: the keys' allocation over the groups of the form's key basis
+/// (a `pca/` tensor of the same file), the values' codebook (for heads of
+/// `head_dim` of `kv_channels`), or why they do not make one.
+fn shard_tables_of(
+    form: &str,
+    layer: usize,
+    (allocation, centroids): (Option<Vec<u8>>, Option<Vec<f32>>),
+    bases: &BTreeMap<(String, usize, Part), Arc<HeadBases>>,
+    (kv_channels, head_dim): (usize, Option<usize>),
+) -> std::result::Result<ShardPrototypes, String> {
+    let at = format!("shard/{form}/{layer}");
+    let parsed: CacheForm = form.parse().map_err(|e| format!("{at}: {e}"))?;
+    let Quantizer::Shard(spec) = *parsed.quantizer() else {
+        return Err(format!("{at}: {form} is not a Shard form"));
+    };
+    let shape = basis_shape(&parsed, Part::Key).ok_or(format!("{at}: {form} is not calibrated"))?;
+    let full = bases
+        .get(&(shape.clone(), layer, Part::Key))
+        .ok_or(format!("{at}: no key basis (pca/{shape}/{layer}/k/0)"))?;
+    let allocation = allocation.ok_or(format!("{at}: no allocation ({at}/k/allocation)"))?;
+    let keys = ShardKeys::from_tables(&full.heads[0], allocation, spec.group)
+        .map_err(|e| format!("{at}/k/allocation: {e}"))?;
+    let values = match (spec.values, centroids) {
+        (kv_quant::ShardValues::Vq, Some(c)) => {
+            let d = head_dim.ok_or("no `shard_head_dim` in its metadata")?;
+            let v = ChannelVq::from_codebook(kv_channels, d, &c)
+                .map_err(|e| format!("{at}/v/centroids: {e}"))?;
+            Some(Arc::new(v))
+        }
+        (kv_quant::ShardValues::Nf4, None) => None,
+        (kv_quant::ShardValues::Vq, None) => return Err(format!("{at}: no value codebook")),
+        (kv_quant::ShardValues::Nf4, Some(_)) => {
+            return Err(format!("{at}: NF4 values hold no codebook"));
+        }
+    };
+    Ok((Arc::new(keys), values))
 }

@@ -396,8 +396,9 @@ fn calibrated_shard_forms_are_paged_forms() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("calibrated key basis"), "{e}");
-    // A calibration file keeps the int8 key basis bit for bit (the
-    // re-encode protocol reads it); the paged tables are refit from a text.
+    // A calibration file keeps every table bit for bit: the int8 key basis
+    // (the re-encode protocol reads it), the keys' allocation and the value
+    // codebook (the paged blocks are coded on them).
     let spelling = "shard-k4-g4-cal";
     let cal = calibration(&m, spelling);
     let dir = std::env::temp_dir().join(format!("kv-eval-shard-cal-{}", std::process::id()));
@@ -405,20 +406,38 @@ fn calibrated_shard_forms_are_paged_forms() {
     let path = dir.join("cal.safetensors");
     cal.save(&path).unwrap();
     let back = Arc::new(Calibration::load(&path).unwrap());
+    assert_eq!(*back, cal);
+    back.check_model(&m).unwrap();
+    let mode = |cal: Arc<Calibration>| {
+        CacheMode::parse(spelling)
+            .unwrap()
+            .with_calibration(Some(cal))
+    };
+    assert!(forward(&m, mode(back.clone())).is_ok());
+    let (fitted, _) = run(&mode(Arc::new(cal)));
+    assert_eq!(run(&mode(back)).0, fitted);
+    // A changed allocation byte fails its check words; a file whose value
+    // codebooks rotate heads of another width is refused for this model.
+    let bytes = std::fs::read(&path).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let meta = std::str::from_utf8(&bytes[8..header]).unwrap();
+    let name = "\"shard/shard-k4-g4-cal/0/k/allocation\"";
+    let offsets = &meta[meta.find(name).unwrap()..];
+    let offsets = &offsets[offsets.find("data_offsets").unwrap() + 15..];
+    let start: usize = offsets[..offsets.find(',').unwrap()].parse().unwrap();
+    let mut changed = bytes.clone();
+    changed[header + start] ^= 2;
+    let p = dir.join("allocation.safetensors");
+    std::fs::write(&p, changed).unwrap();
+    let e = Calibration::load(&p).unwrap_err().to_string();
+    assert!(e.contains("k/allocation") && e.contains("RM(2,5)"), "{e}");
+    let dim = "\"shard_head_dim\":\"8\"";
+    let at = bytes.windows(dim.len()).position(|w| w == dim.as_bytes());
+    let mut other = bytes.clone();
+    other[at.expect("the head width in the metadata") + dim.len() - 2] = b'4';
+    let p = dir.join("heads.safetensors");
+    std::fs::write(&p, other).unwrap();
+    let e = Calibration::load(&p).unwrap().check_model(&m).unwrap_err();
+    assert!(e.to_string().contains("heads of 4"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
-    let form: CacheForm = spelling.parse().unwrap();
-    for l in 0..LAYERS {
-        assert_eq!(
-            back.bases(&form, l, Part::Key),
-            cal.bases(&form, l, Part::Key)
-        );
-    }
-    let loaded = CacheMode::parse(spelling)
-        .unwrap()
-        .with_calibration(Some(back));
-    assert!(forward(&m, loaded.clone()).is_ok());
-    let e = paged_backend(&m, &loaded, None, 4, 40)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("--calib-text"), "{e}");
 }

@@ -252,7 +252,28 @@ impl ShardKeys {
             start += len;
         }
         let allocation = allocate_bits(&variances, &sizes, budget_bits)?;
-        // The kept components' rows, in order.
+        let header = Self::keep(&full, &sizes, allocation)?;
+        let (scales, codes) = quantize(
+            &header.basis,
+            &header.groups,
+            header.row_bytes,
+            rows,
+            tokens,
+        );
+        Ok(Self {
+            tokens,
+            spectrum,
+            scales,
+            codes,
+            ..header
+        })
+    }
+
+    /// A store of no tokens on `full`'s components kept by `allocation` (bits
+    /// per group of `sizes` components): the kept rows (int8) and the
+    /// groups as stored.
+    fn keep(full: &Basis, sizes: &[usize], allocation: Vec<u8>) -> Result<Self> {
+        let dim = full.dim();
         let (mut kept_rows, mut groups, mut offset, mut first) = (Vec::new(), Vec::new(), 0, 0);
         let mut start = 0;
         for (&len, &bits) in sizes.iter().zip(&allocation) {
@@ -275,19 +296,69 @@ impl ShardKeys {
             full.mean(),
             BasisStorage::Int8,
         )?);
-        let row_bytes = offset;
-        let (scales, codes) = quantize(&basis, &groups, row_bytes, rows, tokens);
         Ok(Self {
             dim,
-            tokens,
+            tokens: 0,
             basis,
-            spectrum,
+            spectrum: Spectrum::default(),
             allocation,
             groups,
-            scales,
-            codes,
-            row_bytes,
+            scales: Vec::new(),
+            codes: Vec::new(),
+            row_bytes: offset,
         })
+    }
+
+    /// The tables alone: the kept basis, the allocation and the groups, no
+    /// tokens, and no spectrum (the energies are the fitted rows'). What a
+    /// calibration keeps and writes for blocks coded with
+    /// [`encode_chunk`](Self::encode_chunk); [`from_tables`](Self::from_tables)
+    /// rebuilds it.
+    pub fn tables(&self) -> Self {
+        Self {
+            spectrum: Spectrum::default(),
+            ..self.clone_header()
+        }
+    }
+
+    /// [`tables`](Self::tables) rebuilt from the full basis the allocation
+    /// was made on (`considered × dim`, the components in order) and the
+    /// bits of each group of `group` components (a calibration file's
+    /// tables), or why they do not fit together.
+    pub fn from_tables(full: &Basis, allocation: Vec<u8>, group: usize) -> Result<Self> {
+        let considered = full.rank();
+        if group == 0 || !group.is_multiple_of(4) || !considered.is_multiple_of(4) {
+            return Err(LowRankError::InvalidParameter {
+                name: "group",
+                reason: format!(
+                    "groups of {group} over a basis of rank {considered} (both multiples of 4)"
+                ),
+            });
+        }
+        let sizes: Vec<usize> = (0..considered)
+            .step_by(group)
+            .map(|s| group.min(considered - s))
+            .collect();
+        if allocation.len() != sizes.len() {
+            return Err(LowRankError::InvalidParameter {
+                name: "allocation",
+                reason: format!(
+                    "{} groups' bits for {} groups of {group} of {considered} components",
+                    allocation.len(),
+                    sizes.len()
+                ),
+            });
+        }
+        if let Some(b) = allocation
+            .iter()
+            .find(|&&b| !matches!(b, 0 | 2 | 4 | 6 | 8))
+        {
+            return Err(LowRankError::InvalidParameter {
+                name: "allocation",
+                reason: format!("{b} bits per coefficient (0, 2, 4, 6 or 8)"),
+            });
+        }
+        Self::keep(full, &sizes, allocation)
     }
 
     /// Stores `rows` (`tokens × dim`, RoPE undone) on this basis and bit

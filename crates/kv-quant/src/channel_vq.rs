@@ -58,15 +58,7 @@ impl ChannelVq {
         options: FitOptions,
     ) -> Result<Self> {
         check_rows(rows, tokens, channels)?;
-        if head_dim == 0 || !channels.is_multiple_of(head_dim) || !head_dim.is_multiple_of(GROUP) {
-            return Err(KvQuantError::InvalidParameter {
-                name: "head_dim",
-                reason: format!(
-                    "{channels} channels are not whole heads of {head_dim} (a multiple of {GROUP})"
-                ),
-            });
-        }
-        let hadamard = Hadamard::of(head_dim)?;
+        let hadamard = head_rotation(channels, head_dim)?;
         let (rotated, max) = rotate_and_scale(hadamard, rows, channels);
         let groups = tokens * channels / GROUP;
         if groups < CENTROIDS {
@@ -92,6 +84,51 @@ impl ChannelVq {
             centroids: Arc::new(centroids),
             columns: Arc::new(columns),
             indices,
+        })
+    }
+
+    /// The tables alone: the codebook, no tokens and no channel maxima (those
+    /// are the fitted rows'). What a calibration keeps and writes for
+    /// chunks coded with [`encode_chunk`](Self::encode_chunk);
+    /// [`from_codebook`](Self::from_codebook) rebuilds it.
+    pub fn tables(&self) -> Self {
+        Self {
+            tokens: 0,
+            max: Vec::new(),
+            indices: Vec::new(),
+            centroids: Arc::clone(&self.centroids),
+            columns: Arc::clone(&self.columns),
+            ..*self
+        }
+    }
+
+    /// [`tables`](Self::tables) rebuilt from a codebook (`CENTROIDS × GROUP`
+    /// values, each an f16 as stored) for `channels` channels in heads of
+    /// `head_dim`, or why it cannot be one.
+    pub fn from_codebook(channels: usize, head_dim: usize, centroids: &[f32]) -> Result<Self> {
+        let hadamard = head_rotation(channels, head_dim)?;
+        check_len(
+            "codebook (centroids × group)",
+            CENTROIDS * GROUP,
+            centroids.len(),
+        )?;
+        if let Some(i) = centroids
+            .iter()
+            .position(|&c| !c.is_finite() || f16::from_f32(c).to_f32().to_bits() != c.to_bits())
+        {
+            return Err(KvQuantError::InvalidParameter {
+                name: "codebook",
+                reason: format!("value {i} ({}) is not a finite f16", centroids[i]),
+            });
+        }
+        Ok(Self {
+            channels,
+            tokens: 0,
+            hadamard,
+            max: Vec::new(),
+            centroids: Arc::new(centroids.to_vec()),
+            columns: Arc::new(columns_of(centroids)),
+            indices: Vec::new(),
         })
     }
 
@@ -225,6 +262,20 @@ fn check_rows(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
     }
 }
 
+/// The rotation of each head of `head_dim` of `channels` channels, or why
+/// they are not whole heads of a multiple of [`GROUP`].
+fn head_rotation(channels: usize, head_dim: usize) -> Result<&'static Hadamard> {
+    if head_dim == 0 || !channels.is_multiple_of(head_dim) || !head_dim.is_multiple_of(GROUP) {
+        return Err(KvQuantError::InvalidParameter {
+            name: "head_dim",
+            reason: format!(
+                "{channels} channels are not whole heads of {head_dim} (a multiple of {GROUP})"
+            ),
+        });
+    }
+    Hadamard::of(head_dim)
+}
+
 /// `rows` rotated per head and divided by each channel's maximum magnitude
 /// over them, with the maxima (f16-rounded).
 fn rotate_and_scale(hadamard: &Hadamard, rows: &[f32], channels: usize) -> (Vec<f32>, Vec<f32>) {
@@ -281,6 +332,39 @@ mod tests {
         (0..tokens * channels)
             .map(|i| (rng.next_f64() as f32 - 0.5) * (1.0 + (i % channels) as f32 * 0.1))
             .collect()
+    }
+
+    #[test]
+    fn a_codebook_alone_rebuilds_the_tables_and_codes_chunks_alike() {
+        let (tokens, ch) = (512, 32);
+        let x = rows(tokens, ch);
+        let fitted = ChannelVq::fit(&x, tokens, ch, 16, FitOptions::default()).unwrap();
+        let tables = fitted.tables();
+        assert_eq!((tables.tokens(), tables.indices().len()), (0, 0));
+        assert_eq!(tables.shared_bytes(), fitted.shared_bytes());
+        let rebuilt = ChannelVq::from_codebook(ch, 16, fitted.centroids()).unwrap();
+        assert_eq!(rebuilt, tables);
+        let chunk = &x[64 * ch..128 * ch];
+        assert_eq!(
+            rebuilt.encode_chunk(chunk, 64).unwrap(),
+            fitted.encode_chunk(chunk, 64).unwrap()
+        );
+        let mut bad = fitted.centroids().to_vec();
+        bad[5] = 0.1; // not an f16
+        for (c, h, cb) in [
+            (ch, 16, &bad[..]),
+            (ch, 16, &fitted.centroids()[1..]),
+            (ch, 12, fitted.centroids()),
+            (30, 16, fitted.centroids()),
+        ] {
+            assert!(
+                ChannelVq::from_codebook(c, h, cb).is_err(),
+                "{c} {h} {}",
+                cb.len()
+            );
+        }
+        bad[5] = f32::NAN;
+        assert!(ChannelVq::from_codebook(ch, 16, &bad).is_err());
     }
 
     #[test]

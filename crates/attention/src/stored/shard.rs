@@ -32,10 +32,9 @@
 //! committed truncation back into sealed blocks). Not yet: coded spellings
 //! (`shard+secded84`), the per-sequence forms (`shard-k3`: bases fitted on
 //! each prefill), and faults in the scales and the tables (they are
-//! counted in bytes, but not stored as protected tables yet). A
-//! calibration file carries the key basis only; the paged tables (the bit
-//! allocation and the value codebook) are fitted from a text
-//! (`--calib-text`).
+//! counted in bytes, but not stored as protected tables yet). kv-eval's
+//! calibration file carries every table (the key basis, the bit allocation
+//! and the value codebook), with check words.
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -1,4 +1,5 @@
-//! `kv-eval calibrate`: fits the codebooks and bases of calibrated forms.
+//! `kv-eval calibrate`: fits the codebooks, bases and Shard tables of
+//! calibrated forms.
 
 use std::path::PathBuf;
 
@@ -10,15 +11,17 @@ use crate::calib::{Calib, fit_calibration, needs_calibration, refuse_calibration
 use crate::checks::check_out_file;
 use crate::source::{load_model, model_path};
 
-/// Fits the codebooks (vq) and PCA bases (pca-*) of calibrated forms
-/// on a calibration text and writes them to a file for --calibration.
+/// Fits the codebooks (vq), PCA bases (pca-*) and Shard tables
+/// (shard-*-cal) of calibrated forms on a calibration text and writes them
+/// to a file for --calibration.
 #[derive(clap::Args)]
 pub(crate) struct CalibrateArgs {
     /// GGUF model file, Hugging Face folder or fetched model name
     /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
     #[arg(long)]
     pub(crate) model: Option<PathBuf>,
-    /// Comma-separated forms to fit codebooks (vq) and bases (pca-*) for.
+    /// Comma-separated forms to fit codebooks (vq), bases (pca-*) and Shard
+    /// tables (shard-*-cal) for.
     #[arg(long, value_delimiter = ',', default_value = "vq")]
     pub(crate) forms: Vec<String>,
     #[command(flatten)]
@@ -44,7 +47,7 @@ pub(crate) fn run(args: CalibrateArgs) -> Result<(), Error> {
         .flat_map(|f| [(f, Part::Key), (f, Part::Value)])
         .collect();
     if !forms.iter().any(|(f, _)| needs_calibration(f)) {
-        return Err("no form needs calibration (calibrate vq and pca-* forms)".into());
+        return Err("no form needs calibration (calibrate vq, pca-* and shard-*-cal forms)".into());
     }
     refuse_calibration_file(&calib, "calibrate")?;
     check_out_file(&out, "--out")?;

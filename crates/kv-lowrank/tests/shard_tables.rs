@@ -1,0 +1,66 @@
+//! `ShardKeys::tables` and `ShardKeys::from_tables`: the tables a
+//! calibration keeps and writes (the kept basis, the allocation, the
+//! groups) rebuilt from the full basis and the allocation alone code every
+//! chunk as the fitted store does, and tables that do not fit together are
+//! refused.
+
+use kv_lowrank::{Basis, BasisStorage, LowRankError, ShardKeys};
+use kv_quant::RankRule;
+
+/// Keys near a rank-6 subspace of 16 channels, plus a little noise.
+fn keys(tokens: usize) -> Vec<f32> {
+    (0..tokens * 16)
+        .map(|i| {
+            let (t, c) = ((i / 16) as f32, (i % 16) as f32);
+            (0..6)
+                .map(|k| {
+                    ((k as f32 + 1.0) * 0.13 * t + c * 0.7 * k as f32).sin() / (k as f32 + 1.0)
+                })
+                .sum::<f32>()
+                + 0.01 * ((i * 7919 % 101) as f32 / 101.0 - 0.5)
+        })
+        .collect()
+}
+
+#[test]
+fn tables_rebuilt_from_the_allocation_code_chunks_as_the_fitted_store() {
+    let rows = keys(400);
+    let (full, _) = Basis::fit(&rows, 400, 16, RankRule::Fixed(12), BasisStorage::Int8).unwrap();
+    let fitted = ShardKeys::with_basis(&rows, 400, &full, 3.0, 4).unwrap();
+    let tables = fitted.tables();
+    assert_eq!((tables.tokens(), tables.codes().len()), (0, 0));
+    assert!(tables.spectrum().eigenvalues.is_empty());
+    let rebuilt = ShardKeys::from_tables(&full, fitted.allocation().to_vec(), 4).unwrap();
+    assert_eq!(rebuilt, tables);
+    assert_eq!(rebuilt.shared_bytes(), fitted.shared_bytes());
+    let chunk = &rows[64 * 16..128 * 16];
+    let (got, want) = (
+        rebuilt.encode_chunk(chunk, 64).unwrap(),
+        fitted.encode_chunk(chunk, 64).unwrap(),
+    );
+    assert_eq!(got, tables.encode_chunk(chunk, 64).unwrap());
+    assert_eq!(
+        (got.codes(), got.scales(), got.basis(), got.groups()),
+        (want.codes(), want.scales(), want.basis(), want.groups())
+    );
+}
+
+#[test]
+fn tables_that_do_not_fit_together_are_refused() {
+    let rows = keys(200);
+    let (full, _) = Basis::fit(&rows, 200, 16, RankRule::Fixed(12), BasisStorage::Int8).unwrap();
+    for (allocation, group) in [
+        (vec![4, 2], 4),       // two groups' bits for three groups
+        (vec![4, 2, 0, 0], 4), // four
+        (vec![4, 3, 0], 4),    // odd bits
+        (vec![4, 9, 0], 4),    // more than 8
+        (vec![4, 2, 0], 6),    // a group not a multiple of 4
+        (vec![4], 0),
+    ] {
+        let e = ShardKeys::from_tables(&full, allocation.clone(), group).unwrap_err();
+        assert!(
+            matches!(e, LowRankError::InvalidParameter { .. }),
+            "{allocation:?} in groups of {group}: {e}"
+        );
+    }
+}
