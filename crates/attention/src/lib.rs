@@ -78,7 +78,7 @@ pub use numerics::Numerics;
 pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};
-pub use shard::{ShardBytes, ShardFaults, ShardLayer};
+pub use shard::{SHARD_VALUE_FIT, ShardBytes, ShardFaults, ShardLayer};
 pub use source::{BlockedScratch, DenseKv, KvSource, StoreScratch, Tile, TileRows};
 pub use workspace::Workspace;
 

@@ -122,9 +122,11 @@ impl Rope {
     /// `first + 1`, …: [`apply`](Self::apply) row by row, with one `sin_cos`
     /// per pair for the whole run. The angles of later rows come from the
     /// first row's by f64 angle addition, re-anchored every
-    /// [`ANCHOR`](Self::ANCHOR) rows, so they stay within a few f64 ulps of
-    /// `apply`'s: the rotated f32 values are `apply`'s bits but for rare
-    /// rounding ties, one f32 ulp apart (a test checks both).
+    /// [`ANCHOR`](Self::ANCHOR) rows, so they stay within about one f64 ulp
+    /// of the angle `position·θ` of `apply`'s (about 3e-11 rad at position
+    /// 131,000), far below f32 resolution: the rotated f32 values are
+    /// `apply`'s bits but for rare rounding ties, one f32 ulp apart (a test
+    /// checks both).
     pub fn apply_rows(&self, x: &mut [f32], row: usize, first: usize) -> Result<()> {
         if row == 0 || !row.is_multiple_of(self.head_dim) || !x.len().is_multiple_of(row) {
             return Err(AttentionError::InvalidParameter {

@@ -255,6 +255,25 @@ fn a_sealed_key_block_is_refused_by_a_part_on_other_tables() {
     let mut b = open_part(form, BS, CH, 4, &fitted(&other)).unwrap();
     assert!(!b.accepts(&snap));
     assert!(b.restore(0, &snap).is_err());
+    // A value block on the same codebook rotated in heads of another width
+    // reads in other coordinates than the part's tiles: refused too.
+    let ShardTables::Values { prototype, .. } = &values else {
+        unreachable!("value tables")
+    };
+    let narrow = ShardTables::Values {
+        prototype: Some(Arc::new(
+            ChannelVq::from_codebook(CH, HEAD_DIM / 2, prototype.as_ref().unwrap().centroids())
+                .unwrap(),
+        )),
+        head_dim: HEAD_DIM / 2,
+    };
+    let mut n = open_part(form, BS, CH, 4, &fitted(&narrow)).unwrap();
+    write(n.as_mut(), &[0, 1, 2, 3], &x, 4 * BS);
+    let narrow_snap = n.snapshot(1).unwrap();
+    assert!(n.accepts(&narrow_snap));
+    let mut v = v;
+    assert!(!v.accepts(&narrow_snap));
+    assert!(v.restore(0, &narrow_snap).is_err());
 }
 
 #[test]

@@ -439,5 +439,73 @@ fn calibrated_shard_forms_are_paged_forms() {
     std::fs::write(&p, other).unwrap();
     let e = Calibration::load(&p).unwrap().check_model(&m).unwrap_err();
     assert!(e.to_string().contains("heads of 4"), "{e}");
+    // Tables with valid check words that do not make the form's tables:
+    // an allocation past the form's budget, a form not spelled as written.
+    let over = rewrite(&bytes, |name, data| {
+        if name.ends_with("/k/allocation") {
+            data.fill(8);
+        }
+    });
+    // (The same length: the header's names change in place.)
+    let mut renamed = bytes.clone();
+    let (from, to) = (b"shard/shard-k4-g4-cal/", b"shard/shard-g4-k4-cal/");
+    while let Some(i) = renamed[..header]
+        .windows(from.len())
+        .position(|w| w == from)
+    {
+        renamed[i..i + to.len()].copy_from_slice(to);
+    }
+    for (what, content, needle) in [("over", over, "allows"), ("renamed", renamed, "spelled")] {
+        let p = dir.join(format!("{what}.safetensors"));
+        std::fs::write(&p, content).unwrap();
+        let e = Calibration::load(&p).unwrap_err().to_string();
+        assert!(e.contains(needle), "{what}: {e}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A calibration file's `bytes` with each table passed to `edit` (its name
+/// and bytes) and its check words recomputed, as a writer that meant it
+/// would (the header keeps its length: names and shapes are unchanged).
+fn rewrite(bytes: &[u8], edit: impl Fn(&str, &mut [u8])) -> Vec<u8> {
+    use safetensors::tensor::{SafeTensors, TensorView};
+    let (_, header) = SafeTensors::read_metadata(bytes).unwrap();
+    let tensors = SafeTensors::deserialize(bytes).unwrap();
+    let mut tables: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    for (name, _, _, data) in &mut tables {
+        edit(name, data);
+    }
+    let words = |name: &str, data: &[u8]| -> Vec<u8> {
+        if name.ends_with("/centroids") {
+            // f16 values held in f32: the check words cover the f16s.
+            data.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+                .collect()
+        } else {
+            data.to_vec()
+        }
+    };
+    let fresh: Vec<(String, Vec<u8>)> = tables
+        .iter()
+        .filter(|(n, ..)| n.ends_with("/allocation") || n.ends_with("/centroids"))
+        .map(|(n, _, _, d)| {
+            let table =
+                kv_quant::ProtectedTable::new(&words(n, d), kv_quant::MetaProtection::ReedMuller);
+            (format!("{n}/check"), table.check_bytes().to_vec())
+        })
+        .collect();
+    for (name, check) in fresh {
+        let slot = tables.iter_mut().find(|t| t.0 == name).unwrap();
+        slot.3 = check;
+    }
+    let views: Vec<(String, TensorView<'_>)> = tables
+        .iter()
+        .map(|(n, dt, shape, d)| (n.clone(), TensorView::new(*dt, shape.clone(), d).unwrap()))
+        .collect();
+    safetensors::serialize(views, header.metadata().clone()).unwrap()
 }

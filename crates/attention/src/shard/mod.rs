@@ -48,6 +48,15 @@ use tile_math::OffsetTable;
 
 pub use faults::ShardFaults;
 
+/// How Shard's value codebooks are fitted (on a prefill's middle, or on a
+/// calibration text for the `-cal` forms): 20 k-means iterations over at
+/// most 2^15 seeded samples.
+pub const SHARD_VALUE_FIT: FitOptions = FitOptions {
+    seed: 0,
+    iterations: 20,
+    max_samples: 1 << 15,
+};
+
 /// Middle tokens per tile (keys rebuilt together, stored channel by channel).
 const TILE: usize = 64;
 
@@ -263,11 +272,7 @@ impl ShardLayer {
                     middle.len(),
                     channels,
                     head_dim,
-                    FitOptions {
-                        seed: 0,
-                        iterations: 20,
-                        max_samples: 1 << 15,
-                    },
+                    SHARD_VALUE_FIT,
                 )?),
                 ShardValues::Nf4 => MiddleValues::Nf4(Box::new(KvStore::quantize(
                     nf4_form(head_dim)?,

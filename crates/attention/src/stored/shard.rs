@@ -231,13 +231,21 @@ impl ShardPart {
                 v.tokens() == self.block_size
                     && v.channels() == self.channels
                     && v.centroids() == p.centroids()
+                    && v.hadamard() == p.hadamard()
             }
             (
                 ShardBlock::Nf4(s),
                 ShardTables::Values {
-                    prototype: None, ..
+                    prototype: None,
+                    head_dim,
                 },
-            ) => s.tokens() == self.block_size && s.channels() == self.channels,
+            ) => {
+                // Tiles come in the part's rotation: a block of another
+                // NF4 form (another rotation) would read wrong.
+                s.tokens() == self.block_size
+                    && s.channels() == self.channels
+                    && crate::shard::nf4_form(*head_dim).is_ok_and(|f| *s.form() == f)
+            }
             _ => false,
         }
     }
@@ -395,10 +403,14 @@ impl StoredPart for ShardPart {
     fn put_row(&mut self, block: usize, offset: usize, row: &RowBuffers) -> Result<()> {
         // A sequence cut back into a sealed block: staged again from the
         // rows it reads as.
+        // Row by row, as `read_rows` reads them (a key row rebuilt in a
+        // tile of several rounds its sums another way).
         let (tables, ch) = (&self.tables, self.channels);
         self.blocks.put_row(block, offset, row, |sealed, rows| {
-            let scratch = (&mut DecodeScratch::new(), &mut Vec::new());
-            decode_sealed(tables, ch, sealed, 0, rows, scratch)?;
+            let (mut scratch, mut coeffs) = (DecodeScratch::new(), Vec::new());
+            for (i, row) in rows.chunks_exact_mut(ch).enumerate() {
+                decode_sealed(tables, ch, sealed, i, row, (&mut scratch, &mut coeffs))?;
+            }
             Ok(())
         })
     }

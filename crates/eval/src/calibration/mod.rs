@@ -51,8 +51,11 @@ use rayon::prelude::*;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use crate::cache::{CacheMode, KvCache};
+
+mod shard_file;
 use crate::error::{EvalError, Result};
 use kv_model::model::CausalLm;
+use shard_file::{f16_bytes, shard_tables_of};
 
 /// The format tag of calibration files.
 pub const FORMAT: &str = "reliable-kv calibration 2";
@@ -414,11 +417,7 @@ impl Calibration {
                         rows.tokens,
                         ch,
                         head_dim,
-                        FitOptions {
-                            seed: 0,
-                            iterations: 20,
-                            max_samples: 1 << 15,
-                        },
+                        attention::SHARD_VALUE_FIT,
                     )?),
                     kv_quant::ShardValues::Nf4 => None,
                 };
@@ -837,52 +836,4 @@ impl Calibration {
             shard,
         })
     }
-}
-
-/// The little-endian f16 bytes of `values` (f16 as stored, held in f32):
-/// the words a Shard value codebook's check words cover.
-fn f16_bytes(values: &[f32]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|&c| half::f16::from_f32(c).to_le_bytes())
-        .collect()
-}
-
-/// The tables of the calibrated Shard `form`'s `layer` from a file's
-/// tensors: the keys' allocation over the groups of the form's key basis
-/// (a `pca/` tensor of the same file), the values' codebook (for heads of
-/// `head_dim` of `kv_channels`), or why they do not make one.
-fn shard_tables_of(
-    form: &str,
-    layer: usize,
-    (allocation, centroids): (Option<Vec<u8>>, Option<Vec<f32>>),
-    bases: &BTreeMap<(String, usize, Part), Arc<HeadBases>>,
-    (kv_channels, head_dim): (usize, Option<usize>),
-) -> std::result::Result<ShardPrototypes, String> {
-    let at = format!("shard/{form}/{layer}");
-    let parsed: CacheForm = form.parse().map_err(|e| format!("{at}: {e}"))?;
-    let Quantizer::Shard(spec) = *parsed.quantizer() else {
-        return Err(format!("{at}: {form} is not a Shard form"));
-    };
-    let shape = basis_shape(&parsed, Part::Key).ok_or(format!("{at}: {form} is not calibrated"))?;
-    let full = bases
-        .get(&(shape.clone(), layer, Part::Key))
-        .ok_or(format!("{at}: no key basis (pca/{shape}/{layer}/k/0)"))?;
-    let allocation = allocation.ok_or(format!("{at}: no allocation ({at}/k/allocation)"))?;
-    let keys = ShardKeys::from_tables(&full.heads[0], allocation, spec.group)
-        .map_err(|e| format!("{at}/k/allocation: {e}"))?;
-    let values = match (spec.values, centroids) {
-        (kv_quant::ShardValues::Vq, Some(c)) => {
-            let d = head_dim.ok_or("no `shard_head_dim` in its metadata")?;
-            let v = ChannelVq::from_codebook(kv_channels, d, &c)
-                .map_err(|e| format!("{at}/v/centroids: {e}"))?;
-            Some(Arc::new(v))
-        }
-        (kv_quant::ShardValues::Nf4, None) => None,
-        (kv_quant::ShardValues::Vq, None) => return Err(format!("{at}: no value codebook")),
-        (kv_quant::ShardValues::Nf4, Some(_)) => {
-            return Err(format!("{at}: NF4 values hold no codebook"));
-        }
-    };
-    Ok((Arc::new(keys), values))
 }
