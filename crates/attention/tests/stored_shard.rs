@@ -226,6 +226,28 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
             .unwrap();
         assert_eq!(hit.total(), 1);
         assert_ne!(read(part.as_ref(), &pages, BS, BS), before);
+        // The block's f16 scales are stored bits too: `metadata` flips them
+        // and not the codes, `everything` both (the scales on stream 1).
+        let block = pages[2] as usize;
+        let codes = |part: &dyn StoredPart| match part.snapshot(block).unwrap().shard() {
+            Some(ShardBlock::Keys { keys, .. }) => keys.codes().to_vec(),
+            Some(ShardBlock::Vq(v)) => v.indices().to_vec(),
+            other => panic!("a sealed block: {other:?}"),
+        };
+        let (before, stored) = (
+            read(part.as_ref(), &pages, 2 * BS, BS),
+            codes(part.as_ref()),
+        );
+        let flip = ExactFlips::new([3]);
+        let hit = part.inject(block, &flip, 0, FaultTarget::Metadata).unwrap();
+        assert_eq!((hit.values.len(), hit.scales.len()), (0, 1));
+        assert_eq!(codes(part.as_ref()), stored);
+        assert_ne!(read(part.as_ref(), &pages, 2 * BS, BS), before);
+        let hit = part
+            .inject(block, &flip, 0, FaultTarget::Everything)
+            .unwrap();
+        assert_eq!((hit.values.len(), hit.scales.len()), (1, 1));
+        assert_ne!(codes(part.as_ref()), stored);
     }
 }
 

@@ -171,6 +171,12 @@ impl ChannelVq {
         &self.max
     }
 
+    /// The channel maxima, writable (f16 values held in f32: a fault
+    /// experiment flips their f16 bits).
+    pub fn max_mut(&mut self) -> &mut [f32] {
+        &mut self.max
+    }
+
     /// The codebook, `CENTROIDS × GROUP`.
     pub fn centroids(&self) -> &[f32] {
         &self.centroids

@@ -29,19 +29,23 @@
 //! sequence that seals: a block shared through the prefix cache is sealed
 //! when the longest sequence holding it moves past it, so a shorter one
 //! may read that block coded within its own window (as it may after a
-//! committed truncation back into sealed blocks). Not yet: coded spellings
-//! (`shard+secded84`), the per-sequence forms (`shard-k3`: bases fitted on
-//! each prefill), and faults in the scales and the tables (they are
-//! counted in bytes, but not stored as protected tables yet). kv-eval's
-//! calibration file carries every table (the key basis, the bit allocation
-//! and the value codebook), with check words.
+//! committed truncation back into sealed blocks). Faults reach every
+//! stored bit of a sealed block: the codes or indices under `values` and
+//! `everything`, the block's f16 scales (the keys' per-component steps,
+//! the values' channel maxima) under `metadata` and `everything`, all
+//! unprotected. Not yet: coded spellings (`shard+secded84`), the
+//! per-sequence forms (`shard-k3`: bases fitted on each prefill), and
+//! faults in the shared tables (counted in bytes, not stored as protected
+//! tables yet). kv-eval's calibration file carries every table (the key
+//! basis, the bit allocation and the value codebook), with check words.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
-use gf2_codes::channel::FaultChannel;
+use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
+use half::f16;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
     CacheForm, ChannelVq, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
@@ -332,6 +336,20 @@ fn decode_sealed(
     Ok(KvDecodeStats::default())
 }
 
+/// Flips the f16 bits of `values` (f16 values held in f32) from stream 1 of
+/// `channel`'s `seed`, positions counted in the f16 bytes laid end to end.
+fn inject_f16(values: &mut [f32], channel: &dyn FaultChannel, seed: u64) -> Flips {
+    let mut bytes: Vec<u8> = values
+        .iter()
+        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+        .collect();
+    let flips = channel.inject_with(&mut bytes, &mut FaultRng::with_stream(seed, 1));
+    for (v, b) in values.iter_mut().zip(bytes.chunks_exact(2)) {
+        *v = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    }
+    flips
+}
+
 /// Whether blocks of `block_size` tokens can hold the Shard `form`
 /// (what this part refuses, before anything is built).
 pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<()> {
@@ -520,21 +538,37 @@ impl StoredPart for ShardPart {
         target: FaultTarget,
     ) -> Result<Injection> {
         let bs = self.block_size;
-        let codes = target != FaultTarget::Metadata;
+        let (codes, scales) = (
+            target != FaultTarget::Metadata,
+            target != FaultTarget::Values,
+        );
         self.blocks.inject(block, channel, seed, target, |sealed| {
-            // The codes and indices (the bulk of a sealed block); the
-            // per-block scales are not exposed yet.
-            Ok(match sealed {
-                ShardBlock::Keys { keys, .. } if codes => Injection {
-                    values: channel.inject(keys.codes_mut(), seed),
-                    ..Injection::default()
-                },
-                ShardBlock::Vq(values) if codes => Injection {
-                    values: channel.inject(values.indices_mut(), seed),
-                    ..Injection::default()
-                },
-                ShardBlock::Nf4(store) => store.inject_rows(0..bs, channel, seed, target)?,
-                _ => Injection::default(),
+            // The codes or indices (stream 0 of `seed`) and the block's f16
+            // scales (stream 1: the keys' per-component steps, the values'
+            // channel maxima), as a kv-quant store splits values and scales.
+            let (data, steps) = match sealed {
+                ShardBlock::Keys { keys, .. } => {
+                    let data = codes.then(|| channel.inject(keys.codes_mut(), seed));
+                    (
+                        data,
+                        scales.then(|| inject_f16(keys.scales_mut(), channel, seed)),
+                    )
+                }
+                ShardBlock::Vq(values) => {
+                    let data = codes.then(|| channel.inject(values.indices_mut(), seed));
+                    (
+                        data,
+                        scales.then(|| inject_f16(values.max_mut(), channel, seed)),
+                    )
+                }
+                ShardBlock::Nf4(store) => {
+                    return Ok(store.inject_rows(0..bs, channel, seed, target)?);
+                }
+            };
+            Ok(Injection {
+                values: data.unwrap_or_default(),
+                scales: steps.unwrap_or_default(),
+                ..Injection::default()
             })
         })
     }
