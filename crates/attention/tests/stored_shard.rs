@@ -313,3 +313,46 @@ fn what_the_shard_part_cannot_hold_is_refused() {
     };
     assert!(e.contains("calibrated key basis"), "{e}");
 }
+
+#[test]
+fn the_shared_tables_are_stored_bits_every_block_reads_through() {
+    let form: CacheForm = FORM.parse().unwrap();
+    let (key_tables, value_tables) = tables();
+    // Blocks 1-3 sealed (block 0 holds the sink, 4-5 the window).
+    let tokens = 6 * BS;
+    let pages: Vec<u32> = (0..6).collect();
+    for (tables, seed) in [(&key_tables, 1), (&value_tables, 2)] {
+        let mut part = open_part(form, BS, CH, 8, &fitted(tables)).unwrap();
+        write(part.as_mut(), &pages, &rows(tokens, seed), tokens);
+        let snap = part.snapshot(1).unwrap();
+        // A bit of a word block 1 reads: the first key basis row's f16
+        // scale (every key reads it), or a centroid block 1's first group
+        // names (4 f16 values of 2 bytes each).
+        let bit = match snap.shard() {
+            Some(ShardBlock::Keys { .. }) => 6,
+            Some(ShardBlock::Vq(v)) => u64::from(v.indices()[0]) * 64 + 6,
+            other => panic!("a sealed block: {other:?}"),
+        };
+        let flip = ExactFlips::new([bit]);
+        let before = read(part.as_ref(), &pages, BS, BS);
+        assert!(part.shared_bytes() > 0);
+        let hit = part.inject_shared(&flip, 0, FaultTarget::Values).unwrap();
+        assert_eq!(hit.total(), 0, "the tables are metadata");
+        let hit = part.inject_shared(&flip, 0, FaultTarget::Metadata).unwrap();
+        assert_eq!(hit.tables.len(), 1);
+        // Unprotected (Shard forms are not coded on paged): read silently.
+        assert_eq!(part.shared_stats().silent, 1);
+        let after = read(part.as_ref(), &pages, BS, BS);
+        assert_ne!(after, before);
+        // A block restored from before the fault reads the tables as they
+        // are now, like every other block, and a snapshot taken now is
+        // accepted too.
+        assert!(part.accepts(&snap));
+        part.restore(7, &snap).unwrap();
+        let moved = [0, 7, 2, 3, 4, 5];
+        assert_eq!(read(part.as_ref(), &moved, BS, BS), after);
+        let resealed = part.snapshot(1).unwrap();
+        assert!(part.accepts(&resealed));
+        assert_eq!(part.scrub_shared().unwrap().corrected, 0);
+    }
+}

@@ -132,6 +132,13 @@ impl ChannelVq {
         })
     }
 
+    /// Reads through the codebook of `tables` (a fitted table as faults left
+    /// it, [`TableBytes`](crate::TableBytes)), shared rather than copied.
+    pub fn share_codebook(&mut self, tables: &ChannelVq) {
+        self.centroids = Arc::clone(&tables.centroids);
+        self.columns = Arc::clone(&tables.columns);
+    }
+
     /// Stores `rows` (`tokens × channels`) on this codebook, scaled by their
     /// own per-channel maxima: a chunk of tokens folded into the compressed
     /// middle after the fit. The codebook is shared, not copied
@@ -265,6 +272,34 @@ fn check_rows(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
             value: rows[i],
         }),
         None => Ok(()),
+    }
+}
+
+/// The codebook's f16 centroids, little-endian: the table every chunk coded
+/// on it reads.
+impl crate::table::TableBytes for ChannelVq {
+    fn table_bytes(&self) -> Vec<u8> {
+        self.centroids
+            .iter()
+            .flat_map(|&c| f16::from_f32(c).to_le_bytes())
+            .collect()
+    }
+
+    fn with_table_bytes(&self, bytes: &[u8]) -> Result<Self> {
+        check_len("codebook bytes", 2 * self.centroids.len(), bytes.len())?;
+        let centroids: Vec<f32> = bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        Ok(Self {
+            columns: Arc::new(columns_of(&centroids)),
+            centroids: Arc::new(centroids),
+            ..self.clone()
+        })
+    }
+
+    fn f16_words(&self) -> bool {
+        true
     }
 }
 

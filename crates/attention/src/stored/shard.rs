@@ -33,11 +33,14 @@
 //! stored bit of a sealed block: the codes or indices under `values` and
 //! `everything`, the block's f16 scales (the keys' per-component steps,
 //! the values' channel maxima) under `metadata` and `everything`, all
-//! unprotected. Not yet: coded spellings (`shard+secded84`), the
-//! per-sequence forms (`shard-k3`: bases fitted on each prefill), and
-//! faults in the shared tables (counted in bytes, not stored as protected
-//! tables yet). kv-eval's calibration file carries every table (the key
-//! basis, the bit allocation and the value codebook), with check words.
+//! unprotected; the fitted table the part reads (the key basis, the value
+//! codebook) is stored once per part as a [`SharedTable`], hit under
+//! `metadata` and `everything` (unprotected too: the form is), and every
+//! sealed block reads through it as faults leave it. Not yet: coded
+//! spellings (`shard+secded84`) and the per-sequence forms (`shard-k3`:
+//! bases fitted on each prefill). kv-eval's calibration file carries every
+//! table (the key basis, the bit allocation and the value codebook), with
+//! check words.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -53,7 +56,7 @@ use kv_quant::{
 };
 
 use super::staging::{BlockState, StagedBlocks};
-use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
+use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart};
 use crate::error::{AttentionError, Result};
 use crate::rope::Rope;
 use crate::source::{KvSource, Tile};
@@ -126,6 +129,20 @@ pub struct ShardPart {
     /// The Hadamard rotation sealed values are coded in: value tiles come
     /// in it (the sum is rotated back once per output, not once per row).
     rotation: Option<&'static Hadamard>,
+    /// The fitted table the blocks read (the key basis, the value
+    /// codebook), as stored, protected bytes; `tables` holds it as read.
+    shared: Shared,
+}
+
+/// A [`ShardPart`]'s fitted table as stored bytes.
+#[derive(Debug)]
+enum Shared {
+    /// The keys' basis.
+    Keys(SharedTable<ShardKeys>),
+    /// The values' codebook.
+    Vq(SharedTable<ChannelVq>),
+    /// NF4 values read no table.
+    None,
 }
 
 impl ShardPart {
@@ -138,6 +155,17 @@ impl ShardPart {
         tables: ShardTables,
     ) -> Result<Self> {
         check_shard_form(form, block_size)?;
+        let shared = match &tables {
+            ShardTables::Keys { prototype, .. } => {
+                Shared::Keys(SharedTable::new(prototype.clone(), &form))
+            }
+            ShardTables::Values {
+                prototype: Some(p), ..
+            } => Shared::Vq(SharedTable::new(p.clone(), &form)),
+            ShardTables::Values {
+                prototype: None, ..
+            } => Shared::None,
+        };
         let mut part = Self {
             blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             form,
@@ -148,6 +176,7 @@ impl ShardPart {
             window: form.segments().window,
             sealed_bytes: 0,
             rotation: None,
+            shared,
         };
         let zero = code(&part.tables, channels, &vec![0.0; block_size * channels], 0)?;
         part.sealed_bytes = zero.stored_bytes();
@@ -217,9 +246,26 @@ impl ShardPart {
         Ok(KvDecodeStats::default())
     }
 
-    /// Whether a sealed block was coded on this part's tables.
+    /// Whether a sealed block was coded on this part's tables, as fitted or
+    /// as faults left them.
     fn fits(&self, sealed: &ShardBlock) -> bool {
-        match (sealed, &self.tables) {
+        let fitted = match (&self.shared, &self.tables) {
+            (Shared::Keys(t), ShardTables::Keys { rope, .. }) => ShardTables::Keys {
+                prototype: t.fitted().clone(),
+                rope: rope.clone(),
+            },
+            (Shared::Vq(t), ShardTables::Values { head_dim, .. }) => ShardTables::Values {
+                prototype: Some(t.fitted().clone()),
+                head_dim: *head_dim,
+            },
+            _ => return self.fits_tables(sealed, &self.tables),
+        };
+        self.fits_tables(sealed, &self.tables) || self.fits_tables(sealed, &fitted)
+    }
+
+    /// Whether a sealed block was coded on `tables`.
+    fn fits_tables(&self, sealed: &ShardBlock, tables: &ShardTables) -> bool {
+        match (sealed, tables) {
             (ShardBlock::Keys { keys, .. }, ShardTables::Keys { prototype, .. }) => {
                 keys.tokens() == self.block_size
                     && keys.dim() == self.channels
@@ -253,6 +299,45 @@ impl ShardPart {
             _ => false,
         }
     }
+}
+
+impl ShardPart {
+    /// After faults changed the table as read: new blocks are coded on it
+    /// and every sealed block reads through it.
+    fn reread(&mut self) -> Result<()> {
+        match (&self.shared, &mut self.tables) {
+            (Shared::Keys(t), ShardTables::Keys { prototype, .. }) => {
+                *prototype = t.read().clone();
+            }
+            (Shared::Vq(t), ShardTables::Values { prototype, .. }) => {
+                *prototype = Some(t.read().clone());
+            }
+            _ => return Ok(()),
+        }
+        for block in self.blocks.iter_mut() {
+            if let BlockState::Sealed(sealed) = block {
+                repoint(sealed, &self.tables)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Makes `sealed` read through `tables` (the part's table as read now).
+fn repoint(sealed: &mut ShardBlock, tables: &ShardTables) -> Result<()> {
+    match (sealed, tables) {
+        (ShardBlock::Keys { keys, .. }, ShardTables::Keys { prototype, .. }) => {
+            keys.share_basis(prototype)?;
+        }
+        (
+            ShardBlock::Vq(v),
+            ShardTables::Values {
+                prototype: Some(p), ..
+            },
+        ) => v.share_codebook(p),
+        _ => {}
+    }
+    Ok(())
 }
 
 /// `rows` (one block of `channels`-value rows, as written) coded on
@@ -406,12 +491,44 @@ impl StoredPart for ShardPart {
     }
 
     fn shared_bytes(&self) -> usize {
-        match &self.tables {
-            ShardTables::Keys { prototype, .. } => prototype.shared_bytes(),
-            ShardTables::Values { prototype, .. } => {
-                prototype.as_ref().map_or(0, |v| v.shared_bytes())
-            }
+        match &self.shared {
+            Shared::Keys(t) => t.stored_bytes(),
+            Shared::Vq(t) => t.stored_bytes(),
+            Shared::None => 0,
         }
+    }
+
+    fn inject_shared(
+        &mut self,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        let (injection, changed) = match &mut self.shared {
+            Shared::Keys(t) => t.inject(channel, seed, target)?,
+            Shared::Vq(t) => t.inject(channel, seed, target)?,
+            Shared::None => return Ok(Injection::default()),
+        };
+        if changed {
+            self.reread()?;
+        }
+        Ok(injection)
+    }
+
+    fn shared_stats(&self) -> gf2_codes::DecodeStats {
+        match &self.shared {
+            Shared::Keys(t) => t.stats(),
+            Shared::Vq(t) => t.stats(),
+            Shared::None => gf2_codes::DecodeStats::default(),
+        }
+    }
+
+    fn scrub_shared(&mut self) -> Result<gf2_codes::DecodeStats> {
+        Ok(match &mut self.shared {
+            Shared::Keys(t) => t.scrub(),
+            Shared::Vq(t) => t.scrub(),
+            Shared::None => gf2_codes::DecodeStats::default(),
+        })
     }
 
     fn open_block(&mut self, block: usize) -> Result<()> {
@@ -522,8 +639,18 @@ impl StoredPart for ShardPart {
                 ),
             });
         }
-        self.blocks
-            .restore(block, data, |data| Ok(data.shard().cloned()))
+        // Coded on the tables as fitted or as read; read through them as
+        // they are now.
+        let tables = &self.tables;
+        self.blocks.restore(block, data, |data| {
+            data.shard()
+                .map(|sealed| {
+                    let mut sealed = sealed.clone();
+                    repoint(&mut sealed, tables)?;
+                    Ok(sealed)
+                })
+                .transpose()
+        })
     }
 
     fn scrub(&mut self, block: usize) -> Result<ScrubStats> {

@@ -52,6 +52,11 @@ impl<T: TableBytes> SharedTable<T> {
         }
     }
 
+    /// The table as fitted (before any fault).
+    pub fn fitted(&self) -> &Arc<T> {
+        &self.fitted
+    }
+
     /// The table as the kernels read it.
     pub fn read(&self) -> &Arc<T> {
         &self.read

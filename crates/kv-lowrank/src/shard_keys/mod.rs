@@ -330,6 +330,23 @@ impl ShardKeys {
         }
     }
 
+    /// Reads through the basis of `tables` (the same shape: a fitted table
+    /// as faults left it, [`TableBytes`](kv_quant::TableBytes)), shared
+    /// rather than copied.
+    pub fn share_basis(&mut self, tables: &ShardKeys) -> Result<()> {
+        if tables.basis.dim() != self.dim || tables.basis.rank() != self.basis.rank() {
+            return Err(LowRankError::Bases(format!(
+                "a basis of {} × {} for keys on {} × {}",
+                tables.basis.rank(),
+                tables.basis.dim(),
+                self.basis.rank(),
+                self.dim
+            )));
+        }
+        self.basis = Arc::clone(&tables.basis);
+        Ok(())
+    }
+
     /// Key channels per token (all KV heads).
     pub fn dim(&self) -> usize {
         self.dim
@@ -436,6 +453,31 @@ impl ShardKeys {
         self.coefficients_into(t, 1, &mut c)?;
         self.basis.reconstruct(&c, out);
         Ok(())
+    }
+}
+
+/// The kept basis as [`Basis::table_bytes`] lays it out: the table every
+/// chunk coded on these tables reads.
+impl kv_quant::TableBytes for ShardKeys {
+    fn table_bytes(&self) -> Vec<u8> {
+        self.basis.table_bytes()
+    }
+
+    fn with_table_bytes(&self, bytes: &[u8]) -> kv_quant::Result<Self> {
+        let basis = self.basis.with_table_bytes(bytes).map_err(|e| {
+            kv_quant::KvQuantError::InvalidParameter {
+                name: "shard key basis",
+                reason: e.to_string(),
+            }
+        })?;
+        Ok(Self {
+            basis: Arc::new(basis),
+            ..self.clone()
+        })
+    }
+
+    fn f16_words(&self) -> bool {
+        self.basis.storage() == BasisStorage::F16
     }
 }
 
