@@ -138,25 +138,30 @@ impl Rope {
                 ),
             });
         }
-        let pairs = self.inv_freq.len();
-        // (sin, cos) of the current row's angle, and of one step.
-        let mut trig = vec![(0.0f64, 1.0f64); 2 * pairs];
-        let (now, step) = trig.split_at_mut(pairs);
-        for (i, &f) in self.inv_freq.iter().enumerate() {
-            step[i] = f.sin_cos();
-        }
-        for (r, rows) in x.chunks_exact_mut(row).enumerate() {
-            if r % Self::ANCHOR == 0 {
-                for (t, &f) in now.iter_mut().zip(&self.inv_freq) {
-                    *t = ((first + r) as f64 * f).sin_cos();
-                }
-            } else {
-                for (t, &(s1, c1)) in now.iter_mut().zip(step.iter()) {
-                    let (s0, c0) = *t;
-                    *t = (s0 * c1 + c0 * s1, c0 * c1 - s0 * s1);
-                }
+        // Pairs a few at a time, their angles on the stack (this runs for
+        // every page of a rebuilt tile: no allocation), each pair's
+        // arithmetic as if all were done at once.
+        const PAIRS: usize = 32;
+        for (chunk, freqs) in self.inv_freq.chunks(PAIRS).enumerate() {
+            // (sin, cos) of the current row's angle, and of one step.
+            let (mut now, mut step) = ([(0.0f64, 1.0f64); PAIRS], [(0.0f64, 1.0f64); PAIRS]);
+            let (now, step) = (&mut now[..freqs.len()], &mut step[..freqs.len()]);
+            for (t, &f) in step.iter_mut().zip(freqs) {
+                *t = f.sin_cos();
             }
-            self.rotate_heads(rows, now);
+            for (r, rows) in x.chunks_exact_mut(row).enumerate() {
+                if r % Self::ANCHOR == 0 {
+                    for (t, &f) in now.iter_mut().zip(freqs) {
+                        *t = ((first + r) as f64 * f).sin_cos();
+                    }
+                } else {
+                    for (t, &(s1, c1)) in now.iter_mut().zip(step.iter()) {
+                        let (s0, c0) = *t;
+                        *t = (s0 * c1 + c0 * s1, c0 * c1 - s0 * s1);
+                    }
+                }
+                self.rotate_heads(rows, chunk * PAIRS, now);
+            }
         }
         Ok(())
     }
@@ -177,16 +182,16 @@ impl Rope {
             .iter()
             .map(|&f| (sign * position as f64 * f).sin_cos())
             .collect();
-        self.rotate_heads(x, &trig);
+        self.rotate_heads(x, 0, &trig);
         Ok(())
     }
 
-    /// Rotates pair `i` of every head of `x` by the angle whose `(sin,
-    /// cos)` is `trig[i]`, each pair in f64 and rounded to f32 once.
-    fn rotate_heads(&self, x: &mut [f32], trig: &[(f64, f64)]) {
+    /// Rotates pair `first + i` of every head of `x` by the angle whose
+    /// `(sin, cos)` is `trig[i]`, each pair in f64 and rounded to f32 once.
+    fn rotate_heads(&self, x: &mut [f32], first: usize, trig: &[(f64, f64)]) {
         for head in x.chunks_exact_mut(self.head_dim) {
             for (i, &(sin, cos)) in trig.iter().enumerate() {
-                let (a, b) = self.pair(i);
+                let (a, b) = self.pair(first + i);
                 let (x0, x1) = (f64::from(head[a]), f64::from(head[b]));
                 head[a] = (x0 * cos - x1 * sin) as f32;
                 head[b] = (x0 * sin + x1 * cos) as f32;
@@ -205,12 +210,16 @@ mod tests {
         use rand_core::{Rng, SeedableRng};
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let mut uniform = move || ((rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 16.0;
-        for (layout, base) in [
-            (RopeLayout::RotateHalf, 100_000.0),
-            (RopeLayout::Adjacent, 1e4),
+        // Heads of 128 take two chunks of pairs; 96 rotated channels of
+        // 128 leave the tail alone.
+        for (layout, base, dim, rotary) in [
+            (RopeLayout::RotateHalf, 100_000.0, 64, 64),
+            (RopeLayout::Adjacent, 1e4, 64, 64),
+            (RopeLayout::RotateHalf, 1e6, 128, 128),
+            (RopeLayout::Adjacent, 1e4, 128, 96),
         ] {
-            let rope = Rope::new(layout, 64, 64, base).unwrap();
-            let (row, rows) = (192, 70);
+            let rope = Rope::new(layout, dim, rotary, base).unwrap();
+            let (row, rows) = (3 * dim, 70);
             let (mut same, mut all) = (0usize, 0usize);
             for first in [0usize, 1, 63, 4_095, 131_000] {
                 let x: Vec<f32> = (0..row * rows).map(|_| uniform()).collect();

@@ -246,62 +246,36 @@ impl ShardPart {
         Ok(KvDecodeStats::default())
     }
 
-    /// Whether a sealed block was coded on this part's tables, as fitted or
-    /// as faults left them.
+    /// Whether a sealed block was coded on this part's table, as fitted or
+    /// as faults left it (the table as read).
     fn fits(&self, sealed: &ShardBlock) -> bool {
-        let fitted = match (&self.shared, &self.tables) {
-            (Shared::Keys(t), ShardTables::Keys { rope, .. }) => ShardTables::Keys {
-                prototype: t.fitted().clone(),
-                rope: rope.clone(),
-            },
-            (Shared::Vq(t), ShardTables::Values { head_dim, .. }) => ShardTables::Values {
-                prototype: Some(t.fitted().clone()),
-                head_dim: *head_dim,
-            },
-            _ => return self.fits_tables(sealed, &self.tables),
-        };
-        self.fits_tables(sealed, &self.tables) || self.fits_tables(sealed, &fitted)
-    }
-
-    /// Whether a sealed block was coded on `tables`.
-    fn fits_tables(&self, sealed: &ShardBlock, tables: &ShardTables) -> bool {
-        match (sealed, tables) {
-            (ShardBlock::Keys { keys, .. }, ShardTables::Keys { prototype, .. }) => {
-                keys.tokens() == self.block_size
-                    && keys.dim() == self.channels
-                    && keys.basis() == prototype.basis()
-                    && keys.allocation() == prototype.allocation()
+        let (bs, ch) = (self.block_size, self.channels);
+        match (sealed, &self.shared, &self.tables) {
+            (ShardBlock::Keys { keys, .. }, Shared::Keys(t), _) => {
+                keys.tokens() == bs
+                    && keys.dim() == ch
+                    && [t.fitted(), t.read()]
+                        .iter()
+                        .any(|p| keys.basis() == p.basis() && keys.allocation() == p.allocation())
             }
-            (
-                ShardBlock::Vq(v),
-                ShardTables::Values {
-                    prototype: Some(p), ..
-                },
-            ) => {
-                v.tokens() == self.block_size
-                    && v.channels() == self.channels
-                    && v.centroids() == p.centroids()
-                    && v.hadamard() == p.hadamard()
+            (ShardBlock::Vq(v), Shared::Vq(t), _) => {
+                v.tokens() == bs
+                    && v.channels() == ch
+                    && [t.fitted(), t.read()]
+                        .iter()
+                        .any(|p| v.centroids() == p.centroids() && v.hadamard() == p.hadamard())
             }
-            (
-                ShardBlock::Nf4(s),
-                ShardTables::Values {
-                    prototype: None,
-                    head_dim,
-                },
-            ) => {
+            (ShardBlock::Nf4(s), Shared::None, ShardTables::Values { head_dim, .. }) => {
                 // Tiles come in the part's rotation: a block of another
                 // NF4 form (another rotation) would read wrong.
-                s.tokens() == self.block_size
-                    && s.channels() == self.channels
+                s.tokens() == bs
+                    && s.channels() == ch
                     && crate::shard::nf4_form(*head_dim).is_ok_and(|f| *s.form() == f)
             }
             _ => false,
         }
     }
-}
 
-impl ShardPart {
     /// After faults changed the table as read: new blocks are coded on it
     /// and every sealed block reads through it.
     fn reread(&mut self) -> Result<()> {
