@@ -6,6 +6,8 @@
 //! restore bit for bit; a flipped coefficient bit is counted and read;
 //! the form without its bases, online and pre-RoPE forms are refused.
 
+mod common;
+
 use std::sync::Arc;
 
 use attention::TileRows;
@@ -20,15 +22,7 @@ const CH: usize = HEADS * HEAD_DIM;
 const BS: usize = 8;
 
 fn rows(tokens: usize, seed: u64) -> Vec<f32> {
-    (0..tokens * CH)
-        .map(|i| {
-            let x = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-            let c = (i % CH) as f32;
-            // Structure a rank-4 basis can mostly hold, plus noise.
-            (c * 0.37 + (i / CH) as f32 * 0.11).sin()
-                + 0.1 * ((x as f32 / (1u64 << 24) as f32) - 0.5)
-        })
-        .collect()
+    common::structured_rows(tokens, CH, seed, 0.1)
 }
 
 fn bases() -> Arc<HeadBases> {

@@ -6,15 +6,17 @@
 //! back; values: coded on the calibration's codebook or in NF4) and as the
 //! f16 rows of blocks in the sink or the window; snapshots restore bit for
 //! bit and are refused by a part on other tables; a flipped code is read;
-//! the per-sequence form and coded spellings are refused.
+//! coded and folded spellings are refused. The forms fitted per sequence
+//! are `tests/stored_shard_sequence.rs`'s.
+
+mod common;
 
 use std::sync::Arc;
 
 use attention::stored::{
-    Fitted, PartScratch, ShardBlock, ShardTables, StoredPart, check_part_form, open_part,
-    part_seals,
+    Fitted, ShardBlock, ShardTables, StoredPart, check_part_form, open_part, part_seals,
 };
-use attention::{Rope, RopeLayout, TileRows};
+use attention::{Rope, RopeLayout};
 use gf2_codes::channel::ExactFlips;
 use kv_lowrank::{Basis, BasisStorage, ShardKeys};
 use kv_quant::{
@@ -29,14 +31,7 @@ const BS: usize = 4;
 const FORM: &str = "shard-k3-cal+sink2+win8";
 
 fn rows(tokens: usize, seed: u64) -> Vec<f32> {
-    (0..tokens * CH)
-        .map(|i| {
-            let x = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-            let c = (i % CH) as f32;
-            (c * 0.37 + (i / CH) as f32 * 0.11).sin()
-                + 0.3 * ((x as f32 / (1u64 << 24) as f32) - 0.5)
-        })
-        .collect()
+    common::structured_rows(tokens, CH, seed, 0.3)
 }
 
 fn rope() -> Rope {
@@ -101,12 +96,7 @@ fn write(part: &mut dyn StoredPart, pages: &[u32], x: &[f32], tokens: usize) {
 }
 
 fn read(part: &dyn StoredPart, pages: &[u32], start: usize, count: usize) -> Vec<f32> {
-    let mut scratch = PartScratch::default();
-    let tile = part.read_tile(pages, start, count, &mut scratch).unwrap();
-    let TileRows::F32(r) = tile.rows else {
-        panic!("rebuilt rows are f32")
-    };
-    r.to_vec()
+    common::f32_tile(part, pages, start, count)
 }
 
 #[test]
@@ -300,7 +290,7 @@ fn a_sealed_key_block_is_refused_by_a_part_on_other_tables() {
 
 #[test]
 fn what_the_shard_part_cannot_hold_is_refused() {
-    for spelling in ["shard-k3", "shard-k3-cal+secded84", "shard-k3-cal-f16"] {
+    for spelling in ["shard-k3-cal+secded84", "shard-k3-cal-f16", "shard-k3-f16"] {
         let form: CacheForm = spelling.parse().unwrap();
         assert!(check_part_form(form, BS).is_err(), "{spelling}");
         assert!(!part_seals(form, BS), "{spelling}");

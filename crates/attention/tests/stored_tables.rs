@@ -7,6 +7,8 @@
 //! what the code corrects, and a block restored from a snapshot reads the
 //! part's tables as they are now.
 
+mod common;
+
 use std::sync::Arc;
 
 use attention::TileRows;
@@ -22,14 +24,7 @@ const BS: usize = 8;
 const TOKENS: usize = 3 * BS;
 
 fn rows(tokens: usize, seed: u64) -> Vec<f32> {
-    (0..tokens * CH)
-        .map(|i| {
-            let x = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-            let c = (i % CH) as f32;
-            (c * 0.37 + (i / CH) as f32 * 0.11).sin()
-                + 0.2 * ((x as f32 / (1u64 << 24) as f32) - 0.5)
-        })
-        .collect()
+    common::structured_rows(tokens, CH, seed, 0.2)
 }
 
 /// The fitted tables of `form` (a codebook for `vq`, bases for `pca`).

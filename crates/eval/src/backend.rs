@@ -4,7 +4,7 @@
 //! the forward passes, the re-encode [`KvCache`](crate::cache::KvCache)
 //! is one itself.
 
-use attention::stored::Fitted;
+use attention::stored::{Fitted, SequenceFit};
 use paged_cache::{KvPart, LayerSpec, NoPrefixCache, PagedBackend};
 
 use crate::cache::{CacheMode, CacheStats, FaultSpec};
@@ -99,10 +99,13 @@ impl BackendKind {
         let paged = Self::Paged { block_size };
         // Calibrated forms stay on the re-encode protocol their tables
         // were measured on; `--backend paged` serves them.
-        let calibrated = mode
-            .forms()
-            .iter()
-            .any(|(f, _)| f.quantizer().needs_codebook() || f.quantizer().needs_bases());
+        // So do the Shard forms fitted per sequence: `--backend paged`
+        // fits them on the rows committed when a block first seals, the
+        // re-encode protocol on each whole window.
+        let calibrated = mode.forms().iter().any(|(f, _)| {
+            let q = f.quantizer();
+            q.needs_codebook() || q.needs_bases() || q.is_shard()
+        });
         if !calibrated && paged.check(mode, faults).is_ok() {
             paged
         } else {
@@ -200,31 +203,37 @@ pub fn fitted_tables(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<[Fitt
     let CacheMode::Stored(s) = mode else {
         return Ok(Vec::new());
     };
-    let Some(cal) = &s.calibration else {
-        return Ok(Vec::new());
-    };
+    let cal = s.calibration.as_ref();
     let shard = |form: &kv_quant::CacheForm, layer, part| {
+        let cal = cal?;
         model
             .rope()
             .and_then(|rope| cal.shard_tables(form, layer, part, rope))
+    };
+    // What a Shard part fitting its tables on each sequence needs of the
+    // model (its RoPE, its head width).
+    let sequence = |form: &kv_quant::CacheForm, part| match (form.quantizer(), part) {
+        (kv_quant::Quantizer::Shard(spec), Part::Key) if !spec.calibrated => {
+            model.rope().map(|r| SequenceFit::Keys(r.clone()))
+        }
+        (kv_quant::Quantizer::Shard(spec), Part::Value) if !spec.calibrated => {
+            Some(SequenceFit::Values {
+                head_dim: model.head_dim(),
+            })
+        }
+        _ => None,
     };
     Ok(s.layers
         .resolve(model.layers())?
         .into_iter()
         .enumerate()
         .map(|(i, (key, value))| {
-            [
-                Fitted {
-                    codebook: cal.codebook(&key, i, Part::Key),
-                    bases: cal.bases(&key, i, Part::Key),
-                    shard: shard(&key, i, Part::Key),
-                },
-                Fitted {
-                    codebook: cal.codebook(&value, i, Part::Value),
-                    bases: cal.bases(&value, i, Part::Value),
-                    shard: shard(&value, i, Part::Value),
-                },
-            ]
+            [(key, Part::Key), (value, Part::Value)].map(|(form, part)| Fitted {
+                codebook: cal.and_then(|c| c.codebook(&form, i, part)),
+                bases: cal.and_then(|c| c.bases(&form, i, part)),
+                shard: shard(&form, i, part),
+                sequence: sequence(&form, part),
+            })
         })
         .collect())
 }
@@ -252,16 +261,21 @@ pub fn paged_stats(
             }
         }
     }
-    // Fitted tables are stored once beside the blocks, counted with the
-    // part that reads them.
+    // Fitted tables are stored once beside the blocks (calibrated) or once
+    // per sequence (fitted on its rows), counted with the part that reads
+    // them.
+    let tables = match backend.sequence() {
+        Some(seq) => backend.manager().sequence_tables(seq)?.clone(),
+        None => paged_cache::SeqTables::default(),
+    };
     for (i, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
-        part_bytes[i] += storage.shared_part_bytes(part) as u64;
+        part_bytes[i] += (storage.shared_part_bytes(part) + tables.part_bytes(part)) as u64;
     }
     Ok(CacheStats {
         keys: read.keys,
         values: read.values,
         stored_bytes: part_bytes[0] + part_bytes[1],
-        codebook_bytes: storage.shared_bytes() as u64,
+        codebook_bytes: (storage.shared_bytes() + tables.stored_bytes()) as u64,
         stored_values: 2 * (tokens * model.kv_channels() * model.layers()) as u64,
         part_bytes,
         ..CacheStats::default()
@@ -298,6 +312,7 @@ mod tests {
             ("vq", 0.0, BackendKind::Reencode),
             ("pca-r32", 0.0, BackendKind::Reencode),
             ("shard-k3-cal", 0.0, BackendKind::Reencode),
+            ("shard-k3", 0.0, BackendKind::Reencode),
         ] {
             let mode = CacheMode::parse(form).unwrap();
             assert_eq!(

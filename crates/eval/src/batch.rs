@@ -239,11 +239,23 @@ pub struct BatchReport {
     pub ttft: Percentiles,
     /// Inter-token latency.
     pub inter_token: Percentiles,
+    /// Why the batch served with another prefix cache than asked, if it
+    /// did (forms fitted per sequence turn prefix caching off).
+    pub notice: Option<String>,
 }
 
 impl BatchReport {
     /// A Markdown summary.
     pub fn markdown(&self) -> String {
+        let notice = self
+            .notice
+            .as_ref()
+            .map_or_else(String::new, |n| format!("Note: {n}\n\n"));
+        notice + &self.table()
+    }
+
+    /// The Markdown table of [`markdown`](Self::markdown).
+    fn table(&self) -> String {
         let s = &self.scheduler;
         let ms = |p: &Percentiles| {
             format!(
@@ -333,7 +345,8 @@ pub fn run_batch_with(
 ) -> Result<BatchReport> {
     check_requests(model, requests)?;
     let bs = config.cache.block_size;
-    let served = match config.prefix {
+    let (prefix, notice) = prefix_for(&config.mode, config.prefix);
+    let served = match prefix {
         PrefixKind::None => serve_on(NoPrefixCache, model, requests, config, on_finished)?,
         PrefixKind::Hash => {
             let prefix = HashPrefixCache::new(bs);
@@ -357,7 +370,30 @@ pub fn run_batch_with(
         generated,
         tokens_per_second: generated as f64 / served.seconds.max(f64::MIN_POSITIVE),
         outputs,
+        notice,
     })
+}
+
+/// The prefix cache a batch in `mode` serves with when `asked` for one,
+/// and why, where it differs: a form fitting its tables on each sequence
+/// (`shard-k3`) codes a sequence's blocks on its own tables, fitted on
+/// more than the shared prefix, so no other sequence may reuse them;
+/// prefix caching is off for it.
+pub fn prefix_for(mode: &CacheMode, asked: PrefixKind) -> (PrefixKind, Option<String>) {
+    let per_sequence = mode.forms().into_iter().find(|(form, _)| {
+        matches!(form.quantizer(), kv_quant::Quantizer::Shard(spec) if !spec.calibrated)
+    });
+    match per_sequence {
+        Some((form, _)) if asked != PrefixKind::None => (
+            PrefixKind::None,
+            Some(format!(
+                "prefix caching is off: {form} fits its tables on each sequence, so a block \
+                 coded on one sequence's tables cannot serve another (its calibrated `-cal` \
+                 twin shares blocks)"
+            )),
+        ),
+        _ => (asked, None),
+    }
 }
 
 /// The batch on a paged cache in `config`'s forms with prefix cache

@@ -74,6 +74,10 @@ pub struct Generation {
     /// buffers (the re-encode backend holds f32 rows and encodes them anew
     /// on each step, so it counts those rows).
     pub cache_bytes: u64,
+    /// Bytes of the fitted tables the paged cache's forms read: calibrated
+    /// ones stored once beside the blocks, and those fitted on this
+    /// sequence (not in `cache_bytes`).
+    pub table_bytes: u64,
     /// Decode statistics of keys and values read by attention (paged backend).
     pub reads: [KvDecodeStats; 2],
     /// Bits flipped in the resident blocks.
@@ -293,6 +297,11 @@ fn generate_with(
             (out.injected_flips, out.scrubbed) = (flips, scrubbed);
             out.tables = (cache.0.table_flips(), cache.0.table_stats());
             out.cache_bytes = cache.0.stored_bytes()? as u64;
+            let fitted = match cache.0.sequence() {
+                Some(seq) => cache.0.manager().sequence_tables(seq)?.stored_bytes(),
+                None => 0,
+            };
+            out.table_bytes = (cache.0.storage().shared_bytes() + fitted) as u64;
             let r = cache.0.read_stats();
             out.reads = [r.keys, r.values];
             out.non_finite_stored = cache.0.storage().non_finite_written();

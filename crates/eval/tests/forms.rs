@@ -347,6 +347,52 @@ fn calibrated_low_rank_forms_are_paged_forms() {
     assert!(e.contains("needs its calibrated bases"), "{e}");
 }
 
+/// A Shard form fitted per sequence (`shard-k4-g4`, no calibration) on the
+/// paged backend: the sequence's tables are fitted at its first seal and
+/// counted with the cache, the logits move but stay near plain's; with a
+/// window over every token nothing seals and the logits are f16-paged's;
+/// `batch` turns prefix caching off for it with a notice, and `auto`
+/// keeps it on the re-encode protocol.
+#[test]
+fn shard_forms_fitted_per_sequence_are_paged_forms() {
+    use kv_eval::backend::BackendKind;
+    use kv_eval::batch::{PrefixKind, prefix_for};
+    let m = model();
+    // The fit needs 1,024 values (256 centroids of 4): 64 rows of the
+    // tiny model's 16 channels, past the sink block, out of the window.
+    assert_eq!(kv_model::model::CausalLm::kv_channels(&m), 16);
+    let toks = tokens(96);
+    let run = |mode: &CacheMode| paged_run(&m, &toks, mode);
+    let mode = CacheMode::parse("shard-k4-g4+sink2+win8").unwrap();
+    let (plain, _) = run(&CacheMode::parse("plain").unwrap());
+    let (f16, _) = run(&CacheMode::parse("fp16").unwrap());
+    let (shard, stats) = run(&mode);
+    assert!(shard.iter().all(|x| x.is_finite()));
+    assert_ne!(shard, f16, "blocks were sealed");
+    let scale = plain.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let worst = shard
+        .iter()
+        .zip(&plain)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(worst < 0.5 * scale, "{worst} of {scale}");
+    assert!(
+        stats.codebook_bytes > 0,
+        "the sequence's tables are counted"
+    );
+    let (open, open_stats) = run(&CacheMode::parse("shard-k4-g4+sink2+win96").unwrap());
+    assert_eq!(open, f16);
+    assert_eq!(open_stats.codebook_bytes, 0, "nothing fitted");
+    let (prefix, notice) = prefix_for(&mode, PrefixKind::Hash);
+    assert_eq!(prefix, PrefixKind::None);
+    assert!(notice.unwrap().contains("prefix caching is off"));
+    let cal = CacheMode::parse("shard-k4-g4-cal").unwrap();
+    assert_eq!(
+        prefix_for(&cal, PrefixKind::Radix),
+        (PrefixKind::Radix, None)
+    );
+    assert_eq!(BackendKind::auto(&mode, None, 4), BackendKind::Reencode);
+}
+
 /// A calibrated Shard form on the paged cache: blocks past the sink and
 /// out of the window are coded on the calibration's tables as their step
 /// commits, so a sequence fed four tokens a step reads its middle
@@ -356,19 +402,10 @@ fn calibrated_low_rank_forms_are_paged_forms() {
 /// bit for bit; without its tables the form is refused by name.
 #[test]
 fn calibrated_shard_forms_are_paged_forms() {
-    use kv_eval::backend::{paged_backend, paged_stats};
-    use kv_model::model::Adapted;
+    use kv_eval::backend::paged_backend;
     let m = model();
     let toks = tokens(40);
-    let run = |mode: &CacheMode| {
-        let mut paged = Adapted(paged_backend(&m, mode, None, 4, toks.len()).unwrap());
-        let mut logits = Vec::new();
-        for step in toks.chunks(4) {
-            logits = m.forward(step, &mut paged, 0).unwrap();
-        }
-        let s = paged_stats(&paged.0, &m, toks.len()).unwrap();
-        (logits, s)
-    };
+    let run = |mode: &CacheMode| paged_run(&m, &toks, mode);
     let with = |spelling: &str| {
         let cal = Arc::new(calibration(&m, spelling));
         CacheMode::parse(spelling)
@@ -467,6 +504,24 @@ fn calibrated_shard_forms_are_paged_forms() {
 /// A calibration file's `bytes` with each table passed to `edit` (its name
 /// and bytes) and its check words recomputed, as a writer that meant it
 /// would (the header keeps its length: names and shapes are unchanged).
+/// The logits of the last block of `toks` on a paged backend in `mode`
+/// (blocks of 4, a block per step, as a server decodes), and its
+/// statistics.
+fn paged_run(
+    m: &LlamaModel,
+    toks: &[u32],
+    mode: &CacheMode,
+) -> (Vec<f32>, kv_eval::cache::CacheStats) {
+    use kv_eval::backend::{paged_backend, paged_stats};
+    let mut paged = kv_model::model::Adapted(paged_backend(m, mode, None, 4, toks.len()).unwrap());
+    let mut logits = Vec::new();
+    for step in toks.chunks(4) {
+        logits = m.forward(step, &mut paged, 0).unwrap();
+    }
+    let s = paged_stats(&paged.0, m, toks.len()).unwrap();
+    (logits, s)
+}
+
 fn rewrite(bytes: &[u8], edit: impl Fn(&str, &mut [u8])) -> Vec<u8> {
     use safetensors::tensor::{SafeTensors, TensorView};
     let (_, header) = SafeTensors::read_metadata(bytes).unwrap();

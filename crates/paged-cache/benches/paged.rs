@@ -249,7 +249,14 @@ fn decode(c: &mut Criterion) {
             });
             // Staged forms (int4-ch) seal every block, as the steps that
             // wrote them would have when they committed.
-            storage.seal_blocks(&table_blocks, 0, TOKENS).expect("seal");
+            storage
+                .seal_blocks(
+                    &table_blocks,
+                    0,
+                    TOKENS,
+                    &mut paged_cache::SeqTables::default(),
+                )
+                .expect("seal");
             let table = PageTable::from_tables(&[(&table_blocks, TOKENS)], bs).expect("table");
             let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).expect("keys");
             let values = PagedKv::new(&storage, &table, 0, 0, KvPart::Values).expect("values");
@@ -299,7 +306,9 @@ fn seal_block(c: &mut Criterion) {
                 .expect("write");
         }
     }
-    storage.seal_blocks(&table, 0, CONTEXT).expect("seal");
+    storage
+        .seal_blocks(&table, 0, CONTEXT, &mut paged_cache::SeqTables::default())
+        .expect("seal");
     let pages = PageTable::from_tables(&[(&table, CONTEXT)], BS).expect("table");
     let q = matrix(1, heads.q_len(), 0.3);
     let mut group = c.benchmark_group("paged-cache/seal-block-4k");
@@ -340,7 +349,9 @@ fn seal_block(c: &mut Criterion) {
                 }
             },
             |()| {
-                let sealed = storage.seal_blocks(&spare, BS, 2 * BS).expect("seal");
+                let sealed = storage
+                    .seal_blocks(&spare, BS, 2 * BS, &mut paged_cache::SeqTables::default())
+                    .expect("seal");
                 assert_eq!(sealed, LAYERS, "one key block per layer");
             },
             // One setup per seal: each seal needs a freshly staged block.

@@ -53,6 +53,7 @@ mod prefix;
 mod radix;
 pub mod scheduler;
 mod scrub;
+mod seq_tables;
 mod slots;
 mod storage;
 
@@ -65,6 +66,7 @@ pub use pool::{Allocated, BlockId, BlockPool, FreeList, MAX_SLOTS};
 pub use prefix::{NoPrefixCache, PrefixCache, PrefixHit, PrefixLock};
 pub use radix::RadixPrefixCache;
 pub use scrub::{ScrubTotals, Scrubber};
+pub use seq_tables::SeqTables;
 pub use slots::ReservedSlots;
 pub use storage::{BlockData, BlockStorage, KvPart, LayerSpec, check_pageable};
 

@@ -18,6 +18,7 @@ use crate::error::{PagedCacheError, Result};
 use crate::page_table::PageTable;
 use crate::pool::{BlockId, BlockPool};
 use crate::prefix::{PrefixCache, PrefixLock};
+use crate::seq_tables::SeqTables;
 use crate::storage::{BlockData, BlockStorage};
 
 /// A sequence's id.
@@ -48,6 +49,8 @@ struct Sequence {
     salt: u64,
     lock: Option<PrefixLock>,
     host: Option<Vec<u32>>,
+    /// Tables its parts fitted on its rows (shared with its forks).
+    tables: SeqTables,
 }
 
 /// Counters of what the manager did.
@@ -301,13 +304,15 @@ impl<P: PrefixCache> KvCacheManager<P> {
                 salt,
                 lock: hit.lock,
                 host: None,
+                tables: SeqTables::default(),
             },
         );
         if let Some(storage) = &self.storage {
             // The hit is the new sequence's committed prefix: blocks of it
             // another sequence left staged (inside its window) are sealed
             // as that prefix makes them sealable.
-            storage.seal_blocks(&self.seqs[&id].table, 0, hit.tokens)?;
+            let s = self.seqs.get_mut(&id).expect("inserted above");
+            storage.seal_blocks(&s.table, 0, hit.tokens, &mut s.tables)?;
         }
         self.append_reserved(id, &prompt[hit.tokens..])?;
         Ok((id, hit.tokens))
@@ -408,7 +413,27 @@ impl<P: PrefixCache> KvCacheManager<P> {
             });
         }
         let storage = self.storage.as_ref().ok_or(PagedCacheError::NoStorage)?;
-        storage.seal_blocks(&s.table, before, after)
+        let s = self.seqs.get_mut(&id).expect("resident above");
+        storage.seal_blocks(&s.table, before, after, &mut s.tables)
+    }
+
+    /// The tables the parts of a form fitted per sequence fitted on `id`'s
+    /// rows (empty before its first seal, and for other forms), shared
+    /// with its forks and freed with it.
+    pub fn sequence_tables(&self, id: SeqId) -> Result<&SeqTables> {
+        Ok(&self.seq(id)?.tables)
+    }
+
+    /// Keeps `tables` as `id`'s fitted tables: those a [`ReservedSlots`](crate::ReservedSlots)
+    /// of it fitted while it sealed (a sequence's tables are fitted once,
+    /// so tables of it already fitted are kept as they are).
+    pub fn set_sequence_tables(&mut self, id: SeqId, tables: &SeqTables) -> Result<()> {
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(PagedCacheError::UnknownSequence(id))?;
+        s.tables.fill_from(tables);
+        Ok(())
     }
 
     /// A new sequence sharing all of `id`'s blocks (parallel sampling, beam search).

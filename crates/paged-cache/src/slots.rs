@@ -21,6 +21,7 @@ use crate::error::{PagedCacheError, Result};
 use crate::manager::{KvCacheManager, SeqId};
 use crate::pool::BlockId;
 use crate::prefix::PrefixCache;
+use crate::seq_tables::SeqTables;
 use crate::storage::BlockStorage;
 
 /// One sequence's reserved slots as a KV backend (see the module docs).
@@ -32,6 +33,9 @@ pub struct ReservedSlots {
     written: usize,
     step: StepRows,
     stats: PagedReadStats,
+    /// The sequence's fitted tables ([`SeqTables`]): the manager's when
+    /// made, with those its seals fitted since.
+    tables: SeqTables,
 }
 
 impl ReservedSlots {
@@ -74,7 +78,16 @@ impl ReservedSlots {
             written,
             step: StepRows::new(manager.storage().map_or(0, |s| s.layers().len())),
             stats: PagedReadStats::default(),
+            tables: manager.sequence_tables(seq)?.clone(),
         })
+    }
+
+    /// The sequence's fitted tables: the manager's when these slots were
+    /// made, with any a seal of a form fitted per sequence has fitted since
+    /// (hand them back with [`KvCacheManager::set_sequence_tables`] when
+    /// the step is done).
+    pub fn tables(&self) -> &SeqTables {
+        &self.tables
     }
 
     /// Decode statistics of every attention read so far.
@@ -165,7 +178,7 @@ impl KvBackend for ReservedSlots {
                 self.written += n;
                 // Blocks the step made sealable are sealed now it is whole.
                 self.storage
-                    .seal_blocks(&self.table, before, self.written)?;
+                    .seal_blocks(&self.table, before, self.written, &mut self.tables)?;
                 Ok(())
             }
             Err(e) => {
@@ -194,7 +207,7 @@ impl KvBackend for ReservedSlots {
                 let before = self.written;
                 self.written += keep;
                 self.storage
-                    .seal_blocks(&self.table, before, self.written)?;
+                    .seal_blocks(&self.table, before, self.written, &mut self.tables)?;
                 Ok(())
             }
             Ok(n) => Err(attention::keep_past_step(keep, n).into()),

@@ -35,6 +35,7 @@ use kv_quant::{
 
 use crate::error::{PagedCacheError, Result};
 use crate::pool::BlockId;
+use crate::seq_tables::SeqTables;
 
 /// The stored forms and width of one layer's K and V rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -459,18 +460,50 @@ impl BlockStorage {
     /// sealable ([`StoredPart::sealable`]), in every layer part. Blocks
     /// already sealed (shared ones sealed by another sequence) are left as
     /// they are. Call it when the step commits, never before, so that a
-    /// rollback only drops staged rows.
-    pub fn seal_blocks(&self, table: &[BlockId], before: usize, after: usize) -> Result<usize> {
+    /// rollback only drops staged rows. A part that fits its tables on each
+    /// sequence ([`StoredPart::per_sequence`]) fits them on the blocks its
+    /// first seal seals and keeps them in the sequence's `tables`; later
+    /// seals code on them.
+    pub fn seal_blocks(
+        &self,
+        table: &[BlockId],
+        before: usize,
+        after: usize,
+        tables: &mut SeqTables,
+    ) -> Result<usize> {
         let mut sealed = 0;
-        for parts in &self.parts {
-            for p in parts {
+        let mut pages = Vec::new();
+        for (layer, parts) in self.parts.iter().enumerate() {
+            for (p, kv) in parts.iter().zip([KvPart::Keys, KvPart::Values]) {
                 let mut part = write(p);
                 let range = part.sealable(before, after);
                 let range = range.start.min(table.len())..range.end.min(table.len());
-                for i in range {
-                    let block = table[i];
+                if range.is_empty() {
+                    continue;
+                }
+                for &block in &table[range.clone()] {
                     self.block_rows(block)?;
-                    sealed += usize::from(part.seal(block.index(), i * self.block_size)?);
+                }
+                if !part.per_sequence() {
+                    for i in range {
+                        let block = table[i].index();
+                        sealed += usize::from(part.seal(block, i * self.block_size)?);
+                    }
+                    continue;
+                }
+                if tables.get(layer, kv).is_none() {
+                    if pages.is_empty() {
+                        pages = table.iter().map(|b| b.0).collect();
+                    }
+                    let fitted = part.fit_sequence(&pages, range.clone())?;
+                    tables.set(layer, kv, fitted);
+                }
+                let Some(fitted) = tables.get(layer, kv) else {
+                    unreachable!("fitted above");
+                };
+                for i in range {
+                    let block = table[i].index();
+                    sealed += usize::from(part.seal_on(block, i * self.block_size, fitted)?);
                 }
             }
         }

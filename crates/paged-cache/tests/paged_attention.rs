@@ -376,7 +376,9 @@ fn a_calibrated_codebook_form_pages_like_a_contiguous_store() {
                 .write(table[t / bs], t % bs, 0, &k[r.clone()], &v[r])
                 .unwrap();
         }
-        storage.seal_blocks(&table, 0, len).unwrap();
+        storage
+            .seal_blocks(&table, 0, len, &mut paged_cache::SeqTables::default())
+            .unwrap();
         let page_table = PageTable::from_tables(&[(&table, len)], bs).unwrap();
         let config = AttentionConfig {
             tile_tokens: bs,

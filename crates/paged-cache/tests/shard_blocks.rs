@@ -4,11 +4,14 @@
 //! prompt reads the first one's sealed rows bit for bit, keys rotated at
 //! the right positions), survive a swap to the host tier and back, and a
 //! sequence that forks and writes into a shared sealed block stages its
-//! own copy (copy-on-write) without changing its sibling's.
+//! own copy (copy-on-write) without changing its sibling's. A Shard form
+//! fitted per sequence (`shard-k3`) keeps each sequence's tables beside its
+//! block table: fitted at its first seal, shared by its forks, kept
+//! through a swap and after its parent is freed.
 
 use std::sync::Arc;
 
-use attention::stored::{Fitted, ShardTables};
+use attention::stored::{Fitted, SequenceFit, ShardTables};
 use attention::{Rope, RopeLayout};
 use kv_lowrank::{Basis, BasisStorage, ShardKeys};
 use kv_quant::{CacheForm, ChannelVq, DecodeScratch, FitOptions, RankRule};
@@ -91,7 +94,18 @@ fn read_all(
 }
 
 fn write(cache: &mut KvCacheManager<HashPrefixCache>, seq: SeqId, from: usize, to: usize) {
-    let (k, v) = (rows(to, 1), rows(to, 2));
+    write_seeded(cache, seq, from, to, 1);
+}
+
+/// Writes rows `from..to` of keys seeded `seed` and values seeded `seed + 1`.
+fn write_seeded(
+    cache: &mut KvCacheManager<HashPrefixCache>,
+    seq: SeqId,
+    from: usize,
+    to: usize,
+    seed: u64,
+) {
+    let (k, v) = (rows(to, seed), rows(to, seed + 1));
     for t in from..to {
         let r = t * CH..(t + 1) * CH;
         cache.write_kv(seq, t, 0, &k[r.clone()], &v[r]).unwrap();
@@ -158,5 +172,71 @@ fn sealed_shard_blocks_are_shared_swapped_and_copied_on_write() {
         kept[..],
         "the kept row, staged"
     );
+    cache.check_invariants().unwrap();
+}
+
+#[test]
+fn tables_fitted_per_sequence_live_beside_the_block_table() {
+    let rope = Rope::new(RopeLayout::Adjacent, HEAD_DIM, HEAD_DIM, 10_000.0).unwrap();
+    let fitted = [
+        SequenceFit::Keys(rope),
+        SequenceFit::Values { head_dim: HEAD_DIM },
+    ]
+    .map(|fit| Fitted {
+        sequence: Some(fit),
+        ..Fitted::default()
+    });
+    let form: CacheForm = "shard-k3+sink2+win8".parse().unwrap();
+    let storage = Arc::new(
+        BlockStorage::with_fitted(48, BS, &[LayerSpec::uniform(form, CH)], &[fitted]).unwrap(),
+    );
+    let config = CacheConfig {
+        num_blocks: 48,
+        block_size: BS,
+        host_blocks: 16,
+    };
+    let mut cache =
+        KvCacheManager::with_storage(config, HashPrefixCache::new(BS), storage.clone()).unwrap();
+    // The sink block, 9 blocks of middle (more rows than channels) and a
+    // window of 8 rows.
+    let tokens = 10 * BS + 8;
+    let prompt: Vec<u32> = (0..tokens as u32).collect();
+    let (a, _) = cache.add_sequence(&prompt, 0).unwrap();
+    write_seeded(&mut cache, a, 0, tokens - BS, 1);
+    assert_eq!(
+        cache.seal(a, 0, tokens - BS).unwrap(),
+        0,
+        "too few rows to fit"
+    );
+    assert!(cache.sequence_tables(a).unwrap().is_empty());
+    write_seeded(&mut cache, a, tokens - BS, tokens, 1);
+    assert_eq!(cache.seal(a, tokens - BS, tokens).unwrap(), 2 * 9);
+    let tables = cache.sequence_tables(a).unwrap().clone();
+    assert!(tables.part_bytes(KvPart::Keys) > 0 && tables.part_bytes(KvPart::Values) > 0);
+
+    // Another sequence fits its own; a fork shares its parent's, and its
+    // later seals code on them.
+    let (b, _) = cache.add_sequence(&prompt, 1).unwrap();
+    write_seeded(&mut cache, b, 0, tokens, 5);
+    cache.seal(b, 0, tokens).unwrap();
+    assert!(!cache.sequence_tables(b).unwrap().same(&tables));
+    let c = cache.fork(a).unwrap();
+    assert!(cache.sequence_tables(c).unwrap().same(&tables));
+    cache.append(c, &[7; BS]).unwrap();
+    write_seeded(&mut cache, c, tokens, tokens + BS, 9);
+    assert_eq!(cache.seal(c, tokens, tokens + BS).unwrap(), 2);
+    assert!(cache.sequence_tables(c).unwrap().same(&tables));
+
+    // A swap keeps them and the rows; freeing the parent leaves the fork's.
+    let a_rows = read_all(&cache, &storage, a);
+    cache.swap_out(a).unwrap();
+    cache.swap_in(a).unwrap();
+    assert_eq!(read_all(&cache, &storage, a), a_rows);
+    assert!(cache.sequence_tables(a).unwrap().same(&tables));
+    let c_rows = read_all(&cache, &storage, c);
+    cache.free(a).unwrap();
+    assert_eq!(read_all(&cache, &storage, c), c_rows);
+    assert_eq!(c_rows[..tokens * CH], a_rows[..tokens * CH], "shared keys");
+    assert!(cache.sequence_tables(a).is_err());
     cache.check_invariants().unwrap();
 }

@@ -67,6 +67,7 @@
 
 mod low_rank;
 mod planned;
+mod sequence;
 mod shard;
 mod shared;
 mod staging;
@@ -83,6 +84,7 @@ use kv_quant::{
 
 pub use low_rank::LowRankPart;
 pub use planned::PlannedPart;
+pub use sequence::{SequenceFit, SequenceTables};
 pub use shard::{ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
 
@@ -138,6 +140,36 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     /// or returns `false` where it holds no staged rows (sealed already, by
     /// another sequence sharing it). A failure leaves the block as it was.
     fn seal(&mut self, block: usize, first: usize) -> Result<bool>;
+
+    /// Whether the part codes blocks on tables fitted on each sequence's
+    /// own rows ([`SequenceTables`]: Shard with bases fitted on the
+    /// prefill), so the cache fits them with
+    /// [`fit_sequence`](Self::fit_sequence) before a sequence's first seal
+    /// and seals its blocks with [`seal_on`](Self::seal_on). The default:
+    /// no (tables, if any, are the part's own).
+    fn per_sequence(&self) -> bool {
+        false
+    }
+
+    /// Fits a sequence's tables on the rows of the blocks at positions
+    /// `blocks` of its block table `pages` (those its first seal seals:
+    /// the prefill past the sink and out of the window), for a part that
+    /// is [`per_sequence`](Self::per_sequence); the default refuses.
+    fn fit_sequence(&self, pages: &[u32], blocks: Range<usize>) -> Result<SequenceTables> {
+        let _ = (pages, blocks);
+        Err(AttentionError::InvalidParameter {
+            name: "sequence tables",
+            reason: format!("{} fits no tables per sequence", self.form()),
+        })
+    }
+
+    /// [`seal`](Self::seal) on a sequence's `tables` (from
+    /// [`fit_sequence`](Self::fit_sequence)); the default, for parts whose
+    /// tables are their own, ignores them.
+    fn seal_on(&mut self, block: usize, first: usize, tables: &SequenceTables) -> Result<bool> {
+        let _ = tables;
+        self.seal(block, first)
+    }
 
     /// Whether `block` holds staged (not sealed) rows.
     fn is_staged(&self, block: usize) -> bool;
@@ -447,6 +479,9 @@ pub struct Fitted {
     pub bases: Option<Arc<HeadBases>>,
     /// The tables of a calibrated Shard form's part (`shard-*-cal`).
     pub shard: Option<ShardTables>,
+    /// What a part fitting its tables on each sequence (`shard-k3`) needs
+    /// to know of the model.
+    pub sequence: Option<SequenceFit>,
 }
 
 /// The one place a parsed form meets the type that stores it: a part of
@@ -467,9 +502,8 @@ pub fn open_part(
         )?));
     }
     if let Quantizer::Shard(_) = form.quantizer() {
-        let tables = shard_tables_of(form, fitted)?;
-        return Ok(Box::new(ShardPart::new(
-            form, block_size, channels, num_blocks, tables,
+        return Ok(Box::new(ShardPart::open(
+            form, block_size, channels, num_blocks, fitted,
         )?));
     }
     let plan = BlockPlan::new(form, block_size)?;
@@ -486,20 +520,6 @@ fn bases_of(form: CacheForm, fitted: &Fitted) -> Result<Arc<HeadBases>> {
             spec: form.to_string(),
             reason: "needs its calibrated bases (fit them with `kv-eval calibrate`, or pass \
                      the tables to the cache: BlockStorage::with_fitted)"
-                .into(),
-        })
-    })
-}
-
-/// The tables a Shard `form` needs from `fitted`, or its refusal.
-fn shard_tables_of(form: CacheForm, fitted: &Fitted) -> Result<ShardTables> {
-    shard::check_shard_form(form, 4)?;
-    fitted.shard.clone().ok_or_else(|| {
-        AttentionError::Store(KvQuantError::InvalidSpec {
-            spec: form.to_string(),
-            reason: "needs its calibrated key basis, bit allocation and value codebook (fit \
-                     them with --calib-text, or pass the tables to the cache: \
-                     BlockStorage::with_fitted)"
                 .into(),
         })
     })
@@ -549,7 +569,7 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
         };
     }
     if let Quantizer::Shard(_) = form.quantizer() {
-        return shard::check_shard_form(form, block_size);
+        return shard::check_shard_form(form, block_size).map(|_| ());
     }
     BlockPlan::new(form, block_size)?;
     Ok(())
@@ -592,8 +612,7 @@ pub fn part_pool_bytes(
         return LowRankPart::pool_bytes(form, block_size, channels, num_blocks, &bases);
     }
     if let Quantizer::Shard(_) = form.quantizer() {
-        let tables = shard_tables_of(form, fitted)?;
-        return ShardPart::pool_bytes(form, block_size, channels, num_blocks, &tables);
+        return ShardPart::pool_bytes(form, block_size, channels, num_blocks, fitted);
     }
     let plan = BlockPlan::new(form, block_size)?;
     PlannedPart::pool_bytes(&plan, channels, num_blocks, codebook_of(form, fitted)?)

@@ -1,8 +1,10 @@
-//! [`ShardPart`]: the calibrated Shard forms (`shard-*-cal`,
-//! `shard-kv-compression-blog.md`) as a [`StoredPart`]: keys on a basis
-//! and bit allocation fitted offline with RoPE undone, values on a
-//! codebook fitted offline (or NF4 after a Hadamard rotation, `-vnf4`), the
-//! sink and the recent window exact.
+//! [`ShardPart`]: the Shard forms (`shard-kv-compression-blog.md`) as a
+//! [`StoredPart`]: keys on a basis and bit allocation fitted with RoPE
+//! undone, values on a codebook (or NF4 after a Hadamard rotation,
+//! `-vnf4`), the sink and the recent window exact. The tables are fitted
+//! offline and shared by every sequence (`shard-*-cal`), or fitted on each
+//! sequence's own rows (`shard-k3`: the blog's prefill fit) and held by the
+//! cache as the sequence's [`SequenceTables`].
 //!
 //! A block's rows are staged exact (f16) until the step that takes its
 //! last row out of the window commits; sealing codes the block on the
@@ -12,17 +14,25 @@
 //! of generated tokens into the compressed middle. Blocks holding sink
 //! tokens are never sealed, and the window is the last `W` rows rounded
 //! out to whole blocks (exact while staged), so rolling a step back only
-//! drops staged rows. The tables are loaded once per model and shared by
-//! every block, so sealed blocks are hashable and shareable like any
-//! other. A page of keys is read by rebuilding its rows (one GEMM of its
+//! drops staged rows. Calibrated tables are loaded once per model and
+//! shared by every block, so sealed blocks are hashable and shareable like
+//! any other. A sequence's own tables are fitted at the first commit whose
+//! middle (past the sink, out of the window) holds more rows than a key
+//! has channels (and 1,024 values at least, for the codebook's 256
+//! centroids of 4), on those rows (a long prefill's, as the blog fits;
+//! rows written later are coded on them); every sealed block keeps a
+//! reference to the tables it was coded on, so it reads, copies and swaps
+//! without its sequence. A page of keys is read by rebuilding its rows (one GEMM of its
 //! coefficients on the basis, then RoPE at the page's positions with one
 //! `sin_cos` per pair for the page: `Rope::apply_rows`); a page of values
 //! comes in the codebook's Hadamard rotation, exact rows rotated to match,
 //! and attention rotates the weighted sum back once per output.
 //!
 //! Differences from the re-encode protocol's `ShardLayer`, by design: the
-//! basis, bit allocation and codebook are the calibration's (not fitted on
-//! the prefill), every block beyond the sink and window is compressed
+//! tables of a `-cal` form are the calibration's, those of a per-sequence
+//! form are fitted on the rows committed when the first block seals (the
+//! re-encode protocol fits on the whole window it is called with), every
+//! block beyond the sink and window is compressed
 //! (prefill and generated tokens alike: no Lloyd-Max decode stream), the
 //! per-component scales are per block, and tiles are rebuilt rows rather
 //! than scores taken in coefficient space. The window is exact for the
@@ -37,8 +47,9 @@
 //! codebook) is stored once per part as a [`SharedTable`], hit under
 //! `metadata` and `everything` (unprotected too: the form is), and every
 //! sealed block reads through it as faults leave it. Not yet: coded
-//! spellings (`shard+secded84`) and the per-sequence forms (`shard-k3`:
-//! bases fitted on each prefill). kv-eval's calibration file carries every
+//! spellings (`shard+secded84`), folded decode streams (`-f<C>`: every
+//! block is folded here), and faults in per-sequence tables (counted per
+//! sequence, not injected). kv-eval's calibration file carries every
 //! table (the key basis, the bit allocation and the value codebook), with
 //! check words.
 
@@ -52,17 +63,20 @@ use half::f16;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
     CacheForm, ChannelVq, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
-    KvQuantError, KvStore, Quantizer, RowBuffers, ScrubStats,
+    KvQuantError, KvStore, Quantizer, RowBuffers, ScrubStats, ShardSpec, ShardValues,
 };
 
-use super::staging::{BlockState, StagedBlocks};
-use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart};
+use super::staging::{BlockState, StagedBlocks, clamp_non_finite};
+use super::{
+    Fitted, PartBlock, PartScratch, PoolBytes, SequenceFit, SequenceTables, SharedTable, StoredPart,
+};
 use crate::error::{AttentionError, Result};
 use crate::rope::Rope;
 use crate::source::{KvSource, Tile};
 
-/// The calibrated tables one part of a Shard form reads (`kv-eval
-/// calibrate` fits them on its text, per layer).
+/// The tables one part of a Shard form reads: calibrated (`kv-eval
+/// calibrate` fits them on its text, per layer) or fitted on one
+/// sequence's rows ([`StoredPart::fit_sequence`]).
 #[derive(Clone, Debug)]
 pub enum ShardTables {
     /// Keys: a store fitted on the calibration keys (RoPE undone), whose
@@ -112,11 +126,20 @@ impl ShardBlock {
     }
 }
 
-/// A calibrated Shard form kept in blocks (see the module docs).
+/// A Shard form kept in blocks (see the module docs).
 #[derive(Debug)]
 pub struct ShardPart {
     form: CacheForm,
-    tables: ShardTables,
+    /// The tables every block is coded on; `None` where each sequence
+    /// fits its own.
+    tables: Option<ShardTables>,
+    /// The model's RoPE, for a key part.
+    rope: Option<Rope>,
+    /// Channels per head (the values' Hadamard rotation).
+    head_dim: usize,
+    /// Blocks of middle rows a sequence's tables are fitted on at least (0
+    /// where the tables are the part's own).
+    fit_blocks: usize,
     channels: usize,
     block_size: usize,
     /// Blocks holding sink tokens (never sealed).
@@ -124,7 +147,8 @@ pub struct ShardPart {
     /// Rows kept exact at the end of the sequence.
     window: usize,
     blocks: StagedBlocks<ShardBlock>,
-    /// Bytes of one sealed block.
+    /// Bytes of one sealed block (at most, where a sequence's fit chooses
+    /// the components kept).
     sealed_bytes: usize,
     /// The Hadamard rotation sealed values are coded in: value tiles come
     /// in it (the sum is rotated back once per output, not once per row).
@@ -146,7 +170,43 @@ enum Shared {
 }
 
 impl ShardPart {
-    /// Zeroed blocks of the calibrated Shard `form` reading `tables`.
+    /// The part of the Shard `form` that `fitted` describes: on its
+    /// calibrated tables (`-cal` forms), or fitting each sequence's own
+    /// from what [`Fitted::sequence`] says of the model.
+    pub fn open(
+        form: CacheForm,
+        block_size: usize,
+        channels: usize,
+        num_blocks: usize,
+        fitted: &Fitted,
+    ) -> Result<Self> {
+        let spec = check_shard_form(form, block_size)?;
+        if spec.calibrated {
+            let tables = fitted.shard.clone().ok_or_else(|| {
+                AttentionError::Store(KvQuantError::InvalidSpec {
+                    spec: form.to_string(),
+                    reason: "needs its calibrated key basis, bit allocation and value codebook \
+                             (fit them with --calib-text, or pass the tables to the cache: \
+                             BlockStorage::with_fitted)"
+                        .into(),
+                })
+            })?;
+            return Self::new(form, block_size, channels, num_blocks, tables);
+        }
+        let fit = fitted.sequence.clone().ok_or_else(|| {
+            AttentionError::Store(KvQuantError::InvalidSpec {
+                spec: form.to_string(),
+                reason: "fits its tables on each sequence and needs the model's RoPE and head \
+                         width for it (pass them to the cache: BlockStorage::with_fitted, \
+                         Fitted::sequence)"
+                    .into(),
+            })
+        })?;
+        Self::per_sequence(form, block_size, channels, num_blocks, fit)
+    }
+
+    /// Zeroed blocks of the Shard `form` coded on `tables` (calibrated
+    /// ones, or NF4 values, which need none).
     pub fn new(
         form: CacheForm,
         block_size: usize,
@@ -154,22 +214,88 @@ impl ShardPart {
         num_blocks: usize,
         tables: ShardTables,
     ) -> Result<Self> {
-        check_shard_form(form, block_size)?;
+        let (rope, head_dim) = match &tables {
+            ShardTables::Keys { rope, .. } => (Some(rope.clone()), rope.head_dim()),
+            ShardTables::Values { head_dim, .. } => (None, *head_dim),
+        };
+        Self::build(
+            form,
+            (block_size, channels, num_blocks),
+            Some(tables),
+            rope,
+            head_dim,
+        )
+    }
+
+    /// Zeroed blocks of the Shard `form` whose tables each sequence fits
+    /// on its own rows ([`StoredPart::fit_sequence`]); NF4 values need
+    /// none and are coded as [`new`](Self::new) codes them.
+    pub fn per_sequence(
+        form: CacheForm,
+        block_size: usize,
+        channels: usize,
+        num_blocks: usize,
+        fit: SequenceFit,
+    ) -> Result<Self> {
+        let spec = check_shard_form(form, block_size)?;
+        let shape = (block_size, channels, num_blocks);
+        match fit {
+            SequenceFit::Keys(rope) => {
+                let head_dim = rope.head_dim();
+                Self::build(form, shape, None, Some(rope), head_dim)
+            }
+            SequenceFit::Values { head_dim } if spec.values == ShardValues::Nf4 => {
+                let tables = ShardTables::Values {
+                    prototype: None,
+                    head_dim,
+                };
+                Self::build(form, shape, Some(tables), None, head_dim)
+            }
+            SequenceFit::Values { head_dim } => Self::build(form, shape, None, None, head_dim),
+        }
+    }
+
+    fn build(
+        form: CacheForm,
+        (block_size, channels, num_blocks): (usize, usize, usize),
+        tables: Option<ShardTables>,
+        rope: Option<Rope>,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let spec = check_shard_form(form, block_size)?;
+        if head_dim == 0 || !channels.is_multiple_of(head_dim) {
+            return Err(AttentionError::InvalidParameter {
+                name: "channels",
+                reason: format!("{channels} channels are not whole heads of {head_dim} ({form})"),
+            });
+        }
         let shared = match &tables {
-            ShardTables::Keys { prototype, .. } => {
+            Some(ShardTables::Keys { prototype, .. }) => {
                 Shared::Keys(SharedTable::new(prototype.clone(), &form))
             }
-            ShardTables::Values {
+            Some(ShardTables::Values {
                 prototype: Some(p), ..
-            } => Shared::Vq(SharedTable::new(p.clone(), &form)),
-            ShardTables::Values {
-                prototype: None, ..
-            } => Shared::None,
+            }) => Shared::Vq(SharedTable::new(p.clone(), &form)),
+            _ => Shared::None,
         };
         let mut part = Self {
             blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             form,
+            fit_blocks: if tables.is_some() {
+                0
+            } else {
+                // More rows than a key has channels, so the fitted basis
+                // has every component (PCA keeps at most rows − 1), and at
+                // least as many groups of 4 values as the codebook has
+                // centroids.
+                let centroids = kv_quant::channel_vq::CENTROIDS * 4;
+                (channels + 1)
+                    .max(centroids.div_ceil(channels.max(1)))
+                    .div_ceil(block_size)
+            },
             tables,
+            rope,
+            head_dim,
             channels,
             block_size,
             sink_blocks: form.segments().sink.div_ceil(block_size),
@@ -178,26 +304,49 @@ impl ShardPart {
             rotation: None,
             shared,
         };
-        let zero = code(&part.tables, channels, &vec![0.0; block_size * channels], 0)?;
-        part.sealed_bytes = zero.stored_bytes();
-        part.rotation = match &zero {
-            ShardBlock::Keys { .. } => None,
-            ShardBlock::Vq(v) => Some(v.hadamard()),
-            ShardBlock::Nf4(s) => KvSource::rotation(&**s),
-        };
+        let zero = vec![0.0; block_size * channels];
+        match (&part.tables, &part.rope) {
+            (Some(tables), _) => {
+                let sealed = code(tables, channels, &zero, 0)?;
+                part.sealed_bytes = sealed.stored_bytes();
+                part.rotation = match &sealed {
+                    ShardBlock::Keys { .. } => None,
+                    ShardBlock::Vq(v) => Some(v.hadamard()),
+                    ShardBlock::Nf4(s) => KvSource::rotation(&**s),
+                };
+            }
+            (None, Some(_)) => {
+                // At most: the allocation spends at most the budget's bits
+                // per token, and keeps at most `rank` components, each
+                // with an f16 step per block.
+                let budget_bits = (spec.key_bits() * channels as f64).floor() as usize;
+                let kept = spec.rank.unwrap_or(channels).min(channels);
+                part.sealed_bytes = block_size * (budget_bits / 8) + 2 * kept;
+            }
+            (None, None) => {
+                let template = ChannelVq::from_codebook(
+                    channels,
+                    head_dim,
+                    &[0.0; kv_quant::channel_vq::CENTROIDS * 4],
+                )?;
+                let sealed = template.encode_chunk(&zero, block_size)?;
+                part.sealed_bytes = sealed.stored_bytes() - sealed.shared_bytes();
+                part.rotation = Some(sealed.hadamard());
+            }
+        }
         Ok(part)
     }
 
-    /// [`PoolBytes`] of [`new`](Self::new): every block counted at the
+    /// [`PoolBytes`] of [`open`](Self::open): every block counted at the
     /// larger of its exact and sealed bytes.
     pub fn pool_bytes(
         form: CacheForm,
         block_size: usize,
         channels: usize,
         num_blocks: usize,
-        tables: &ShardTables,
+        fitted: &Fitted,
     ) -> Result<PoolBytes> {
-        let part = Self::new(form, block_size, channels, 0, tables.clone())?;
+        let part = Self::open(form, block_size, channels, 0, fitted)?;
         let exact = KvStore::zeroed(form.exact_rows_form(), block_size, channels)?.stored_bytes();
         Ok(PoolBytes {
             blocks: (part.sealed_bytes.max(exact) as u64).saturating_mul(num_blocks as u64),
@@ -234,7 +383,7 @@ impl ShardPart {
             }
             _ => {
                 return decode_sealed(
-                    &self.tables,
+                    self.rope.as_ref(),
                     self.channels,
                     sealed,
                     offset,
@@ -247,9 +396,31 @@ impl ShardPart {
     }
 
     /// Whether a sealed block was coded on this part's table, as fitted or
-    /// as faults left it (the table as read).
+    /// as faults left it (the table as read), or, where each sequence fits
+    /// its own, on tables of this part's shape and budget.
     fn fits(&self, sealed: &ShardBlock) -> bool {
         let (bs, ch) = (self.block_size, self.channels);
+        if self.tables.is_none() {
+            return match sealed {
+                ShardBlock::Keys { keys, .. } => {
+                    let Quantizer::Shard(spec) = self.form.quantizer() else {
+                        return false;
+                    };
+                    let budget_bits = (spec.key_bits() * ch as f64).floor() as usize;
+                    self.rope.is_some()
+                        && keys.tokens() == bs
+                        && keys.dim() == ch
+                        && keys.row_bytes() * 8 <= budget_bits
+                }
+                ShardBlock::Vq(v) => {
+                    self.rope.is_none()
+                        && v.tokens() == bs
+                        && v.channels() == ch
+                        && Some(v.hadamard()) == self.rotation
+                }
+                ShardBlock::Nf4(_) => false,
+            };
+        }
         match (sealed, &self.shared, &self.tables) {
             (ShardBlock::Keys { keys, .. }, Shared::Keys(t), _) => {
                 keys.tokens() == bs
@@ -265,7 +436,7 @@ impl ShardPart {
                         .iter()
                         .any(|p| v.centroids() == p.centroids() && v.hadamard() == p.hadamard())
             }
-            (ShardBlock::Nf4(s), Shared::None, ShardTables::Values { head_dim, .. }) => {
+            (ShardBlock::Nf4(s), Shared::None, Some(ShardTables::Values { head_dim, .. })) => {
                 // Tiles come in the part's rotation: a block of another
                 // NF4 form (another rotation) would read wrong.
                 s.tokens() == bs
@@ -280,17 +451,19 @@ impl ShardPart {
     /// and every sealed block reads through it.
     fn reread(&mut self) -> Result<()> {
         match (&self.shared, &mut self.tables) {
-            (Shared::Keys(t), ShardTables::Keys { prototype, .. }) => {
+            (Shared::Keys(t), Some(ShardTables::Keys { prototype, .. })) => {
                 *prototype = t.read().clone();
             }
-            (Shared::Vq(t), ShardTables::Values { prototype, .. }) => {
+            (Shared::Vq(t), Some(ShardTables::Values { prototype, .. })) => {
                 *prototype = Some(t.read().clone());
             }
             _ => return Ok(()),
         }
-        for block in self.blocks.iter_mut() {
-            if let BlockState::Sealed(sealed) = block {
-                repoint(sealed, &self.tables)?;
+        if let Some(tables) = &self.tables {
+            for block in self.blocks.iter_mut() {
+                if let BlockState::Sealed(sealed) = block {
+                    repoint(sealed, tables)?;
+                }
             }
         }
         Ok(())
@@ -349,10 +522,10 @@ fn code(tables: &ShardTables, channels: usize, rows: &[f32], first: usize) -> Re
     })
 }
 
-/// Rows `offset..offset + out.len() / channels` of a sealed block read
-/// through `tables` (keys rotated back to their positions).
+/// Rows `offset..offset + out.len() / channels` of a sealed block (keys
+/// rotated back to their positions by `rope`).
 fn decode_sealed(
-    tables: &ShardTables,
+    rope: Option<&Rope>,
     channels: usize,
     sealed: &ShardBlock,
     offset: usize,
@@ -361,7 +534,7 @@ fn decode_sealed(
 ) -> Result<KvDecodeStats> {
     match sealed {
         ShardBlock::Keys { keys, first } => {
-            let ShardTables::Keys { rope, .. } = tables else {
+            let Some(rope) = rope else {
                 unreachable!("a key part holds key blocks");
             };
             // The rows' coefficients at once, then `K = μ + C·B` as one
@@ -411,7 +584,7 @@ fn inject_f16(values: &mut [f32], channel: &dyn FaultChannel, seed: u64) -> Flip
 
 /// Whether blocks of `block_size` tokens can hold the Shard `form`
 /// (what this part refuses, before anything is built).
-pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<()> {
+pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<ShardSpec> {
     let refuse = |reason: &str| {
         Err(AttentionError::Store(KvQuantError::InvalidSpec {
             spec: form.to_string(),
@@ -421,12 +594,6 @@ pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<()>
     let Quantizer::Shard(spec) = form.quantizer() else {
         return refuse("is not a shard form");
     };
-    if !spec.calibrated {
-        return refuse(
-            "fits its key basis and value codebook on each prefill, tables paged blocks do not \
-             carry per sequence yet: use its calibrated twin (`-cal`) or --backend reencode",
-        );
-    }
     if form.protection().is_some() {
         return refuse(
             "is coded, which paged Shard blocks do not protect yet (use --backend reencode)",
@@ -440,7 +607,7 @@ pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<()>
     if block_size < 4 {
         return refuse("needs blocks of at least 4 tokens");
     }
-    Ok(())
+    Ok(*spec)
 }
 
 impl StoredPart for ShardPart {
@@ -514,26 +681,128 @@ impl StoredPart for ShardPart {
         // rows it reads as.
         // Row by row, as `read_rows` reads them (a key row rebuilt in a
         // tile of several rounds its sums another way).
-        let (tables, ch) = (&self.tables, self.channels);
+        let (rope, ch) = (self.rope.as_ref(), self.channels);
         self.blocks.put_row(block, offset, row, |sealed, rows| {
             let (mut scratch, mut coeffs) = (DecodeScratch::new(), Vec::new());
             for (i, row) in rows.chunks_exact_mut(ch).enumerate() {
-                decode_sealed(tables, ch, sealed, i, row, (&mut scratch, &mut coeffs))?;
+                decode_sealed(rope, ch, sealed, i, row, (&mut scratch, &mut coeffs))?;
             }
             Ok(())
         })
     }
 
     fn sealable(&self, before: usize, after: usize) -> Range<usize> {
-        // Blocks whose rows have all left the window, past the sink.
+        // Blocks whose rows have all left the window, past the sink; where
+        // each sequence fits its tables, none until the first fit has
+        // enough rows, then all of them (blocks sealed already are left).
         let out =
             |n: usize| (n.saturating_sub(self.window) / self.block_size).max(self.sink_blocks);
-        let first = out(before);
+        let ready = |n: usize| out(n) >= self.sink_blocks + self.fit_blocks;
+        if !ready(after) {
+            return out(before)..out(before);
+        }
+        let first = if ready(before) {
+            out(before)
+        } else {
+            self.sink_blocks
+        };
         first..out(after).max(first)
     }
 
     fn seal(&mut self, block: usize, first: usize) -> Result<bool> {
-        let (tables, ch) = (&self.tables, self.channels);
+        let (Some(tables), ch) = (&self.tables, self.channels) else {
+            return Err(AttentionError::InvalidParameter {
+                name: "sequence tables",
+                reason: format!(
+                    "{} codes each sequence's blocks on tables fitted on its rows \
+                     (fit_sequence, then seal_on)",
+                    self.form
+                ),
+            });
+        };
+        self.blocks
+            .seal(block, |rows| code(tables, ch, rows, first))
+    }
+
+    fn per_sequence(&self) -> bool {
+        self.tables.is_none()
+    }
+
+    fn fit_sequence(&self, pages: &[u32], blocks: Range<usize>) -> Result<SequenceTables> {
+        let (bs, ch) = (self.block_size, self.channels);
+        let Quantizer::Shard(spec) = *self.form.quantizer() else {
+            unreachable!("a Shard part holds a Shard form");
+        };
+        if self.tables.is_some() {
+            return Err(AttentionError::InvalidParameter {
+                name: "sequence tables",
+                reason: format!("{} codes every block on the part's own tables", self.form),
+            });
+        }
+        if blocks.end > pages.len() || blocks.len() < self.fit_blocks.max(1) {
+            return Err(AttentionError::InvalidParameter {
+                name: "blocks",
+                reason: format!(
+                    "tables are fitted on at least {} blocks of a sequence's table, not \
+                     positions {blocks:?} of {}",
+                    self.fit_blocks.max(1),
+                    pages.len()
+                ),
+            });
+        }
+        let n = blocks.len() * bs;
+        let mut rows = vec![0.0; n * ch];
+        let mut scratch = DecodeScratch::new();
+        for (i, b) in blocks.clone().enumerate() {
+            let out = &mut rows[i * bs * ch..(i + 1) * bs * ch];
+            self.read_rows(pages[b] as usize, 0, out, &mut scratch)?;
+        }
+        clamp_non_finite(&mut rows);
+        let tables = match &self.rope {
+            Some(rope) => {
+                let first = blocks.start * bs;
+                for (i, row) in rows.chunks_exact_mut(ch).enumerate() {
+                    rope.undo(row, first + i)?;
+                }
+                let fitted =
+                    ShardKeys::fit(&rows, n, ch, spec.key_bits(), spec.group, spec.rank)?.tables();
+                ShardTables::Keys {
+                    prototype: Arc::new(fitted),
+                    rope: rope.clone(),
+                }
+            }
+            None => ShardTables::Values {
+                prototype: Some(Arc::new(
+                    ChannelVq::fit(&rows, n, ch, self.head_dim, crate::SHARD_VALUE_FIT)?.tables(),
+                )),
+                head_dim: self.head_dim,
+            },
+        };
+        let bytes = match &tables {
+            ShardTables::Keys { prototype, .. } => prototype.shared_bytes(),
+            ShardTables::Values { prototype, .. } => {
+                prototype.as_ref().map_or(0, |p| p.shared_bytes())
+            }
+        };
+        Ok(SequenceTables::new(tables, bytes))
+    }
+
+    fn seal_on(&mut self, block: usize, first: usize, tables: &SequenceTables) -> Result<bool> {
+        if self.tables.is_some() {
+            return self.seal(block, first);
+        }
+        let ch = self.channels;
+        let fits = match tables.get::<ShardTables>() {
+            Some(t @ ShardTables::Keys { .. }) if self.rope.is_some() => Some(t),
+            Some(t @ ShardTables::Values { .. }) if self.rope.is_none() => Some(t),
+            _ => None,
+        };
+        let Some(tables) = fits else {
+            return Err(AttentionError::InvalidParameter {
+                name: "sequence tables",
+                reason: format!("{tables:?} are not tables of this {} part", self.form),
+            });
+        };
         self.blocks
             .seal(block, |rows| code(tables, ch, rows, first))
     }
@@ -614,13 +883,15 @@ impl StoredPart for ShardPart {
             });
         }
         // Coded on the tables as fitted or as read; read through them as
-        // they are now.
-        let tables = &self.tables;
+        // they are now (a sequence's own tables travel with the block).
+        let tables = self.tables.as_ref();
         self.blocks.restore(block, data, |data| {
             data.shard()
                 .map(|sealed| {
                     let mut sealed = sealed.clone();
-                    repoint(&mut sealed, tables)?;
+                    if let Some(tables) = tables {
+                        repoint(&mut sealed, tables)?;
+                    }
                     Ok(sealed)
                 })
                 .transpose()

@@ -180,19 +180,7 @@ impl<S> StagedBlocks<S> {
         };
         let mut rows = vec![0.0; self.block_size * self.channels];
         exact.decode_rows_into(0, self.block_size, &mut rows, &mut DecodeScratch::new())?;
-        // A fault that made an exact (f16) value non-finite is clamped to
-        // the largest f16, so sealing measures the fault's outcome instead
-        // of failing (a pair of such values stays finite through a
-        // rotation, which f32::MAX would not).
-        for x in &mut rows {
-            if !x.is_finite() {
-                *x = if x.is_nan() {
-                    0.0
-                } else {
-                    x.signum() * f32::from(half::f16::MAX)
-                };
-            }
-        }
+        clamp_non_finite(&mut rows);
         let sealed = seal(&rows)?;
         self.replace(block, BlockState::Sealed(sealed));
         Ok(true)
@@ -330,6 +318,23 @@ impl<S> StagedBlocks<S> {
             Some(BlockState::Staged(exact)) => exact.stored_bytes(),
             Some(BlockState::Sealed(s)) => sealed(s),
             _ => otherwise,
+        }
+    }
+}
+
+/// Clamps the non-finite values of exact rows about to be coded: a fault
+/// that made an exact (f16) value non-finite becomes the largest f16 of its
+/// sign (NaN becomes 0), so sealing and fitting measure the fault's outcome
+/// instead of failing (a pair of such values stays finite through a
+/// rotation, which `f32::MAX` would not).
+pub(crate) fn clamp_non_finite(rows: &mut [f32]) {
+    for x in rows {
+        if !x.is_finite() {
+            *x = if x.is_nan() {
+                0.0
+            } else {
+                x.signum() * f32::from(half::f16::MAX)
+            };
         }
     }
 }

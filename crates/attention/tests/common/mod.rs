@@ -61,3 +61,33 @@ pub fn oracle(
 ) -> ReferenceOutput {
     reference_attention(q, positions, k, v, tokens, shape, mask).expect("valid oracle call")
 }
+
+/// `tokens` rows of `channels` values with structure a low-rank basis can
+/// mostly hold (a smooth function of channel and token) plus seeded noise
+/// of amplitude `noise`: the K/V rows of the stored-part tests.
+pub fn structured_rows(tokens: usize, channels: usize, seed: u64, noise: f32) -> Vec<f32> {
+    (0..tokens * channels)
+        .map(|i| {
+            let x = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+            let c = (i % channels) as f32;
+            (c * 0.37 + (i / channels) as f32 * 0.11).sin()
+                + noise * ((x as f32 / (1u64 << 24) as f32) - 0.5)
+        })
+        .collect()
+}
+
+/// Rows `start..start + count` of the sequence on `pages` as `part`'s tile,
+/// for parts whose tiles are rebuilt f32 rows.
+pub fn f32_tile(
+    part: &dyn attention::stored::StoredPart,
+    pages: &[u32],
+    start: usize,
+    count: usize,
+) -> Vec<f32> {
+    let mut scratch = attention::stored::PartScratch::default();
+    let tile = part.read_tile(pages, start, count, &mut scratch).unwrap();
+    let attention::TileRows::F32(r) = tile.rows else {
+        panic!("rebuilt rows are f32")
+    };
+    r.to_vec()
+}

@@ -120,6 +120,8 @@ fn kept_non_finite_rows_are_stored_and_counted() {
     assert!(read(0, KvPart::Values).iter().all(|x| x.is_finite()));
     // Staged per-channel rows are exact (kept), sealed ones saturated.
     assert!(read(1, KvPart::Keys)[3].is_nan());
-    storage.seal_blocks(&[BlockId(0)], 0, 4).unwrap();
+    storage
+        .seal_blocks(&[BlockId(0)], 0, 4, &mut crate::SeqTables::default())
+        .unwrap();
     assert!(read(1, KvPart::Keys).iter().all(|x| x.is_finite()));
 }

@@ -338,11 +338,22 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         backend.name(),
         mode.label()
     );
-    eprintln!(
-        "cache: {} bytes, {:.3} bits per K/V value held",
-        g.cache_bytes,
-        8.0 * g.cache_bytes as f64 / values.max(1) as f64
-    );
+    let bits = |bytes: u64| 8.0 * bytes as f64 / values.max(1) as f64;
+    if g.table_bytes > 0 {
+        eprintln!(
+            "cache: {} bytes, {:.3} bits per K/V value held; with {} bytes of fitted tables, {:.3}",
+            g.cache_bytes,
+            bits(g.cache_bytes),
+            g.table_bytes,
+            bits(g.cache_bytes + g.table_bytes)
+        );
+    } else {
+        eprintln!(
+            "cache: {} bytes, {:.3} bits per K/V value held",
+            g.cache_bytes,
+            bits(g.cache_bytes)
+        );
+    }
     let [k, v] = g.reads;
     eprintln!(
         "reads: keys {} words ({} corrected, {} detected), values {} words ({} corrected, {} detected); {} flips injected; scrubbed {} corrected, {} detected",

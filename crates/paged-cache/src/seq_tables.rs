@@ -1,0 +1,108 @@
+//! [`SeqTables`]: the tables each layer part fitted on one sequence's own
+//! rows (attention's [`SequenceTables`]: Shard's key basis and value
+//! codebook of a form fitted per sequence, `shard-k3`), kept beside the
+//! sequence's block table.
+//!
+//! Empty until the sequence's first seal, which fits them
+//! ([`BlockStorage::seal_blocks`](crate::BlockStorage::seal_blocks));
+//! shared by the sequence's forks (tables never change once fitted, so a
+//! fork's copy-on-write never copies them); dropped with the last sequence
+//! holding them. Sealed blocks keep their own reference to the tables they
+//! were coded on, so a block read, copied or swapped needs no sequence.
+
+use attention::stored::SequenceTables;
+
+use crate::storage::KvPart;
+
+/// The tables each layer part (K, V) fitted on one sequence (see the
+/// [module docs](self)).
+#[derive(Clone, Debug, Default)]
+pub struct SeqTables {
+    layers: Vec<[Option<SequenceTables>; 2]>,
+}
+
+impl SeqTables {
+    /// The tables `part` of `layer` fitted, if it has.
+    pub fn get(&self, layer: usize, part: KvPart) -> Option<&SequenceTables> {
+        self.layers.get(layer)?[part as usize].as_ref()
+    }
+
+    /// Keeps `tables` as those `part` of `layer` fitted.
+    pub(crate) fn set(&mut self, layer: usize, part: KvPart, tables: SequenceTables) {
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, Default::default);
+        }
+        self.layers[layer][part as usize] = Some(tables);
+    }
+
+    /// Takes from `other` the tables of every part that has none here
+    /// (tables once fitted are never replaced).
+    pub(crate) fn fill_from(&mut self, other: &Self) {
+        for (layer, parts) in other.layers.iter().enumerate() {
+            for (kv, t) in [KvPart::Keys, KvPart::Values].into_iter().zip(parts) {
+                if let Some(t) = t
+                    && self.get(layer, kv).is_none()
+                {
+                    self.set(layer, kv, t.clone());
+                }
+            }
+        }
+    }
+
+    /// Whether no part has fitted tables.
+    pub fn is_empty(&self) -> bool {
+        self.layers.iter().flatten().all(Option::is_none)
+    }
+
+    /// Bytes the tables of `part` store, over every layer.
+    pub fn part_bytes(&self, part: KvPart) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| l[part as usize].as_ref())
+            .map(SequenceTables::stored_bytes)
+            .sum()
+    }
+
+    /// Bytes every table stores.
+    pub fn stored_bytes(&self) -> usize {
+        self.part_bytes(KvPart::Keys) + self.part_bytes(KvPart::Values)
+    }
+
+    /// Whether `self` and `other` hold the same tables in every part (a
+    /// fork shares its parent's).
+    pub fn same(&self, other: &Self) -> bool {
+        let slots = |t: &Self| t.layers.iter().flatten().cloned().collect::<Vec<_>>();
+        let (a, b) = (slots(self), slots(other));
+        a.len() == b.len()
+            && a.iter().zip(&b).all(|(x, y)| match (x, y) {
+                (Some(x), Some(y)) => x.same(y),
+                (None, None) => true,
+                _ => false,
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_are_kept_per_layer_and_part_and_counted() {
+        let mut t = SeqTables::default();
+        assert!(t.is_empty());
+        assert!(t.get(2, KvPart::Keys).is_none());
+        t.set(2, KvPart::Keys, SequenceTables::new(1u8, 10));
+        t.set(0, KvPart::Values, SequenceTables::new(2u8, 7));
+        assert!(!t.is_empty());
+        assert_eq!(t.get(2, KvPart::Keys).unwrap().get::<u8>(), Some(&1));
+        assert!(t.get(2, KvPart::Values).is_none());
+        assert_eq!(t.part_bytes(KvPart::Keys), 10);
+        assert_eq!(t.part_bytes(KvPart::Values), 7);
+        assert_eq!(t.stored_bytes(), 17);
+        let fork = t.clone();
+        assert!(fork.same(&t));
+        let mut other = t.clone();
+        other.set(2, KvPart::Keys, SequenceTables::new(1u8, 10));
+        assert!(!other.same(&t));
+    }
+}
