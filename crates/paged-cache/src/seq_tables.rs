@@ -14,8 +14,9 @@ use attention::stored::SequenceTables;
 
 use crate::storage::KvPart;
 
-/// The tables each layer part (K, V) fitted on one sequence (see the
-/// [module docs](self)).
+/// The tables each layer part (K, V) fitted on one sequence: empty until
+/// its first seal fits them ([`BlockStorage::seal_blocks`](crate::BlockStorage::seal_blocks)),
+/// shared by its forks, dropped with the last sequence holding them.
 #[derive(Clone, Debug, Default)]
 pub struct SeqTables {
     layers: Vec<[Option<SequenceTables>; 2]>,

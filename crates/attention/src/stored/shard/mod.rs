@@ -53,18 +53,20 @@
 //! table (the key basis, the bit allocation and the value codebook), with
 //! check words.
 
+mod coding;
+
 use std::ops::Range;
 use std::sync::Arc;
 
-use faer::linalg::matmul::matmul;
-use faer::{Accum, MatMut, MatRef, Par};
-use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
-use half::f16;
+use gf2_codes::channel::FaultChannel;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
     CacheForm, ChannelVq, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
-    KvQuantError, KvStore, Quantizer, RowBuffers, ScrubStats, ShardSpec, ShardValues,
+    KvQuantError, KvStore, Quantizer, RowBuffers, ScrubStats, ShardValues,
 };
+
+pub(crate) use coding::check_shard_form;
+use coding::{code, decode_sealed, inject_f16, repoint};
 
 use super::staging::{BlockState, StagedBlocks, clamp_non_finite};
 use super::{
@@ -468,146 +470,6 @@ impl ShardPart {
         }
         Ok(())
     }
-}
-
-/// Makes `sealed` read through `tables` (the part's table as read now).
-fn repoint(sealed: &mut ShardBlock, tables: &ShardTables) -> Result<()> {
-    match (sealed, tables) {
-        (ShardBlock::Keys { keys, .. }, ShardTables::Keys { prototype, .. }) => {
-            keys.share_basis(prototype)?;
-        }
-        (
-            ShardBlock::Vq(v),
-            ShardTables::Values {
-                prototype: Some(p), ..
-            },
-        ) => v.share_codebook(p),
-        _ => {}
-    }
-    Ok(())
-}
-
-/// `rows` (one block of `channels`-value rows, as written) coded on
-/// `tables`; `first` is the position of the first row.
-fn code(tables: &ShardTables, channels: usize, rows: &[f32], first: usize) -> Result<ShardBlock> {
-    let bs = rows.len() / channels;
-    Ok(match tables {
-        ShardTables::Keys { prototype, rope } => {
-            let mut unrotated = rows.to_vec();
-            for (i, row) in unrotated.chunks_exact_mut(channels).enumerate() {
-                rope.undo(row, first + i)?;
-            }
-            ShardBlock::Keys {
-                keys: Box::new(prototype.encode_chunk(&unrotated, bs)?),
-                first,
-            }
-        }
-        ShardTables::Values {
-            prototype: Some(vq),
-            ..
-        } => ShardBlock::Vq(vq.encode_chunk(rows, bs)?),
-        ShardTables::Values {
-            prototype: None,
-            head_dim,
-        } => {
-            let nf4 = crate::shard::nf4_form(*head_dim)?;
-            ShardBlock::Nf4(Box::new(KvStore::quantize_with(
-                nf4,
-                rows,
-                bs,
-                channels,
-                super::clamped(),
-            )?))
-        }
-    })
-}
-
-/// Rows `offset..offset + out.len() / channels` of a sealed block (keys
-/// rotated back to their positions by `rope`).
-fn decode_sealed(
-    rope: Option<&Rope>,
-    channels: usize,
-    sealed: &ShardBlock,
-    offset: usize,
-    out: &mut [f32],
-    (scratch, coeffs): (&mut DecodeScratch, &mut Vec<f32>),
-) -> Result<KvDecodeStats> {
-    match sealed {
-        ShardBlock::Keys { keys, first } => {
-            let Some(rope) = rope else {
-                unreachable!("a key part holds key blocks");
-            };
-            // The rows' coefficients at once, then `K = μ + C·B` as one
-            // small GEMM (faer's kernels, as `ShardLayer` rebuilds a tile:
-            // row by row the axpy loops ran 10x slower), then RoPE.
-            let (n, kept) = (out.len() / channels, keys.kept());
-            coeffs.resize(n * kept, 0.0);
-            keys.coefficients_into(offset, n, &mut coeffs[..n * kept])?;
-            let basis = keys.basis();
-            for row in out.chunks_exact_mut(channels) {
-                row.copy_from_slice(basis.mean());
-            }
-            if kept > 0 {
-                matmul(
-                    MatMut::from_row_major_slice_mut(out, n, channels),
-                    Accum::Add,
-                    MatRef::from_row_major_slice(&coeffs[..n * kept], n, kept),
-                    MatRef::from_row_major_slice(basis.rows(), kept, channels),
-                    1.0f32,
-                    Par::Seq,
-                );
-            }
-            rope.apply_rows(out, channels, first + offset)?;
-        }
-        ShardBlock::Vq(values) => values.decode_rows_into(offset, out.len() / channels, out)?,
-        ShardBlock::Nf4(store) => {
-            scratch.limit_neighbours(None);
-            return Ok(store.decode_rows_into(offset, out.len() / channels, out, scratch)?);
-        }
-    }
-    Ok(KvDecodeStats::default())
-}
-
-/// Flips the f16 bits of `values` (f16 values held in f32) from stream 1 of
-/// `channel`'s `seed`, positions counted in the f16 bytes laid end to end.
-fn inject_f16(values: &mut [f32], channel: &dyn FaultChannel, seed: u64) -> Flips {
-    let mut bytes: Vec<u8> = values
-        .iter()
-        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-        .collect();
-    let flips = channel.inject_with(&mut bytes, &mut FaultRng::with_stream(seed, 1));
-    for (v, b) in values.iter_mut().zip(bytes.chunks_exact(2)) {
-        *v = f16::from_le_bytes([b[0], b[1]]).to_f32();
-    }
-    flips
-}
-
-/// Whether blocks of `block_size` tokens can hold the Shard `form`
-/// (what this part refuses, before anything is built).
-pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<ShardSpec> {
-    let refuse = |reason: &str| {
-        Err(AttentionError::Store(KvQuantError::InvalidSpec {
-            spec: form.to_string(),
-            reason: reason.into(),
-        }))
-    };
-    let Quantizer::Shard(spec) = form.quantizer() else {
-        return refuse("is not a shard form");
-    };
-    if form.protection().is_some() {
-        return refuse(
-            "is coded, which paged Shard blocks do not protect yet (use --backend reencode)",
-        );
-    }
-    if spec.fold.is_some() {
-        return refuse(
-            "folds chunks of its decode stream; on paged blocks every block is folded as it leaves the window (drop -f)",
-        );
-    }
-    if block_size < 4 {
-        return refuse("needs blocks of at least 4 tokens");
-    }
-    Ok(*spec)
 }
 
 impl StoredPart for ShardPart {
