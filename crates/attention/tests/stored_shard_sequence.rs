@@ -222,6 +222,18 @@ fn a_form_fitted_per_sequence_needs_what_the_model_tells() {
     let [k, v] = fits();
     assert!(open_part(nf4, BS, CH, 4, &k).unwrap().per_sequence());
     assert!(!open_part(nf4, BS, CH, 4, &v).unwrap().per_sequence());
+    // A rank past the key's channels, refused before any row is written
+    // (the fit would refuse it at the first seal).
+    let wide: CacheForm = "shard-r64+sink2+win8".parse().unwrap();
+    let e = match open_part(wide, BS, CH, 4, &k) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a rank of 64 over 32 channels"),
+    };
+    assert!(e.contains("rank of 64"), "{e}");
+    assert!(
+        open_part(wide, BS, CH, 4, &v).is_ok(),
+        "values have no rank"
+    );
     // Heads that do not divide the channels.
     let odd = Fitted {
         sequence: Some(SequenceFit::Values { head_dim: 12 }),

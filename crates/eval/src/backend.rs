@@ -155,7 +155,10 @@ pub fn paged_backend(
     let blocks = tokens.div_ceil(block_size).max(1);
     crate::budget::check(
         &format!("a paged cache of {tokens} tokens ({blocks} blocks of {block_size})"),
-        paged_cache::BlockStorage::pool_bytes_fitted(blocks, block_size, &specs, &fitted)?,
+        paged_cache::BlockStorage::pool_bytes_fitted(blocks, block_size, &specs, &fitted)?
+            .saturating_add(paged_cache::BlockStorage::sequence_bytes_fitted(
+                block_size, &specs, &fitted,
+            )?),
     )?;
     let storage = paged_cache::BlockStorage::with_fitted(blocks, block_size, &specs, &fitted)?;
     let backend = PagedBackend::with_storage(std::sync::Arc::new(storage), NoPrefixCache)?;

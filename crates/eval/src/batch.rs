@@ -296,6 +296,18 @@ pub fn paged_cache<P: PrefixCache>(
     config: CacheConfig,
     prefix: P,
 ) -> Result<KvCacheManager<P>> {
+    paged_cache_for(model, mode, config, prefix, 1)
+}
+
+/// [`paged_cache`] serving up to `running` sequences at once: the memory
+/// budget counts the tables forms fitted per sequence keep for each.
+fn paged_cache_for<P: PrefixCache>(
+    model: &dyn CausalLm,
+    mode: &CacheMode,
+    config: CacheConfig,
+    prefix: P,
+    running: usize,
+) -> Result<KvCacheManager<P>> {
     let specs = layer_specs(model, mode)?;
     for spec in &specs {
         paged_cache::check_pageable(&spec.key, config.block_size)?;
@@ -307,7 +319,11 @@ pub fn paged_cache<P: PrefixCache>(
             "the device pool of --blocks {} (blocks of {} tokens)",
             config.num_blocks, config.block_size
         ),
-        BlockStorage::pool_bytes_fitted(config.num_blocks, config.block_size, &specs, &fitted)?,
+        BlockStorage::pool_bytes_fitted(config.num_blocks, config.block_size, &specs, &fitted)?
+            .saturating_add(
+                BlockStorage::sequence_bytes_fitted(config.block_size, &specs, &fitted)?
+                    .saturating_mul(running as u64),
+            ),
     )?;
     let storage = BlockStorage::with_fitted(config.num_blocks, config.block_size, &specs, &fitted)?;
     crate::backend::keep_non_finite(&storage);
@@ -377,8 +393,11 @@ pub fn run_batch_with(
 /// The prefix cache a batch in `mode` serves with when `asked` for one,
 /// and why, where it differs: a form fitting its tables on each sequence
 /// (`shard-k3`) codes a sequence's blocks on its own tables, fitted on
-/// more than the shared prefix, so no other sequence may reuse them;
-/// prefix caching is off for it.
+/// more than the shared prefix, so another sequence reusing them would
+/// read its prefix as the first sequence's fit coded it, not its own
+/// (paged-cache's manager shares nothing for such forms either);
+/// prefix caching is off for it. A sequence preempted by recomputation
+/// fits its tables again on its prompt and the tokens it had generated.
 pub fn prefix_for(mode: &CacheMode, asked: PrefixKind) -> (PrefixKind, Option<String>) {
     let per_sequence = mode.forms().into_iter().find(|(form, _)| {
         matches!(form.quantizer(), kv_quant::Quantizer::Shard(spec) if !spec.calibrated)
@@ -387,9 +406,9 @@ pub fn prefix_for(mode: &CacheMode, asked: PrefixKind) -> (PrefixKind, Option<St
         Some((form, _)) if asked != PrefixKind::None => (
             PrefixKind::None,
             Some(format!(
-                "prefix caching is off: {form} fits its tables on each sequence, so a block \
-                 coded on one sequence's tables cannot serve another (its calibrated `-cal` \
-                 twin shares blocks)"
+                "prefix caching is off: {form} fits its tables on each sequence, and a block \
+                 coded on one sequence's tables is not another's (its calibrated `-cal` twin \
+                 shares blocks)"
             )),
         ),
         _ => (asked, None),
@@ -405,7 +424,8 @@ fn serve_on<P: PrefixCache>(
     config: &BatchConfig,
     on_finished: &mut OnFinished<'_>,
 ) -> Result<Served> {
-    let mut cache = paged_cache(model, &config.mode, config.cache, prefix)?;
+    let running = config.scheduler.max_running.min(requests.len());
+    let mut cache = paged_cache_for(model, &config.mode, config.cache, prefix, running)?;
     let mut deliver = |i: usize, out: &RequestOutput| on_finished(i, out).map_err(Into::into);
     Ok(serve_batch(
         model,

@@ -501,9 +501,6 @@ fn calibrated_shard_forms_are_paged_forms() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A calibration file's `bytes` with each table passed to `edit` (its name
-/// and bytes) and its check words recomputed, as a writer that meant it
-/// would (the header keeps its length: names and shapes are unchanged).
 /// The logits of the last block of `toks` on a paged backend in `mode`
 /// (blocks of 4, a block per step, as a server decodes), and its
 /// statistics.
@@ -522,6 +519,9 @@ fn paged_run(
     (logits, s)
 }
 
+/// A calibration file's `bytes` with each table passed to `edit` (its name
+/// and bytes) and its check words recomputed, as a writer that meant it
+/// would (the header keeps its length: names and shapes are unchanged).
 fn rewrite(bytes: &[u8], edit: impl Fn(&str, &mut [u8])) -> Vec<u8> {
     use safetensors::tensor::{SafeTensors, TensorView};
     let (_, header) = SafeTensors::read_metadata(bytes).unwrap();

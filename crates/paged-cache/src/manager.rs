@@ -17,7 +17,7 @@ use kv_quant::ScrubStats;
 use crate::error::{PagedCacheError, Result};
 use crate::page_table::PageTable;
 use crate::pool::{BlockId, BlockPool};
-use crate::prefix::{PrefixCache, PrefixLock};
+use crate::prefix::{PrefixCache, PrefixHit, PrefixLock};
 use crate::seq_tables::SeqTables;
 use crate::storage::{BlockData, BlockStorage};
 
@@ -279,7 +279,13 @@ impl<P: PrefixCache> KvCacheManager<P> {
                 reason: "a sequence starts with at least one token".into(),
             });
         }
-        let hit = self.prefix.lookup(&mut self.pool, prompt, salt)?;
+        // Blocks coded on one sequence's own tables are not shared: a prompt
+        // is not looked up (and no prefix is recorded) for such forms.
+        let hit = if self.per_sequence() {
+            PrefixHit::default()
+        } else {
+            self.prefix.lookup(&mut self.pool, prompt, salt)?
+        };
         let bs = self.block_size();
         let cow = usize::from(!hit.tokens.is_multiple_of(bs));
         let needed = prompt.len().div_ceil(bs) - hit.blocks.len() + cow;
@@ -304,7 +310,7 @@ impl<P: PrefixCache> KvCacheManager<P> {
                 salt,
                 lock: hit.lock,
                 host: None,
-                tables: SeqTables::default(),
+                tables: SeqTables::new(self.storage.as_ref().map_or(0, |s| s.layers().len())),
             },
         );
         if let Some(storage) = &self.storage {
@@ -417,23 +423,17 @@ impl<P: PrefixCache> KvCacheManager<P> {
         storage.seal_blocks(&s.table, before, after, &mut s.tables)
     }
 
+    /// Whether the storage holds a form fitted per sequence (whose blocks
+    /// the prefix cache never shares).
+    fn per_sequence(&self) -> bool {
+        self.storage.as_ref().is_some_and(|s| s.fits_per_sequence())
+    }
+
     /// The tables the parts of a form fitted per sequence fitted on `id`'s
     /// rows (empty before its first seal, and for other forms), shared
     /// with its forks and freed with it.
     pub fn sequence_tables(&self, id: SeqId) -> Result<&SeqTables> {
         Ok(&self.seq(id)?.tables)
-    }
-
-    /// Keeps `tables` as `id`'s fitted tables: those a [`ReservedSlots`](crate::ReservedSlots)
-    /// of it fitted while it sealed (a sequence's tables are fitted once,
-    /// so tables of it already fitted are kept as they are).
-    pub fn set_sequence_tables(&mut self, id: SeqId, tables: &SeqTables) -> Result<()> {
-        let s = self
-            .seqs
-            .get_mut(&id)
-            .ok_or(PagedCacheError::UnknownSequence(id))?;
-        s.tables.fill_from(tables);
-        Ok(())
     }
 
     /// A new sequence sharing all of `id`'s blocks (parallel sampling, beam search).
@@ -496,7 +496,8 @@ impl<P: PrefixCache> KvCacheManager<P> {
     }
 
     /// Records the first `tokens` tokens of `id` (their K/V written) in the
-    /// prefix cache.
+    /// prefix cache (nothing where the storage holds a form fitted per
+    /// sequence, whose blocks are not shared).
     pub fn cache_prefix(&mut self, id: SeqId, tokens: usize) -> Result<()> {
         let s = self.resident(id)?;
         if tokens > s.tokens.len() {
@@ -504,6 +505,9 @@ impl<P: PrefixCache> KvCacheManager<P> {
                 position: tokens,
                 tokens: s.tokens.len(),
             });
+        }
+        if self.per_sequence() {
+            return Ok(());
         }
         let s = self.seqs.remove(&id).expect("live");
         let result = self

@@ -33,8 +33,8 @@ pub struct ReservedSlots {
     written: usize,
     step: StepRows,
     stats: PagedReadStats,
-    /// The sequence's fitted tables ([`SeqTables`]): the manager's when
-    /// made, with those its seals fitted since.
+    /// The sequence's fitted tables ([`SeqTables`]): slots shared with the
+    /// manager's, so a fit here is the sequence's.
     tables: SeqTables,
 }
 
@@ -80,14 +80,6 @@ impl ReservedSlots {
             stats: PagedReadStats::default(),
             tables: manager.sequence_tables(seq)?.clone(),
         })
-    }
-
-    /// The sequence's fitted tables: the manager's when these slots were
-    /// made, with any a seal of a form fitted per sequence has fitted since
-    /// (hand them back with [`KvCacheManager::set_sequence_tables`] when
-    /// the step is done).
-    pub fn tables(&self) -> &SeqTables {
-        &self.tables
     }
 
     /// Decode statistics of every attention read so far.

@@ -281,6 +281,31 @@ impl BlockStorage {
         Self::pool_bytes_fitted(num_blocks, block_size, layers, &[])
     }
 
+    /// Bytes each sequence takes at most beside its blocks in storage
+    /// [`with_fitted`](Self::with_fitted) would build: the tables its
+    /// forms fitted per sequence keep in every layer, plus the largest
+    /// buffers one fit fills (0 for other forms). A caller serving `n`
+    /// sequences at once adds `n` times this to
+    /// [`pool_bytes_fitted`](Self::pool_bytes_fitted).
+    pub fn sequence_bytes_fitted(
+        block_size: usize,
+        layers: &[LayerSpec],
+        fitted: &[[Fitted; 2]],
+    ) -> Result<u64> {
+        let none = Fitted::default();
+        let (mut total, mut widest) = (0u64, 0u64);
+        for (i, l) in layers.iter().enumerate() {
+            for (p, form) in [l.key, l.value].into_iter().enumerate() {
+                let tables = fitted.get(i).map_or(&none, |f| &f[p]);
+                let bytes =
+                    part_pool_bytes(form, block_size, l.channels, 0, tables).map_err(form_error)?;
+                total = total.saturating_add(bytes.sequence);
+                widest = widest.max(bytes.fitting);
+            }
+        }
+        Ok(total.saturating_add(widest))
+    }
+
     /// [`pool_bytes`](Self::pool_bytes) of [`with_fitted`](Self::with_fitted).
     pub fn pool_bytes_fitted(
         num_blocks: usize,
@@ -691,6 +716,14 @@ impl BlockStorage {
             stats += write(p).scrub_shared()?;
         }
         Ok(stats)
+    }
+
+    /// Whether any part codes blocks on tables each sequence fits on its
+    /// own rows ([`StoredPart::per_sequence`]): such blocks are not shared
+    /// through a prefix cache (the manager neither looks prompts up nor
+    /// records prefixes).
+    pub fn fits_per_sequence(&self) -> bool {
+        self.parts.iter().flatten().any(|p| read(p).per_sequence())
     }
 
     /// Bytes of the fitted tables (codebooks, bases) the parts read, each

@@ -6,8 +6,9 @@
 //! sequence that forks and writes into a shared sealed block stages its
 //! own copy (copy-on-write) without changing its sibling's. A Shard form
 //! fitted per sequence (`shard-k3`) keeps each sequence's tables beside its
-//! block table: fitted at its first seal, shared by its forks, kept
-//! through a swap and after its parent is freed.
+//! block table: fitted at its first seal, shared by its forks (made before
+//! the fit or after), kept through a swap and after its parent is freed;
+//! its blocks are not shared through the prefix cache.
 
 use std::sync::Arc;
 
@@ -16,7 +17,8 @@ use attention::{Rope, RopeLayout};
 use kv_lowrank::{Basis, BasisStorage, ShardKeys};
 use kv_quant::{CacheForm, ChannelVq, DecodeScratch, FitOptions, RankRule};
 use paged_cache::{
-    BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, KvPart, LayerSpec, SeqId,
+    BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, KvPart, LayerSpec, PrefixCache,
+    SeqId,
 };
 
 const HEAD_DIM: usize = 16;
@@ -115,6 +117,7 @@ fn write_seeded(
 #[test]
 fn sealed_shard_blocks_are_shared_swapped_and_copied_on_write() {
     let storage = storage();
+    assert!(!storage.fits_per_sequence(), "calibrated tables are shared");
     let config = CacheConfig {
         num_blocks: 16,
         block_size: BS,
@@ -187,9 +190,10 @@ fn tables_fitted_per_sequence_live_beside_the_block_table() {
         ..Fitted::default()
     });
     let form: CacheForm = "shard-k3+sink2+win8".parse().unwrap();
-    let storage = Arc::new(
-        BlockStorage::with_fitted(48, BS, &[LayerSpec::uniform(form, CH)], &[fitted]).unwrap(),
-    );
+    let layers = [LayerSpec::uniform(form, CH)];
+    let fitted = [fitted];
+    let storage = Arc::new(BlockStorage::with_fitted(48, BS, &layers, &fitted).unwrap());
+    assert!(storage.fits_per_sequence());
     let config = CacheConfig {
         num_blocks: 48,
         block_size: BS,
@@ -209,14 +213,28 @@ fn tables_fitted_per_sequence_live_beside_the_block_table() {
         "too few rows to fit"
     );
     assert!(cache.sequence_tables(a).unwrap().is_empty());
+    // A fork made before the fit shares the one fit its parent makes.
+    let early = cache.fork(a).unwrap();
     write_seeded(&mut cache, a, tokens - BS, tokens, 1);
     assert_eq!(cache.seal(a, tokens - BS, tokens).unwrap(), 2 * 9);
     let tables = cache.sequence_tables(a).unwrap().clone();
     assert!(tables.part_bytes(KvPart::Keys) > 0 && tables.part_bytes(KvPart::Values) > 0);
+    assert!(cache.sequence_tables(early).unwrap().same(&tables));
+    // What a caller budgets per sequence bounds what it keeps.
+    let bound = BlockStorage::sequence_bytes_fitted(BS, &layers, &fitted).unwrap();
+    assert!(
+        bound as usize >= tables.stored_bytes(),
+        "{bound} {tables:?}"
+    );
+    cache.free(early).unwrap();
+    // Its blocks are not shared through the prefix cache.
+    cache.cache_prefix(a, tokens).unwrap();
+    assert_eq!(cache.prefix_cache().cached_blocks(), 0);
 
     // Another sequence fits its own; a fork shares its parent's, and its
     // later seals code on them.
-    let (b, _) = cache.add_sequence(&prompt, 1).unwrap();
+    let (b, hit) = cache.add_sequence(&prompt, 0).unwrap();
+    assert_eq!(hit, 0, "no prefix hit");
     write_seeded(&mut cache, b, 0, tokens, 5);
     cache.seal(b, 0, tokens).unwrap();
     assert!(!cache.sequence_tables(b).unwrap().same(&tables));

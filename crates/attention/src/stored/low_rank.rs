@@ -91,6 +91,8 @@ impl LowRankPart {
         Ok(PoolBytes {
             blocks: (sealed.max(exact) as u64).saturating_mul(num_blocks as u64),
             building: 0,
+            sequence: 0,
+            fitting: 0,
         })
     }
 

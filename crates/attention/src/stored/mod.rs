@@ -85,7 +85,7 @@ use kv_quant::{
 pub use low_rank::LowRankPart;
 pub use planned::PlannedPart;
 pub use sequence::{SequenceFit, SequenceTables};
-pub use shard::{ShardBlock, ShardPart, ShardTables};
+pub use shard::{MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
 
 use crate::error::{AttentionError, Result};
@@ -597,6 +597,11 @@ pub struct PoolBytes {
     pub blocks: u64,
     /// The largest buffer filled while building, freed before it returns.
     pub building: u64,
+    /// Bytes of the tables each sequence keeps at most beside its blocks,
+    /// for a part fitting its tables per sequence (0 for other parts).
+    pub sequence: u64,
+    /// The buffers one such fit fills, freed before it returns.
+    pub fitting: u64,
 }
 
 /// [`PoolBytes`] of [`open_part`] for these arguments (saturating).

@@ -107,6 +107,8 @@ impl PlannedPart {
         Ok(PoolBytes {
             blocks: one.saturating_mul(num_blocks as u64),
             building: rows.saturating_mul(4 * channels as u64),
+            sequence: 0,
+            fitting: 0,
         })
     }
 

@@ -212,10 +212,7 @@ pub fn prefill<P: PrefixCache>(
             reason: format!("{cached} of the sequence's {} tokens", held.len()),
         })?;
     let mut slots = Adapted(ReservedSlots::new(cache, seq, cached)?);
-    let logits = model.forward(tokens, &mut slots, tokens.len() - 1);
-    // Tables a form fitted per sequence fitted as the step sealed.
-    cache.set_sequence_tables(seq, slots.0.tables())?;
-    logits
+    model.forward(tokens, &mut slots, tokens.len() - 1)
 }
 
 /// One batched decode step: each sequence of `seqs` has appended one token
@@ -248,12 +245,7 @@ pub fn decode_step<P: PrefixCache>(
             logits_from: 0,
         })
         .collect();
-    let logits = model.forward_batch(&mut items);
-    drop(items);
-    for (&seq, slots) in seqs.iter().zip(&slots) {
-        cache.set_sequence_tables(seq, slots.0.tables())?;
-    }
-    logits
+    model.forward_batch(&mut items)
 }
 
 /// Refuses, before any work, what no batch can serve: no request, an empty

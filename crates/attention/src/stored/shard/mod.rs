@@ -22,7 +22,8 @@
 //! centroids of 4), on those rows (a long prefill's, as the blog fits;
 //! rows written later are coded on them); every sealed block keeps a
 //! reference to the tables it was coded on, so it reads, copies and swaps
-//! without its sequence. A page of keys is read by rebuilding its rows (one GEMM of its
+//! without its sequence. (A sequence cut back below that threshold keeps
+//! its tables, and its blocks seal again once it is past it.) A page of keys is read by rebuilding its rows (one GEMM of its
 //! coefficients on the basis, then RoPE at the page's positions with one
 //! `sin_cos` per pair for the page: `Rope::apply_rows`); a page of values
 //! comes in the codebook's Hadamard rotation, exact rows rotated to match,
@@ -128,6 +129,12 @@ impl ShardBlock {
     }
 }
 
+/// Rows of its middle a sequence's tables are fitted on at most (a long
+/// prefill's first 4,096: the key basis is a PCA over at most a few
+/// hundred channels, the codebook's k-means samples 2^15 groups of 4), so
+/// a fit's buffers stay bounded whatever the prompt.
+pub const MAX_FIT_ROWS: usize = 4096;
+
 /// A Shard form kept in blocks (see the module docs).
 #[derive(Debug)]
 pub struct ShardPart {
@@ -204,7 +211,7 @@ impl ShardPart {
                     .into(),
             })
         })?;
-        Self::per_sequence(form, block_size, channels, num_blocks, fit)
+        Self::fitting_per_sequence(form, block_size, channels, num_blocks, fit)
     }
 
     /// Zeroed blocks of the Shard `form` coded on `tables` (calibrated
@@ -232,7 +239,7 @@ impl ShardPart {
     /// Zeroed blocks of the Shard `form` whose tables each sequence fits
     /// on its own rows ([`StoredPart::fit_sequence`]); NF4 values need
     /// none and are coded as [`new`](Self::new) codes them.
-    pub fn per_sequence(
+    pub fn fitting_per_sequence(
         form: CacheForm,
         block_size: usize,
         channels: usize,
@@ -318,11 +325,25 @@ impl ShardPart {
                 };
             }
             (None, Some(_)) => {
+                // What a fit would refuse, refused before any row is
+                // written (kv-lowrank's `ShardKeys::fit`).
+                let budget_bits = (spec.key_bits() * channels as f64).floor() as usize;
+                let kept = spec.rank.unwrap_or(channels);
+                let cheapest = 2 * spec.group.min(kept);
+                if !channels.is_multiple_of(4) || kept > channels || budget_bits < cheapest {
+                    return Err(AttentionError::Store(KvQuantError::InvalidSpec {
+                        spec: form.to_string(),
+                        reason: format!(
+                            "cannot fit keys of {channels} channels: a rank of {kept} (at most \
+                             the channels, a multiple of 4), {budget_bits} bits per token for \
+                             groups of {} components at 2 bits at least",
+                            spec.group
+                        ),
+                    }));
+                }
                 // At most: the allocation spends at most the budget's bits
                 // per token, and keeps at most `rank` components, each
                 // with an f16 step per block.
-                let budget_bits = (spec.key_bits() * channels as f64).floor() as usize;
-                let kept = spec.rank.unwrap_or(channels).min(channels);
                 part.sealed_bytes = block_size * (budget_bits / 8) + 2 * kept;
             }
             (None, None) => {
@@ -340,7 +361,10 @@ impl ShardPart {
     }
 
     /// [`PoolBytes`] of [`open`](Self::open): every block counted at the
-    /// larger of its exact and sealed bytes.
+    /// larger of its exact and sealed bytes; where each sequence fits its
+    /// own tables, those tables (an int8 key basis of at most `rank` rows,
+    /// or a codebook) and a fit's buffers (its rows as f32, three copies
+    /// at most).
     pub fn pool_bytes(
         form: CacheForm,
         block_size: usize,
@@ -350,10 +374,32 @@ impl ShardPart {
     ) -> Result<PoolBytes> {
         let part = Self::open(form, block_size, channels, 0, fitted)?;
         let exact = KvStore::zeroed(form.exact_rows_form(), block_size, channels)?.stored_bytes();
+        let (sequence, fitting) = if part.per_sequence() {
+            let Quantizer::Shard(spec) = *form.quantizer() else {
+                unreachable!("a Shard part holds a Shard form");
+            };
+            let kept = spec.rank.unwrap_or(channels).min(channels);
+            let tables = match part.rope {
+                Some(_) => kept * channels + 2 * kept + 2 * channels,
+                None => 2 * kv_quant::channel_vq::CENTROIDS * 4,
+            };
+            let fit = 3 * 4 * part.fit_rows_at_most() * channels;
+            (tables as u64, fit as u64)
+        } else {
+            (0, 0)
+        };
         Ok(PoolBytes {
             blocks: (part.sealed_bytes.max(exact) as u64).saturating_mul(num_blocks as u64),
             building: 0,
+            sequence,
+            fitting,
         })
+    }
+
+    /// Rows a sequence's tables are fitted on at most: the first
+    /// [`MAX_FIT_ROWS`] rows of its middle, in whole blocks.
+    fn fit_rows_at_most(&self) -> usize {
+        MAX_FIT_ROWS.div_ceil(self.block_size) * self.block_size
     }
 
     /// Rows `offset..offset + out.len() / channels` of `block` as f32, in
@@ -412,6 +458,7 @@ impl ShardPart {
                     self.rope.is_some()
                         && keys.tokens() == bs
                         && keys.dim() == ch
+                        && keys.kept() <= spec.rank.unwrap_or(ch)
                         && keys.row_bytes() * 8 <= budget_bits
                 }
                 ShardBlock::Vq(v) => {
@@ -612,6 +659,8 @@ impl StoredPart for ShardPart {
                 ),
             });
         }
+        // The first rows of the middle, up to a bound on a fit's memory.
+        let blocks = blocks.start..blocks.end.min(blocks.start + self.fit_rows_at_most() / bs);
         let n = blocks.len() * bs;
         let mut rows = vec![0.0; n * ch];
         let mut scratch = DecodeScratch::new();
