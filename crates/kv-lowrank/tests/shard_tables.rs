@@ -64,3 +64,26 @@ fn tables_that_do_not_fit_together_are_refused() {
         );
     }
 }
+
+/// `fit_tables` is `fit(..).tables()` without coding the rows, refusals
+/// included.
+#[test]
+fn tables_fitted_without_coding_are_the_fitted_stores_tables() {
+    let rows = keys(300);
+    for (budget, group, rank) in [(3.0, 4, None), (2.0, 8, Some(8)), (4.5, 4, Some(12))] {
+        let fitted = ShardKeys::fit(&rows, 300, 16, budget, group, rank).unwrap();
+        let tables = ShardKeys::fit_tables(&rows, 300, 16, budget, group, rank).unwrap();
+        assert_eq!(tables, fitted.tables(), "{budget} {group} {rank:?}");
+    }
+    for (tokens, dim, budget, group, rank) in [
+        (300, 16, 3.0, 4, Some(20)),
+        (300, 16, 9.0, 4, None),
+        (300, 16, 3.0, 6, None),
+        (1, 16, 3.0, 4, None),
+    ] {
+        let rows = &rows[..tokens * dim];
+        let a = ShardKeys::fit(rows, tokens, dim, budget, group, rank).unwrap_err();
+        let b = ShardKeys::fit_tables(rows, tokens, dim, budget, group, rank).unwrap_err();
+        assert_eq!(a.to_string(), b.to_string());
+    }
+}

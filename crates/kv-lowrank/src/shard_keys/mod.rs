@@ -65,49 +65,26 @@ impl ShardKeys {
         group: usize,
         rank: Option<usize>,
     ) -> Result<Self> {
-        check_len("key rows (tokens × dim)", tokens * dim, rows.len())?;
-        check_finite(rows, dim)?;
-        if dim == 0 || !dim.is_multiple_of(4) {
-            return Err(LowRankError::InvalidParameter {
-                name: "key dimension",
-                reason: format!("{dim} key channels are not a positive multiple of 4"),
-            });
-        }
-        if group == 0 || !group.is_multiple_of(4) {
-            return Err(LowRankError::InvalidParameter {
-                name: "group",
-                reason: format!("{group} components per group are not a positive multiple of 4"),
-            });
-        }
-        let considered = rank.unwrap_or(dim);
-        if considered > dim {
-            return Err(LowRankError::InvalidParameter {
-                name: "rank",
-                reason: format!("a rank of {considered} is above the key dimension {dim}"),
-            });
-        }
-        if !(budget.is_finite() && budget > 0.0 && budget <= 8.0) {
-            return Err(LowRankError::InvalidParameter {
-                name: "key budget",
-                reason: format!("{budget} bits per value cannot be met (more than 0, at most 8)"),
-            });
-        }
-        // PCA needs more rows than components.
-        let considered = considered.min(tokens.saturating_sub(1) / 4 * 4);
-        if considered == 0 {
-            return Err(LowRankError::TooFewRows {
-                rows: tokens,
-                rank: 4,
-            });
-        }
-        let (full, _) = Basis::fit(
-            rows,
-            tokens,
-            dim,
-            RankRule::Fixed(considered),
-            BasisStorage::Int8,
-        )?;
+        let full = fit_basis(rows, tokens, dim, budget, group, rank)?;
         Self::encode(rows, tokens, full, budget, group)
+    }
+
+    /// The tables [`fit`](Self::fit) fits on these rows
+    /// (`fit(..)?.tables()`), without coding the rows: what a cache fitting
+    /// a sequence's tables on its prefill keeps, before it codes the rows
+    /// block by block with [`encode_chunk`](Self::encode_chunk).
+    pub fn fit_tables(
+        rows: &[f32],
+        tokens: usize,
+        dim: usize,
+        budget: f64,
+        group: usize,
+        rank: Option<usize>,
+    ) -> Result<Self> {
+        let full = fit_basis(rows, tokens, dim, budget, group, rank)?;
+        Ok(Self::allocate(rows, tokens, full, budget, group)?
+            .0
+            .tables())
     }
 
     /// Stores `rows` (`tokens × dim`) on a basis fitted elsewhere (a
@@ -150,6 +127,32 @@ impl ShardKeys {
     /// Allocates bits over the components of `full` from their energies
     /// over `rows` and stores the kept ones' coefficients.
     fn encode(rows: &[f32], tokens: usize, full: Basis, budget: f64, group: usize) -> Result<Self> {
+        let (header, spectrum) = Self::allocate(rows, tokens, full, budget, group)?;
+        let (scales, codes) = quantize(
+            &header.basis,
+            &header.groups,
+            header.row_bytes,
+            rows,
+            tokens,
+        );
+        Ok(Self {
+            tokens,
+            spectrum,
+            scales,
+            codes,
+            ..header
+        })
+    }
+
+    /// The kept components of `full` and their bits, allocated from their
+    /// energies over `rows` (a store of no tokens), and those energies.
+    fn allocate(
+        rows: &[f32],
+        tokens: usize,
+        full: Basis,
+        budget: f64,
+        group: usize,
+    ) -> Result<(Self, Spectrum)> {
         let dim = full.dim();
         let considered = full.rank();
         let budget_bits = (budget * dim as f64).floor() as usize;
@@ -190,21 +193,7 @@ impl ShardKeys {
             start += len;
         }
         let allocation = allocate_bits(&variances, &sizes, budget_bits)?;
-        let header = Self::keep(&full, &sizes, allocation)?;
-        let (scales, codes) = quantize(
-            &header.basis,
-            &header.groups,
-            header.row_bytes,
-            rows,
-            tokens,
-        );
-        Ok(Self {
-            tokens,
-            spectrum,
-            scales,
-            codes,
-            ..header
-        })
+        Ok((Self::keep(&full, &sizes, allocation)?, spectrum))
     }
 
     /// A store of no tokens on `full`'s components kept by `allocation` (bits
@@ -603,6 +592,62 @@ fn pack(codes: impl Iterator<Item = u8>, bits: u8, out: &mut [u8]) {
             held -= 8;
         }
     }
+}
+
+/// The full basis [`ShardKeys::fit`] allocates over: its checks, then a
+/// PCA of `rows` over the first `rank` components (at most `tokens − 1`,
+/// in whole groups of 4).
+fn fit_basis(
+    rows: &[f32],
+    tokens: usize,
+    dim: usize,
+    budget: f64,
+    group: usize,
+    rank: Option<usize>,
+) -> Result<Basis> {
+    check_len("key rows (tokens × dim)", tokens * dim, rows.len())?;
+    check_finite(rows, dim)?;
+    if dim == 0 || !dim.is_multiple_of(4) {
+        return Err(LowRankError::InvalidParameter {
+            name: "key dimension",
+            reason: format!("{dim} key channels are not a positive multiple of 4"),
+        });
+    }
+    if group == 0 || !group.is_multiple_of(4) {
+        return Err(LowRankError::InvalidParameter {
+            name: "group",
+            reason: format!("{group} components per group are not a positive multiple of 4"),
+        });
+    }
+    let considered = rank.unwrap_or(dim);
+    if considered > dim {
+        return Err(LowRankError::InvalidParameter {
+            name: "rank",
+            reason: format!("a rank of {considered} is above the key dimension {dim}"),
+        });
+    }
+    if !(budget.is_finite() && budget > 0.0 && budget <= 8.0) {
+        return Err(LowRankError::InvalidParameter {
+            name: "key budget",
+            reason: format!("{budget} bits per value cannot be met (more than 0, at most 8)"),
+        });
+    }
+    // PCA needs more rows than components.
+    let considered = considered.min(tokens.saturating_sub(1) / 4 * 4);
+    if considered == 0 {
+        return Err(LowRankError::TooFewRows {
+            rows: tokens,
+            rank: 4,
+        });
+    }
+    let (full, _) = Basis::fit(
+        rows,
+        tokens,
+        dim,
+        RankRule::Fixed(considered),
+        BasisStorage::Int8,
+    )?;
+    Ok(full)
 }
 
 #[cfg(test)]

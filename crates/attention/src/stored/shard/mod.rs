@@ -676,7 +676,7 @@ impl StoredPart for ShardPart {
                     rope.undo(row, first + i)?;
                 }
                 let fitted =
-                    ShardKeys::fit(&rows, n, ch, spec.key_bits(), spec.group, spec.rank)?.tables();
+                    ShardKeys::fit_tables(&rows, n, ch, spec.key_bits(), spec.group, spec.rank)?;
                 ShardTables::Keys {
                     prototype: Arc::new(fitted),
                     rope: rope.clone(),
