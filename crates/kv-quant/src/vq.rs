@@ -257,43 +257,25 @@ fn rms(y: &[f32]) -> f32 {
 
 /// Index of the column-major (`dim × k`) centroid nearest `x`; ties go to
 /// the lower index.
-///
-/// Distances are summed 16 centroids at a time in the same order as a
-/// plain loop (so the same bits), and each block's minimum is found with
-/// a vector reduction before its index is looked up: the argmin loop of
-/// one compare and branch per centroid was the larger half of a k-means
-/// assignment (written here, not taken from a crate, for that measured
-/// gain on the fit every Shard sequence makes).
 #[inline]
 pub(crate) fn nearest_in(columns: &[f32], k: usize, x: &[f32]) -> usize {
     const LANES: usize = 16;
     let mut best = (f32::INFINITY, 0usize);
-    let full = k - k % LANES;
-    for start in (0..full).step_by(LANES) {
-        let mut dist = [0.0f32; LANES];
+    let mut dist = [0.0f32; LANES];
+    for start in (0..k).step_by(LANES) {
+        let n = LANES.min(k - start);
+        dist[..n].fill(0.0);
         for (j, &xj) in x.iter().enumerate() {
-            let col: &[f32; LANES] = columns[j * k + start..][..LANES]
-                .try_into()
-                .expect("a block of LANES centroids");
-            for (d, &c) in dist.iter_mut().zip(col) {
+            let col = &columns[j * k + start..][..n];
+            for (d, &c) in dist[..n].iter_mut().zip(col) {
                 let e = xj - c;
                 *d += e * e;
             }
         }
-        let least = dist.iter().fold(f32::INFINITY, |a, &d| a.min(d));
-        if least < best.0
-            && let Some(i) = dist.iter().position(|&d| d == least)
-        {
-            best = (least, start + i);
-        }
-    }
-    for c in full..k {
-        let d = x.iter().enumerate().fold(0.0f32, |acc, (j, &xj)| {
-            let e = xj - columns[j * k + c];
-            acc + e * e
-        });
-        if d < best.0 {
-            best = (d, c);
+        for (i, &d) in dist[..n].iter().enumerate() {
+            if d < best.0 {
+                best = (d, start + i);
+            }
         }
     }
     best.1
