@@ -80,6 +80,8 @@ fn tables_fitted_without_coding_are_the_fitted_stores_tables() {
         (300, 16, 9.0, 4, None),
         (300, 16, 3.0, 6, None),
         (1, 16, 3.0, 4, None),
+        // Past the shared checks: the allocation's own refusal.
+        (300, 16, 0.1, 4, None),
     ] {
         let rows = &rows[..tokens * dim];
         let a = ShardKeys::fit(rows, tokens, dim, budget, group, rank).unwrap_err();

@@ -19,8 +19,8 @@
 //! any other. A sequence's own tables are fitted at the first commit whose
 //! middle (past the sink, out of the window) holds more rows than a key
 //! has channels (and 1,024 values at least, for the codebook's 256
-//! centroids of 4), on those rows (a long prefill's, as the blog fits;
-//! rows written later are coded on them); every sealed block keeps a
+//! centroids of 4), on those rows (a long prefill's, as the blog fits, its
+//! first [`MAX_FIT_ROWS`] at most; rows written later are coded on them); every sealed block keeps a
 //! reference to the tables it was coded on, so it reads, copies and swaps
 //! without its sequence. (A sequence cut back below that threshold keeps
 //! its tables, and its blocks seal again once it is past it.) A page of keys is read by rebuilding its rows (one GEMM of its
@@ -130,9 +130,10 @@ impl ShardBlock {
 }
 
 /// Rows of its middle a sequence's tables are fitted on at most (a long
-/// prefill's first 4,096: the key basis is a PCA over at most a few
-/// hundred channels, the codebook's k-means samples 2^15 groups of 4), so
-/// a fit's buffers stay bounded whatever the prompt.
+/// prefill's first 4,096, or more rows than a key has channels where that
+/// is more: the key basis is a PCA over the channels, the codebook's
+/// k-means samples 2^15 groups of 4), so a fit's buffers stay bounded
+/// whatever the prompt.
 pub const MAX_FIT_ROWS: usize = 4096;
 
 /// A Shard form kept in blocks (see the module docs).
@@ -363,8 +364,8 @@ impl ShardPart {
     /// [`PoolBytes`] of [`open`](Self::open): every block counted at the
     /// larger of its exact and sealed bytes; where each sequence fits its
     /// own tables, those tables (an int8 key basis of at most `rank` rows,
-    /// or a codebook) and a fit's buffers (its rows as f32, three copies
-    /// at most).
+    /// or a codebook) and a fit's buffers (its rows in f32, the PCA's f64
+    /// copies and its d × d matrices).
     pub fn pool_bytes(
         form: CacheForm,
         block_size: usize,
@@ -383,7 +384,10 @@ impl ShardPart {
                 Some(_) => kept * channels + 2 * kept + 2 * channels,
                 None => 2 * kv_quant::channel_vq::CENTROIDS * 4,
             };
-            let fit = 3 * 4 * part.fit_rows_at_most() * channels;
+            // The fit's f32 rows, the PCA's f64 copy and transpose, its
+            // d × d moment and eigenvectors (kv-lowrank's `Basis::fit`).
+            let (n, d) = (part.fit_rows_at_most(), channels);
+            let fit = 4 * n * d + 16 * n * d + 16 * d * d;
             (tables as u64, fit as u64)
         } else {
             (0, 0)
@@ -397,9 +401,10 @@ impl ShardPart {
     }
 
     /// Rows a sequence's tables are fitted on at most: the first
-    /// [`MAX_FIT_ROWS`] rows of its middle, in whole blocks.
+    /// [`MAX_FIT_ROWS`] rows of its middle, in whole blocks, and never
+    /// fewer than a fit needs (more rows than a key has channels).
     fn fit_rows_at_most(&self) -> usize {
-        MAX_FIT_ROWS.div_ceil(self.block_size) * self.block_size
+        MAX_FIT_ROWS.div_ceil(self.block_size).max(self.fit_blocks) * self.block_size
     }
 
     /// Rows `offset..offset + out.len() / channels` of `block` as f32, in
