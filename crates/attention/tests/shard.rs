@@ -11,7 +11,7 @@ mod common;
 
 use attention::{Attention, HeadShape, Mask, Rope, RopeLayout, ShardLayer};
 use common::{error_against, oracle, uniform};
-use kv_quant::CacheForm;
+use kv_quant::{CacheForm, FaultTarget};
 
 /// Keys near a low-rank subspace with RoPE applied at their positions, and values.
 fn rows(seed: u64, tokens: usize, channels: usize, rope: &Rope) -> (Vec<f32>, Vec<f32>) {
@@ -290,7 +290,7 @@ fn faults_reach_folded_chunks_too() {
     let keys = folded.keys().unwrap();
     let channel = BinarySymmetric::new(1e-2).unwrap();
     let mut hit = folded.clone();
-    let f = hit.inject(&channel, 5).unwrap();
+    let f = hit.inject(&channel, 5, FaultTarget::Values).unwrap();
     // Every compressed token's codes are codewords (one per nibble): the
     // middle's and three chunks'.
     let compressed = (folded.middle().len() + 96) as u64;
@@ -298,7 +298,7 @@ fn faults_reach_folded_chunks_too() {
     assert_eq!(f.values.words, 2 * compressed * (2 * d / 4) as u64);
     assert!(f.keys.corrected > 0 && f.values.corrected > 0, "{f:?}");
     let mut again = folded.clone();
-    assert_eq!(again.inject(&channel, 5).unwrap(), f);
+    assert_eq!(again.inject(&channel, 5, FaultTarget::Values).unwrap(), f);
     assert_eq!(again.dequantize().unwrap(), hit.dequantize().unwrap());
 }
 
@@ -315,24 +315,30 @@ fn faults_are_seeded_accounted_and_corrected_under_a_code() {
     // Unprotected: every flip lands in a code; changed bytes are silent.
     let channel = BinarySymmetric::new(1e-3).unwrap();
     let mut hit = plain.clone();
-    let f = hit.inject(&channel, 7).unwrap();
+    let f = hit.inject(&channel, 7, FaultTarget::Values).unwrap();
     assert!(f.flips > 0);
     assert!(f.keys.silent + f.values.silent > 0 && f.keys.silent + f.values.silent <= f.flips);
     assert_eq!(f.keys.words, plain.keys().unwrap().codes().len() as u64);
     assert_ne!(hit.dequantize().unwrap(), clean);
     // The same seed, the same flips and the same layer.
     let mut again = plain.clone();
-    assert_eq!(again.inject(&channel, 7).unwrap(), f);
+    assert_eq!(again.inject(&channel, 7, FaultTarget::Values).unwrap(), f);
     assert_eq!(again.dequantize().unwrap(), hit.dequantize().unwrap());
     // SECDED: code bytes double; single flips per word are all corrected.
     let secded = build("shard-k2-g4+secded84");
     let (b0, b1) = (plain.bytes(), secded.bytes());
-    let codes = plain.keys().unwrap().codes().len();
-    assert_eq!(b1.keys - b0.keys, codes);
+    let keys = plain.keys().unwrap();
+    let codes = keys.codes().len();
+    // Codes doubled; the f16 steps and the basis under RM(2,5): two check
+    // bytes per 16-bit word.
+    assert_eq!(
+        b1.keys - b0.keys,
+        codes + 2 * keys.scales().len() + 2 * keys.shared_bytes().div_ceil(2)
+    );
     assert_eq!(b1.exact, b0.exact);
     let sparse = BinarySymmetric::new(1e-4).unwrap();
     let mut hit = secded.clone();
-    let f = hit.inject(&sparse, 3).unwrap();
+    let f = hit.inject(&sparse, 3, FaultTarget::Values).unwrap();
     let (kw, vw) = (f.keys, f.values);
     assert!(f.flips > 0);
     assert_eq!(
@@ -354,7 +360,97 @@ fn faults_are_seeded_accounted_and_corrected_under_a_code() {
     assert_eq!(hit.dequantize().unwrap(), secded.dequantize().unwrap());
     // NF4 values are not exposed.
     let mut nf4 = build("shard-k2-g4-vnf4");
-    assert!(nf4.inject(&channel, 1).is_err());
+    assert!(nf4.inject(&channel, 1, FaultTarget::Values).is_err());
+}
+
+#[test]
+fn scales_and_tables_are_exposed_under_metadata_and_protected_by_the_metadata_code() {
+    use gf2_codes::channel::{BinarySymmetric, ExactFlips};
+    let (d, tokens) = (16, 400);
+    let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).unwrap();
+    let (k, v) = rows(9, tokens, 2 * d, &rope);
+    let build =
+        |s: &str| ShardLayer::build(s.parse().unwrap(), &k, &v, tokens, tokens, &rope).unwrap();
+    for spelling in ["shard-k2-g4", "shard-k2-g4+secded84"] {
+        let layer = build(spelling);
+        let clean = layer.dequantize().unwrap();
+        let (kept, basis) = {
+            let keys = layer.keys().unwrap();
+            (keys.scales().len(), keys.shared_bytes().div_ceil(2))
+        };
+        // Metadata alone: the codes are left, every scale and table word is
+        // read and accounted.
+        let channel = BinarySymmetric::new(1e-3).unwrap();
+        let mut hit = layer.clone();
+        let f = hit.inject(&channel, 11, FaultTarget::Metadata).unwrap();
+        assert_eq!(f.keys, Default::default(), "{spelling}");
+        assert_eq!(f.values, Default::default(), "{spelling}");
+        assert_eq!(f.key_scales.words, kept as u64, "{spelling}");
+        assert_eq!(f.value_scales.words, 2 * d as u64, "{spelling}");
+        // The key basis's words and the codebook's 256 × 4 f16 centroids.
+        assert_eq!(f.tables.words, (basis + 256 * 4) as u64, "{spelling}");
+        assert!(f.flips > 0, "{spelling}");
+        let mut again = layer.clone();
+        assert_eq!(
+            again.inject(&channel, 11, FaultTarget::Metadata).unwrap(),
+            f
+        );
+        assert_eq!(again.dequantize().unwrap(), hit.dequantize().unwrap());
+        // Everything: both, the codes' stream as under `values`.
+        let mut all = layer.clone();
+        let e = all.inject(&channel, 11, FaultTarget::Everything).unwrap();
+        let mut codes_only = layer.clone();
+        let c = codes_only
+            .inject(&channel, 11, FaultTarget::Values)
+            .unwrap();
+        assert_eq!((e.keys, e.values), (c.keys, c.values));
+        assert_eq!((e.key_scales, e.tables), (f.key_scales, f.tables));
+        assert_eq!(e.flips, c.flips + f.flips);
+        // One flip in the first key step's f16 exponent (bit 14 of word 0):
+        // silent and read wrong without a code, corrected under RM(2,5).
+        let mut one = layer.clone();
+        let f = one
+            .inject(&ExactFlips::new([14]), 0, FaultTarget::Metadata)
+            .unwrap();
+        let read = one.dequantize().unwrap();
+        if spelling.contains("secded") {
+            assert_eq!(f.key_scales.corrected, 1, "{f:?}");
+            assert_eq!(read, clean);
+        } else {
+            assert_eq!(f.key_scales.silent, 1, "{f:?}");
+            assert_ne!(read, clean);
+        }
+    }
+}
+
+#[test]
+fn a_detected_scale_reads_as_zero_not_as_a_huge_step() {
+    use gf2_codes::channel::ExactFlips;
+    let (d, tokens) = (16, 400);
+    let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).unwrap();
+    let (k, v) = rows(9, tokens, 2 * d, &rope);
+    let layer = ShardLayer::build(
+        "shard-k2-g4+secded84".parse().unwrap(),
+        &k,
+        &v,
+        tokens,
+        tokens,
+        &rope,
+    )
+    .unwrap();
+    // Four flips in the first step's f16 word: RM(2,5) (distance 8) detects
+    // them, and the step reads as zero (the component dropped), not as
+    // whatever the flipped exponent says.
+    let mut hit = layer.clone();
+    let f = hit
+        .inject(&ExactFlips::new([14, 13, 12, 11]), 0, FaultTarget::Metadata)
+        .unwrap();
+    assert_eq!(f.key_scales.detected, 1, "{f:?}");
+    assert_eq!(hit.keys().unwrap().scales()[0], 0.0);
+    assert_eq!(
+        hit.keys().unwrap().scales()[1..],
+        layer.keys().unwrap().scales()[1..]
+    );
 }
 
 #[test]

@@ -115,6 +115,32 @@ fn faults_are_injected_through_the_code_and_accounted() {
     let mut p = plain.keys.values;
     p += plain.values.values;
     assert!(p.silent > 0 && p.corrected == 0, "{p:?}");
+    // Under `metadata` the codes are left; the scales and the fitted tables
+    // are hit, under RM(2,5) beside SECDED codes, bare without a code.
+    let on = |spec: &str, target| {
+        let faults = FaultSpec {
+            target,
+            ber: 1e-2,
+            ..faults
+        };
+        let mut cache =
+            KvCache::new(CacheMode::form(spec.parse().unwrap()), Some(faults), 0).unwrap();
+        m.forward(&toks, &mut cache, 0).unwrap();
+        cache.stats().clone()
+    };
+    let meta = on("shard-k4-g4+win8+secded84", FaultTarget::Metadata);
+    assert_eq!(meta.keys.values.words + meta.values.values.words, 0);
+    assert!(meta.keys.metadata.words > 0 && meta.values.metadata.words > 0);
+    assert!(meta.tables.corrected > 0, "{:?}", meta.tables);
+    let bare = on("shard-k4-g4+win8", FaultTarget::Metadata);
+    assert!(
+        bare.tables.silent > 0 && bare.tables.corrected == 0,
+        "{:?}",
+        bare.tables
+    );
+    let all = on("shard-k4-g4+win8+secded84", FaultTarget::Everything);
+    assert!(all.keys.values.words > 0 && all.keys.metadata.words > 0);
+    assert_eq!(all.tables, meta.tables);
 }
 
 #[test]
@@ -129,15 +155,15 @@ fn bad_input_is_a_typed_error() {
         hot: None,
     };
     let shard = CacheMode::form(SPEC.parse().unwrap());
-    let everything = FaultSpec {
-        target: FaultTarget::Everything,
-        ..faults
-    };
-    let e = match KvCache::new(shard.clone(), Some(everything), 0) {
-        Ok(_) => panic!("faults on a shard form's metadata were accepted"),
-        Err(e) => e.to_string(),
-    };
-    assert!(e.contains("shard"), "{e}");
+    // NF4 values take no faults.
+    let mut nf4 = KvCache::new(
+        CacheMode::form("shard-k4-g4-vnf4+win8".parse().unwrap()),
+        Some(faults),
+        0,
+    )
+    .unwrap();
+    let e = m.forward(&toks, &mut nf4, 0).unwrap_err().to_string();
+    assert!(e.contains("NF4"), "{e}");
     let mixed = CacheMode::key_value(SPEC.parse().unwrap(), "int4".parse().unwrap());
     let mut cache = KvCache::new(mixed, None, 0).unwrap();
     let e = m.forward(&toks, &mut cache, 0).unwrap_err().to_string();

@@ -33,8 +33,8 @@ use std::sync::Arc;
 use half::f16;
 use kv_lowrank::ShardKeys;
 use kv_quant::{
-    CacheForm, ChannelVq, DecodeScratch, FitOptions, KvStore, LloydMaxSpec, Nf4Spec, Quantizer,
-    Rotation, ScaleType, ShardSpec, ShardValues,
+    CacheForm, ChannelVq, DecodeScratch, FitOptions, KvStore, LloydMaxSpec, Nf4Spec,
+    ProtectedTable, Quantizer, Rotation, ScaleType, ShardSpec, ShardValues,
 };
 
 use crate::error::{AttentionError, Result, check_len};
@@ -493,6 +493,8 @@ impl ShardLayer {
     /// basis and codebook it shares with the middle).
     pub fn bytes(&self) -> ShardBytes {
         let code = self.form.protection().map(|p| p.code);
+        // Scales and tables are stored under the metadata code (`faults`).
+        let meta = |bytes: usize| ProtectedTable::stored_len(bytes, self.metadata_protection());
         let mut bytes = ShardBytes {
             exact: 2 * (self.exact_keys.len() + self.exact_values.len()),
             stream: self
@@ -503,19 +505,18 @@ impl ShardLayer {
         };
         for (i, c) in self.compressed.iter().enumerate() {
             let k = &c.keys;
-            bytes.keys +=
-                k.stored_bytes() - k.codes().len() + faults::protected_len(k.codes().len(), code);
+            bytes.keys += faults::protected_len(k.codes().len(), code) + meta(2 * k.scales().len());
+            if i == 0 {
+                bytes.keys += meta(k.shared_bytes());
+            }
             bytes.values += match &*c.values {
                 MiddleValues::Vq(v) => {
-                    v.stored_bytes() - v.indices().len()
-                        + faults::protected_len(v.indices().len(), code)
-                        - if i > 0 { v.shared_bytes() } else { 0 }
+                    faults::protected_len(v.indices().len(), code)
+                        + meta(2 * v.max().len())
+                        + if i == 0 { meta(v.shared_bytes()) } else { 0 }
                 }
                 MiddleValues::Nf4(s) => s.stored_bytes(),
             };
-            if i > 0 {
-                bytes.keys -= k.shared_bytes();
-            }
         }
         bytes
     }

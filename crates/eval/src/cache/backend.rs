@@ -134,7 +134,8 @@ impl KvBackend for KvCache {
                 {
                     let faults = self.faults.as_ref().map(|f| {
                         let base = mix(f.spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        (f.layer_channel(layer), mix(base ^ mix(2 * layer as u64)))
+                        let seed = mix(base ^ mix(2 * layer as u64));
+                        (f.layer_channel(layer), seed, f.spec.target)
                     });
                     let prefill = self.prefill.unwrap_or(tokens);
                     let run = shard::attend(
@@ -154,6 +155,7 @@ impl KvBackend for KvCache {
                     self.stats.part_bytes[1] += (b.values + (b.exact + b.stream) / 2) as u64;
                     self.stats.stored_values += 2 * (tokens * ch) as u64;
                     self.stats.injected_flips += run.flips;
+                    self.stats.tables += run.tables;
                     run.out
                 } else {
                     let blocks = match &self.mode {

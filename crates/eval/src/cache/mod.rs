@@ -570,16 +570,6 @@ impl KvCache {
                         reason: "the plain cache has no stored bits to corrupt; use a form".into(),
                     });
                 }
-                if f.target != FaultTarget::Values
-                    && mode.forms().iter().any(|(f, _)| f.quantizer().is_shard())
-                {
-                    return Err(EvalError::InvalidParameter {
-                        name: "target",
-                        reason: "faults reach a shard form's coefficient codes and VQ indices \
-                                 only (--target values)"
-                            .into(),
-                    });
-                }
                 let hot = match f.hot {
                     Some(h) => {
                         let whole_layer_only = |f: &CacheForm| {

@@ -2,13 +2,18 @@
 //! prefill (its basis and codebook fitted on the prefill's middle, or its
 //! basis read from a calibration) and kept; later calls extend its decode
 //! stream (or fold them into the middle) with the tokens generated since,
-//! and attention reads it on its compressed forms. Faults land in a fresh copy of the middle's codes on
-//! every call (the paper's protocol), never in the kept layer.
+//! and attention reads it on its compressed forms. Faults land in a fresh
+//! copy of the middle's stored bits on every call (the paper's protocol),
+//! never in the kept layer: the codes under `values`, the scales and the
+//! fitted tables under `metadata`, all of them under `everything`
+//! (attention's `ShardLayer::inject`).
 
 use std::sync::Arc;
 
 use attention::{Attention, AttentionOutput, Mask, Rope, ShardBytes, ShardLayer};
+use gf2_codes::DecodeStats;
 use gf2_codes::channel::FaultChannel;
+use kv_quant::FaultTarget;
 
 use super::LayerCodes;
 use crate::error::{EvalError, Result};
@@ -31,6 +36,8 @@ pub(super) struct ShardRun {
     pub(super) bytes: ShardBytes,
     /// Bits flipped.
     pub(super) flips: u64,
+    /// How the fitted tables' words decoded (the key basis, the codebook).
+    pub(super) tables: DecodeStats,
 }
 
 /// Attends `layer` (rows `k`, `v` of `tokens` tokens, the first `prefill`
@@ -46,7 +53,7 @@ pub(super) fn attend(
     (k, v, tokens): (&[f32], &[f32], usize),
     attention: &Attention,
     (queries, positions, mask): (&[f32], &[usize], &Mask<'_>),
-    faults: Option<(&(dyn FaultChannel + Send + Sync), u64)>,
+    faults: Option<(&(dyn FaultChannel + Send + Sync), u64, FaultTarget)>,
 ) -> Result<ShardRun> {
     let form = codes.key.form;
     if codes.value.form != form {
@@ -95,17 +102,22 @@ pub(super) fn attend(
     };
     // Faults land in a copy (the kept layer stays clean); a clean call copies nothing.
     let injected = match faults {
-        Some((channel, seed)) => Some(Arc::make_mut(&mut built).inject(channel, seed)?),
+        Some((channel, seed, target)) => {
+            Some(Arc::make_mut(&mut built).inject(channel, seed, target)?)
+        }
         None => None,
     };
     let mut out = built.attend(attention, queries, positions, mask)?;
     if let Some(f) = injected {
         out.stats.keys.values = f.keys;
         out.stats.values.values = f.values;
+        out.stats.keys.metadata = f.key_scales;
+        out.stats.values.metadata = f.value_scales;
     }
     Ok(ShardRun {
         out,
         bytes: built.bytes(),
         flips: injected.map_or(0, |f| f.flips),
+        tables: injected.map_or_else(DecodeStats::default, |f| f.tables),
     })
 }
