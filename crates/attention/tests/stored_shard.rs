@@ -6,7 +6,9 @@
 //! back; values: coded on the calibration's codebook or in NF4) and as the
 //! f16 rows of blocks in the sink or the window; snapshots restore bit for
 //! bit and are refused by a part on other tables; a flipped code is read;
-//! coded and folded spellings are refused. The forms fitted per sequence
+//! a coded spelling stores codes and scales under its codes, corrects and
+//! scrubs single flips and counts every word; folded spellings and coded
+//! NF4 values are refused. The forms fitted per sequence
 //! are `tests/stored_shard_sequence.rs`'s.
 
 mod common;
@@ -221,7 +223,7 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
         let block = pages[2] as usize;
         let codes = |part: &dyn StoredPart| match part.snapshot(block).unwrap().shard() {
             Some(ShardBlock::Keys { keys, .. }) => keys.codes().to_vec(),
-            Some(ShardBlock::Vq(v)) => v.indices().to_vec(),
+            Some(ShardBlock::Vq { values, .. }) => values.indices().to_vec(),
             other => panic!("a sealed block: {other:?}"),
         };
         let (before, stored) = (
@@ -290,7 +292,11 @@ fn a_sealed_key_block_is_refused_by_a_part_on_other_tables() {
 
 #[test]
 fn what_the_shard_part_cannot_hold_is_refused() {
-    for spelling in ["shard-k3-cal+secded84", "shard-k3-cal-f16", "shard-k3-f16"] {
+    for spelling in [
+        "shard-k3-cal-vnf4+secded84",
+        "shard-k3-cal-f16",
+        "shard-k3-f16",
+    ] {
         let form: CacheForm = spelling.parse().unwrap();
         assert!(check_part_form(form, BS).is_err(), "{spelling}");
         assert!(!part_seals(form, BS), "{spelling}");
@@ -320,7 +326,7 @@ fn the_shared_tables_are_stored_bits_every_block_reads_through() {
         // names (4 f16 values of 2 bytes each).
         let bit = match snap.shard() {
             Some(ShardBlock::Keys { .. }) => 6,
-            Some(ShardBlock::Vq(v)) => u64::from(v.indices()[0]) * 64 + 6,
+            Some(ShardBlock::Vq { values, .. }) => u64::from(values.indices()[0]) * 64 + 6,
             other => panic!("a sealed block: {other:?}"),
         };
         let flip = ExactFlips::new([bit]);
@@ -330,7 +336,7 @@ fn the_shared_tables_are_stored_bits_every_block_reads_through() {
         assert_eq!(hit.total(), 0, "the tables are metadata");
         let hit = part.inject_shared(&flip, 0, FaultTarget::Metadata).unwrap();
         assert_eq!(hit.tables.len(), 1);
-        // Unprotected (Shard forms are not coded on paged): read silently.
+        // Unprotected (a bare spelling): read silently.
         assert_eq!(part.shared_stats().silent, 1);
         let after = read(part.as_ref(), &pages, BS, BS);
         assert_ne!(after, before);
@@ -344,5 +350,98 @@ fn the_shared_tables_are_stored_bits_every_block_reads_through() {
         let resealed = part.snapshot(1).unwrap();
         assert!(part.accepts(&resealed));
         assert_eq!(part.scrub_shared().unwrap().corrected, 0);
+    }
+}
+
+#[test]
+fn a_coded_spelling_stores_codes_and_scales_under_its_codes() {
+    use attention::stored::BlockGuard;
+    use gf2_codes::batch::Int4Code;
+    use kv_quant::MetaProtection;
+    let bare: CacheForm = FORM.parse().unwrap();
+    let coded: CacheForm = format!("{FORM}+secded84").parse().unwrap();
+    assert!(part_seals(coded, BS));
+    let (key_tables, value_tables) = tables();
+    let tokens = 6 * BS;
+    let pages: Vec<u32> = vec![5, 0, 4, 1, 3, 2];
+    for (tables, seed) in [(&key_tables, 1), (&value_tables, 2)] {
+        let mut plain = open_part(bare, BS, CH, 6, &fitted(tables)).unwrap();
+        let mut part = open_part(coded, BS, CH, 6, &fitted(tables)).unwrap();
+        let x = rows(tokens, seed);
+        write(plain.as_mut(), &pages, &x, tokens);
+        write(part.as_mut(), &pages, &x, tokens);
+        // The same values, read through the codes.
+        let clean = read(part.as_ref(), &pages, 0, tokens);
+        assert_eq!(clean, read(plain.as_ref(), &pages, 0, tokens));
+        // A sealed block's bytes: the codes' nibbles a byte each under
+        // SECDED(8,4), the f16 scales with RM(2,5)'s two check bytes.
+        let block = pages[1] as usize;
+        let snap = part.snapshot(block).unwrap();
+        let (codes, scales) = match snap.shard() {
+            Some(ShardBlock::Keys { keys, guard, .. }) => {
+                assert!(guard.is_some());
+                (keys.codes().len(), keys.scales().len())
+            }
+            Some(ShardBlock::Vq { values, guard }) => {
+                assert!(guard.is_some());
+                (values.indices().len(), values.max().len())
+            }
+            other => panic!("a sealed block: {other:?}"),
+        };
+        let want = BlockGuard::stored_len(
+            Int4Code::Secded84,
+            MetaProtection::ReedMuller,
+            codes,
+            scales,
+        );
+        assert_eq!(part.block_bytes(block), want);
+        assert_eq!(part.sealed_block_bytes(), want);
+        assert_eq!(plain.block_bytes(block), codes + 2 * scales);
+        // A bare block is refused by the coded part and the other way round.
+        assert!(!part.accepts(&plain.snapshot(block).unwrap()));
+        assert!(!plain.accepts(&snap));
+        // One flip in a code word and one in a scale's word: corrected,
+        // the block reads as written, and the read counts every word.
+        let stats = |part: &dyn StoredPart| {
+            let mut out = vec![0.0; BS * CH];
+            part.read_rows(block, 0, &mut out, &mut DecodeScratch::new())
+                .unwrap()
+        };
+        assert_eq!(stats(part.as_ref()).values.clean, 2 * codes as u64);
+        let hit = part
+            .inject(block, &ExactFlips::new([3]), 0, FaultTarget::Everything)
+            .unwrap();
+        assert_eq!(hit.total(), 2, "a code bit and a scale bit: {hit:?}");
+        assert_eq!(read(part.as_ref(), &pages, 0, tokens), clean);
+        let s = stats(part.as_ref());
+        assert_eq!((s.values.corrected, s.metadata.corrected), (1, 1));
+        // Swapped out and back, the flips travel with the block.
+        let faulted = part.snapshot(block).unwrap();
+        part.restore(pages[0] as usize, &faulted).unwrap();
+        assert_eq!(part.snapshot(pages[0] as usize).unwrap(), faulted);
+        part.restore(pages[0] as usize, &snap).unwrap();
+        // A scrub rewrites both words; the next read finds them clean.
+        let scrub = part.scrub(block).unwrap();
+        assert_eq!((scrub.values.corrected, scrub.metadata.corrected), (1, 1));
+        let s = stats(part.as_ref());
+        assert_eq!(s.values.corrected + s.metadata.corrected, 0);
+        assert_eq!(part.snapshot(block).unwrap(), snap);
+        // Two flips in one code word: detected, its received data kept.
+        part.inject(block, &ExactFlips::new([0, 1]), 0, FaultTarget::Values)
+            .unwrap();
+        let s = stats(part.as_ref());
+        assert_eq!((s.values.detected, s.erased_values), (1, 1));
+        assert_eq!(part.scrub(block).unwrap().values.detected, 1);
+        // The shared table under RM(2,5): a flip is corrected, every block
+        // reads as before.
+        let before = read(part.as_ref(), &pages, 0, tokens);
+        let hit = part
+            .inject_shared(&ExactFlips::new([6]), 0, FaultTarget::Metadata)
+            .unwrap();
+        assert_eq!(hit.tables.len(), 1);
+        assert_eq!(part.shared_stats().corrected, 1);
+        assert_eq!(read(part.as_ref(), &pages, 0, tokens), before);
+        // Staged blocks hold f16 rows under the same code.
+        assert!(part.block_bytes(pages[5] as usize) > plain.block_bytes(pages[5] as usize));
     }
 }

@@ -170,11 +170,13 @@ fn bad_input_is_a_typed_error() {
     assert!(e.contains("one shard form"), "{e}");
     let e = shard.check_context(12).unwrap_err().to_string();
     assert!(e.contains("cover the whole context"), "{e}");
-    // The paged cache holds the form (each sequence fits its tables) but
-    // not its coded or folded spellings.
+    // The paged cache holds the form (each sequence fits its tables) and
+    // its coded spelling, but not its folded one nor coded NF4 values.
     let paged = BackendKind::Paged { block_size: 16 };
     assert!(paged.check(&shard, None).is_ok());
-    for spelling in ["shard-k4-g4+win8+secded84", "shard-k4-g4-f16+win8"] {
+    let coded = CacheMode::form("shard-k4-g4+win8+secded84".parse().unwrap());
+    assert!(paged.check(&coded, None).is_ok());
+    for spelling in ["shard-k4-g4-vnf4+win8+secded84", "shard-k4-g4-f16+win8"] {
         let e = paged
             .check(&CacheMode::form(spelling.parse().unwrap()), None)
             .unwrap_err()

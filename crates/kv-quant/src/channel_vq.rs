@@ -200,6 +200,12 @@ impl ChannelVq {
         &mut self.indices
     }
 
+    /// The indices and the channel maxima, writable together (a block's
+    /// stored bits decoded through its codes into both).
+    pub fn indices_and_max_mut(&mut self) -> (&mut [u8], &mut [f32]) {
+        (&mut self.indices, &mut self.max)
+    }
+
     /// Bytes held: indices, the f16 codebook and the f16 channel maxima.
     pub fn stored_bytes(&self) -> usize {
         self.indices.len() + 2 * self.max.len() + self.shared_bytes()

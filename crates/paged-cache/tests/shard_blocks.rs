@@ -37,6 +37,11 @@ fn rows(tokens: usize, seed: u64) -> Vec<f32> {
 }
 
 fn storage() -> Arc<BlockStorage> {
+    storage_of(FORM)
+}
+
+/// Blocks of `form` on tables fitted on 512 calibration rows.
+fn storage_of(form: &str) -> Arc<BlockStorage> {
     let rope = Rope::new(RopeLayout::Adjacent, HEAD_DIM, HEAD_DIM, 10_000.0).unwrap();
     let n = 512;
     let mut keys = rows(n, 99);
@@ -62,7 +67,7 @@ fn storage() -> Arc<BlockStorage> {
             ..Fitted::default()
         },
     ];
-    let form: CacheForm = FORM.parse().unwrap();
+    let form: CacheForm = form.parse().unwrap();
     let layers = [LayerSpec::uniform(form, CH)];
     Arc::new(BlockStorage::with_fitted(16, BS, &layers, &[fitted]).unwrap())
 }
@@ -256,5 +261,65 @@ fn tables_fitted_per_sequence_live_beside_the_block_table() {
     assert_eq!(read_all(&cache, &storage, c), c_rows);
     assert_eq!(c_rows[..tokens * CH], a_rows[..tokens * CH], "shared keys");
     assert!(cache.sequence_tables(a).is_err());
+    cache.check_invariants().unwrap();
+}
+
+#[test]
+fn a_coded_shard_form_corrects_faults_in_sealed_blocks_and_scrubs_them() {
+    use gf2_codes::channel::ExactFlips;
+    use kv_quant::FaultTarget;
+    let config = CacheConfig {
+        num_blocks: 16,
+        block_size: BS,
+        host_blocks: 8,
+    };
+    let tokens = 5 * BS;
+    let prompt: Vec<u32> = (0..tokens as u32).collect();
+    let run = |form: &str| {
+        let storage = storage_of(form);
+        let mut cache =
+            KvCacheManager::with_storage(config, HashPrefixCache::new(BS), storage.clone())
+                .unwrap();
+        let (a, _) = cache.add_sequence(&prompt, 0).unwrap();
+        write(&mut cache, a, 0, tokens);
+        assert_eq!(cache.seal(a, 0, tokens).unwrap(), 2 * 2);
+        (storage, cache, a)
+    };
+    let (bare_storage, bare, b) = run(FORM);
+    let (storage, mut cache, a) = run(&format!("{FORM}+secded84"));
+    // The coded blocks read as the bare ones.
+    let clean = read_all(&cache, &storage, a);
+    assert_eq!(clean, read_all(&bare, &bare_storage, b));
+    // A code bit and a scale bit of both parts of the two sealed blocks:
+    // corrected on read, rewritten by a scrub.
+    let sealed = cache.block_table(a).unwrap()[1..3].to_vec();
+    for &block in &sealed {
+        for part in [KvPart::Keys, KvPart::Values] {
+            let hit = storage
+                .inject(
+                    block,
+                    0,
+                    part,
+                    &ExactFlips::new([5]),
+                    0,
+                    FaultTarget::Everything,
+                )
+                .unwrap();
+            assert_eq!((hit.values.len(), hit.scales.len()), (1, 1));
+        }
+    }
+    assert_eq!(read_all(&cache, &storage, a), clean);
+    // Out to the host tier with their flips, and back.
+    cache.swap_out(a).unwrap();
+    cache.swap_in(a).unwrap();
+    assert_eq!(read_all(&cache, &storage, a), clean);
+    let sealed = cache.block_table(a).unwrap()[1..3].to_vec();
+    for &block in &sealed {
+        let s = storage.scrub(block).unwrap();
+        assert_eq!((s.values.corrected, s.metadata.corrected), (2, 2));
+        let again = storage.scrub(block).unwrap();
+        assert_eq!((again.values.corrected, again.metadata.corrected), (0, 0));
+    }
+    assert_eq!(read_all(&cache, &storage, a), clean);
     cache.check_invariants().unwrap();
 }

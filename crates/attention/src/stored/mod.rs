@@ -85,7 +85,7 @@ use kv_quant::{
 pub use low_rank::LowRankPart;
 pub use planned::PlannedPart;
 pub use sequence::{SequenceFit, SequenceTables};
-pub use shard::{MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
+pub use shard::{BlockGuard, MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
 
 use crate::error::{AttentionError, Result};
@@ -400,13 +400,16 @@ impl PartBlock {
             + self.bytes.len()
     }
 
-    /// One scrubbing pass over every kv-quant store (swapped-out blocks
-    /// collect faults too); plain bytes and low-rank coefficients are not
-    /// rewritten here.
+    /// One scrubbing pass over every kv-quant store and a coded Shard
+    /// block's words (swapped-out blocks collect faults too); plain bytes
+    /// and low-rank coefficients are not rewritten here.
     pub fn scrub(&mut self) -> Result<ScrubStats> {
         let mut stats = ScrubStats::default();
         for s in &mut self.stores {
             stats += s.scrub()?;
+        }
+        if let Some(shard) = &mut self.shard {
+            stats += shard.scrub()?;
         }
         Ok(stats)
     }

@@ -280,11 +280,22 @@ impl<S> StagedBlocks<S> {
     /// One scrubbing pass over a staged block's exact rows (sealed and
     /// empty blocks: nothing).
     pub(crate) fn scrub(&mut self, block: usize) -> Result<ScrubStats> {
+        self.scrub_with(block, |_| Ok(ScrubStats::default()))
+    }
+
+    /// One scrubbing pass over a staged block's exact rows, or `sealed`'s
+    /// pass over a sealed one (empty blocks: nothing).
+    pub(crate) fn scrub_with(
+        &mut self,
+        block: usize,
+        sealed: impl FnOnce(&mut S) -> Result<ScrubStats>,
+    ) -> Result<ScrubStats> {
         self.get(block)?;
-        Ok(match &mut self.blocks[block] {
-            BlockState::Staged(exact) => exact.scrub()?,
-            BlockState::Sealed(_) | BlockState::Empty => ScrubStats::default(),
-        })
+        match &mut self.blocks[block] {
+            BlockState::Staged(exact) => Ok(exact.scrub()?),
+            BlockState::Sealed(s) => sealed(s),
+            BlockState::Empty => Ok(ScrubStats::default()),
+        }
     }
 
     /// Faults into a staged block's exact rows, or `sealed`'s injection

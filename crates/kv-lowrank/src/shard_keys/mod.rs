@@ -394,6 +394,12 @@ impl ShardKeys {
         &mut self.codes
     }
 
+    /// The packed codes and the per-component steps, writable together (a
+    /// block's stored bits decoded through its codes into both).
+    pub fn codes_and_scales_mut(&mut self) -> (&mut [u8], &mut [f32]) {
+        (&mut self.codes, &mut self.scales)
+    }
+
     /// Bytes of one token's codes.
     pub fn row_bytes(&self) -> usize {
         self.row_bytes

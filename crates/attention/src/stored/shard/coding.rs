@@ -8,10 +8,11 @@ use faer::{Accum, MatMut, MatRef, Par};
 use gf2_codes::channel::{FaultChannel, FaultRng, Flips};
 use half::f16;
 use kv_quant::{
-    CacheForm, DecodeScratch, KvDecodeStats, KvQuantError, KvStore, Quantizer, ShardSpec,
+    CacheForm, DecodeScratch, KvDecodeStats, KvQuantError, KvStore, Protection, Quantizer,
+    ShardSpec, ShardValues,
 };
 
-use super::{ShardBlock, ShardTables};
+use super::{BlockGuard, ShardBlock, ShardTables};
 use crate::error::{AttentionError, Result};
 use crate::rope::Rope;
 
@@ -22,19 +23,41 @@ pub(super) fn repoint(sealed: &mut ShardBlock, tables: &ShardTables) -> Result<(
             keys.share_basis(prototype)?;
         }
         (
-            ShardBlock::Vq(v),
+            ShardBlock::Vq { values, .. },
             ShardTables::Values {
                 prototype: Some(p), ..
             },
-        ) => v.share_codebook(p),
+        ) => values.share_codebook(p),
         _ => {}
     }
     Ok(())
 }
 
 /// `rows` (one block of `channels`-value rows, as written) coded on
-/// `tables`; `first` is the position of the first row.
+/// `tables`, its codes and scales stored under `protection`'s codes where
+/// the form has them; `first` is the position of the first row.
 pub(super) fn code(
+    tables: &ShardTables,
+    protection: Option<Protection>,
+    (channels, rows): (usize, &[f32]),
+    first: usize,
+) -> Result<ShardBlock> {
+    let mut block = code_bare(tables, channels, rows, first)?;
+    if let Some(p) = protection {
+        let (codes, scales, guard) = match &mut block {
+            ShardBlock::Keys { keys, guard, .. } => (keys.codes(), keys.scales(), guard),
+            ShardBlock::Vq { values, guard } => (values.indices(), values.max(), guard),
+            ShardBlock::Nf4(_) => unreachable!("coded NF4 values are refused (check_shard_form)"),
+        };
+        *guard = Some(Box::new(BlockGuard::new(
+            p.code, p.metadata, codes, scales,
+        )?));
+    }
+    Ok(block)
+}
+
+/// [`code`] without codes.
+fn code_bare(
     tables: &ShardTables,
     channels: usize,
     rows: &[f32],
@@ -50,12 +73,16 @@ pub(super) fn code(
             ShardBlock::Keys {
                 keys: Box::new(prototype.encode_chunk(&unrotated, bs)?),
                 first,
+                guard: None,
             }
         }
         ShardTables::Values {
             prototype: Some(vq),
             ..
-        } => ShardBlock::Vq(vq.encode_chunk(rows, bs)?),
+        } => ShardBlock::Vq {
+            values: vq.encode_chunk(rows, bs)?,
+            guard: None,
+        },
         ShardTables::Values {
             prototype: None,
             head_dim,
@@ -83,7 +110,7 @@ pub(super) fn decode_sealed(
     (scratch, coeffs): (&mut DecodeScratch, &mut Vec<f32>),
 ) -> Result<KvDecodeStats> {
     match sealed {
-        ShardBlock::Keys { keys, first } => {
+        ShardBlock::Keys { keys, first, .. } => {
             let Some(rope) = rope else {
                 unreachable!("a key part holds key blocks");
             };
@@ -109,13 +136,15 @@ pub(super) fn decode_sealed(
             }
             rope.apply_rows(out, channels, first + offset)?;
         }
-        ShardBlock::Vq(values) => values.decode_rows_into(offset, out.len() / channels, out)?,
+        ShardBlock::Vq { values, .. } => {
+            values.decode_rows_into(offset, out.len() / channels, out)?;
+        }
         ShardBlock::Nf4(store) => {
             scratch.limit_neighbours(None);
             return Ok(store.decode_rows_into(offset, out.len() / channels, out, scratch)?);
         }
     }
-    Ok(KvDecodeStats::default())
+    Ok(sealed.read_stats(offset))
 }
 
 /// Flips the f16 bits of `values` (f16 values held in f32) from stream 1 of
@@ -144,9 +173,10 @@ pub(crate) fn check_shard_form(form: CacheForm, block_size: usize) -> Result<Sha
     let Quantizer::Shard(spec) = form.quantizer() else {
         return refuse("is not a shard form");
     };
-    if form.protection().is_some() {
+    if form.protection().is_some() && spec.values == ShardValues::Nf4 {
         return refuse(
-            "is coded, which paged Shard blocks do not protect yet (use --backend reencode)",
+            "codes its VQ values' indices; NF4 values (-vnf4) are not coded on paged blocks \
+             (drop the code, or use --backend reencode)",
         );
     }
     if spec.fold.is_some() {

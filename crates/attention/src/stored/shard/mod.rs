@@ -43,18 +43,24 @@
 //! committed truncation back into sealed blocks). Faults reach every
 //! stored bit of a sealed block: the codes or indices under `values` and
 //! `everything`, the block's f16 scales (the keys' per-component steps,
-//! the values' channel maxima) under `metadata` and `everything`, all
-//! unprotected; the fitted table the part reads (the key basis, the value
-//! codebook) is stored once per part as a [`SharedTable`], hit under
-//! `metadata` and `everything` (unprotected too: the form is), and every
-//! sealed block reads through it as faults leave it. Not yet: coded
-//! spellings (`shard+secded84`), folded decode streams (`-f<C>`: every
-//! block is folded here), and faults in per-sequence tables (counted per
+//! the values' channel maxima) under `metadata` and `everything`. A bare
+//! spelling stores them as they are; a coded one (`shard-k3-cal+secded84`,
+//! `+golay24`, the interleaved layouts) stores the codes' nibbles under
+//! the form's INT4 code and the scales under its metadata code
+//! ([`BlockGuard`]): corrected as they land, scrubbed, every word counted
+//! on the read holding the block's first row. The fitted table the part
+//! reads (the key basis, the value codebook) is stored once per part as a
+//! [`SharedTable`] under the form's metadata code (none for a bare
+//! spelling), hit under `metadata` and `everything`, and every sealed
+//! block reads through it as faults leave it. Not yet: folded decode
+//! streams (`-f<C>`: every block is folded here), coded NF4 values
+//! (`-vnf4+secded84`), and faults in per-sequence tables (counted per
 //! sequence, not injected). kv-eval's calibration file carries every
 //! table (the key basis, the bit allocation and the value codebook), with
 //! check words.
 
 mod coding;
+mod guard;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -68,6 +74,7 @@ use kv_quant::{
 
 pub(crate) use coding::check_shard_form;
 use coding::{code, decode_sealed, inject_f16, repoint};
+pub use guard::BlockGuard;
 
 use super::staging::{BlockState, StagedBlocks, clamp_non_finite};
 use super::{
@@ -107,13 +114,20 @@ pub enum ShardBlock {
     /// Keys on the calibrated basis; `first` is the position of its first
     /// row (RoPE is applied again at read).
     Keys {
-        /// The coded keys (RoPE undone).
+        /// The coded keys (RoPE undone), as the stored bits decode.
         keys: Box<ShardKeys>,
         /// Position of the block's first row.
         first: usize,
+        /// The codes and scales as stored under a coded spelling.
+        guard: Option<Box<BlockGuard>>,
     },
     /// Values on the calibrated codebook.
-    Vq(ChannelVq),
+    Vq {
+        /// The coded values, as the stored bits decode.
+        values: ChannelVq,
+        /// The indices and scales as stored under a coded spelling.
+        guard: Option<Box<BlockGuard>>,
+    },
     /// Values in NF4 after a Hadamard rotation (`-vnf4`).
     Nf4(Box<KvStore>),
 }
@@ -121,10 +135,45 @@ pub enum ShardBlock {
 impl ShardBlock {
     /// Bytes the block holds (the shared tables not counted).
     pub fn stored_bytes(&self) -> usize {
+        if let Some(g) = self.guard() {
+            return g.stored_bytes();
+        }
         match self {
             Self::Keys { keys, .. } => keys.stored_bytes() - keys.shared_bytes(),
-            Self::Vq(v) => v.stored_bytes() - v.shared_bytes(),
+            Self::Vq { values, .. } => values.stored_bytes() - values.shared_bytes(),
             Self::Nf4(s) => s.stored_bytes(),
+        }
+    }
+
+    /// The stored bits under a coded spelling.
+    pub fn guard(&self) -> Option<&BlockGuard> {
+        match self {
+            Self::Keys { guard, .. } | Self::Vq { guard, .. } => guard.as_deref(),
+            Self::Nf4(_) => None,
+        }
+    }
+
+    /// One scrubbing pass over the stored words under a coded spelling
+    /// (every corrected word rewritten); a bare block has none.
+    pub fn scrub(&mut self) -> Result<ScrubStats> {
+        match self {
+            Self::Keys {
+                guard: Some(guard), ..
+            }
+            | Self::Vq {
+                guard: Some(guard), ..
+            } => guard.scrub(),
+            _ => Ok(ScrubStats::default()),
+        }
+    }
+
+    /// What a read of rows from `offset` counts: under a code, every
+    /// stored word of the block in the read holding its first row (as a
+    /// kv-quant store counts a group's metadata).
+    pub(super) fn read_stats(&self, offset: usize) -> KvDecodeStats {
+        match self.guard() {
+            Some(g) if offset == 0 => g.stats(),
+            _ => KvDecodeStats::default(),
         }
     }
 }
@@ -317,11 +366,11 @@ impl ShardPart {
         let zero = vec![0.0; block_size * channels];
         match (&part.tables, &part.rope) {
             (Some(tables), _) => {
-                let sealed = code(tables, channels, &zero, 0)?;
+                let sealed = code(tables, form.protection().copied(), (channels, &zero), 0)?;
                 part.sealed_bytes = sealed.stored_bytes();
                 part.rotation = match &sealed {
                     ShardBlock::Keys { .. } => None,
-                    ShardBlock::Vq(v) => Some(v.hadamard()),
+                    ShardBlock::Vq { values, .. } => Some(values.hadamard()),
                     ShardBlock::Nf4(s) => KvSource::rotation(&**s),
                 };
             }
@@ -345,7 +394,11 @@ impl ShardPart {
                 // At most: the allocation spends at most the budget's bits
                 // per token, and keeps at most `rank` components, each
                 // with an f16 step per block.
-                part.sealed_bytes = block_size * (budget_bits / 8) + 2 * kept;
+                let codes = block_size * (budget_bits / 8);
+                part.sealed_bytes = match form.protection() {
+                    Some(p) => BlockGuard::stored_len(p.code, p.metadata, codes, kept),
+                    None => codes + 2 * kept,
+                };
             }
             (None, None) => {
                 let template = ChannelVq::from_codebook(
@@ -354,7 +407,15 @@ impl ShardPart {
                     &[0.0; kv_quant::channel_vq::CENTROIDS * 4],
                 )?;
                 let sealed = template.encode_chunk(&zero, block_size)?;
-                part.sealed_bytes = sealed.stored_bytes() - sealed.shared_bytes();
+                part.sealed_bytes = match form.protection() {
+                    Some(p) => BlockGuard::stored_len(
+                        p.code,
+                        p.metadata,
+                        sealed.indices().len(),
+                        sealed.max().len(),
+                    ),
+                    None => sealed.stored_bytes() - sealed.shared_bytes(),
+                };
                 part.rotation = Some(sealed.hadamard());
             }
         }
@@ -429,29 +490,37 @@ impl ShardPart {
         };
         let n = out.len() / self.channels;
         match (sealed, rotation) {
-            (ShardBlock::Vq(values), Some(_)) => values.rotated_rows_into(offset, n, out)?,
+            (ShardBlock::Vq { values, .. }, Some(_)) => {
+                values.rotated_rows_into(offset, n, out)?;
+                Ok(sealed.read_stats(offset))
+            }
             (ShardBlock::Nf4(store), Some(_)) => {
                 scratch.limit_neighbours(None);
-                return Ok(store.decode_rows_rotated_into(offset, n, out, scratch)?);
+                Ok(store.decode_rows_rotated_into(offset, n, out, scratch)?)
             }
-            _ => {
-                return decode_sealed(
-                    self.rope.as_ref(),
-                    self.channels,
-                    sealed,
-                    offset,
-                    out,
-                    (scratch, coeffs),
-                );
-            }
+            _ => decode_sealed(
+                self.rope.as_ref(),
+                self.channels,
+                sealed,
+                offset,
+                out,
+                (scratch, coeffs),
+            ),
         }
-        Ok(KvDecodeStats::default())
     }
 
     /// Whether a sealed block was coded on this part's table, as fitted or
     /// as faults left it (the table as read), or, where each sequence fits
     /// its own, on tables of this part's shape and budget.
     fn fits(&self, sealed: &ShardBlock) -> bool {
+        // Stored under this form's codes, or bare where it has none.
+        let codes = |g: &BlockGuard| (g.code(), g.metadata());
+        sealed.guard().map(codes) == self.form.protection().map(|p| (p.code, p.metadata))
+            && self.fits_tables(sealed)
+    }
+
+    /// [`fits`](Self::fits) as to the tables.
+    fn fits_tables(&self, sealed: &ShardBlock) -> bool {
         let (bs, ch) = (self.block_size, self.channels);
         if self.tables.is_none() {
             return match sealed {
@@ -466,7 +535,7 @@ impl ShardPart {
                         && keys.kept() <= spec.rank.unwrap_or(ch)
                         && keys.row_bytes() * 8 <= budget_bits
                 }
-                ShardBlock::Vq(v) => {
+                ShardBlock::Vq { values: v, .. } => {
                     self.rope.is_none()
                         && v.tokens() == bs
                         && v.channels() == ch
@@ -483,7 +552,7 @@ impl ShardPart {
                         .iter()
                         .any(|p| keys.basis() == p.basis() && keys.allocation() == p.allocation())
             }
-            (ShardBlock::Vq(v), Shared::Vq(t), _) => {
+            (ShardBlock::Vq { values: v, .. }, Shared::Vq(t), _) => {
                 v.tokens() == bs
                     && v.channels() == ch
                     && [t.fitted(), t.read()]
@@ -624,7 +693,9 @@ impl StoredPart for ShardPart {
     }
 
     fn seal(&mut self, block: usize, first: usize) -> Result<bool> {
-        let (Some(tables), ch) = (&self.tables, self.channels) else {
+        let (Some(tables), ch, protection) =
+            (&self.tables, self.channels, self.form.protection().copied())
+        else {
             return Err(AttentionError::InvalidParameter {
                 name: "sequence tables",
                 reason: format!(
@@ -635,7 +706,7 @@ impl StoredPart for ShardPart {
             });
         };
         self.blocks
-            .seal(block, |rows| code(tables, ch, rows, first))
+            .seal(block, |rows| code(tables, protection, (ch, rows), first))
     }
 
     fn per_sequence(&self) -> bool {
@@ -707,7 +778,7 @@ impl StoredPart for ShardPart {
         if self.tables.is_some() {
             return self.seal(block, first);
         }
-        let ch = self.channels;
+        let (ch, protection) = (self.channels, self.form.protection().copied());
         let fits = match tables.get::<ShardTables>() {
             Some(t @ ShardTables::Keys { .. }) if self.rope.is_some() => Some(t),
             Some(t @ ShardTables::Values { .. }) if self.rope.is_none() => Some(t),
@@ -720,7 +791,7 @@ impl StoredPart for ShardPart {
             });
         };
         self.blocks
-            .seal(block, |rows| code(tables, ch, rows, first))
+            .seal(block, |rows| code(tables, protection, (ch, rows), first))
     }
 
     fn is_staged(&self, block: usize) -> bool {
@@ -815,7 +886,7 @@ impl StoredPart for ShardPart {
     }
 
     fn scrub(&mut self, block: usize) -> Result<ScrubStats> {
-        self.blocks.scrub(block)
+        self.blocks.scrub_with(block, ShardBlock::scrub)
     }
 
     fn inject(
@@ -833,29 +904,35 @@ impl StoredPart for ShardPart {
         self.blocks.inject(block, channel, seed, target, |sealed| {
             // The codes or indices (stream 0 of `seed`) and the block's f16
             // scales (stream 1: the keys' per-component steps, the values'
-            // channel maxima), as a kv-quant store splits values and scales.
-            let (data, steps) = match sealed {
-                ShardBlock::Keys { keys, .. } => {
-                    let data = codes.then(|| channel.inject(keys.codes_mut(), seed));
-                    (
-                        data,
-                        scales.then(|| inject_f16(keys.scales_mut(), channel, seed)),
-                    )
+            // channel maxima), as a kv-quant store splits values and scales;
+            // under a coded spelling, their stored bits (`BlockGuard`).
+            let (data, steps, guard) = match sealed {
+                ShardBlock::Keys { keys, guard, .. } => {
+                    let (codes, steps) = keys.codes_and_scales_mut();
+                    (codes, steps, guard)
                 }
-                ShardBlock::Vq(values) => {
-                    let data = codes.then(|| channel.inject(values.indices_mut(), seed));
-                    (
-                        data,
-                        scales.then(|| inject_f16(values.max_mut(), channel, seed)),
-                    )
+                ShardBlock::Vq { values, guard } => {
+                    let (indices, max) = values.indices_and_max_mut();
+                    (indices, max, guard)
                 }
                 ShardBlock::Nf4(store) => {
                     return Ok(store.inject_rows(0..bs, channel, seed, target)?);
                 }
             };
+            if let Some(guard) = guard {
+                return guard.inject((data, steps), channel, seed, target);
+            }
             Ok(Injection {
-                values: data.unwrap_or_default(),
-                scales: steps.unwrap_or_default(),
+                values: if codes {
+                    channel.inject(data, seed)
+                } else {
+                    Default::default()
+                },
+                scales: if scales {
+                    inject_f16(steps, channel, seed)
+                } else {
+                    Default::default()
+                },
                 ..Injection::default()
             })
         })
