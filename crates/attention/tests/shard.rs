@@ -485,3 +485,40 @@ fn long_decodes_split_keys_and_sum_values_by_histogram() {
         }
     }
 }
+
+/// Keys without variance (all zero: RoPE leaves them so exactly) keep no
+/// component: the layer builds, attends as its dequantised oracle, and
+/// rebuilds those keys as the mean.
+#[test]
+fn keys_without_variance_keep_no_component_and_still_attend() {
+    let (d, tokens, prefill) = (16, 300, 300);
+    let shape = HeadShape::new(4, 2, d).unwrap();
+    let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).unwrap();
+    let ch = shape.kv_channels();
+    let k = vec![0.0f32; tokens * ch];
+    let v = uniform(4, tokens * ch, 1.0);
+    let layer = ShardLayer::build(
+        "shard-k2-g4+win32".parse().unwrap(),
+        &k,
+        &v,
+        tokens,
+        prefill,
+        &rope,
+    )
+    .unwrap();
+    assert_eq!(layer.keys().unwrap().kept(), 0);
+    let (dk, dv) = layer.dequantize().unwrap();
+    assert_eq!(dk, k);
+    let positions: Vec<usize> = (0..tokens).collect();
+    let mut q = uniform(5, tokens * shape.q_len(), 1.0);
+    for (p, row) in q.chunks_exact_mut(shape.q_len()).enumerate() {
+        rope.apply(row, p).unwrap();
+    }
+    let attention = Attention::new(shape);
+    let got = layer
+        .attend(&attention, &q, &positions, &Mask::Causal)
+        .unwrap();
+    let want = oracle(&q, &positions, &dk, &dv, tokens, &shape, &Mask::Causal);
+    let (out, lse) = error_against(&got, &want, &dv);
+    assert!(out < 1e-5 && lse < 1e-5, "{out:e} {lse:e}");
+}

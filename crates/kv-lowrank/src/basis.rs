@@ -180,6 +180,7 @@ impl Basis {
     }
 
     /// A basis from stored parts (a calibration file): `rank × dim` rows
+    /// (none for a basis of rank 0, which rebuilds every row as the mean)
     /// and a mean of `dim` values (all zero for an uncentred basis).
     pub fn from_parts(
         dim: usize,
@@ -187,7 +188,7 @@ impl Basis {
         mean: &[f32],
         storage: BasisStorage,
     ) -> Result<Basis> {
-        if dim == 0 || rows.is_empty() || !rows.len().is_multiple_of(dim) {
+        if dim == 0 || !rows.len().is_multiple_of(dim) {
             return Err(LowRankError::Bases(format!(
                 "{} basis values are not whole rows of {dim}",
                 rows.len()

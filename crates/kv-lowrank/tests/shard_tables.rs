@@ -89,3 +89,21 @@ fn tables_fitted_without_coding_are_the_fitted_stores_tables() {
         assert_eq!(a.to_string(), b.to_string());
     }
 }
+
+/// Keys with no variance (every row the same) fit a store that keeps no
+/// component: every key is the mean, coded in no bits.
+#[test]
+fn constant_keys_fit_a_store_of_no_components() {
+    let row: Vec<f32> = (0..16).map(|c| c as f32 * 0.25 - 1.0).collect();
+    let rows: Vec<f32> = row.iter().copied().cycle().take(64 * 16).collect();
+    let fitted = ShardKeys::fit(&rows, 64, 16, 3.0, 4, None).unwrap();
+    let mut out = vec![0.0; 16];
+    fitted.reconstruct_into(5, &mut out).unwrap();
+    for (a, b) in out.iter().zip(&row) {
+        assert!((a - b).abs() <= 1e-3 * b.abs().max(1.0), "{out:?} {row:?}");
+    }
+    assert_eq!(
+        ShardKeys::fit_tables(&rows, 64, 16, 3.0, 4, None).unwrap(),
+        fitted.tables()
+    );
+}

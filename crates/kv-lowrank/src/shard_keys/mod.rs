@@ -489,6 +489,10 @@ fn quantize(
     tokens: usize,
 ) -> (Vec<f32>, Vec<u8>) {
     let (dim, kept) = (basis.dim(), basis.rank());
+    if kept == 0 {
+        // No component kept (keys without variance): every key is the mean.
+        return (Vec::new(), vec![0u8; tokens * row_bytes]);
+    }
     let mut coeffs = vec![0.0f32; tokens * kept];
     for (row, c) in rows.chunks_exact(dim).zip(coeffs.chunks_exact_mut(kept)) {
         basis.project(row, c);
