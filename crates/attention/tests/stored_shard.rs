@@ -308,6 +308,13 @@ fn what_the_shard_part_cannot_hold_is_refused() {
         Ok(_) => panic!("accepted without tables"),
     };
     assert!(e.contains("calibrated key basis"), "{e}");
+    // A coded VQ form handed NF4 tables (no codebook): refused, not a panic.
+    let coded: CacheForm = format!("{FORM}+secded84").parse().unwrap();
+    let nf4 = ShardTables::Values {
+        prototype: None,
+        head_dim: HEAD_DIM,
+    };
+    assert!(open_part(coded, BS, CH, 4, &fitted(&nf4)).is_err());
 }
 
 #[test]
@@ -430,7 +437,7 @@ fn a_coded_spelling_stores_codes_and_scales_under_its_codes() {
         part.inject(block, &ExactFlips::new([0, 1]), 0, FaultTarget::Values)
             .unwrap();
         let s = stats(part.as_ref());
-        assert_eq!((s.values.detected, s.erased_values), (1, 1));
+        assert_eq!((s.values.detected, s.erased_values), (1, 0));
         assert_eq!(part.scrub(block).unwrap().values.detected, 1);
         // The shared table under RM(2,5): a flip is corrected, every block
         // reads as before.

@@ -241,3 +241,40 @@ fn a_form_fitted_per_sequence_needs_what_the_model_tells() {
     };
     assert!(open_part(form, BS, CH, 4, &odd).is_err());
 }
+
+/// The coded spelling of a form fitted per sequence (`shard-k3+secded84`):
+/// the same tables and the same rows as the bare form, its sealed blocks
+/// stored under the codes, a flipped code corrected.
+#[test]
+fn a_coded_form_fitted_per_sequence_reads_as_the_bare_one_and_corrects() {
+    use gf2_codes::channel::ExactFlips;
+    use kv_quant::FaultTarget;
+    let bare: CacheForm = FORM.parse().unwrap();
+    let coded: CacheForm = format!("{FORM}+secded84").parse().unwrap();
+    let tokens = (FIT_BLOCKS + 1) * BS + 8;
+    let pages: Vec<u32> = (0..tokens.div_ceil(BS) as u32).collect();
+    for (fitted, key) in fits().iter().zip([true, false]) {
+        let x = rows(tokens, 7 + u64::from(key));
+        let mut parts = [bare, coded].map(|form| {
+            let mut part = open_part(form, BS, CH, pages.len(), fitted).unwrap();
+            write(part.as_mut(), &pages, &x, 0, tokens);
+            let sealable = part.sealable(0, tokens);
+            let tables = part.fit_sequence(&pages, sealable.clone()).unwrap();
+            for i in sealable {
+                assert!(part.seal_on(pages[i] as usize, i * BS, &tables).unwrap());
+            }
+            part
+        });
+        let clean = read(parts[1].as_ref(), &pages, 0, tokens);
+        assert_eq!(clean, read(parts[0].as_ref(), &pages, 0, tokens));
+        let block = pages[1] as usize;
+        assert!(parts[1].block_bytes(block) > parts[0].block_bytes(block));
+        assert!(parts[1].block_bytes(block) <= parts[1].sealed_block_bytes());
+        let hit = parts[1]
+            .inject(block, &ExactFlips::new([2]), 0, FaultTarget::Values)
+            .unwrap();
+        assert_eq!(hit.total(), 1);
+        assert_eq!(read(parts[1].as_ref(), &pages, 0, tokens), clean);
+        assert_eq!(parts[1].scrub(block).unwrap().values.corrected, 1);
+    }
+}

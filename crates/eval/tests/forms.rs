@@ -452,7 +452,16 @@ fn calibrated_shard_forms_are_paged_forms() {
     };
     assert!(forward(&m, mode(back.clone())).is_ok());
     let (fitted, _) = run(&mode(Arc::new(cal)));
-    assert_eq!(run(&mode(back)).0, fitted);
+    assert_eq!(run(&mode(back.clone())).0, fitted);
+    // The file serves the coded spelling too (a code protects the tables
+    // and blocks as stored, it does not change what is fitted), and the
+    // coded blocks read as the bare ones, bit for bit.
+    let coded = CacheMode::parse(&format!("{spelling}+secded84"))
+        .unwrap()
+        .with_calibration(Some(back));
+    let (coded, coded_stats) = run(&coded);
+    assert_eq!(coded, fitted);
+    assert!(coded_stats.keys.values.words > 0, "{coded_stats:?}");
     // A changed allocation byte fails its check words; a file whose value
     // codebooks rotate heads of another width is refused for this model.
     let bytes = std::fs::read(&path).unwrap();

@@ -148,9 +148,13 @@ impl ShardLayer {
             MiddleValues::Nf4(_) => None,
         };
         let mut keys = SharedTable::new(Arc::new(first.keys.tables()), &self.form);
+        // Words counted where the table was hit, as kv-eval counts the
+        // `vq` and `pca-*` tables.
         let (hit, changed) = keys.inject(channel, seed ^ KEY_TABLE_SALT, FaultTarget::Metadata)?;
-        out.flips += hit.total() as u64;
-        out.tables += keys.stats();
+        if hit.total() > 0 {
+            out.flips += hit.total() as u64;
+            out.tables += keys.stats();
+        }
         if changed {
             for c in &mut self.compressed {
                 Arc::make_mut(&mut c.keys).share_basis(keys.read())?;
@@ -160,8 +164,10 @@ impl ShardLayer {
             let mut codebook = SharedTable::new(vq, &self.form);
             let (hit, changed) =
                 codebook.inject(channel, seed ^ VALUE_TABLE_SALT, FaultTarget::Metadata)?;
-            out.flips += hit.total() as u64;
-            out.tables += codebook.stats();
+            if hit.total() > 0 {
+                out.flips += hit.total() as u64;
+                out.tables += codebook.stats();
+            }
             if changed {
                 for c in &mut self.compressed {
                     if let MiddleValues::Vq(vq) = Arc::make_mut(&mut c.values) {

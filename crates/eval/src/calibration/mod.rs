@@ -123,6 +123,15 @@ pub fn codebook_shape(form: &CacheForm) -> Option<String> {
     Some(shape.to_string())
 }
 
+/// The name a calibrated Shard form's tables are kept under: its spelling
+/// without its code (a code protects the tables and blocks as stored, it
+/// does not change what is fitted), so a file calibrated for
+/// `shard-k3-cal` serves `shard-k3-cal+secded84`.
+fn shard_key(form: &CacheForm) -> String {
+    form.with_protection(None)
+        .map_or_else(|_| form.to_string(), |f| f.to_string())
+}
+
 /// The basis shape of a `pca-*` form for one part, as a form spelling
 /// (`pca-r32`, `pca-e0.99`, `pca-r32-pre`): what two forms must share to
 /// share bases. Coefficient codes and protection do not change a basis; the
@@ -424,7 +433,7 @@ impl Calibration {
                 // The tables alone: the calibration's own rows are not kept.
                 let values = values.map(|v| Arc::new(v.tables()));
                 Ok(Some((
-                    (form.to_string(), l),
+                    (shard_key(&form), l),
                     (Arc::new(keys.tables()), values),
                 )))
             })
@@ -441,7 +450,7 @@ impl Calibration {
         part: Part,
         rope: &attention::Rope,
     ) -> Option<ShardTables> {
-        let (keys, values) = self.shard.get(&(form.to_string(), layer))?;
+        let (keys, values) = self.shard.get(&(shard_key(form), layer))?;
         Some(match part {
             Part::Key => ShardTables::Keys {
                 prototype: keys.clone(),
@@ -692,7 +701,14 @@ impl Calibration {
                 if layer >= layers {
                     return Err(bad(format!("{name}: layer {layer} of {layers}")));
                 }
-                let slot = shard_parts.entry((form.to_string(), layer)).or_default();
+                // Files written before tables were keyed without a code
+                // may name one; a name not spelled as its form is left for
+                // the check below to refuse.
+                let key = match form.parse::<CacheForm>() {
+                    Ok(f) if f.to_string() == form => shard_key(&f),
+                    _ => form.to_string(),
+                };
+                let slot = shard_parts.entry((key, layer)).or_default();
                 match (part, which, view.dtype(), view.shape()) {
                     ("k", "allocation", Dtype::U8, [_]) => {
                         verify(&name, &[], view.data())?;

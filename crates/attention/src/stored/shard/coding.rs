@@ -47,7 +47,14 @@ pub(super) fn code(
         let (codes, scales, guard) = match &mut block {
             ShardBlock::Keys { keys, guard, .. } => (keys.codes(), keys.scales(), guard),
             ShardBlock::Vq { values, guard } => (values.indices(), values.max(), guard),
-            ShardBlock::Nf4(_) => unreachable!("coded NF4 values are refused (check_shard_form)"),
+            ShardBlock::Nf4(_) => {
+                return Err(AttentionError::InvalidParameter {
+                    name: "tables",
+                    reason: "NF4 values (tables without a codebook) are not coded on paged \
+                             blocks; a coded Shard form's values need their codebook"
+                        .into(),
+                });
+            }
         };
         *guard = Some(Box::new(BlockGuard::new(
             p.code, p.metadata, codes, scales,

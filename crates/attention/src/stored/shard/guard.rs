@@ -10,15 +10,15 @@
 //! beside SECDED and Golay codes), checked against the range written. The
 //! block beside the guard holds the codes and scales as last decoded,
 //! which is what attention reads: faults decode through the codes when
-//! they land (a detected code word keeps its received data, `+keep`; a
-//! detected scale reads as zero), and a scrub rewrites every corrected
-//! word. The words as written are kept beside them, so every word is
+//! they land (a detected code word keeps its received data, `+keep`,
+//! whatever erasure policy the spelling names; a detected scale reads as
+//! zero), and a scrub rewrites every corrected word. The words as written are kept beside them, so every word is
 //! accounted (corrected, detected, miscorrected, silent) on every read of
 //! the block ([`stats`](BlockGuard::stats)).
 
 use gf2_codes::DecodeStats;
 use gf2_codes::batch::{Int4Code, erasure_words};
-use gf2_codes::channel::FaultChannel;
+use gf2_codes::channel::{FaultChannel, Flips};
 use half::f16;
 use kv_quant::{FaultTarget, Injection, KvDecodeStats, MetaProtection, ProtectedTable, ScrubStats};
 
@@ -72,6 +72,11 @@ impl BlockGuard {
         })
     }
 
+    /// Whether it stores `codes` bytes of codes and `scales` scales.
+    pub fn holds(&self, codes: usize, scales: usize) -> bool {
+        self.written.len() == codes && self.scales.len() == 2 * scales
+    }
+
     /// The INT4 code over the codes.
     pub fn code(&self) -> Int4Code {
         self.code
@@ -119,7 +124,14 @@ impl BlockGuard {
             hit.values = channel.inject(&mut self.encoded, seed);
         }
         if target != FaultTarget::Values {
-            hit.scales = self.scales.inject(channel, seed ^ SCALE_SALT);
+            // The scales' data words, then their check words (a kv-quant
+            // store's `scales` and `checks`).
+            let flips = self.scales.inject(channel, seed ^ SCALE_SALT);
+            let data_bits = 16 * self.scales.words() as u64;
+            let (data, checks): (Vec<u64>, Vec<u64>) =
+                flips.positions().iter().partition(|&&p| p < data_bits);
+            hit.scales = Flips::from_events(data);
+            hit.checks = Flips::from_events(checks.iter().map(|p| p - data_bits).collect());
         }
         if hit.total() > 0 {
             self.decode_into(codes, scales)?;
@@ -169,11 +181,12 @@ impl BlockGuard {
         for (s, b) in scales.iter_mut().zip(bytes.chunks_exact(2)) {
             *s = f16::from_le_bytes([b[0], b[1]]).to_f32();
         }
-        let erased_values = values.detected * self.code.codec().values_per_codeword() as u64;
+        // A detected code word keeps its received data (`+keep`) and a
+        // detected scale reads as zero: nothing is erased to be filled in.
         self.stats = KvDecodeStats {
             values,
             metadata,
-            erased_values,
+            erased_values: 0,
         };
         Ok(())
     }
@@ -276,7 +289,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(g.stats().values.detected, 1);
-        assert_eq!(g.stats().erased_values, 1);
+        assert_eq!(g.stats().erased_values, 0, "kept, not erased");
         // A scrub leaves it.
         assert_eq!(g.scrub().unwrap().values.detected, 1);
         assert_eq!(g.stats().values.detected, 1);

@@ -515,7 +515,20 @@ impl ShardPart {
     fn fits(&self, sealed: &ShardBlock) -> bool {
         // Stored under this form's codes, or bare where it has none.
         let codes = |g: &BlockGuard| (g.code(), g.metadata());
-        sealed.guard().map(codes) == self.form.protection().map(|p| (p.code, p.metadata))
+        let holds = match sealed {
+            ShardBlock::Keys {
+                keys,
+                guard: Some(g),
+                ..
+            } => g.holds(keys.codes().len(), keys.scales().len()),
+            ShardBlock::Vq {
+                values,
+                guard: Some(g),
+            } => g.holds(values.indices().len(), values.max().len()),
+            _ => true,
+        };
+        holds
+            && sealed.guard().map(codes) == self.form.protection().map(|p| (p.code, p.metadata))
             && self.fits_tables(sealed)
     }
 
