@@ -255,7 +255,7 @@ fn a_coded_form_fitted_per_sequence_reads_as_the_bare_one_and_corrects() {
     let pages: Vec<u32> = (0..tokens.div_ceil(BS) as u32).collect();
     for (fitted, key) in fits().iter().zip([true, false]) {
         let x = rows(tokens, 7 + u64::from(key));
-        let mut parts = [bare, coded].map(|form| {
+        let [(bare_part, bare_tables), (coded_part, coded_tables)] = [bare, coded].map(|form| {
             let mut part = open_part(form, BS, CH, pages.len(), fitted).unwrap();
             write(part.as_mut(), &pages, &x, 0, tokens);
             let sealable = part.sealable(0, tokens);
@@ -263,8 +263,14 @@ fn a_coded_form_fitted_per_sequence_reads_as_the_bare_one_and_corrects() {
             for i in sealable {
                 assert!(part.seal_on(pages[i] as usize, i * BS, &tables).unwrap());
             }
-            part
+            (part, tables)
         });
+        // The sequence's tables under RM(2,5): two check bytes per word.
+        assert_eq!(
+            coded_tables.stored_bytes(),
+            2 * bare_tables.stored_bytes().next_multiple_of(2)
+        );
+        let mut parts = [bare_part, coded_part];
         let clean = read(parts[1].as_ref(), &pages, 0, tokens);
         assert_eq!(clean, read(parts[0].as_ref(), &pages, 0, tokens));
         let block = pages[1] as usize;
@@ -276,5 +282,43 @@ fn a_coded_form_fitted_per_sequence_reads_as_the_bare_one_and_corrects() {
         assert_eq!(hit.total(), 1);
         assert_eq!(read(parts[1].as_ref(), &pages, 0, tokens), clean);
         assert_eq!(parts[1].scrub(block).unwrap().values.corrected, 1);
+        // A flip in the sequence's tables (bit 6 of the first word: a key
+        // basis row's f16 scale, or a centroid): corrected under the code,
+        // read by every sealed block of the bare sequence.
+        let flip = ExactFlips::new([6]);
+        let hit = parts[1]
+            .inject_sequence(&coded_tables, &flip, 0, FaultTarget::Values)
+            .unwrap();
+        assert_eq!(hit.total(), 0, "tables are metadata");
+        let hit = parts[1]
+            .inject_sequence(&coded_tables, &flip, 0, FaultTarget::Metadata)
+            .unwrap();
+        assert_eq!(hit.tables.len(), 1);
+        assert_eq!(parts[1].sequence_stats(&coded_tables).unwrap().corrected, 1);
+        assert_eq!(read(parts[1].as_ref(), &pages, 0, tokens), clean);
+        assert_eq!(parts[1].scrub_sequence(&coded_tables).unwrap().corrected, 1);
+        assert_eq!(parts[1].sequence_stats(&coded_tables).unwrap().corrected, 0);
+        let bare_before = read(parts[0].as_ref(), &pages, 0, tokens);
+        parts[0]
+            .inject_sequence(&bare_tables, &flip, 0, FaultTarget::Everything)
+            .unwrap();
+        assert_eq!(parts[0].sequence_stats(&bare_tables).unwrap().silent, 1);
+        let bare_after = read(parts[0].as_ref(), &pages, 0, tokens);
+        assert_ne!(bare_after, bare_before);
+        // The staged blocks (sink, window) are untouched; a sealed one reads
+        // through the faulted tables.
+        assert_eq!(bare_after[..BS * CH], bare_before[..BS * CH]);
+        assert_ne!(
+            bare_after[BS * CH..2 * BS * CH],
+            bare_before[BS * CH..2 * BS * CH]
+        );
+        // Another part's tables are refused.
+        let other = if key { &fits()[1] } else { &fits()[0] };
+        let mut wrong = open_part(bare, BS, CH, pages.len(), other).unwrap();
+        assert!(
+            wrong
+                .inject_sequence(&bare_tables, &flip, 0, FaultTarget::Metadata)
+                .is_err()
+        );
     }
 }

@@ -231,7 +231,7 @@ fn faulty_run(
         injected_flips: injected,
         table_flips: cache.0.table_flips(),
         table_words: {
-            let t = cache.0.table_stats();
+            let t = cache.0.table_stats()?;
             [t.corrected, t.detected, t.miscorrected + t.silent]
         },
         scrub_corrected: scrubbed.values.corrected,

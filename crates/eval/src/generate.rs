@@ -295,7 +295,7 @@ fn generate_with(
             };
             let g = decode.run(model, &mut cache, prompt, &options, faults, &mut on_token)?;
             (out.injected_flips, out.scrubbed) = (flips, scrubbed);
-            out.tables = (cache.0.table_flips(), cache.0.table_stats());
+            out.tables = (cache.0.table_flips(), cache.0.table_stats()?);
             out.cache_bytes = cache.0.stored_bytes()? as u64;
             let fitted = match cache.0.sequence() {
                 Some(seq) => cache.0.manager().sequence_tables(seq)?.stored_bytes(),

@@ -44,6 +44,8 @@ pub struct PagedBackend<P: PrefixCache = NoPrefixCache> {
 
 /// Salt of the fault streams of the fitted tables (apart from the blocks').
 const TABLE_SALT: u64 = 0x7461_626c_6573;
+/// Salt of the streams that fault a sequence's own fitted tables.
+const SEQUENCE_TABLE_SALT: u64 = 0x7365_7174_6162;
 
 impl PagedBackend<NoPrefixCache> {
     /// A cache of `num_blocks` blocks of `block_size` tokens holding `layers`
@@ -124,7 +126,8 @@ impl<P: PrefixCache> PagedBackend<P> {
     /// through `channel`: the store of layer `l`, part `p` in the `i`-th
     /// block of the table draws from its own stream of `seed`; then of the
     /// fitted tables every layer part reads (a `vq` codebook, calibrated
-    /// bases, under targets that reach metadata), each from a stream of its own.
+    /// bases, and the tables a Shard form fitted on this sequence, under
+    /// targets that reach metadata), each from a stream of its own.
     /// Returns the bits flipped.
     pub fn inject(
         &self,
@@ -151,9 +154,21 @@ impl<P: PrefixCache> PagedBackend<P> {
             for (p, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
                 let s =
                     seed ^ TABLE_SALT ^ (layer * 2 + p as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-                let hit = self
+                let mut hit = self
                     .storage
                     .inject_shared(layer as usize, part, channel, s, target)?
+                    .total() as u64;
+                let s = s ^ SEQUENCE_TABLE_SALT;
+                hit += self
+                    .storage
+                    .inject_sequence(
+                        self.manager.sequence_tables(seq)?,
+                        layer as usize,
+                        part,
+                        channel,
+                        s,
+                        target,
+                    )?
                     .total() as u64;
                 self.table_flips
                     .fetch_add(hit, std::sync::atomic::Ordering::Relaxed);
@@ -164,7 +179,8 @@ impl<P: PrefixCache> PagedBackend<P> {
     }
 
     /// Of the bits [`inject`](Self::inject) flipped so far, those in the
-    /// fitted tables (codebooks, calibrated bases) rather than in blocks.
+    /// fitted tables (codebooks, calibrated bases, the sequence's own)
+    /// rather than in blocks.
     pub fn table_flips(&self) -> u64 {
         self.table_flips.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -181,14 +197,24 @@ impl<P: PrefixCache> PagedBackend<P> {
             stats += self.storage.scrub(block)?;
         }
         stats.tables += self.storage.scrub_shared()?;
+        stats.tables += self
+            .storage
+            .scrub_sequence(self.manager.sequence_tables(seq)?)?;
         Ok(stats)
     }
 
-    /// How the words of the fitted tables (codebooks, calibrated bases) the
-    /// cache reads decode now, against the words as written: corrected,
-    /// detected (read as zero), miscorrected and silent words.
-    pub fn table_stats(&self) -> gf2_codes::DecodeStats {
-        self.storage.shared_stats()
+    /// How the words of the fitted tables (codebooks, calibrated bases,
+    /// the sequence's own) the cache reads decode now, against the words
+    /// as written: corrected, detected (read as zero), miscorrected and
+    /// silent words.
+    pub fn table_stats(&self) -> Result<gf2_codes::DecodeStats> {
+        let mut stats = self.storage.shared_stats();
+        if let Some(seq) = self.seq {
+            stats += self
+                .storage
+                .sequence_stats(self.manager.sequence_tables(seq)?)?;
+        }
+        Ok(stats)
     }
 
     fn layer_spec(&self, layer: usize) -> Result<&LayerSpec> {

@@ -718,6 +718,58 @@ impl BlockStorage {
         Ok(stats)
     }
 
+    /// Faults from `channel`'s stream `seed` into the tables `part` of
+    /// `layer` fitted on one sequence (`tables`, kept beside its block
+    /// table), under targets that reach metadata
+    /// ([`StoredPart::inject_sequence`]): where they read differently
+    /// after, every block coded on them (the sequence's and its forks')
+    /// reads through them as they are. Nothing where the part has no such
+    /// tables or they are not fitted yet.
+    pub fn inject_sequence(
+        &self,
+        tables: &SeqTables,
+        layer: usize,
+        part: KvPart,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        let Some(fitted) = tables.get(layer, part) else {
+            return Ok(Injection::default());
+        };
+        Ok(self
+            .part_mut(layer, part)?
+            .inject_sequence(fitted, channel, seed, target)?)
+    }
+
+    /// How the words of one sequence's fitted `tables` decode now, over
+    /// every part ([`StoredPart::sequence_stats`]).
+    pub fn sequence_stats(&self, tables: &SeqTables) -> Result<DecodeStats> {
+        let mut stats = DecodeStats::default();
+        for (layer, parts) in self.parts.iter().enumerate() {
+            for (p, kv) in parts.iter().zip([KvPart::Keys, KvPart::Values]) {
+                if let Some(fitted) = tables.get(layer, kv) {
+                    stats += read(p).sequence_stats(fitted)?;
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    /// One scrubbing pass over one sequence's fitted `tables`, every part
+    /// ([`StoredPart::scrub_sequence`]).
+    pub fn scrub_sequence(&self, tables: &SeqTables) -> Result<DecodeStats> {
+        let mut stats = DecodeStats::default();
+        for (layer, parts) in self.parts.iter().enumerate() {
+            for (p, kv) in parts.iter().zip([KvPart::Keys, KvPart::Values]) {
+                if let Some(fitted) = tables.get(layer, kv) {
+                    stats += write(p).scrub_sequence(fitted)?;
+                }
+            }
+        }
+        Ok(stats)
+    }
+
     /// Whether any part codes blocks on tables each sequence fits on its
     /// own rows ([`StoredPart::per_sequence`]): such blocks are not shared
     /// through a prefix cache (the manager neither looks prompts up nor

@@ -250,6 +250,39 @@ fn tables_fitted_per_sequence_live_beside_the_block_table() {
     assert_eq!(cache.seal(c, tokens, tokens + BS).unwrap(), 2);
     assert!(cache.sequence_tables(c).unwrap().same(&tables));
 
+    // A fault in the tables (bare: read as flipped) reaches every sealed
+    // block coded on them: the sequence's and its fork's, which shares
+    // them, the block the fork sealed included; another sequence fitted
+    // its own.
+    let reads =
+        |cache: &KvCacheManager<HashPrefixCache>| [a, b, c].map(|s| read_all(cache, &storage, s));
+    let before = reads(&cache);
+    let hit = storage
+        .inject_sequence(
+            cache.sequence_tables(a).unwrap(),
+            0,
+            KvPart::Keys,
+            &gf2_codes::channel::ExactFlips::new([6]),
+            0,
+            kv_quant::FaultTarget::Metadata,
+        )
+        .unwrap();
+    assert_eq!(hit.tables.len(), 1);
+    let stats = storage
+        .sequence_stats(cache.sequence_tables(c).unwrap())
+        .unwrap();
+    assert_eq!(stats.silent, 1);
+    let after = reads(&cache);
+    assert_ne!(after[0], before[0]);
+    assert_eq!(after[1], before[1], "another sequence's tables");
+    // Block 10, sealed by the fork's step (it left the fork's window).
+    let late = 10 * BS * CH..11 * BS * CH;
+    assert_ne!(
+        after[2][late.clone()],
+        before[2][late],
+        "sealed by the fork"
+    );
+
     // A swap keeps them and the rows; freeing the parent leaves the fork's.
     let a_rows = read_all(&cache, &storage, a);
     cache.swap_out(a).unwrap();

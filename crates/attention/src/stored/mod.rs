@@ -171,6 +171,37 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
         self.seal(block, first)
     }
 
+    /// Injects faults from `channel` with `seed` into a sequence's `tables`
+    /// (from [`fit_sequence`](Self::fit_sequence)) as stored under targets
+    /// that reach metadata; where the tables read differently after, every
+    /// sealed block coded on them (the sequence's and its forks') reads
+    /// through them as they are now, and later seals code on them. Flips
+    /// land in [`Injection::tables`]. The default has no such tables.
+    fn inject_sequence(
+        &mut self,
+        tables: &SequenceTables,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        let _ = (tables, channel, seed, target);
+        Ok(Injection::default())
+    }
+
+    /// How the words of a sequence's `tables` decode now, against the
+    /// words as written. The default has no such tables.
+    fn sequence_stats(&self, tables: &SequenceTables) -> Result<gf2_codes::DecodeStats> {
+        let _ = tables;
+        Ok(gf2_codes::DecodeStats::default())
+    }
+
+    /// One scrubbing pass over a sequence's `tables` as stored (every
+    /// corrected word rewritten). The default has no such tables.
+    fn scrub_sequence(&mut self, tables: &SequenceTables) -> Result<gf2_codes::DecodeStats> {
+        let _ = tables;
+        Ok(gf2_codes::DecodeStats::default())
+    }
+
     /// Whether `block` holds staged (not sealed) rows.
     fn is_staged(&self, block: usize) -> bool;
 

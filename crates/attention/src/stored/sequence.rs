@@ -5,11 +5,14 @@
 //!
 //! The part fits them ([`fit_sequence`](super::StoredPart::fit_sequence))
 //! before the sequence's first seal and codes every later block of the
-//! sequence on them ([`seal_on`](super::StoredPart::seal_on)). They never
-//! change once fitted, so a fork shares them (copy-on-write of something
-//! never written) and they are freed with the last sequence holding them.
-//! A sealed block keeps its own reference to the tables it was coded on,
-//! so reading, copying and swapping a block need no sequence.
+//! sequence on them ([`seal_on`](super::StoredPart::seal_on)). A fork
+//! shares them and they are freed with the last sequence holding them;
+//! faults reach them as stored bits
+//! ([`inject_sequence`](super::StoredPart::inject_sequence), behind the
+//! part's own lock), and what they read as then is what every copy of the
+//! sequence reads. A sealed block keeps its own reference to the tables it
+//! was coded on, so reading, copying and swapping a block need no
+//! sequence.
 
 use std::any::Any;
 use std::fmt;

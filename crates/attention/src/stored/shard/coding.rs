@@ -33,6 +33,24 @@ pub(super) fn repoint(sealed: &mut ShardBlock, tables: &ShardTables) -> Result<(
     Ok(())
 }
 
+/// Whether `sealed` reads the very table of `tables` (the same allocation,
+/// not an equal copy: blocks coded on another sequence's tables of equal
+/// values are another sequence's).
+pub(super) fn coded_on(sealed: &ShardBlock, tables: &ShardTables) -> bool {
+    match (sealed, tables) {
+        (ShardBlock::Keys { keys, .. }, ShardTables::Keys { prototype, .. }) => {
+            std::ptr::eq(keys.basis(), prototype.basis())
+        }
+        (
+            ShardBlock::Vq { values, .. },
+            ShardTables::Values {
+                prototype: Some(p), ..
+            },
+        ) => std::ptr::eq(values.centroids().as_ptr(), p.centroids().as_ptr()),
+        _ => false,
+    }
+}
+
 /// `rows` (one block of `channels`-value rows, as written) coded on
 /// `tables`, its codes and scales stored under `protection`'s codes where
 /// the form has them; `first` is the position of the first row.

@@ -49,19 +49,23 @@
 //! the form's INT4 code and the scales under its metadata code
 //! ([`BlockGuard`]): corrected as they land, scrubbed, every word counted
 //! on the read holding the block's first row. The fitted table the part
-//! reads (the key basis, the value codebook) is stored once per part as a
-//! [`SharedTable`] under the form's metadata code (none for a bare
-//! spelling), hit under `metadata` and `everything`, and every sealed
+//! reads (the key basis, the value codebook) is stored once per part, or
+//! once per sequence where each fits its own (`SequenceShard`), as a
+//! [`SharedTable`](super::SharedTable) under the form's metadata code
+//! (none for a bare spelling), hit under `metadata` and `everything`
+//! ([`inject_shared`](StoredPart::inject_shared),
+//! [`inject_sequence`](StoredPart::inject_sequence)), and every sealed
 //! block reads through it as faults leave it. Not yet: folded decode
-//! streams (`-f<C>`: every block is folded here), coded NF4 values
-//! (`-vnf4+secded84`), and faults in per-sequence tables (counted per
-//! sequence, not injected). kv-eval's calibration file carries every
+//! streams (`-f<C>`: every block is folded here) and coded NF4 values
+//! (`-vnf4+secded84`). kv-eval's calibration file carries every
 //! table (the key basis, the bit allocation and the value codebook), with
 //! check words.
 
 mod block;
 mod coding;
 mod guard;
+mod sequence;
+mod table;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -75,13 +79,13 @@ use kv_quant::{
 
 pub use block::{ShardBlock, ShardTables};
 pub(crate) use coding::check_shard_form;
-use coding::{code, decode_sealed, inject_f16, repoint};
+use coding::{code, coded_on, decode_sealed, inject_f16, repoint};
 pub use guard::BlockGuard;
+use sequence::SequenceShard;
+use table::Shared;
 
 use super::staging::{BlockState, StagedBlocks, clamp_non_finite};
-use super::{
-    Fitted, PartBlock, PartScratch, PoolBytes, SequenceFit, SequenceTables, SharedTable, StoredPart,
-};
+use super::{Fitted, PartBlock, PartScratch, PoolBytes, SequenceFit, SequenceTables, StoredPart};
 use crate::error::{AttentionError, Result};
 use crate::rope::Rope;
 use crate::source::{KvSource, Tile};
@@ -123,17 +127,6 @@ pub struct ShardPart {
     /// The fitted table the blocks read (the key basis, the value
     /// codebook), as stored, protected bytes; `tables` holds it as read.
     shared: Shared,
-}
-
-/// A [`ShardPart`]'s fitted table as stored bytes.
-#[derive(Debug)]
-enum Shared {
-    /// The keys' basis.
-    Keys(SharedTable<ShardKeys>),
-    /// The values' codebook.
-    Vq(SharedTable<ChannelVq>),
-    /// NF4 values read no table.
-    None,
 }
 
 impl ShardPart {
@@ -236,15 +229,7 @@ impl ShardPart {
                 reason: format!("{channels} channels are not whole heads of {head_dim} ({form})"),
             });
         }
-        let shared = match &tables {
-            Some(ShardTables::Keys { prototype, .. }) => {
-                Shared::Keys(SharedTable::new(prototype.clone(), &form))
-            }
-            Some(ShardTables::Values {
-                prototype: Some(p), ..
-            }) => Shared::Vq(SharedTable::new(p.clone(), &form)),
-            _ => Shared::None,
-        };
+        let shared = Shared::of(tables.as_ref(), &form);
         let mut part = Self {
             blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             form,
@@ -353,6 +338,11 @@ impl ShardPart {
                 Some(_) => kept * channels + 2 * kept + 2 * channels,
                 None => 2 * kv_quant::channel_vq::CENTROIDS * 4,
             };
+            // Stored under the metadata code (`SequenceShard`).
+            let meta = form
+                .protection()
+                .map_or(kv_quant::MetaProtection::Unprotected, |p| p.metadata);
+            let tables = kv_quant::ProtectedTable::stored_len(tables, meta);
             // The fit's f32 rows, the PCA's f64 copy and transpose, its
             // d × d moment and eigenvectors (kv-lowrank's `Basis::fit`).
             let (n, d) = (part.fit_rows_at_most(), channels);
@@ -367,6 +357,24 @@ impl ShardPart {
             sequence,
             fitting,
         })
+    }
+
+    /// A sequence's tables of this part (its kind: keys or values), or why
+    /// `tables` are not.
+    fn sequence_tables<'t>(&self, tables: &'t SequenceTables) -> Result<&'t SequenceShard> {
+        let stored = tables.get::<SequenceShard>();
+        let kind = match stored.map(SequenceShard::tables).transpose()? {
+            Some(ShardTables::Keys { .. }) => Some(true),
+            Some(ShardTables::Values { .. }) => Some(false),
+            None => None,
+        };
+        match (stored, kind) {
+            (Some(s), Some(keys)) if keys == self.rope.is_some() => Ok(s),
+            _ => Err(AttentionError::InvalidParameter {
+                name: "sequence tables",
+                reason: format!("{tables:?} are not tables of this {} part", self.form),
+            }),
+        }
     }
 
     /// Rows a sequence's tables are fitted on at most: the first
@@ -494,15 +502,10 @@ impl ShardPart {
     /// After faults changed the table as read: new blocks are coded on it
     /// and every sealed block reads through it.
     fn reread(&mut self) -> Result<()> {
-        match (&self.shared, &mut self.tables) {
-            (Shared::Keys(t), Some(ShardTables::Keys { prototype, .. })) => {
-                *prototype = t.read().clone();
-            }
-            (Shared::Vq(t), Some(ShardTables::Values { prototype, .. })) => {
-                *prototype = Some(t.read().clone());
-            }
-            _ => return Ok(()),
-        }
+        let Some(tables) = &mut self.tables else {
+            return Ok(());
+        };
+        self.shared.reread_into(tables);
         if let Some(tables) = &self.tables {
             for block in self.blocks.iter_mut() {
                 if let BlockState::Sealed(sealed) = block {
@@ -536,11 +539,7 @@ impl StoredPart for ShardPart {
     }
 
     fn shared_bytes(&self) -> usize {
-        match &self.shared {
-            Shared::Keys(t) => t.stored_bytes(),
-            Shared::Vq(t) => t.stored_bytes(),
-            Shared::None => 0,
-        }
+        self.shared.stored_bytes()
     }
 
     fn inject_shared(
@@ -549,11 +548,7 @@ impl StoredPart for ShardPart {
         seed: u64,
         target: FaultTarget,
     ) -> Result<Injection> {
-        let (injection, changed) = match &mut self.shared {
-            Shared::Keys(t) => t.inject(channel, seed, target)?,
-            Shared::Vq(t) => t.inject(channel, seed, target)?,
-            Shared::None => return Ok(Injection::default()),
-        };
+        let (injection, changed) = self.shared.inject(channel, seed, target)?;
         if changed {
             self.reread()?;
         }
@@ -561,19 +556,11 @@ impl StoredPart for ShardPart {
     }
 
     fn shared_stats(&self) -> gf2_codes::DecodeStats {
-        match &self.shared {
-            Shared::Keys(t) => t.stats(),
-            Shared::Vq(t) => t.stats(),
-            Shared::None => gf2_codes::DecodeStats::default(),
-        }
+        self.shared.stats()
     }
 
     fn scrub_shared(&mut self) -> Result<gf2_codes::DecodeStats> {
-        Ok(match &mut self.shared {
-            Shared::Keys(t) => t.scrub(),
-            Shared::Vq(t) => t.scrub(),
-            Shared::None => gf2_codes::DecodeStats::default(),
-        })
+        Ok(self.shared.scrub())
     }
 
     fn open_block(&mut self, block: usize) -> Result<()> {
@@ -686,13 +673,9 @@ impl StoredPart for ShardPart {
                 head_dim: self.head_dim,
             },
         };
-        let bytes = match &tables {
-            ShardTables::Keys { prototype, .. } => prototype.shared_bytes(),
-            ShardTables::Values { prototype, .. } => {
-                prototype.as_ref().map_or(0, |p| p.shared_bytes())
-            }
-        };
-        Ok(SequenceTables::new(tables, bytes))
+        // Stored under the form's metadata code, counted with its checks.
+        let (stored, bytes) = SequenceShard::new(tables, &self.form);
+        Ok(SequenceTables::new(stored, bytes))
     }
 
     fn seal_on(&mut self, block: usize, first: usize, tables: &SequenceTables) -> Result<bool> {
@@ -700,19 +683,50 @@ impl StoredPart for ShardPart {
             return self.seal(block, first);
         }
         let (ch, protection) = (self.channels, self.form.protection().copied());
-        let fits = match tables.get::<ShardTables>() {
-            Some(t @ ShardTables::Keys { .. }) if self.rope.is_some() => Some(t),
-            Some(t @ ShardTables::Values { .. }) if self.rope.is_none() => Some(t),
-            _ => None,
-        };
-        let Some(tables) = fits else {
-            return Err(AttentionError::InvalidParameter {
-                name: "sequence tables",
-                reason: format!("{tables:?} are not tables of this {} part", self.form),
-            });
-        };
+        let read = self.sequence_tables(tables)?.tables()?;
         self.blocks
-            .seal(block, |rows| code(tables, protection, (ch, rows), first))
+            .seal(block, |rows| code(&read, protection, (ch, rows), first))
+    }
+
+    fn inject_sequence(
+        &mut self,
+        tables: &SequenceTables,
+        channel: &dyn FaultChannel,
+        seed: u64,
+        target: FaultTarget,
+    ) -> Result<Injection> {
+        if self.tables.is_some() {
+            return Ok(Injection::default());
+        }
+        let stored = self.sequence_tables(tables)?;
+        let before = stored.tables()?;
+        let (injection, changed) = stored.inject(channel, seed, target)?;
+        if let Some(read) = changed {
+            // Every block coded on the tables as they read before (the
+            // sequence's, its forks') reads through them as they are now.
+            for block in self.blocks.iter_mut() {
+                if let BlockState::Sealed(sealed) = block
+                    && coded_on(sealed, &before)
+                {
+                    repoint(sealed, &read)?;
+                }
+            }
+        }
+        Ok(injection)
+    }
+
+    fn sequence_stats(&self, tables: &SequenceTables) -> Result<gf2_codes::DecodeStats> {
+        if self.tables.is_some() {
+            return Ok(gf2_codes::DecodeStats::default());
+        }
+        self.sequence_tables(tables)?.stats()
+    }
+
+    fn scrub_sequence(&mut self, tables: &SequenceTables) -> Result<gf2_codes::DecodeStats> {
+        if self.tables.is_some() {
+            return Ok(gf2_codes::DecodeStats::default());
+        }
+        self.sequence_tables(tables)?.scrub()
     }
 
     fn is_staged(&self, block: usize) -> bool {
