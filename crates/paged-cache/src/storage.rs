@@ -745,25 +745,29 @@ impl BlockStorage {
     /// How the words of one sequence's fitted `tables` decode now, over
     /// every part ([`StoredPart::sequence_stats`]).
     pub fn sequence_stats(&self, tables: &SeqTables) -> Result<DecodeStats> {
-        let mut stats = DecodeStats::default();
-        for (layer, parts) in self.parts.iter().enumerate() {
-            for (p, kv) in parts.iter().zip([KvPart::Keys, KvPart::Values]) {
-                if let Some(fitted) = tables.get(layer, kv) {
-                    stats += read(p).sequence_stats(fitted)?;
-                }
-            }
-        }
-        Ok(stats)
+        self.sum_over_sequence(tables, |p, fitted| read(p).sequence_stats(fitted))
     }
 
     /// One scrubbing pass over one sequence's fitted `tables`, every part
     /// ([`StoredPart::scrub_sequence`]).
     pub fn scrub_sequence(&self, tables: &SeqTables) -> Result<DecodeStats> {
+        self.sum_over_sequence(tables, |p, fitted| write(p).scrub_sequence(fitted))
+    }
+
+    /// `f` over every part that holds fitted `tables`, summed.
+    fn sum_over_sequence(
+        &self,
+        tables: &SeqTables,
+        f: impl Fn(
+            &RwLock<Box<dyn StoredPart>>,
+            &attention::stored::SequenceTables,
+        ) -> attention::Result<DecodeStats>,
+    ) -> Result<DecodeStats> {
         let mut stats = DecodeStats::default();
         for (layer, parts) in self.parts.iter().enumerate() {
             for (p, kv) in parts.iter().zip([KvPart::Keys, KvPart::Values]) {
                 if let Some(fitted) = tables.get(layer, kv) {
-                    stats += write(p).scrub_sequence(fitted)?;
+                    stats += f(p, fitted)?;
                 }
             }
         }

@@ -87,6 +87,7 @@ pub use planned::PlannedPart;
 pub use sequence::{SequenceFit, SequenceTables};
 pub use shard::{BlockGuard, MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
+pub use staging::clamp_non_finite;
 
 use crate::error::{AttentionError, Result};
 use crate::source::{BlockedScratch, StoreScratch, Tile};

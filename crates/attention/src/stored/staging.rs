@@ -338,7 +338,7 @@ impl<S> StagedBlocks<S> {
 /// sign (NaN becomes 0), so sealing and fitting measure the fault's outcome
 /// instead of failing (a pair of such values stays finite through a
 /// rotation, which `f32::MAX` would not).
-pub(crate) fn clamp_non_finite(rows: &mut [f32]) {
+pub fn clamp_non_finite(rows: &mut [f32]) {
     for x in rows {
         if !x.is_finite() {
             *x = if x.is_nan() {
@@ -347,5 +347,19 @@ pub(crate) fn clamp_non_finite(rows: &mut [f32]) {
                 x.signum() * f32::from(half::f16::MAX)
             };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clamp_non_finite;
+
+    #[test]
+    fn non_finite_values_become_the_nearest_f16_and_the_rest_stay() {
+        let max = f32::from(half::f16::MAX);
+        let mut rows = [1.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -2.0, 1e9];
+        clamp_non_finite(&mut rows);
+        // A finite value beyond f16's range is the coder's to saturate.
+        assert_eq!(rows, [1.5, 0.0, max, -max, -2.0, 1e9]);
     }
 }

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 
+use attention::stored::clamp_non_finite;
 use attention::{Attention, AttentionOutput, Mask, Rope, ShardBytes, ShardLayer};
 use gf2_codes::DecodeStats;
 use gf2_codes::channel::FaultChannel;
@@ -70,12 +71,15 @@ pub(super) fn attend(
         reason: format!("{form} undoes RoPE; this model has none"),
     })?;
     // Under faults an earlier layer's output may be non-finite (a bare
-    // table or scale hit); the rows are clamped as the other forms'
-    // stores clamp them (`NonFinite::Clamp`), so the run measures the
-    // fault's outcome instead of ending.
+    // table or scale hit); the rows are clamped as the paged Shard part
+    // clamps what it seals (attention's `clamp_non_finite`), so the run
+    // measures the fault's outcome instead of ending.
     let clamped;
     let (k, v) = if faults.is_some() && k.iter().chain(v).any(|x| !x.is_finite()) {
-        clamped = (clamp(k), clamp(v));
+        let (mut k, mut v) = (k.to_vec(), v.to_vec());
+        clamp_non_finite(&mut k);
+        clamp_non_finite(&mut v);
+        clamped = (k, v);
         (&clamped.0[..], &clamped.1[..])
     } else {
         (k, v)
@@ -131,17 +135,4 @@ pub(super) fn attend(
         flips: injected.map_or(0, |f| f.flips),
         tables: injected.map_or_else(DecodeStats::default, |f| f.tables),
     })
-}
-
-/// `rows` with NaN as 0 and the infinities as the largest f16 of their
-/// sign (kv-quant's `NonFinite::Clamp` for the f16 rows Shard keeps).
-fn clamp(rows: &[f32]) -> Vec<f32> {
-    let max = f32::from(half::f16::MAX);
-    rows.iter()
-        .map(|&x| match x {
-            x if x.is_nan() => 0.0,
-            x if x.is_infinite() => x.signum() * max,
-            x => x,
-        })
-        .collect()
 }
