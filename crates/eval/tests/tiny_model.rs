@@ -449,8 +449,8 @@ fn generation_refuses_bad_input_before_any_work() {
         (
             tokens(5),
             GenerateConfig {
-                // A channel group of 32 tokens in blocks of 16.
-                mode: form("int4-ch32"),
+                // A channel group of 24 tokens in blocks of 16.
+                mode: form("int4-ch24"),
                 ..good.clone()
             },
             "form",

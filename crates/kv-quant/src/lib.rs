@@ -63,9 +63,10 @@ pub use spec::{
     RankRule, Rotation, ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
 };
 pub use store::{
-    DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection, KvDecodeStats, KvStore,
-    LevelMap, LevelPacking, LevelRows, NonFinite, ParamBound, QuantizeOptions, RowBufferSizes,
-    RowBuffers, RowBuffersMut, RowEncoder, RowsView, ScrubStats, SegmentRows,
+    ChannelSlices, DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection,
+    KvDecodeStats, KvStore, LevelMap, LevelPacking, LevelRows, NonFinite, ParamBound,
+    QuantizeOptions, RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder, RowsView, ScrubStats,
+    SegmentRows,
 };
 pub use table::{ProtectedTable, TableBytes};
 pub use vq::{FitOptions, VqCodebook};

@@ -21,7 +21,9 @@
 //!   (a ratio of at least 0.91). `int4-ch` (per-channel keys and values)
 //!   is read paged with every block sealed (one scale and offset per
 //!   channel per block: `int4-ch<B>`), its baseline one contiguous store
-//!   with one scale per channel over all 16K tokens.
+//!   with one scale per channel over all 16K tokens; `int4-ch64` keeps one
+//!   per 64 tokens, in blocks of 16 and 32 a group over several blocks,
+//!   its baseline one contiguous `int4-ch64` store.
 //! - `paged-cache/write-token-2k`: one decode step's K/V writes at
 //!   SmolLM2-135M's shape (30 layers, 3 KV heads × 64) in `int4+secded84`
 //!   after 2,048 tokens: `paged` opens a step on a [`PagedBackend`], appends
@@ -202,7 +204,14 @@ fn decode(c: &mut Criterion) {
     let attn = Attention::new(shape);
     let q = matrix(1, shape.q_len(), 0.3);
     let (k, v) = pool.install(|| (matrix(TOKENS, ch, 0.0), matrix(TOKENS, ch, 1.0)));
-    for spelling in ["fp16", "int8", "int4", "int4+secded84", "int4-ch"] {
+    for spelling in [
+        "fp16",
+        "int8",
+        "int4",
+        "int4+secded84",
+        "int4-ch",
+        "int4-ch64",
+    ] {
         let form: CacheForm = spelling.parse().expect("form");
         let mut group = c.benchmark_group(format!("paged-cache/decode-16k-{spelling}"));
         group

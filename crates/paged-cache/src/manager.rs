@@ -281,12 +281,29 @@ impl<P: PrefixCache> KvCacheManager<P> {
         }
         // Blocks coded on one sequence's own tables are not shared: a prompt
         // is not looked up (and no prefix is recorded) for such forms.
-        let hit = if self.per_sequence() {
+        let mut hit = if self.per_sequence() {
             PrefixHit::default()
         } else {
             self.prefix.lookup(&mut self.pool, prompt, salt)?
         };
         let bs = self.block_size();
+        // A hit ends where a group of blocks sealed together ends: blocks
+        // of a group another sequence is still filling are not shared, nor
+        // is a partial block (copied on write) of a group sealed whole.
+        if let Some(storage) = &self.storage {
+            let (held, whole) = (hit.blocks.len(), hit.tokens / bs);
+            let keep = match storage.shareable_blocks(whole) {
+                full if full < whole => full,
+                _ if storage.shareable_blocks(held) < held => whole,
+                _ => held,
+            };
+            if keep < held {
+                for b in hit.blocks.split_off(keep).into_iter().rev() {
+                    self.pool.release(b)?;
+                }
+                hit.tokens = hit.tokens.min(keep * bs);
+            }
+        }
         let cow = usize::from(!hit.tokens.is_multiple_of(bs));
         let needed = prompt.len().div_ceil(bs) - hit.blocks.len() + cow;
         if let Err(e) = self.ensure_free(needed) {
@@ -399,10 +416,34 @@ impl<P: PrefixCache> KvCacheManager<P> {
             });
         }
         let bs = self.block_size();
-        if self.pool.ref_count(s.table[position / bs])? > 1 {
-            self.ensure_free(1)?;
+        let index = position / bs;
+        // A group of blocks sealed together (a per-channel group over
+        // several blocks) that the write stages again, or a whole group
+        // shared with others whose written block is shared, is made this
+        // sequence's own first, so that no block of it is ever sealed into
+        // two groups.
+        let group = storage.group_with(index);
+        let sealed = storage.sealed_with(&s.table, index).len() > 1;
+        let rewrite = group.len() > 1
+            && group.end <= s.table.len()
+            && self.pool.ref_count(s.table[index])? > 1;
+        let with = if sealed || rewrite {
+            group.start..group.end.min(s.table.len())
+        } else {
+            index..index + 1
+        };
+        let shared = with
+            .clone()
+            .filter(|&i| self.pool.ref_count(s.table[i]).is_ok_and(|c| c > 1))
+            .count();
+        self.ensure_free(shared)?;
+        if with.len() > 1 {
+            for i in with {
+                self.make_exclusive(id, i)?;
+            }
+            storage.unseal(&self.seqs[&id].table, index)?;
         }
-        let block = self.make_exclusive(id, position / bs)?;
+        let block = self.make_exclusive(id, index)?;
         storage.write(block, position % bs, layer, keys, values)
     }
 
@@ -437,14 +478,37 @@ impl<P: PrefixCache> KvCacheManager<P> {
     }
 
     /// A new sequence sharing all of `id`'s blocks (parallel sampling, beam search).
+    /// The written blocks of a group of blocks sealed together that `id`
+    /// is still filling (see [`StoredPart::shareable_blocks`]), which a fork
+    /// copies: positions `own.start..own.end` of its table.
+    ///
+    /// [`StoredPart::shareable_blocks`]: attention::stored::StoredPart::shareable_blocks
+    fn unshareable(&self, s: &Sequence) -> std::ops::Range<usize> {
+        let whole = s.tokens.len() / self.block_size();
+        let keep = self
+            .storage
+            .as_ref()
+            .map_or(whole, |st| st.shareable_blocks(whole));
+        keep..whole
+    }
+
+    /// A new sequence sharing all of `id`'s blocks (parallel sampling, beam
+    /// search), except the whole blocks of a group of blocks sealed
+    /// together that `id` is still filling, which it copies (two sequences
+    /// never seal one block into different groups).
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
         let s = self.resident(id)?.clone();
+        let own = self.unshareable(&s);
+        self.ensure_free(own.len())?;
         for &b in &s.table {
             self.pool.acquire(b)?;
         }
         let child = SeqId(self.next_id);
         self.next_id += 1;
         self.seqs.insert(child, Sequence { lock: None, ..s });
+        for i in own {
+            self.make_exclusive(child, i)?;
+        }
         Ok(child)
     }
 
@@ -489,6 +553,25 @@ impl<P: PrefixCache> KvCacheManager<P> {
             });
         }
         let keep = (len - n).div_ceil(bs);
+        if let Some(storage) = self.storage.clone() {
+            // The kept blocks of a whole group of blocks sealed together
+            // that the cut splits are made this sequence's own (a sealed
+            // group's are staged again from their rows), so that no block
+            // is ever sealed into two groups.
+            let restaged = storage.cut_blocks(len - n);
+            let whole = storage.group_with(restaged.start).end <= s.table.len();
+            if !restaged.is_empty() && whole {
+                let shared = restaged
+                    .clone()
+                    .filter(|&i| self.pool.ref_count(s.table[i]).is_ok_and(|c| c > 1))
+                    .count();
+                self.ensure_free(shared)?;
+                for i in restaged {
+                    self.make_exclusive(id, i)?;
+                }
+                storage.cut(&self.seqs[&id].table, len - n)?;
+            }
+        }
         let s = self.seqs.get_mut(&id).expect("live");
         s.tokens.truncate(len - n);
         let dropped = s.table.split_off(keep);

@@ -151,6 +151,9 @@ pub struct BlockStorage {
     /// Non-finite values in the rows written so far (under a policy that
     /// stores them).
     non_finite_written: AtomicU64,
+    /// Whether some part seals groups of several blocks together (so a
+    /// write's check of its group is skipped for every other storage).
+    grouped: bool,
 }
 
 /// [`NonFinite`] as the byte [`BlockStorage`] keeps it in.
@@ -261,6 +264,11 @@ impl BlockStorage {
             .iter()
             .map(|p| LayerWriter::new(p).map(Mutex::new))
             .collect::<Result<_>>()?;
+        // A position far past any sink block: a group there has its size.
+        let grouped = parts
+            .iter()
+            .flatten()
+            .any(|p| read(p).sealed_with(1 << 30).len() > 1);
         Ok(Self {
             block_size,
             num_blocks,
@@ -269,6 +277,7 @@ impl BlockStorage {
             parts,
             non_finite: AtomicU8::new(non_finite_code(NonFinite::Reject)),
             non_finite_written: AtomicU64::new(0),
+            grouped,
         })
     }
 
@@ -509,17 +518,16 @@ impl BlockStorage {
                 for &block in &table[range.clone()] {
                     self.block_rows(block)?;
                 }
+                if pages.is_empty() {
+                    pages = table.iter().map(|b| b.0).collect();
+                }
                 if !part.per_sequence() {
                     for i in range {
-                        let block = table[i].index();
-                        sealed += usize::from(part.seal(block, i * self.block_size)?);
+                        sealed += part.seal_pages(&pages, i)?;
                     }
                     continue;
                 }
                 if tables.get(layer, kv).is_none() {
-                    if pages.is_empty() {
-                        pages = table.iter().map(|b| b.0).collect();
-                    }
                     let fitted = part.fit_sequence(&pages, range.clone())?;
                     tables.set(layer, kv, fitted);
                 }
@@ -837,5 +845,6 @@ fn form_error(e: AttentionError) -> PagedCacheError {
     }
 }
 
+mod groups;
 #[cfg(test)]
 mod tests;

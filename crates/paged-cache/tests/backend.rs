@@ -177,7 +177,7 @@ fn drive_ok(paged: &mut PagedBackend, n: usize) {
 #[test]
 fn forms_a_block_cannot_hold_and_other_models_are_refused() {
     let ch = shape().kv_channels();
-    for form in ["int4-ch32", "fp8-e4m3", "pca-r8", "vq"] {
+    for form in ["int4-ch36", "fp8-e4m3", "pca-r8", "vq"] {
         let spec = LayerSpec::uniform(form.parse().unwrap(), ch);
         assert!(
             matches!(

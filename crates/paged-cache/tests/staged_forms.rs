@@ -8,8 +8,8 @@
 //! and a step that keeps a prefix of its rows (speculative decoding's
 //! `commit_prefix`) reads as if only those rows had been written.
 
-use attention::{Attention, DenseKv, HeadShape, KvBackend, Mask, ModelKvShape, Numerics};
-use kv_quant::{BlockPlan, CacheForm, DecodeScratch, KvStore};
+use attention::{Attention, DenseKv, HeadShape, KvBackend, Mask, ModelKvShape, Numerics, TileRows};
+use kv_quant::{BlockPlan, CacheForm, KvStore};
 use paged_cache::{KvPart, LayerSpec, PagedBackend, PagedCacheError};
 use proptest::prelude::*;
 
@@ -42,8 +42,16 @@ fn reference(plan: &BlockPlan, tokens: usize, part: usize, ch: usize) -> Vec<f32
     let bs = plan.block_size;
     let sealed = plan.sealable(tokens);
     let mut out = Vec::with_capacity(tokens * ch);
-    for b in 0..tokens.div_ceil(bs) {
-        let n = (tokens - b * bs).min(bs);
+    let mut b = 0;
+    while b * bs < tokens {
+        // A sealed group of blocks is quantized at once; other blocks one
+        // at a time.
+        let blocks = if plan.staged && b >= plan.sink_blocks && b < sealed {
+            plan.group_blocks
+        } else {
+            1
+        };
+        let n = (tokens - b * bs).min(blocks * bs);
         let rows: Vec<f32> = (b * bs..b * bs + n)
             .flat_map(|t| row(t, part, ch))
             .collect();
@@ -65,39 +73,49 @@ fn reference(plan: &BlockPlan, tokens: usize, part: usize, ch: usize) -> Vec<f32
         let store = KvStore::quantize(form, &rows, n, ch).unwrap();
         let values = store.decode().unwrap().values;
         out.extend(values);
+        b += blocks;
     }
     out
 }
 
-/// Every token's rows as the backend's storage reads them.
+/// Every token's rows as the backend's storage reads them, through the
+/// sequence's pages.
 fn stored(backend: &PagedBackend, part: KvPart, ch: usize) -> Vec<f32> {
     let storage = backend.storage();
     let Some(seq) = backend.sequence() else {
         return Vec::new();
     };
-    let bs = storage.block_size();
     let tokens = backend.tokens();
-    let mut out = vec![0.0; tokens * ch];
-    for (i, &block) in backend
+    if tokens == 0 {
+        return Vec::new();
+    }
+    let pages: Vec<u32> = backend
         .manager()
         .block_table(seq)
         .unwrap()
         .iter()
-        .enumerate()
-    {
-        let n = (tokens - i * bs).min(bs);
-        storage
-            .read(
-                block,
-                0,
-                part,
-                0,
-                &mut out[i * bs * ch..][..n * ch],
-                &mut DecodeScratch::new(),
-            )
-            .unwrap();
+        .map(|b| b.0)
+        .collect();
+    let part = storage.part(0, part).unwrap();
+    let mut scratch = attention::stored::PartScratch::default();
+    let tile = part.read_tile(&pages, 0, tokens, &mut scratch).unwrap();
+    let mut values = match tile.rows {
+        TileRows::F32(r) => r.to_vec(),
+        TileRows::F16(b) => b
+            .chunks_exact(2)
+            .map(|h| half::f16::from_le_bytes([h[0], h[1]]).to_f32())
+            .collect(),
+        TileRows::Levels(l) => {
+            let mut out = vec![0.0; tokens * ch];
+            l.dequantize_into(&mut out);
+            out
+        }
+    };
+    // Tiles of rotated forms come in the rotated coordinates.
+    if let Some(h) = part.rotation() {
+        h.unrotate(&mut values);
     }
-    out
+    values
 }
 
 /// Opens a step and appends tokens `start..start + n` to it.
@@ -148,8 +166,11 @@ fn check_against_reference(backend: &PagedBackend, spec: &LayerSpec, bs: usize) 
     }
 }
 
-const FORMS: [(&str, &str); 6] = [
+const FORMS: [(&str, &str); 8] = [
     ("int4-ch", "int4"),
+    // Groups of 16 tokens: several blocks in blocks of 4 and 8.
+    ("int4-ch16+sink4", "int2-ch16"),
+    ("int3-ch16+secded84+win5", "int8-ch16+sink2"),
     ("int4-ch+sink4", "lm4"),
     ("int4-ch+sink4", "lm4+sink4"),
     ("int3-ch+win9", "int4+win9"),
@@ -283,7 +304,7 @@ fn forks_swaps_and_bytes_follow_the_staged_rows() {
 fn blocks_a_form_cannot_use_are_refused_before_any_work() {
     let ch = shape().kv_channels();
     for (form, bs) in [
-        ("int4-ch32", 16),
+        ("int4-ch24", 16),
         ("vq", 16),
         ("shard", 16),
         ("fp8-e4m3", 16),
@@ -297,8 +318,10 @@ fn blocks_a_form_cannot_use_are_refused_before_any_work() {
             "{form} in blocks of {bs}"
         );
     }
-    let spec = LayerSpec::uniform("int4-ch32".parse().unwrap(), ch);
-    assert!(PagedBackend::new(&[spec], 32, 4).is_ok());
+    for bs in [32, 16, 8] {
+        let spec = LayerSpec::uniform("int4-ch32".parse().unwrap(), ch);
+        assert!(PagedBackend::new(&[spec], bs, 4).is_ok(), "blocks of {bs}");
+    }
 }
 
 /// Cutting a sequence back (`truncate`: a speculative draft's cache) to a

@@ -31,6 +31,16 @@
 //!   rollback never reaches a sealed block, so nothing is ever unsealed
 //!   by one; a block written again after its sequence was cut back into
 //!   it is staged again from its sealed rows by `put_row`.
+//! - **Groups of blocks.** A form whose sealed blocks depend on their
+//!   neighbours (per-channel groups over several blocks: [`GroupedPart`])
+//!   seals a group at its first block
+//!   ([`seal_pages`](StoredPart::seal_pages)), tells the cache which
+//!   prefixes it may share ([`shareable_blocks`](StoredPart::shareable_blocks))
+//!   and which blocks a write or a cut stages again
+//!   ([`sealed_with`](StoredPart::sealed_with) and
+//!   [`unseal`](StoredPart::unseal), [`cut_blocks`](StoredPart::cut_blocks)
+//!   and [`cut`](StoredPart::cut)); the cache makes those blocks the
+//!   sequence's own first, so no block is ever sealed into two groups.
 //! - **Reading.** Attention reads a sequence's rows through its pages
 //!   (block indices in token order) tile by tile:
 //!   [`read_tile`](StoredPart::read_tile) hands the fused and integer
@@ -65,6 +75,7 @@
 //! paged-cache directly (`BlockStorage::from_parts`); paged-cache's
 //! `tests/custom_part.rs` stores and attends one that way.
 
+mod grouped;
 mod low_rank;
 mod planned;
 mod sequence;
@@ -82,6 +93,7 @@ use kv_quant::{
     KvQuantError, KvStore, Quantizer, RowBuffers, RowEncoder, ScrubStats, VqCodebook,
 };
 
+pub use grouped::GroupedPart;
 pub use low_rank::LowRankPart;
 pub use planned::PlannedPart;
 pub use sequence::{SequenceFit, SequenceTables};
@@ -141,6 +153,68 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     /// or returns `false` where it holds no staged rows (sealed already, by
     /// another sequence sharing it). A failure leaves the block as it was.
     fn seal(&mut self, block: usize, first: usize) -> Result<bool>;
+
+    /// Seals block `index` of a sequence's block table `pages` (see
+    /// [`seal`](Self::seal)); returns the blocks sealed. A part whose
+    /// sealed blocks depend on their neighbours (per-channel groups over
+    /// several blocks) seals a whole group at its first block and nothing
+    /// at the others. The default seals `pages[index]` alone.
+    fn seal_pages(&mut self, pages: &[u32], index: usize) -> Result<usize> {
+        let block = *pages
+            .get(index)
+            .ok_or_else(|| AttentionError::InvalidParameter {
+                name: "index",
+                reason: format!("block {index} of a table of {}", pages.len()),
+            })?;
+        Ok(usize::from(
+            self.seal(block as usize, index * self.block_size())?,
+        ))
+    }
+
+    /// Of a sequence's first `blocks` whole blocks, how many lead a prefix
+    /// that another sequence may share (the prefix cache, a fork): blocks
+    /// whose sealed contents depend on no later block. The default (every
+    /// block sealed on its own rows): all of them.
+    fn shareable_blocks(&self, blocks: usize) -> usize {
+        blocks
+    }
+
+    /// The block-table positions sealed together with position `index`
+    /// (a per-channel group over several blocks), which a row written into
+    /// any of them stages again ([`unseal`](Self::unseal)). The default:
+    /// `index` alone.
+    fn sealed_with(&self, index: usize) -> Range<usize> {
+        index..index + 1
+    }
+
+    /// Stages again, from the rows they read as, the blocks sealed
+    /// together with position `index` of the sequence on `pages`, before a
+    /// row is written into one of them; the cache has made them the
+    /// sequence's own. The default does nothing: a block sealed on its own
+    /// rows is staged again when written ([`put_row`](Self::put_row)).
+    fn unseal(&mut self, pages: &[u32], index: usize) -> Result<()> {
+        let _ = (pages, index);
+        Ok(())
+    }
+
+    /// The block-table positions of the blocks a sequence keeps that
+    /// [`cut`](Self::cut) to `tokens` tokens may stage again (the cache
+    /// makes them the sequence's own first). The default: none.
+    fn cut_blocks(&self, tokens: usize) -> Range<usize> {
+        let _ = tokens;
+        0..0
+    }
+
+    /// Makes the blocks a sequence on `pages` keeps readable and writable
+    /// on their own when it is cut back to `tokens` tokens, before the
+    /// blocks past them are dropped; the cache has made the blocks
+    /// [`cut_blocks`](Self::cut_blocks) names the sequence's own. The
+    /// default does nothing: a block sealed on its own rows is staged
+    /// again when written ([`put_row`](Self::put_row)).
+    fn cut(&mut self, pages: &[u32], tokens: usize) -> Result<()> {
+        let _ = (pages, tokens);
+        Ok(())
+    }
 
     /// Whether the part codes blocks on tables fitted on each sequence's
     /// own rows ([`SequenceTables`]: Shard with bases fitted on the
@@ -453,10 +527,24 @@ impl PartBlock {
 /// part that reconstructs rows shares.
 pub fn decode_pages<'s>(
     rows: &'s mut Vec<f32>,
-    (pages, block_size, channels): (&[u32], usize, usize),
+    layout: (&[u32], usize, usize),
     start: usize,
     count: usize,
     mut decode: impl FnMut(usize, usize, &mut [f32]) -> Result<KvDecodeStats>,
+) -> Result<Tile<'s>> {
+    decode_positions(rows, layout, start, count, |_, page, offset, out| {
+        decode(page, offset, out)
+    })
+}
+
+/// [`decode_pages`] with the position in the block table of each page
+/// given too: `decode(index, page, offset, out)`.
+pub fn decode_positions<'s>(
+    rows: &'s mut Vec<f32>,
+    (pages, block_size, channels): (&[u32], usize, usize),
+    start: usize,
+    count: usize,
+    mut decode: impl FnMut(usize, usize, usize, &mut [f32]) -> Result<KvDecodeStats>,
 ) -> Result<Tile<'s>> {
     let n = count * channels;
     if rows.len() < n {
@@ -467,7 +555,8 @@ pub fn decode_pages<'s>(
     while t < start + count {
         let k = (block_size - t % block_size).min(start + count - t);
         let out = &mut rows[(t - start) * channels..][..k * channels];
-        stats += decode(pages[t / block_size] as usize, t % block_size, out)?;
+        let index = t / block_size;
+        stats += decode(index, pages[index] as usize, t % block_size, out)?;
         t += k;
     }
     Ok(Tile {
@@ -490,8 +579,11 @@ pub struct PartScratch {
     pub rows: Vec<f32>,
     /// Reconstructing low-rank rows.
     pub low_rank: kv_lowrank::StoreScratch,
-    /// Coefficients of rebuilt rows (Shard keys).
+    /// Coefficients of rebuilt rows (Shard keys); one channel slice's rows
+    /// (per-channel groups over several blocks).
     pub coeffs: Vec<f32>,
+    /// A tile gathered from a group's channel slices.
+    pub slices: kv_quant::ChannelSlices,
 }
 
 /// The quantization options of re-coding exact rows (sealing, staging a
@@ -542,6 +634,9 @@ pub fn open_part(
         )?));
     }
     let plan = BlockPlan::new(form, block_size)?;
+    if plan.group_blocks > 1 {
+        return Ok(Box::new(GroupedPart::new(plan, channels, num_blocks)?));
+    }
     let codebook = codebook_of(form, fitted)?;
     Ok(Box::new(PlannedPart::new(
         plan, channels, num_blocks, codebook,
@@ -655,5 +750,8 @@ pub fn part_pool_bytes(
         return ShardPart::pool_bytes(form, block_size, channels, num_blocks, fitted);
     }
     let plan = BlockPlan::new(form, block_size)?;
+    if plan.group_blocks > 1 {
+        return GroupedPart::pool_bytes(&plan, channels, num_blocks);
+    }
     PlannedPart::pool_bytes(&plan, channels, num_blocks, codebook_of(form, fitted)?)
 }

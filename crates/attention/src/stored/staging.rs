@@ -146,16 +146,7 @@ impl<S> StagedBlocks<S> {
         if let BlockState::Sealed(sealed) = &self.blocks[block] {
             let mut rows = vec![0.0; self.block_size * self.channels];
             sealed_rows(sealed, &mut rows)?;
-            let decoded = KvStore::quantize_with(
-                self.exact,
-                &rows,
-                self.block_size,
-                self.channels,
-                clamped(),
-            )?;
-            let mut exact = self.fresh()?;
-            exact.copy_rows_from(0, &decoded)?;
-            self.blocks[block] = BlockState::Staged(exact);
+            self.stage_rows(block, &rows)?;
         }
         if matches!(self.blocks[block], BlockState::Empty) {
             self.open(block)?;
@@ -164,6 +155,26 @@ impl<S> StagedBlocks<S> {
             unreachable!("staged above");
         };
         exact.put_encoded_rows(offset, row)?;
+        Ok(())
+    }
+
+    /// Stages `block` again with `rows` (`block_size × channels` values, as
+    /// its sealed rows read) coded exact, whatever it held.
+    pub(crate) fn stage_rows(&mut self, block: usize, rows: &[f32]) -> Result<()> {
+        self.get(block)?;
+        let decoded =
+            KvStore::quantize_with(self.exact, rows, self.block_size, self.channels, clamped())?;
+        let mut exact = self.fresh()?;
+        exact.copy_rows_from(0, &decoded)?;
+        self.replace(block, BlockState::Staged(exact));
+        Ok(())
+    }
+
+    /// Makes `block` sealed as `sealed` (a part sealing several blocks at
+    /// once, or restoring a copy), releasing its staged rows.
+    pub(crate) fn put_sealed(&mut self, block: usize, sealed: S) -> Result<()> {
+        self.get(block)?;
+        self.replace(block, BlockState::Sealed(sealed));
         Ok(())
     }
 

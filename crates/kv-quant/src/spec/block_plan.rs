@@ -9,9 +9,12 @@
 //! dropped) once the step that makes it sealable commits:
 //!
 //! - per-channel integer forms (KIVI's keys) get one scale and offset per
-//!   channel per block, so a block is a token group: `int4-ch` seals each
-//!   block of `B` tokens as `int4-ch<B>`, `int4-ch<G>` needs `G = B`;
-//!   the block still being written is KIVI's full-precision residual;
+//!   channel per group of `G` tokens, `G` a multiple `m·B` of the block
+//!   size (a group never splits a block): `int4-ch` seals each block of
+//!   `B` tokens as `int4-ch<B>` (`m = 1`), `int4-ch<G>` seals each run of
+//!   `m` blocks at once (`group_blocks`), once its last block commits; the
+//!   blocks of the group still being written are KIVI's full-precision
+//!   residual;
 //! - the first `⌈sink / B⌉` blocks are never sealed (`+sink<S>`: exact
 //!   segments are whole blocks, so a paged `+sink4` keeps a whole first
 //!   block exact, and counts it);
@@ -33,7 +36,7 @@ pub struct BlockPlan {
     pub form: CacheForm,
     /// The form a sealed block (or, for forms that are not staged, every
     /// written row) is stored in: the form without segments, per-channel
-    /// groups of one block.
+    /// groups of `group_blocks` blocks.
     pub sealed: CacheForm,
     /// The form of staged (exact) rows: f16 under the form's protection.
     pub exact: CacheForm,
@@ -45,12 +48,17 @@ pub struct BlockPlan {
     pub window: usize,
     /// Tokens per block.
     pub block_size: usize,
+    /// Blocks per per-channel group, sealed together (1 for every other
+    /// form): groups start after the sink blocks, at every `group_blocks`-th
+    /// block.
+    pub group_blocks: usize,
 }
 
 impl BlockPlan {
     /// The plan of `form` in blocks of `block_size` tokens, or why blocks
     /// cannot hold it (shard and low-rank forms; per-tensor scales; a
-    /// per-channel group other than the block). A codebook form (`vq`) is
+    /// per-channel group that is not a multiple of the block; a rotated
+    /// form grouped over several blocks). A codebook form (`vq`) is
     /// row-local given its fitted codebook, which whoever builds its
     /// stores supplies.
     pub fn new(form: CacheForm, block_size: usize) -> Result<Self> {
@@ -79,25 +87,32 @@ impl BlockPlan {
             );
         }
         let middle = form.without_segments();
-        let (sealed, per_block) = match q {
+        let (sealed, per_block, group_blocks) = match q {
             Quantizer::Int(
                 spec @ IntSpec {
                     granularity: Granularity::PerChannel { tokens },
                     ..
                 },
             ) if tokens != Some(1) => {
-                if let Some(g) = tokens
-                    && g != block_size
-                {
+                let group = tokens.unwrap_or(block_size);
+                if !group.is_multiple_of(block_size) {
                     return refuse(format!(
-                        "groups {g} tokens per channel scale, and a paged block is one group: \
-                         use blocks of {g} tokens (--block-size {g}), or the spelling without \
-                         a group size, which groups one block"
+                        "groups {group} tokens per channel scale, and a group never splits a \
+                         paged block: use blocks of a size dividing {group} (--block-size), or \
+                         the spelling without a group size, which groups one block"
+                    ));
+                }
+                let group_blocks = group / block_size;
+                if group_blocks > 1 && middle.rotation().is_some() {
+                    return refuse(format!(
+                        "groups {group_blocks} blocks per channel scale and rotates its rows: a \
+                         group over several blocks is kept in channel slices, which a rotation \
+                         would mix (use blocks of {group} tokens, or the form without +rot)"
                     ));
                 }
                 let quantizer = Quantizer::Int(IntSpec {
                     granularity: Granularity::PerChannel {
-                        tokens: Some(block_size),
+                        tokens: Some(group),
                     },
                     ..spec
                 });
@@ -107,9 +122,9 @@ impl BlockPlan {
                     Segments::default(),
                     middle.protection().copied(),
                 )?;
-                (sealed, true)
+                (sealed, true, group_blocks)
             }
-            _ if middle.is_row_local() => (middle, false),
+            _ if middle.is_row_local() => (middle, false, 1),
             _ => {
                 return refuse(
                     "shares one scale across all tokens (per-tensor scales): blocks are written \
@@ -128,12 +143,13 @@ impl BlockPlan {
             sink_blocks: sink.div_ceil(block_size),
             window,
             block_size,
+            group_blocks,
         })
     }
 
     /// Blocks of a sequence of `tokens` committed tokens that may be
     /// sealed: every block from the first after the sinks whose rows all
-    /// lie at least `window` tokens before the end. Blocks
+    /// lie at least `window` tokens before the end, in whole groups. Blocks
     /// `sealable(before)..sealable(after)` (and none before
     /// `sink_blocks`) become sealable when a step takes a sequence from
     /// `before` to `after` tokens.
@@ -141,7 +157,20 @@ impl BlockPlan {
         if !self.staged {
             return 0;
         }
-        tokens.saturating_sub(self.window) / self.block_size
+        let blocks = tokens.saturating_sub(self.window) / self.block_size;
+        self.whole_groups(blocks)
+    }
+
+    /// Of a sequence's first `blocks` blocks, those that end a whole group
+    /// (every block of the sinks, and the groups after them that `blocks`
+    /// covers entirely): the prefix of blocks whose sealed contents depend
+    /// on nothing past it, and so may be shared with another sequence.
+    pub fn whole_groups(&self, blocks: usize) -> usize {
+        let m = self.group_blocks.max(1);
+        match blocks.checked_sub(self.sink_blocks) {
+            Some(past) => self.sink_blocks + past / m * m,
+            None => blocks,
+        }
     }
 
     /// Exact rows of a sequence of `tokens` tokens (the rows of its
@@ -174,12 +203,41 @@ mod tests {
             "int4-ch32"
         );
         assert!(matches!(
-            plan("int4-ch32", 16),
+            plan("int4-ch24", 16),
             Err(KvQuantError::InvalidSpec { .. })
         ));
         let p = plan("int4-ch+secded84", 64).unwrap();
         assert_eq!(p.sealed.to_string(), "int4-ch64+secded84");
         assert_eq!(p.exact.to_string(), "fp16+secded84");
+    }
+
+    #[test]
+    fn per_channel_groups_span_whole_blocks_after_the_sinks() {
+        let p = plan("int4-ch64", 16).unwrap();
+        assert_eq!(
+            (p.group_blocks, p.sealed.to_string().as_str()),
+            (4, "int4-ch64")
+        );
+        assert_eq!(plan("int4-ch", 16).unwrap().group_blocks, 1);
+        // Four blocks a group: sealable only once a whole group is written.
+        for t in 0..200 {
+            assert_eq!(p.sealable(t), t / 64 * 4, "{t}");
+            assert_eq!(p.exact_rows(t), t % 64, "{t}");
+        }
+        // A sink block, then groups of two blocks of 16 past a window of 8.
+        let p = plan("int2-ch32+sink4+win8", 16).unwrap();
+        assert_eq!((p.sink_blocks, p.group_blocks), (1, 2));
+        assert_eq!(p.sealable(16 + 8), 1);
+        assert_eq!(p.sealable(16 + 16 + 8), 1);
+        assert_eq!(p.sealable(16 + 32 + 8), 3);
+        assert_eq!(p.exact_rows(16 + 32 + 8), 16 + 8);
+        assert_eq!(
+            (0..8).map(|b| p.whole_groups(b)).collect::<Vec<_>>(),
+            [0, 1, 1, 3, 3, 5, 5, 7]
+        );
+        // A group over several blocks keeps channel slices: no rotation.
+        assert!(plan("int4-ch64+rot16", 16).is_err());
+        assert!(plan("int4-ch64+rot16", 64).is_ok());
     }
 
     #[test]

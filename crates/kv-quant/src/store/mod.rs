@@ -62,7 +62,7 @@ pub use decode::DecodeScratch;
 pub use encode::{RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder};
 pub use inject::{FaultTarget, Injection};
 pub use rows::ScrubStats;
-pub use view::{GatheredLevels, LevelMap, LevelPacking, LevelRows, RowsView};
+pub use view::{ChannelSlices, GatheredLevels, LevelMap, LevelPacking, LevelRows, RowsView};
 
 use std::ops::Range;
 use std::sync::Arc;

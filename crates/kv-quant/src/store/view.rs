@@ -461,3 +461,104 @@ impl GatheredLevels {
         )
     }
 }
+
+/// Rows of one per-channel group whose channels are kept in several stores
+/// of the same form (each a slice of consecutive channels over the same
+/// rows, a [`RowsView::Levels`] of each), laid side by side along the
+/// channels with their parameters, to be read as one view of a store of
+/// the whole row (the template): a paged cache's group of several blocks,
+/// kept as one channel slice per block. Each value reads as its slice's
+/// view gave it.
+#[derive(Clone, Debug, Default)]
+pub struct ChannelSlices {
+    levels: Vec<u8>,
+    packing: Option<LevelPacking>,
+    scale: Vec<f32>,
+    offset: Vec<f32>,
+    /// Rows held, channels filled so far, and the slices' form.
+    rows: usize,
+    filled: usize,
+    form: Option<crate::CacheForm>,
+    /// Channels of a whole row (the template's).
+    channels: usize,
+}
+
+impl ChannelSlices {
+    /// Starts a gather of `rows` rows of `channels` channels (keeping the
+    /// buffers).
+    pub fn begin(&mut self, rows: usize, channels: usize) {
+        self.levels.clear();
+        self.scale.clear();
+        self.offset.clear();
+        self.packing = None;
+        self.form = None;
+        self.rows = rows;
+        self.filled = 0;
+        self.channels = channels;
+    }
+
+    /// Appends the next slice of channels; `false` (and the gather is
+    /// spoilt until the next [`begin`](Self::begin)) unless its rows are the
+    /// gather's, its groups are per channel over a group holding all of
+    /// them, it has the form and packing of the slices before it, and its
+    /// channels fit (an even count where the levels are packed two per
+    /// byte).
+    pub fn push(&mut self, slice: &LevelRows<'_>) -> bool {
+        let ch = slice.channels();
+        let form = slice.section.coding.form;
+        let packing = *self.packing.get_or_insert(slice.packing);
+        let fits = slice.rows() == self.rows
+            && slice.channels_per_group() == 1
+            && slice.scale.len() == ch
+            && slice.offset.len() == ch
+            && *self.form.get_or_insert(form) == form
+            && packing == slice.packing
+            && self.filled + ch <= self.channels
+            && (packing == LevelPacking::Bytes
+                || (ch.is_multiple_of(2) && self.filled.is_multiple_of(2)));
+        if !fits {
+            self.filled = usize::MAX / 2;
+            return false;
+        }
+        let (row_bytes, at, width) = match packing {
+            LevelPacking::Bytes => (self.channels, self.filled, ch),
+            LevelPacking::Nibbles => (self.channels / 2, self.filled / 2, ch / 2),
+        };
+        self.levels.resize(self.rows * row_bytes, 0);
+        for (r, src) in slice.levels.chunks_exact(width).enumerate() {
+            self.levels[r * row_bytes + at..][..width].copy_from_slice(src);
+        }
+        self.scale.extend_from_slice(slice.scale);
+        self.offset.extend_from_slice(slice.offset);
+        self.filled += ch;
+        true
+    }
+
+    /// The gathered rows as rows `start..start + rows` of `template` (a
+    /// store of the slices' form over whole rows, whose group holds those
+    /// rows); `None` until every channel is filled, or where the template
+    /// does not match.
+    pub fn view<'a>(&'a self, template: &'a KvStore, start: usize) -> Option<LevelRows<'a>> {
+        let section = &template.middle;
+        let layout = section.layout.as_ref()?;
+        let one_group = layout.channels_per_group == 1
+            && start / layout.tokens_per_block
+                == (start + self.rows.max(1) - 1) / layout.tokens_per_block;
+        let same_form = self.form.is_some_and(|f| f == section.coding.form);
+        (self.filled == self.channels
+            && section.channels == self.channels
+            && same_form
+            && one_group
+            && self.rows >= 1
+            && start + self.rows <= section.tokens)
+            .then_some(LevelRows {
+                section,
+                start,
+                levels: &self.levels,
+                packing: self.packing?,
+                scale: &self.scale,
+                offset: &self.offset,
+                map: section.coding.kind.level_map()?,
+            })
+    }
+}

@@ -11,7 +11,7 @@ fn shared_scale_forms_and_bad_rows_are_refused() {
         Err(PagedCacheError::InvalidParameter { name: "form", .. })
     ));
     assert!(BlockStorage::new(2, 4, &[]).is_err());
-    for refused in ["int4-ch8", "fp8-e4m3", "vq", "pca-r4", "shard"] {
+    for refused in ["int4-ch6", "fp8-e4m3", "vq", "pca-r4", "shard"] {
         assert!(
             matches!(
                 BlockStorage::new(2, 4, &[spec(refused)]),
