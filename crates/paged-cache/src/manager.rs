@@ -287,21 +287,39 @@ impl<P: PrefixCache> KvCacheManager<P> {
             self.prefix.lookup(&mut self.pool, prompt, salt)?
         };
         let bs = self.block_size();
-        // A hit ends where a group of blocks sealed together ends: blocks
-        // of a group another sequence is still filling are not shared, nor
-        // is a partial block (copied on write) of a group sealed whole.
-        if let Some(storage) = &self.storage {
-            let (held, whole) = (hit.blocks.len(), hit.tokens / bs);
-            let keep = match storage.shareable_blocks(whole) {
-                full if full < whole => full,
-                _ if storage.shareable_blocks(held) < held => whole,
-                _ => held,
-            };
-            if keep < held {
-                for b in hit.blocks.split_off(keep).into_iter().rev() {
+        // A hit ends where a group of blocks sealed together ends: the
+        // blocks the cache found by their tokens are taken only in groups
+        // sealed together (a group still filled, or pieced together from
+        // two sequences' blocks, is not), and a partial block (copied on
+        // write) only where it is not in a group. Cut back, the hit is
+        // given back and looked up again for what is kept, so the cache's
+        // lock covers no more than the sequence holds.
+        if let Some(storage) = self.storage.clone() {
+            loop {
+                let (held, whole) = (hit.blocks.len(), hit.tokens / bs);
+                let full = storage.shareable_hit(&hit.blocks[..whole]);
+                let keep = if full < whole {
+                    full
+                } else if storage.shareable_blocks(held) < held {
+                    whole
+                } else {
+                    held
+                };
+                if keep == held {
+                    break;
+                }
+                for &b in hit.blocks.iter().rev() {
                     self.pool.release(b)?;
                 }
-                hit.tokens = hit.tokens.min(keep * bs);
+                if let Some(lock) = hit.lock.take() {
+                    self.prefix.release(lock);
+                }
+                hit = if keep == 0 {
+                    PrefixHit::default()
+                } else {
+                    self.prefix
+                        .lookup(&mut self.pool, &prompt[..keep * bs + 1], salt)?
+                };
             }
         }
         let cow = usize::from(!hit.tokens.is_multiple_of(bs));
@@ -477,7 +495,6 @@ impl<P: PrefixCache> KvCacheManager<P> {
         Ok(&self.seq(id)?.tables)
     }
 
-    /// A new sequence sharing all of `id`'s blocks (parallel sampling, beam search).
     /// The written blocks of a group of blocks sealed together that `id`
     /// is still filling (see [`StoredPart::shareable_blocks`]), which a fork
     /// copies: positions `own.start..own.end` of its table.
@@ -507,7 +524,11 @@ impl<P: PrefixCache> KvCacheManager<P> {
         self.next_id += 1;
         self.seqs.insert(child, Sequence { lock: None, ..s });
         for i in own {
-            self.make_exclusive(child, i)?;
+            if let Err(e) = self.make_exclusive(child, i) {
+                // No child is left sharing a group it could seal apart.
+                self.free(child)?;
+                return Err(e);
+            }
         }
         Ok(child)
     }
@@ -552,15 +573,17 @@ impl<P: PrefixCache> KvCacheManager<P> {
                 tokens: len,
             });
         }
+        if n == 0 {
+            return Ok(());
+        }
         let keep = (len - n).div_ceil(bs);
         if let Some(storage) = self.storage.clone() {
             // The kept blocks of a whole group of blocks sealed together
             // that the cut splits are made this sequence's own (a sealed
             // group's are staged again from their rows), so that no block
             // is ever sealed into two groups.
-            let restaged = storage.cut_blocks(len - n);
-            let whole = storage.group_with(restaged.start).end <= s.table.len();
-            if !restaged.is_empty() && whole {
+            let restaged = storage.cut_blocks(&s.table, len - n);
+            if !restaged.is_empty() {
                 let shared = restaged
                     .clone()
                     .filter(|&i| self.pool.ref_count(s.table[i]).is_ok_and(|c| c > 1))

@@ -518,6 +518,13 @@ impl BlockStorage {
                 for &block in &table[range.clone()] {
                     self.block_rows(block)?;
                 }
+                if !part.per_sequence() && !self.grouped {
+                    for i in range {
+                        let block = table[i].index();
+                        sealed += usize::from(part.seal(block, i * self.block_size)?);
+                    }
+                    continue;
+                }
                 if pages.is_empty() {
                     pages = table.iter().map(|b| b.0).collect();
                 }
@@ -545,7 +552,9 @@ impl BlockStorage {
 
     /// Decodes rows `offset..offset + out.len() / channels` of one part of
     /// `block` into `out` (erased values interpolated from the block's own
-    /// rows only).
+    /// rows only). A sealed block of a per-channel group over several
+    /// blocks holds one channel slice of its group and is refused: read it
+    /// through its sequence's pages ([`PagedKv`](crate::PagedKv)).
     pub fn read(
         &self,
         block: BlockId,

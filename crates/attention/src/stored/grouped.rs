@@ -24,10 +24,15 @@
 //!   ([`seal_pages`](StoredPart::seal_pages) at its first block); the
 //!   blocks of the group being written stay exact (KIVI's residual, up to
 //!   `G − 1` tokens);
-//! - only whole groups are shared ([`shareable_blocks`](StoredPart::shareable_blocks)):
-//!   a prefix hit is cut back to a group boundary, and a fork copies the
-//!   written blocks of the group being filled, so two sequences never
-//!   seal one block into different groups;
+//! - only whole groups are shared: a prefix hit (blocks found by their
+//!   tokens, maybe from different sequences) is cut back to the last
+//!   group whose blocks were all sealed together, each sealed block
+//!   carrying its group's mark through copies
+//!   ([`shareable_hit`](StoredPart::shareable_hit)); a fork copies the
+//!   written blocks of the group being filled
+//!   ([`shareable_blocks`](StoredPart::shareable_blocks)); a write into a
+//!   group shared with others copies the group first; so two sequences
+//!   never seal one block into different groups;
 //! - a sequence cut back into a sealed group stages the group's kept
 //!   blocks again from the rows they read as ([`cut`](StoredPart::cut)),
 //!   before the blocks past the cut are dropped.
@@ -48,6 +53,14 @@ use super::{PartBlock, PartScratch, PoolBytes, StoredPart, clamped};
 use crate::error::{AttentionError, Result};
 use crate::source::{KvSource, Tile, TileRows};
 
+/// One sealed block: its channel slice of the group's rows, and the mark
+/// of the group it was sealed in (copies keep it).
+#[derive(Clone, Debug)]
+struct Slice {
+    store: KvStore,
+    group: u64,
+}
+
 /// A per-channel form grouped over several blocks (see the module docs).
 #[derive(Debug)]
 pub struct GroupedPart {
@@ -55,7 +68,9 @@ pub struct GroupedPart {
     channels: usize,
     /// Channels of each block's slice (`channels / group_blocks`).
     slice: usize,
-    blocks: StagedBlocks<KvStore>,
+    blocks: StagedBlocks<Slice>,
+    /// The mark the last sealed (or unmarked restored) group got.
+    next_group: u64,
     /// A zeroed store of a whole group (`G` rows of every channel): the
     /// layout gathered tiles are read in.
     template: KvStore,
@@ -75,6 +90,7 @@ impl GroupedPart {
             plan,
             channels,
             slice,
+            next_group: 0,
         })
     }
 
@@ -91,7 +107,9 @@ impl GroupedPart {
             blocks: (sealed.max(exact) as u64)
                 .saturating_mul(num_blocks as u64)
                 .saturating_add(template as u64),
-            building: (group * channels * 4) as u64,
+            // Sealing holds the group's rows, one slice's columns and the
+            // group's slices (staging again: the rows).
+            building: (4 * group * (channels + slice) + plan.group_blocks * sealed) as u64,
             sequence: 0,
             fitting: 0,
         })
@@ -132,10 +150,21 @@ impl GroupedPart {
 
     /// The sealed slice of `block`, or `None` where it is not sealed.
     fn sealed(&self, block: u32) -> Result<Option<&KvStore>> {
+        Ok(self.slice_of(block)?.map(|s| &s.store))
+    }
+
+    /// The sealed block `block`, or `None` where it is not sealed.
+    fn slice_of(&self, block: u32) -> Result<Option<&Slice>> {
         Ok(match self.blocks.get(block as usize)? {
             BlockState::Sealed(s) => Some(s),
             _ => None,
         })
+    }
+
+    /// A mark no group of this part has had.
+    fn new_group(&mut self) -> u64 {
+        self.next_group += 1;
+        self.next_group
     }
 
     /// Rows `r0..r0 + out.len() / channels` of the sealed group on
@@ -359,7 +388,9 @@ impl StoredPart for GroupedPart {
                 clamped(),
             )?);
         }
-        for (&page, slice) in group.iter().zip(slices) {
+        let mark = self.new_group();
+        for (&page, store) in group.iter().zip(slices) {
+            let slice = Slice { store, group: mark };
             self.blocks.put_sealed(page as usize, slice)?;
         }
         Ok(group.len())
@@ -367,6 +398,25 @@ impl StoredPart for GroupedPart {
 
     fn shareable_blocks(&self, blocks: usize) -> usize {
         self.plan.whole_groups(blocks)
+    }
+
+    fn shareable_hit(&self, pages: &[u32]) -> usize {
+        let (sink, m) = (self.plan.sink_blocks, self.plan.group_blocks);
+        if pages.len() <= sink {
+            return pages.len();
+        }
+        // Whole groups whose blocks were sealed together (a group still
+        // staged cannot tell whose blocks it holds, so it is not taken).
+        let mark = |b: &u32| self.slice_of(*b).ok().flatten().map(|s| s.group);
+        let mut kept = sink;
+        for group in pages[sink..].chunks_exact(m) {
+            let first = mark(&group[0]);
+            if first.is_none() || !group.iter().all(|b| mark(b) == first) {
+                break;
+            }
+            kept += m;
+        }
+        kept
     }
 
     fn cut_blocks(&self, tokens: usize) -> Range<usize> {
@@ -424,6 +474,12 @@ impl StoredPart for GroupedPart {
         scratch: &'s mut PartScratch,
     ) -> Result<Tile<'s>> {
         let (bs, ch) = (self.plan.block_size, self.channels);
+        if count == 0 {
+            return Err(AttentionError::InvalidParameter {
+                name: "count",
+                reason: "a tile holds at least one row".into(),
+            });
+        }
         let (first, last) = (start / bs, (start + count - 1) / bs);
         if last >= pages.len() {
             return Err(AttentionError::InvalidParameter {
@@ -464,7 +520,12 @@ impl StoredPart for GroupedPart {
             if let Some(stats) = self.blocks.read_unsealed(page, offset, out, decode)? {
                 return Ok(stats);
             }
-            let group = self.group_of(index).expect("sink blocks are never sealed");
+            let Some(group) = self.group_of(index) else {
+                return Err(AttentionError::InvalidParameter {
+                    name: "pages",
+                    reason: format!("sink position {index} holds a sealed group's block"),
+                });
+            };
             let r0 = (index - group.start) * bs + offset;
             let group = self.group_pages(pages, group)?;
             self.decode_sealed(group, r0, out, coeffs, decode)
@@ -476,8 +537,9 @@ impl StoredPart for GroupedPart {
     }
 
     fn snapshot(&self, block: usize) -> Result<PartBlock> {
-        self.blocks
-            .snapshot(block, |slice| PartBlock::of_stores(vec![slice.clone()]))
+        self.blocks.snapshot(block, |slice| {
+            PartBlock::of_stores(vec![slice.store.clone()]).in_group(slice.group)
+        })
     }
 
     fn accepts(&self, data: &PartBlock) -> bool {
@@ -506,13 +568,26 @@ impl StoredPart for GroupedPart {
             });
         }
         match data.stores() {
-            [s] if *s.form() == self.plan.sealed => self.blocks.put_sealed(block, s.clone()),
+            [s] if *s.form() == self.plan.sealed => {
+                // A copy of a group's block keeps its group's mark; a slice
+                // without one is a group of its own.
+                let group = match data.group() {
+                    Some(g) => g,
+                    None => self.new_group(),
+                };
+                let slice = Slice {
+                    store: s.clone(),
+                    group,
+                };
+                self.blocks.put_sealed(block, slice)
+            }
             _ => self.blocks.restore(block, data, |_| Ok(None)),
         }
     }
 
     fn scrub(&mut self, block: usize) -> Result<ScrubStats> {
-        self.blocks.scrub_with(block, |slice| Ok(slice.scrub()?))
+        self.blocks
+            .scrub_with(block, |slice| Ok(slice.store.scrub()?))
     }
 
     fn inject(
@@ -524,13 +599,13 @@ impl StoredPart for GroupedPart {
     ) -> Result<Injection> {
         let g = self.group_tokens();
         self.blocks.inject(block, channel, seed, target, |slice| {
-            Ok(slice.inject_rows(0..g, channel, seed, target)?)
+            Ok(slice.store.inject_rows(0..g, channel, seed, target)?)
         })
     }
 
     fn block_bytes(&self, block: usize) -> usize {
         self.blocks
-            .block_bytes(block, KvStore::stored_bytes, self.sealed_bytes)
+            .block_bytes(block, |s| s.store.stored_bytes(), self.sealed_bytes)
     }
 
     fn sealed_block_bytes(&self) -> usize {

@@ -26,16 +26,20 @@
 //!   [opened](StoredPart::open_block) before its first row.
 //! - **Sealing.** A form whose bytes span tokens keeps a block's rows as
 //!   written (staged) until the step that completes the block commits;
-//!   then the cache calls [`seal`](StoredPart::seal) on each block of the
-//!   sequence's table that [`sealable`](StoredPart::sealable) names. A
-//!   rollback never reaches a sealed block, so nothing is ever unsealed
-//!   by one; a block written again after its sequence was cut back into
-//!   it is staged again from its sealed rows by `put_row`.
+//!   then the cache calls [`seal_pages`](StoredPart::seal_pages) (by
+//!   default [`seal`](StoredPart::seal) of that block) on each position
+//!   of the sequence's table that [`sealable`](StoredPart::sealable)
+//!   names. A rollback never reaches a sealed block, so nothing is ever
+//!   unsealed by one; a block written again after its sequence was cut
+//!   back into it is staged again from its sealed rows by `put_row` (or,
+//!   for groups of blocks, by [`cut`](StoredPart::cut) and
+//!   [`unseal`](StoredPart::unseal)).
 //! - **Groups of blocks.** A form whose sealed blocks depend on their
 //!   neighbours (per-channel groups over several blocks: [`GroupedPart`])
 //!   seals a group at its first block
 //!   ([`seal_pages`](StoredPart::seal_pages)), tells the cache which
-//!   prefixes it may share ([`shareable_blocks`](StoredPart::shareable_blocks))
+//!   prefixes it may share ([`shareable_blocks`](StoredPart::shareable_blocks),
+//!   [`shareable_hit`](StoredPart::shareable_hit))
 //!   and which blocks a write or a cut stages again
 //!   ([`sealed_with`](StoredPart::sealed_with) and
 //!   [`unseal`](StoredPart::unseal), [`cut_blocks`](StoredPart::cut_blocks)
@@ -172,11 +176,20 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     }
 
     /// Of a sequence's first `blocks` whole blocks, how many lead a prefix
-    /// that another sequence may share (the prefix cache, a fork): blocks
-    /// whose sealed contents depend on no later block. The default (every
-    /// block sealed on its own rows): all of them.
+    /// that another sequence may share (a fork): blocks whose sealed
+    /// contents depend on no later block. The default (every block sealed
+    /// on its own rows): all of them.
     fn shareable_blocks(&self, blocks: usize) -> usize {
         blocks
+    }
+
+    /// Of the blocks `pages` a prefix cache found for a prompt (by their
+    /// tokens, so they may come from different sequences), how many lead
+    /// a prefix a new sequence may take as it is: for a part sealing
+    /// groups of blocks, the sink blocks and then the groups whose blocks
+    /// were all sealed together. The default: all of them.
+    fn shareable_hit(&self, pages: &[u32]) -> usize {
+        pages.len()
     }
 
     /// The block-table positions sealed together with position `index`
@@ -437,6 +450,7 @@ pub struct PartBlock {
     low_rank: Option<LowRankStore>,
     shard: Option<ShardBlock>,
     bytes: Vec<u8>,
+    group: Option<u64>,
 }
 
 impl PartBlock {
@@ -463,6 +477,22 @@ impl PartBlock {
             shard: Some(block),
             ..Self::default()
         }
+    }
+
+    /// The block marked as one of the group of blocks sealed together
+    /// under `group` (a per-channel group's channel slice: copies of one
+    /// group's blocks keep its mark, so a cache can tell blocks of one
+    /// group from blocks of another holding the same tokens).
+    pub fn in_group(self, group: u64) -> Self {
+        Self {
+            group: Some(group),
+            ..self
+        }
+    }
+
+    /// The mark of the group of blocks the block was sealed in, if any.
+    pub fn group(&self) -> Option<u64> {
+        self.group
     }
 
     /// The sealed Shard block, if it is one.

@@ -17,17 +17,44 @@ impl BlockStorage {
     /// Of a sequence's first `blocks` whole blocks, how many lead a prefix
     /// another sequence may share in every layer part
     /// ([`StoredPart::shareable_blocks`]: per-channel groups over several
-    /// blocks are shared whole).
+    /// blocks are shared whole), taken until every part agrees (parts
+    /// whose groups do not line up cut each other back).
     pub fn shareable_blocks(&self, blocks: usize) -> usize {
         if !self.grouped {
             return blocks;
         }
-        self.parts
-            .iter()
-            .flatten()
-            .map(|p| read(p).shareable_blocks(blocks))
-            .min()
-            .unwrap_or(blocks)
+        self.agreed(blocks, |p, n| p.shareable_blocks(n))
+    }
+
+    /// Of the blocks a prefix cache found for a prompt (`hit`, matched by
+    /// their tokens), how many lead a prefix a new sequence may take in
+    /// every layer part ([`StoredPart::shareable_hit`]: the groups of
+    /// several blocks whose blocks were all sealed together).
+    pub fn shareable_hit(&self, hit: &[BlockId]) -> usize {
+        if !self.grouped {
+            return hit.len();
+        }
+        let pages: Vec<u32> = hit.iter().map(|b| b.0).collect();
+        self.agreed(hit.len(), |p, n| p.shareable_hit(&pages[..n]))
+    }
+
+    /// The largest `n ≤ blocks` that `keep(part, n)` leaves as it is for
+    /// every layer part (each `keep(part, n) ≤ n`).
+    fn agreed(&self, blocks: usize, keep: impl Fn(&dyn StoredPart, usize) -> usize) -> usize {
+        let mut n = blocks;
+        loop {
+            let m = self
+                .parts
+                .iter()
+                .flatten()
+                .map(|p| keep(read(p).as_ref(), n).min(n))
+                .min()
+                .unwrap_or(n);
+            if m == n {
+                return n;
+            }
+            n = m;
+        }
     }
 
     /// The block-table positions sealed together with position `index` in
@@ -94,23 +121,28 @@ impl BlockStorage {
         Ok(())
     }
 
-    /// The block-table positions of the kept blocks of a group of blocks
-    /// sealed together that cutting a sequence back to `tokens` tokens
-    /// splits, in some layer part ([`StoredPart::cut_blocks`]); where the
-    /// group is sealed [`cut`](Self::cut) stages them again, and the cache
-    /// makes them the sequence's own first.
-    pub fn cut_blocks(&self, tokens: usize) -> Range<usize> {
+    /// The block-table positions of `table`'s kept blocks of a group of
+    /// blocks sealed together that cutting the sequence back to `tokens`
+    /// tokens splits, in the layer parts where that group is whole in
+    /// `table` ([`StoredPart::cut_blocks`]; a group the sequence is still
+    /// filling is its own): the cache makes them the sequence's own, and
+    /// [`cut`](Self::cut) stages a sealed group's again.
+    pub fn cut_blocks(&self, table: &[BlockId], tokens: usize) -> Range<usize> {
         if !self.grouped {
             return 0..0;
         }
-        self.union(0..0, |p| p.cut_blocks(tokens))
+        self.union(0..0, |p| {
+            let kept = p.cut_blocks(tokens);
+            let whole = p.sealed_with(kept.start).end <= table.len();
+            if whole { kept } else { 0..0 }
+        })
     }
 
     /// Prepares every layer part for a sequence on `table` being cut back
     /// to `tokens` tokens ([`StoredPart::cut`]), before the blocks past
     /// them are released.
     pub fn cut(&self, table: &[BlockId], tokens: usize) -> Result<()> {
-        if self.cut_blocks(tokens).is_empty() {
+        if self.cut_blocks(table, tokens).is_empty() {
             return Ok(());
         }
         let pages: Vec<u32> = table.iter().map(|b| b.0).collect();
