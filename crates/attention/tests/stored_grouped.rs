@@ -22,16 +22,6 @@ fn rows(tokens: usize, seed: u64) -> Vec<f32> {
     common::structured_rows(tokens, CH, seed, 0.1)
 }
 
-/// `x` (`tokens` rows) as an exact f16 store reads it.
-fn f16_rows(x: &[f32], tokens: usize) -> Vec<f32> {
-    let fp16: CacheForm = "fp16".parse().unwrap();
-    KvStore::quantize(fp16, x, tokens, CH)
-        .unwrap()
-        .decode()
-        .unwrap()
-        .values
-}
-
 /// A part of `form` in `blocks` blocks, with `x`'s `tokens` rows written
 /// on `pages` and every sealable group sealed.
 fn written(
@@ -62,9 +52,9 @@ fn written(
 
 /// The rows a reader should see: each sealed group as one store of the
 /// group's staged rows decodes them, the rest f16.
-fn expected(form: &str, group: usize, sealed_groups: usize, x: &[f32], tokens: usize) -> Vec<f32> {
+fn expected(form: &str, group: usize, sealed_groups: usize, x: &[f32]) -> Vec<f32> {
     let sealed: CacheForm = form.parse::<CacheForm>().unwrap().without_segments();
-    let staged = f16_rows(x, tokens);
+    let staged = common::f16_rows(x, CH);
     let mut want = Vec::new();
     for g in 0..sealed_groups {
         let rows = &staged[g * group * CH..][..group * CH];
@@ -109,7 +99,7 @@ fn pages_read_as_one_store_of_each_whole_group() {
     for form in ["int4-ch32", "int2-ch32", "int4-ch32+secded84", "int8-ch32"] {
         let part = written(form, 12, &pages, &x, tokens);
         assert_eq!(part.staged_blocks(), 3, "{form}: the group being filled");
-        let want = expected(form, 32, 2, &x, tokens);
+        let want = expected(form, 32, 2, &x);
         for (start, count) in [
             (0, tokens),
             (0, 32),
@@ -227,7 +217,7 @@ fn a_cut_into_a_sealed_group_stages_its_kept_blocks_again() {
     let tokens = 32 + 8;
     let x = rows(tokens, 3);
     let mut part = written("int4-ch32", 8, &pages, &x, tokens);
-    let want = expected("int4-ch32", 32, 1, &x, tokens);
+    let want = expected("int4-ch32", 32, 1, &x);
     assert_eq!(part.cut_blocks(32), 0..0, "a cut at a group's end keeps it");
     assert_eq!(part.cut_blocks(19), 0..3);
     assert_eq!(part.cut_blocks(0), 0..0);
@@ -242,7 +232,7 @@ fn a_cut_into_a_sealed_group_stages_its_kept_blocks_again() {
     // The kept rows read as their sealed values did, rounded to f16.
     let (got, levels) = tile(part.as_ref(), &pages, 0, 19);
     assert!(!levels);
-    assert_eq!(got, f16_rows(&want[..19 * CH], 19));
+    assert_eq!(got, common::f16_rows(&want[..19 * CH], CH));
     // The cache drops the blocks past the cut: block 3 of the group is a
     // fresh one. Written again, the group seals again whole.
     let mut pages = pages;

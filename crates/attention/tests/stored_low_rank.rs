@@ -14,7 +14,7 @@ use attention::TileRows;
 use attention::stored::{Fitted, PartScratch, StoredPart, check_part_form, open_part};
 use gf2_codes::channel::ExactFlips;
 use kv_lowrank::{Basis, BasisStorage, HeadBases, LowRankStore};
-use kv_quant::{CacheForm, DecodeScratch, FaultTarget, KvStore, QuantizeOptions, RankRule};
+use kv_quant::{CacheForm, DecodeScratch, FaultTarget, QuantizeOptions, RankRule};
 
 const HEADS: usize = 2;
 const HEAD_DIM: usize = 16;
@@ -39,15 +39,6 @@ fn bases() -> Arc<HeadBases> {
         })
         .collect();
     Arc::new(HeadBases { heads })
-}
-
-fn f16_rows(x: &[f32], tokens: usize) -> Vec<f32> {
-    let fp16: CacheForm = "fp16".parse().unwrap();
-    KvStore::quantize(fp16, x, tokens, CH)
-        .unwrap()
-        .decode()
-        .unwrap()
-        .values
 }
 
 #[test]
@@ -85,7 +76,7 @@ fn pages_read_as_each_sealed_block_reconstructs() {
     assert_eq!(part.staged_blocks(), 1);
     // Expected: full blocks reconstructed from a store of their f16 rows,
     // the last block's rows f16.
-    let staged = f16_rows(&x, tokens);
+    let staged = common::f16_rows(&x, CH);
     let mut want = Vec::new();
     for b in 0..3 {
         let block = &staged[b * BS * CH..][..BS * CH];

@@ -22,8 +22,7 @@ use attention::{Rope, RopeLayout};
 use gf2_codes::channel::ExactFlips;
 use kv_lowrank::{Basis, BasisStorage, ShardKeys};
 use kv_quant::{
-    CacheForm, ChannelVq, DecodeScratch, FaultTarget, FitOptions, KvStore, QuantizeOptions,
-    RankRule,
+    CacheForm, ChannelVq, DecodeScratch, FaultTarget, FitOptions, QuantizeOptions, RankRule,
 };
 
 const HEAD_DIM: usize = 16;
@@ -60,15 +59,6 @@ fn tables() -> (ShardTables, ShardTables) {
             head_dim: HEAD_DIM,
         },
     )
-}
-
-fn f16_rows(x: &[f32], tokens: usize) -> Vec<f32> {
-    let fp16: CacheForm = "fp16".parse().unwrap();
-    KvStore::quantize(fp16, x, tokens, CH)
-        .unwrap()
-        .decode()
-        .unwrap()
-        .values
 }
 
 fn fitted(t: &ShardTables) -> Fitted {
@@ -116,7 +106,7 @@ fn pages_read_as_the_calibrated_tables_code_each_block() {
         write(part.as_mut(), &pages, &x, tokens);
         assert_eq!(part.sealable(0, tokens), 1..4);
         assert_eq!(part.staged_blocks(), 4);
-        let staged = f16_rows(&x, tokens);
+        let staged = common::f16_rows(&x, CH);
         let mut want = staged.clone();
         // Value tiles come in the codebook's Hadamard rotation (the
         // attention sum is rotated back once per output): exact rows

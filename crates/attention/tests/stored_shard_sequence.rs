@@ -13,7 +13,7 @@ mod common;
 use attention::stored::{Fitted, SequenceFit, StoredPart, check_part_form, open_part, part_seals};
 use attention::{Rope, RopeLayout, SHARD_VALUE_FIT};
 use kv_lowrank::ShardKeys;
-use kv_quant::{CacheForm, ChannelVq, KvStore, QuantizeOptions, Quantizer};
+use kv_quant::{CacheForm, ChannelVq, QuantizeOptions, Quantizer};
 
 const HEAD_DIM: usize = 16;
 const CH: usize = 2 * HEAD_DIM;
@@ -40,15 +40,6 @@ fn fits() -> [Fitted; 2] {
         sequence: Some(fit),
         ..Fitted::default()
     })
-}
-
-fn f16_rows(x: &[f32]) -> Vec<f32> {
-    let fp16: CacheForm = "fp16".parse().unwrap();
-    KvStore::quantize(fp16, x, x.len() / CH, CH)
-        .unwrap()
-        .decode()
-        .unwrap()
-        .values
 }
 
 /// Writes rows `from..to` of `x` into `pages`.
@@ -139,7 +130,7 @@ fn a_sequence_codes_every_block_on_tables_fitted_on_its_first_sealed_rows() {
         let mut part = open_part(form, BS, CH, pages.len() + 3, fitted).unwrap();
         assert!(part.per_sequence());
         let x = rows(tokens, u64::from(key));
-        let staged = f16_rows(&x);
+        let staged = common::f16_rows(&x, CH);
         // One block short of the fit: nothing seals yet.
         write(part.as_mut(), &pages, &x, 0, prefill - BS);
         assert!(part.sealable(0, prefill - BS).is_empty());

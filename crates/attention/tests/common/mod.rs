@@ -91,3 +91,13 @@ pub fn f32_tile(
     };
     r.to_vec()
 }
+
+/// `x` (rows of `channels` values) as an exact f16 store reads it back.
+pub fn f16_rows(x: &[f32], channels: usize) -> Vec<f32> {
+    let fp16: kv_quant::CacheForm = "fp16".parse().unwrap();
+    kv_quant::KvStore::quantize(fp16, x, x.len() / channels, channels)
+        .unwrap()
+        .decode()
+        .unwrap()
+        .values
+}
