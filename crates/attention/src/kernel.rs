@@ -258,26 +258,33 @@ fn kernels(
 /// products: 4-bit affine levels in whole-row per-token groups (`int4` and
 /// its protected forms), the layout whose perplexity the integer path was
 /// measured to keep within 0.1% of exact scores (attention
-/// `docs/measurements.md`, "Perplexity of the two codings"). Per-channel
-/// keys stay exact: folded into the query they moved Qwen2.5-Coder-0.5B's
-/// perplexity by +0.13% ("Per-channel blocks"), and in blocks of 16 the
-/// fold costs more than the float kernel.
+/// `docs/measurements.md`, "Perplexity of the two codings"), and 4-bit
+/// levels read in place in per-channel groups of 32 to
+/// [`AUTO_CHANNEL_BLOCK`] tokens (the paged cache's sealed `int4-ch`
+/// blocks and groups), whose scales fold into int8 query codes with one
+/// scale per channel class (+0.015% on Qwen2.5-Coder-0.5B, "Per-channel
+/// keys coded by channel class"). Groups of 16 fold the query too often to
+/// gain: their keys stay exact.
 fn auto_integer_keys(levels: &LevelRows<'_>) -> bool {
-    four_bit_affine(levels)
-        && levels.tokens_per_group() == 1
-        && levels.channels_per_group() == levels.channels()
+    let per_token =
+        levels.tokens_per_group() == 1 && levels.channels_per_group() == levels.channels();
+    let per_channel = levels.channels_per_group() == 1
+        && levels.packing == kv_quant::LevelPacking::Nibbles
+        && (2 * MIN_CHANNEL_BLOCK..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group());
+    four_bit_affine(levels) && (per_token || per_channel)
 }
 
 /// Whether [`Numerics::Auto`] sums values `levels` with integer dot
-/// products: the key layout above, and 4-bit affine levels in per-channel
+/// products: the per-token key layout above, and 4-bit affine levels in per-channel
 /// groups over blocks of 16 to [`AUTO_CHANNEL_BLOCK`] tokens (the paged
 /// cache's sealed `int4-ch` blocks: +0.01% perplexity on SmolLM2-135M,
 /// "Per-channel blocks").
 fn auto_integer_values(levels: &LevelRows<'_>) -> bool {
-    auto_integer_keys(levels)
-        || (four_bit_affine(levels)
-            && levels.channels_per_group() == 1
-            && (16..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group()))
+    let per_token =
+        levels.tokens_per_group() == 1 && levels.channels_per_group() == levels.channels();
+    let per_channel = levels.channels_per_group() == 1
+        && (MIN_CHANNEL_BLOCK..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group());
+    four_bit_affine(levels) && (per_token || per_channel)
 }
 
 /// 4-bit levels read as `b + l·a`.
@@ -285,10 +292,17 @@ fn four_bit_affine(levels: &LevelRows<'_>) -> bool {
     levels.max_level() == 15 && levels.map == LevelMap::Affine
 }
 
-/// The longest block of per-channel value groups [`Numerics::Auto`] sums
-/// with integer dot products (measured at 64; the paged cache's blocks are
-/// 16 to 64 tokens).
+/// The longest block of per-channel groups [`Numerics::Auto`] reads with
+/// integer dot products (measured at 64; the paged cache's blocks are 16
+/// to 64 tokens).
 const AUTO_CHANNEL_BLOCK: usize = 128;
+
+/// The shortest block of per-channel value groups [`Numerics::Auto`] sums
+/// with integer dot products; keys take twice as many (a fold per 16 rows
+/// cost more than the float kernel: paged `int4-ch` in blocks of 16, 16K
+/// tokens at 32/8/128, 15.9-17.2 ms with integer keys against 11.8-12.9
+/// ms exact).
+const MIN_CHANNEL_BLOCK: usize = 16;
 
 /// The value pass of [`int_values`] into `scratch.acc`, where `levels` is
 /// given and the pass takes it; `false` leaves the f32 pass to run.

@@ -55,18 +55,19 @@ pub enum Numerics {
     /// Per tile, by layout (the default): 4-bit affine levels in whole-row
     /// per-token groups (`int4` and its ECC-protected forms; also `int4+rot`
     /// and the INT4 middle of `+sink`/`+win` forms, the same layout but not
-    /// measured) as under [`Int8Query`](Self::Int8Query), and values in
-    /// 4-bit per-channel groups over blocks of 16 to 128 tokens (the paged
-    /// cache's sealed `int4-ch` blocks) summed as integers; everything else
-    /// exactly; keys and values are decided apart. Chosen by measurement
-    /// (`kv-eval ppl`, attention `docs/measurements.md`): `Int8Query` moved
-    /// `int4` and `int4+secded84` by −0.05% and per-channel values in
-    /// blocks of 64 by +0.01% on SmolLM2-135M, but `int8` by +0.66%,
-    /// `int4-g32` by +0.80%, and per-channel keys in blocks of 64 (scored
-    /// against centred levels) by +0.005% on SmolLM2 and +0.13% on
-    /// Qwen2.5-Coder-0.5B, outside the 0.1% bound. `int4`'s small
-    /// difference is a cancellation of the score and value codings'
-    /// errors, so other models may move it more.
+    /// measured) as under [`Int8Query`](Self::Int8Query); values in 4-bit
+    /// per-channel groups over blocks of 16 to 128 tokens and keys in
+    /// 4-bit per-channel groups read in place over blocks of 32 to 128
+    /// tokens (the paged cache's sealed `int4-ch` blocks and groups) as
+    /// integers too; everything else exactly; keys and values are decided
+    /// apart. Chosen by measurement (`kv-eval ppl`, attention
+    /// `docs/measurements.md`): `Int8Query` moved `int4` and
+    /// `int4+secded84` by −0.05% and per-channel values in blocks of 64 by
+    /// +0.01% on SmolLM2-135M, per-channel keys in blocks of 64 (coded by
+    /// channel class) by +0.015% on Qwen2.5-Coder-0.5B, but `int8` by
+    /// +0.66% and `int4-g32` by +0.80%. `int4`'s small difference is a
+    /// cancellation of the score and value codings' errors, so other
+    /// models may move it more.
     #[default]
     Auto,
     /// Keys dequantized to f32 in registers and dotted with the f32 query:

@@ -114,6 +114,8 @@ pub(crate) struct IntScratch {
     seg_group: Option<usize>,
     /// One head's query times its per-channel scales.
     folded: Vec<f32>,
+    /// Per head: the class weights of class-scaled codes ([`classes`]).
+    class_weights: Vec<[i16; 16]>,
     /// What `codes`, `scale` and `constant` were computed from: the
     /// query's address (the queries do not change within a block of work)
     /// and, for per-channel groups, a copy of the block's scales and
@@ -134,14 +136,26 @@ impl IntScratch {
     /// Whether the codes were computed for `query` and the per-channel
     /// parameters `params` (empty for groups along rows); if not, records
     /// them for the codes about to be computed.
-    fn reuse(&mut self, query: &[f32], params: [&[f32]; 2]) -> bool {
-        let key = query.as_ptr() as usize;
+    /// Codes of one scale per channel class ([`classes`]) and of one per
+    /// head are told apart by `classes`.
+    fn reuse(&mut self, query: &[f32], params: [&[f32]; 2], classes: bool) -> bool {
+        // Queries are f32 (4-byte aligned): the low bit is free.
+        let key = query.as_ptr() as usize | usize::from(classes);
         let n = params[0].len();
+        // Bits compared by one OR of differences without an early exit,
+        // which vectorises: tiles shorter than their per-channel group
+        // compare every parameter (an early-exit loop ran scalar, a tenth
+        // of a grouped decode in blocks of 16, `perf`).
         let same_params = self.coded_params.len() == 2 * n
             && params
                 .iter()
                 .zip(self.coded_params.chunks_exact(n.max(1)))
-                .all(|(p, c)| p.iter().zip(c).all(|(a, b)| a.to_bits() == b.to_bits()));
+                .all(|(p, c)| {
+                    p.iter()
+                        .zip(c)
+                        .fold(0u32, |diff, (a, b)| diff | (a.to_bits() ^ b.to_bits()))
+                        == 0
+                });
         let same = self.coded_for == Some(key) && same_params;
         if !same {
             self.coded_for = Some(key);
@@ -334,7 +348,7 @@ fn along_rows(
 ) -> bool {
     let (q, keys, d) = (ctx.q, ctx.keys, ctx.geometry.d);
     let rows = keys.rows();
-    if !scratch.reuse(q, [&[], &[]]) {
+    if !scratch.reuse(q, [&[], &[]], false) {
         for (h, q) in q.chunks_exact(d).enumerate() {
             let (hi, lo) = (
                 &mut scratch.codes[h * d..][..d],
@@ -421,8 +435,9 @@ impl HeadBlockPass for RowSegments<'_, '_> {
                 heads: H,
                 rows,
                 image: ctx.image,
+                lane_weights: None,
             };
-            scratch.dot_products(*ctx, block, h0 * d, c - first, prefetch);
+            scratch.dot_products(*ctx, block, h0 * d, c - first, None, prefetch);
             // The segment's scale and offset term per row (centred levels:
             // `a·(l − mid) = a·l + (−mid·a)`).
             let (seg_a, seg_b) = (&mut scratch.seg_a[..rows], &mut scratch.seg_b[..rows]);
@@ -544,7 +559,8 @@ impl IntScratch {
     /// The dot products of `block` with the query codes of its heads, the
     /// first head's codes at `head_start` (head `j` at `head_start +
     /// j·block.code_stride`) and the segment at channel `offset` of the
-    /// head: int8 codes' in `self.sums[..heads·rows]`, wide codes' as f32
+    /// head, weighted by the class weights of heads from `weights` on
+    /// where given (packed levels, int8 codes): int8 codes' in `self.sums[..heads·rows]`, wide codes' as f32
     /// in `self.dots[..heads·rows]`, their halves combined exactly
     /// (`256·hi + lo` in i64) before the one rounding to f32. Packed levels
     /// read the split codes.
@@ -554,6 +570,7 @@ impl IntScratch {
         block: DotBlock<'_>,
         head_start: usize,
         offset: usize,
+        weights: Option<usize>,
         prefetch: &mut Prefetcher,
     ) {
         let n = block.heads * block.rows;
@@ -562,6 +579,7 @@ impl IntScratch {
             // Segments are whole blocks: the split codes start at `offset` too.
             DotBlock {
                 codes: &self.planes[code_start..],
+                lane_weights: weights.map(|h| &self.class_weights[h..]),
                 ..block
             }
         } else {
@@ -649,7 +667,10 @@ fn quantize(x: &[f32], codes: QueryCodes, hi: &mut [i8], lo: &mut [i8]) -> Optio
 }
 
 /// `Σ x_c·y_c` (or `Σ x_c` with `y` = `None`) in 16 lanes with a fixed
-/// order, so the compiler vectorizes it and every ISA gets the same bits.
+/// order, so the compiler vectorizes it and every ISA gets the same bits
+/// (inlined, so that it is compiled for the caller's instruction set: a
+/// call compiled for the baseline one was 4% of a per-channel decode).
+#[inline(always)]
 fn lane_sum(x: &[f32], y: Option<&[f32]>) -> f32 {
     // Whole chunks, then the rest into the first lanes: the lanes a
     // chunked loop would give them, kept in registers.
@@ -702,13 +723,21 @@ pub(crate) struct DotBlock<'a> {
     pub(crate) rows: usize,
     /// Levels read through this table first (NF4 codes: [`NF4_IMAGE`]).
     pub(crate) image: Option<&'static [u8; 16]>,
+    /// Packed levels only, no image: head `j`'s products of channel `c`
+    /// weighted by `lane_weights[j][2·class_of(c)]` (each class's weight
+    /// twice, as `vpmaddwd` reads it; [`classes`]).
+    pub(crate) lane_weights: Option<&'a [[i16; 16]]>,
 }
 
 /// `out[j·rows + t] = Σ_c level(t, start + c) · code(j, c)`, with
 /// `code(j, c) = codes[j·code_stride + c]`, or for packed levels
-/// `codes[j·code_stride + plane_index(c, len)]`.
+/// `codes[j·code_stride + plane_index(c, len)]`; each product times its
+/// class's weight where `lane_weights` are given.
 pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
     let row_bytes = if b.packed { b.ch / 2 } else { b.ch };
+    assert!(b.lane_weights.is_none_or(|w| {
+        b.packed && b.image.is_none() && w.len() >= b.heads && classes::weights_fit(w, b.len)
+    }));
     assert!(
         b.heads >= 1
             && b.heads <= 4
@@ -722,6 +751,16 @@ pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch:
             && out.len() >= b.heads * b.rows
     );
     match dot {
+        // Weighted lanes are AVX2's (`vpmaddwd` against the weights, where
+        // unweighted sums take ones): AVX-512 hosts, which all have AVX2,
+        // run that kernel for them.
+        #[cfg(target_arch = "x86_64")]
+        Dot::Vnni if b.lane_weights.is_some() && std::arch::is_x86_feature_detected!("avx2") => {
+            // SAFETY: AVX2 was detected; the bounds were checked above.
+            unsafe { avx2::integer_sums(b, out, prefetch) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Dot::Vnni if b.lane_weights.is_some() => portable_sums(b, out, prefetch),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
         // bounds were checked above.
@@ -758,8 +797,12 @@ fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
                 false => codes[c],
                 true => codes[plane_index(c, b.len)],
             };
+            let weight = |c: usize| {
+                b.lane_weights
+                    .map_or(1, |w| i32::from(w[j][2 * classes::class_of(c)]))
+            };
             out[j * b.rows + t] = (0..b.len)
-                .map(|c| i32::from(level(c)) * i32::from(code(c)))
+                .map(|c| i32::from(level(c)) * i32::from(code(c)) * weight(c))
                 .sum();
         }
     }
@@ -768,6 +811,7 @@ fn portable_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod channels;
+mod classes;
 mod dot;
 mod planes;
 #[cfg(target_arch = "x86_64")]

@@ -161,7 +161,16 @@ impl Section {
             };
         }
         scratch.meta_erasures_rows = 0;
-        if let Some(layout) = &self.layout {
+        // A branch-free OR over the flags first: per-channel groups give a
+        // tile a thousand of them, and the scan for set ones was 7% of a
+        // paged `int4-ch` decode in blocks of 16 (`perf`).
+        let any_erased = self.layout.as_ref().is_some_and(|layout| {
+            let n = layout.groups_of_rows(start, end).len();
+            scratch.meta_erased[..n]
+                .iter()
+                .fold(false, |any, &e| any | e)
+        });
+        if let (Some(layout), true) = (&self.layout, any_erased) {
             let erasures = &mut scratch.erasures[..count * ew];
             let groups = layout.groups_of_rows(start, end);
             for (i, _) in scratch.meta_erased[..groups.len()]

@@ -6,7 +6,9 @@
 //! Levels packed two per byte (at most 15) meet the int8 codes in
 //! `vpmaddubsw` (u8 × i8 → pairwise i16 sums, at most 2·15·128 = 3,840, so
 //! exact without saturation), two of whose sums are added in i16 (7,680)
-//! and widened by `vpmaddwd` against ones. Levels one per byte (up to 255)
+//! and widened by `vpmaddwd` against ones, or against a head's class
+//! weights (at most [`super::classes::max_weight`], each i32 lane one class:
+//! see [`super::classes`]). Levels one per byte (up to 255)
 //! and NF4 images (up to 255) would saturate `vpmaddubsw`, so they are
 //! widened to i16 first and multiplied by `vpmaddwd`: exact too. The sums
 //! are the portable loop's, to the bit.
@@ -195,6 +197,11 @@ fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
     // 1)·code_stride + len` (a partial last block reads copies).
     unsafe {
         let mut acc = [[_mm256_setzero_si256(); R]; H];
+        // Each head's `vpmaddwd` multipliers: its class weights, or ones.
+        let weights: [__m256i; H] = std::array::from_fn(|j| match b.lane_weights {
+            Some(w) => _mm256_loadu_si256(w[j].as_ptr().cast()),
+            None => _mm256_set1_epi16(1),
+        });
         let row = |r: usize| b.levels.as_ptr().add((t + r) * (b.ch / 2) + b.start / 2);
         let codes = |j: usize| b.codes.as_ptr().add(j * b.code_stride);
         let mut c = 0;
@@ -203,7 +210,7 @@ fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
                 let rows: [*const u8; R] = std::array::from_fn(|r| row(r).add(c / 2 + 32 * u));
                 let even: [*const i8; H] = std::array::from_fn(|j| codes(j).add(c + 32 * u));
                 let odd: [*const i8; H] = std::array::from_fn(|j| codes(j).add(c + 64 + 32 * u));
-                unit64::<H, R, IMAGE>(b, &mut acc, rows, even, odd);
+                unit64::<H, R, IMAGE>(b, &mut acc, rows, even, odd, &weights);
             }
             c += 128;
         }
@@ -212,7 +219,7 @@ fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
             let rows: [*const u8; R] = std::array::from_fn(|r| row(r).add(c / 2));
             let even: [*const i8; H] = std::array::from_fn(|j| codes(j).add(c));
             let odd: [*const i8; H] = std::array::from_fn(|j| codes(j).add(c + 32));
-            unit64::<H, R, IMAGE>(b, &mut acc, rows, even, odd);
+            unit64::<H, R, IMAGE>(b, &mut acc, rows, even, odd, &weights);
         } else if half > 0 {
             // A block of `2·half` channels, as the first `half` bytes of a
             // block of 128 (even codes at 0.., odd at 64..), zero-padded.
@@ -230,7 +237,7 @@ fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
                 let even: [*const i8; H] = std::array::from_fn(|j| code_buf[j][32 * u..].as_ptr());
                 let odd: [*const i8; H] =
                     std::array::from_fn(|j| code_buf[j][64 + 32 * u..].as_ptr());
-                unit64::<H, R, IMAGE>(b, &mut acc, rows, even, odd);
+                unit64::<H, R, IMAGE>(b, &mut acc, rows, even, odd, &weights);
             }
         }
         acc
@@ -238,7 +245,9 @@ fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
 }
 
 /// One unit of 64 packed channels: 32 bytes at `rows[r]`, 32 even codes
-/// at `even[j]` and 32 odd codes at `odd[j]`.
+/// at `even[j]` and 32 odd codes at `odd[j]`, head `j`'s pair sums widened
+/// against `weights[j]` (ones, or its class weights: i32 lane `m` holds
+/// channels `8m..8m + 8` of the unit).
 #[inline(always)]
 fn unit64<const H: usize, const R: usize, const IMAGE: bool>(
     b: DotBlock<'_>,
@@ -246,13 +255,13 @@ fn unit64<const H: usize, const R: usize, const IMAGE: bool>(
     rows: [*const u8; R],
     even: [*const i8; H],
     odd: [*const i8; H],
+    weights: &[__m256i; H],
 ) {
     // SAFETY: only inlined into `integer_sums` (AVX2); the callers pass
     // pointers to 32 readable bytes each.
     unsafe {
         let image = image_lanes::<IMAGE>(b);
         let nibble = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
         let mut e = [_mm256_setzero_si256(); R];
         let mut o = [_mm256_setzero_si256(); R];
         for r in 0..R {
@@ -292,7 +301,7 @@ fn unit64<const H: usize, const R: usize, const IMAGE: bool>(
                         _mm256_maddubs_epi16(e[r], qe),
                         _mm256_maddubs_epi16(o[r], qo),
                     );
-                    _mm256_add_epi32(acc[j][r], _mm256_madd_epi16(s, ones))
+                    _mm256_add_epi32(acc[j][r], _mm256_madd_epi16(s, weights[j]))
                 };
             }
         }

@@ -3,9 +3,10 @@
 //! query before it is quantized, the levels scored centred on
 //! `2^(bits−1)` (see the parent module).
 
+use super::classes::{quantize_classes, weighted_code_sum};
 use super::{
     Context, DotBlock, DotValue, HeadBlockPass, IntScratch, LevelPacking, Prefetcher, QueryCodes,
-    TileGeometry, for_head_blocks, lane_sum, quantize, split_planes,
+    TileGeometry, for_head_blocks, quantize, split_planes,
 };
 
 /// One head's scores of a run of rows (per-channel groups): `s·dot + k`.
@@ -47,6 +48,16 @@ fn per_channel_runs(
     // The middle of the levels' range, `2^(bits−1)` (a centred map's own
     // middle level).
     let centre = mid.unwrap_or((f32::from(keys.max_level()) + 1.0) / 2.0);
+    // Packed levels with int8 codes take one scale per channel class
+    // (heads short enough for a weight of 1: under 1.1 million channels).
+    let classes = ctx.codes == QueryCodes::Int8
+        && keys.packing == LevelPacking::Nibbles
+        && super::classes::max_weight(d) >= 1;
+    if classes {
+        scratch
+            .class_weights
+            .resize(ctx.geometry.group * kv_heads, [0; 16]);
+    }
     for (t0, t1, base) in super::super::block_runs(keys) {
         let (Some(scale), Some(offset)) = (
             keys.scale.get(base..base + ch),
@@ -54,34 +65,43 @@ fn per_channel_runs(
         ) else {
             return false;
         };
-        if !scratch.reuse(q, [scale, offset]) {
+        if !scratch.reuse(q, [scale, offset], classes) {
             for (h, q) in q.chunks_exact(d).enumerate() {
                 let kvh = h / group;
                 let (a, b) = (&scale[kvh * d..][..d], &offset[kvh * d..][..d]);
-                for ((f, &q), &a) in folded.iter_mut().zip(q).zip(a) {
-                    *f = q * a;
-                }
+                let (folded_sum, offset_sum) = fold(q, a, b, folded);
                 let (hi, lo) = (
                     &mut scratch.codes[h * d..][..d],
                     &mut scratch.codes_lo[h * d..][..d],
                 );
-                let Some(s) = quantize(folded, ctx.codes, hi, lo) else {
-                    scratch.coded_for = None;
-                    return false;
-                };
-                let code_sum: i32 = match ctx.codes {
-                    QueryCodes::Int8 => hi.iter().map(|&c| i32::from(c)).sum(),
-                    QueryCodes::Int16 => hi
-                        .iter()
-                        .zip(lo.iter())
-                        .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
-                        .sum(),
+                // `Σ_c s_c·code_c`, the codes' own image of `Σ q'`.
+                let coded_sum = if classes {
+                    let Some((unit, weights)) = quantize_classes(folded, hi) else {
+                        scratch.coded_for = None;
+                        return false;
+                    };
+                    scratch.class_weights[h] = weights;
+                    scratch.scale[h] = unit;
+                    unit * weighted_code_sum(hi, &weights) as f32
+                } else {
+                    let Some(s) = quantize(folded, ctx.codes, hi, lo) else {
+                        scratch.coded_for = None;
+                        return false;
+                    };
+                    let code_sum: i32 = match ctx.codes {
+                        QueryCodes::Int8 => hi.iter().map(|&c| i32::from(c)).sum(),
+                        QueryCodes::Int16 => hi
+                            .iter()
+                            .zip(lo.iter())
+                            .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
+                            .sum(),
+                    };
+                    scratch.scale[h] = s;
+                    s * code_sum as f32
                 };
                 split_planes(hi, &mut scratch.planes[h * d..][..d]);
-                scratch.scale[h] = s;
-                let folded_sum = lane_sum(folded, None);
                 let base = match mid {
-                    None => lane_sum(q, Some(b)),
+                    None => offset_sum,
                     Some(mid) => -mid * folded_sum,
                 };
                 // Scored against levels centred on `centre`: the integer
@@ -90,7 +110,7 @@ fn per_channel_runs(
                 // what the centring took away, so the codes' rounding
                 // errors meet `l − centre` (at most 8 for 4-bit levels)
                 // instead of `l` (up to 15).
-                scratch.constant[h] = base + centre * (folded_sum - s * code_sum as f32);
+                scratch.constant[h] = base + centre * (folded_sum - coded_sum);
             }
         }
         let mut pass = ChannelRun {
@@ -99,10 +119,38 @@ fn per_channel_runs(
             weights: &mut *weights,
             prefetch: &mut *prefetch,
             rows: t0..t1,
+            classes,
         };
         for_head_blocks(ctx.geometry, &mut pass);
     }
     true
+}
+
+/// One head's fold: `folded = q·a` channel by channel, and `(Σ folded,
+/// Σ q·b)` each summed as [`super::lane_sum`] sums them (16 lanes in chunk
+/// order, the rest into the first lanes, then the lanes in order): the
+/// same bits as the three passes it replaces, in one.
+#[inline(always)]
+fn fold(q: &[f32], a: &[f32], b: &[f32], folded: &mut [f32]) -> (f32, f32) {
+    let (mut sums, mut offsets) = ([0.0f32; 16], [0.0f32; 16]);
+    let (qs, q_rest) = q.as_chunks::<16>();
+    let (as_, a_rest) = a[..q.len()].as_chunks::<16>();
+    let (bs, b_rest) = b[..q.len()].as_chunks::<16>();
+    let (fs, f_rest) = folded[..q.len()].as_chunks_mut::<16>();
+    // Whole arrays by value, so that the lanes stay in registers (an
+    // indexed loop over them was compiled scalar).
+    for (((q, a), b), f) in qs.iter().zip(as_).zip(bs).zip(fs) {
+        let x: [f32; 16] = std::array::from_fn(|l| q[l] * a[l]);
+        *f = x;
+        sums = std::array::from_fn(|l| sums[l] + x[l]);
+        offsets = std::array::from_fn(|l| offsets[l] + q[l] * b[l]);
+    }
+    for (l, f) in f_rest.iter_mut().enumerate() {
+        *f = q_rest[l] * a_rest[l];
+        sums[l] += *f;
+        offsets[l] += q_rest[l] * b_rest[l];
+    }
+    (sums.iter().sum(), offsets.iter().sum())
 }
 
 /// One head block against a run of rows sharing a block of tokens
@@ -113,6 +161,8 @@ struct ChannelRun<'a, 'k> {
     weights: &'a mut [f32],
     prefetch: &'a mut Prefetcher,
     rows: std::ops::Range<usize>,
+    /// Codes with one scale per channel class (weighted sums).
+    classes: bool,
 }
 
 impl HeadBlockPass for ChannelRun<'_, '_> {
@@ -132,9 +182,11 @@ impl HeadBlockPass for ChannelRun<'_, '_> {
             heads: H,
             rows: run,
             image: None,
+            lane_weights: None,
         };
+        let weights = self.classes.then_some(h0);
         self.scratch
-            .dot_products(self.ctx, block, h0 * d, 0, self.prefetch);
+            .dot_products(self.ctx, block, h0 * d, 0, weights, self.prefetch);
         for j in 0..H {
             let h = h0 + j;
             let (s, k) = (self.scratch.scale[h], self.scratch.constant[h]);

@@ -74,6 +74,7 @@ fn every_dot_kernel_gives_the_exact_sums() {
                 heads,
                 rows,
                 image,
+                lane_weights: None,
             };
             let level = |l: u8| image.map_or(l, |m| m[usize::from(l)]);
             let mut want = vec![0; heads * rows];
@@ -101,6 +102,20 @@ fn every_dot_kernel_gives_the_exact_sums() {
     }
 }
 
+/// Packed segments `(ch, start, len, rows, heads)` the kernels are checked
+/// on: segments of whole blocks of 128, a last block of more and of fewer
+/// than 64 channels, every head count, odd row counts.
+pub(super) const PACKED_SEGMENTS: [(usize, usize, usize, usize, usize); 8] = [
+    (1024, 128, 128, 37, 4),
+    (192, 64, 64, 5, 3),
+    (512, 0, 320, 9, 2),
+    (200, 0, 200, 6, 4),
+    (96, 0, 96, 17, 1),
+    (64, 0, 48, 33, 2),
+    (16, 0, 16, 1, 1),
+    (384, 128, 256, 8, 3),
+];
+
 /// Integer sums over levels packed two per byte, against split codes,
 /// equal the sums over the same levels unpacked against the plain codes:
 /// segments of whole blocks of 128, a last block of more and of fewer than
@@ -108,16 +123,7 @@ fn every_dot_kernel_gives_the_exact_sums() {
 #[test]
 fn packed_levels_give_the_unpacked_sums() {
     let dots = Dot::available();
-    for (ch, start, len, rows, heads) in [
-        (1024, 128, 128, 37, 4),
-        (192, 64, 64, 5, 3),
-        (512, 0, 320, 9, 2),
-        (200, 0, 200, 6, 4),
-        (96, 0, 96, 17, 1),
-        (64, 0, 48, 33, 2),
-        (16, 0, 16, 1, 1),
-        (384, 128, 256, 8, 3),
-    ] {
+    for (ch, start, len, rows, heads) in PACKED_SEGMENTS {
         for image in [None, Some(&NF4_IMAGE)] {
             let levels: Vec<u8> = (0..rows * ch).map(|i| (i * 37 % 256) as u8 & 15).collect();
             let packed: Vec<u8> = levels.chunks_exact(2).map(|p| p[0] | p[1] << 4).collect();
@@ -138,6 +144,7 @@ fn packed_levels_give_the_unpacked_sums() {
                 heads,
                 rows,
                 image,
+                lane_weights: None,
             };
             let mut want = vec![0; heads * rows];
             integer_sums(
@@ -292,7 +299,10 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
                     "{form} {codes:?}"
                 );
                 if taken {
-                    let want = run(plain, codes, Dot::Portable, &mut IntScratch::default());
+                    // Per-channel keys take one scale per channel class
+                    // when packed: the portable path of the packed view.
+                    let reference = if cpg == 1 { packed } else { plain };
+                    let want = run(reference, codes, Dot::Portable, &mut IntScratch::default());
                     let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&w), bits(&want), "{form} {dot:?} packed");
                 }
@@ -357,7 +367,8 @@ fn sixteen_bit_codes_split_into_int8_halves_exactly() {
 
 /// Packed keys are scored as they are only where every segment is whole
 /// blocks of the split codes, which start at each head's first channel;
-/// there the scores are the unpacked keys' bit for bit, and elsewhere
+/// there the scores are the unpacked keys' bit for bit (per-channel keys,
+/// coded by channel class when packed: the portable path's), and elsewhere
 /// `scores` declines them (they are unpacked first). Groups of 128
 /// channels qualify only where the head dimension is a multiple of 128.
 #[test]
@@ -411,6 +422,12 @@ fn packed_keys_are_read_as_they_are_only_in_whole_blocks() {
             taken.then_some(w)
         };
         let want = run(&plain, Dot::Portable).expect("unpacked keys take the integer path");
+        // Per-channel keys read packed take one scale per channel class:
+        // their reference is the portable path of the packed view.
+        let want = match packed.channels_per_group() {
+            1 => run(&packed, Dot::Portable).expect("packed per-channel keys are taken"),
+            _ => want,
+        };
         let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for dot in Dot::available() {
             match run(&packed, dot) {

@@ -45,8 +45,9 @@ pub(crate) struct BackendArgs {
     /// How attention scores integer-coded keys: `exact` (f32, the
     /// evaluation's reference: every published table uses it), `auto`
     /// (the attention crate's default: `int8` for 4-bit affine levels in
-    /// whole-row per-token groups and in per-channel blocks of 16 to 128
-    /// tokens, exact for every other),
+    /// whole-row per-token groups, per-channel values in blocks of 16 to
+    /// 128 tokens and per-channel keys in blocks of 32 to 128, exact for
+    /// every other),
     /// `int8` (int8-quantized queries, integer dot products) or `int16`
     /// (16-bit query codes as two int8 halves) [default: exact].
     #[arg(long, value_enum)]
