@@ -266,12 +266,10 @@ fn kernels(
 /// keys coded by channel class"). Groups of 16 fold the query too often to
 /// gain: their keys stay exact.
 fn auto_integer_keys(levels: &LevelRows<'_>) -> bool {
-    let per_token =
-        levels.tokens_per_group() == 1 && levels.channels_per_group() == levels.channels();
     let per_channel = levels.channels_per_group() == 1
         && levels.packing == kv_quant::LevelPacking::Nibbles
         && (2 * MIN_CHANNEL_BLOCK..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group());
-    four_bit_affine(levels) && (per_token || per_channel)
+    four_bit_affine(levels) && (whole_row_per_token(levels) || per_channel)
 }
 
 /// Whether [`Numerics::Auto`] sums values `levels` with integer dot
@@ -280,11 +278,14 @@ fn auto_integer_keys(levels: &LevelRows<'_>) -> bool {
 /// cache's sealed `int4-ch` blocks: +0.01% perplexity on SmolLM2-135M,
 /// "Per-channel blocks").
 fn auto_integer_values(levels: &LevelRows<'_>) -> bool {
-    let per_token =
-        levels.tokens_per_group() == 1 && levels.channels_per_group() == levels.channels();
     let per_channel = levels.channels_per_group() == 1
         && (MIN_CHANNEL_BLOCK..=AUTO_CHANNEL_BLOCK).contains(&levels.tokens_per_group());
-    four_bit_affine(levels) && (per_token || per_channel)
+    four_bit_affine(levels) && (whole_row_per_token(levels) || per_channel)
+}
+
+/// Levels in whole-row per-token groups (one scale and offset per row).
+fn whole_row_per_token(levels: &LevelRows<'_>) -> bool {
+    levels.tokens_per_group() == 1 && levels.channels_per_group() == levels.channels()
 }
 
 /// 4-bit levels read as `b + l·a`.
