@@ -42,6 +42,7 @@ use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use kv_quant::{CacheForm, KvStore};
 use rayon::prelude::*;
+use test_support::rows::smooth_rows;
 
 const THREADS: usize = 2;
 
@@ -109,17 +110,6 @@ fn stream_buffer(bytes: usize) -> Vec<u64> {
     (0..bytes.div_ceil(8))
         .into_par_iter()
         .map(|i| i as u64)
-        .collect()
-}
-
-/// Smooth, token-correlated rows in [-1, 1] (like real K/V caches).
-fn matrix(tokens: usize, channels: usize, phase: f32) -> Vec<f32> {
-    (0..tokens * channels)
-        .into_par_iter()
-        .map(|i| {
-            let (t, c) = ((i / channels) as f32, (i % channels) as f32);
-            (0.013 * t + 0.37 * c + phase).sin() * (0.5 + 0.5 * (0.11 * c).cos())
-        })
         .collect()
 }
 
@@ -211,9 +201,10 @@ fn decode(c: &mut Criterion) {
             ("int8q", coded(Numerics::Int8Query)),
             ("int16q", coded(Numerics::Int16Query)),
         ];
-        let q = matrix(1, shape.q_len(), 0.3);
+        let q = smooth_rows(1, shape.q_len(), 0.3);
         for tokens in contexts(d) {
-            let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
+            let (k, v) =
+                pool.install(|| (smooth_rows(tokens, ch, 0.0), smooth_rows(tokens, ch, 1.0)));
             let mut group = c.benchmark_group(format!(
                 "attention/decode-{q_heads}x{kv_heads}x{d}-{}k",
                 tokens / 1024
@@ -261,10 +252,10 @@ fn low_rank(c: &mut Criterion) {
         let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
         let ch = shape.kv_channels();
         let attn = Attention::new(shape);
-        let q = matrix(1, shape.q_len(), 0.3);
+        let q = smooth_rows(1, shape.q_len(), 0.3);
         // Bases fitted on 2,048 rows of the same kind of data.
         let fit = |r: usize, phase: f32| {
-            let rows = matrix(2048, ch, phase);
+            let rows = smooth_rows(2048, ch, phase);
             let heads = (0..kv_heads)
                 .map(|h| {
                     let head: Vec<f32> = rows
@@ -285,7 +276,8 @@ fn low_rank(c: &mut Criterion) {
             HeadBases { heads }
         };
         for &tokens in &contexts {
-            let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
+            let (k, v) =
+                pool.install(|| (smooth_rows(tokens, ch, 0.0), smooth_rows(tokens, ch, 1.0)));
             let name = format!(
                 "attention/low-rank-{q_heads}x{kv_heads}x{d}-{}k",
                 tokens / 1024
@@ -375,10 +367,11 @@ fn shard(c: &mut Criterion) {
         let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
         let ch = shape.kv_channels();
         let attn = Attention::new(shape);
-        let q = matrix(1, shape.q_len(), 0.3);
+        let q = smooth_rows(1, shape.q_len(), 0.3);
         let rope = Rope::new(RopeLayout::Adjacent, d, d, 100_000.0).expect("rope");
         for tokens in contexts(d).into_iter().filter(|&t| t <= 65536) {
-            let (k, v) = pool.install(|| (matrix(tokens, ch, 0.0), matrix(tokens, ch, 1.0)));
+            let (k, v) =
+                pool.install(|| (smooth_rows(tokens, ch, 0.0), smooth_rows(tokens, ch, 1.0)));
             let name = format!(
                 "attention/shard-{q_heads}x{kv_heads}x{d}-{}k",
                 tokens / 1024

@@ -334,8 +334,9 @@ impl BlockedScratch {
     }
 
     /// Rows `start..start + count` of a source whose blocks all lie in
-    /// `store` (a paged cache's layer): for a store that
-    /// [reads levels per token](KvStore::reads_levels_per_token), each
+    /// `store` (a paged cache's layer): for a store whose level groups lie
+    /// within blocks ([`KvStore::gathers_levels_in_blocks`]: per-token
+    /// groups, or per-channel groups of whole blocks), each
     /// block's levels and group parameters copied side by side into one
     /// level tile ([`GatheredLevels`]), so the kernel reads it as it reads
     /// a contiguous store's, with the same values; a tile with an erased
@@ -352,7 +353,7 @@ impl BlockedScratch {
         block: usize,
         locate: impl Fn(usize) -> usize,
     ) -> Result<Tile<'s>> {
-        if store.reads_levels_per_token()
+        if store.gathers_levels_in_blocks(block)
             && let Some(stats) = self.gather_levels(store, start, count, block, &locate)?
             && self.gathered.view(store).is_some()
         {

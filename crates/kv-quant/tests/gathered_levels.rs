@@ -21,6 +21,45 @@ fn push(gathered: &mut GatheredLevels, store: &KvStore, start: usize, count: usi
     }
 }
 
+/// Pushes `pieces` (rows `start..start + count` each) of `store` into
+/// `gathered` and checks that the view reads each row as the store's own
+/// decode does, bit for bit, value by value and dequantized; returns the
+/// view.
+fn gather_and_check<'a>(
+    gathered: &'a mut GatheredLevels,
+    store: &'a KvStore,
+    pieces: &[(usize, usize)],
+) -> kv_quant::LevelRows<'a> {
+    let form = store.form();
+    let mut whole = vec![0.0; TOKENS * CHANNELS];
+    store
+        .decode_rows_rotated_into(0, TOKENS, &mut whole, &mut DecodeScratch::new())
+        .unwrap();
+    for &(start, count) in pieces {
+        assert!(
+            push(gathered, store, start, count),
+            "{form}: {start}+{count}"
+        );
+    }
+    let view = gathered.view(store).unwrap();
+    let source_rows: Vec<usize> = pieces.iter().flat_map(|&(s, n)| s..s + n).collect();
+    assert_eq!(view.rows(), source_rows.len(), "{form}");
+    let mut dequantized = vec![0.0; view.rows() * CHANNELS];
+    view.dequantize_into(&mut dequantized);
+    for (r, &t) in source_rows.iter().enumerate() {
+        for c in 0..CHANNELS {
+            let want = whole[t * CHANNELS + c].to_bits();
+            assert_eq!(
+                view.value(r, c).to_bits(),
+                want,
+                "{form}, row {t}, channel {c}"
+            );
+            assert_eq!(dequantized[r * CHANNELS + c].to_bits(), want, "{form}");
+        }
+    }
+    view
+}
+
 #[test]
 fn gathered_rows_read_as_their_own_values() {
     let pieces = [(24, 8), (3, 5), (39, 1), (8, 16)];
@@ -41,31 +80,9 @@ fn gathered_rows_read_as_their_own_values() {
     ] {
         let store = KvStore::quantize(form.parse().unwrap(), &values(7), TOKENS, CHANNELS).unwrap();
         assert!(store.reads_levels_per_token(), "{form}");
-        let mut whole = vec![0.0; TOKENS * CHANNELS];
-        store
-            .decode_rows_rotated_into(0, TOKENS, &mut whole, &mut DecodeScratch::new())
-            .unwrap();
         gathered.clear();
         assert!(gathered.view(&store).is_none(), "{form}: nothing held");
-        for &(start, count) in &pieces {
-            assert!(push(&mut gathered, &store, start, count), "{form}");
-        }
-        let view = gathered.view(&store).unwrap();
-        let source_rows: Vec<usize> = pieces.iter().flat_map(|&(s, n)| s..s + n).collect();
-        assert_eq!(view.rows(), source_rows.len());
-        let mut dequantized = vec![0.0; view.levels.len()];
-        view.dequantize_into(&mut dequantized);
-        for (r, &t) in source_rows.iter().enumerate() {
-            for c in 0..CHANNELS {
-                let want = whole[t * CHANNELS + c].to_bits();
-                assert_eq!(
-                    view.value(r, c).to_bits(),
-                    want,
-                    "{form}, row {t}, channel {c}"
-                );
-                assert_eq!(dequantized[r * CHANNELS + c].to_bits(), want, "{form}");
-            }
-        }
+        let view = gather_and_check(&mut gathered, &store, &pieces);
         // Sub-views of a gathered view are the rows they name.
         let sub = view.sub_rows(5, 10);
         assert_eq!(
@@ -73,6 +90,22 @@ fn gathered_rows_read_as_their_own_values() {
             view.value(5, 3).to_bits(),
             "{form}"
         );
+    }
+}
+
+/// Per-channel groups along tokens, pushed a whole group at a time (the
+/// first piece starting inside its group, the last ending inside one),
+/// read as their own values: a paged cache's tile over sealed `int4-ch<B>`
+/// blocks.
+#[test]
+fn whole_token_groups_gathered_read_as_their_own_values() {
+    for (form, pieces) in [
+        ("int4-ch8", &[(12, 4), (32, 8), (0, 8), (8, 8), (24, 3)][..]),
+        ("int8-ch4", &[(1, 3), (36, 4), (4, 8), (16, 2)][..]),
+        ("int4-ch", &[(5, 35)][..]),
+    ] {
+        let store = KvStore::quantize(form.parse().unwrap(), &values(9), TOKENS, CHANNELS).unwrap();
+        gather_and_check(&mut GatheredLevels::default(), &store, pieces);
     }
 }
 
@@ -94,13 +127,22 @@ fn rows_of_other_stores_layouts_and_too_many_rows_are_refused() {
     assert!(!push(&mut gathered, &b, 0, 3));
     assert!(gathered.view(&b).is_none());
     assert_eq!(gathered.view(&a).unwrap().rows(), 3);
-    // Per-channel groups span tokens: not pushed.
-    let ch = KvStore::quantize("int4-ch".parse().unwrap(), &values(5), TOKENS, CHANNELS).unwrap();
-    let mut scratch = DecodeScratch::new();
-    let RowsView::Levels(rows) = ch.decode_rows_view(0, 4, &mut scratch).unwrap().0 else {
-        panic!("int4-ch reads as levels");
-    };
-    assert!(!GatheredLevels::default().push(&rows));
+    // Groups along tokens continue only at a group's edge: rows starting
+    // inside a group after the first push, and any push after one that
+    // ended inside its group, are refused.
+    let ch8 = KvStore::quantize("int4-ch8".parse().unwrap(), &values(5), TOKENS, CHANNELS).unwrap();
+    let mut grouped = GatheredLevels::default();
+    assert!(
+        push(&mut grouped, &ch8, 3, 5),
+        "the first push may start inside"
+    );
+    assert!(!push(&mut grouped, &ch8, 17, 7), "a later one may not");
+    assert!(push(&mut grouped, &ch8, 24, 3), "ends inside its group");
+    assert!(
+        !push(&mut grouped, &ch8, 32, 8),
+        "nothing follows an open end"
+    );
+    assert_eq!(grouped.view(&ch8).unwrap().rows(), 8);
     // More rows than the store holds: no view.
     for _ in 0..13 {
         assert!(push(&mut gathered, &a, 0, 3));

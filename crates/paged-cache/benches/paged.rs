@@ -24,6 +24,11 @@
 //!   with one scale per channel over all 16K tokens; `int4-ch64` keeps one
 //!   per 64 tokens, in blocks of 16 and 32 a group over several blocks,
 //!   its baseline one contiguous `int4-ch64` store.
+//! - `paged-cache/decode-64k`: the same decode over 64K tokens in blocks
+//!   of 64 and 16, `int4` and `int4-ch` against `baseline-fp16-b64`, paged
+//!   FP16 in blocks of 64, as tokens per second (the ratio is the speed-up
+//!   over FP16; the goal for `int4-ch`: at least 1.5, and at least
+//!   `int4`'s).
 //! - `paged-cache/write-token-2k`: one decode step's K/V writes at
 //!   SmolLM2-135M's shape (30 layers, 3 KV heads × 64) in `int4+secded84`
 //!   after 2,048 tokens: `paged` opens a step on a [`PagedBackend`], appends
@@ -44,6 +49,7 @@ use paged_cache::{
 };
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
+use test_support::rows::{shuffled, smooth_rows};
 
 fn alloc_free(c: &mut Criterion) {
     const BATCH: usize = 64;
@@ -182,28 +188,66 @@ fn prefix_lookup(c: &mut Criterion) {
     group.finish();
 }
 
-/// Smooth, token-correlated rows in [-1, 1] (like real K/V caches).
-fn matrix(tokens: usize, channels: usize, phase: f32) -> Vec<f32> {
-    (0..tokens * channels)
-        .into_par_iter()
-        .map(|i| {
-            let (t, c) = ((i / channels) as f32, (i % channels) as f32);
-            (0.013 * t + 0.37 * c + phase).sin() * (0.5 + 0.5 * (0.11 * c).cos())
-        })
-        .collect()
+/// What the decode groups share: their two-thread pool, Llama-3-8B's
+/// shape (32 query heads, 8 KV heads, head dim 128), its attention, one
+/// query and `tokens` rows of K and V.
+struct DecodeInputs {
+    pool: rayon::ThreadPool,
+    shape: HeadShape,
+    attn: Attention,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    tokens: usize,
+}
+
+impl DecodeInputs {
+    fn new(tokens: usize) -> Self {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("threads");
+        let shape = HeadShape::new(32, 8, 128).expect("shape");
+        let ch = shape.kv_channels();
+        let q = smooth_rows(1, shape.q_len(), 0.3);
+        let (k, v) = pool.install(|| (smooth_rows(tokens, ch, 0.0), smooth_rows(tokens, ch, 1.0)));
+        Self {
+            pool,
+            shape,
+            attn: Attention::new(shape),
+            q,
+            k,
+            v,
+            tokens,
+        }
+    }
+
+    /// Benchmarks one decode of the last token over `keys` and `values`.
+    fn bench<K: attention::KvSource, V: attention::KvSource>(
+        &self,
+        group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+        keys: &K,
+        values: &V,
+    ) {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                self.pool.install(|| {
+                    self.attn
+                        .decode(&self.q, self.tokens - 1, keys, values, &Mask::Causal)
+                        .expect("decode")
+                        .out[0]
+                })
+            })
+        });
+    }
 }
 
 fn decode(c: &mut Criterion) {
     const TOKENS: usize = 16 * 1024;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .expect("threads");
-    let shape = HeadShape::new(32, 8, 128).expect("shape");
-    let ch = shape.kv_channels();
-    let attn = Attention::new(shape);
-    let q = matrix(1, shape.q_len(), 0.3);
-    let (k, v) = pool.install(|| (matrix(TOKENS, ch, 0.0), matrix(TOKENS, ch, 1.0)));
+    let inputs = DecodeInputs::new(TOKENS);
+    let (pool, ch) = (&inputs.pool, inputs.shape.kv_channels());
+    let (k, v) = (&inputs.k, &inputs.v);
     for spelling in [
         "fp16",
         "int8",
@@ -220,67 +264,86 @@ fn decode(c: &mut Criterion) {
             .measurement_time(Duration::from_secs(2));
         let (ks, vs) = pool.install(|| {
             (
-                KvStore::quantize(form, &k, TOKENS, ch).expect("k"),
-                KvStore::quantize(form, &v, TOKENS, ch).expect("v"),
+                KvStore::quantize(form, k, TOKENS, ch).expect("k"),
+                KvStore::quantize(form, v, TOKENS, ch).expect("v"),
             )
         });
         group.throughput(Throughput::Bytes(
             (ks.stored_bytes() + vs.stored_bytes()) as u64,
         ));
-        group.bench_function("baseline-contiguous", |b| {
-            b.iter(|| {
-                pool.install(|| {
-                    attn.decode(&q, TOKENS - 1, &ks, &vs, &Mask::Causal)
-                        .expect("decode")
-                        .out[0]
-                })
-            })
-        });
+        inputs.bench(&mut group, "baseline-contiguous", &ks, &vs);
         for bs in [16, 32, 64] {
-            let blocks = TOKENS / bs;
-            let layers = [LayerSpec::uniform(form, ch)];
-            let storage = BlockStorage::new(blocks, bs, &layers).expect("storage");
-            // Shuffled physical order, as a long-running pool hands blocks out.
-            let mut order: Vec<u32> = (0..blocks as u32).collect();
-            let mut s = 0x2545_F491_4F6C_DD1Du64;
-            for i in (1..order.len()).rev() {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                order.swap(i, (s % (i as u64 + 1)) as usize);
-            }
-            let table_blocks: Vec<BlockId> = order.iter().map(|&b| BlockId(b)).collect();
-            (0..TOKENS).into_par_iter().for_each(|t| {
-                let r = t * ch..(t + 1) * ch;
-                storage
-                    .write(table_blocks[t / bs], t % bs, 0, &k[r.clone()], &v[r])
-                    .expect("write");
-            });
-            // Staged forms (int4-ch) seal every block, as the steps that
-            // wrote them would have when they committed.
-            storage
-                .seal_blocks(
-                    &table_blocks,
-                    0,
-                    TOKENS,
-                    &mut paged_cache::SeqTables::default(),
-                )
-                .expect("seal");
-            let table = PageTable::from_tables(&[(&table_blocks, TOKENS)], bs).expect("table");
+            let (storage, table) = paged_rows(form, (k, v), TOKENS, ch, bs);
             let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).expect("keys");
             let values = PagedKv::new(&storage, &table, 0, 0, KvPart::Values).expect("values");
-            group.bench_function(format!("paged-b{bs}"), |b| {
-                b.iter(|| {
-                    pool.install(|| {
-                        attn.decode(&q, TOKENS - 1, &keys, &values, &Mask::Causal)
-                            .expect("decode")
-                            .out[0]
-                    })
-                })
-            });
+            inputs.bench(&mut group, &format!("paged-b{bs}"), &keys, &values);
         }
         group.finish();
     }
+}
+
+/// `tokens` rows of `k` and `v` (`channels` wide) written in `form` into
+/// blocks of `bs` tokens in shuffled physical order, as a long-running
+/// pool hands blocks out, every block sealed (staged forms such as
+/// `int4-ch`) as the steps that wrote them would have when they
+/// committed; with the page table of the one sequence.
+fn paged_rows(
+    form: CacheForm,
+    (k, v): (&[f32], &[f32]),
+    tokens: usize,
+    channels: usize,
+    bs: usize,
+) -> (BlockStorage, PageTable) {
+    let blocks = tokens / bs;
+    let layers = [LayerSpec::uniform(form, channels)];
+    let storage = BlockStorage::new(blocks, bs, &layers).expect("storage");
+    let table_blocks: Vec<BlockId> = shuffled(blocks as u32).into_iter().map(BlockId).collect();
+    (0..tokens).into_par_iter().for_each(|t| {
+        let r = t * channels..(t + 1) * channels;
+        storage
+            .write(table_blocks[t / bs], t % bs, 0, &k[r.clone()], &v[r])
+            .expect("write");
+    });
+    storage
+        .seal_blocks(
+            &table_blocks,
+            0,
+            tokens,
+            &mut paged_cache::SeqTables::default(),
+        )
+        .expect("seal");
+    let table = PageTable::from_tables(&[(&table_blocks, tokens)], bs).expect("table");
+    (storage, table)
+}
+
+/// `paged-cache/decode-64k`: the issue figure at 64K tokens, paged forms
+/// against paged FP16 in the same run (tokens per second, so the ratio is
+/// the speed-up over FP16).
+fn decode_64k(c: &mut Criterion) {
+    const TOKENS: usize = 64 * 1024;
+    let inputs = DecodeInputs::new(TOKENS);
+    let (pool, ch) = (&inputs.pool, inputs.shape.kv_channels());
+    let mut group = c.benchmark_group("paged-cache/decode-64k");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Elements(TOKENS as u64));
+    for (name, spelling, bs) in [
+        ("baseline-fp16-b64", "fp16", 64),
+        ("int4-b64", "int4", 64),
+        ("int4-ch-b64", "int4-ch", 64),
+        ("int4-b16", "int4", 16),
+        ("int4-ch-b16", "int4-ch", 16),
+    ] {
+        let form: CacheForm = spelling.parse().expect("form");
+        let (storage, table) =
+            pool.install(|| paged_rows(form, (&inputs.k, &inputs.v), TOKENS, ch, bs));
+        let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).expect("keys");
+        let values = PagedKv::new(&storage, &table, 0, 0, KvPart::Values).expect("values");
+        inputs.bench(&mut group, name, &keys, &values);
+    }
+    group.finish();
 }
 
 /// `paged-cache/seal-block-4k`: sealing one block of 16 tokens in every
@@ -306,7 +369,10 @@ fn seal_block(c: &mut Criterion) {
     // One spare block to seal again and again.
     let blocks = CONTEXT / BS + 1;
     let storage = BlockStorage::new(blocks, BS, &vec![spec; LAYERS]).expect("storage");
-    let (k, v) = (matrix(CONTEXT + BS, ch, 0.0), matrix(CONTEXT + BS, ch, 1.0));
+    let (k, v) = (
+        smooth_rows(CONTEXT + BS, ch, 0.0),
+        smooth_rows(CONTEXT + BS, ch, 1.0),
+    );
     let table: Vec<BlockId> = (0..(CONTEXT / BS) as u32).map(BlockId).collect();
     for (t, r) in (0..CONTEXT).map(|t| (t, t * ch..(t + 1) * ch)) {
         for l in 0..LAYERS {
@@ -319,7 +385,7 @@ fn seal_block(c: &mut Criterion) {
         .seal_blocks(&table, 0, CONTEXT, &mut paged_cache::SeqTables::default())
         .expect("seal");
     let pages = PageTable::from_tables(&[(&table, CONTEXT)], BS).expect("table");
-    let q = matrix(1, heads.q_len(), 0.3);
+    let q = smooth_rows(1, heads.q_len(), 0.3);
     let mut group = c.benchmark_group("paged-cache/seal-block-4k");
     group
         .sample_size(10)
@@ -384,7 +450,7 @@ fn write_token(c: &mut Criterion) {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .throughput(Throughput::Elements(1));
-    let rows = matrix(CONTEXT + 1, ch, 0.0);
+    let rows = smooth_rows(CONTEXT + 1, ch, 0.0);
     group.bench_function("baseline-reencode", |b| {
         b.iter(|| {
             for _ in 0..2 * LAYERS {
@@ -427,6 +493,7 @@ criterion_group!(
     alloc_free,
     prefix_lookup,
     decode,
+    decode_64k,
     seal_block,
     write_token
 );

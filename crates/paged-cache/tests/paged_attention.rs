@@ -200,6 +200,54 @@ fn default_tiles_read_pages_as_a_contiguous_store() {
     }
 }
 
+/// Per-channel keys and values sealed block by block (`int4-ch` on pages of
+/// B tokens: one scale and offset per channel per block) gather whole
+/// blocks into a tile as per-token forms do, so under attention's default
+/// tiles paged decode equals decode over one contiguous `int4-ch<B>` store
+/// of the same rows, bit for bit and tile for tile (the rows are f16
+/// values, so sealing from the exact staged rows quantizes what the
+/// contiguous store quantizes).
+#[test]
+fn sealed_per_channel_blocks_read_as_a_contiguous_store() {
+    let shape = HeadShape::new(8, 2, 128).unwrap();
+    let ch = shape.kv_channels();
+    for bs in [16, 32, 64] {
+        let lens = [20 * bs, 3 * bs];
+        let form: CacheForm = "int4-ch".parse().unwrap();
+        let (storage, table, data) = build(form, bs, ch, &lens, 5);
+        let mut seqs = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            let blocks: Vec<BlockId> = table.pages(i).iter().map(|&b| BlockId(b)).collect();
+            storage
+                .seal_blocks(&blocks, 0, len, &mut paged_cache::SeqTables::default())
+                .unwrap();
+            seqs.push(blocks);
+        }
+        let attn = Attention::new(shape);
+        let queries = rows(lens.len(), shape.q_len(), 7);
+        let paged = paged_decode(&attn, &storage, &table, 0, &queries).unwrap();
+        let grouped: CacheForm = format!("int4-ch{bs}").parse().unwrap();
+        for (i, ((k, v), out)) in data.iter().zip(&paged).enumerate() {
+            let len = lens[i];
+            let src = PagedKv::new(&storage, &table, i, 0, KvPart::Keys).unwrap();
+            assert!(attention::KvSource::gathers_blocks(&src), "blocks of {bs}");
+            let f16 = |x: &[f32]| -> Vec<f32> {
+                x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+            };
+            let ks = KvStore::quantize(grouped, &f16(k), len, ch).unwrap();
+            let vs = KvStore::quantize(grouped, &f16(v), len, ch).unwrap();
+            let q = &queries[i * shape.q_len()..][..shape.q_len()];
+            let want = attn.decode(q, len - 1, &ks, &vs, &Mask::Causal).unwrap();
+            assert_eq!(
+                (&out.out, &out.lse),
+                (&want.out, &want.lse),
+                "blocks of {bs}, sequence {i}"
+            );
+            assert_eq!(out.stats.tiles, want.stats.tiles, "blocks of {bs}");
+        }
+    }
+}
+
 /// A tile over pages that are not adjacent reads as gathered levels while
 /// its rows are clean, with the rows' own values; once one of its values is
 /// erased it is decoded into f32 page by page, the erased value rebuilt from

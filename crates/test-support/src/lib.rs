@@ -25,8 +25,12 @@
 //! # unsafe { std::env::remove_var("REQUIRE_GPU") };
 //! gpu_test();
 //! ```
+//!
+//! [`rows`] holds the synthetic K/V rows and shuffled block orders the
+//! benches and timing examples share.
 
 mod alloc;
+pub mod rows;
 
 pub use alloc::{CountingAllocator, allocations};
 

@@ -736,7 +736,10 @@ pub(crate) struct DotBlock<'a> {
 pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
     let row_bytes = if b.packed { b.ch / 2 } else { b.ch };
     assert!(b.lane_weights.is_none_or(|w| {
-        b.packed && b.image.is_none() && w.len() >= b.heads && classes::weights_fit(w, b.len)
+        b.packed
+            && b.image.is_none()
+            && w.len() >= b.heads
+            && classes::weights_fit(&w[..b.heads], b.len)
     }));
     assert!(
         b.heads >= 1
@@ -813,6 +816,7 @@ mod avx2;
 mod channels;
 mod classes;
 mod dot;
+mod fold;
 mod planes;
 #[cfg(target_arch = "x86_64")]
 mod vnni;

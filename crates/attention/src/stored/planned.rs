@@ -407,7 +407,7 @@ impl StoredPart for PlannedPart {
     }
 
     fn gathers_blocks(&self) -> bool {
-        self.sealed.reads_levels_per_token()
+        self.sealed.gathers_levels_in_blocks(self.plan.block_size)
     }
 
     fn rotation(&self) -> Option<&'static Hadamard> {

@@ -358,12 +358,21 @@ impl KvStore {
     /// ([`GatheredLevels`]): the integer, NF4 and per-token FP8 forms,
     /// protected or not.
     pub fn reads_levels_per_token(&self) -> bool {
+        self.gathers_levels_in_blocks(1)
+    }
+
+    /// Whether rows with no erased value read as levels whose groups lie
+    /// within blocks of `block` tokens (groups of one token, or groups
+    /// along tokens of a divisor of `block`: per-channel `int4-ch<G>`
+    /// blocks), so that whole blocks read from different places can be
+    /// set side by side ([`GatheredLevels`]).
+    pub fn gathers_levels_in_blocks(&self, block: usize) -> bool {
         self.middle.coding.kind.level_map().is_some()
             && self
                 .middle
                 .layout
                 .as_ref()
-                .is_some_and(|l| l.tokens_per_block == 1)
+                .is_some_and(|l| block.is_multiple_of(l.tokens_per_block))
     }
 }
 
@@ -372,7 +381,11 @@ impl KvStore {
 /// [`KvStore::decode_rows_view_packed`]), copied side by side with their
 /// group parameters, to be read as one view: a paged cache's tile over
 /// pages that are not adjacent. Per-token groups make a row's parameters
-/// its own, so the view gives each row the values its own view gave. Only
+/// its own; groups along tokens (per-channel `int4-ch<G>` blocks) are
+/// pushed whole, so that each group's parameters follow its rows: the
+/// first push may start inside its group and the last end inside one, and
+/// every push between starts and ends at a group's edge. Either way the
+/// view gives each row the values its own view gave. Only
 /// views can be pushed, so the levels are always ones the store's decoder
 /// wrote (no level above the form's largest). The view is packed as the
 /// first rows pushed were; later rows packed two per byte are unpacked
@@ -386,6 +399,11 @@ pub struct GatheredLevels {
     /// The section the rows came from (its address, form and channels),
     /// while any are held.
     section: Option<(usize, crate::CacheForm, usize)>,
+    /// Groups along tokens: where the first row held lies in its group
+    /// (the view's first row), and whether the last push ended inside its
+    /// group (no push may follow).
+    first_in_group: usize,
+    open_end: bool,
 }
 
 impl GatheredLevels {
@@ -396,11 +414,14 @@ impl GatheredLevels {
         self.offset.clear();
         self.section = None;
         self.packing = None;
+        self.first_in_group = 0;
+        self.open_end = false;
     }
 
-    /// Appends the rows of `rows`; `false` (appending nothing) unless their
-    /// groups are per token, they come from the same store as the rows
-    /// held, and they are not one per byte where those are two per byte.
+    /// Appends the rows of `rows`; `false` (appending nothing) unless they
+    /// come from the same store as the rows held, they are not one per
+    /// byte where those are two per byte, and, for groups along tokens,
+    /// they continue the held rows at a group's edge (see the type's doc).
     pub fn push(&mut self, rows: &LevelRows<'_>) -> bool {
         let from = rows.section;
         let section = (
@@ -408,7 +429,13 @@ impl GatheredLevels {
             from.coding.form,
             from.channels,
         );
-        if rows.tokens_per_group() != 1 || self.section.is_some_and(|s| s != section) {
+        if self.section.is_some_and(|s| s != section) {
+            return false;
+        }
+        let g = rows.tokens_per_group();
+        let first = rows.start % g;
+        let end = (rows.start + rows.rows()) % g;
+        if self.section.is_some() && (first != 0 || self.open_end) {
             return false;
         }
         let packing = *self.packing.get_or_insert(rows.packing);
@@ -421,7 +448,11 @@ impl GatheredLevels {
             }
             _ => self.levels.extend_from_slice(rows.levels),
         }
+        if self.section.is_none() {
+            self.first_in_group = first;
+        }
         self.section = Some(section);
+        self.open_end = end != 0;
         self.scale.extend_from_slice(rows.scale);
         self.offset.extend_from_slice(rows.offset);
         true
@@ -438,27 +469,34 @@ impl GatheredLevels {
             section.channels,
         );
         let map = section.coding.kind.level_map()?;
-        let groups = section.layout.as_ref()?.groups_per_block;
+        let layout = section.layout.as_ref()?;
         let packing = self.packing?;
         let row_bytes = match packing {
             LevelPacking::Bytes => section.channels,
             LevelPacking::Nibbles => section.channels / 2,
         };
         let rows = self.levels.len() / row_bytes.max(1);
+        // As rows `first..first + rows` of the section, the first inside
+        // its group where the first push started: the groups follow.
+        let first = self.first_in_group;
+        let groups = if rows >= 1 {
+            layout.groups_of_rows(first, first + rows).len()
+        } else {
+            0
+        };
         let whole = self.levels.len() == rows * row_bytes
-            && self.scale.len() == rows * groups
-            && self.offset.len() == rows * groups;
-        (self.section == Some(ours) && whole && rows >= 1 && rows <= section.tokens).then_some(
-            LevelRows {
+            && self.scale.len() == groups
+            && self.offset.len() == groups;
+        (self.section == Some(ours) && whole && rows >= 1 && first + rows <= section.tokens)
+            .then_some(LevelRows {
                 section,
-                start: 0,
+                start: first,
                 levels: &self.levels,
                 packing,
                 scale: &self.scale,
                 offset: &self.offset,
                 map,
-            },
-        )
+            })
     }
 }
 

@@ -3,7 +3,7 @@
 //! query before it is quantized, the levels scored centred on
 //! `2^(bits−1)` (see the parent module).
 
-use super::classes::{quantize_classes, weighted_code_sum};
+use super::fold::{fold, fold_classes};
 use super::{
     Context, DotBlock, DotValue, HeadBlockPass, IntScratch, LevelPacking, Prefetcher, QueryCodes,
     TileGeometry, for_head_blocks, quantize, split_planes,
@@ -69,21 +69,22 @@ fn per_channel_runs(
             for (h, q) in q.chunks_exact(d).enumerate() {
                 let kvh = h / group;
                 let (a, b) = (&scale[kvh * d..][..d], &offset[kvh * d..][..d]);
-                let (folded_sum, offset_sum) = fold(q, a, b, folded);
                 let (hi, lo) = (
                     &mut scratch.codes[h * d..][..d],
                     &mut scratch.codes_lo[h * d..][..d],
                 );
                 // `Σ_c s_c·code_c`, the codes' own image of `Σ q'`.
-                let coded_sum = if classes {
-                    let Some((unit, weights)) = quantize_classes(folded, hi) else {
+                let (folded_sum, offset_sum, coded_sum) = if classes {
+                    let Some(head) = fold_classes(q, a, b, folded, hi, ctx.dot) else {
                         scratch.coded_for = None;
                         return false;
                     };
-                    scratch.class_weights[h] = weights;
-                    scratch.scale[h] = unit;
-                    unit * weighted_code_sum(hi, &weights) as f32
+                    scratch.class_weights[h] = head.weights;
+                    scratch.scale[h] = head.unit;
+                    let coded_sum = head.unit * head.code_sum as f32;
+                    (head.folded_sum, head.offset_sum, coded_sum)
                 } else {
+                    let (folded_sum, offset_sum) = fold(q, a, b, folded);
                     let Some(s) = quantize(folded, ctx.codes, hi, lo) else {
                         scratch.coded_for = None;
                         return false;
@@ -97,7 +98,7 @@ fn per_channel_runs(
                             .sum(),
                     };
                     scratch.scale[h] = s;
-                    s * code_sum as f32
+                    (folded_sum, offset_sum, s * code_sum as f32)
                 };
                 split_planes(hi, &mut scratch.planes[h * d..][..d]);
                 let base = match mid {
@@ -124,33 +125,6 @@ fn per_channel_runs(
         for_head_blocks(ctx.geometry, &mut pass);
     }
     true
-}
-
-/// One head's fold: `folded = q·a` channel by channel, and `(Σ folded,
-/// Σ q·b)` each summed as [`super::lane_sum`] sums them (16 lanes in chunk
-/// order, the rest into the first lanes, then the lanes in order): the
-/// same bits as the three passes it replaces, in one.
-#[inline(always)]
-fn fold(q: &[f32], a: &[f32], b: &[f32], folded: &mut [f32]) -> (f32, f32) {
-    let (mut sums, mut offsets) = ([0.0f32; 16], [0.0f32; 16]);
-    let (qs, q_rest) = q.as_chunks::<16>();
-    let (as_, a_rest) = a[..q.len()].as_chunks::<16>();
-    let (bs, b_rest) = b[..q.len()].as_chunks::<16>();
-    let (fs, f_rest) = folded[..q.len()].as_chunks_mut::<16>();
-    // Whole arrays by value, so that the lanes stay in registers (an
-    // indexed loop over them was compiled scalar).
-    for (((q, a), b), f) in qs.iter().zip(as_).zip(bs).zip(fs) {
-        let x: [f32; 16] = std::array::from_fn(|l| q[l] * a[l]);
-        *f = x;
-        sums = std::array::from_fn(|l| sums[l] + x[l]);
-        offsets = std::array::from_fn(|l| offsets[l] + q[l] * b[l]);
-    }
-    for (l, f) in f_rest.iter_mut().enumerate() {
-        *f = q_rest[l] * a_rest[l];
-        sums[l] += *f;
-        offsets[l] += q_rest[l] * b_rest[l];
-    }
-    (sums.iter().sum(), offsets.iter().sum())
 }
 
 /// One head block against a run of rows sharing a block of tokens
