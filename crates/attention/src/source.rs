@@ -97,7 +97,9 @@ pub trait KvSource: Sync {
     }
 
     /// Tokens per block of a source stored in blocks, which a tile should
-    /// not cross to be read as stored (a paged source's block size: a tile
+    /// not cross to be read as stored (a paged source's block size, or a
+    /// run of blocks its part reads as one tile, such as a sealed group
+    /// of several pages: a tile
     /// over blocks that are not adjacent is decoded into f32 rows first,
     /// or has its blocks' levels copied side by side where the source
     /// [gathers](Self::gathers_blocks)); `None` (the default) for unblocked

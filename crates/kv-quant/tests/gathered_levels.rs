@@ -107,6 +107,23 @@ fn whole_token_groups_gathered_read_as_their_own_values() {
         let store = KvStore::quantize(form.parse().unwrap(), &values(9), TOKENS, CHANNELS).unwrap();
         gather_and_check(&mut GatheredLevels::default(), &store, pieces);
     }
+    // Blocks gather where the groups lie within them: whole multiples of
+    // the group's tokens, never blocks of none.
+    let ch8 = KvStore::quantize("int4-ch8".parse().unwrap(), &values(9), TOKENS, CHANNELS).unwrap();
+    for (block, gathers) in [
+        (8, true),
+        (16, true),
+        (24, true),
+        (4, false),
+        (12, false),
+        (0, false),
+    ] {
+        assert_eq!(
+            ch8.gathers_levels_in_blocks(block),
+            gathers,
+            "blocks of {block}"
+        );
+    }
 }
 
 #[test]

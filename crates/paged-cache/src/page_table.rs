@@ -217,7 +217,7 @@ impl KvSource for PagedKv<'_> {
     }
 
     fn block_tokens(&self) -> Option<usize> {
-        Some(self.part.block_size())
+        Some(self.part.tile_unit())
     }
 
     fn gathers_blocks(&self) -> bool {

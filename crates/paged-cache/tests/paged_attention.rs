@@ -248,6 +248,67 @@ fn sealed_per_channel_blocks_read_as_a_contiguous_store() {
     }
 }
 
+/// A per-channel group kept over several pages (`int4-ch64` in blocks of
+/// 16 and 32, one channel slice per page) is read a whole group per tile:
+/// the source's tile unit is the group, so paged decode under attention's
+/// default tiles equals decode over one contiguous `int4-ch64` store with
+/// fixed tiles of 64 rows, bit for bit and tile for tile. After sink blocks
+/// the groups do not start at a multiple of their size, and tiles stay
+/// cut to the page.
+#[test]
+fn grouped_pages_are_read_a_group_per_tile() {
+    let shape = HeadShape::new(8, 2, 128).unwrap();
+    let ch = shape.kv_channels();
+    for bs in [16, 32] {
+        let lens = [20 * 64, 3 * 64];
+        let form: CacheForm = "int4-ch64".parse().unwrap();
+        let (storage, table, data) = build(form, bs, ch, &lens, 9);
+        for (i, &len) in lens.iter().enumerate() {
+            let blocks: Vec<BlockId> = table.pages(i).iter().map(|&b| BlockId(b)).collect();
+            storage
+                .seal_blocks(&blocks, 0, len, &mut paged_cache::SeqTables::default())
+                .unwrap();
+        }
+        let attn = Attention::new(shape);
+        let queries = rows(lens.len(), shape.q_len(), 3);
+        let paged = paged_decode(&attn, &storage, &table, 0, &queries).unwrap();
+        let fixed = AttentionConfig {
+            tile_tokens: 64,
+            tile_bytes: None,
+            ..AttentionConfig::default()
+        };
+        let contiguous = Attention::with_config(shape, fixed).unwrap();
+        for (i, ((k, v), out)) in data.iter().zip(&paged).enumerate() {
+            let len = lens[i];
+            let src = PagedKv::new(&storage, &table, i, 0, KvPart::Keys).unwrap();
+            assert_eq!(
+                attention::KvSource::block_tokens(&src),
+                Some(64),
+                "blocks of {bs}"
+            );
+            let f16 = |x: &[f32]| -> Vec<f32> {
+                x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+            };
+            let ks = KvStore::quantize(form, &f16(k), len, ch).unwrap();
+            let vs = KvStore::quantize(form, &f16(v), len, ch).unwrap();
+            let q = &queries[i * shape.q_len()..][..shape.q_len()];
+            let want = contiguous
+                .decode(q, len - 1, &ks, &vs, &Mask::Causal)
+                .unwrap();
+            assert_eq!(
+                (&out.out, &out.lse),
+                (&want.out, &want.lse),
+                "blocks of {bs}, sequence {i}"
+            );
+            assert_eq!(out.stats.tiles, want.stats.tiles, "blocks of {bs}");
+        }
+    }
+    let sunk: CacheForm = "int4-ch64+sink4".parse().unwrap();
+    let (storage, table, _) = build(sunk, 16, ch, &[128], 9);
+    let src = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).unwrap();
+    assert_eq!(attention::KvSource::block_tokens(&src), Some(16));
+}
+
 /// A tile over pages that are not adjacent reads as gathered levels while
 /// its rows are clean, with the rows' own values; once one of its values is
 /// erased it is decoded into f32 page by page, the erased value rebuilt from

@@ -305,6 +305,18 @@ impl StoredPart for GroupedPart {
         self.plan.block_size
     }
 
+    fn tile_unit(&self) -> usize {
+        // A tile inside one sealed group reads its slices side by side
+        // (`read_tile`); groups start at token 0 where no sink blocks come
+        // first, so tiles of a group's rows are groups. After sink blocks
+        // they would straddle two groups: cut to the block.
+        if self.plan.sink_blocks == 0 {
+            self.group_tokens()
+        } else {
+            self.plan.block_size
+        }
+    }
+
     fn num_blocks(&self) -> usize {
         self.blocks.len()
     }

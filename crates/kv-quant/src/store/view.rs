@@ -365,9 +365,11 @@ impl KvStore {
     /// within blocks of `block` tokens (groups of one token, or groups
     /// along tokens of a divisor of `block`: per-channel `int4-ch<G>`
     /// blocks), so that whole blocks read from different places can be
-    /// set side by side ([`GatheredLevels`]).
+    /// set side by side ([`GatheredLevels`]); `false` for blocks of no
+    /// tokens.
     pub fn gathers_levels_in_blocks(&self, block: usize) -> bool {
-        self.middle.coding.kind.level_map().is_some()
+        block > 0
+            && self.middle.coding.kind.level_map().is_some()
             && self
                 .middle
                 .layout

@@ -12,7 +12,7 @@
 //! same order (tested).
 
 use super::Dot;
-use super::classes::{max_weight, quantize_classes, weighted_code_sum};
+use super::classes::{quantize_classes, weighted_code_sum};
 
 /// One head's folded query, coded by class.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -70,16 +70,17 @@ pub(super) fn fold_classes(
     dot: Dot,
 ) -> Option<FoldedHead> {
     let d = q.len();
+    // `Dot::Vnni` is detected from AVX-512 alone: AVX2 is checked too.
     #[cfg(target_arch = "x86_64")]
-    if dot != Dot::Portable
+    if (dot == Dot::Avx2 || (dot == Dot::Vnni && std::arch::is_x86_feature_detected!("avx2")))
         && d.is_multiple_of(64)
         && a.len() >= d
         && b.len() >= d
         && folded.len() >= d
         && codes.len() >= d
     {
-        // SAFETY: every `Dot` but the portable one is only detected with
-        // AVX2; the lengths are checked above.
+        // SAFETY: `Dot::Avx2` is only detected with AVX2, and AVX2 was
+        // checked for `Dot::Vnni`; the lengths are checked above.
         return unsafe { avx2::fold_classes(q, a, b, folded, codes) };
     }
     let _ = dot;
@@ -115,7 +116,8 @@ mod avx2 {
 
     use std::arch::x86_64::*;
 
-    use super::{FoldedHead, max_weight};
+    use super::super::classes::max_weight;
+    use super::FoldedHead;
 
     /// Adds 1.5·2^23: rounds to the nearest integer, ties to even (as
     /// [`quantize_classes`](super::quantize_classes) does).
