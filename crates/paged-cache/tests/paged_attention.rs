@@ -84,6 +84,22 @@ fn build(form: CacheForm, bs: usize, channels: usize, lens: &[usize], shuffle: u
     (storage, table, data)
 }
 
+/// Seals every block of every sequence of `table` (staged forms), as the
+/// steps that wrote them would have when they committed.
+fn seal_all(storage: &BlockStorage, table: &PageTable, lens: &[usize]) {
+    for (i, &len) in lens.iter().enumerate() {
+        let blocks: Vec<BlockId> = table.pages(i).iter().map(|&b| BlockId(b)).collect();
+        storage
+            .seal_blocks(&blocks, 0, len, &mut paged_cache::SeqTables::default())
+            .unwrap();
+    }
+}
+
+/// `x` rounded to f16, the exact rows a staged block seals from.
+fn f16_rounded(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(if cfg!(debug_assertions) { 24 } else { 96 }))]
 
@@ -215,14 +231,7 @@ fn sealed_per_channel_blocks_read_as_a_contiguous_store() {
         let lens = [20 * bs, 3 * bs];
         let form: CacheForm = "int4-ch".parse().unwrap();
         let (storage, table, data) = build(form, bs, ch, &lens, 5);
-        let mut seqs = Vec::new();
-        for (i, &len) in lens.iter().enumerate() {
-            let blocks: Vec<BlockId> = table.pages(i).iter().map(|&b| BlockId(b)).collect();
-            storage
-                .seal_blocks(&blocks, 0, len, &mut paged_cache::SeqTables::default())
-                .unwrap();
-            seqs.push(blocks);
-        }
+        seal_all(&storage, &table, &lens);
         let attn = Attention::new(shape);
         let queries = rows(lens.len(), shape.q_len(), 7);
         let paged = paged_decode(&attn, &storage, &table, 0, &queries).unwrap();
@@ -231,11 +240,8 @@ fn sealed_per_channel_blocks_read_as_a_contiguous_store() {
             let len = lens[i];
             let src = PagedKv::new(&storage, &table, i, 0, KvPart::Keys).unwrap();
             assert!(attention::KvSource::gathers_blocks(&src), "blocks of {bs}");
-            let f16 = |x: &[f32]| -> Vec<f32> {
-                x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
-            };
-            let ks = KvStore::quantize(grouped, &f16(k), len, ch).unwrap();
-            let vs = KvStore::quantize(grouped, &f16(v), len, ch).unwrap();
+            let ks = KvStore::quantize(grouped, &f16_rounded(k), len, ch).unwrap();
+            let vs = KvStore::quantize(grouped, &f16_rounded(v), len, ch).unwrap();
             let q = &queries[i * shape.q_len()..][..shape.q_len()];
             let want = attn.decode(q, len - 1, &ks, &vs, &Mask::Causal).unwrap();
             assert_eq!(
@@ -263,12 +269,7 @@ fn grouped_pages_are_read_a_group_per_tile() {
         let lens = [20 * 64, 3 * 64];
         let form: CacheForm = "int4-ch64".parse().unwrap();
         let (storage, table, data) = build(form, bs, ch, &lens, 9);
-        for (i, &len) in lens.iter().enumerate() {
-            let blocks: Vec<BlockId> = table.pages(i).iter().map(|&b| BlockId(b)).collect();
-            storage
-                .seal_blocks(&blocks, 0, len, &mut paged_cache::SeqTables::default())
-                .unwrap();
-        }
+        seal_all(&storage, &table, &lens);
         let attn = Attention::new(shape);
         let queries = rows(lens.len(), shape.q_len(), 3);
         let paged = paged_decode(&attn, &storage, &table, 0, &queries).unwrap();
@@ -286,11 +287,8 @@ fn grouped_pages_are_read_a_group_per_tile() {
                 Some(64),
                 "blocks of {bs}"
             );
-            let f16 = |x: &[f32]| -> Vec<f32> {
-                x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
-            };
-            let ks = KvStore::quantize(form, &f16(k), len, ch).unwrap();
-            let vs = KvStore::quantize(form, &f16(v), len, ch).unwrap();
+            let ks = KvStore::quantize(form, &f16_rounded(k), len, ch).unwrap();
+            let vs = KvStore::quantize(form, &f16_rounded(v), len, ch).unwrap();
             let q = &queries[i * shape.q_len()..][..shape.q_len()];
             let want = contiguous
                 .decode(q, len - 1, &ks, &vs, &Mask::Causal)
