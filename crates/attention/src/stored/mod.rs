@@ -122,7 +122,7 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
 
     /// Rows a tile should stay within to be read as stored where the part
     /// does not [gather](Self::gathers_blocks) blocks (a paged source's
-    /// [`KvSource::block_tokens`]): the block, or a larger run of blocks
+    /// [`KvSource::block_tokens`](crate::KvSource::block_tokens)): the block, or a larger run of blocks
     /// the part reads as one tile (a sealed group of several blocks).
     fn tile_unit(&self) -> usize {
         self.block_size()
