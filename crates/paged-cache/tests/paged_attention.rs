@@ -100,6 +100,17 @@ fn f16_rounded(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
 }
 
+/// Asserts that a paged decode gave the contiguous decode's outputs, log
+/// sum-exps and tile count, bit for bit.
+fn assert_same_decode(
+    paged: &attention::AttentionOutput,
+    want: &attention::AttentionOutput,
+    what: &str,
+) {
+    assert_eq!((&paged.out, &paged.lse), (&want.out, &want.lse), "{what}");
+    assert_eq!(paged.stats.tiles, want.stats.tiles, "{what}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(if cfg!(debug_assertions) { 24 } else { 96 }))]
 
@@ -203,14 +214,10 @@ fn default_tiles_read_pages_as_a_contiguous_store() {
             let want = contiguous
                 .decode(q, len - 1, &ks, &vs, &Mask::Causal)
                 .unwrap();
-            assert_eq!(
-                (&out.out, &out.lse),
-                (&want.out, &want.lse),
-                "{spelling}, blocks of {bs}, sequence {i}"
-            );
-            assert_eq!(
-                out.stats.tiles, want.stats.tiles,
-                "{spelling}, blocks of {bs}"
+            assert_same_decode(
+                out,
+                &want,
+                &format!("{spelling}, blocks of {bs}, sequence {i}"),
             );
         }
     }
@@ -244,12 +251,7 @@ fn sealed_per_channel_blocks_read_as_a_contiguous_store() {
             let vs = KvStore::quantize(grouped, &f16_rounded(v), len, ch).unwrap();
             let q = &queries[i * shape.q_len()..][..shape.q_len()];
             let want = attn.decode(q, len - 1, &ks, &vs, &Mask::Causal).unwrap();
-            assert_eq!(
-                (&out.out, &out.lse),
-                (&want.out, &want.lse),
-                "blocks of {bs}, sequence {i}"
-            );
-            assert_eq!(out.stats.tiles, want.stats.tiles, "blocks of {bs}");
+            assert_same_decode(out, &want, &format!("blocks of {bs}, sequence {i}"));
         }
     }
 }
@@ -293,12 +295,7 @@ fn grouped_pages_are_read_a_group_per_tile() {
             let want = contiguous
                 .decode(q, len - 1, &ks, &vs, &Mask::Causal)
                 .unwrap();
-            assert_eq!(
-                (&out.out, &out.lse),
-                (&want.out, &want.lse),
-                "blocks of {bs}, sequence {i}"
-            );
-            assert_eq!(out.stats.tiles, want.stats.tiles, "blocks of {bs}");
+            assert_same_decode(out, &want, &format!("blocks of {bs}, sequence {i}"));
         }
     }
     let sunk: CacheForm = "int4-ch64+sink4".parse().unwrap();
