@@ -13,8 +13,8 @@ use std::sync::Arc;
 use attention::TileRows;
 use attention::stored::{Fitted, PartScratch, StoredPart, check_part_form, open_part};
 use gf2_codes::channel::ExactFlips;
-use kv_lowrank::{Basis, BasisStorage, HeadBases, LowRankStore};
-use kv_quant::{CacheForm, DecodeScratch, FaultTarget, QuantizeOptions, RankRule};
+use kv_lowrank::{HeadBases, LowRankStore};
+use kv_quant::{CacheForm, DecodeScratch, FaultTarget, QuantizeOptions};
 
 const HEADS: usize = 2;
 const HEAD_DIM: usize = 16;
@@ -26,19 +26,7 @@ fn rows(tokens: usize, seed: u64) -> Vec<f32> {
 }
 
 fn bases() -> Arc<HeadBases> {
-    let cal = rows(256, 99);
-    let heads = (0..HEADS)
-        .map(|h| {
-            let head: Vec<f32> = cal
-                .chunks_exact(CH)
-                .flat_map(|r| r[h * HEAD_DIM..][..HEAD_DIM].to_vec())
-                .collect();
-            let (b, _) =
-                Basis::fit(&head, 256, HEAD_DIM, RankRule::Fixed(4), BasisStorage::F16).unwrap();
-            Arc::new(b)
-        })
-        .collect();
-    Arc::new(HeadBases { heads })
+    common::fitted_bases(&rows(256, 99), HEADS, HEAD_DIM, 4)
 }
 
 #[test]

@@ -218,6 +218,12 @@ fn low_rank_forms_run_on_the_model_with_calibrated_bases() {
         .with_calibration(Some(cal));
     let (pre, _) = forward(&m, mode).unwrap();
     assert!(pre.iter().all(|x| x.is_finite()));
+    // Values carry no RoPE: a value form projecting before it is refused.
+    let mode = CacheMode::parse("pca-r4-pre")
+        .unwrap()
+        .with_calibration(Some(Arc::new(calibration(&m, "pca-r4-pre"))));
+    let e = forward(&m, mode).unwrap_err().to_string();
+    assert!(e.contains("values do not carry"), "{e}");
     let (online, cache) = forward(&m, CacheMode::parse("fd-r4-l16/fp16").unwrap()).unwrap();
     assert!(online.iter().all(|x| x.is_finite()));
     assert!(cache.stats().part_bytes[0] > 0);

@@ -71,6 +71,22 @@
 //!    blocks staged and sealed.
 //! 3. Add one arm to [`open_part`] that builds it for its forms, and one
 //!    to [`part_pool_bytes`].
+//! 4. Where the form's whole-window store (the re-encode protocol's) is
+//!    not a kv-quant or kv-lowrank store already, one arm to
+//!    [`open_window`].
+//!
+//! # Windows: the re-encode protocol
+//!
+//! [`open_window_layer`] codes one layer's keys and values whole from
+//! their f32 rows for one call of the re-encode protocol ([`WindowLayer`]:
+//! two [`WindowPart`]s over the kv-quant and kv-lowrank stores the paged
+//! parts seal into, or a Shard layer its [`WindowState`] keeps from the
+//! prefill), so the protocol builds, faults, counts and reads every form
+//! without looking at it. A window is not a one-block [`StoredPart`]: the
+//! protocol codes it from f32 at once (per-channel scales over every
+//! token, sink and window segments inside one store, bases fitted on the
+//! window), where a paged part stages rows as f16 and seals blocks, so
+//! the two differ by design and the protocol's tables stay what they were.
 //!
 //! Nothing in paged-cache, the model runner or kv-eval changes: the
 //! state-machine, swap, prefix and scrubbing tests of paged-cache run
@@ -86,6 +102,7 @@ mod sequence;
 mod shard;
 mod shared;
 mod staging;
+mod window;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -104,6 +121,10 @@ pub use sequence::{SequenceFit, SequenceTables};
 pub use shard::{BlockGuard, MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
 pub use staging::clamp_non_finite;
+pub use window::{
+    WindowBytes, WindowInjection, WindowLayer, WindowPart, WindowScratch, WindowShape,
+    WindowSource, WindowState, attend_windows, check_layer_forms, keeps_prefill,
+};
 
 use crate::error::{AttentionError, Result};
 use crate::source::{BlockedScratch, StoreScratch, Tile};
@@ -679,6 +700,39 @@ pub fn open_part(
     Ok(Box::new(PlannedPart::new(
         plan, channels, num_blocks, codebook,
     )?))
+}
+
+/// The registry of the re-encode protocol, beside [`open_part`]: `rows`
+/// (`tokens × channels`, heads of `head_dim` values) coded whole in
+/// `form` as one [`WindowPart`] (reading `fitted`'s codebook or
+/// calibrated bases where the form needs them; keys of a form projected
+/// before RoPE rotated back to position 0 by `rope` first), or why a
+/// window cannot hold the form (shard forms keep state across calls:
+/// [`ShardLayer`](crate::ShardLayer)).
+pub fn open_window(
+    form: CacheForm,
+    fitted: &Fitted,
+    rows: &[f32],
+    (tokens, channels, head_dim): (usize, usize, usize),
+    rope: Option<&crate::Rope>,
+) -> Result<WindowPart> {
+    window::open(form, fitted, rows, (tokens, channels, head_dim), rope)
+}
+
+/// One layer of the re-encode protocol for one call: keys and values
+/// (`shape.tokens` rows each) in `forms` (each with the fitted tables it
+/// reads), coded whole as two [`WindowPart`]s, or, for a shard form
+/// (keys and values stored together), the layer `state` keeps from the
+/// prefill extended by the rows since. `rope` rotates keys of forms that
+/// project before RoPE (and is what a shard form undoes).
+pub fn open_window_layer(
+    forms: [(CacheForm, &Fitted); 2],
+    state: &mut WindowState,
+    rows: (&[f32], &[f32]),
+    shape: WindowShape,
+    rope: Option<&crate::Rope>,
+) -> Result<WindowLayer> {
+    window::layer_open(forms, state, rows, shape, rope)
 }
 
 /// The bases a low-rank `form` needs from `fitted`, or its refusal.

@@ -101,3 +101,28 @@ pub fn f16_rows(x: &[f32], channels: usize) -> Vec<f32> {
         .unwrap()
         .values
 }
+
+/// Per-head bases of `rank` fitted on `rows` (`tokens × heads·head_dim`),
+/// stored as f16: the calibrated tables of a `pca-*` form.
+pub fn fitted_bases(
+    rows: &[f32],
+    heads: usize,
+    head_dim: usize,
+    rank: usize,
+) -> std::sync::Arc<kv_lowrank::HeadBases> {
+    use kv_lowrank::{Basis, BasisStorage, HeadBases};
+    let channels = heads * head_dim;
+    let tokens = rows.len() / channels;
+    let heads = (0..heads)
+        .map(|h| {
+            let head: Vec<f32> = rows
+                .chunks_exact(channels)
+                .flat_map(|r| r[h * head_dim..][..head_dim].to_vec())
+                .collect();
+            let rule = kv_quant::RankRule::Fixed(rank);
+            let (b, _) = Basis::fit(&head, tokens, head_dim, rule, BasisStorage::F16).unwrap();
+            std::sync::Arc::new(b)
+        })
+        .collect();
+    std::sync::Arc::new(HeadBases { heads })
+}

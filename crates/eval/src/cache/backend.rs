@@ -14,6 +14,9 @@ impl KvBackend for KvCache {
         if self.rows.layers() == 0 {
             if let CacheMode::Stored(stored) = &self.mode {
                 self.codes = resolve(stored, model.layers, model.heads.kv_channels())?;
+                for c in &self.codes {
+                    check_layer_forms(c.key.form, c.value.form, model.rope.is_some())?;
+                }
                 if let Some(blocks) = &stored.blocks {
                     let forms: Vec<_> = self
                         .codes
@@ -63,11 +66,11 @@ impl KvBackend for KvCache {
     fn rollback(&mut self) {
         self.rows.rollback();
         if self.prefill.is_none() {
-            self.shard.clear();
+            self.windows.clear();
         }
         // Chunks folded during the step came from its rows, now gone.
-        for slot in self.shard.iter_mut().flatten() {
-            slot.grown = None;
+        for state in &mut self.windows {
+            state.rollback();
         }
         if let Some(stats) = self.checkpoint.take() {
             self.stats = stats;
@@ -130,131 +133,108 @@ impl KvBackend for KvCache {
                 let rope = self.rope.as_ref();
                 let codes = &self.codes[layer];
                 let head_dim = attention.shape().head_dim();
-                if codes.key.form.quantizer().is_shard() || codes.value.form.quantizer().is_shard()
-                {
-                    let faults = self.faults.as_ref().map(|f| {
-                        let base = mix(f.spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        let seed = mix(base ^ mix(2 * layer as u64));
-                        (f.layer_channel(layer), seed, f.spec.target)
-                    });
-                    let prefill = self.prefill.unwrap_or(tokens);
-                    let run = shard::attend(
-                        &mut self.shard,
-                        layer,
-                        codes,
-                        prefill,
-                        rope,
-                        (k, v, tokens),
-                        attention,
-                        (queries, positions, mask),
-                        faults,
-                    )?;
-                    let b = run.bytes;
-                    self.stats.stored_bytes += b.total() as u64;
-                    self.stats.part_bytes[0] += (b.keys + (b.exact + b.stream) / 2) as u64;
-                    self.stats.part_bytes[1] += (b.values + (b.exact + b.stream) / 2) as u64;
-                    self.stats.stored_values += 2 * (tokens * ch) as u64;
-                    self.stats.injected_flips += run.flips;
-                    self.stats.tables += run.tables;
-                    run.out
-                } else {
-                    let blocks = match &self.mode {
-                        CacheMode::Stored(s) => s.blocks.as_deref(),
-                        CacheMode::Plain => None,
-                    };
-                    let build = |code: &PartCode, rows: &[f32], part: usize| match blocks {
-                        Some(b) => Ok(StoredPart::Blocked(BlockedPart::build(
-                            b,
-                            (layer, part, code.form),
-                            rows,
-                            tokens,
-                            ch,
-                        )?)),
-                        None => StoredPart::build(code, rows, tokens, ch, head_dim, rope),
-                    };
-                    let mut read_k = build(&codes.key, k, 0)?;
-                    let mut read_v = build(&codes.value, v, 1)?;
-                    for (part, i) in [(&read_k, 0), (&read_v, 1)] {
-                        let (own, shared) = part.bytes();
-                        self.stats.stored_bytes += own + shared;
-                        self.stats.codebook_bytes += shared;
-                        self.stats.part_bytes[i] += own + shared;
-                    }
-                    self.stats.stored_values += 2 * (tokens * ch) as u64;
-                    // The stores' fault ledgers record every flip: attention
-                    // reads the faulted stores through the same fused kernels as
-                    // clean ones, and the statistics still separate corrected,
-                    // miscorrected and silent words.
-                    if let Some(faults) = &self.faults {
-                        let base = mix(faults.spec.seed ^ mix(self.stream ^ mix(self.calls)));
-                        let parts = [&codes.key, &codes.value];
-                        for (part, read) in [&mut read_k, &mut read_v].into_iter().enumerate() {
-                            let part_faults = PartFaults {
-                                faults,
-                                layer,
-                                part,
-                                seed: mix(base ^ mix((2 * layer + part) as u64)),
-                                block: blocks.map(|b| b.block),
-                            };
-                            self.stats.injected_flips += read.inject(&part_faults)?;
-                            let (flips, tables) = read.inject_tables(parts[part], &part_faults)?;
-                            self.stats.injected_flips += flips;
-                            self.stats.tables += tables;
-                        }
-                    }
-                    if blocks.is_some_and(|b| b.observe) {
-                        if self.stats.blocks.len() < 2 * (layer + 1) {
-                            self.stats.blocks.resize(2 * (layer + 1), Vec::new());
-                        }
-                        for (part, read) in [&read_k, &read_v].into_iter().enumerate() {
-                            if let StoredPart::Blocked(b) = read {
-                                b.observe(&mut self.stats.blocks[2 * layer + part])?;
-                            }
-                        }
-                    }
-                    let (read_k, read_v) = (&read_k, &read_v);
-                    let out = match coefficient_path(read_k, read_v) {
-                        Some((ks, vs)) => {
-                            attention.attend_low_rank(queries, positions, ks, vs, mask)?
-                        }
-                        None => {
-                            let keys = Source::of(read_k, rope);
-                            let values = Source::of(read_v, None);
-                            attention.prefill(queries, positions, &keys, &values, mask)?
-                        }
-                    };
-                    if read_k.low_rank().is_some() || read_v.low_rank().is_some() {
-                        let value_norm = if read_v.low_rank().is_some() {
-                            0.0
-                        } else {
-                            max_head_norm(v, head_dim)
-                        };
-                        let certs = certificates(
-                            attention.shape(),
-                            queries,
-                            positions,
-                            tokens,
-                            read_k.low_rank(),
-                            read_v.low_rank(),
-                            value_norm,
-                            mask,
-                        )?;
-                        if self.stats.certificates.len() <= layer {
-                            self.stats
-                                .certificates
-                                .resize(layer + 1, CertificateSums::default());
-                        }
-                        let sums = &mut self.stats.certificates[layer];
-                        for c in certs {
-                            sums.count += 1;
-                            sums.logit_sum += f64::from(c.logit);
-                            sums.logit_max = sums.logit_max.max(f64::from(c.logit));
-                            sums.output_sum += f64::from(c.output);
-                            sums.output_max = sums.output_max.max(f64::from(c.output));
-                        }
-                    }
-                    out
+                let blocks = match &self.mode {
+                    CacheMode::Stored(s) => s.blocks.as_deref(),
+                    CacheMode::Plain => None,
+                };
+                if self.windows.len() <= layer {
+                    self.windows.resize(layer + 1, WindowState::default());
                 }
+                let mut read = match blocks {
+                    Some(b) => {
+                        let part = |code: &PartCode, rows: &[f32], part: usize| {
+                            BlockedPart::build(b, (layer, part, code.form), rows, tokens, ch)
+                        };
+                        ReadLayer::Blocked([part(&codes.key, k, 0)?, part(&codes.value, v, 1)?])
+                    }
+                    None => ReadLayer::Window(open_window_layer(
+                        [
+                            (codes.key.form, &codes.key.fitted),
+                            (codes.value.form, &codes.value.fitted),
+                        ],
+                        &mut self.windows[layer],
+                        (k, v),
+                        WindowShape {
+                            tokens,
+                            prefill: self.prefill.unwrap_or(tokens),
+                            channels: ch,
+                            head_dim,
+                        },
+                        rope,
+                    )?),
+                };
+                let bytes = read.bytes();
+                self.stats.stored_bytes += bytes.total;
+                self.stats.codebook_bytes += bytes.shared;
+                self.stats.part_bytes[0] += bytes.parts[0];
+                self.stats.part_bytes[1] += bytes.parts[1];
+                self.stats.stored_values += 2 * (tokens * ch) as u64;
+                // The stores' fault ledgers record every flip: attention
+                // reads the faulted stores through the same fused kernels as
+                // clean ones, and the statistics still separate corrected,
+                // miscorrected and silent words.
+                if let Some(faults) = &self.faults {
+                    let base = mix(faults.spec.seed ^ mix(self.stream ^ mix(self.calls)));
+                    let seed = |part: usize| mix(base ^ mix((2 * layer + part) as u64));
+                    let part_faults = |part: usize| PartFaults {
+                        faults,
+                        layer,
+                        part,
+                        seed: seed(part),
+                        block: blocks.map(|b| b.block),
+                    };
+                    let injected = read.inject(faults, layer, [seed(0), seed(1)], part_faults)?;
+                    self.stats.injected_flips += injected.flips;
+                    self.stats.tables += injected.tables;
+                }
+                if let (ReadLayer::Blocked(parts), Some(b)) = (&read, blocks)
+                    && b.observe
+                {
+                    if self.stats.blocks.len() < 2 * (layer + 1) {
+                        self.stats.blocks.resize(2 * (layer + 1), Vec::new());
+                    }
+                    for (part, read) in parts.iter().enumerate() {
+                        read.observe(&mut self.stats.blocks[2 * layer + part])?;
+                    }
+                }
+                let out = match &read {
+                    ReadLayer::Window(w) => w.attend(attention, queries, positions, mask)?,
+                    ReadLayer::Blocked([bk, bv]) => {
+                        attention.prefill(queries, positions, bk, bv, mask)?
+                    }
+                };
+                let [read_k, read_v] = read.low_rank();
+                if read_k.is_some() || read_v.is_some() {
+                    let value_norm = if read_v.is_some() {
+                        0.0
+                    } else {
+                        max_head_norm(v, head_dim)
+                    };
+                    let certs = certificates(
+                        attention.shape(),
+                        queries,
+                        positions,
+                        tokens,
+                        read_k,
+                        read_v,
+                        value_norm,
+                        mask,
+                    )?;
+                    if self.stats.certificates.len() <= layer {
+                        self.stats
+                            .certificates
+                            .resize(layer + 1, CertificateSums::default());
+                    }
+                    let sums = &mut self.stats.certificates[layer];
+                    for c in certs {
+                        sums.count += 1;
+                        sums.logit_sum += f64::from(c.logit);
+                        sums.logit_max = sums.logit_max.max(f64::from(c.logit));
+                        sums.output_sum += f64::from(c.output);
+                        sums.output_max = sums.output_max.max(f64::from(c.output));
+                    }
+                }
+                out
             }
         };
         self.stats.keys += out.stats.keys;
@@ -274,11 +254,12 @@ impl KvBackend for KvCache {
 }
 
 impl KvCache {
-    /// Whether a layer keeps a part in a shard form.
+    /// Whether a layer keeps a part in a form whose state is fitted at
+    /// the prefill (a shard form).
     fn has_shard_forms(&self) -> bool {
         self.codes
             .iter()
-            .any(|c| c.key.form.quantizer().is_shard() || c.value.form.quantizer().is_shard())
+            .any(|c| keeps_prefill(c.key.form) || keeps_prefill(c.value.form))
     }
 }
 

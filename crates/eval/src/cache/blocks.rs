@@ -20,9 +20,9 @@
 use std::ops::Range;
 
 use attention::{BlockedScratch, KvSource, Tile};
-use kv_quant::{CacheForm, DecodeScratch, KvStore, Quantizer};
+use kv_quant::{CacheForm, DecodeScratch, KvStore, NonFinite, QuantizeOptions, Quantizer};
 
-use super::{Faults, LayerCodewords, mix, quantize};
+use super::{Faults, LayerCodewords, mix};
 use crate::adaptive::Level;
 use crate::error::{EvalError, Result};
 
@@ -175,12 +175,14 @@ impl BlockedPart {
                 .find(|&e| forms.form(layer, part, e, own) != form)
                 .unwrap_or(blocks);
             let rows_of = b * bs..(end * bs).min(tokens);
-            let store = quantize(
+            let store = KvStore::quantize_with(
                 form,
-                &None,
                 &rows[rows_of.start * channels..rows_of.end * channels],
                 rows_of.len(),
                 channels,
+                QuantizeOptions {
+                    non_finite: NonFinite::Clamp,
+                },
             )?;
             segments.push(Segment {
                 start: rows_of.start,

@@ -6,54 +6,52 @@
 //! layer, and a step is committed or rolled back as a whole.
 //!
 //! In [`CacheMode::Plain`] attention reads the f32 rows directly (the plain
-//! forward pass). In [`CacheMode::Stored`] each forward call quantises and
-//! encodes the layer's whole cache into a `KvStore` per part (also for
-//! `fp32`, whose store holds the same bits), injects the faults, and attends
-//! the faulted stores; their fault ledgers make the statistics also count
-//! miscorrected words and silent changes. Re-encoding on every call
+//! forward pass). In [`CacheMode::Stored`] each forward call codes the
+//! layer's whole cache again through attention's registry
+//! ([`open_window_layer`]: a kv-quant or kv-lowrank store per part, also
+//! for `fp32`, whose store holds the same bits; a `shard` form's layer
+//! built once at the prefill and extended after), injects the faults, and
+//! attends the faulted stores; their fault ledgers make the statistics
+//! also count miscorrected words and silent changes. Nothing here looks at
+//! a form to build, fault, count or read a window. Re-encoding on every call
 //! costs O(T²) over a token-by-token generation; the evaluation prefills
-//! whole windows, one call each, where it costs one encode per layer.
-//! `shard` forms (`shard.rs`) are built once at the prefill and extended
-//! after; each call faults a fresh copy of their compressed codes. With
-//! per-block forms ([`BlockForms`], `blocks.rs`) each part is stored as one
-//! store per run of blocks of one code, the protection chosen per block.
+//! whole windows, one call each, where it costs one encode per layer. With
+//! per-block forms ([`BlockForms`], `blocks.rs`, the adaptive-protection
+//! experiment) each part is stored as one store per run of blocks of one
+//! code, the protection chosen per block.
 
 mod backend;
 mod blocks;
 mod channel;
 mod mode;
-mod shard;
 
 pub use blocks::BlockForms;
 pub use channel::ChannelKind;
 pub use mode::{CacheMode, StoredForms};
 
 pub use crate::adaptive::{HotMap, HotRegion, LayerCodewords};
-use std::sync::Arc;
 
-use attention::stored::SharedTable;
+use attention::stored::{
+    Fitted, WindowBytes, WindowInjection, WindowLayer, WindowShape, WindowState, check_layer_forms,
+    keeps_prefill, open_window_layer,
+};
 use attention::{
-    Attention, AttentionOutput, DenseBackend, KvBackend, KvSource, LowRankScratch, Mask,
-    ModelKvShape, PreRopeKeys, Rope, StoreScratch, Tile, certificates,
+    Attention, AttentionOutput, DenseBackend, KvBackend, Mask, ModelKvShape, Rope, certificates,
 };
 use gf2_codes::channel::FaultChannel;
-use kv_lowrank::{HeadBases, LowRankStore};
-use kv_quant::{
-    CacheForm, FaultTarget, KvDecodeStats, KvStore, NonFinite, ProtectedTable, QuantizeOptions,
-    Quantizer, VqCodebook,
-};
+use kv_lowrank::LowRankStore;
+use kv_quant::{CacheForm, FaultTarget, KvDecodeStats, Quantizer};
 
 use blocks::{BlockedPart, PartFaults};
 
 use crate::calibration::{Part, basis_shape};
 use crate::error::{EvalError, Result};
 
-/// The form of one part of a layer and the fitted data it needs.
+/// The form of one part of a layer and the fitted tables it reads.
 #[derive(Clone, Debug)]
 struct PartCode {
     form: CacheForm,
-    codebook: Option<Arc<VqCodebook>>,
-    bases: Option<Arc<HeadBases>>,
+    fitted: Fitted,
 }
 
 /// The forms of one layer.
@@ -63,291 +61,75 @@ struct LayerCodes {
     value: PartCode,
 }
 
-/// One part of a layer as stored.
-#[derive(Clone, Debug)]
-enum StoredPart {
-    Quant(KvStore),
-    LowRank(LowRankStore),
-    Blocked(BlockedPart),
+/// One layer as one call reads it: coded by attention's registry
+/// ([`open_window_layer`]), or in the per-block forms of an
+/// adaptive-protection run ([`BlockForms`]).
+enum ReadLayer {
+    Window(WindowLayer),
+    Blocked([BlockedPart; 2]),
 }
 
-impl StoredPart {
-    /// Stores `rows` (`tokens × channels`) in the part's form; keys of a
-    /// form projected before RoPE are rotated back to position 0 first.
-    fn build(
-        code: &PartCode,
-        rows: &[f32],
-        tokens: usize,
-        channels: usize,
-        head_dim: usize,
-        rope: Option<&Rope>,
-    ) -> Result<Self> {
-        let Quantizer::LowRank(spec) = code.form.quantizer() else {
-            return Ok(Self::Quant(quantize(
-                code.form,
-                &code.codebook,
-                rows,
-                tokens,
-                channels,
-            )?));
-        };
-        let unrotated;
-        let rows = match rope {
-            Some(rope) if spec.pre_rope => {
-                let mut r = rows.to_vec();
-                for (t, row) in r.chunks_exact_mut(channels).enumerate() {
-                    rope.undo(row, t)?;
-                }
-                unrotated = r;
-                &unrotated[..]
-            }
-            _ => rows,
-        };
-        // A value made non-finite upstream (a layer that read a faulted
-        // table) is clamped, as the kv-quant stores and the paged part
-        // clamp it: the fault's outcome is measured, not fatal.
-        let clamped;
-        let rows = if rows.iter().all(|x| x.is_finite()) {
-            rows
-        } else {
-            clamped = rows
-                .iter()
-                .map(|&x| match x {
-                    x if x.is_nan() => 0.0,
-                    x if x.is_infinite() => x.signum() * f32::MAX,
-                    x => x,
-                })
-                .collect::<Vec<f32>>();
-            &clamped[..]
-        };
-        let bases = code.bases.as_deref();
-        Ok(Self::LowRank(LowRankStore::build(
-            code.form, rows, tokens, channels, head_dim, bases,
-        )?))
-    }
-
-    /// Bytes held, and the bytes of shared fitted data it reads (codebooks,
-    /// calibrated bases), counted with every store that uses them.
-    fn bytes(&self) -> (u64, u64) {
-        // Shared tables are stored under the form's metadata code.
-        let table = |form: &CacheForm, bytes: usize| {
-            let protection = form
-                .protection()
-                .map_or(kv_quant::MetaProtection::Unprotected, |p| p.metadata);
-            ProtectedTable::stored_len(bytes, protection) as u64
-        };
+impl ReadLayer {
+    /// Bytes held.
+    fn bytes(&self) -> WindowBytes {
         match self {
-            Self::Quant(s) => (
-                s.stored_bytes() as u64,
-                s.codebook()
-                    .map_or(0, |c| table(s.form(), c.stored_bytes())),
-            ),
-            Self::LowRank(s) => (
-                s.stored_bytes() as u64,
-                if s.owns_bases() {
-                    0
-                } else {
-                    table(s.form(), s.basis_bytes())
-                },
-            ),
-            Self::Blocked(s) => (s.bytes(), 0),
+            Self::Window(w) => w.bytes(),
+            Self::Blocked(parts) => {
+                let [k, v] = [parts[0].bytes(), parts[1].bytes()];
+                WindowBytes {
+                    total: k + v,
+                    parts: [k, v],
+                    shared: 0,
+                }
+            }
         }
     }
 
-    /// Injects this call's faults: row range by row range for a part
-    /// stored block by block or under a row-resolved map, else the whole
-    /// store from one stream (the per-layer map's channel).
-    fn inject(&mut self, faults: &PartFaults<'_>) -> Result<u64> {
-        let spec = &faults.faults.spec;
-        let channel = faults.faults.layer_channel(faults.layer);
-        let whole = spec.hot.is_none_or(|m| !m.is_row_resolved());
-        Ok(match self {
-            Self::Blocked(s) => s.inject(faults)?,
-            Self::Quant(s) if whole => s.inject(channel, faults.seed, spec.target).total() as u64,
-            Self::Quant(s) => faults.inject(s, 0)?,
-            Self::LowRank(s) if whole => s
-                .inject(channel, faults.seed, spec.target)
-                .iter()
-                .map(|i| i.total() as u64)
-                .sum(),
-            Self::LowRank(_) => {
-                return Err(EvalError::InvalidParameter {
-                    name: "hot map",
-                    reason: "a low-rank part takes a per-layer fault map only".into(),
-                });
-            }
-        })
-    }
-
-    /// Injects this call's faults into the fitted tables the part reads
-    /// (a `vq` codebook, calibrated bases) under targets that reach
-    /// metadata: a fresh copy of the tables as stored, protected bytes
-    /// (the form's metadata code, [`SharedTable`]), hit once like the
-    /// rows, and the part reads them as decoded. Returns the flips and how
-    /// the tables' words decoded.
-    fn inject_tables(
+    /// Injects this call's faults: row range by row range for parts
+    /// stored block by block or under a row-resolved map (`part_faults`),
+    /// else the whole layer from one stream per part (`seeds`, the
+    /// per-layer map's channel).
+    fn inject<'f>(
         &mut self,
-        code: &PartCode,
-        faults: &PartFaults<'_>,
-    ) -> Result<(u64, gf2_codes::DecodeStats)> {
-        let spec = &faults.faults.spec;
-        if spec.target == FaultTarget::Values {
-            // Tables are not value bits: no copy to encode and fault.
-            return Ok(Default::default());
-        }
-        let channel = faults.faults.layer_channel(faults.layer);
-        let seed = mix(faults.seed ^ TABLE_SALT);
+        faults: &'f Faults,
+        layer: usize,
+        seeds: [u64; 2],
+        part_faults: impl Fn(usize) -> PartFaults<'f>,
+    ) -> Result<WindowInjection> {
+        let spec = &faults.spec;
+        let channel = faults.layer_channel(layer);
+        let whole = spec.hot.is_none_or(|m| !m.is_row_resolved());
         match self {
-            Self::Quant(s) => {
-                let Some(cb) = s.codebook().cloned() else {
-                    return Ok(Default::default());
-                };
-                let mut table = SharedTable::new(cb, &code.form);
-                let (hit, changed) = table.inject(channel, seed, spec.target)?;
-                if hit.total() == 0 {
-                    return Ok(Default::default());
+            Self::Blocked(parts) => {
+                let mut flips = 0;
+                for (p, part) in parts.iter_mut().enumerate() {
+                    flips += part.inject(&part_faults(p))?;
                 }
-                if changed {
-                    s.replace_codebook(table.read().clone())?;
-                }
-                Ok((hit.total() as u64, table.stats()))
+                Ok(WindowInjection {
+                    flips,
+                    ..Default::default()
+                })
             }
-            Self::LowRank(s) if !s.owns_bases() => {
-                let Some(bases) = &code.bases else {
-                    return Ok(Default::default());
-                };
-                let mut table = SharedTable::new(bases.clone(), &code.form);
-                let (hit, changed) = table.inject(channel, seed, spec.target)?;
-                if hit.total() == 0 {
-                    return Ok(Default::default());
+            Self::Window(w) if whole => Ok(w.inject(channel, seeds, spec.target)?),
+            Self::Window(w) => {
+                let mut flips = 0;
+                for (p, store) in w.rows_mut()?.into_iter().enumerate() {
+                    flips += part_faults(p).inject(store, 0)?;
                 }
-                if changed {
-                    s.replace_bases(table.read())?;
-                }
-                Ok((hit.total() as u64, table.stats()))
+                let mut out = w.inject_tables(channel, seeds, spec.target)?;
+                out.flips += flips;
+                Ok(out)
             }
-            Self::LowRank(_) | Self::Blocked(_) => Ok(Default::default()),
         }
     }
 
-    fn low_rank(&self) -> Option<&LowRankStore> {
+    /// The low-rank stores of keys and values, where a part is one.
+    fn low_rank(&self) -> [Option<&LowRankStore>; 2] {
         match self {
-            Self::LowRank(s) => Some(s),
-            Self::Quant(_) | Self::Blocked(_) => None,
+            Self::Window(w) => w.low_rank(),
+            Self::Blocked(_) => [None, None],
         }
     }
-}
-
-/// A stored part as attention reads it: a kv-quant store (its fault
-/// ledger gives exact statistics), or low-rank coefficients.
-enum Source<'a> {
-    Store(&'a KvStore),
-    Blocked(&'a BlockedPart),
-    LowRank(&'a LowRankStore),
-    PreRope(PreRopeKeys<'a>),
-}
-
-impl<'a> Source<'a> {
-    fn of(part: &'a StoredPart, rope: Option<&'a Rope>) -> Self {
-        match part {
-            StoredPart::Quant(s) => Self::Store(s),
-            StoredPart::Blocked(s) => Self::Blocked(s),
-            StoredPart::LowRank(s) => match rope {
-                Some(rope) if s.spec().pre_rope => Self::PreRope(PreRopeKeys::new(s, rope, 0)),
-                _ => Self::LowRank(s),
-            },
-        }
-    }
-}
-
-/// Per-thread buffers of every kind of [`Source`].
-#[derive(Default)]
-struct SourceScratch {
-    store: StoreScratch,
-    low_rank: LowRankScratch,
-    blocks: attention::BlockedScratch,
-}
-
-impl KvSource for Source<'_> {
-    type Scratch = SourceScratch;
-
-    fn tokens(&self) -> usize {
-        match self {
-            Self::Store(s) => KvSource::tokens(*s),
-            Self::Blocked(s) => KvSource::tokens(*s),
-            Self::LowRank(s) => KvSource::tokens(*s),
-            Self::PreRope(s) => s.tokens(),
-        }
-    }
-
-    fn channels(&self) -> usize {
-        match self {
-            Self::Store(s) => KvSource::channels(*s),
-            Self::Blocked(s) => KvSource::channels(*s),
-            Self::LowRank(s) => KvSource::channels(*s),
-            Self::PreRope(s) => s.channels(),
-        }
-    }
-
-    fn stored_bytes(&self) -> usize {
-        match self {
-            Self::Store(s) => KvSource::stored_bytes(*s),
-            Self::Blocked(s) => KvSource::stored_bytes(*s),
-            Self::LowRank(s) => KvSource::stored_bytes(*s),
-            Self::PreRope(s) => s.stored_bytes(),
-        }
-    }
-
-    fn read_tile<'s>(
-        &'s self,
-        start: usize,
-        count: usize,
-        scratch: &'s mut SourceScratch,
-    ) -> attention::Result<Tile<'s>> {
-        match self {
-            Self::Store(s) => s.read_tile(start, count, &mut scratch.store),
-            Self::Blocked(s) => s.read_tile(start, count, &mut scratch.blocks),
-            Self::LowRank(s) => s.read_tile(start, count, &mut scratch.low_rank),
-            Self::PreRope(s) => s.read_tile(start, count, &mut scratch.low_rank),
-        }
-    }
-
-    fn row_addresses(&self, start: usize, count: usize) -> Option<std::ops::Range<usize>> {
-        match self {
-            Self::Store(s) => s.row_addresses(start, count),
-            Self::Blocked(s) => s.row_addresses(start, count),
-            _ => None,
-        }
-    }
-
-    fn rotation(&self) -> Option<&'static kv_quant::Hadamard> {
-        match self {
-            Self::Store(s) => KvSource::rotation(*s),
-            Self::Blocked(s) => KvSource::rotation(*s),
-            _ => None,
-        }
-    }
-}
-
-/// Whether keys and values can be attended in coefficient space: both
-/// low-rank, keys after RoPE, equal ranks per head and chunk.
-fn coefficient_path<'a>(
-    k: &'a StoredPart,
-    v: &'a StoredPart,
-) -> Option<(&'a LowRankStore, &'a LowRankStore)> {
-    let (StoredPart::LowRank(k), StoredPart::LowRank(v)) = (k, v) else {
-        return None;
-    };
-    let ranks = |s: &LowRankStore| -> Vec<usize> {
-        s.chunks()
-            .iter()
-            .flat_map(|c| c.bases.iter().map(|b| b.rank()))
-            .collect()
-    };
-    let (rk, rv) = (ranks(k), ranks(v));
-    let uniform = |r: &[usize]| r.windows(2).all(|w| w[0] == w[1]);
-    (!k.spec().pre_rope && uniform(&rk) && uniform(&rv) && rk.first() == rv.first())
-        .then_some((k, v))
 }
 
 /// The faults of one run.
@@ -501,10 +283,10 @@ pub struct KvCache {
     checkpoint: Option<CacheStats>,
     /// Tokens of the first committed step: a `shard` form's prefill.
     prefill: Option<usize>,
-    /// Per layer, the `shard` layer built at the prefill (its fitted
-    /// middle is kept; later steps only add to its decode stream or fold
-    /// into it) and the last one grown from it.
-    shard: Vec<Option<shard::ShardSlot>>,
+    /// Per layer, what attention's registry keeps between calls (a
+    /// `shard` form's layer built at the prefill and the last one grown
+    /// from it).
+    windows: Vec<WindowState>,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -543,9 +325,6 @@ impl Faults {
 
 /// Salt of the seed a row-resolved [`HotMap`] is drawn from.
 const MAP_SALT: u64 = 0x4d41_5053;
-
-/// Salt of the streams that fault fitted tables (apart from the rows').
-const TABLE_SALT: u64 = 0x7461_626c_6573;
 
 /// splitmix64's finaliser, to derive independent seeds.
 pub(crate) fn mix(mut z: u64) -> u64 {
@@ -618,7 +397,7 @@ impl KvCache {
             stats: CacheStats::default(),
             checkpoint: None,
             prefill: None,
-            shard: Vec::new(),
+            windows: Vec::new(),
         })
     }
 
@@ -655,25 +434,6 @@ fn max_head_norm(rows: &[f32], head_dim: usize) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Quantises one part of a layer (with its codebook when the form has one).
-fn quantize(
-    form: CacheForm,
-    codebook: &Option<Arc<VqCodebook>>,
-    rows: &[f32],
-    tokens: usize,
-    channels: usize,
-) -> Result<KvStore> {
-    let options = QuantizeOptions {
-        non_finite: NonFinite::Clamp,
-    };
-    Ok(match codebook {
-        Some(cb) => {
-            KvStore::quantize_with_codebook(form, rows, tokens, channels, options, cb.clone())?
-        }
-        None => KvStore::quantize_with(form, rows, tokens, channels, options)?,
-    })
-}
-
 /// The forms, codebooks and bases of every layer, checked against the model.
 fn resolve(stored: &StoredForms, layers: usize, channels: usize) -> Result<Vec<LayerCodes>> {
     let forms = stored.layers.resolve(layers)?;
@@ -688,8 +448,7 @@ fn resolve(stored: &StoredForms, layers: usize, channels: usize) -> Result<Vec<L
         |form: CacheForm, layer: usize, part: Part| -> Result<PartCode> {
             let mut code = PartCode {
                 form,
-                codebook: None,
-                bases: None,
+                fitted: Fitted::default(),
             };
             if form.quantizer().needs_codebook() {
                 let cal = stored
@@ -707,14 +466,14 @@ fn resolve(stored: &StoredForms, layers: usize, channels: usize) -> Result<Vec<L
                     }
                 })?;
                 cb.check_fits(&form, channels)?;
-                code.codebook = Some(cb);
+                code.fitted.codebook = Some(cb);
             }
             if form.quantizer().needs_bases() && basis_shape(&form, part).is_some() {
                 let cal = stored
                     .calibration
                     .as_ref()
                     .ok_or_else(|| need("bases", &form))?;
-                code.bases = Some(cal.bases(&form, layer, part).ok_or_else(|| {
+                code.fitted.bases = Some(cal.bases(&form, layer, part).ok_or_else(|| {
                     EvalError::InvalidParameter {
                         name: "calibration",
                         reason: format!(
