@@ -25,6 +25,7 @@ use crate::kernel::{Partial, TileGeometry, Upcoming, attend_tile};
 use crate::numerics::Numerics;
 use crate::shape::{HeadShape, Mask};
 use crate::source::KvSource;
+use crate::tile_grid::TileGrid;
 use crate::workspace::{Scratch, Slot, TileStats, Workspace};
 
 /// What to do when the output is not finite (the cache held NaN or
@@ -210,10 +211,10 @@ impl Attention {
         self.prepare_into(query, &[position], keys, values, mask, ws)?;
         let range = ws.ranges[0].clone();
         let split = self.config.split_tokens;
-        let tile = self.tile_rows(keys, values);
-        let span = tile_span(&range, keys.tokens(), tile);
+        let grid = self.tile_grid(keys, values);
+        let span = grid.span(&range, keys.tokens());
         ws.items.clear();
-        ws.items.extend(key_chunks(&span, split));
+        ws.items.extend(grid.with_size(split).pieces(&span));
         let n = ws.items.len();
         let per = ws.ensure_slots(n);
         let Workspace {
@@ -232,7 +233,7 @@ impl Attention {
                 for (slot, chunk) in slots.iter_mut().zip(items) {
                     let sources = (keys, values);
                     slot.result =
-                        self.run_block(q, ranges, chunk.clone(), tile, sources, (slot, scratch));
+                        self.run_block(q, ranges, chunk.clone(), grid, sources, (slot, scratch));
                 }
             });
         ws.merged.reset(self.shape.q_heads(), self.shape.head_dim());
@@ -299,9 +300,9 @@ impl Attention {
         self.check_outputs(positions.len(), out, lse)?;
         self.prepare_into(queries, positions, keys, values, mask, ws)?;
         let ql = self.shape.q_len();
-        let tile = self.tile_rows(keys, values);
+        let grid = self.tile_grid(keys, values);
         if positions.len() <= QUERY_BLOCK {
-            return self.prefill_split(keys, values, tile, out, lse, ws);
+            return self.prefill_split(keys, values, grid, out, lse, ws);
         }
         let blocks = positions.len().div_ceil(QUERY_BLOCK);
         ws.items.clear();
@@ -327,9 +328,9 @@ impl Attention {
                     let q = &q[block.start * ql..block.end * ql];
                     let start = ranges.iter().map(|r| r.start).min().unwrap_or(0);
                     let end = ranges.iter().map(|r| r.end).max().unwrap_or(0);
-                    let span = tile_span(&(start..end), keys.tokens(), tile);
+                    let span = grid.span(&(start..end), keys.tokens());
                     let sources = (keys, values);
-                    slot.result = self.run_block(q, ranges, span, tile, sources, (slot, scratch));
+                    slot.result = self.run_block(q, ranges, span, grid, sources, (slot, scratch));
                 }
             });
         ws.tiles.clear();
@@ -354,15 +355,15 @@ impl Attention {
         &self,
         keys: &K,
         values: &V,
-        tile: usize,
+        grid: TileGrid,
         out: &mut [f32],
         lse: &mut [f32],
         ws: &mut Workspace<K, V>,
     ) -> Result<AttentionInfo> {
-        let split = self.config.split_tokens;
+        let chunks = grid.with_size(self.config.split_tokens);
         let mut spans = std::mem::take(&mut ws.spans);
         spans.clear();
-        spans.extend(ws.ranges.iter().map(|r| tile_span(r, keys.tokens(), tile)));
+        spans.extend(ws.ranges.iter().map(|r| grid.span(r, keys.tokens())));
         let rows = spans.len();
         let lo = spans
             .iter()
@@ -373,13 +374,13 @@ impl Attention {
         let span = lo.map_or(0..0, |lo| lo..hi);
         // Groups of queries where the chunks alone leave threads idle.
         let threads = rayon::current_num_threads();
-        let groups = (threads / key_chunks(&span, split).count().max(1)).clamp(1, rows.max(1));
+        let groups = (threads / chunks.pieces(&span).count().max(1)).clamp(1, rows.max(1));
         let per_group = rows.div_ceil(groups).max(1);
         // No empty group: 5 rows over 4 groups are groups of 2, 2 and 1.
         let groups = rows.div_ceil(per_group).max(1);
         let group_rows = |g: usize| g * per_group..((g + 1) * per_group).min(rows);
         ws.items.clear();
-        for c in key_chunks(&span, split) {
+        for c in chunks.pieces(&span) {
             ws.items.extend((0..groups).map(|_| c.clone()));
         }
         let n = ws.items.len();
@@ -407,7 +408,7 @@ impl Attention {
                         q,
                         &ranges[r],
                         chunk.clone(),
-                        tile,
+                        grid,
                         sources,
                         (slot, scratch),
                     );
@@ -548,6 +549,19 @@ impl Attention {
         halved_tile(rows, per_row, budget, blocks)
     }
 
+    /// Where tiles are cut for `keys` and `values`: every
+    /// [`tile_rows`](Self::tile_rows) rows, from the sources' tile origin
+    /// where one names one (or both the same one;
+    /// [`KvSource::tile_origin`]).
+    pub(crate) fn tile_grid<K: KvSource, V: KvSource>(&self, keys: &K, values: &V) -> TileGrid {
+        let origin = match (keys.tile_origin(), values.tile_origin()) {
+            (0, o) | (o, 0) => o,
+            (k, v) if k == v => k,
+            _ => 0,
+        };
+        TileGrid::new(self.tile_rows(keys, values), origin)
+    }
+
     /// Folds the tiles of `span` into one partial per query of `q`
     /// (`ranges.len() × q_len`, scaled): `slot.partials`, with the tiles
     /// read in `slot.tiles`.
@@ -556,7 +570,7 @@ impl Attention {
         q: &[f32],
         ranges: &[Range<usize>],
         span: Range<usize>,
-        tile: usize,
+        grid: TileGrid,
         (keys, values): (&K, &V),
         (slot, scratch): (&mut Slot, &mut Scratch<K, V>),
     ) -> Result<()> {
@@ -579,11 +593,11 @@ impl Attention {
         scratch.kernel.forget_queries();
         let mut start = span.start;
         while start < span.end {
-            let end = (start / tile * tile + tile).min(span.end);
+            let end = grid.next(start).min(span.end);
             if ranges.iter().any(|r| r.start < end && start < r.end) {
                 // The next tile's stored rows, fetched while this one is worked on.
                 let next = (end < span.end).then(|| {
-                    let n = (end + tile).min(span.end) - end;
+                    let n = grid.next(end).min(span.end) - end;
                     let mut next = Upcoming::default();
                     keys.row_address_ranges(end, n, &mut |r| next.push(r));
                     values.row_address_ranges(end, n, &mut |r| next.push(r));
@@ -661,22 +675,6 @@ impl Attention {
         }
         Ok(AttentionInfo { stats, non_finite })
     }
-}
-
-/// The `tile`-aligned rows covering `range`, clipped to the cache.
-/// The chunks decode splits `span` into: aligned to multiples of `split`,
-/// the first and last cut to the span.
-fn key_chunks(span: &Range<usize>, split: usize) -> impl Iterator<Item = Range<usize>> + '_ {
-    (span.start / split * split..span.end)
-        .step_by(split)
-        .map(move |s| s.max(span.start)..(s / split * split + split).min(span.end))
-}
-
-fn tile_span(range: &Range<usize>, tokens: usize, tile: usize) -> Range<usize> {
-    if range.is_empty() {
-        return 0..0;
-    }
-    range.start / tile * tile..range.end.div_ceil(tile).saturating_mul(tile).min(tokens)
 }
 
 /// `rows` halved while `rows·per_row > budget` or `rows` does not divide

@@ -63,6 +63,7 @@ mod shape;
 mod shard;
 mod source;
 pub mod stored;
+mod tile_grid;
 mod workspace;
 
 pub use attend::{

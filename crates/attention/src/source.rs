@@ -111,6 +111,18 @@ pub trait KvSource: Sync {
         None
     }
 
+    /// Where the source's runs of [`block_tokens`](Self::block_tokens)
+    /// begin: tiles are cut at multiples of the tile size up to this row
+    /// and at this row plus multiples of it after (a paged part whose
+    /// per-channel groups of several blocks start after exact sink
+    /// blocks). 0 (the default) for sources whose runs start at row 0.
+    /// Attention honours one origin per call: where keys and values name
+    /// two different ones, tiles start at row 0 and those crossing a run
+    /// are read the slower way.
+    fn tile_origin(&self) -> usize {
+        0
+    }
+
     /// Whether a tile over blocks that are not adjacent still reaches the
     /// kernel as stored, its blocks' rows copied side by side (a paged
     /// source of a form read as levels:
@@ -190,6 +202,10 @@ impl<S: KvSource + ?Sized> KvSource for &S {
 
     fn block_tokens(&self) -> Option<usize> {
         (**self).block_tokens()
+    }
+
+    fn tile_origin(&self) -> usize {
+        (**self).tile_origin()
     }
 
     fn gathers_blocks(&self) -> bool {

@@ -220,6 +220,10 @@ impl KvSource for PagedKv<'_> {
         Some(self.part.tile_unit())
     }
 
+    fn tile_origin(&self) -> usize {
+        self.part.tile_origin()
+    }
+
     fn gathers_blocks(&self) -> bool {
         self.part.gathers_blocks()
     }

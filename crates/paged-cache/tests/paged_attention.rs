@@ -298,10 +298,112 @@ fn grouped_pages_are_read_a_group_per_tile() {
             assert_same_decode(out, &want, &format!("blocks of {bs}, sequence {i}"));
         }
     }
+}
+
+/// A source that records the tiles attention reads from it.
+struct Recorded<'a> {
+    inner: PagedKv<'a>,
+    tiles: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+impl attention::KvSource for Recorded<'_> {
+    type Scratch = <PagedKv<'static> as attention::KvSource>::Scratch;
+
+    fn tokens(&self) -> usize {
+        self.inner.tokens()
+    }
+
+    fn channels(&self) -> usize {
+        self.inner.channels()
+    }
+
+    fn stored_bytes(&self) -> usize {
+        self.inner.stored_bytes()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
+    }
+
+    fn block_tokens(&self) -> Option<usize> {
+        self.inner.block_tokens()
+    }
+
+    fn tile_origin(&self) -> usize {
+        self.inner.tile_origin()
+    }
+
+    fn gathers_blocks(&self) -> bool {
+        self.inner.gathers_blocks()
+    }
+
+    fn read_tile<'s>(
+        &'s self,
+        start: usize,
+        count: usize,
+        scratch: &'s mut Self::Scratch,
+    ) -> attention::Result<attention::Tile<'s>> {
+        self.tiles.lock().unwrap().push((start, count));
+        self.inner.read_tile(start, count, scratch)
+    }
+}
+
+/// Per-channel groups of several pages after an exact sink block: tiles
+/// start at the groups (the sink rows a tile of their own, every later
+/// tile one whole group), and the decode equals the one whose tiles are
+/// single pages up to the order of its sums.
+#[test]
+fn grouped_pages_after_sink_blocks_are_read_a_group_per_tile() {
+    use attention::KvSource;
+    let shape = HeadShape::new(8, 2, 128).unwrap();
+    let ch = shape.kv_channels();
     let sunk: CacheForm = "int4-ch64+sink4".parse().unwrap();
-    let (storage, table, _) = build(sunk, 16, ch, &[128], 9);
-    let src = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).unwrap();
-    assert_eq!(attention::KvSource::block_tokens(&src), Some(16));
+    let len = 16 + 20 * 64 + 40;
+    let (storage, table, _) = build(sunk, 16, ch, &[len], 9);
+    seal_all(&storage, &table, &[len]);
+    let keys = PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).unwrap();
+    assert_eq!((keys.block_tokens(), keys.tile_origin()), (Some(64), 16));
+    let record = || Recorded {
+        inner: PagedKv::new(&storage, &table, 0, 0, KvPart::Keys).unwrap(),
+        tiles: Default::default(),
+    };
+    let values = PagedKv::new(&storage, &table, 0, 0, KvPart::Values).unwrap();
+    let q = rows(1, shape.q_len(), 3);
+    let attn = Attention::new(shape);
+    let grouped = record();
+    let out = attn
+        .decode(&q, len - 1, &grouped, &values, &Mask::Causal)
+        .unwrap();
+    let mut tiles = grouped.tiles.into_inner().unwrap();
+    tiles.sort_unstable();
+    assert_eq!(tiles[0], (0, 16), "the sink block alone");
+    for &(start, count) in &tiles[1..] {
+        assert!(
+            (start - 16).is_multiple_of(64) && count <= 64,
+            "tile {start}+{count} within one group"
+        );
+    }
+    assert_eq!(tiles.iter().map(|t| t.1).sum::<usize>(), len);
+    // Pages of 16 a tile each: the same attention, other sums.
+    let paged = Attention::with_config(
+        shape,
+        AttentionConfig {
+            tile_tokens: 16,
+            split_tokens: 16 * 128,
+            ..AttentionConfig::default()
+        },
+    )
+    .unwrap();
+    let by_page = paged
+        .decode(&q, len - 1, &keys, &values, &Mask::Causal)
+        .unwrap();
+    let worst = out
+        .out
+        .iter()
+        .zip(&by_page.out)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "{worst}");
 }
 
 /// A tile over pages that are not adjacent reads as gathered levels while

@@ -307,14 +307,13 @@ impl StoredPart for GroupedPart {
 
     fn tile_unit(&self) -> usize {
         // A tile inside one sealed group reads its slices side by side
-        // (`read_tile`); groups start at token 0 where no sink blocks come
-        // first, so tiles of a group's rows are groups. After sink blocks
-        // they would straddle two groups: cut to the block.
-        if self.plan.sink_blocks == 0 {
-            self.group_tokens()
-        } else {
-            self.plan.block_size
-        }
+        // (`read_tile`): tiles of a group's rows are groups.
+        self.group_tokens()
+    }
+
+    fn tile_origin(&self) -> usize {
+        // Groups start after the sink blocks.
+        self.plan.sink_blocks * self.plan.block_size
     }
 
     fn num_blocks(&self) -> usize {

@@ -149,6 +149,14 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
         self.block_size()
     }
 
+    /// The row from which runs of [`tile_unit`](Self::tile_unit) rows
+    /// begin ([`KvSource::tile_origin`](crate::KvSource::tile_origin)):
+    /// 0 (the default), or the rows of exact sink blocks kept before a
+    /// part's first group of several blocks.
+    fn tile_origin(&self) -> usize {
+        0
+    }
+
     /// Blocks held.
     fn num_blocks(&self) -> usize;
 
