@@ -181,7 +181,8 @@ fn every_instruction_set_computes_the_scalar_bits() {
         for (n, ty) in KERNEL_TYPES.into_iter().enumerate() {
             let cols = ty.block_elems().max(32) * 3 + if ty.block_elems() == 1 { 13 } else { 0 };
             let w = random_matrix(ty, 21, cols, 100 + n as u64);
-            let x = random_activations(5, cols, 100 + n as u64);
+            // 21 tokens: two groups of eight, one of four and one alone.
+            let x = random_activations(21, cols, 100 + n as u64);
             assert_eq!(
                 bits(&product(&w, &x, isa)),
                 bits(&product(&w, &x, Isa::Scalar)),
@@ -194,9 +195,16 @@ fn every_instruction_set_computes_the_scalar_bits() {
 #[test]
 fn a_token_gets_the_same_bits_alone_and_in_a_batch() {
     let isa = Isa::detect();
-    for (n, ty) in [WeightType::Q4_1, WeightType::Q4_K, WeightType::Q6_K]
-        .into_iter()
-        .enumerate()
+    for (n, ty) in [
+        WeightType::Q4_0,
+        WeightType::Q5_0,
+        WeightType::Q4_1,
+        WeightType::Q8_0,
+        WeightType::Q4_K,
+        WeightType::Q6_K,
+    ]
+    .into_iter()
+    .enumerate()
     {
         let cols = 256;
         // 41 rows (two whole tasks and a ragged one), 70 tokens (two whole
@@ -242,10 +250,18 @@ fn stacked_parts_of_different_types_write_their_own_columns() {
 
 #[test]
 fn non_finite_activations_make_non_finite_outputs() {
-    let w = random_matrix(WeightType::Q4_K, 2, 256, 5);
-    let mut x = random_activations(1, 256, 5);
-    x[10] = f32::NAN;
-    assert!(product(&w, &x, Isa::detect()).iter().all(|v| v.is_nan()));
+    for ty in [WeightType::Q4_K, WeightType::Q5_0] {
+        let w = random_matrix(ty, 2, 256, 5);
+        // One token alone, and the third of a group of eight.
+        for (tokens, bad) in [(1, 10), (8, 2 * 256 + 10)] {
+            let mut x = random_activations(tokens, 256, 5);
+            x[bad] = f32::NAN;
+            let out = product(&w, &x, Isa::detect());
+            for (i, out) in out.chunks_exact(2).enumerate() {
+                assert_eq!(out.iter().all(|v| v.is_nan()), i == bad / 256, "{ty} {i}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -20,9 +20,12 @@
 //! products it enters are NaN, as an f32 product's would be: a fault in an
 //! activation stays visible instead of being rounded to a code.
 
+use std::sync::OnceLock;
+
 use half::f16;
 
 use super::ActivationKind;
+use super::token_lanes::{Q8x8Block, interleave};
 use crate::error::{ModelError, Result};
 
 /// One 32-value block of Q8_0 or Q8_1 activations.
@@ -58,6 +61,9 @@ pub struct Activations {
     q8: Vec<Q8Block>,
     q8k: Vec<Q8KBlock>,
     f32: Vec<f32>,
+    /// The Q8_0 rows eight tokens at a time, a token per lane, built the
+    /// first time a token-lane kernel asks.
+    lanes: OnceLock<Vec<Q8x8Block>>,
 }
 
 impl Activations {
@@ -70,6 +76,7 @@ impl Activations {
             q8: Vec::new(),
             q8k: Vec::new(),
             f32: Vec::new(),
+            lanes: OnceLock::new(),
         };
         a.quantize(kind, x, cols)?;
         Ok(a)
@@ -96,6 +103,7 @@ impl Activations {
         self.q8.clear();
         self.q8k.clear();
         self.f32.clear();
+        self.lanes = OnceLock::new();
         match kind {
             ActivationKind::F32 => self.f32.extend_from_slice(x),
             ActivationKind::Q8_0 => self
@@ -139,6 +147,12 @@ impl Activations {
     pub fn q8_row(&self, i: usize) -> &[Q8Block] {
         let n = self.cols / 32;
         self.q8.get(i * n..(i + 1) * n).unwrap_or(&[])
+    }
+
+    /// The Q8_0 rows in groups of eight tokens, a token per lane (empty in
+    /// other forms; the last `rows % 8` tokens left out).
+    pub(crate) fn token_lanes(&self) -> &[Q8x8Block] {
+        self.lanes.get_or_init(|| interleave(self))
     }
 
     /// Row `i` as Q8_K blocks (empty in other forms).

@@ -21,6 +21,7 @@ mod finite;
 mod kquants;
 mod matrix;
 mod product;
+mod token_lanes;
 mod types;
 
 pub use activations::{Activations, Q8Block, Q8KBlock};

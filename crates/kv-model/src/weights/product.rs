@@ -7,9 +7,10 @@
 //! Work is split over the rayon pool by runs of weight rows. One token
 //! (decode) writes its outputs in place; several tokens (prefill, batches)
 //! go through token passes whose activations fit in half the L1 cache
-//! ([`PASS_BYTES`]), each weight row meeting the pass four tokens at a
-//! time (the weights unpacked once per four), and each run's tile is then
-//! copied into the output rows.
+//! ([`PASS_BYTES`]), each weight row meeting the pass eight tokens at a
+//! time (the weights unpacked once per eight; four, then one by one, for
+//! the pass's last tokens), and each run's tile is then copied into the
+//! output rows.
 
 use rayon::prelude::*;
 
@@ -38,10 +39,11 @@ fn rows_per_task(rows: usize) -> usize {
 /// spent most of the product waiting for activation loads from L2).
 const PASS_BYTES: usize = 16 << 10;
 
-/// Tokens per pass for activation rows of `row_bytes`: a multiple of four
-/// (the grouped kernels' width), between 4 and 64.
+/// Tokens per pass for activation rows of `row_bytes`: a multiple of
+/// [`RowDot::WIDEST`] (the widest grouped kernel), between that and 64.
 fn tokens_per_pass(row_bytes: usize) -> usize {
-    (PASS_BYTES / row_bytes.max(1)).clamp(4, 64) / 4 * 4
+    let w = RowDot::WIDEST;
+    (PASS_BYTES / row_bytes.max(1)).clamp(w, 64) / w * w
 }
 
 impl QuantMatrix {
@@ -89,6 +91,10 @@ impl QuantMatrix {
                 });
             return Ok(());
         }
+        if kernel.reads_token_lanes() {
+            // Built once here rather than by the first task to ask.
+            a.token_lanes();
+        }
         let tasks = rows.div_ceil(per_task);
         let per_pass = tokens_per_pass(a.row_bytes());
         let tiles: Vec<Vec<f32>> = (0..tasks)
@@ -102,6 +108,12 @@ impl QuantMatrix {
                     for k in 0..len {
                         let w = self.row(first + k).expect("row in range");
                         let mut i = tokens.start;
+                        while i + 8 <= tokens.end {
+                            for (n, v) in kernel.dot8(w, a, i).into_iter().enumerate() {
+                                tile[(i + n) * len + k] = v;
+                            }
+                            i += 8;
+                        }
                         while i + 4 <= tokens.end {
                             for (n, v) in kernel.dot4(w, a, i).into_iter().enumerate() {
                                 tile[(i + n) * len + k] = v;

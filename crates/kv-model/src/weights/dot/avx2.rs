@@ -20,6 +20,7 @@ use std::arch::x86_64::*;
 
 use super::super::activations::{Q8Block, Q8KBlock};
 use super::super::kquants::scale_min_k4;
+use super::super::token_lanes::Q8x8Block;
 
 /// The f16 at byte `i` of a block, converted by F16C (the `half` crate's
 /// conversion, without F16C enabled at compile time, costs more than the
@@ -161,14 +162,234 @@ fn lanes32<const MIN: bool, const SIGNED: bool, const N: usize>(
     std::array::from_fn(|j| hsum_ps(acc[j]) + mins[j])
 }
 
+/// The sum of the eight lanes (exact: integers).
+#[inline(always)]
+fn hsum_epi32(v: __m256i) -> i32 {
+    // SAFETY: register-only AVX2 operations; only inlined into the
+    // kernels below (AVX2).
+    unsafe {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
+    }
+}
+
+/// The serial accumulation of `Q4_0` and `Q5_0` (`scalar.rs`) for `N`
+/// tokens' rows: `unpack(block)` is a block's 32 signed codes, unpacked
+/// once; each token's block sum is added up across the lanes, exactly,
+/// and accumulated by one fused multiply-add.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn serial32<const N: usize>(
+    w: &[u8],
+    block_bytes: usize,
+    a: [&[Q8Block]; N],
+    unpack: impl Fn(&[u8]) -> __m256i,
+) -> [f32; N] {
+    let blocks = a
+        .iter()
+        .map(|a| a.len())
+        .fold(w.len() / block_bytes, usize::min);
+    let a: [&[Q8Block]; N] = std::array::from_fn(|j| &a[j][..blocks]);
+    let ones = _mm256_set1_epi16(1);
+    if N == 1 {
+        let one = serial32_one(&w[..blocks * block_bytes], block_bytes, a[0], unpack);
+        return std::array::from_fn(|_| one);
+    }
+    let mut acc = [[0f32; 2]; N];
+    for (i, b) in w.chunks_exact(block_bytes).take(blocks).enumerate() {
+        let x = unpack(b);
+        let ax = _mm256_sign_epi8(x, x);
+        let dw = f16_at(b, 0);
+        for j in 0..N {
+            // SAFETY: every row of `a` was cut to `blocks` blocks above, and
+            // `i < blocks`.
+            let act = unsafe { a[j].get_unchecked(i) };
+            // SAFETY: `qs` is 32 bytes.
+            let y = unsafe { load(act.qs.as_ptr().cast()) };
+            let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x)), ones);
+            acc[j][i % 2] = (dw * act.d).mul_add(hsum_epi32(sum) as f32, acc[j][i % 2]);
+        }
+    }
+    acc.map(|[even, odd]| even + odd)
+}
+
+/// A block's 32 products of signed codes `x` and a token's codes, in
+/// eight lanes (exact).
+#[inline(always)]
+fn signed_block_sum(x: __m256i, y: &Q8Block, ones: __m256i) -> __m256i {
+    // SAFETY: register-only AVX2 operations and a load of `qs` (32
+    // bytes); only inlined into the kernels below (AVX2).
+    unsafe {
+        let y = load(y.qs.as_ptr().cast());
+        _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)),
+            ones,
+        )
+    }
+}
+
+/// [`serial32`] for one token: four blocks' lane sums are added up
+/// together (three `vphaddd`, where one block's sum alone takes a chain of
+/// six operations), then accumulated one by one into the two chains.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn serial32_one(
+    w: &[u8],
+    block_bytes: usize,
+    a: &[Q8Block],
+    unpack: impl Fn(&[u8]) -> __m256i,
+) -> f32 {
+    let ones = _mm256_set1_epi16(1);
+    let (mut even, mut odd) = (0f32, 0f32);
+    let quads = w.chunks_exact(4 * block_bytes).zip(a.chunks_exact(4));
+    for (w, a) in quads {
+        let (b0, b1, b2, b3) = (
+            &w[..block_bytes],
+            &w[block_bytes..2 * block_bytes],
+            &w[2 * block_bytes..3 * block_bytes],
+            &w[3 * block_bytes..],
+        );
+        let s0 = signed_block_sum(unpack(b0), &a[0], ones);
+        let s1 = signed_block_sum(unpack(b1), &a[1], ones);
+        let s2 = signed_block_sum(unpack(b2), &a[2], ones);
+        let s3 = signed_block_sum(unpack(b3), &a[3], ones);
+        // [Σ s0, Σ s1, Σ s2, Σ s3] after the two halves are added.
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+        let h = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let mut sums = [0f32; 4];
+        // SAFETY: `sums` is four f32.
+        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), _mm_cvtepi32_ps(h)) };
+        let d = |b: &[u8], y: &Q8Block| _mm_cvtss_f32(block_scales(b)) * y.d;
+        even = d(b0, &a[0]).mul_add(sums[0], even);
+        odd = d(b1, &a[1]).mul_add(sums[1], odd);
+        even = d(b2, &a[2]).mul_add(sums[2], even);
+        odd = d(b3, &a[3]).mul_add(sums[3], odd);
+    }
+    let done = a.len() / 4 * 4;
+    for (i, (b, y)) in w.chunks_exact(block_bytes).zip(a).enumerate().skip(done) {
+        let sum = hsum_epi32(signed_block_sum(unpack(b), y, ones)) as f32;
+        let acc = if i % 2 == 0 { &mut even } else { &mut odd };
+        *acc = (_mm_cvtss_f32(block_scales(b)) * y.d).mul_add(sum, *acc);
+    }
+    even + odd
+}
+
+/// Blocks of a weight row unpacked at a time by [`lanes8`]: 1 KiB of
+/// codes and their scales, in L1 beside the tokens' blocks.
+const SEGMENT: usize = 32;
+
+/// A segment's unpacked codes, 32-byte aligned.
+#[repr(C, align(32))]
+struct Unpacked([[u8; 32]; SEGMENT]);
+
+/// `Q4_0`/`Q5_0` against eight tokens in lanes ([`Q8x8Block`]): the
+/// two-chain accumulation of `scalar.rs`, for the eight at once.
+/// `unpack(block)` gives the block's codes as stored, unsigned (`0 .. 16`
+/// or `0 .. 32`); their offset `2^SHIFT` (8 or 16) comes off as
+/// `2^SHIFT·Σy` from each token's code sum, so each lane's block sum is
+/// the exact integer of the signed codes.
+///
+/// The row is unpacked a segment at a time into a buffer, and each four
+/// codes of a block are then broadcast from it to the eight lanes by a
+/// load (`vpbroadcastd` from memory uses no vector port; taken from a
+/// register, as the compiler does when the unpacked block is still in
+/// one, each broadcast cost two shuffles and the kernel ran at the
+/// shuffle port's pace), where `vpmaddubsw` multiplies them by each
+/// token's four codes. Four such products sum in 16 bits without overflow
+/// (at most `4·2·31·127 = 31,496`), then `vpmaddwd` widens them.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes8<const SHIFT: i32>(
+    w: &[u8],
+    block_bytes: usize,
+    y: &[Q8x8Block],
+    unpack: impl Fn(&[u8]) -> __m256i,
+) -> [f32; 8] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut codes = Unpacked([[0; 32]; SEGMENT]);
+    let mut scales = [0f32; SEGMENT];
+    for (w, y) in w.chunks(SEGMENT * block_bytes).zip(y.chunks(SEGMENT)) {
+        let n = y.len().min(w.len() / block_bytes);
+        for ((b, c), s) in w
+            .chunks_exact(block_bytes)
+            .zip(&mut codes.0)
+            .zip(&mut scales)
+        {
+            // SAFETY: `c` is 32 bytes, aligned to 32.
+            unsafe { _mm256_store_si256(c.as_mut_ptr().cast(), unpack(b)) };
+            *s = _mm_cvtss_f32(block_scales(b));
+        }
+        // SEGMENT is even: a block's parity is its parity in the segment.
+        for (i, ((c, &dw), y)) in codes.0[..n]
+            .iter()
+            .zip(&scales[..n])
+            .zip(&y[..n])
+            .enumerate()
+        {
+            let chunk = |k: usize| {
+                // SAFETY: bytes 4k .. 4k + 4 of the block's 32 codes
+                // (k < 8); `qs[8k .. 8k + 8]` is 32 bytes of `y`.
+                unsafe {
+                    let c = _mm256_castps_si256(_mm256_broadcast_ss(
+                        &*c.as_ptr().add(4 * k).cast::<f32>(),
+                    ));
+                    _mm256_maddubs_epi16(c, load(y.qs.as_ptr().add(8 * k).cast()))
+                }
+            };
+            let low = _mm256_add_epi16(
+                _mm256_add_epi16(chunk(0), chunk(1)),
+                _mm256_add_epi16(chunk(2), chunk(3)),
+            );
+            let high = _mm256_add_epi16(
+                _mm256_add_epi16(chunk(4), chunk(5)),
+                _mm256_add_epi16(chunk(6), chunk(7)),
+            );
+            let sum = _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
+            // SAFETY: `sum` and `d` are eight 32-bit values of `y`.
+            let (offset, d) = unsafe {
+                (
+                    _mm256_slli_epi32::<SHIFT>(load(y.sum.as_ptr().cast())),
+                    _mm256_loadu_ps(y.d.as_ptr()),
+                )
+            };
+            let sum = _mm256_sub_epi32(sum, offset);
+            let d = _mm256_mul_ps(_mm256_broadcast_ss(&dw), d);
+            acc[i % 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), acc[i % 2]);
+        }
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc[0], acc[1])) };
+    out
+}
+
+/// A `Q4_0` block's codes as stored (unsigned, `0 .. 16`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_0_codes(b: &[u8]) -> __m256i {
+    // SAFETY: a block is 18 bytes (nibbles at 2..18).
+    unsafe { nibbles(b[..18].as_ptr().add(2)) }
+}
+
+/// A `Q5_0` block's codes as stored (unsigned, `0 .. 32`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q5_0_codes(b: &[u8]) -> __m256i {
+    let b = &b[..22];
+    // SAFETY: a block is 22 bytes (`qh` at 2..6, nibbles at 6..22).
+    let (low, high) = unsafe { (nibbles(b.as_ptr().add(6)), bit_bytes(b.as_ptr().add(2))) };
+    _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
+}
+
 /// `Q4_0 · Q8_0`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn q4_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
-    lanes32::<false, true, N>(w, 18, a, |b| {
-        // SAFETY: a block is 18 bytes (nibbles at 2..18).
-        let x = unsafe { nibbles(b.as_ptr().add(2)) };
-        _mm256_sub_epi8(x, _mm256_set1_epi8(8))
+    serial32::<N>(w, 18, a, |b| {
+        _mm256_sub_epi8(q4_0_codes(b), _mm256_set1_epi8(8))
     })
+}
+
+/// `Q4_0 · Q8_0`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_0_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    lanes8::<3>(w, 18, y, |b| q4_0_codes(b))
 }
 
 /// `Q4_1 · Q8_1`.
@@ -182,7 +403,7 @@ pub(crate) fn q4_1<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
 /// a byte is the nibble with its top four bits set.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn q5_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
-    lanes32::<false, true, N>(w, 22, a, |b| {
+    serial32::<N>(w, 22, a, |b| {
         // SAFETY: a block is 22 bytes (`qh` at 2..6, nibbles at 6..22).
         let (low, high) = unsafe { (nibbles(b.as_ptr().add(6)), bit_bytes(b.as_ptr().add(2))) };
         _mm256_or_si256(
@@ -190,6 +411,12 @@ pub(crate) fn q5_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
             _mm256_andnot_si256(high, _mm256_set1_epi8(0xf0u8 as i8)),
         )
     })
+}
+
+/// `Q5_0 · Q8_0`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q5_0_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    lanes8::<4>(w, 22, y, |b| q5_0_codes(b))
 }
 
 /// `Q5_1 · Q8_1`.

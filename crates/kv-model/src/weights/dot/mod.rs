@@ -13,6 +13,7 @@ mod avx2;
 
 use super::WeightType;
 use super::activations::{Activations, Q8Block, Q8KBlock};
+use super::token_lanes::Q8x8Block;
 use crate::error::{ModelError, Result};
 
 /// The instruction set the product kernels run on.
@@ -63,24 +64,38 @@ impl Isa {
     }
 }
 
-/// Four tokens' Q8_0/Q8_1 rows against one weight row.
-pub(crate) type Dot4 = fn(&[u8], [&[Q8Block]; 4]) -> [f32; 4];
+/// One weight row against `N` tokens' activation rows (blocks of `A`).
+pub(crate) type Group<A, const N: usize> = fn(&[u8], [&[A]; N]) -> [f32; N];
 
-/// Four tokens' Q8_K rows against one weight row.
-pub(crate) type Dot4K = fn(&[u8], [&[Q8KBlock]; 4]) -> [f32; 4];
+/// The kernels of one weight type against one activation form: a token
+/// alone, four and eight at once (the weights unpacked once per group),
+/// every token getting the bits it gets alone.
+#[derive(Clone, Copy)]
+pub(crate) struct Grouped<A: 'static> {
+    one: fn(&[u8], &[A]) -> f32,
+    four: Group<A, 4>,
+    eight: Group<A, 8>,
+}
+
+/// One weight row against eight tokens in lanes (`token_lanes.rs`).
+pub(crate) type Lanes8 = fn(&[u8], &[Q8x8Block]) -> [f32; 8];
 
 /// A row kernel, by the activation form it reads.
 #[derive(Clone, Copy)]
 pub(crate) enum RowDot {
-    /// Against Q8_0/Q8_1 blocks, one token and four at once.
-    Q8(fn(&[u8], &[Q8Block]) -> f32, Dot4),
-    /// Against Q8_K blocks, one token and four at once.
-    Q8K(fn(&[u8], &[Q8KBlock]) -> f32, Dot4K),
+    /// Against Q8_0/Q8_1 blocks, and against eight tokens' Q8_0 blocks in
+    /// lanes where the type has such a kernel on this instruction set.
+    Q8(Grouped<Q8Block>, Option<Lanes8>),
+    /// Against Q8_K blocks.
+    Q8K(Grouped<Q8KBlock>),
     /// Against f32 values.
     F32(fn(&[u8], &[f32]) -> f32),
 }
 
 impl RowDot {
+    /// The tokens the largest grouped kernel takes at once.
+    pub(crate) const WIDEST: usize = 8;
+
     /// The kernel of `ty` on `isa`, if `ty` has one. `isa` must be
     /// supported ([`Isa::checked`]): the AVX2 kernels are only handed out
     /// behind that check.
@@ -100,8 +115,8 @@ impl RowDot {
     #[inline]
     pub(crate) fn dot(self, w: &[u8], a: &Activations, i: usize) -> f32 {
         match self {
-            RowDot::Q8(f, _) => f(w, a.q8_row(i)),
-            RowDot::Q8K(f, _) => f(w, a.q8k_row(i)),
+            RowDot::Q8(k, _) => (k.one)(w, a.q8_row(i)),
+            RowDot::Q8K(k) => (k.one)(w, a.q8k_row(i)),
             RowDot::F32(f) => f(w, a.f32_row(i)),
         }
     }
@@ -112,47 +127,61 @@ impl RowDot {
     #[inline]
     pub(crate) fn dot4(self, w: &[u8], a: &Activations, i: usize) -> [f32; 4] {
         match self {
-            RowDot::Q8(_, f) => f(w, std::array::from_fn(|k| a.q8_row(i + k))),
-            RowDot::Q8K(_, f) => f(w, std::array::from_fn(|k| a.q8k_row(i + k))),
-            _ => std::array::from_fn(|k| self.dot(w, a, i + k)),
+            RowDot::Q8(k, _) => (k.four)(w, std::array::from_fn(|n| a.q8_row(i + n))),
+            RowDot::Q8K(k) => (k.four)(w, std::array::from_fn(|n| a.q8k_row(i + n))),
+            _ => std::array::from_fn(|n| self.dot(w, a, i + n)),
+        }
+    }
+
+    /// Whether [`dot8`](Self::dot8) reads `a`'s tokens in lanes
+    /// ([`Activations::token_lanes`]).
+    pub(crate) fn reads_token_lanes(self) -> bool {
+        matches!(self, RowDot::Q8(_, Some(_)))
+    }
+
+    /// Weight row `w` times activation rows `i .. i + 8` of `a`: the bits
+    /// of eight [`dot`](Self::dot)s. `i` is a multiple of 8 where the
+    /// kernel [reads token lanes](Self::reads_token_lanes).
+    #[inline]
+    pub(crate) fn dot8(self, w: &[u8], a: &Activations, i: usize) -> [f32; 8] {
+        match self {
+            RowDot::Q8(_, Some(lanes)) => {
+                let blocks = a.cols() / 32;
+                lanes(w, &a.token_lanes()[i / 8 * blocks..][..blocks])
+            }
+            RowDot::Q8(k, None) => (k.eight)(w, std::array::from_fn(|n| a.q8_row(i + n))),
+            RowDot::Q8K(k) => (k.eight)(w, std::array::from_fn(|n| a.q8k_row(i + n))),
+            _ => std::array::from_fn(|n| self.dot(w, a, i + n)),
         }
     }
 }
 
-/// Four scalar dots (the scalar kernels unpack per token; the bits are
-/// those of the AVX2 four-token kernels by the same definition).
-fn four<const K: usize>(w: &[u8], a: [&[Q8Block]; 4]) -> [f32; 4] {
-    let one = match K {
-        0 => scalar::q4_0,
-        1 => scalar::q4_1,
-        2 => scalar::q5_0,
-        3 => scalar::q5_1,
-        _ => scalar::q8_0,
-    };
-    a.map(|a| one(w, a))
-}
-
-/// Four scalar k-quant dots.
-fn four_k<const K: usize>(w: &[u8], a: [&[Q8KBlock]; 4]) -> [f32; 4] {
-    let one = match K {
-        0 => scalar::q4_k,
-        1 => scalar::q5_k,
-        _ => scalar::q6_k,
-    };
-    a.map(|a| one(w, a))
+/// The scalar kernels of one type: a group is its tokens one by one (the
+/// bits of the AVX2 grouped kernels by the same definition).
+macro_rules! scalar_grouped {
+    ($f:path, $a:ty) => {{
+        fn group<const N: usize>(w: &[u8], a: [&[$a]; N]) -> [f32; N] {
+            a.map(|a| $f(w, a))
+        }
+        Grouped::<$a> {
+            one: $f,
+            four: group::<4>,
+            eight: group::<8>,
+        }
+    }};
 }
 
 fn scalar_kernel(ty: WeightType) -> Option<RowDot> {
     use scalar as s;
     Some(match ty {
-        WeightType::Q4_0 => RowDot::Q8(s::q4_0, four::<0>),
-        WeightType::Q4_1 => RowDot::Q8(s::q4_1, four::<1>),
-        WeightType::Q5_0 => RowDot::Q8(s::q5_0, four::<2>),
-        WeightType::Q5_1 => RowDot::Q8(s::q5_1, four::<3>),
-        WeightType::Q8_0 => RowDot::Q8(s::q8_0, four::<4>),
-        WeightType::Q4_K => RowDot::Q8K(s::q4_k, four_k::<0>),
-        WeightType::Q5_K => RowDot::Q8K(s::q5_k, four_k::<1>),
-        WeightType::Q6_K => RowDot::Q8K(s::q6_k, four_k::<2>),
+        WeightType::Q4_0 => RowDot::Q8(scalar_grouped!(s::q4_0, Q8Block), None),
+        WeightType::Q4_1 => RowDot::Q8(scalar_grouped!(s::q4_1, Q8Block), None),
+        WeightType::Q5_0 => RowDot::Q8(scalar_grouped!(s::q5_0, Q8Block), None),
+        WeightType::Q5_1 => RowDot::Q8(scalar_grouped!(s::q5_1, Q8Block), None),
+        WeightType::Q8_0 => RowDot::Q8(scalar_grouped!(s::q8_0, Q8Block), None),
+        WeightType::Q4_K => RowDot::Q8K(scalar_grouped!(s::q4_k, Q8KBlock)),
+        WeightType::Q5_K => RowDot::Q8K(scalar_grouped!(s::q5_k, Q8KBlock)),
+        WeightType::Q6_K => RowDot::Q8K(scalar_grouped!(s::q6_k, Q8KBlock)),
         WeightType::F32 => RowDot::F32(s::f32_row),
         WeightType::F16 => RowDot::F32(s::f16_row),
         WeightType::BF16 => RowDot::F32(s::bf16_row),
@@ -176,30 +205,100 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
         }};
     }
     macro_rules! grouped {
-        ($variant:ident, $f:ident, $a:ty) => {{
+        ($f:ident, $a:ty) => {{
+            fn group<const N: usize>(w: &[u8], a: [&[$a]; N]) -> [f32; N] {
+                // SAFETY: as in `wrap!`.
+                unsafe { avx2::$f::<N>(w, a) }
+            }
             fn one(w: &[u8], a: &[$a]) -> f32 {
-                // SAFETY: as in `wrap!`.
-                unsafe { avx2::$f::<1>(w, [a])[0] }
+                group::<1>(w, [a])[0]
             }
-            fn four(w: &[u8], a: [&[$a]; 4]) -> [f32; 4] {
-                // SAFETY: as in `wrap!`.
-                unsafe { avx2::$f::<4>(w, a) }
+            Grouped::<$a> {
+                one,
+                four: group::<4>,
+                eight: group::<8>,
             }
-            RowDot::$variant(one, four)
+        }};
+    }
+    macro_rules! lanes {
+        ($f:ident) => {{
+            fn lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+                // SAFETY: as in `wrap!`.
+                unsafe { avx2::$f(w, y) }
+            }
+            Some(lanes as Lanes8)
         }};
     }
     Some(match ty {
-        WeightType::Q4_0 => grouped!(Q8, q4_0, Q8Block),
-        WeightType::Q4_1 => grouped!(Q8, q4_1, Q8Block),
-        WeightType::Q5_0 => grouped!(Q8, q5_0, Q8Block),
-        WeightType::Q5_1 => grouped!(Q8, q5_1, Q8Block),
-        WeightType::Q8_0 => grouped!(Q8, q8_0, Q8Block),
-        WeightType::Q4_K => grouped!(Q8K, q4_k, Q8KBlock),
-        WeightType::Q5_K => grouped!(Q8K, q5_k, Q8KBlock),
-        WeightType::Q6_K => grouped!(Q8K, q6_k, Q8KBlock),
+        WeightType::Q4_0 => RowDot::Q8(grouped!(q4_0, Q8Block), lanes!(q4_0_lanes)),
+        WeightType::Q4_1 => RowDot::Q8(grouped!(q4_1, Q8Block), None),
+        WeightType::Q5_0 => RowDot::Q8(grouped!(q5_0, Q8Block), lanes!(q5_0_lanes)),
+        WeightType::Q5_1 => RowDot::Q8(grouped!(q5_1, Q8Block), None),
+        WeightType::Q8_0 => RowDot::Q8(grouped!(q8_0, Q8Block), None),
+        WeightType::Q4_K => RowDot::Q8K(grouped!(q4_k, Q8KBlock)),
+        WeightType::Q5_K => RowDot::Q8K(grouped!(q5_k, Q8KBlock)),
+        WeightType::Q6_K => RowDot::Q8K(grouped!(q6_k, Q8KBlock)),
         WeightType::F32 => wrap!(F32, f32_row, f32),
         WeightType::F16 => wrap!(F32, f16_row, f32),
         WeightType::BF16 => wrap!(F32, bf16_row, f32),
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::ActivationKind;
+
+    /// `Q4_0`/`Q5_0` rows whose codes are all the largest (or all the
+    /// smallest) against activations at ±127: the 16-bit sums of the
+    /// token-lane kernels at their bound.
+    fn extreme_rows(ty: WeightType, high: bool) -> Vec<u8> {
+        let (bytes, nibbles) = match ty {
+            WeightType::Q4_0 => (18, 2),
+            _ => (22, 6),
+        };
+        let mut block = vec![if high { 0xff } else { 0x00 }; bytes];
+        block[..2].copy_from_slice(&half::f16::from_f32(0.75).to_le_bytes());
+        assert_eq!(block.len() - nibbles, 16);
+        block.repeat(3)
+    }
+
+    #[test]
+    fn token_lanes_give_each_token_its_own_bits() {
+        let isa = Isa::detect();
+        for ty in [WeightType::Q4_0, WeightType::Q5_0] {
+            let kernel = RowDot::new(ty, isa).unwrap();
+            assert_eq!(kernel.reads_token_lanes(), isa != Isa::Scalar, "{ty}");
+            for high in [false, true] {
+                let w = extreme_rows(ty, high);
+                // Tokens of ±127 codes, and one of mixed values.
+                let x: Vec<f32> = (0..9 * 96)
+                    .map(|i| match i / 96 {
+                        0..=3 => 1.0,
+                        4..=6 => -2.0,
+                        _ => ((i * 37 % 101) as f32 - 50.0) * 0.03,
+                    })
+                    .collect();
+                let a = Activations::new(ActivationKind::Q8_0, &x, 96).unwrap();
+                let eight = kernel.dot8(&w, &a, 0);
+                for (t, &got) in eight.iter().enumerate() {
+                    let alone = RowDot::new(ty, Isa::Scalar).unwrap().dot(&w, &a, t);
+                    assert_eq!(got.to_bits(), alone.to_bits(), "{ty} high={high} token {t}");
+                    let want = if t < 4 { 1.0 } else { -2.0 }
+                        * 96.0
+                        * 0.75
+                        * match (ty, high) {
+                            (WeightType::Q4_0, true) => 7.0,
+                            (WeightType::Q4_0, false) => -8.0,
+                            (_, true) => 15.0,
+                            _ => -16.0,
+                        };
+                    if t < 7 {
+                        assert!((got - want).abs() <= want.abs() * 1e-2, "{got} {want}");
+                    }
+                }
+            }
+        }
+    }
 }

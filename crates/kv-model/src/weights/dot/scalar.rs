@@ -3,7 +3,15 @@
 //! Each function computes exactly what the AVX2 kernel of `avx2.rs`
 //! computes, bit for bit, so a product does not depend on the machine:
 //!
-//! - **32-value types** (`Q4_0` .. `Q8_0`): the codes' products are summed
+//! - **`Q4_0`, `Q5_0`** (32 values, codes stored shifted): each block's
+//!   32 products are summed exactly in integers, and the blocks are
+//!   accumulated in order by one fused multiply-add each,
+//!   `acc = fma(d_w·d_a, sum, acc)`, the even blocks into one accumulator
+//!   and the odd ones into another (two chains of fused multiply-adds
+//!   instead of one), added at the end: `even + odd`. The token-lane
+//!   kernels of `avx2.rs` compute exactly this for eight tokens in eight
+//!   lanes.
+//! - **`Q4_1`, `Q5_1`, `Q8_0`** (32 values): the codes' products are summed
 //!   exactly in integers over eight lanes of four consecutive values (lane
 //!   `k` of a block holds values `4k .. 4k + 3`, as `vpmaddubsw` then
 //!   `vpmaddwd` pair them); each lane accumulates `d_w·d_a · sum` with a
@@ -56,15 +64,32 @@ fn lanes32(
     hsum8(acc) + mins
 }
 
+/// The serial accumulation of `Q4_0` and `Q5_0`: `codes(block)` gives a
+/// block's 32 weight codes in order, as the integers the product uses.
+fn serial32(
+    w: &[u8],
+    block_bytes: usize,
+    a: &[Q8Block],
+    codes: impl Fn(&[u8]) -> [i32; 32],
+) -> f32 {
+    let mut acc = [0f32; 2];
+    for (i, (b, a)) in w.chunks_exact(block_bytes).zip(a).enumerate() {
+        let c = codes(b);
+        let sum: i32 = c.iter().zip(&a.qs).map(|(&c, &y)| c * i32::from(y)).sum();
+        acc[i % 2] = (f16_at(b, 0) * a.d).mul_add(sum as f32, acc[i % 2]);
+    }
+    acc[0] + acc[1]
+}
+
 /// `Q4_0 · Q8_0`.
 pub(crate) fn q4_0(w: &[u8], a: &[Q8Block]) -> f32 {
-    lanes32(w, 18, a, |b, _| {
+    serial32(w, 18, a, |b| {
         let mut c = [0i32; 32];
         for (j, &q) in b[2..18].iter().enumerate() {
             c[j] = i32::from(q & 0x0f) - 8;
             c[j + 16] = i32::from(q >> 4) - 8;
         }
-        (c, f16_at(b, 0), 0.0)
+        c
     })
 }
 
@@ -82,13 +107,13 @@ pub(crate) fn q4_1(w: &[u8], a: &[Q8Block]) -> f32 {
 
 /// `Q5_0 · Q8_0`.
 pub(crate) fn q5_0(w: &[u8], a: &[Q8Block]) -> f32 {
-    lanes32(w, 22, a, |b, _| {
+    serial32(w, 22, a, |b| {
         let mut c = [0i32; 32];
         for (j, q0, q1) in q5_codes(&b[2..6], &b[6..22]) {
             c[j] = i32::from(q0) - 16;
             c[j + 16] = i32::from(q1) - 16;
         }
-        (c, f16_at(b, 0), 0.0)
+        c
     })
 }
 
