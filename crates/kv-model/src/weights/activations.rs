@@ -25,7 +25,7 @@ use std::sync::OnceLock;
 use half::f16;
 
 use super::ActivationKind;
-use super::token_lanes::{Q8x8Block, interleave};
+use super::token_lanes::{Q8Kx8Block, Q8x8Block, interleave, interleave_k};
 use crate::error::{ModelError, Result};
 
 /// One 32-value block of Q8_0 or Q8_1 activations.
@@ -64,6 +64,8 @@ pub struct Activations {
     /// The Q8_0 rows eight tokens at a time, a token per lane, built the
     /// first time a token-lane kernel asks.
     lanes: OnceLock<Vec<Q8x8Block>>,
+    /// The same for Q8_K rows.
+    lanes_k: OnceLock<Vec<Q8Kx8Block>>,
 }
 
 impl Activations {
@@ -77,6 +79,7 @@ impl Activations {
             q8k: Vec::new(),
             f32: Vec::new(),
             lanes: OnceLock::new(),
+            lanes_k: OnceLock::new(),
         };
         a.quantize(kind, x, cols)?;
         Ok(a)
@@ -104,6 +107,7 @@ impl Activations {
         self.q8k.clear();
         self.f32.clear();
         self.lanes = OnceLock::new();
+        self.lanes_k = OnceLock::new();
         match kind {
             ActivationKind::F32 => self.f32.extend_from_slice(x),
             ActivationKind::Q8_0 => self
@@ -153,6 +157,12 @@ impl Activations {
     /// other forms; the last `rows % 8` tokens left out).
     pub(crate) fn token_lanes(&self) -> &[Q8x8Block] {
         self.lanes.get_or_init(|| interleave(self))
+    }
+
+    /// The Q8_K rows in groups of eight tokens, a token per lane (empty in
+    /// other forms; the last `rows % 8` tokens left out).
+    pub(crate) fn token_lanes_k(&self) -> &[Q8Kx8Block] {
+        self.lanes_k.get_or_init(|| interleave_k(self))
     }
 
     /// Row `i` as Q8_K blocks (empty in other forms).

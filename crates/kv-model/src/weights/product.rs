@@ -91,10 +91,8 @@ impl QuantMatrix {
                 });
             return Ok(());
         }
-        if kernel.reads_token_lanes() {
-            // Built once here rather than by the first task to ask.
-            a.token_lanes();
-        }
+        // Built once here rather than by the first task to ask.
+        kernel.prepare(a);
         let tasks = rows.div_ceil(per_task);
         let per_pass = tokens_per_pass(a.row_bytes());
         let tiles: Vec<Vec<f32>> = (0..tasks)

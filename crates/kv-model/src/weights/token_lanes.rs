@@ -1,5 +1,6 @@
-//! Eight tokens' Q8_0 activations interleaved a token per 32-bit lane, the
-//! form the token-lane kernels (`Q4_0`, `Q5_0`) multiply by.
+//! Eight tokens' Q8_0 or Q8_K activations interleaved a token per 32-bit
+//! lane, the form the token-lane kernels (`Q4_0`, `Q5_0`, `Q4_K`)
+//! multiply by.
 //!
 //! A row kernel of the 32-value types sums a block's 32 products over the
 //! eight lanes of a register and then has to add the lanes (or keep eight
@@ -13,7 +14,7 @@
 //! that is cheap to rearrange here, once per product, because the weights
 //! stay as stored).
 
-use super::activations::{Activations, Q8Block};
+use super::activations::{Activations, Q8Block, Q8KBlock};
 
 /// Block `b` of eight tokens' Q8_0 rows.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,6 +41,52 @@ impl Q8x8Block {
             sum: rows.map(|r| r.qs.iter().map(|&q| i32::from(q)).sum()),
         }
     }
+}
+
+/// Super-block `b` of eight tokens' Q8_K rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(32))]
+pub(crate) struct Q8Kx8Block {
+    /// Codes `4k .. 4k + 4` of token `t` at `qs[8k + t]`.
+    pub(crate) qs: [[i8; 4]; 512],
+    /// Each token's scale.
+    pub(crate) d: [f32; 8],
+    /// Sums of codes `32j .. 32j + 16` and `32j + 16 .. 32j + 32` of token
+    /// `t` at `bsums[8j + t]` (the k-quants multiply them by a scale or a
+    /// min per run of 32, or per 16: one `vpmaddwd` for the eight tokens).
+    pub(crate) bsums: [[i16; 2]; 64],
+}
+
+impl Q8Kx8Block {
+    /// The super-blocks `b` of `rows`.
+    fn new(rows: [&Q8KBlock; 8]) -> Q8Kx8Block {
+        Q8Kx8Block {
+            qs: std::array::from_fn(|i| {
+                let (k, t) = (i / 8, i % 8);
+                std::array::from_fn(|e| rows[t].qs[4 * k + e])
+            }),
+            d: rows.map(|r| r.d),
+            bsums: std::array::from_fn(|i| {
+                let (j, t) = (i / 8, i % 8);
+                [rows[t].bsums[2 * j], rows[t].bsums[2 * j + 1]]
+            }),
+        }
+    }
+}
+
+/// The Q8_K rows of `a` in groups of eight tokens, laid out as
+/// [`interleave`]'s. Empty unless `a` is Q8_K.
+pub(crate) fn interleave_k(a: &Activations) -> Vec<Q8Kx8Block> {
+    if a.kind() != super::ActivationKind::Q8_K {
+        return Vec::new();
+    }
+    let blocks = a.cols() / 256;
+    let mut out = Vec::with_capacity(a.rows() / 8 * blocks);
+    for g in 0..a.rows() / 8 {
+        let rows: [&[Q8KBlock]; 8] = std::array::from_fn(|t| a.q8k_row(8 * g + t));
+        out.extend((0..blocks).map(|b| Q8Kx8Block::new(rows.map(|r| &r[b]))));
+    }
+    out
 }
 
 /// The Q8_0 rows of `a` in groups of eight tokens: group `g` (tokens
@@ -87,5 +134,36 @@ mod tests {
         }
         let q8k = Activations::new(ActivationKind::Q8_K, &[0.5; 256 * 8], 256).unwrap();
         assert!(interleave(&q8k).is_empty());
+        assert!(interleave_k(&a).is_empty());
+    }
+
+    #[test]
+    fn super_block_lanes_hold_each_tokens_codes_and_sums() {
+        let (rows, cols) = (17, 512);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.05)
+            .collect();
+        let a = Activations::new(ActivationKind::Q8_K, &x, cols).unwrap();
+        let lanes = interleave_k(&a);
+        assert_eq!(
+            lanes.len(),
+            2 * 2,
+            "two whole groups of eight, two super-blocks"
+        );
+        for g in 0..2 {
+            for b in 0..2 {
+                let l = &lanes[2 * g + b];
+                for t in 0..8 {
+                    let row = &a.q8k_row(8 * g + t)[b];
+                    for e in 0..256 {
+                        assert_eq!(l.qs[8 * (e / 4) + t][e % 4], row.qs[e]);
+                    }
+                    for j in 0..8 {
+                        assert_eq!(l.bsums[8 * j + t], [row.bsums[2 * j], row.bsums[2 * j + 1]]);
+                    }
+                    assert_eq!(l.d[t], row.d);
+                }
+            }
+        }
     }
 }

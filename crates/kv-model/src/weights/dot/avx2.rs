@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 
 use super::super::activations::{Q8Block, Q8KBlock};
 use super::super::kquants::scale_min_k4;
-use super::super::token_lanes::Q8x8Block;
+use super::super::token_lanes::{Q8Kx8Block, Q8x8Block};
 
 /// The f16 at byte `i` of a block, converted by F16C (the `half` crate's
 /// conversion, without F16C enabled at compile time, costs more than the
@@ -515,6 +515,223 @@ pub(crate) fn q4_k<const N: usize>(w: &[u8], a: [&[Q8KBlock]; N]) -> [f32; N] {
         }
     }
     acc
+}
+
+/// Super-blocks of a k-quant row unpacked at a time by [`q4_k_lanes`] and
+/// [`q6_k_lanes`] (2 KiB of codes).
+const SEGMENT_K: usize = 8;
+
+/// A `Q4_K` super-block unpacked for [`q4_k_lanes`].
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct UnpackedK {
+    /// The 256 codes in order.
+    codes: [u8; 256],
+    /// The eight runs' scales.
+    scales: [i16; 8],
+    /// The eight runs' mins.
+    mins: [i16; 8],
+    /// `d` and `dmin`.
+    d: [f32; 2],
+}
+
+/// `Q4_K · Q8_K`, eight tokens in lanes ([`Q8Kx8Block`]): the bits of
+/// [`q4_k`] for each of the eight. A run's four codes are broadcast from
+/// the unpacked super-block by a load, as in [`lanes8`]; a run's eight
+/// products sum in 16 bits (at most `8·2·15·127 = 30,480`) and
+/// `vpmaddwd` applies its scale; the mins meet each token's code sums in
+/// one `vpmaddwd` per run.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+    let mask = _mm256_set1_epi8(0x0f);
+    let mut acc = _mm256_setzero_ps();
+    let empty = UnpackedK {
+        codes: [0; 256],
+        scales: [0; 8],
+        mins: [0; 8],
+        d: [0.0; 2],
+    };
+    let mut unpacked = [empty; SEGMENT_K];
+    for (w, y) in w.chunks(SEGMENT_K * 144).zip(y.chunks(SEGMENT_K)) {
+        let n = y.len().min(w.len() / 144);
+        for (b, u) in w.chunks_exact(144).zip(&mut unpacked) {
+            for j in 0..4 {
+                // SAFETY: `qs` is bytes 16..144 of the block, 32 per pair of
+                // runs; `codes` has 64 bytes at 64j, aligned to 32.
+                unsafe {
+                    let q = load(b.as_ptr().add(16 + 32 * j));
+                    let c = u.codes.as_mut_ptr().add(64 * j).cast::<__m256i>();
+                    _mm256_store_si256(c, _mm256_and_si256(q, mask));
+                    _mm256_store_si256(c.add(1), _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask));
+                }
+            }
+            for r in 0..8 {
+                let (sc, m) = scale_min_k4(r, &b[4..16]);
+                u.scales[r] = i16::from(sc);
+                u.mins[r] = i16::from(m);
+            }
+            u.d = [f16_at(b, 0), f16_at(b, 2)];
+        }
+        for (u, y) in unpacked[..n].iter().zip(&y[..n]) {
+            let mut sumi = _mm256_setzero_si256();
+            let mut summ = _mm256_setzero_si256();
+            for r in 0..8 {
+                let chunk = |k: usize| {
+                    let c = 8 * r + k;
+                    // SAFETY: codes 4c .. 4c + 4 of 256 (c < 64), and
+                    // `qs[8c .. 8c + 8]`, 32 bytes of `y`.
+                    unsafe {
+                        let w = _mm256_castps_si256(_mm256_broadcast_ss(
+                            &*u.codes.as_ptr().add(4 * c).cast::<f32>(),
+                        ));
+                        _mm256_maddubs_epi16(w, load(y.qs.as_ptr().add(8 * c).cast()))
+                    }
+                };
+                let run = _mm256_add_epi16(
+                    _mm256_add_epi16(
+                        _mm256_add_epi16(chunk(0), chunk(1)),
+                        _mm256_add_epi16(chunk(2), chunk(3)),
+                    ),
+                    _mm256_add_epi16(
+                        _mm256_add_epi16(chunk(4), chunk(5)),
+                        _mm256_add_epi16(chunk(6), chunk(7)),
+                    ),
+                );
+                sumi =
+                    _mm256_add_epi32(sumi, _mm256_madd_epi16(run, _mm256_set1_epi16(u.scales[r])));
+                // SAFETY: `bsums[8r .. 8r + 8]` is 32 bytes of `y`.
+                let sums = unsafe { load(y.bsums.as_ptr().add(8 * r).cast()) };
+                summ =
+                    _mm256_add_epi32(summ, _mm256_madd_epi16(sums, _mm256_set1_epi16(u.mins[r])));
+            }
+            // SAFETY: `d` is eight f32 of `y`.
+            let yd = unsafe { _mm256_loadu_ps(y.d.as_ptr()) };
+            let d = _mm256_mul_ps(yd, _mm256_set1_ps(u.d[0]));
+            let dmin = _mm256_mul_ps(yd, _mm256_set1_ps(u.d[1]));
+            // `acc + d·sumi − dmin·summ`, unfused, as `q4_k`.
+            acc = _mm256_sub_ps(
+                _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sumi))),
+                _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ)),
+            );
+        }
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
+/// A `Q6_K` super-block unpacked for [`q6_k_lanes`].
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Unpacked6K {
+    /// The 256 codes in order (`0 .. 64`).
+    codes: [u8; 256],
+    /// The sixteen groups' scales.
+    scales: [i16; 16],
+    /// `d`.
+    d: f32,
+}
+
+/// `Q6_K · Q8_K`, eight tokens in lanes: the bits of [`q6_k`] for each of
+/// the eight, as [`q4_k_lanes`] computes `q4_k`'s. Two products of 6-bit
+/// codes sum in 16 bits (at most `2·2·63·127 = 32,004`), so each group of
+/// 16 values takes two `vpmaddwd` with its scale; the offsets
+/// `Σ_g sc_g·Σy_g` take one per pair of groups.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q6_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+    let (mask, pair) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(3));
+    let mut acc = _mm256_setzero_ps();
+    let empty = Unpacked6K {
+        codes: [0; 256],
+        scales: [0; 16],
+        d: 0.0,
+    };
+    let mut unpacked = [empty; SEGMENT_K];
+    for (w, y) in w.chunks(SEGMENT_K * 210).zip(y.chunks(SEGMENT_K)) {
+        let n = y.len().min(w.len() / 210);
+        for (b, u) in w.chunks_exact(210).zip(&mut unpacked) {
+            for n in 0..2 {
+                // SAFETY: `ql` is bytes 0..128 (64 per half), `qh` 128..192
+                // (32 per half); `codes` has 128 bytes at 128n, aligned to 32.
+                unsafe {
+                    let l1 = load(b.as_ptr().add(64 * n));
+                    let l2 = load(b.as_ptr().add(64 * n + 32));
+                    let h = load(b.as_ptr().add(128 + 32 * n));
+                    let high = |s: i32| {
+                        let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(s));
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(h, pair))
+                    };
+                    let c = u.codes.as_mut_ptr().add(128 * n).cast::<__m256i>();
+                    _mm256_store_si256(c, _mm256_or_si256(_mm256_and_si256(l1, mask), high(0)));
+                    _mm256_store_si256(
+                        c.add(1),
+                        _mm256_or_si256(_mm256_and_si256(l2, mask), high(2)),
+                    );
+                    _mm256_store_si256(
+                        c.add(2),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(l1), mask),
+                            high(4),
+                        ),
+                    );
+                    _mm256_store_si256(
+                        c.add(3),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(l2), mask),
+                            high(6),
+                        ),
+                    );
+                }
+            }
+            u.scales = std::array::from_fn(|g| i16::from(b[192 + g] as i8));
+            u.d = f16_at(b, 208);
+        }
+        for (u, y) in unpacked[..n].iter().zip(&y[..n]) {
+            let mut sumi = _mm256_setzero_si256();
+            let mut offset = _mm256_setzero_si256();
+            for g in 0..16 {
+                let chunk = |k: usize| {
+                    let c = 4 * g + k;
+                    // SAFETY: codes 4c .. 4c + 4 of 256 (c < 64), and
+                    // `qs[8c .. 8c + 8]`, 32 bytes of `y`.
+                    unsafe {
+                        let w = _mm256_castps_si256(_mm256_broadcast_ss(
+                            &*u.codes.as_ptr().add(4 * c).cast::<f32>(),
+                        ));
+                        _mm256_maddubs_epi16(w, load(y.qs.as_ptr().add(8 * c).cast()))
+                    }
+                };
+                let sc = _mm256_set1_epi16(u.scales[g]);
+                sumi = _mm256_add_epi32(
+                    sumi,
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_add_epi16(chunk(0), chunk(1)), sc),
+                        _mm256_madd_epi16(_mm256_add_epi16(chunk(2), chunk(3)), sc),
+                    ),
+                );
+            }
+            for j in 0..8 {
+                let (lo, hi) = (u.scales[2 * j] as u16, u.scales[2 * j + 1] as u16);
+                let sc = _mm256_set1_epi32(((u32::from(hi) << 16) | u32::from(lo)) as i32);
+                // SAFETY: `bsums[8j .. 8j + 8]` is 32 bytes of `y`.
+                let sums = unsafe { load(y.bsums.as_ptr().add(8 * j).cast()) };
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(sums, sc));
+            }
+            // SAFETY: `d` is eight f32 of `y`.
+            let d = _mm256_mul_ps(
+                unsafe { _mm256_loadu_ps(y.d.as_ptr()) },
+                _mm256_set1_ps(u.d),
+            );
+            let total = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<5>(offset));
+            // `acc + d·(sumi − 32·offset)`, unfused, as `q6_k`.
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(total)));
+        }
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
 }
 
 /// `Q5_K · Q8_K`, `N` tokens at once. Its per-token tail is `q4_k`'s,

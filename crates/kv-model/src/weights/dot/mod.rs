@@ -13,7 +13,7 @@ mod avx2;
 
 use super::WeightType;
 use super::activations::{Activations, Q8Block, Q8KBlock};
-use super::token_lanes::Q8x8Block;
+use super::token_lanes::{Q8Kx8Block, Q8x8Block};
 use crate::error::{ModelError, Result};
 
 /// The instruction set the product kernels run on.
@@ -80,14 +80,18 @@ pub(crate) struct Grouped<A: 'static> {
 /// One weight row against eight tokens in lanes (`token_lanes.rs`).
 pub(crate) type Lanes8 = fn(&[u8], &[Q8x8Block]) -> [f32; 8];
 
+/// One k-quant weight row against eight tokens in lanes.
+pub(crate) type Lanes8K = fn(&[u8], &[Q8Kx8Block]) -> [f32; 8];
+
 /// A row kernel, by the activation form it reads.
 #[derive(Clone, Copy)]
 pub(crate) enum RowDot {
     /// Against Q8_0/Q8_1 blocks, and against eight tokens' Q8_0 blocks in
     /// lanes where the type has such a kernel on this instruction set.
     Q8(Grouped<Q8Block>, Option<Lanes8>),
-    /// Against Q8_K blocks.
-    Q8K(Grouped<Q8KBlock>),
+    /// Against Q8_K blocks, and against eight tokens' in lanes where the
+    /// type has such a kernel on this instruction set.
+    Q8K(Grouped<Q8KBlock>, Option<Lanes8K>),
     /// Against f32 values.
     F32(fn(&[u8], &[f32]) -> f32),
 }
@@ -116,7 +120,7 @@ impl RowDot {
     pub(crate) fn dot(self, w: &[u8], a: &Activations, i: usize) -> f32 {
         match self {
             RowDot::Q8(k, _) => (k.one)(w, a.q8_row(i)),
-            RowDot::Q8K(k) => (k.one)(w, a.q8k_row(i)),
+            RowDot::Q8K(k, _) => (k.one)(w, a.q8k_row(i)),
             RowDot::F32(f) => f(w, a.f32_row(i)),
         }
     }
@@ -128,15 +132,29 @@ impl RowDot {
     pub(crate) fn dot4(self, w: &[u8], a: &Activations, i: usize) -> [f32; 4] {
         match self {
             RowDot::Q8(k, _) => (k.four)(w, std::array::from_fn(|n| a.q8_row(i + n))),
-            RowDot::Q8K(k) => (k.four)(w, std::array::from_fn(|n| a.q8k_row(i + n))),
+            RowDot::Q8K(k, _) => (k.four)(w, std::array::from_fn(|n| a.q8k_row(i + n))),
             _ => std::array::from_fn(|n| self.dot(w, a, i + n)),
         }
     }
 
-    /// Whether [`dot8`](Self::dot8) reads `a`'s tokens in lanes
-    /// ([`Activations::token_lanes`]).
+    /// Whether [`dot8`](Self::dot8) reads `a`'s tokens in lanes.
+    #[cfg(test)]
     pub(crate) fn reads_token_lanes(self) -> bool {
-        matches!(self, RowDot::Q8(_, Some(_)))
+        matches!(self, RowDot::Q8(_, Some(_)) | RowDot::Q8K(_, Some(_)))
+    }
+
+    /// Builds the tokens in lanes that [`dot8`](Self::dot8) will read, if
+    /// it reads them (once, before a product's tasks start).
+    pub(crate) fn prepare(self, a: &Activations) {
+        match self {
+            RowDot::Q8(_, Some(_)) => {
+                a.token_lanes();
+            }
+            RowDot::Q8K(_, Some(_)) => {
+                a.token_lanes_k();
+            }
+            _ => {}
+        }
     }
 
     /// Weight row `w` times activation rows `i .. i + 8` of `a`: the bits
@@ -150,7 +168,11 @@ impl RowDot {
                 lanes(w, &a.token_lanes()[i / 8 * blocks..][..blocks])
             }
             RowDot::Q8(k, None) => (k.eight)(w, std::array::from_fn(|n| a.q8_row(i + n))),
-            RowDot::Q8K(k) => (k.eight)(w, std::array::from_fn(|n| a.q8k_row(i + n))),
+            RowDot::Q8K(_, Some(lanes)) => {
+                let blocks = a.cols() / 256;
+                lanes(w, &a.token_lanes_k()[i / 8 * blocks..][..blocks])
+            }
+            RowDot::Q8K(k, None) => (k.eight)(w, std::array::from_fn(|n| a.q8k_row(i + n))),
             _ => std::array::from_fn(|n| self.dot(w, a, i + n)),
         }
     }
@@ -179,9 +201,9 @@ fn scalar_kernel(ty: WeightType) -> Option<RowDot> {
         WeightType::Q5_0 => RowDot::Q8(scalar_grouped!(s::q5_0, Q8Block), None),
         WeightType::Q5_1 => RowDot::Q8(scalar_grouped!(s::q5_1, Q8Block), None),
         WeightType::Q8_0 => RowDot::Q8(scalar_grouped!(s::q8_0, Q8Block), None),
-        WeightType::Q4_K => RowDot::Q8K(scalar_grouped!(s::q4_k, Q8KBlock)),
-        WeightType::Q5_K => RowDot::Q8K(scalar_grouped!(s::q5_k, Q8KBlock)),
-        WeightType::Q6_K => RowDot::Q8K(scalar_grouped!(s::q6_k, Q8KBlock)),
+        WeightType::Q4_K => RowDot::Q8K(scalar_grouped!(s::q4_k, Q8KBlock), None),
+        WeightType::Q5_K => RowDot::Q8K(scalar_grouped!(s::q5_k, Q8KBlock), None),
+        WeightType::Q6_K => RowDot::Q8K(scalar_grouped!(s::q6_k, Q8KBlock), None),
         WeightType::F32 => RowDot::F32(s::f32_row),
         WeightType::F16 => RowDot::F32(s::f16_row),
         WeightType::BF16 => RowDot::F32(s::bf16_row),
@@ -229,15 +251,24 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
             Some(lanes as Lanes8)
         }};
     }
+    macro_rules! lanes_k {
+        ($f:ident) => {{
+            fn lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+                // SAFETY: as in `wrap!`.
+                unsafe { avx2::$f(w, y) }
+            }
+            Some(lanes as Lanes8K)
+        }};
+    }
     Some(match ty {
         WeightType::Q4_0 => RowDot::Q8(grouped!(q4_0, Q8Block), lanes!(q4_0_lanes)),
         WeightType::Q4_1 => RowDot::Q8(grouped!(q4_1, Q8Block), None),
         WeightType::Q5_0 => RowDot::Q8(grouped!(q5_0, Q8Block), lanes!(q5_0_lanes)),
         WeightType::Q5_1 => RowDot::Q8(grouped!(q5_1, Q8Block), None),
         WeightType::Q8_0 => RowDot::Q8(grouped!(q8_0, Q8Block), None),
-        WeightType::Q4_K => RowDot::Q8K(grouped!(q4_k, Q8KBlock)),
-        WeightType::Q5_K => RowDot::Q8K(grouped!(q5_k, Q8KBlock)),
-        WeightType::Q6_K => RowDot::Q8K(grouped!(q6_k, Q8KBlock)),
+        WeightType::Q4_K => RowDot::Q8K(grouped!(q4_k, Q8KBlock), lanes_k!(q4_k_lanes)),
+        WeightType::Q5_K => RowDot::Q8K(grouped!(q5_k, Q8KBlock), None),
+        WeightType::Q6_K => RowDot::Q8K(grouped!(q6_k, Q8KBlock), lanes_k!(q6_k_lanes)),
         WeightType::F32 => wrap!(F32, f32_row, f32),
         WeightType::F16 => wrap!(F32, f16_row, f32),
         WeightType::BF16 => wrap!(F32, bf16_row, f32),
@@ -265,11 +296,55 @@ mod tests {
     }
 
     #[test]
+    fn k_quant_token_lanes_at_their_sixteen_bit_bound_give_each_token_its_own_bits() {
+        let isa = Isa::detect();
+        // Every code at its largest (all bits set), every scale large,
+        // against tokens of ±127 codes: the 16-bit run sums at their bound.
+        for ty in [WeightType::Q4_K, WeightType::Q6_K] {
+            let bytes = ty.block_bytes();
+            let mut block = vec![0xffu8; bytes];
+            let d = half::f16::from_f32(0.01).to_le_bytes();
+            if ty == WeightType::Q4_K {
+                block[..2].copy_from_slice(&d);
+                block[2..4].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
+            } else {
+                block[192..208].fill(127);
+                block[208..210].copy_from_slice(&d);
+            }
+            let w = block.repeat(2);
+            let x: Vec<f32> = (0..9 * 512)
+                .map(|i| match i / 512 {
+                    0..=3 => 1.0,
+                    4..=6 => -2.0,
+                    _ => ((i * 37 % 101) as f32 - 50.0) * 0.03,
+                })
+                .collect();
+            let a = Activations::new(ActivationKind::Q8_K, &x, 512).unwrap();
+            let kernel = RowDot::new(ty, isa).unwrap();
+            for (t, got) in kernel.dot8(&w, &a, 0).into_iter().enumerate() {
+                let alone = RowDot::new(ty, Isa::Scalar).unwrap().dot(&w, &a, t);
+                assert_eq!(got.to_bits(), alone.to_bits(), "{ty} token {t}");
+            }
+        }
+    }
+
+    #[test]
     fn token_lanes_give_each_token_its_own_bits() {
         let isa = Isa::detect();
+        for ty in [
+            WeightType::Q4_0,
+            WeightType::Q5_0,
+            WeightType::Q4_K,
+            WeightType::Q6_K,
+        ] {
+            assert_eq!(
+                RowDot::new(ty, isa).unwrap().reads_token_lanes(),
+                isa != Isa::Scalar,
+                "{ty}"
+            );
+        }
         for ty in [WeightType::Q4_0, WeightType::Q5_0] {
             let kernel = RowDot::new(ty, isa).unwrap();
-            assert_eq!(kernel.reads_token_lanes(), isa != Isa::Scalar, "{ty}");
             for high in [false, true] {
                 let w = extreme_rows(ty, high);
                 // Tokens of ±127 codes, and one of mixed values.
