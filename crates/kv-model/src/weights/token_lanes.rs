@@ -1,6 +1,6 @@
-//! Eight tokens' Q8_0 or Q8_K activations interleaved a token per 32-bit
-//! lane, the form the token-lane kernels (`Q4_0`, `Q5_0`, `Q4_K`)
-//! multiply by.
+//! Eight tokens' Q8_0, Q8_1 or Q8_K activations interleaved a token per
+//! 32-bit lane, the form the token-lane kernels (`Q4_0`, `Q5_0`, `Q4_1`,
+//! `Q5_1`, `Q4_K`, `Q6_K`) multiply by.
 //!
 //! A row kernel of the 32-value types sums a block's 32 products over the
 //! eight lanes of a register and then has to add the lanes (or keep eight
@@ -27,6 +27,8 @@ pub(crate) struct Q8x8Block {
     /// Each token's sum of its 32 codes (the offset term of the weight
     /// types whose codes are stored shifted, `Q4_0` and `Q5_0`).
     pub(crate) sum: [i32; 8],
+    /// Each token's `d·Σq` (Q8_1 rows; the min term of `Q4_1` and `Q5_1`).
+    pub(crate) s: [f32; 8],
 }
 
 impl Q8x8Block {
@@ -39,6 +41,7 @@ impl Q8x8Block {
             }),
             d: rows.map(|r| r.d),
             sum: rows.map(|r| r.qs.iter().map(|&q| i32::from(q)).sum()),
+            s: rows.map(|r| r.s),
         }
     }
 }
@@ -89,11 +92,12 @@ pub(crate) fn interleave_k(a: &Activations) -> Vec<Q8Kx8Block> {
     out
 }
 
-/// The Q8_0 rows of `a` in groups of eight tokens: group `g` (tokens
-/// `8g .. 8g + 8`) at `blocks·g .. blocks·(g + 1)`; the last `rows % 8`
-/// tokens are left out. Empty unless `a` is Q8_0.
+/// The Q8_0 or Q8_1 rows of `a` in groups of eight tokens: group `g`
+/// (tokens `8g .. 8g + 8`) at `blocks·g .. blocks·(g + 1)`; the last
+/// `rows % 8` tokens are left out. Empty unless `a` is Q8_0 or Q8_1.
 pub(crate) fn interleave(a: &Activations) -> Vec<Q8x8Block> {
-    if a.kind() != super::ActivationKind::Q8_0 {
+    use super::ActivationKind::{Q8_0, Q8_1};
+    if !matches!(a.kind(), Q8_0 | Q8_1) {
         return Vec::new();
     }
     let blocks = a.cols() / 32;
@@ -128,10 +132,15 @@ mod tests {
                         assert_eq!(l.qs[8 * (e / 4) + t][e % 4], row.qs[e]);
                     }
                     assert_eq!(l.d[t], row.d);
+                    assert_eq!((l.s[t], row.s), (0.0, 0.0));
                     assert_eq!(l.sum[t], row.qs.iter().map(|&q| i32::from(q)).sum::<i32>());
                 }
             }
         }
+        let q8_1 = Activations::new(ActivationKind::Q8_1, &x, cols).unwrap();
+        let lanes = interleave(&q8_1);
+        assert_eq!(lanes[3].s[5], q8_1.q8_row(13)[1].s);
+        assert_ne!(lanes[3].s[5], 0.0);
         let q8k = Activations::new(ActivationKind::Q8_K, &[0.5; 256 * 8], 256).unwrap();
         assert!(interleave(&q8k).is_empty());
         assert!(interleave_k(&a).is_empty());

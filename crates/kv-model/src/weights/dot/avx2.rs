@@ -362,6 +362,72 @@ fn lanes8<const SHIFT: i32>(
     out
 }
 
+/// `Q4_1`/`Q5_1` against eight tokens in lanes: the bits of [`lanes32`]
+/// for each of the eight. Lane `k` of that definition (values `4k .. 4k +
+/// 4` of every block) is here the register `acc[k]`, a token per lane:
+/// each block's four codes `4k .. 4k + 4` are broadcast and multiplied by
+/// the tokens' four, and the eight registers are added at the end in
+/// [`hsum_ps`]'s order; the min terms are summed apart, as there.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes8_min(
+    w: &[u8],
+    block_bytes: usize,
+    y: &[Q8x8Block],
+    unpack: impl Fn(&[u8]) -> __m256i,
+) -> [f32; 8] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut mins = _mm256_setzero_ps();
+    let mut codes = Unpacked([[0; 32]; SEGMENT]);
+    let mut scales = [[0f32; 2]; SEGMENT];
+    for (w, y) in w.chunks(SEGMENT * block_bytes).zip(y.chunks(SEGMENT)) {
+        let n = y.len().min(w.len() / block_bytes);
+        for ((b, c), s) in w
+            .chunks_exact(block_bytes)
+            .zip(&mut codes.0)
+            .zip(&mut scales)
+        {
+            // SAFETY: `c` is 32 bytes, aligned to 32.
+            unsafe { _mm256_store_si256(c.as_mut_ptr().cast(), unpack(b)) };
+            let dm = block_scales(b);
+            *s = [_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm))];
+        }
+        for ((c, [dw, mw]), y) in codes.0[..n].iter().zip(&scales[..n]).zip(&y[..n]) {
+            // SAFETY: `d` and `s` are eight f32 of `y`.
+            let (yd, ys) =
+                unsafe { (_mm256_loadu_ps(y.d.as_ptr()), _mm256_loadu_ps(y.s.as_ptr())) };
+            let d = _mm256_mul_ps(_mm256_broadcast_ss(dw), yd);
+            for (k, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: bytes 4k .. 4k + 4 of the block's 32 codes
+                // (k < 8); `qs[8k .. 8k + 8]` is 32 bytes of `y`.
+                let sum = unsafe {
+                    let c = _mm256_castps_si256(_mm256_broadcast_ss(
+                        &*c.as_ptr().add(4 * k).cast::<f32>(),
+                    ));
+                    _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(c, load(y.qs.as_ptr().add(8 * k).cast())),
+                        ones,
+                    )
+                };
+                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), *acc);
+            }
+            mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_broadcast_ss(mw), ys));
+        }
+    }
+    // `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then those two.
+    let even = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    let odd = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe {
+        _mm256_storeu_ps(
+            out.as_mut_ptr(),
+            _mm256_add_ps(_mm256_add_ps(even, odd), mins),
+        )
+    };
+    out
+}
+
 /// A `Q4_0` block's codes as stored (unsigned, `0 .. 16`).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_0_codes(b: &[u8]) -> __m256i {
@@ -417,6 +483,24 @@ pub(crate) fn q5_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn q5_0_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
     lanes8::<4>(w, 22, y, |b| q5_0_codes(b))
+}
+
+/// `Q4_1 · Q8_1`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_1_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    // SAFETY: a block is 20 bytes (nibbles at 4..20).
+    lanes8_min(w, 20, y, |b| unsafe { nibbles(b[..20].as_ptr().add(4)) })
+}
+
+/// `Q5_1 · Q8_1`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q5_1_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    lanes8_min(w, 24, y, |b| {
+        let b = &b[..24];
+        // SAFETY: a block is 24 bytes (`qh` at 4..8, nibbles at 8..24).
+        let (low, high) = unsafe { (nibbles(b.as_ptr().add(8)), bit_bytes(b.as_ptr().add(4))) };
+        _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
+    })
 }
 
 /// `Q5_1 · Q8_1`.

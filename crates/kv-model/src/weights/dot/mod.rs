@@ -262,9 +262,9 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
     }
     Some(match ty {
         WeightType::Q4_0 => RowDot::Q8(grouped!(q4_0, Q8Block), lanes!(q4_0_lanes)),
-        WeightType::Q4_1 => RowDot::Q8(grouped!(q4_1, Q8Block), None),
+        WeightType::Q4_1 => RowDot::Q8(grouped!(q4_1, Q8Block), lanes!(q4_1_lanes)),
         WeightType::Q5_0 => RowDot::Q8(grouped!(q5_0, Q8Block), lanes!(q5_0_lanes)),
-        WeightType::Q5_1 => RowDot::Q8(grouped!(q5_1, Q8Block), None),
+        WeightType::Q5_1 => RowDot::Q8(grouped!(q5_1, Q8Block), lanes!(q5_1_lanes)),
         WeightType::Q8_0 => RowDot::Q8(grouped!(q8_0, Q8Block), None),
         WeightType::Q4_K => RowDot::Q8K(grouped!(q4_k, Q8KBlock), lanes_k!(q4_k_lanes)),
         WeightType::Q5_K => RowDot::Q8K(grouped!(q5_k, Q8KBlock), None),
@@ -334,6 +334,8 @@ mod tests {
         for ty in [
             WeightType::Q4_0,
             WeightType::Q5_0,
+            WeightType::Q4_1,
+            WeightType::Q5_1,
             WeightType::Q4_K,
             WeightType::Q6_K,
         ] {
