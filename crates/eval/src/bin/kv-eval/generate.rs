@@ -87,9 +87,9 @@ pub(crate) struct GenerateArgs {
     /// tokens matched earlier in the prompt and output, what followed
     /// proposed) or `draft:MODEL[:k=K]` (a smaller model with the same
     /// tokenizer drafting greedily on a dense cache of its own); K drafts
-    /// per step, 3 by default (a verification of four rows: one group of
-    /// kv-model's four-token kernels). The run decodes plainly first on the same
-    /// cache form and reports the speedup.
+    /// per step, 7 by default (a verification of eight rows: one group of
+    /// kv-model's token-lane kernels). The run decodes plainly first on the
+    /// same cache form and reports the speedup.
     #[arg(long, value_parser = parse_speculate)]
     speculate: Option<Speculate>,
 }
@@ -124,8 +124,8 @@ fn parse_speculate(s: &str) -> Result<Speculate, String> {
             }
             (head, k)
         }
-        // Four rows a verification: one group of the grouped kernels.
-        None => (s, 3),
+        // Eight rows a verification: one group of the token-lane kernels.
+        None => (s, 7),
     };
     match head.split_once(':') {
         None if head == "lookup" => Ok(Speculate::Lookup { k }),

@@ -159,7 +159,7 @@ impl RowDot {
 
     /// Weight row `w` times activation rows `i .. i + 8` of `a`: the bits
     /// of eight [`dot`](Self::dot)s. `i` is a multiple of 8 where the
-    /// kernel [reads token lanes](Self::reads_token_lanes).
+    /// kernel reads tokens in lanes.
     #[inline]
     pub(crate) fn dot8(self, w: &[u8], a: &Activations, i: usize) -> [f32; 8] {
         match self {

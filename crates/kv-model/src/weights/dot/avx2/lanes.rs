@@ -1,0 +1,422 @@
+//! The AVX2 token-lane kernels: one weight row against eight tokens'
+//! activations interleaved a token per 32-bit lane (`token_lanes.rs`).
+//! Each computes, for each of the eight tokens, the bits its one-token
+//! kernel in `mod.rs` computes (`scalar.rs` defines them); a row is
+//! unpacked a segment at a time into an aligned buffer, and each four of
+//! its codes are broadcast from there to the eight lanes by a load
+//! (`vpbroadcastd`/`vbroadcastss` from memory use no vector port; taken
+//! from a register, as the compiler does when the unpacked codes are still
+//! in one, each broadcast cost two shuffles and the kernels ran at the
+//! shuffle port's pace, 12% faster than the per-token kernels instead of
+//! 2x).
+//!
+//! Every function is `unsafe` for its target features only, as in
+//! `mod.rs`.
+
+use std::arch::x86_64::*;
+
+use super::super::super::kquants::scale_min_k4;
+use super::super::super::token_lanes::{Q8Kx8Block, Q8x8Block};
+use super::{bit_bytes, block_scales, f16_at, load, nibbles, q4_0_codes, q5_0_codes};
+
+/// Blocks of a weight row unpacked at a time by [`lanes8`]: 1 KiB of
+/// codes and their scales, in L1 beside the tokens' blocks.
+const SEGMENT: usize = 32;
+
+/// A segment's unpacked codes, 32-byte aligned.
+#[repr(C, align(32))]
+struct Unpacked([[u8; 32]; SEGMENT]);
+
+/// `Q4_0`/`Q5_0` against eight tokens in lanes ([`Q8x8Block`]): the
+/// two-chain accumulation of `scalar.rs`, for the eight at once.
+/// `unpack(block)` gives the block's codes as stored, unsigned (`0 .. 16`
+/// or `0 .. 32`); their offset `2^SHIFT` (8 or 16) comes off as
+/// `2^SHIFT·Σy` from each token's code sum, so each lane's block sum is
+/// the exact integer of the signed codes.
+///
+/// The row is unpacked a segment at a time into a buffer, and each four
+/// codes of a block are then broadcast from it to the eight lanes by a
+/// load (`vpbroadcastd` from memory uses no vector port; taken from a
+/// register, as the compiler does when the unpacked block is still in
+/// one, each broadcast cost two shuffles and the kernel ran at the
+/// shuffle port's pace), where `vpmaddubsw` multiplies them by each
+/// token's four codes. Four such products sum in 16 bits without overflow
+/// (at most `4·2·31·127 = 31,496`), then `vpmaddwd` widens them.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes8<const SHIFT: i32>(
+    w: &[u8],
+    block_bytes: usize,
+    y: &[Q8x8Block],
+    unpack: impl Fn(&[u8]) -> __m256i,
+) -> [f32; 8] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut codes = Unpacked([[0; 32]; SEGMENT]);
+    let mut scales = [0f32; SEGMENT];
+    for (w, y) in w.chunks(SEGMENT * block_bytes).zip(y.chunks(SEGMENT)) {
+        let n = y.len().min(w.len() / block_bytes);
+        for ((b, c), s) in w
+            .chunks_exact(block_bytes)
+            .zip(&mut codes.0)
+            .zip(&mut scales)
+        {
+            // SAFETY: `c` is 32 bytes, aligned to 32.
+            unsafe { _mm256_store_si256(c.as_mut_ptr().cast(), unpack(b)) };
+            *s = _mm_cvtss_f32(block_scales(b));
+        }
+        // SEGMENT is even: a block's parity is its parity in the segment.
+        for (i, ((c, &dw), y)) in codes.0[..n]
+            .iter()
+            .zip(&scales[..n])
+            .zip(&y[..n])
+            .enumerate()
+        {
+            let chunk = |k: usize| {
+                // SAFETY: bytes 4k .. 4k + 4 of the block's 32 codes
+                // (k < 8); `qs[8k .. 8k + 8]` is 32 bytes of `y`.
+                unsafe {
+                    let c = _mm256_castps_si256(_mm256_broadcast_ss(
+                        &*c.as_ptr().add(4 * k).cast::<f32>(),
+                    ));
+                    _mm256_maddubs_epi16(c, load(y.qs.as_ptr().add(8 * k).cast()))
+                }
+            };
+            let low = _mm256_add_epi16(
+                _mm256_add_epi16(chunk(0), chunk(1)),
+                _mm256_add_epi16(chunk(2), chunk(3)),
+            );
+            let high = _mm256_add_epi16(
+                _mm256_add_epi16(chunk(4), chunk(5)),
+                _mm256_add_epi16(chunk(6), chunk(7)),
+            );
+            let sum = _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
+            // SAFETY: `sum` and `d` are eight 32-bit values of `y`.
+            let (offset, d) = unsafe {
+                (
+                    _mm256_slli_epi32::<SHIFT>(load(y.sum.as_ptr().cast())),
+                    _mm256_loadu_ps(y.d.as_ptr()),
+                )
+            };
+            let sum = _mm256_sub_epi32(sum, offset);
+            let d = _mm256_mul_ps(_mm256_broadcast_ss(&dw), d);
+            acc[i % 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), acc[i % 2]);
+        }
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc[0], acc[1])) };
+    out
+}
+
+/// `Q4_1`/`Q5_1` against eight tokens in lanes: the bits of [`lanes32`](super::lanes32)
+/// for each of the eight. Lane `k` of that definition (values `4k .. 4k +
+/// 4` of every block) is here the register `acc[k]`, a token per lane:
+/// each block's four codes `4k .. 4k + 4` are broadcast and multiplied by
+/// the tokens' four, and the eight registers are added at the end in
+/// [`hsum_ps`](super::hsum_ps)'s order; the min terms are summed apart, as there.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes8_min(
+    w: &[u8],
+    block_bytes: usize,
+    y: &[Q8x8Block],
+    unpack: impl Fn(&[u8]) -> __m256i,
+) -> [f32; 8] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut mins = _mm256_setzero_ps();
+    let mut codes = Unpacked([[0; 32]; SEGMENT]);
+    let mut scales = [[0f32; 2]; SEGMENT];
+    for (w, y) in w.chunks(SEGMENT * block_bytes).zip(y.chunks(SEGMENT)) {
+        let n = y.len().min(w.len() / block_bytes);
+        for ((b, c), s) in w
+            .chunks_exact(block_bytes)
+            .zip(&mut codes.0)
+            .zip(&mut scales)
+        {
+            // SAFETY: `c` is 32 bytes, aligned to 32.
+            unsafe { _mm256_store_si256(c.as_mut_ptr().cast(), unpack(b)) };
+            let dm = block_scales(b);
+            *s = [_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm))];
+        }
+        for ((c, [dw, mw]), y) in codes.0[..n].iter().zip(&scales[..n]).zip(&y[..n]) {
+            // SAFETY: `d` and `s` are eight f32 of `y`.
+            let (yd, ys) =
+                unsafe { (_mm256_loadu_ps(y.d.as_ptr()), _mm256_loadu_ps(y.s.as_ptr())) };
+            let d = _mm256_mul_ps(_mm256_broadcast_ss(dw), yd);
+            for (k, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: bytes 4k .. 4k + 4 of the block's 32 codes
+                // (k < 8); `qs[8k .. 8k + 8]` is 32 bytes of `y`.
+                let sum = unsafe {
+                    let c = _mm256_castps_si256(_mm256_broadcast_ss(
+                        &*c.as_ptr().add(4 * k).cast::<f32>(),
+                    ));
+                    _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(c, load(y.qs.as_ptr().add(8 * k).cast())),
+                        ones,
+                    )
+                };
+                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), *acc);
+            }
+            mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_broadcast_ss(mw), ys));
+        }
+    }
+    // `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then those two.
+    let even = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    let odd = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe {
+        _mm256_storeu_ps(
+            out.as_mut_ptr(),
+            _mm256_add_ps(_mm256_add_ps(even, odd), mins),
+        )
+    };
+    out
+}
+
+/// `Q4_0 · Q8_0`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_0_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    lanes8::<3>(w, 18, y, |b| q4_0_codes(b))
+}
+
+/// `Q5_0 · Q8_0`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q5_0_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    lanes8::<4>(w, 22, y, |b| q5_0_codes(b))
+}
+
+/// `Q4_1 · Q8_1`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_1_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    // SAFETY: a block is 20 bytes (nibbles at 4..20).
+    lanes8_min(w, 20, y, |b| unsafe { nibbles(b[..20].as_ptr().add(4)) })
+}
+
+/// `Q5_1 · Q8_1`, eight tokens in lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q5_1_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+    lanes8_min(w, 24, y, |b| {
+        let b = &b[..24];
+        // SAFETY: a block is 24 bytes (`qh` at 4..8, nibbles at 8..24).
+        let (low, high) = unsafe { (nibbles(b.as_ptr().add(8)), bit_bytes(b.as_ptr().add(4))) };
+        _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
+    })
+}
+
+/// Super-blocks of a k-quant row unpacked at a time by [`q4_k_lanes`] and
+/// [`q6_k_lanes`] (2 KiB of codes).
+const SEGMENT_K: usize = 8;
+
+/// A `Q4_K` super-block unpacked for [`q4_k_lanes`].
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct UnpackedK {
+    /// The 256 codes in order.
+    codes: [u8; 256],
+    /// The eight runs' scales.
+    scales: [i16; 8],
+    /// The eight runs' mins.
+    mins: [i16; 8],
+    /// `d` and `dmin`.
+    d: [f32; 2],
+}
+
+/// `Q4_K · Q8_K`, eight tokens in lanes ([`Q8Kx8Block`]): the bits of
+/// [`q4_k`](super::q4_k) for each of the eight. A run's four codes are broadcast from
+/// the unpacked super-block by a load, as in [`lanes8`]; a run's eight
+/// products sum in 16 bits (at most `8·2·15·127 = 30,480`) and
+/// `vpmaddwd` applies its scale; the mins meet each token's code sums in
+/// one `vpmaddwd` per run.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+    let mask = _mm256_set1_epi8(0x0f);
+    let mut acc = _mm256_setzero_ps();
+    let empty = UnpackedK {
+        codes: [0; 256],
+        scales: [0; 8],
+        mins: [0; 8],
+        d: [0.0; 2],
+    };
+    let mut unpacked = [empty; SEGMENT_K];
+    for (w, y) in w.chunks(SEGMENT_K * 144).zip(y.chunks(SEGMENT_K)) {
+        let n = y.len().min(w.len() / 144);
+        for (b, u) in w.chunks_exact(144).zip(&mut unpacked) {
+            for j in 0..4 {
+                // SAFETY: `qs` is bytes 16..144 of the block, 32 per pair of
+                // runs; `codes` has 64 bytes at 64j, aligned to 32.
+                unsafe {
+                    let q = load(b.as_ptr().add(16 + 32 * j));
+                    let c = u.codes.as_mut_ptr().add(64 * j).cast::<__m256i>();
+                    _mm256_store_si256(c, _mm256_and_si256(q, mask));
+                    _mm256_store_si256(c.add(1), _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask));
+                }
+            }
+            for r in 0..8 {
+                let (sc, m) = scale_min_k4(r, &b[4..16]);
+                u.scales[r] = i16::from(sc);
+                u.mins[r] = i16::from(m);
+            }
+            u.d = [f16_at(b, 0), f16_at(b, 2)];
+        }
+        for (u, y) in unpacked[..n].iter().zip(&y[..n]) {
+            let mut sumi = _mm256_setzero_si256();
+            let mut summ = _mm256_setzero_si256();
+            for r in 0..8 {
+                let chunk = |k: usize| {
+                    let c = 8 * r + k;
+                    // SAFETY: codes 4c .. 4c + 4 of 256 (c < 64), and
+                    // `qs[8c .. 8c + 8]`, 32 bytes of `y`.
+                    unsafe {
+                        let w = _mm256_castps_si256(_mm256_broadcast_ss(
+                            &*u.codes.as_ptr().add(4 * c).cast::<f32>(),
+                        ));
+                        _mm256_maddubs_epi16(w, load(y.qs.as_ptr().add(8 * c).cast()))
+                    }
+                };
+                let run = _mm256_add_epi16(
+                    _mm256_add_epi16(
+                        _mm256_add_epi16(chunk(0), chunk(1)),
+                        _mm256_add_epi16(chunk(2), chunk(3)),
+                    ),
+                    _mm256_add_epi16(
+                        _mm256_add_epi16(chunk(4), chunk(5)),
+                        _mm256_add_epi16(chunk(6), chunk(7)),
+                    ),
+                );
+                sumi =
+                    _mm256_add_epi32(sumi, _mm256_madd_epi16(run, _mm256_set1_epi16(u.scales[r])));
+                // SAFETY: `bsums[8r .. 8r + 8]` is 32 bytes of `y`.
+                let sums = unsafe { load(y.bsums.as_ptr().add(8 * r).cast()) };
+                summ =
+                    _mm256_add_epi32(summ, _mm256_madd_epi16(sums, _mm256_set1_epi16(u.mins[r])));
+            }
+            // SAFETY: `d` is eight f32 of `y`.
+            let yd = unsafe { _mm256_loadu_ps(y.d.as_ptr()) };
+            let d = _mm256_mul_ps(yd, _mm256_set1_ps(u.d[0]));
+            let dmin = _mm256_mul_ps(yd, _mm256_set1_ps(u.d[1]));
+            // `acc + d·sumi − dmin·summ`, unfused, as `q4_k`.
+            acc = _mm256_sub_ps(
+                _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sumi))),
+                _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ)),
+            );
+        }
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
+/// A `Q6_K` super-block unpacked for [`q6_k_lanes`].
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Unpacked6K {
+    /// The 256 codes in order (`0 .. 64`).
+    codes: [u8; 256],
+    /// The sixteen groups' scales.
+    scales: [i16; 16],
+    /// `d`.
+    d: f32,
+}
+
+/// `Q6_K · Q8_K`, eight tokens in lanes: the bits of [`q6_k`](super::q6_k) for each of
+/// the eight, as [`q4_k_lanes`] computes `q4_k`'s. Two products of 6-bit
+/// codes sum in 16 bits (at most `2·2·63·127 = 32,004`), so each group of
+/// 16 values takes two `vpmaddwd` with its scale; the offsets
+/// `Σ_g sc_g·Σy_g` take one per pair of groups.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q6_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+    let (mask, pair) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(3));
+    let mut acc = _mm256_setzero_ps();
+    let empty = Unpacked6K {
+        codes: [0; 256],
+        scales: [0; 16],
+        d: 0.0,
+    };
+    let mut unpacked = [empty; SEGMENT_K];
+    for (w, y) in w.chunks(SEGMENT_K * 210).zip(y.chunks(SEGMENT_K)) {
+        let n = y.len().min(w.len() / 210);
+        for (b, u) in w.chunks_exact(210).zip(&mut unpacked) {
+            for n in 0..2 {
+                // SAFETY: `ql` is bytes 0..128 (64 per half), `qh` 128..192
+                // (32 per half); `codes` has 128 bytes at 128n, aligned to 32.
+                unsafe {
+                    let l1 = load(b.as_ptr().add(64 * n));
+                    let l2 = load(b.as_ptr().add(64 * n + 32));
+                    let h = load(b.as_ptr().add(128 + 32 * n));
+                    let high = |s: i32| {
+                        let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(s));
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(h, pair))
+                    };
+                    let c = u.codes.as_mut_ptr().add(128 * n).cast::<__m256i>();
+                    _mm256_store_si256(c, _mm256_or_si256(_mm256_and_si256(l1, mask), high(0)));
+                    _mm256_store_si256(
+                        c.add(1),
+                        _mm256_or_si256(_mm256_and_si256(l2, mask), high(2)),
+                    );
+                    _mm256_store_si256(
+                        c.add(2),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(l1), mask),
+                            high(4),
+                        ),
+                    );
+                    _mm256_store_si256(
+                        c.add(3),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(l2), mask),
+                            high(6),
+                        ),
+                    );
+                }
+            }
+            u.scales = std::array::from_fn(|g| i16::from(b[192 + g] as i8));
+            u.d = f16_at(b, 208);
+        }
+        for (u, y) in unpacked[..n].iter().zip(&y[..n]) {
+            let mut sumi = _mm256_setzero_si256();
+            let mut offset = _mm256_setzero_si256();
+            for g in 0..16 {
+                let chunk = |k: usize| {
+                    let c = 4 * g + k;
+                    // SAFETY: codes 4c .. 4c + 4 of 256 (c < 64), and
+                    // `qs[8c .. 8c + 8]`, 32 bytes of `y`.
+                    unsafe {
+                        let w = _mm256_castps_si256(_mm256_broadcast_ss(
+                            &*u.codes.as_ptr().add(4 * c).cast::<f32>(),
+                        ));
+                        _mm256_maddubs_epi16(w, load(y.qs.as_ptr().add(8 * c).cast()))
+                    }
+                };
+                let sc = _mm256_set1_epi16(u.scales[g]);
+                sumi = _mm256_add_epi32(
+                    sumi,
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_add_epi16(chunk(0), chunk(1)), sc),
+                        _mm256_madd_epi16(_mm256_add_epi16(chunk(2), chunk(3)), sc),
+                    ),
+                );
+            }
+            for j in 0..8 {
+                let (lo, hi) = (u.scales[2 * j] as u16, u.scales[2 * j + 1] as u16);
+                let sc = _mm256_set1_epi32(((u32::from(hi) << 16) | u32::from(lo)) as i32);
+                // SAFETY: `bsums[8j .. 8j + 8]` is 32 bytes of `y`.
+                let sums = unsafe { load(y.bsums.as_ptr().add(8 * j).cast()) };
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(sums, sc));
+            }
+            // SAFETY: `d` is eight f32 of `y`.
+            let d = _mm256_mul_ps(
+                unsafe { _mm256_loadu_ps(y.d.as_ptr()) },
+                _mm256_set1_ps(u.d),
+            );
+            let total = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<5>(offset));
+            // `acc + d·(sumi − 32·offset)`, unfused, as `q6_k`.
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(total)));
+        }
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` is eight f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
