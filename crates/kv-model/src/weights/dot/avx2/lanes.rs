@@ -19,6 +19,25 @@ use super::super::super::kquants::scale_min_k4;
 use super::super::super::token_lanes::{Q8Kx8Block, Q8x8Block};
 use super::{bit_bytes, block_scales, f16_at, load, nibbles, q4_0_codes, q5_0_codes};
 
+/// Codes `4c .. 4c + 4` of a row's unpacked codes broadcast to the eight
+/// lanes, times each token's codes `4c .. 4c + 4` (`qs[8c .. 8c + 8]`),
+/// summed in pairs by `vpmaddubsw`.
+///
+/// # Safety
+/// `codes` must have `4c + 4` bytes and `qs` `8c + 8` entries.
+#[inline(always)]
+unsafe fn chunk_product(codes: &[u8], qs: &[[i8; 4]], c: usize) -> __m256i {
+    debug_assert!(4 * c + 4 <= codes.len() && 8 * c + 8 <= qs.len());
+    // SAFETY: in bounds by the caller's guarantee; loads are unaligned.
+    // Only inlined into the AVX2 kernels below.
+    unsafe {
+        let w = _mm256_castps_si256(_mm256_broadcast_ss(
+            &*codes.as_ptr().add(4 * c).cast::<f32>(),
+        ));
+        _mm256_maddubs_epi16(w, load(qs.as_ptr().add(8 * c).cast()))
+    }
+}
+
 /// Blocks of a weight row unpacked at a time by [`lanes8`]: 1 KiB of
 /// codes and their scales, in L1 beside the tokens' blocks.
 const SEGMENT: usize = 32;
@@ -71,16 +90,8 @@ fn lanes8<const SHIFT: i32>(
             .zip(&y[..n])
             .enumerate()
         {
-            let chunk = |k: usize| {
-                // SAFETY: bytes 4k .. 4k + 4 of the block's 32 codes
-                // (k < 8); `qs[8k .. 8k + 8]` is 32 bytes of `y`.
-                unsafe {
-                    let c = _mm256_castps_si256(_mm256_broadcast_ss(
-                        &*c.as_ptr().add(4 * k).cast::<f32>(),
-                    ));
-                    _mm256_maddubs_epi16(c, load(y.qs.as_ptr().add(8 * k).cast()))
-                }
-            };
+            // SAFETY: k < 8: 32 codes, 64 entries of `qs`.
+            let chunk = |k: usize| unsafe { chunk_product(c, &y.qs, k) };
             let low = _mm256_add_epi16(
                 _mm256_add_epi16(chunk(0), chunk(1)),
                 _mm256_add_epi16(chunk(2), chunk(3)),
@@ -144,17 +155,8 @@ fn lanes8_min(
                 unsafe { (_mm256_loadu_ps(y.d.as_ptr()), _mm256_loadu_ps(y.s.as_ptr())) };
             let d = _mm256_mul_ps(_mm256_broadcast_ss(dw), yd);
             for (k, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: bytes 4k .. 4k + 4 of the block's 32 codes
-                // (k < 8); `qs[8k .. 8k + 8]` is 32 bytes of `y`.
-                let sum = unsafe {
-                    let c = _mm256_castps_si256(_mm256_broadcast_ss(
-                        &*c.as_ptr().add(4 * k).cast::<f32>(),
-                    ));
-                    _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(c, load(y.qs.as_ptr().add(8 * k).cast())),
-                        ones,
-                    )
-                };
+                // SAFETY: k < 8: 32 codes, 64 entries of `qs`.
+                let sum = _mm256_madd_epi16(unsafe { chunk_product(c, &y.qs, k) }, ones);
                 *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), *acc);
             }
             mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_broadcast_ss(mw), ys));
@@ -263,17 +265,8 @@ pub(crate) fn q4_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
             let mut sumi = _mm256_setzero_si256();
             let mut summ = _mm256_setzero_si256();
             for r in 0..8 {
-                let chunk = |k: usize| {
-                    let c = 8 * r + k;
-                    // SAFETY: codes 4c .. 4c + 4 of 256 (c < 64), and
-                    // `qs[8c .. 8c + 8]`, 32 bytes of `y`.
-                    unsafe {
-                        let w = _mm256_castps_si256(_mm256_broadcast_ss(
-                            &*u.codes.as_ptr().add(4 * c).cast::<f32>(),
-                        ));
-                        _mm256_maddubs_epi16(w, load(y.qs.as_ptr().add(8 * c).cast()))
-                    }
-                };
+                // SAFETY: 8r + k < 64: 256 codes, 512 entries of `qs`.
+                let chunk = |k: usize| unsafe { chunk_product(&u.codes, &y.qs, 8 * r + k) };
                 let run = _mm256_add_epi16(
                     _mm256_add_epi16(
                         _mm256_add_epi16(chunk(0), chunk(1)),
@@ -378,17 +371,8 @@ pub(crate) fn q6_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
             let mut sumi = _mm256_setzero_si256();
             let mut offset = _mm256_setzero_si256();
             for g in 0..16 {
-                let chunk = |k: usize| {
-                    let c = 4 * g + k;
-                    // SAFETY: codes 4c .. 4c + 4 of 256 (c < 64), and
-                    // `qs[8c .. 8c + 8]`, 32 bytes of `y`.
-                    unsafe {
-                        let w = _mm256_castps_si256(_mm256_broadcast_ss(
-                            &*u.codes.as_ptr().add(4 * c).cast::<f32>(),
-                        ));
-                        _mm256_maddubs_epi16(w, load(y.qs.as_ptr().add(8 * c).cast()))
-                    }
-                };
+                // SAFETY: 4g + k < 64: 256 codes, 512 entries of `qs`.
+                let chunk = |k: usize| unsafe { chunk_product(&u.codes, &y.qs, 4 * g + k) };
                 let sc = _mm256_set1_epi16(u.scales[g]);
                 sumi = _mm256_add_epi32(
                     sumi,
