@@ -179,7 +179,14 @@ fn every_instruction_set_computes_the_scalar_bits() {
             continue;
         }
         for (n, ty) in KERNEL_TYPES.into_iter().enumerate() {
-            let cols = ty.block_elems().max(32) * 3 + if ty.block_elems() == 1 { 13 } else { 0 };
+            // 41 blocks of 32 or 9 super-blocks: past one segment of the
+            // token-lane kernels (32 blocks, 8 super-blocks), and ten quads
+            // and a tail of the one-token `Q4_0`/`Q5_0` kernels.
+            let cols = match ty.block_elems() {
+                256 => 9 * 256,
+                32 => 41 * 32,
+                _ => 3 * 32 + 13,
+            };
             let w = random_matrix(ty, 21, cols, 100 + n as u64);
             // 21 tokens: two groups of eight, one of four and one alone.
             let x = random_activations(21, cols, 100 + n as u64);

@@ -61,8 +61,8 @@ pub struct Activations {
     q8: Vec<Q8Block>,
     q8k: Vec<Q8KBlock>,
     f32: Vec<f32>,
-    /// The Q8_0 rows eight tokens at a time, a token per lane, built the
-    /// first time a token-lane kernel asks.
+    /// The Q8_0 or Q8_1 rows eight tokens at a time, a token per lane,
+    /// built the first time a token-lane kernel asks.
     lanes: OnceLock<Vec<Q8x8Block>>,
     /// The same for Q8_K rows.
     lanes_k: OnceLock<Vec<Q8Kx8Block>>,
@@ -85,8 +85,9 @@ impl Activations {
         Ok(a)
     }
 
-    /// Quantises `x` again into these buffers (no allocation once they are
-    /// large enough).
+    /// Quantises `x` again into these buffers (no allocation for the codes
+    /// once they are large enough; tokens in lanes, if a product asks for
+    /// them, are built again).
     pub fn quantize(&mut self, kind: ActivationKind, x: &[f32], cols: usize) -> Result<()> {
         let block = match kind {
             ActivationKind::F32 => 1,

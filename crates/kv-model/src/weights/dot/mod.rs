@@ -164,11 +164,13 @@ impl RowDot {
     pub(crate) fn dot8(self, w: &[u8], a: &Activations, i: usize) -> [f32; 8] {
         match self {
             RowDot::Q8(_, Some(lanes)) => {
+                debug_assert!(i.is_multiple_of(8));
                 let blocks = a.cols() / 32;
                 lanes(w, &a.token_lanes()[i / 8 * blocks..][..blocks])
             }
             RowDot::Q8(k, None) => (k.eight)(w, std::array::from_fn(|n| a.q8_row(i + n))),
             RowDot::Q8K(_, Some(lanes)) => {
+                debug_assert!(i.is_multiple_of(8));
                 let blocks = a.cols() / 256;
                 lanes(w, &a.token_lanes_k()[i / 8 * blocks..][..blocks])
             }

@@ -1,6 +1,6 @@
 //! The portable kernels, and the definition of every kernel's result.
 //!
-//! Each function computes exactly what the AVX2 kernel of `avx2.rs`
+//! Each function computes exactly what the AVX2 kernel of `avx2/`
 //! computes, bit for bit, so a product does not depend on the machine:
 //!
 //! - **`Q4_0`, `Q5_0`** (32 values, codes stored shifted): each block's
@@ -9,7 +9,7 @@
 //!   `acc = fma(d_w·d_a, sum, acc)`, the even blocks into one accumulator
 //!   and the odd ones into another (two chains of fused multiply-adds
 //!   instead of one), added at the end: `even + odd`. The token-lane
-//!   kernels of `avx2.rs` compute exactly this for eight tokens in eight
+//!   kernels of `avx2/lanes.rs` compute exactly this for eight tokens in eight
 //!   lanes.
 //! - **`Q4_1`, `Q5_1`, `Q8_0`** (32 values): the codes' products are summed
 //!   exactly in integers over eight lanes of four consecutive values (lane

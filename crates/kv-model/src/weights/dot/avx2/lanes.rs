@@ -24,10 +24,13 @@ use super::{bit_bytes, block_scales, f16_at, load, nibbles, q4_0_codes, q5_0_cod
 /// summed in pairs by `vpmaddubsw`.
 ///
 /// # Safety
-/// `codes` must have `4c + 4` bytes and `qs` `8c + 8` entries.
+/// `codes` must have `4c + 4` bytes and be 4-byte aligned (its four bytes
+/// are read as an f32 by `vbroadcastss`), and `qs` must have `8c + 8`
+/// entries. Every caller passes a 32-byte aligned buffer.
 #[inline(always)]
 unsafe fn chunk_product(codes: &[u8], qs: &[[i8; 4]], c: usize) -> __m256i {
     debug_assert!(4 * c + 4 <= codes.len() && 8 * c + 8 <= qs.len());
+    debug_assert!(codes.as_ptr().align_offset(4) == 0);
     // SAFETY: in bounds by the caller's guarantee; loads are unaligned.
     // Only inlined into the AVX2 kernels below.
     unsafe {
