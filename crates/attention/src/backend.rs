@@ -31,6 +31,30 @@ pub struct ModelKvShape<'a> {
     pub rope: Option<&'a Rope>,
 }
 
+/// Which of a form's views attention reads: the whole stored form, or the
+/// cheaper view a form keeps for self-speculative drafting (the upper
+/// 4-bit plane of a hierarchical `int8h` form, half its bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ReadView {
+    /// Every stored bit: what decoding and verification read.
+    #[default]
+    Full,
+    /// The draft view: a self-speculative draft's reads.
+    Draft,
+}
+
+/// The error of a backend (or a stored part) asked for a
+/// [`ReadView::Draft`] it does not keep; `what` names the form or backend.
+pub fn no_draft_view(what: &str) -> AttentionError {
+    AttentionError::InvalidParameter {
+        name: "view",
+        reason: format!(
+            "{what} keeps no draft view (self-speculation reads the upper 4-bit plane of a \
+             hierarchical form: int8h, int8h-g<N>, int8h-ch, on the paged cache)"
+        ),
+    }
+}
+
 /// The cache a model's forward pass talks to.
 ///
 /// A step opens with [`begin`](Self::begin), which names its tokens; every
@@ -91,6 +115,16 @@ pub trait KvBackend {
     /// is refused, and the step undone.
     fn commit_prefix(&mut self, keep: usize) -> Result<(), Self::Error> {
         commit_then_truncate(self, keep)
+    }
+
+    /// Reads `view` of the stored forms from now on (every layer and
+    /// part), or refuses, changing nothing, where some part keeps no such
+    /// view. The default keeps only [`ReadView::Full`].
+    fn set_read_view(&mut self, view: ReadView) -> Result<(), Self::Error> {
+        match view {
+            ReadView::Full => Ok(()),
+            ReadView::Draft => Err(no_draft_view("this backend").into()),
+        }
     }
 }
 

@@ -51,6 +51,7 @@
 
 mod attend;
 mod backend;
+mod draft_overlay;
 mod error;
 mod kernel;
 mod low_rank;
@@ -70,9 +71,10 @@ pub use attend::{
     Attention, AttentionConfig, AttentionInfo, AttentionOutput, AttentionStats, OnNonFinite,
 };
 pub use backend::{
-    DenseBackend, KvBackend, ModelKvShape, StepRows, check_fit, commit_then_truncate,
-    keep_past_step, run_step,
+    DenseBackend, KvBackend, ModelKvShape, ReadView, StepRows, check_fit, commit_then_truncate,
+    keep_past_step, no_draft_view, run_step,
 };
+pub use draft_overlay::DraftOverlay;
 pub use error::{AttentionError, Result};
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use numerics::Numerics;

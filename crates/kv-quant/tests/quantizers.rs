@@ -343,10 +343,14 @@ fn extremes(store: &KvStore, t: usize, c: usize) -> (f32, f32) {
                 (nearest, o + ((1u32 << spec.bits) - 1) as f32 * s)
             }
         }
-        Quantizer::LloydMax(_) | Quantizer::Vq(_) | Quantizer::LowRank(_) | Quantizer::Shard(_) => {
+        Quantizer::LloydMax(_)
+        | Quantizer::Vq(_)
+        | Quantizer::LowRank(_)
+        | Quantizer::Shard(_)
+        | Quantizer::Hierarchical(_) => {
             unreachable!(
-                "rotated forms saturate per block (tests/rotated.rs); low-rank and shard forms \
-                 are stored outside KvStore"
+                "rotated forms saturate per block (tests/rotated.rs); low-rank, shard and \
+                 hierarchical forms are stored outside KvStore"
             )
         }
     }

@@ -397,6 +397,13 @@ impl<P: PrefixCache> KvBackend for PagedBackend<P> {
         Ok(())
     }
 
+    /// Switches the storage's parts to `view` (a hierarchical form's
+    /// upper plane for [`attention::ReadView::Draft`]); refused, changing
+    /// nothing, where some layer's form keeps no draft view.
+    fn set_read_view(&mut self, view: attention::ReadView) -> Result<()> {
+        self.storage.set_view(view)
+    }
+
     /// Commits the first `keep` rows of the step and seals only what they
     /// complete: rows dropped here never enter a sealed group.
     fn commit_prefix(&mut self, keep: usize) -> Result<()> {

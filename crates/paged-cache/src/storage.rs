@@ -799,6 +799,24 @@ impl BlockStorage {
         self.parts.iter().flatten().any(|p| read(p).per_sequence())
     }
 
+    /// Reads `view` of every part from now on (every sequence of the
+    /// storage: the view is the storage's), or refuses, leaving every part
+    /// in the full view, where some part keeps no such view
+    /// ([`StoredPart::set_view`]).
+    pub fn set_view(&self, view: attention::ReadView) -> Result<()> {
+        for p in self.parts.iter().flatten() {
+            let set = write(p).set_view(view);
+            if let Err(e) = set {
+                for p in self.parts.iter().flatten() {
+                    // The full view is never refused.
+                    let _ = write(p).set_view(attention::ReadView::Full);
+                }
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of the fitted tables (codebooks, bases) the parts read, each
     /// part's counted once: stored beside the blocks and shared by all of
     /// them.

@@ -8,34 +8,13 @@
 //! and a step that keeps a prefix of its rows (speculative decoding's
 //! `commit_prefix`) reads as if only those rows had been written.
 
-use attention::{Attention, DenseKv, HeadShape, KvBackend, Mask, ModelKvShape, Numerics, TileRows};
+mod common;
+
+use attention::{Attention, DenseKv, KvBackend, Mask, Numerics, TileRows};
+use common::{model, row, shape};
 use kv_quant::{BlockPlan, CacheForm, KvStore};
 use paged_cache::{KvPart, LayerSpec, PagedBackend, PagedCacheError};
 use proptest::prelude::*;
-
-fn shape() -> HeadShape {
-    HeadShape::new(2, 1, 64).unwrap()
-}
-
-fn model() -> ModelKvShape<'static> {
-    ModelKvShape {
-        layers: 1,
-        heads: shape(),
-        rope: None,
-    }
-}
-
-/// Row `t`'s K (`part` 0) or V (1) values: a function of the token alone,
-/// so a reference can rebuild any prefix.
-fn row(t: usize, part: usize, ch: usize) -> Vec<f32> {
-    (0..ch)
-        .map(|c| {
-            let x = (t * 131 + c * 17 + part * 7919) as f32;
-            // Per-channel offsets, as keys have: channel `c` centred on c/16.
-            (x * 0.618).sin() * 1.3 + (c % 16) as f32 / 16.0
-        })
-        .collect()
-}
 
 /// The values the plan says a sequence of `tokens` tokens holds in one part.
 fn reference(plan: &BlockPlan, tokens: usize, part: usize, ch: usize) -> Vec<f32> {

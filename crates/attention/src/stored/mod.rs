@@ -96,6 +96,7 @@
 //! `tests/custom_part.rs` stores and attends one that way.
 
 mod grouped;
+mod hierarchical;
 mod low_rank;
 mod planned;
 mod sequence;
@@ -115,6 +116,7 @@ use kv_quant::{
 };
 
 pub use grouped::GroupedPart;
+pub use hierarchical::HierarchicalPart;
 pub use low_rank::LowRankPart;
 pub use planned::PlannedPart;
 pub use sequence::{SequenceFit, SequenceTables};
@@ -126,6 +128,7 @@ pub use window::{
     WindowSource, WindowState, attend_windows, check_layer_forms, keeps_prefill,
 };
 
+use crate::backend::{ReadView, no_draft_view};
 use crate::error::{AttentionError, Result};
 use crate::source::{BlockedScratch, StoreScratch, Tile};
 
@@ -468,6 +471,17 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     /// Bytes one sealed (or written-in-place) block holds.
     fn sealed_block_bytes(&self) -> usize;
 
+    /// Reads `view` from now on: [`ReadView::Draft`] is the cheaper view
+    /// a self-speculative draft reads (a hierarchical form's upper plane).
+    /// The default keeps only [`ReadView::Full`] and refuses the draft
+    /// view.
+    fn set_view(&mut self, view: ReadView) -> Result<()> {
+        match view {
+            ReadView::Full => Ok(()),
+            ReadView::Draft => Err(no_draft_view(&self.form().to_string())),
+        }
+    }
+
     /// The one kv-quant store of every block's sealed rows, block `b` at
     /// rows `b·block_size..`, where the part keeps them so (what a device
     /// copies as the pool); `None` for other layouts.
@@ -488,6 +502,9 @@ pub struct PartBlock {
     shard: Option<ShardBlock>,
     bytes: Vec<u8>,
     group: Option<u64>,
+    /// Of a hierarchical block's stores, how many are its upper plane's
+    /// (the residual plane's follow).
+    planes: Option<usize>,
 }
 
 impl PartBlock {
@@ -700,6 +717,11 @@ pub fn open_part(
             form, block_size, channels, num_blocks, fitted,
         )?));
     }
+    if form.quantizer().is_hierarchical() {
+        return Ok(Box::new(HierarchicalPart::new(
+            form, block_size, channels, num_blocks,
+        )?));
+    }
     let plan = BlockPlan::new(form, block_size)?;
     if plan.group_blocks > 1 {
         return Ok(Box::new(GroupedPart::new(plan, channels, num_blocks)?));
@@ -801,6 +823,9 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
     if let Quantizer::Shard(_) = form.quantizer() {
         return shard::check_shard_form(form, block_size).map(|_| ());
     }
+    if form.quantizer().is_hierarchical() {
+        return HierarchicalPart::plans(form, block_size).map(|_| ());
+    }
     BlockPlan::new(form, block_size)?;
     Ok(())
 }
@@ -812,6 +837,9 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
 /// place and forms blocks cannot hold.
 pub fn part_seals(form: CacheForm, block_size: usize) -> bool {
     match form.quantizer() {
+        Quantizer::Hierarchical(_) => {
+            HierarchicalPart::plans(form, block_size).is_ok_and(|(upper, _)| upper.staged)
+        }
         Quantizer::LowRank(_) | Quantizer::Shard(_) => check_part_form(form, block_size).is_ok(),
         _ => BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged),
     }
@@ -848,6 +876,9 @@ pub fn part_pool_bytes(
     }
     if let Quantizer::Shard(_) = form.quantizer() {
         return ShardPart::pool_bytes(form, block_size, channels, num_blocks, fitted);
+    }
+    if form.quantizer().is_hierarchical() {
+        return HierarchicalPart::pool_bytes(form, block_size, channels, num_blocks);
     }
     let plan = BlockPlan::new(form, block_size)?;
     if plan.group_blocks > 1 {

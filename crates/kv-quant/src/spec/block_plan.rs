@@ -86,6 +86,13 @@ impl BlockPlan {
                     .into(),
             );
         }
+        if q.is_hierarchical() {
+            return refuse(
+                "keeps two 4-bit planes, each planned in blocks on its own \
+                 (CacheForm::planes): attention's HierarchicalPart keeps them"
+                    .into(),
+            );
+        }
         let middle = form.without_segments();
         let (sealed, per_block, group_blocks) = match q {
             Quantizer::Int(

@@ -270,6 +270,17 @@ pub enum Quantizer {
     LowRank(LowRankSpec),
     /// The Shard pipeline (stored by the `attention` crate's `ShardLayer`).
     Shard(ShardSpec),
+    /// A hierarchical INT8-class form (QuantSpec's hierarchical cache,
+    /// arXiv 2502.10424): an **upper plane**, the 4-bit integer form this
+    /// [`IntSpec`] describes, and a **residual plane**, the same 4-bit form
+    /// of what the upper plane leaves (`x − x̂₄`, with scales of its own on
+    /// the same groups). Read whole (upper plus residual, about INT8's
+    /// error) or, for self-speculative drafting, the upper plane alone
+    /// (half the bytes). Each plane is its own store under the form's
+    /// protection; stored by the `attention` crate's `HierarchicalPart` on
+    /// a paged cache, not by [`KvStore`](crate::KvStore) (see
+    /// [`CacheForm::planes`]).
+    Hierarchical(IntSpec),
 }
 
 impl Quantizer {
@@ -287,6 +298,7 @@ impl Quantizer {
             Quantizer::Vq(s) => s.index_bits(),
             Quantizer::LowRank(s) => s.coeffs.bits(),
             Quantizer::Shard(_) => 4,
+            Quantizer::Hierarchical(_) => 8,
         }
     }
 
@@ -325,6 +337,12 @@ impl Quantizer {
     /// rather than by [`KvStore`](crate::KvStore).
     pub const fn is_shard(&self) -> bool {
         matches!(self, Quantizer::Shard(_))
+    }
+
+    /// Whether this is a hierarchical form of two 4-bit planes, stored by
+    /// the `attention` crate rather than by [`KvStore`](crate::KvStore).
+    pub const fn is_hierarchical(&self) -> bool {
+        matches!(self, Quantizer::Hierarchical(_))
     }
 
     /// Whether the form needs bases fitted on a calibration text (`pca-*`,
@@ -578,6 +596,22 @@ impl CacheForm {
         }
     }
 
+    /// The two planes of a [hierarchical](Quantizer::Hierarchical) form:
+    /// the upper plane (the 4-bit integer form with the form's segments
+    /// and protection) and the residual plane (the same 4-bit form under
+    /// the same protection, without segments: exact tokens have no
+    /// residual). `None` for every other form.
+    pub fn planes(&self) -> Option<(CacheForm, CacheForm)> {
+        let Quantizer::Hierarchical(spec) = self.quantizer else {
+            return None;
+        };
+        let upper = CacheForm {
+            quantizer: Quantizer::Int(spec),
+            ..*self
+        };
+        Some((upper, upper.without_segments()))
+    }
+
     fn checked(self) -> Result<Self> {
         self.validate()
             .map_err(|reason| KvQuantError::InvalidSpec {
@@ -604,7 +638,7 @@ impl CacheForm {
                 | Quantizer::LloydMax(_)
                 | Quantizer::Vq(_)
                 | Quantizer::LowRank(_) => true,
-                Quantizer::Shard(_) => false,
+                Quantizer::Shard(_) | Quantizer::Hierarchical(_) => false,
                 Quantizer::Fp8(s) => s.per_token,
                 Quantizer::Int(s) => match s.granularity {
                     Granularity::PerToken { .. } => true,
@@ -670,6 +704,31 @@ impl CacheForm {
                     Granularity::PerToken { group: Some(g) } => positive("group size", g)?,
                     Granularity::PerChannel { tokens: Some(t) } => positive("token block", t)?,
                     _ => {}
+                }
+            }
+            Quantizer::Hierarchical(s) => {
+                if s.bits != 4 {
+                    return Err(format!(
+                        "a hierarchical form keeps two 4-bit planes, not {}-bit ones",
+                        s.bits
+                    ));
+                }
+                match s.granularity {
+                    Granularity::PerToken { group: Some(g) } => positive("group size", g)?,
+                    Granularity::PerChannel { tokens: Some(t) } => positive("token block", t)?,
+                    Granularity::PerTensor => {
+                        return Err("int8h planes are kept in paged blocks: per-token or \
+                                    per-channel groups, not one scale per tensor (-t)"
+                            .into());
+                    }
+                    _ => {}
+                }
+                if self.rotation.is_some() {
+                    return Err(
+                        "int8h keeps its planes in the rows' own coordinates and takes \
+                                no +rot"
+                            .into(),
+                    );
                 }
             }
             Quantizer::Nf4(s) => positive("group size", s.group)?,

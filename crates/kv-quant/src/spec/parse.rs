@@ -24,6 +24,7 @@ use crate::fp8::Fp8Format;
 /// Every valid spelling, for error messages and `--help` texts.
 pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 | \
 fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
+int8h[-sym][-g<N> | -ch | -ch<N>][-sf32] (two 4-bit planes: upper and residual) | \
 nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
 shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>[q]|-soff][-f<fold chunk>][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
@@ -71,8 +72,11 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
             }
             Ok(())
         }
-        Quantizer::Int(s) => {
-            write!(f, "int{}", s.bits)?;
+        Quantizer::Int(s) | Quantizer::Hierarchical(s) => {
+            match q {
+                Quantizer::Hierarchical(_) => f.write_str("int8h")?,
+                _ => write!(f, "int{}", s.bits)?,
+            }
             if s.symmetric {
                 f.write_str("-sym")?;
             }
@@ -405,11 +409,14 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
             Ok(Quantizer::LloydMax(spec))
         }
         _ => {
-            let bits = match head {
-                "int2" => 2,
-                "int3" => 3,
-                "int4" => 4,
-                "int8" => 8,
+            // `int8h`: INT8-class values as two 4-bit planes, each spelled
+            // with the options of the `int4` form its planes are.
+            let (bits, hierarchical) = match head {
+                "int2" => (2, false),
+                "int3" => (3, false),
+                "int4" => (4, false),
+                "int8" => (8, false),
+                "int8h" => (4, true),
                 other => return Err(format!("unknown base form {:?}", quote(other))),
             };
             let mut spec = IntSpec::new(bits);
@@ -444,7 +451,11 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
                     }
                 }
             }
-            Ok(Quantizer::Int(spec))
+            Ok(if hierarchical {
+                Quantizer::Hierarchical(spec)
+            } else {
+                Quantizer::Int(spec)
+            })
         }
     }
 }

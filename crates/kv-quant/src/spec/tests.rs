@@ -67,6 +67,12 @@ fn issue_spellings_parse_and_print_back() {
         "shard-s4-f256",
         "shard-k3-soff-f16",
         "shard-s7q-f64",
+        // Hierarchical forms (stored by attention's HierarchicalPart).
+        "int8h",
+        "int8h-g32",
+        "int8h-ch+sink4",
+        "int8h-sym-ch16-sf32",
+        "int8h-ch+sink4+secded84",
     ] {
         let form: CacheForm = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
         assert_eq!(form.to_string(), s);
@@ -389,4 +395,35 @@ fn shard_defaults_are_the_blogs() {
     );
     let other: CacheForm = "shard-k0.5+sink4+win64".parse().unwrap();
     assert_eq!(other.to_string(), "shard-k0.5");
+}
+
+/// `int8h` is two 4-bit planes of the `int4` form of the same options: the
+/// upper keeps the segments, the residual does not; both carry the
+/// protection. Options that cannot be kept in blocks or that would rotate
+/// one plane's coordinates are refused.
+#[test]
+fn hierarchical_forms_split_into_two_int4_planes() {
+    let f: CacheForm = "int8h-ch+sink4+secded84".parse().unwrap();
+    let (upper, residual) = f.planes().unwrap();
+    assert_eq!(upper.to_string(), "int4-ch+sink4+secded84");
+    assert_eq!(residual.to_string(), "int4-ch+secded84");
+    assert_eq!(f.quantizer().code_bits(), 8);
+    assert!(f.quantizer().is_hierarchical() && !f.is_row_local());
+    let (upper, residual) = "int8h-g32".parse::<CacheForm>().unwrap().planes().unwrap();
+    assert_eq!(
+        (upper, residual),
+        ("int4-g32".parse().unwrap(), "int4-g32".parse().unwrap())
+    );
+    assert_eq!("int4-g32".parse::<CacheForm>().unwrap().planes(), None);
+    for (bad, why) in [
+        ("int8h-t", "one scale per tensor"),
+        ("int8h+rot", "+rot"),
+        ("int8h-g0", "at least 1"),
+        ("int8h-x", "unknown integer option"),
+    ] {
+        let e = bad.parse::<CacheForm>().unwrap_err().to_string();
+        assert!(e.contains(why), "{bad}: {e}");
+    }
+    let e = BlockPlan::new(f, 16).unwrap_err().to_string();
+    assert!(e.contains("HierarchicalPart"), "{e}");
 }

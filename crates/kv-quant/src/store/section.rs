@@ -45,7 +45,8 @@ pub(crate) enum Kind {
     Vq {
         dim: usize,
     },
-    /// Low-rank forms, which sections refuse (kv-lowrank stores them).
+    /// Low-rank, Shard and hierarchical forms, which sections refuse (other
+    /// crates store them).
     LowRank,
 }
 
@@ -64,7 +65,9 @@ impl Kind {
                 qjl: s.qjl,
             },
             Quantizer::Vq(s) => Kind::Vq { dim: s.dim },
-            Quantizer::LowRank(_) | Quantizer::Shard(_) => Kind::LowRank,
+            Quantizer::LowRank(_) | Quantizer::Shard(_) | Quantizer::Hierarchical(_) => {
+                Kind::LowRank
+            }
         }
     }
 
@@ -247,6 +250,16 @@ impl Coding {
                     name: "form",
                     reason: format!(
                         "{} is the Shard pipeline: the attention crate stores it (ShardLayer)",
+                        self.form
+                    ),
+                });
+            }
+            Quantizer::Hierarchical(_) => {
+                return Err(KvQuantError::InvalidParameter {
+                    name: "form",
+                    reason: format!(
+                        "{} keeps two 4-bit planes: the attention crate stores it \
+                         (HierarchicalPart), one kv-quant store per plane",
                         self.form
                     ),
                 });

@@ -104,6 +104,14 @@ pub(super) fn open(
                  is built by ShardLayer, not coded again per window"
             ),
         }),
+        Quantizer::Hierarchical(_) => Err(AttentionError::InvalidParameter {
+            name: "form",
+            reason: format!(
+                "{form} keeps two 4-bit planes for a paged cache to read whole or, for \
+                 self-speculation, upper plane only; the re-encode protocol does not hold it \
+                 (use --backend paged)"
+            ),
+        }),
         Quantizer::LowRank(spec) => {
             let unrotate = rope.filter(|_| spec.pre_rope);
             let unrotated;
