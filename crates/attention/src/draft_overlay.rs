@@ -42,16 +42,14 @@ pub struct DraftOverlay<'a, B: KvBackend + ?Sized> {
 
 impl<'a, B: KvBackend + ?Sized> DraftOverlay<'a, B> {
     /// A draft over `base` (holding the committed tokens drafting starts
-    /// after, no step open), sized for `model`; switches `base` to its
-    /// draft view, or refuses, changing nothing, where some part of it
-    /// keeps none.
-    pub fn new(base: &'a mut B, model: &ModelKvShape<'_>) -> Result<Self, B::Error> {
-        let mut own = DenseBackend::new();
-        own.fit(model)?;
+    /// after, no step open; the draft's rows are sized by the model's
+    /// [`fit`](KvBackend::fit)); switches `base` to its draft view, or
+    /// refuses, changing nothing, where some part of it keeps none.
+    pub fn new(base: &'a mut B) -> Result<Self, B::Error> {
         base.set_read_view(ReadView::Draft)?;
         Ok(Self {
             base,
-            own,
+            own: DenseBackend::new(),
             base_ranges: Vec::new(),
             own_ranges: Vec::new(),
         })
@@ -233,7 +231,7 @@ mod tests {
             backend.commit().unwrap();
         }
         // A dense backend keeps no draft view.
-        assert!(DraftOverlay::new(&mut target, &model).is_err());
+        assert!(DraftOverlay::new(&mut target).is_err());
         // The overlay over a backend reading its draft view as the whole.
         struct Viewed(DenseBackend);
         impl KvBackend for Viewed {
@@ -274,7 +272,8 @@ mod tests {
             }
         }
         let mut target = Viewed(target);
-        let mut overlay = DraftOverlay::new(&mut target, &model).unwrap();
+        let mut overlay = DraftOverlay::new(&mut target).unwrap();
+        overlay.fit(&model).unwrap();
         let q = rows(drafted, shape.q_heads() * shape.head_dim(), 3);
         for t in 0..drafted {
             let at = past + t;

@@ -51,7 +51,20 @@ impl BackendKind {
     /// block cannot hold.
     pub fn check(&self, mode: &CacheMode, faults: Option<FaultSpec>) -> Result<()> {
         let faulted = faults.is_some_and(|f| f.is_faulted());
+        let hierarchical = mode
+            .forms()
+            .iter()
+            .find(|(f, _)| f.quantizer().is_hierarchical())
+            .map(|(f, _)| *f);
         match *self {
+            Self::Reencode if hierarchical.is_some() => Err(EvalError::InvalidParameter {
+                name: "backend",
+                reason: format!(
+                    "{} keeps two 4-bit planes for the paged cache to read whole or, for \
+                     self-speculation, upper plane only (use --backend paged)",
+                    hierarchical.expect("matched")
+                ),
+            }),
             Self::Reencode => Ok(()),
             Self::Dense if *mode == CacheMode::Plain && !faulted => Ok(()),
             Self::Dense => Err(EvalError::InvalidParameter {
@@ -110,6 +123,28 @@ impl BackendKind {
             paged
         } else {
             Self::Reencode
+        }
+    }
+
+    /// Refuses self-speculation (`--speculate self`) where the cache keeps
+    /// no draft view, before any work: every layer's key and value forms
+    /// must be hierarchical (`int8h…`, whose upper 4-bit plane the draft
+    /// reads) on the paged backend.
+    pub fn check_draft_view(&self, mode: &CacheMode) -> Result<()> {
+        let forms = mode.forms();
+        let flat = forms.iter().find(|(f, _)| !f.quantizer().is_hierarchical());
+        match (self, flat) {
+            (Self::Paged { .. }, None) if !forms.is_empty() => Ok(()),
+            _ => Err(EvalError::InvalidParameter {
+                name: "speculate",
+                reason: format!(
+                    "self-speculation drafts through the upper 4-bit plane of a hierarchical \
+                     cache: every key and value form int8h, int8h-g<N> or int8h-ch[+sink<S>] \
+                     on --backend paged ({} on the {} backend keeps no 4-bit view)",
+                    flat.map_or_else(|| mode.label(), |(f, _)| f.to_string()),
+                    self.name()
+                ),
+            }),
         }
     }
 

@@ -60,6 +60,32 @@ fn hostile_flags_are_refused_before_any_work() {
             "self-speculation",
         ),
         (
+            &[
+                "generate",
+                "--prompt",
+                "hi",
+                "--key-form",
+                "int8h-ch+sink4",
+                "--value-form",
+                "int8",
+                "--speculate",
+                "self",
+            ],
+            "int8 on the paged backend keeps no 4-bit view",
+        ),
+        (
+            &[
+                "generate",
+                "--prompt",
+                "hi",
+                "--form",
+                "int8h",
+                "--backend",
+                "reencode",
+            ],
+            "use --backend paged",
+        ),
+        (
             &["generate", "--prompt", "hi", "--speculate", "lookup:k=0"],
             "k=0",
         ),

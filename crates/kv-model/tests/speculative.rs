@@ -1,7 +1,8 @@
 //! Speculative decoding on the tiny model: a step's rows have the bits
 //! they have alone, so greedy speculative output is plain greedy output
 //! token for token (on the f32 oracle and on paged caches whose blocks
-//! seal, with every drafter); sampled output has the target's
+//! seal, with every drafter, and on hierarchical caches drafting for
+//! themselves through their upper planes); sampled output has the target's
 //! distribution (a chi-square test against the exact marginal); drafts
 //! cut back the drafter's cache; bad settings are refused before any work.
 
@@ -11,7 +12,7 @@ use attention::{DenseBackend, KvBackend};
 use kv_model::ModelError;
 use kv_model::model::{
     Adapted, CausalLm, Draft, Drafter, GenerateOptions, LlamaModel, ModelDrafter, PromptLookup,
-    Sampling, SpeculativeOptions, generate, generate_speculative,
+    Sampling, SelfDrafter, SpeculativeOptions, generate, generate_speculative,
 };
 use paged_cache::{LayerSpec, PagedBackend};
 
@@ -172,6 +173,66 @@ fn greedy_speculation_on_paged_caches_seals_what_plain_decoding_seals() {
             assert_eq!(got, want, "{key}/{value} lookup, k {k}");
         }
     }
+}
+
+/// The target drafting for itself through the upper plane of a
+/// hierarchical cache: output is plain greedy decoding's on the same
+/// cache, most drafts are accepted, and the cache holds exactly what plain
+/// decoding left (drafts never enter it). A cache without a draft view is
+/// refused before any work.
+#[test]
+fn self_speculation_on_a_hierarchical_cache_is_plain_greedy_decoding() {
+    let target = stored_model();
+    let opts = options(30, Sampling::default());
+    for (key, value, block) in [("int8h", "int8h-g4", 4), ("int8h-ch+sink4", "int8h", 8)] {
+        let mut cache = paged(&target, key, value, block);
+        let want = generate(&target, &mut cache, &prompt(), &opts, no_faults, |_| Ok(()))
+            .unwrap()
+            .tokens;
+        let held = cache.tokens();
+        for k in [2, 5] {
+            let mut drafter = SelfDrafter::new(&target, Sampling::default()).unwrap();
+            let mut cache = paged(&target, key, value, block);
+            let options = SpeculativeOptions { generate: opts, k };
+            let out = generate_speculative(
+                &target,
+                &mut cache,
+                &mut drafter,
+                &prompt(),
+                &options,
+                no_faults,
+                |_| Ok(()),
+            )
+            .unwrap();
+            assert_eq!(out.generated.tokens, want, "{key}/{value}, k {k}");
+            let stats = out.stats;
+            assert!(
+                stats.accepted * 2 > stats.drafted,
+                "{key}/{value}: {stats:?}"
+            );
+            assert_eq!(cache.tokens(), held, "{key}/{value}");
+        }
+    }
+    let mut drafter = SelfDrafter::new(&target, Sampling::default()).unwrap();
+    for (key, value) in [("int8", "int8h"), ("int8h", "int4")] {
+        let mut cache = paged(&target, key, value, 4);
+        let err = generate_speculative(
+            &target,
+            &mut cache,
+            &mut drafter,
+            &prompt(),
+            &SpeculativeOptions {
+                generate: opts,
+                k: 3,
+            },
+            no_faults,
+            |_| Ok(()),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("keeps no draft view"), "{err}");
+        assert_eq!(cache.tokens(), 0);
+    }
+    assert!(drafter.propose(&prompt(), 2).is_err());
 }
 
 /// Sampled speculation draws the second generated token from the target's

@@ -60,4 +60,8 @@ where
     fn commit_prefix(&mut self, keep: usize) -> Result<()> {
         Ok(self.0.commit_prefix(keep)?)
     }
+
+    fn set_read_view(&mut self, view: attention::ReadView) -> Result<()> {
+        Ok(self.0.set_read_view(view)?)
+    }
 }

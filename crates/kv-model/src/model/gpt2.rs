@@ -240,7 +240,7 @@ impl CausalLm for Gpt2Model {
     fn forward(
         &self,
         tokens: &[u32],
-        cache: &mut ModelCache,
+        cache: &mut ModelCache<'_>,
         logits_from: usize,
     ) -> Result<Vec<f32>> {
         let (c, shape) = (&self.config, self.kv_shape());
@@ -252,7 +252,7 @@ impl CausalLm for Gpt2Model {
     fn forward_keeping(
         &self,
         tokens: &[u32],
-        cache: &mut ModelCache,
+        cache: &mut ModelCache<'_>,
         logits_from: usize,
         keep: &mut dyn FnMut(&[f32]) -> usize,
     ) -> Result<Vec<f32>> {
@@ -274,7 +274,12 @@ impl Gpt2Model {
     }
 
     /// The forward pass inside one cache step.
-    fn step(&self, tokens: &[u32], cache: &mut ModelCache, logits_from: usize) -> Result<Vec<f32>> {
+    fn step(
+        &self,
+        tokens: &[u32],
+        cache: &mut ModelCache<'_>,
+        logits_from: usize,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let hook = &self.hook;
         let (t, d) = (tokens.len(), c.dim);

@@ -475,7 +475,7 @@ impl LlamaModel {
     pub fn forward(
         &self,
         tokens: &[u32],
-        cache: &mut ModelCache,
+        cache: &mut ModelCache<'_>,
         logits_from: usize,
     ) -> Result<Vec<f32>> {
         let mut batch = [BatchItem {
@@ -721,7 +721,7 @@ impl CausalLm for LlamaModel {
     fn forward(
         &self,
         tokens: &[u32],
-        cache: &mut ModelCache,
+        cache: &mut ModelCache<'_>,
         logits_from: usize,
     ) -> Result<Vec<f32>> {
         LlamaModel::forward(self, tokens, cache, logits_from)
@@ -734,7 +734,7 @@ impl CausalLm for LlamaModel {
     fn forward_keeping(
         &self,
         tokens: &[u32],
-        cache: &mut ModelCache,
+        cache: &mut ModelCache<'_>,
         logits_from: usize,
         keep: &mut dyn FnMut(&[f32]) -> usize,
     ) -> Result<Vec<f32>> {

@@ -26,8 +26,8 @@ pub use llama::{LlamaArch, LlamaConfig, LlamaLayer, LlamaModel, LoadOptions};
 pub(crate) use projection::{HookSlot, listed, project};
 pub use projection::{Projection, ProjectionHook, ProjectionId, ProjectionKind};
 pub use speculative::{
-    Draft, Drafter, ModelDrafter, PromptLookup, SpeculativeGenerated, SpeculativeOptions,
-    SpeculativeStats, check_speculative, generate_speculative,
+    Draft, Drafter, ModelDrafter, PromptLookup, SelfDrafter, SpeculativeGenerated,
+    SpeculativeOptions, SpeculativeStats, check_speculative, generate_speculative,
 };
 
 use attention::{Attention, AttentionConfig, HeadShape, KvBackend, Numerics, OnNonFinite, Rope};
@@ -37,8 +37,10 @@ use crate::error::{ModelError, Result};
 /// The KV cache a forward pass talks to: any [`KvBackend`] whose errors are
 /// this crate's (the f32 oracle, the paged cache, kv-eval's re-encode
 /// protocol: a backend with errors of its own reports them as
-/// [`ModelError::External`]).
-pub type ModelCache = dyn KvBackend<Error = ModelError>;
+/// [`ModelError::External`]), borrowing for `'c` what it borrows (a
+/// self-speculative draft's [`attention::DraftOverlay`] borrows its
+/// target's cache).
+pub type ModelCache<'c> = dyn KvBackend<Error = ModelError> + 'c;
 
 /// A causal language model whose K and V go through a [`KvBackend`].
 pub trait CausalLm: Send + Sync {
@@ -83,7 +85,7 @@ pub trait CausalLm: Send + Sync {
     fn forward(
         &self,
         tokens: &[u32],
-        cache: &mut ModelCache,
+        cache: &mut ModelCache<'_>,
         logits_from: usize,
     ) -> Result<Vec<f32>>;
 
@@ -96,7 +98,7 @@ pub trait CausalLm: Send + Sync {
     fn forward_keeping(
         &self,
         tokens: &[u32],
-        cache: &mut ModelCache,
+        cache: &mut ModelCache<'_>,
         logits_from: usize,
         keep: &mut dyn FnMut(&[f32]) -> usize,
     ) -> Result<Vec<f32>>;
@@ -122,7 +124,7 @@ pub struct BatchItem<'a> {
     /// Its new tokens.
     pub tokens: &'a [u32],
     /// Its cache.
-    pub cache: &'a mut ModelCache,
+    pub cache: &'a mut ModelCache<'a>,
     /// Index of its first token whose logits are returned.
     pub logits_from: usize,
 }
@@ -200,8 +202,8 @@ pub(crate) fn forward_step(
     vocab: usize,
     logits_from: usize,
     model: &attention::ModelKvShape<'_>,
-    cache: &mut ModelCache,
-    step: impl FnOnce(&mut ModelCache) -> Result<Vec<f32>>,
+    cache: &mut ModelCache<'_>,
+    step: impl FnOnce(&mut ModelCache<'_>) -> Result<Vec<f32>>,
 ) -> Result<Vec<f32>> {
     check_tokens(tokens, vocab, logits_from)?;
     cache.fit(model)?;
@@ -215,9 +217,9 @@ pub(crate) fn forward_step_keeping(
     vocab: usize,
     logits_from: usize,
     model: &attention::ModelKvShape<'_>,
-    cache: &mut ModelCache,
+    cache: &mut ModelCache<'_>,
     keep: &mut dyn FnMut(&[f32]) -> usize,
-    step: impl FnOnce(&mut ModelCache) -> Result<Vec<f32>>,
+    step: impl FnOnce(&mut ModelCache<'_>) -> Result<Vec<f32>>,
 ) -> Result<Vec<f32>> {
     check_tokens(tokens, vocab, logits_from)?;
     cache.fit(model)?;

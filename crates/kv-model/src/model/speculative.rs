@@ -23,13 +23,16 @@
 //!
 //! Drafters: [`PromptLookup`] (the last 3 or 2 tokens matched earlier in
 //! the prompt and output, what followed proposed; single-token matches
-//! proposed too little that was accepted to pay for their verification) and [`ModelDrafter`] (a
+//! proposed too little that was accepted to pay for their verification), [`ModelDrafter`] (a
 //! smaller model with the same vocabulary, on a cache of its own, cut back
-//! to the accepted tokens before each proposal).
+//! to the accepted tokens before each proposal) and [`SelfDrafter`] (the
+//! target itself reading the draft view of its own cache: QuantSpec's
+//! self-speculation over a hierarchical `int8h` cache, whose drafts read
+//! the upper 4-bit plane and whose verification reads both).
 
 use std::time::Instant;
 
-use attention::KvBackend;
+use attention::{DraftOverlay, KvBackend, ReadView};
 use gf2_codes::channel::FaultRng;
 
 use super::{CausalLm, GenerateOptions, Generated, ModelCache, Sampling, check_prompt};
@@ -41,6 +44,27 @@ pub trait Drafter {
     /// generated so far; never empty). Fewer (none) where it has nothing to
     /// propose.
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft>;
+
+    /// [`propose`](Self::propose) given the target's cache (holding every
+    /// token of `context` but the last, no step open), for drafters that
+    /// read it ([`SelfDrafter`]); the default ignores it.
+    fn propose_on(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        target: &mut ModelCache<'_>,
+    ) -> Result<Draft> {
+        let _ = target;
+        self.propose(context, k)
+    }
+
+    /// Refuses a target cache the drafter cannot read, before any work
+    /// (a self-speculative draft needs a cache with a draft view); the
+    /// default accepts any.
+    fn check_target(&self, target: &mut ModelCache<'_>) -> Result<()> {
+        let _ = target;
+        Ok(())
+    }
 }
 
 /// What a [`Drafter`] proposes.
@@ -140,6 +164,7 @@ where
     let opts = &options.generate;
     opts.sampling.check()?;
     check_speculative(prompt, options)?;
+    drafter.check_target(&mut *cache)?;
     let vocab = model.vocab();
     let mut rng = opts.sampling.stream();
     let mut out = SpeculativeGenerated::default();
@@ -168,7 +193,7 @@ where
             .min(opts.context - context.len());
         let t = Instant::now();
         let mut draft = if want > 0 {
-            drafter.propose(&context, want)?
+            drafter.propose_on(&context, want, &mut *cache)?
         } else {
             Draft::default()
         };
@@ -183,7 +208,7 @@ where
         feed.push(next);
         feed.extend_from_slice(&draft.tokens);
         let mut new_tokens = Vec::new();
-        let cache: &mut ModelCache = cache;
+        let cache: &mut ModelCache<'_> = cache;
         model.forward_keeping(&feed, cache, 0, &mut |logits| {
             new_tokens = verify(logits, vocab, &draft, &opts.sampling, &mut rng);
             new_tokens.len()
@@ -421,7 +446,7 @@ where
             .min(context.len() - 1);
         self.cache.truncate(shared)?;
         self.fed.truncate(shared);
-        let cache: &mut ModelCache = &mut self.cache;
+        let cache: &mut ModelCache<'_> = &mut self.cache;
         let new = &context[shared..];
         let mut logits = self.model.forward(new, cache, new.len() - 1)?;
         self.fed.extend_from_slice(new);
@@ -443,6 +468,88 @@ where
                 logits = self.model.forward(&[token], cache, 0)?;
                 self.fed.push(token);
             }
+        }
+        Ok(draft)
+    }
+}
+
+/// Self-speculative drafting (QuantSpec, arXiv 2502.10424): the target
+/// model drafts for itself, reading its own cache in the draft view (the
+/// upper 4-bit plane of a hierarchical `int8h` form, half the bytes) with
+/// the drafted tokens' rows kept beside it ([`DraftOverlay`]: the
+/// target's cache is never written by a draft). Verification then reads
+/// the cache whole. Greedy or sampled as `sampling` says.
+pub struct SelfDrafter<'m> {
+    model: &'m dyn CausalLm,
+    sampling: Sampling,
+    rng: FaultRng,
+}
+
+impl<'m> SelfDrafter<'m> {
+    /// Drafts with `model`, the target itself.
+    pub fn new(model: &'m dyn CausalLm, sampling: Sampling) -> Result<Self> {
+        sampling.check()?;
+        Ok(Self {
+            model,
+            rng: FaultRng::with_stream(sampling.seed, 3),
+            sampling,
+        })
+    }
+}
+
+impl std::fmt::Debug for SelfDrafter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SelfDrafter")
+            .field("model", &self.model.describe())
+            .field("sampling", &self.sampling)
+            .finish()
+    }
+}
+
+impl Drafter for SelfDrafter<'_> {
+    /// Refused: a self-speculative draft reads the target's cache
+    /// ([`propose_on`](Drafter::propose_on)).
+    fn propose(&mut self, _context: &[u32], _k: usize) -> Result<Draft> {
+        Err(ModelError::InvalidParameter {
+            name: "drafter",
+            reason: "a self-speculative draft reads the target's own cache: it proposes \
+                     through propose_on"
+                .into(),
+        })
+    }
+
+    /// Refuses a cache without a draft view (some layer's form keeps no
+    /// 4-bit view); leaves it in the full view.
+    fn check_target(&self, target: &mut ModelCache<'_>) -> Result<()> {
+        target.set_read_view(ReadView::Draft)?;
+        target.set_read_view(ReadView::Full)
+    }
+
+    fn propose_on(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        target: &mut ModelCache<'_>,
+    ) -> Result<Draft> {
+        let mut draft = Draft::default();
+        let Some(&last) = context.last() else {
+            return Ok(draft);
+        };
+        let mut overlay = DraftOverlay::new(target)?;
+        let deterministic = self.sampling.temperature == 0.0;
+        let mut token = last;
+        for _ in 0..k {
+            let logits = self.model.forward(&[token], &mut overlay, 0)?;
+            let p = self.sampling.distribution(&logits);
+            token = self.sampling.pick(&logits, &mut self.rng);
+            if !deterministic {
+                draft.probs.push(p.unwrap_or_else(|| {
+                    let mut one = vec![0.0; logits.len()];
+                    one[token as usize] = 1.0;
+                    one
+                }));
+            }
+            draft.tokens.push(token);
         }
         Ok(draft)
     }

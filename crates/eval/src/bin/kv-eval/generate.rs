@@ -7,7 +7,7 @@ use kv_model::model::Sampling;
 use std::path::PathBuf;
 
 use kv_eval::generate::{GenerateConfig, Generation, StepFaults, generate, generate_speculative};
-use kv_model::model::{Adapted, ModelDrafter, PromptLookup, SpeculativeStats};
+use kv_model::model::{Adapted, ModelDrafter, PromptLookup, SelfDrafter, SpeculativeStats};
 use kv_model::tokenizer::ReadLimits;
 
 use crate::{
@@ -85,8 +85,10 @@ pub(crate) struct GenerateArgs {
     numerics: Option<crate::NumericsArg>,
     /// Speculative decoding: `lookup[:k=K]` (prompt lookup: the last 3 or 2
     /// tokens matched earlier in the prompt and output, what followed
-    /// proposed) or `draft:MODEL[:k=K]` (a smaller model with the same
-    /// tokenizer drafting greedily on a dense cache of its own); K drafts
+    /// proposed), `draft:MODEL[:k=K]` (a smaller model with the same
+    /// tokenizer drafting greedily on a dense cache of its own) or
+    /// `self[:k=K]` (the model drafting for itself through the upper 4-bit
+    /// plane of a hierarchical `int8h` cache, QuantSpec's scheme); K drafts
     /// per step, 7 by default (a verification of eight rows: one group of
     /// kv-model's token-lane kernels). The run decodes plainly first on the
     /// same cache form and reports the speedup.
@@ -101,18 +103,20 @@ pub(crate) enum Speculate {
     Lookup { k: usize },
     /// A draft model, `k` drafts per step.
     Draft { model: PathBuf, k: usize },
+    /// The model itself through its cache's draft view, `k` drafts per step.
+    SelfDraft { k: usize },
 }
 
 impl Speculate {
     /// Drafts per step.
     fn k(&self) -> usize {
         match self {
-            Self::Lookup { k } | Self::Draft { k, .. } => *k,
+            Self::Lookup { k } | Self::Draft { k, .. } | Self::SelfDraft { k } => *k,
         }
     }
 }
 
-/// Parses `lookup[:k=K]` or `draft:MODEL[:k=K]`.
+/// Parses `lookup[:k=K]`, `draft:MODEL[:k=K]` or `self[:k=K]`.
 fn parse_speculate(s: &str) -> Result<Speculate, String> {
     let (head, k) = match s.rsplit_once(":k=") {
         Some((head, k)) => {
@@ -133,13 +137,10 @@ fn parse_speculate(s: &str) -> Result<Speculate, String> {
             model: PathBuf::from(model),
             k,
         }),
-        _ if head == "self" || head.starts_with("self:") => Err(format!(
-            "{s:?}: self-speculation needs a hierarchical (4-bit view of an 8-bit) cache \
-             form, not built yet; use lookup or draft:MODEL"
-        )),
+        None if head == "self" => Ok(Speculate::SelfDraft { k }),
         _ => Err(format!(
-            "{s:?} is not lookup[:k=K] or draft:MODEL[:k=K] (MODEL a GGUF file, a folder or a \
-             fetched model name)"
+            "{s:?} is not lookup[:k=K], draft:MODEL[:k=K] (MODEL a GGUF file, a folder or a \
+             fetched model name) or self[:k=K]"
         )),
     }
 }
@@ -184,6 +185,9 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
     };
     sampling.check()?;
     backend.check(&mode, None)?;
+    if let Some(Speculate::SelfDraft { .. }) = speculate {
+        backend.check_draft_view(&mode)?;
+    }
     let faults = StepFaults {
         channel: channel.parse()?,
         ber_per_step,
@@ -325,6 +329,10 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
             )?;
             generate_speculative(model.as_ref(), &mut drafter, *k, &ids, &config, stream)?
         }
+        Some(Speculate::SelfDraft { k }) => {
+            let mut drafter = SelfDrafter::new(model.as_ref(), sampling)?;
+            generate_speculative(model.as_ref(), &mut drafter, *k, &ids, &config, stream)?
+        }
     };
     println!();
     let values =
@@ -407,6 +415,7 @@ fn print_speculation(
     let (name, k) = match how {
         Speculate::Lookup { k } => ("prompt lookup".to_string(), k),
         Speculate::Draft { model, k } => (format!("draft model {}", model.display()), k),
+        Speculate::SelfDraft { k } => ("self, upper 4-bit plane".to_string(), k),
     };
     eprintln!(
         "speculation ({name}, k={k}): {} verify passes, {} drafted, {} accepted ({:.1}%), \
