@@ -117,6 +117,17 @@ pub trait KvBackend {
         commit_then_truncate(self, keep)
     }
 
+    /// Whether the forward pass may skip `layer` for this cache's step: a
+    /// self-speculative draft that runs a shallower model
+    /// ([`DraftOverlay::skip_layers`](crate::DraftOverlay::skip_layers)).
+    /// A model that skips a layer passes its hidden state through and
+    /// appends zero rows to it (never attended: the layer is skipped for
+    /// every token of the draft). The default: never.
+    fn skips_layer(&self, layer: usize) -> bool {
+        let _ = layer;
+        false
+    }
+
     /// Reads `view` of the stored forms from now on (every layer and
     /// part), or refuses, changing nothing, where some part keeps no such
     /// view. The default keeps only [`ReadView::Full`].

@@ -38,6 +38,8 @@ pub struct DraftOverlay<'a, B: KvBackend + ?Sized> {
     /// (`0..T`) and in the draft's rows.
     base_ranges: Vec<Range<usize>>,
     own_ranges: Vec<Range<usize>>,
+    /// Layers the draft's forward passes skip.
+    skip: Vec<bool>,
 }
 
 impl<'a, B: KvBackend + ?Sized> DraftOverlay<'a, B> {
@@ -52,7 +54,20 @@ impl<'a, B: KvBackend + ?Sized> DraftOverlay<'a, B> {
             own: DenseBackend::new(),
             base_ranges: Vec::new(),
             own_ranges: Vec::new(),
+            skip: Vec::new(),
         })
+    }
+
+    /// Asks the draft's forward passes to skip `layers` (a shallower
+    /// draft: [`KvBackend::skips_layer`]); replaces any earlier set.
+    pub fn skip_layers(&mut self, layers: &[usize]) {
+        self.skip.clear();
+        for &l in layers {
+            if self.skip.len() <= l {
+                self.skip.resize(l + 1, false);
+            }
+            self.skip[l] = true;
+        }
     }
 
     /// Tokens the draft holds past the target's.
@@ -159,6 +174,10 @@ impl<B: KvBackend + ?Sized> KvBackend for DraftOverlay<'_, B> {
             .into());
         };
         Ok(self.own.truncate(own)?)
+    }
+
+    fn skips_layer(&self, layer: usize) -> bool {
+        self.skip.get(layer).copied().unwrap_or(false)
     }
 
     /// The overlay reads its target in the draft view, whatever is asked.

@@ -86,6 +86,14 @@ fn hostile_flags_are_refused_before_any_work() {
             "use --backend paged",
         ),
         (
+            &["generate", "--prompt", "hi", "--speculate", "self:skip=5-2"],
+            "the range runs backwards",
+        ),
+        (
+            &["generate", "--prompt", "hi", "--speculate", "self:deep:k=3"],
+            "self takes skip=LAYERS",
+        ),
+        (
             &["generate", "--prompt", "hi", "--speculate", "lookup:k=0"],
             "k=0",
         ),

@@ -213,6 +213,32 @@ fn self_speculation_on_a_hierarchical_cache_is_plain_greedy_decoding() {
             assert_eq!(cache.tokens(), held, "{key}/{value}");
         }
     }
+    // A shallower draft: fewer accepted, the same output.
+    let mut cache = paged(&target, "int8h", "int8h", 4);
+    let want = generate(&target, &mut cache, &prompt(), &opts, no_faults, |_| Ok(()))
+        .unwrap()
+        .tokens;
+    let mut drafter = SelfDrafter::new(&target, Sampling::default())
+        .unwrap()
+        .skipping(&[1, 1])
+        .unwrap();
+    assert_eq!(drafter.skipped(), [1]);
+    let (got, stats) = speculative(
+        &target,
+        paged(&target, "int8h", "int8h", 4),
+        &mut drafter,
+        &opts,
+        3,
+    );
+    assert_eq!(got, want);
+    assert!(stats.accepted < stats.drafted, "{stats:?}");
+    let skip = |layers: &[usize]| {
+        SelfDrafter::new(&target, Sampling::default())
+            .unwrap()
+            .skipping(layers)
+    };
+    assert!(skip(&[LAYERS]).is_err());
+    assert!(skip(&(0..LAYERS).collect::<Vec<_>>()).is_err());
     let mut drafter = SelfDrafter::new(&target, Sampling::default()).unwrap();
     for (key, value) in [("int8", "int8h"), ("int8h", "int4")] {
         let mut cache = paged(&target, key, value, 4);

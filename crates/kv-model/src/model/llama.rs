@@ -526,6 +526,17 @@ impl LlamaModel {
         }
         let hook = &self.hook;
         for (l, layer) in self.layers.iter().enumerate() {
+            // A layer every item's cache skips (a shallower self-speculative
+            // draft) passes the hidden state through; its rows are zeros,
+            // never attended.
+            if batch.iter().all(|item| item.cache.skips_layer(l)) {
+                b.k.fill(0.0);
+                for (item, span) in batch.iter_mut().zip(&spans) {
+                    let kv = span.start * kvc..span.end * kvc;
+                    item.cache.append(l, &b.k[kv.clone()], &b.k[kv])?;
+                }
+                continue;
+            }
             let id = |kind| ProjectionId::block(l, kind);
             rms_norm(&mut b.h, &b.x, &layer.attn_norm, c.norm_eps);
             project(

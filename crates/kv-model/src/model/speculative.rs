@@ -483,6 +483,7 @@ pub struct SelfDrafter<'m> {
     model: &'m dyn CausalLm,
     sampling: Sampling,
     rng: FaultRng,
+    skip: Vec<usize>,
 }
 
 impl<'m> SelfDrafter<'m> {
@@ -493,7 +494,38 @@ impl<'m> SelfDrafter<'m> {
             model,
             rng: FaultRng::with_stream(sampling.seed, 3),
             sampling,
+            skip: Vec::new(),
         })
+    }
+
+    /// Drafts with `layers` skipped (LayerSkip's shallower draft, on top
+    /// of the draft view): Llama-family forward passes pass the hidden
+    /// state through them. Refuses a layer the model lacks, and skipping
+    /// every layer.
+    pub fn skipping(mut self, layers: &[usize]) -> Result<Self> {
+        let n = self.model.layers();
+        if let Some(&bad) = layers.iter().find(|&&l| l >= n) {
+            return Err(ModelError::InvalidParameter {
+                name: "skip",
+                reason: format!("layer {bad} of a model of {n} layers (0 to {})", n - 1),
+            });
+        }
+        let mut skip = layers.to_vec();
+        skip.sort_unstable();
+        skip.dedup();
+        if skip.len() == n {
+            return Err(ModelError::InvalidParameter {
+                name: "skip",
+                reason: format!("all {n} layers: a draft runs at least one"),
+            });
+        }
+        self.skip = skip;
+        Ok(self)
+    }
+
+    /// The layers the draft skips.
+    pub fn skipped(&self) -> &[usize] {
+        &self.skip
     }
 }
 
@@ -502,6 +534,7 @@ impl std::fmt::Debug for SelfDrafter<'_> {
         f.debug_struct("SelfDrafter")
             .field("model", &self.model.describe())
             .field("sampling", &self.sampling)
+            .field("skip", &self.skip)
             .finish()
     }
 }
@@ -536,6 +569,7 @@ impl Drafter for SelfDrafter<'_> {
             return Ok(draft);
         };
         let mut overlay = DraftOverlay::new(target)?;
+        overlay.skip_layers(&self.skip);
         let deterministic = self.sampling.temperature == 0.0;
         let mut token = last;
         for _ in 0..k {

@@ -87,8 +87,9 @@ pub(crate) struct GenerateArgs {
     /// tokens matched earlier in the prompt and output, what followed
     /// proposed), `draft:MODEL[:k=K]` (a smaller model with the same
     /// tokenizer drafting greedily on a dense cache of its own) or
-    /// `self[:k=K]` (the model drafting for itself through the upper 4-bit
-    /// plane of a hierarchical `int8h` cache, QuantSpec's scheme); K drafts
+    /// `self[:skip=LAYERS][:k=K]` (the model drafting for itself through
+    /// the upper 4-bit plane of a hierarchical `int8h` cache, QuantSpec's
+    /// scheme, optionally with LAYERS skipped: `12-19,22`); K drafts
     /// per step, 7 by default (a verification of eight rows: one group of
     /// kv-model's token-lane kernels). The run decodes plainly first on the
     /// same cache form and reports the speedup.
@@ -103,15 +104,16 @@ pub(crate) enum Speculate {
     Lookup { k: usize },
     /// A draft model, `k` drafts per step.
     Draft { model: PathBuf, k: usize },
-    /// The model itself through its cache's draft view, `k` drafts per step.
-    SelfDraft { k: usize },
+    /// The model itself through its cache's draft view, `k` drafts per
+    /// step, the layers `skip` skipped.
+    SelfDraft { k: usize, skip: Vec<usize> },
 }
 
 impl Speculate {
     /// Drafts per step.
     fn k(&self) -> usize {
         match self {
-            Self::Lookup { k } | Self::Draft { k, .. } | Self::SelfDraft { k } => *k,
+            Self::Lookup { k } | Self::Draft { k, .. } | Self::SelfDraft { k, .. } => *k,
         }
     }
 }
@@ -137,12 +139,48 @@ fn parse_speculate(s: &str) -> Result<Speculate, String> {
             model: PathBuf::from(model),
             k,
         }),
-        None if head == "self" => Ok(Speculate::SelfDraft { k }),
+        None if head == "self" => Ok(Speculate::SelfDraft {
+            k,
+            skip: Vec::new(),
+        }),
+        Some(("self", layers)) => match layers.strip_prefix("skip=").map(parse_layers) {
+            Some(Ok(skip)) => Ok(Speculate::SelfDraft { k, skip }),
+            Some(Err(e)) => Err(format!("{s:?}: {e}")),
+            None => Err(format!(
+                "{s:?}: self takes skip=LAYERS (for example skip=12-19,22)"
+            )),
+        },
         _ => Err(format!(
             "{s:?} is not lookup[:k=K], draft:MODEL[:k=K] (MODEL a GGUF file, a folder or a \
              fetched model name) or self[:k=K]"
         )),
     }
+}
+
+/// Parses a layer list: numbers and ranges `A-B` (inclusive), separated
+/// by commas, at most [`MAX_LAYER`].
+fn parse_layers(s: &str) -> Result<Vec<usize>, String> {
+    const MAX_LAYER: usize = 4096;
+    let number = |n: &str| match n.parse::<usize>() {
+        Ok(l) if l < MAX_LAYER => Ok(l),
+        _ => Err(format!(
+            "layer {n:?} is not a layer number below {MAX_LAYER}"
+        )),
+    };
+    let mut layers = Vec::new();
+    for item in s.split(',') {
+        match item.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (number(a)?, number(b)?);
+                if a > b {
+                    return Err(format!("layers {a}-{b}: the range runs backwards"));
+                }
+                layers.extend(a..=b);
+            }
+            None => layers.push(number(item)?),
+        }
+    }
+    Ok(layers)
 }
 
 /// Runs `kv-eval generate`.
@@ -291,6 +329,11 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
             }
             Some(draft)
         }
+        Some(Speculate::SelfDraft { skip, .. }) => {
+            // Layers the model lacks are refused before any work.
+            SelfDrafter::new(model.as_ref(), sampling)?.skipping(skip)?;
+            None
+        }
         _ => None,
     };
     // Plain decoding first, on the same cache form: the baseline.
@@ -329,8 +372,8 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
             )?;
             generate_speculative(model.as_ref(), &mut drafter, *k, &ids, &config, stream)?
         }
-        Some(Speculate::SelfDraft { k }) => {
-            let mut drafter = SelfDrafter::new(model.as_ref(), sampling)?;
+        Some(Speculate::SelfDraft { k, skip }) => {
+            let mut drafter = SelfDrafter::new(model.as_ref(), sampling)?.skipping(skip)?;
             generate_speculative(model.as_ref(), &mut drafter, *k, &ids, &config, stream)?
         }
     };
@@ -415,7 +458,13 @@ fn print_speculation(
     let (name, k) = match how {
         Speculate::Lookup { k } => ("prompt lookup".to_string(), k),
         Speculate::Draft { model, k } => (format!("draft model {}", model.display()), k),
-        Speculate::SelfDraft { k } => ("self, upper 4-bit plane".to_string(), k),
+        Speculate::SelfDraft { k, skip } if skip.is_empty() => {
+            ("self, upper 4-bit plane".to_string(), k)
+        }
+        Speculate::SelfDraft { k, skip } => (
+            format!("self, upper 4-bit plane, {} layers skipped", skip.len()),
+            k,
+        ),
     };
     eprintln!(
         "speculation ({name}, k={k}): {} verify passes, {} drafted, {} accepted ({:.1}%), \
