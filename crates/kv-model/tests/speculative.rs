@@ -179,12 +179,15 @@ fn greedy_speculation_on_paged_caches_seals_what_plain_decoding_seals() {
 /// hierarchical cache: output is plain greedy decoding's on the same
 /// cache, most drafts are accepted, and the cache holds exactly what plain
 /// decoding left (drafts never enter it). A cache without a draft view is
-/// refused before any work.
+/// refused before any work. (Row-local forms: a staged form's
+/// verification step that completes a block reads it exact where plain
+/// decoding's next step reads it sealed, so on real models it can part
+/// from plain decoding at a near-tie; kv-eval's `docs/speculative.md`.)
 #[test]
 fn self_speculation_on_a_hierarchical_cache_is_plain_greedy_decoding() {
     let target = stored_model();
     let opts = options(30, Sampling::default());
-    for (key, value, block) in [("int8h", "int8h-g4", 4), ("int8h-ch+sink4", "int8h", 8)] {
+    for (key, value, block) in [("int8h", "int8h-g4", 4), ("int8h-g8+secded84", "int8h", 8)] {
         let mut cache = paged(&target, key, value, block);
         let want = generate(&target, &mut cache, &prompt(), &opts, no_faults, |_| Ok(()))
             .unwrap()
