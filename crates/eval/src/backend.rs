@@ -115,6 +115,15 @@ impl BackendKind {
         // So do the Shard forms fitted per sequence: `--backend paged`
         // fits them on the rows committed when a block first seals, the
         // re-encode protocol on each whole window.
+        // Hierarchical forms live on the paged cache only: its own check
+        // says why, where it refuses them.
+        if mode
+            .forms()
+            .iter()
+            .any(|(f, _)| f.quantizer().is_hierarchical())
+        {
+            return paged;
+        }
         let calibrated = mode.forms().iter().any(|(f, _)| {
             let q = f.quantizer();
             q.needs_codebook() || q.needs_bases() || q.is_shard()

@@ -190,7 +190,7 @@ fn unpageable_hierarchical_forms_are_refused() {
 
 /// Bits flipped in both planes of a protected form at a low bit error
 /// rate are all corrected (reads equal the clean reads in both views);
-/// a scrub rewrites them; the two planes take their own streams.
+/// a scrub rewrites them.
 #[test]
 fn faults_in_either_plane_are_corrected_by_its_code() {
     let form = "int8h-ch+secded84";
@@ -230,28 +230,81 @@ fn faults_in_either_plane_are_corrected_by_its_code() {
     );
 }
 
-/// A block swapped to the host and back, and a fork's copy, read as the
-/// original in both views.
+/// Blocks copied out of one cache (the host tier's snapshots) and into
+/// another that holds other rows read, in both views, as the first; a
+/// block of another form is refused.
 #[test]
-fn snapshots_keep_both_planes() {
-    let storage_of = |b: &PagedBackend| b.storage().clone();
-    let mut b = backend("int8h-ch+sink4", "int8h-g16", 4);
-    step(&mut b, 0, 14, 0, 0);
-    let storage = storage_of(&b);
-    let table = b
-        .manager()
-        .block_table(b.sequence().unwrap())
-        .unwrap()
-        .to_vec();
+fn snapshots_carry_both_planes() {
+    let (k, v) = ("int8h-ch+sink4", "int8h-g16");
+    let mut from = backend(k, v, 4);
+    step(&mut from, 0, 14, 0, 0);
+    let mut into = backend(k, v, 4);
+    // Other rows at the same positions: the rows of tokens 100.. .
+    let ch = shape().kv_channels();
+    into.begin(&[0; 14]).unwrap();
+    let other = |p| (100..114).flat_map(|t| row(t, p, ch)).collect::<Vec<f32>>();
+    into.append(0, &other(0), &other(1)).unwrap();
+    into.commit().unwrap();
+    let table = |b: &PagedBackend| {
+        b.manager()
+            .block_table(b.sequence().unwrap())
+            .unwrap()
+            .to_vec()
+    };
+    let (src, dst) = (table(&from), table(&into));
+    assert_ne!(
+        bits(&read(&into, KvPart::Keys).0),
+        bits(&read(&from, KvPart::Keys).0)
+    );
+    for (&a, &b) in src.iter().zip(&dst) {
+        let data = from.storage().snapshot(a).unwrap();
+        into.storage().restore(b, data).unwrap();
+    }
     for view in [ReadView::Full, ReadView::Draft] {
-        b.set_read_view(view).unwrap();
-        let before = (read(&b, KvPart::Keys).0, read(&b, KvPart::Values).0);
-        for &block in &table {
-            let data = storage.snapshot(block).unwrap();
-            storage.restore(block, data).unwrap();
+        from.set_read_view(view).unwrap();
+        into.set_read_view(view).unwrap();
+        for part in [KvPart::Keys, KvPart::Values] {
+            assert_eq!(
+                bits(&read(&into, part).0),
+                bits(&read(&from, part).0),
+                "{view:?}"
+            );
         }
-        let after = (read(&b, KvPart::Keys).0, read(&b, KvPart::Values).0);
-        assert_eq!(bits(&after.0), bits(&before.0), "{view:?}");
-        assert_eq!(bits(&after.1), bits(&before.1), "{view:?}");
+    }
+    let mut flat = backend("int4-ch+sink4", "int4-g16", 4);
+    step(&mut flat, 0, 14, 0, 0);
+    let data = flat.storage().snapshot(table(&flat)[1]).unwrap();
+    assert!(into.storage().restore(dst[1], data).is_err());
+}
+
+/// A sequence cut back into a sealed block and written again keeps the
+/// rows it kept at the full view's precision: the block is staged from
+/// its full reading (upper plus residual), not from its upper plane.
+#[test]
+fn a_block_cut_into_is_staged_from_its_full_reading() {
+    let mut b = backend("int8h-ch", "int8h-ch", 4);
+    step(&mut b, 0, 10, 0, 0);
+    b.truncate(6).unwrap();
+    step(&mut b, 6, 6, 0, 0);
+    let ch = shape().kv_channels();
+    for (p, part) in [KvPart::Keys, KvPart::Values].into_iter().enumerate() {
+        let truth: Vec<f32> = (0..12).flat_map(|t| row(t, p, ch)).collect();
+        b.set_read_view(ReadView::Draft).unwrap();
+        let draft = read(&b, part).0;
+        b.set_read_view(ReadView::Full).unwrap();
+        let full = read(&b, part).0;
+        let worst = |v: &[f32]| {
+            v.iter()
+                .zip(&truth)
+                .map(|(a, x)| (a - x).abs())
+                .fold(0.0f32, f32::max)
+        };
+        // Rows 4 and 5 were kept through the cut; every row is sealed.
+        assert!(
+            worst(&full) <= worst(&draft) / 8.0,
+            "full {} against draft {}",
+            worst(&full),
+            worst(&draft)
+        );
     }
 }

@@ -200,6 +200,20 @@ impl HierarchicalPart {
         Ok(())
     }
 
+    /// Codes the residuals of a block the upper plane has just sealed
+    /// (its exact rows in `self.exact`).
+    fn seal_residual(&mut self, block: usize, first: usize) -> Result<()> {
+        let (bs, ch) = (self.block_size(), self.channels());
+        self.upper
+            .read_rows(block, 0, &mut self.read[..bs * ch], &mut self.decode)?;
+        // A fresh stage: the residual plane's rows of a staged block were
+        // never written (nor faulted) since its last seal.
+        self.residual.open_block(block)?;
+        self.put_residuals(block, 0, bs)?;
+        self.residual.seal(block, first)?;
+        Ok(())
+    }
+
     /// Stages a sealed `block` of a staged upper plane again from its full
     /// reading (a sequence cut back into it and writing again), so the
     /// rows kept keep the residual's precision.
@@ -304,9 +318,9 @@ impl StoredPart for HierarchicalPart {
     }
 
     /// Seals the upper plane's block, then codes its residuals: the rows
-    /// as staged minus the rows as sealed. (Both planes code with
-    /// saturating options, so the residual cannot fail on a value once the
-    /// upper plane sealed.)
+    /// as staged minus the rows as sealed. Where the residual fails, the
+    /// upper plane's block is put back as it was (staged), so a failure
+    /// leaves the block as it was.
     fn seal(&mut self, block: usize, first: usize) -> Result<bool> {
         if !self.upper.is_staged(block) {
             return Ok(false);
@@ -314,14 +328,15 @@ impl StoredPart for HierarchicalPart {
         let (bs, ch) = (self.block_size(), self.channels());
         self.upper
             .read_rows(block, 0, &mut self.exact[..bs * ch], &mut self.decode)?;
+        let staged = self.upper.snapshot(block)?;
         if !self.upper.seal(block, first)? {
             return Ok(false);
         }
-        self.upper
-            .read_rows(block, 0, &mut self.read[..bs * ch], &mut self.decode)?;
-        self.put_residuals(block, 0, bs)?;
-        self.residual.seal(block, first)?;
-        Ok(true)
+        let residual = self.seal_residual(block, first);
+        if residual.is_err() {
+            self.upper.restore(block, &staged)?;
+        }
+        residual.map(|()| true)
     }
 
     fn is_staged(&self, block: usize) -> bool {
@@ -431,15 +446,21 @@ impl StoredPart for HierarchicalPart {
         }
     }
 
+    /// Scrubs the upper plane's block, and the residual's where the block
+    /// is coded (a staged block's residual rows are not read).
     fn scrub(&mut self, block: usize) -> Result<ScrubStats> {
         let mut stats = self.upper.scrub(block)?;
-        stats += self.residual.scrub(block)?;
+        if self.coded(block) {
+            stats += self.residual.scrub(block)?;
+        }
         Ok(stats)
     }
 
-    /// Faults both planes, the residual's from a stream of its own; flip
-    /// positions of the residual plane follow the upper plane's (each
-    /// buffer's positions past `8 ×` the upper plane's bytes of the block).
+    /// Faults both planes of a coded block, the residual's from a stream
+    /// of its own (a staged block: its exact rows only, its residual rows
+    /// being unread); flip positions of the residual plane follow the
+    /// upper plane's (each buffer's positions past `8 ×` the upper plane's
+    /// bytes of the block).
     fn inject(
         &mut self,
         block: usize,
@@ -449,6 +470,9 @@ impl StoredPart for HierarchicalPart {
     ) -> Result<Injection> {
         let past = 8 * self.upper.block_bytes(block) as u64;
         let upper = self.upper.inject(block, channel, seed, target)?;
+        if !self.coded(block) {
+            return Ok(upper);
+        }
         let residual = self
             .residual
             .inject(block, channel, seed ^ RESIDUAL_SALT, target)?;

@@ -577,9 +577,13 @@ impl PartBlock {
         &self.bytes
     }
 
-    /// The store holding the block's rows as read, if it is kept in stores.
+    /// The store holding the block's rows as read, if it is kept in stores
+    /// (none for a block of two planes, read as their sum).
     pub fn rows(&self) -> Option<&KvStore> {
-        self.stores.last()
+        match self.planes {
+            Some(_) => None,
+            None => self.stores.last(),
+        }
     }
 
     /// Bytes held, counted from the stores' buffers and the plain bytes.

@@ -64,4 +64,8 @@ where
     fn set_read_view(&mut self, view: attention::ReadView) -> Result<()> {
         Ok(self.0.set_read_view(view)?)
     }
+
+    fn skips_layer(&self, layer: usize) -> bool {
+        self.0.skips_layer(layer)
+    }
 }

@@ -663,6 +663,10 @@ impl CausalLm for LlamaModel {
         self.config.vocab
     }
 
+    fn can_skip_layers(&self) -> bool {
+        true
+    }
+
     fn layers(&self) -> usize {
         self.config.layers
     }

@@ -74,6 +74,12 @@ pub trait CausalLm: Send + Sync {
     fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>);
     /// How attention scores integer-coded keys from now on.
     fn set_numerics(&mut self, numerics: attention::Numerics);
+    /// Whether the forward pass skips the layers a cache asks it to skip
+    /// (`KvBackend::skips_layer`: a shallower self-speculative draft). The
+    /// default: no.
+    fn can_skip_layers(&self) -> bool {
+        false
+    }
     /// A one-line description (architecture and shape).
     fn describe(&self) -> String;
     /// Bytes the weights take in memory.

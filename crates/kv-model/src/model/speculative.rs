@@ -504,6 +504,15 @@ impl<'m> SelfDrafter<'m> {
     /// every layer.
     pub fn skipping(mut self, layers: &[usize]) -> Result<Self> {
         let n = self.model.layers();
+        if !layers.is_empty() && !self.model.can_skip_layers() {
+            return Err(ModelError::InvalidParameter {
+                name: "skip",
+                reason: format!(
+                    "{} runs every layer of its forward pass",
+                    self.model.describe()
+                ),
+            });
+        }
         if let Some(&bad) = layers.iter().find(|&&l| l >= n) {
             return Err(ModelError::InvalidParameter {
                 name: "skip",
