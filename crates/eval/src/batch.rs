@@ -4,11 +4,16 @@
 //! step, a prefill per admitted request, one batched forward pass per
 //! decode step) on a paged cache in any of kv-eval's forms and prefix
 //! caches, and the report: throughput, time to first token and
-//! inter-token latency percentiles, the scheduler's counts.
+//! inter-token latency percentiles, the scheduler's counts; with
+//! speculative decoding ([`run_batch_speculative`]) every request drafts
+//! with a drafter of its own and the report adds the acceptance.
 
 use gf2_codes::channel::FaultRng;
-use kv_model::model::batch::{BatchRequest, RequestOutput, Served, check_requests, serve_batch};
-use kv_model::model::{CausalLm, Sampling};
+use kv_model::model::batch::{
+    BatchRequest, BatchSpeculation, RequestOutput, Served, check_requests, serve_batch,
+    serve_batch_speculative,
+};
+use kv_model::model::{CausalLm, Sampling, SpeculativeStats};
 use paged_cache::scheduler::{Report, SchedulerConfig, Workload};
 use paged_cache::{
     BlockStorage, CacheConfig, HashPrefixCache, KvCacheManager, NoPrefixCache, PrefixCache,
@@ -242,6 +247,9 @@ pub struct BatchReport {
     /// Why the batch served with another prefix cache than asked, if it
     /// did (forms fitted per sequence turn prefix caching off).
     pub notice: Option<String>,
+    /// Drafting and verification, where the batch speculated (a
+    /// verification counted per request and step).
+    pub speculation: Option<SpeculativeStats>,
 }
 
 impl BatchReport {
@@ -284,7 +292,19 @@ impl BatchReport {
             s.preempted_swap,
             100.0 * s.mean_utilisation,
             100.0 * s.peak_utilisation,
-        )
+        ) + &self.speculation.map_or_else(String::new, |p| {
+            format!(
+                "\nSpeculation: {} verifications, {} drafted, {} accepted ({:.1}%), {:.2} tokens \
+                 per request and step; drafting {:.2} s, verifying {:.2} s.\n",
+                p.verify_passes,
+                p.drafted,
+                p.accepted,
+                100.0 * p.acceptance_rate(),
+                p.tokens_per_pass(),
+                p.draft_seconds,
+                p.verify_seconds
+            )
+        })
     }
 }
 
@@ -359,19 +379,42 @@ pub fn run_batch_with(
     config: &BatchConfig,
     on_finished: &mut OnFinished<'_>,
 ) -> Result<BatchReport> {
+    run_batch_inner(model, requests, config, None, on_finished)
+}
+
+/// [`run_batch_with`] with speculative decoding: each request drafts up
+/// to `speculation.k` tokens a step with its drafter and the batched pass
+/// verifies them (kv-model's [`serve_batch_speculative`]); the report
+/// adds the acceptance ([`BatchReport::speculation`]). Refused before any
+/// work, as well as what `run_batch_with` refuses: `k` of 0 or past the
+/// context a prompt leaves, a drafter count other than the requests', a
+/// drafter that cannot read the cache (a self-draft on forms without a
+/// 4-bit view).
+pub fn run_batch_speculative(
+    model: &dyn CausalLm,
+    requests: &[BatchRequest],
+    config: &BatchConfig,
+    speculation: BatchSpeculation<'_>,
+    on_finished: &mut OnFinished<'_>,
+) -> Result<BatchReport> {
+    run_batch_inner(model, requests, config, Some(speculation), on_finished)
+}
+
+fn run_batch_inner(
+    model: &dyn CausalLm,
+    requests: &[BatchRequest],
+    config: &BatchConfig,
+    speculation: Option<BatchSpeculation<'_>>,
+    on_finished: &mut OnFinished<'_>,
+) -> Result<BatchReport> {
     check_requests(model, requests)?;
     let bs = config.cache.block_size;
     let (prefix, notice) = prefix_for(&config.mode, config.prefix);
+    let run = (model, requests, config, speculation);
     let served = match prefix {
-        PrefixKind::None => serve_on(NoPrefixCache, model, requests, config, on_finished)?,
-        PrefixKind::Hash => {
-            let prefix = HashPrefixCache::new(bs);
-            serve_on(prefix, model, requests, config, on_finished)?
-        }
-        PrefixKind::Radix => {
-            let prefix = RadixPrefixCache::new(bs);
-            serve_on(prefix, model, requests, config, on_finished)?
-        }
+        PrefixKind::None => serve_on(NoPrefixCache, run, on_finished)?,
+        PrefixKind::Hash => serve_on(HashPrefixCache::new(bs), run, on_finished)?,
+        PrefixKind::Radix => serve_on(RadixPrefixCache::new(bs), run, on_finished)?,
     };
     let outputs = served.outputs;
     let generated = outputs.iter().map(|o| o.tokens.len() as u64).sum();
@@ -387,6 +430,7 @@ pub fn run_batch_with(
         tokens_per_second: generated as f64 / served.seconds.max(f64::MIN_POSITIVE),
         outputs,
         notice,
+        speculation: served.speculation,
     })
 }
 
@@ -416,22 +460,31 @@ pub fn prefix_for(mode: &CacheMode, asked: PrefixKind) -> (PrefixKind, Option<St
 }
 
 /// The batch on a paged cache in `config`'s forms with prefix cache
-/// `prefix`, served by kv-model's engine.
+/// `prefix`, served by kv-model's engine (speculating where a
+/// [`BatchSpeculation`] is given).
 fn serve_on<P: PrefixCache>(
     prefix: P,
-    model: &dyn CausalLm,
-    requests: &[BatchRequest],
-    config: &BatchConfig,
+    (model, requests, config, speculation): (
+        &dyn CausalLm,
+        &[BatchRequest],
+        &BatchConfig,
+        Option<BatchSpeculation<'_>>,
+    ),
     on_finished: &mut OnFinished<'_>,
 ) -> Result<Served> {
     let running = config.scheduler.max_running.min(requests.len());
     let mut cache = paged_cache_for(model, &config.mode, config.cache, prefix, running)?;
     let mut deliver = |i: usize, out: &RequestOutput| on_finished(i, out).map_err(Into::into);
-    Ok(serve_batch(
-        model,
-        requests,
-        &mut cache,
-        &config.scheduler,
-        &mut deliver,
-    )?)
+    let scheduler = &config.scheduler;
+    Ok(match speculation {
+        None => serve_batch(model, requests, &mut cache, scheduler, &mut deliver)?,
+        Some(speculation) => serve_batch_speculative(
+            model,
+            requests,
+            &mut cache,
+            scheduler,
+            speculation,
+            &mut deliver,
+        )?,
+    })
 }

@@ -171,6 +171,68 @@ fn preemption_by_recompute_and_by_swap_keeps_every_output() {
     }
 }
 
+/// Speculation in the batch (prompt lookup on the protected int4 form; the
+/// model drafting for itself through an int8h cache's upper plane) keeps
+/// every greedy output, with prefix hits and under preemption, and the
+/// report counts the drafts.
+#[test]
+fn a_speculating_batch_keeps_every_output() {
+    use kv_model::model::batch::BatchSpeculation;
+    use kv_model::model::{Drafter, PromptLookup, SelfDrafter};
+    let model = model();
+    let requests = requests();
+    for (form, blocks, preemption, own) in [
+        (FORM, 256, Preemption::Recompute, false),
+        (FORM, 30, Preemption::Swap, false),
+        ("int8h", 30, Preemption::Recompute, true),
+    ] {
+        let mut config = config(blocks, PrefixKind::Hash, preemption);
+        config.mode = CacheMode::parse(form).unwrap();
+        let drafters = requests
+            .iter()
+            .map(|_| -> Box<dyn Drafter + '_> {
+                match own {
+                    true => Box::new(SelfDrafter::new(&model, Sampling::default()).unwrap()),
+                    false => Box::new(PromptLookup::new(1, 3).unwrap()),
+                }
+            })
+            .collect();
+        let speculation = BatchSpeculation { k: 3, drafters };
+        let report = kv_eval::batch::run_batch_speculative(
+            &model,
+            &requests,
+            &config,
+            speculation,
+            &mut |_, _| Ok(()),
+        )
+        .unwrap();
+        let plain = run_batch(&model, &requests, &config).unwrap();
+        for (i, (a, b)) in report.outputs.iter().zip(&plain.outputs).enumerate() {
+            assert_eq!(a.tokens, b.tokens, "{form}, {blocks} blocks: request {i}");
+        }
+        if form == FORM {
+            check_against_alone(&model, &requests, &report);
+        }
+        let stats = report.speculation.expect("a speculating batch reports");
+        assert!(
+            stats.drafted > 0 && stats.accepted <= stats.drafted,
+            "{stats:?}"
+        );
+        assert!(
+            report.markdown().contains("Speculation:"),
+            "{}",
+            report.markdown()
+        );
+        if own {
+            assert!(stats.accepted * 2 > stats.drafted, "{form}: {stats:?}");
+        }
+        if blocks == 30 {
+            let s = &report.scheduler;
+            assert!(s.preempted_recompute + s.preempted_swap > 0, "{s:?}");
+        }
+    }
+}
+
 #[test]
 fn sampled_requests_do_not_depend_on_their_batch() {
     let model = model();

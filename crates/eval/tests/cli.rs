@@ -269,6 +269,21 @@ fn hostile_flags_are_refused_before_any_work() {
         ),
         (&["batch", "--out", "x"], "--requests"),
         (
+            &["batch", "--workload", "--speculate", "self", "--out", "x"],
+            "self-speculation",
+        ),
+        (
+            &[
+                "batch",
+                "--workload",
+                "--speculate",
+                "lookup:k=0",
+                "--out",
+                "x",
+            ],
+            "k=0",
+        ),
+        (
             &["batch", "--requests", "/nonexistent/r.jsonl", "--out", "x"],
             "cannot read requests /nonexistent/r.jsonl",
         ),

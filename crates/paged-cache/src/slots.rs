@@ -192,6 +192,14 @@ impl KvBackend for ReservedSlots {
         Ok(())
     }
 
+    /// Switches the storage's parts to `view` (see
+    /// [`BlockStorage::set_view`]: every sequence of the storage reads the
+    /// view, so a batch drafts with it set and verifies with it back at
+    /// [`ReadView::Full`](attention::ReadView::Full)).
+    fn set_read_view(&mut self, view: attention::ReadView) -> Result<()> {
+        self.storage.set_view(view)
+    }
+
     /// Commits the first `keep` rows and seals only what they complete.
     fn commit_prefix(&mut self, keep: usize) -> Result<()> {
         match self.step.close() {

@@ -4,8 +4,13 @@
 //! a tight pool preempts (by recompute or swap) and still finishes, and a
 //! seed gives the same report every time.
 
-use paged_cache::scheduler::{Preemption, SchedulerConfig, Workload, WorkloadConfig, simulate};
-use paged_cache::{CacheConfig, HashPrefixCache, NoPrefixCache, PrefixCache, RadixPrefixCache};
+use paged_cache::scheduler::{
+    DecodeItem, Engine, Preemption, SchedulerConfig, Workload, WorkloadConfig, serve, simulate,
+};
+use paged_cache::{
+    CacheConfig, HashPrefixCache, KvCacheManager, NoPrefixCache, PagedCacheError, PrefixCache,
+    RadixPrefixCache, Result, SeqId,
+};
 
 fn workload() -> (Workload, WorkloadConfig) {
     let config = WorkloadConfig {
@@ -225,4 +230,149 @@ fn a_large_host_tier_costs_nothing_until_used() {
     cache.swap_in(a).unwrap();
     assert_eq!(cache.host_free(), 100_000_000);
     cache.check_invariants().unwrap();
+}
+
+/// An engine that drafts: request `r`'s token `i` is a fixed function;
+/// its drafts are the true next tokens with every third one (by a hash)
+/// wrong, and decode keeps the drafts up to the first wrong one. It checks
+/// at every step that the sequence holds its prompt and true tokens, so a
+/// draft the scheduler failed to cut off would be caught.
+struct Drafting<'w> {
+    workload: &'w Workload,
+    k: usize,
+    drafted_steps: usize,
+}
+
+fn truth(r: usize, i: usize) -> u32 {
+    ((r as u32).wrapping_mul(7919) ^ (i as u32).wrapping_mul(104_729)) % 50_000
+}
+
+fn wrong(r: usize, i: usize) -> bool {
+    (r * 31 + i * 17).is_multiple_of(3)
+}
+
+impl<P: PrefixCache> Engine<P> for Drafting<'_> {
+    type Error = PagedCacheError;
+
+    fn token(&self, request: usize, index: usize) -> u32 {
+        truth(request, index)
+    }
+
+    fn prefill(&mut self, _: &mut KvCacheManager<P>, _: usize, _: SeqId, _: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn draft(
+        &mut self,
+        cache: &mut KvCacheManager<P>,
+        request: usize,
+        seq: SeqId,
+        max: usize,
+    ) -> Result<Vec<u32>> {
+        let next = cache.tokens(seq)?.len() - self.workload.requests[request].prompt.len();
+        self.drafted_steps += 1;
+        Ok((next + 1..=next + self.k.min(max))
+            .map(|i| truth(request, i) ^ u32::from(wrong(request, i)))
+            .collect())
+    }
+
+    fn decode(
+        &mut self,
+        cache: &mut KvCacheManager<P>,
+        batch: &[DecodeItem],
+    ) -> Result<Vec<usize>> {
+        let mut kept = Vec::new();
+        for item in batch {
+            let prompt = &self.workload.requests[item.request].prompt;
+            let tokens = cache.tokens(item.seq)?;
+            assert_eq!(&tokens[..prompt.len()], prompt.as_slice());
+            let decoded = tokens.len() - prompt.len() - item.drafted;
+            for (i, &t) in tokens[prompt.len()..].iter().enumerate().take(decoded) {
+                assert_eq!(
+                    t,
+                    truth(item.request, i),
+                    "request {} token {i}",
+                    item.request
+                );
+            }
+            kept.push(
+                (decoded..decoded + item.drafted)
+                    .take_while(|&i| !wrong(item.request, i))
+                    .count(),
+            );
+        }
+        Ok(kept)
+    }
+}
+
+#[test]
+fn drafted_tokens_are_kept_or_cut_and_every_request_still_finishes() {
+    let (w, _) = workload();
+    let outputs: u64 = w.requests.iter().map(|q| q.output_len as u64).sum();
+    for (blocks, preemption) in [
+        (1024, Preemption::Recompute),
+        (96, Preemption::Recompute),
+        (96, Preemption::Swap),
+    ] {
+        let config = config(blocks, preemption);
+        let plain = simulate(&w, 50_000, &config, RadixPrefixCache::new(16)).unwrap();
+        let mut cache = KvCacheManager::new(config.cache, RadixPrefixCache::new(16)).unwrap();
+        let mut engine = Drafting {
+            workload: &w,
+            k: 4,
+            drafted_steps: 0,
+        };
+        let r = serve(&mut cache, &w, &config, &mut engine).unwrap();
+        assert_eq!(r.finished, w.requests.len());
+        assert_eq!(r.decoded_tokens, outputs, "{r:?}");
+        assert!(
+            r.accepted_tokens > 0 && r.accepted_tokens < r.drafted_tokens,
+            "{r:?}"
+        );
+        assert!(
+            r.steps < plain.steps,
+            "{} steps drafting, {} plain",
+            r.steps,
+            plain.steps
+        );
+        assert!(r.max_waste_per_seq < r.block_size, "{r:?}");
+        if blocks == 96 {
+            assert!(r.preempted_recompute + r.preempted_swap > 0, "{r:?}");
+        }
+        assert!(engine.drafted_steps > 0);
+        // Every block is back in the pool.
+        assert_eq!(cache.available_blocks(), blocks, "{r:?}");
+    }
+}
+
+#[test]
+fn an_engine_keeping_more_than_it_drafted_is_an_error() {
+    struct Greedy;
+    impl<P: PrefixCache> Engine<P> for Greedy {
+        type Error = PagedCacheError;
+        fn token(&self, _: usize, _: usize) -> u32 {
+            1
+        }
+        fn prefill(
+            &mut self,
+            _: &mut KvCacheManager<P>,
+            _: usize,
+            _: SeqId,
+            _: usize,
+        ) -> Result<()> {
+            Ok(())
+        }
+        fn decode(
+            &mut self,
+            _: &mut KvCacheManager<P>,
+            batch: &[DecodeItem],
+        ) -> Result<Vec<usize>> {
+            Ok(vec![1; batch.len()])
+        }
+    }
+    let (w, _) = workload();
+    let config = config(1024, Preemption::Recompute);
+    let mut cache = KvCacheManager::new(config.cache, NoPrefixCache).unwrap();
+    let err = serve(&mut cache, &w, &config, &mut Greedy).unwrap_err();
+    assert!(err.to_string().contains("keeps 1 of its 0 drafts"), "{err}");
 }

@@ -11,14 +11,27 @@
 //! Token `i` of a request is drawn from stream `1 + i` of its seed, so what
 //! a request generates does not depend on what it was batched with, on
 //! preemption or on recompute (greedy requests take the most likely token).
+//!
+//! With [`BatchSpeculation`] each request drafts up to `k` tokens a step
+//! with a [`Drafter`] of its own (prompt lookup, a draft model on a cache
+//! of its own, or the target reading its cache's draft view); the
+//! scheduler appends them after the request's next token, the batched
+//! pass verifies every request's drafts at once
+//! ([`CausalLm::forward_batch_keeping`], the acceptance rules of
+//! [`generate_speculative`](super::generate_speculative)) and the rejected
+//! rows never enter the cache. A step that decides tokens from output
+//! index `i` on draws from stream `1 + i`.
 
 use std::time::Instant;
 
 use gf2_codes::channel::FaultRng;
-use paged_cache::scheduler::{Engine, Report, Request, SchedulerConfig, Workload, serve};
+use paged_cache::scheduler::{
+    DecodeItem, Engine, Report, Request, SchedulerConfig, Workload, serve,
+};
 use paged_cache::{KvCacheManager, PrefixCache, ReservedSlots, SeqId};
 
-use super::{Adapted, BatchItem, CausalLm, Sampling};
+use super::speculative::verify;
+use super::{Adapted, BatchItem, CausalLm, Draft, Drafter, Sampling, SpeculativeStats};
 use crate::error::{ModelError, Result};
 
 /// One request of a batch.
@@ -75,6 +88,36 @@ pub struct Served {
     pub decode_seconds: f64,
     /// Batched decode steps run.
     pub decode_steps: u64,
+    /// Drafting and verification, where the batch speculated (a
+    /// verification pass counted per request and step).
+    pub speculation: Option<SpeculativeStats>,
+}
+
+/// Speculative decoding in a batch: each request drafts up to `k` tokens a
+/// step with a drafter of its own.
+pub struct BatchSpeculation<'a> {
+    /// Drafts per request and step, at most (at least 1, and at most the
+    /// context a request's prompt leaves).
+    pub k: usize,
+    /// Request `i`'s drafter, one per request (dropped when it finishes).
+    pub drafters: Vec<Box<dyn Drafter + 'a>>,
+}
+
+impl std::fmt::Debug for BatchSpeculation<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchSpeculation")
+            .field("k", &self.k)
+            .field("drafters", &self.drafters.len())
+            .finish()
+    }
+}
+
+/// A speculating engine's drafters, their last drafts and the counts.
+struct Speculating<'a> {
+    k: usize,
+    drafters: Vec<Option<Box<dyn Drafter + 'a>>>,
+    drafts: Vec<Draft>,
+    stats: SpeculativeStats,
 }
 
 /// Called with each request's index and output as it finishes.
@@ -90,6 +133,7 @@ pub struct ModelEngine<'a> {
     prefill_seconds: f64,
     decode_seconds: f64,
     decode_steps: u64,
+    speculation: Option<Speculating<'a>>,
 }
 
 impl std::fmt::Debug for ModelEngine<'_> {
@@ -118,7 +162,48 @@ impl<'a> ModelEngine<'a> {
             prefill_seconds: 0.0,
             decode_seconds: 0.0,
             decode_steps: 0,
+            speculation: None,
         }
+    }
+
+    /// Drafts with `speculation` (see [`BatchSpeculation`]); refuses `k`
+    /// of 0 or past the context a request's prompt leaves, and a drafter
+    /// count other than the requests'.
+    pub fn speculating(mut self, speculation: BatchSpeculation<'a>) -> Result<Self> {
+        let BatchSpeculation { k, drafters } = speculation;
+        if drafters.len() != self.requests.len() {
+            return Err(ModelError::InvalidParameter {
+                name: "drafters",
+                reason: format!(
+                    "{} drafters for {} requests (one each)",
+                    drafters.len(),
+                    self.requests.len()
+                ),
+            });
+        }
+        let context = self.model.context().unwrap_or(usize::MAX);
+        let left = self
+            .requests
+            .iter()
+            .map(|q| context.saturating_sub(q.prompt.len()))
+            .min()
+            .unwrap_or(0);
+        if k == 0 || k > left {
+            return Err(ModelError::InvalidParameter {
+                name: "k",
+                reason: format!(
+                    "{k} drafts per step: at least 1 and at most the {left} tokens of context \
+                     the longest prompt leaves"
+                ),
+            });
+        }
+        self.speculation = Some(Speculating {
+            k,
+            drafts: vec![Draft::default(); drafters.len()],
+            drafters: drafters.into_iter().map(Some).collect(),
+            stats: SpeculativeStats::default(),
+        });
+        Ok(self)
     }
 
     /// Records the token picked from `logits` for `request`, whose cache
@@ -146,7 +231,81 @@ impl<'a> ModelEngine<'a> {
             prefill_seconds: self.prefill_seconds,
             decode_seconds: self.decode_seconds,
             decode_steps: self.decode_steps,
+            speculation: self.speculation.map(|s| s.stats),
         }
+    }
+
+    /// A speculating decode step: every item's next token and drafts run
+    /// as one batched pass, each item keeping its accepted drafts; returns
+    /// how many each kept.
+    fn verify_step<P: PrefixCache>(
+        &mut self,
+        cache: &mut KvCacheManager<P>,
+        batch: &[DecodeItem],
+    ) -> Result<Vec<usize>> {
+        let spec = self.speculation.as_mut().expect("a speculating engine");
+        let vocab = self.model.vocab();
+        let mut feeds = Vec::with_capacity(batch.len());
+        let mut slots = Vec::with_capacity(batch.len());
+        let mut drafts = Vec::with_capacity(batch.len());
+        let mut firsts = Vec::with_capacity(batch.len());
+        for item in batch {
+            let held = cache.tokens(item.seq)?;
+            let written = held.len() - 1 - item.drafted;
+            let feed = held[written..].to_vec();
+            let last = &spec.drafts[item.request];
+            if last.tokens.get(..item.drafted) != Some(&feed[1..]) {
+                return Err(ModelError::InvalidParameter {
+                    name: "drafts",
+                    reason: format!(
+                        "request {}: the step's drafts are not the ones drafted",
+                        item.request
+                    ),
+                });
+            }
+            drafts.push(Draft {
+                tokens: feed[1..].to_vec(),
+                probs: last.probs.iter().take(item.drafted).cloned().collect(),
+            });
+            firsts.push(written + 1 - self.requests[item.request].prompt.len());
+            feeds.push(feed);
+            slots.push(Adapted(ReservedSlots::new(cache, item.seq, written)?));
+        }
+        let mut items: Vec<BatchItem<'_>> = slots
+            .iter_mut()
+            .zip(&feeds)
+            .map(|(slots, feed)| BatchItem {
+                tokens: feed,
+                cache: slots,
+                logits_from: 0,
+            })
+            .collect();
+        let mut yielded = vec![Vec::new(); batch.len()];
+        let requests = self.requests;
+        self.model
+            .forward_batch_keeping(&mut items, &mut |i, logits| {
+                let sampling = &requests[batch[i].request].sampling;
+                let mut rng = FaultRng::with_stream(sampling.seed, 1 + firsts[i] as u64);
+                yielded[i] = verify(logits, vocab, &drafts[i], sampling, &mut rng);
+                yielded[i].len()
+            })?;
+        let mut kept = Vec::with_capacity(batch.len());
+        for ((item, tokens), &first) in batch.iter().zip(yielded).zip(&firsts) {
+            let out = &mut self.outputs[item.request];
+            let now = self.start.elapsed().as_secs_f64();
+            for (index, &token) in (first..).zip(&tokens) {
+                if index >= out.tokens.len() {
+                    out.tokens.push(token);
+                    out.token_times.push(now);
+                }
+            }
+            let accepted = tokens.len() - 1;
+            spec.stats.verify_passes += 1;
+            spec.stats.drafted += item.drafted as u64;
+            spec.stats.accepted += accepted as u64;
+            kept.push(accepted);
+        }
+        Ok(kept)
     }
 }
 
@@ -172,17 +331,74 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
         Ok(())
     }
 
-    fn decode(&mut self, cache: &mut KvCacheManager<P>, batch: &[(usize, SeqId)]) -> Result<()> {
+    fn draft(
+        &mut self,
+        cache: &mut KvCacheManager<P>,
+        request: usize,
+        seq: SeqId,
+        max: usize,
+    ) -> Result<Vec<u32>> {
+        let Some(spec) = self.speculation.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let Some(drafter) = spec.drafters[request].as_mut() else {
+            return Ok(Vec::new());
+        };
         let started = Instant::now();
-        let seqs: Vec<SeqId> = batch.iter().map(|&(_, seq)| seq).collect();
-        let logits = decode_step(self.model, cache, &seqs)?;
-        for (&(request, seq), logits) in batch.iter().zip(&logits) {
-            let held = cache.tokens(seq)?.len();
-            self.record(request, held, logits);
+        let q = &self.requests[request];
+        let held = cache.tokens(seq)?.len();
+        // The context is the cache's tokens and the next one.
+        let generated = &self.outputs[request].tokens;
+        let known = (held + 1).checked_sub(q.prompt.len());
+        let Some(next) = known.and_then(|n| generated.get(..n)) else {
+            return Err(ModelError::InvalidParameter {
+                name: "seq",
+                reason: format!(
+                    "request {request}: {held} tokens held, {} generated",
+                    generated.len()
+                ),
+            });
+        };
+        let mut context = q.prompt.clone();
+        context.extend_from_slice(next);
+        let mut target = Adapted(ReservedSlots::new(cache, seq, held)?);
+        let mut draft = drafter.propose_on(&context, spec.k.min(max), &mut target)?;
+        draft.tokens.truncate(spec.k.min(max));
+        draft.probs.truncate(draft.tokens.len());
+        let vocab = self.model.vocab();
+        if let Some(&bad) = draft.tokens.iter().find(|&&d| d as usize >= vocab) {
+            return Err(ModelError::TokenId { id: bad, vocab });
         }
-        self.decode_seconds += started.elapsed().as_secs_f64();
+        spec.stats.draft_seconds += started.elapsed().as_secs_f64();
+        let tokens = draft.tokens.clone();
+        spec.drafts[request] = draft;
+        Ok(tokens)
+    }
+
+    fn decode(
+        &mut self,
+        cache: &mut KvCacheManager<P>,
+        batch: &[DecodeItem],
+    ) -> Result<Vec<usize>> {
+        let started = Instant::now();
+        let kept = if self.speculation.is_some() {
+            self.verify_step(cache, batch)?
+        } else {
+            let seqs: Vec<SeqId> = batch.iter().map(|item| item.seq).collect();
+            let logits = decode_step(self.model, cache, &seqs)?;
+            for (item, logits) in batch.iter().zip(&logits) {
+                let held = cache.tokens(item.seq)?.len();
+                self.record(item.request, held, logits);
+            }
+            vec![0; batch.len()]
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        self.decode_seconds += seconds;
+        if let Some(spec) = self.speculation.as_mut() {
+            spec.stats.verify_seconds += seconds;
+        }
         self.decode_steps += 1;
-        Ok(())
+        Ok(kept)
     }
 
     fn arrived(&mut self, request: usize) {
@@ -190,6 +406,9 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
     }
 
     fn finished(&mut self, request: usize) -> Result<()> {
+        if let Some(spec) = self.speculation.as_mut() {
+            spec.drafters[request] = None;
+        }
         (self.on_finished)(request, &self.outputs[request])
     }
 }
@@ -293,7 +512,46 @@ pub fn serve_batch<P: PrefixCache>(
     scheduler: &SchedulerConfig,
     on_finished: &mut OnFinished<'_>,
 ) -> Result<Served> {
+    serve_batch_with(model, requests, cache, scheduler, None, on_finished)
+}
+
+/// [`serve_batch`] with every request drafting with its drafter of
+/// `speculation` (see [`BatchSpeculation`]). Refused before any work, as
+/// well as what `serve_batch` refuses: what [`ModelEngine::speculating`]
+/// refuses, and a drafter that cannot read the cache
+/// ([`Drafter::check_target`]).
+pub fn serve_batch_speculative<'a, P: PrefixCache>(
+    model: &'a dyn CausalLm,
+    requests: &'a [BatchRequest],
+    cache: &mut KvCacheManager<P>,
+    scheduler: &SchedulerConfig,
+    speculation: BatchSpeculation<'a>,
+    on_finished: &'a mut OnFinished<'a>,
+) -> Result<Served> {
+    serve_batch_with(
+        model,
+        requests,
+        cache,
+        scheduler,
+        Some(speculation),
+        on_finished,
+    )
+}
+
+fn serve_batch_with<'a, P: PrefixCache>(
+    model: &'a dyn CausalLm,
+    requests: &'a [BatchRequest],
+    cache: &mut KvCacheManager<P>,
+    scheduler: &SchedulerConfig,
+    speculation: Option<BatchSpeculation<'a>>,
+    on_finished: &'a mut OnFinished<'a>,
+) -> Result<Served> {
     check_requests(model, requests)?;
+    let mut engine = ModelEngine::new(model, requests, on_finished);
+    if let Some(mut speculation) = speculation {
+        check_targets(cache, &requests[0].prompt[..1], &mut speculation.drafters)?;
+        engine = engine.speculating(speculation)?;
+    }
     let workload = Workload {
         requests: requests
             .iter()
@@ -308,7 +566,26 @@ pub fn serve_batch<P: PrefixCache>(
             })
             .collect(),
     };
-    let mut engine = ModelEngine::new(model, requests, on_finished);
     let report = serve(cache, &workload, scheduler, &mut engine)?;
     Ok(engine.served(report))
+}
+
+/// Asks every drafter whether it can read `cache` ([`Drafter::check_target`])
+/// through a scratch sequence of `tokens` (nothing written; freed after).
+fn check_targets<P: PrefixCache>(
+    cache: &mut KvCacheManager<P>,
+    tokens: &[u32],
+    drafters: &mut [Box<dyn Drafter + '_>],
+) -> Result<()> {
+    let (seq, _) = cache.add_sequence(tokens, 0)?;
+    let checked = ReservedSlots::new(cache, seq, tokens.len())
+        .map_err(ModelError::from)
+        .and_then(|slots| {
+            let mut target = Adapted(slots);
+            drafters
+                .iter()
+                .try_for_each(|d| d.check_target(&mut target))
+        });
+    cache.free(seq)?;
+    checked
 }

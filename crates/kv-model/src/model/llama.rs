@@ -22,8 +22,8 @@ use rayon::prelude::*;
 
 use super::{
     BatchItem, CausalLm, HookSlot, ModelCache, Projection, ProjectionHook, ProjectionId,
-    ProjectionKind, check_norm_eps, forward_step_keeping, forward_steps, listed, project,
-    reference_attention,
+    ProjectionKind, check_norm_eps, forward_step_keeping, forward_steps, forward_steps_keeping,
+    listed, project, reference_attention,
 };
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -744,6 +744,15 @@ impl CausalLm for LlamaModel {
 
     fn forward_batch(&self, batch: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
         LlamaModel::forward_batch(self, batch)
+    }
+
+    fn forward_batch_keeping(
+        &self,
+        batch: &mut [BatchItem<'_>],
+        keep: &mut dyn FnMut(usize, &[f32]) -> usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let (c, shape) = (&self.config, self.kv_shape());
+        forward_steps_keeping(batch, c.vocab, &shape, Some(keep), |batch| self.step(batch))
     }
 
     fn forward_keeping(

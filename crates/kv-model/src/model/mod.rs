@@ -123,6 +123,28 @@ pub trait CausalLm: Send + Sync {
             .map(|item| self.forward(item.tokens, &mut *item.cache, item.logits_from))
             .collect()
     }
+
+    /// [`forward_batch`](Self::forward_batch) committing only the first
+    /// `keep(i, &logits)` tokens of item `i`'s step (speculative decoding
+    /// in a batch: each sequence verifies its drafts and keeps the
+    /// accepted ones). The default runs the items one at a time through
+    /// [`forward_keeping`](Self::forward_keeping); Llama-family models run
+    /// them as one batch.
+    fn forward_batch_keeping(
+        &self,
+        batch: &mut [BatchItem<'_>],
+        keep: &mut dyn FnMut(usize, &[f32]) -> usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        batch
+            .iter_mut()
+            .enumerate()
+            .map(|(i, item)| {
+                self.forward_keeping(item.tokens, &mut *item.cache, item.logits_from, &mut |l| {
+                    keep(i, l)
+                })
+            })
+            .collect()
+    }
 }
 
 /// One sequence of a batched forward pass ([`CausalLm::forward_batch`]).
@@ -170,6 +192,23 @@ pub(crate) fn forward_steps(
     model: &attention::ModelKvShape<'_>,
     step: impl FnOnce(&mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>>,
 ) -> Result<Vec<Vec<f32>>> {
+    forward_steps_keeping(batch, vocab, model, None, step)
+}
+
+/// How many tokens of item `i`'s step to commit, given its logits
+/// ([`CausalLm::forward_batch_keeping`]).
+pub(crate) type KeepRows<'a> = dyn FnMut(usize, &[f32]) -> usize + 'a;
+
+/// [`forward_steps`], committing only the first `keep(i, &logits)` tokens
+/// of item `i`'s step where `keep` is given
+/// ([`CausalLm::forward_batch_keeping`]).
+pub(crate) fn forward_steps_keeping(
+    batch: &mut [BatchItem<'_>],
+    vocab: usize,
+    model: &attention::ModelKvShape<'_>,
+    mut keep: Option<&mut KeepRows<'_>>,
+    step: impl FnOnce(&mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>>,
+) -> Result<Vec<Vec<f32>>> {
     for item in batch.iter_mut() {
         check_tokens(item.tokens, vocab, item.logits_from)?;
         item.cache.fit(model)?;
@@ -185,8 +224,19 @@ pub(crate) fn forward_steps(
     }
     match step(batch) {
         Ok(out) => {
-            for item in batch.iter_mut() {
-                item.cache.commit()?;
+            for i in 0..batch.len() {
+                let cache = &mut batch[i].cache;
+                let committed = match keep.as_mut() {
+                    Some(keep) => cache.commit_prefix(keep(i, &out[i])),
+                    None => cache.commit(),
+                };
+                if let Err(e) = committed {
+                    // The steps not yet committed are undone.
+                    for open in &mut batch[i + 1..] {
+                        open.cache.rollback();
+                    }
+                    return Err(e);
+                }
             }
             Ok(out)
         }

@@ -230,7 +230,7 @@ where
 
 /// The tokens a verification pass yields: the accepted drafts and the
 /// target's own token after them (at least one token).
-fn verify(
+pub(crate) fn verify(
     logits: &[f32],
     vocab: usize,
     draft: &Draft,

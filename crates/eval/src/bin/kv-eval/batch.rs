@@ -1,16 +1,22 @@
 //! `kv-eval batch`: continuous batching of the real model on the paged
 //! cache, from a requests file or the simulator's seeded workload; each
 //! request's output is written into --out as it finishes, then the report.
+//! With `--speculate` the batch is served plainly first (the baseline, its
+//! outputs kept only to compare) and then speculatively.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use kv_eval::batch::{BatchConfig, PrefixKind, parse_requests, run_batch_with, workload_requests};
-use kv_model::model::batch::{BatchRequest, RequestOutput};
+use kv_eval::batch::{
+    BatchConfig, BatchReport, PrefixKind, parse_requests, run_batch, run_batch_speculative,
+    run_batch_with, workload_requests,
+};
+use kv_model::model::batch::{BatchRequest, BatchSpeculation, RequestOutput};
 use kv_model::tokenizer::{ReadLimits, TextTokenizer};
 use paged_cache::scheduler::{Preemption, SchedulerConfig, Workload, WorkloadConfig};
 use paged_cache::{CacheConfig, KvCacheManager, NoPrefixCache};
 
+use crate::speculate::{Speculate, batch_drafters, load_draft};
 use crate::{Calib, Error, Forms, calibration_for, load_model, mode_of, model_path};
 
 /// The largest requests file read (a line per request).
@@ -103,6 +109,13 @@ pub(crate) struct BatchArgs {
     /// each finishes, then `report.md` and `report.json`.
     #[arg(long)]
     out: PathBuf,
+    /// Speculative decoding, every request drafting with a drafter of its
+    /// own (as `generate --speculate`): `lookup[:k=K]`, `draft:MODEL[:k=K]`
+    /// or `self[:skip=LAYERS][:k=K]` (every form int8h-class). The batch is
+    /// served plainly first and the report adds the acceptance, the
+    /// speedup and how many greedy outputs equal the plain batch's.
+    #[arg(long, value_parser = crate::speculate::parse_speculate)]
+    speculate: Option<Speculate>,
 }
 
 /// Runs `kv-eval batch`.
@@ -127,6 +140,12 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
     };
     // Everything a flag can get wrong is refused before the model loads.
     scheduler.check()?;
+    if let Some(Speculate::SelfDraft { .. }) = args.speculate {
+        kv_eval::backend::BackendKind::Paged {
+            block_size: args.block_size,
+        }
+        .check_draft_view(&mode)?;
+    }
     // The block tables (a token id per slot, a header per block), before
     // they are made; the K/V pool is checked when it is sized.
     let slots = (args.blocks as u64).saturating_mul(args.block_size as u64);
@@ -179,17 +198,56 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
         },
         scheduler,
     };
+    let draft = match &args.speculate {
+        Some(Speculate::Draft { model: path, .. }) => {
+            Some(load_draft(path, model.as_ref(), &tokenizer)?)
+        }
+        _ => None,
+    };
+    let drafters = match &args.speculate {
+        Some(how) => Some(batch_drafters(
+            how,
+            model.as_ref(),
+            draft.as_deref(),
+            &requests,
+        )?),
+        None => None,
+    };
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    // The plain batch first, on the same cache form: the baseline.
+    let plain = match &drafters {
+        Some(_) => Some(run_batch(model.as_ref(), &requests, &config)?),
+        None => None,
+    };
     let mut outputs = Output::create(&args.out)?;
-    let report = run_batch_with(model.as_ref(), &requests, &config, &mut |r, out| {
+    let mut deliver = |r: usize, out: &RequestOutput| {
         outputs
             .write(r, out, &tokenizer)
             .map_err(|e| kv_eval::EvalError::InvalidParameter {
                 name: "out",
                 reason: e.to_string(),
             })
-    })?;
+    };
+    let report = match (drafters, &args.speculate) {
+        (Some(drafters), Some(how)) => {
+            let speculation = BatchSpeculation {
+                k: how.k(),
+                drafters,
+            };
+            run_batch_speculative(
+                model.as_ref(),
+                &requests,
+                &config,
+                speculation,
+                &mut deliver,
+            )?
+        }
+        _ => run_batch_with(model.as_ref(), &requests, &config, &mut deliver)?,
+    };
+    let compared = plain.as_ref().map_or_else(String::new, |plain| {
+        compare(plain, &report, &requests, args.speculate.as_ref())
+    });
     let md = format!(
         "{} on {}, {} requests ({}), {} blocks of {} tokens, {} host blocks, {} prefix cache, \
          {} preemption\n\n{}",
@@ -206,7 +264,7 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
         report.scheduler.prefix_cache,
         report.scheduler.preemption,
         report.markdown()
-    );
+    ) + &compared;
     write(&args.out.join("report.md"), &md)?;
     write(
         &args.out.join("report.json"),
@@ -214,6 +272,37 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
     )?;
     print!("{md}");
     Ok(())
+}
+
+/// The speculative batch against the plain one: the speedup, and how many
+/// greedy requests generated exactly the plain batch's tokens.
+fn compare(
+    plain: &BatchReport,
+    speculative: &BatchReport,
+    requests: &[BatchRequest],
+    how: Option<&Speculate>,
+) -> String {
+    let greedy: Vec<usize> = (0..requests.len())
+        .filter(|&i| requests[i].sampling.temperature == 0.0)
+        .collect();
+    let equal = greedy
+        .iter()
+        .filter(|&&i| plain.outputs[i].tokens == speculative.outputs[i].tokens)
+        .count();
+    format!(
+        "\nPlain batch on the same cache: {:.2} s, {:.1} tokens/s, {} steps; speculative \
+         ({}): {:.2} s, {:.1} tokens/s, {} steps: {:.2}x. {equal} of {} greedy requests \
+         generated the plain batch's tokens.\n",
+        plain.seconds,
+        plain.tokens_per_second,
+        plain.scheduler.steps,
+        how.map_or_else(String::new, Speculate::describe),
+        speculative.seconds,
+        speculative.tokens_per_second,
+        speculative.scheduler.steps,
+        speculative.tokens_per_second / plain.tokens_per_second.max(1e-9),
+        greedy.len()
+    )
 }
 
 /// The workload's requests with real prompts.

@@ -10,6 +10,7 @@ use kv_eval::generate::{GenerateConfig, Generation, StepFaults, generate, genera
 use kv_model::model::{Adapted, ModelDrafter, PromptLookup, SelfDrafter, SpeculativeStats};
 use kv_model::tokenizer::ReadLimits;
 
+use crate::speculate::Speculate;
 use crate::{
     Backend, BackendArgs, Calib, Error, Forms, Target, calibration_for, load_model, mode_of,
     model_path,
@@ -93,94 +94,8 @@ pub(crate) struct GenerateArgs {
     /// per step, 7 by default (a verification of eight rows: one group of
     /// kv-model's token-lane kernels). The run decodes plainly first on the
     /// same cache form and reports the speedup.
-    #[arg(long, value_parser = parse_speculate)]
+    #[arg(long, value_parser = crate::speculate::parse_speculate)]
     speculate: Option<Speculate>,
-}
-
-/// A `--speculate` spelling.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Speculate {
-    /// Prompt lookup, `k` drafts per step.
-    Lookup { k: usize },
-    /// A draft model, `k` drafts per step.
-    Draft { model: PathBuf, k: usize },
-    /// The model itself through its cache's draft view, `k` drafts per
-    /// step, the layers `skip` skipped.
-    SelfDraft { k: usize, skip: Vec<usize> },
-}
-
-impl Speculate {
-    /// Drafts per step.
-    fn k(&self) -> usize {
-        match self {
-            Self::Lookup { k } | Self::Draft { k, .. } | Self::SelfDraft { k, .. } => *k,
-        }
-    }
-}
-
-/// Parses `lookup[:k=K]`, `draft:MODEL[:k=K]` or `self[:k=K]`.
-fn parse_speculate(s: &str) -> Result<Speculate, String> {
-    let (head, k) = match s.rsplit_once(":k=") {
-        Some((head, k)) => {
-            let k: usize = k
-                .parse()
-                .map_err(|_| format!("{s:?}: k={k} is not a number of drafts"))?;
-            if k == 0 {
-                return Err(format!("{s:?}: k=0 drafts nothing (k is at least 1)"));
-            }
-            (head, k)
-        }
-        // Eight rows a verification: one group of the token-lane kernels.
-        None => (s, 7),
-    };
-    match head.split_once(':') {
-        None if head == "lookup" => Ok(Speculate::Lookup { k }),
-        Some(("draft", model)) if !model.is_empty() => Ok(Speculate::Draft {
-            model: PathBuf::from(model),
-            k,
-        }),
-        None if head == "self" => Ok(Speculate::SelfDraft {
-            k,
-            skip: Vec::new(),
-        }),
-        Some(("self", layers)) => match layers.strip_prefix("skip=").map(parse_layers) {
-            Some(Ok(skip)) => Ok(Speculate::SelfDraft { k, skip }),
-            Some(Err(e)) => Err(format!("{s:?}: {e}")),
-            None => Err(format!(
-                "{s:?}: self takes skip=LAYERS (for example skip=12-19,22)"
-            )),
-        },
-        _ => Err(format!(
-            "{s:?} is not lookup[:k=K], draft:MODEL[:k=K] (MODEL a GGUF file, a folder or a \
-             fetched model name) or self[:k=K]"
-        )),
-    }
-}
-
-/// Parses a layer list: numbers and ranges `A-B` (inclusive), separated
-/// by commas, at most [`MAX_LAYER`].
-fn parse_layers(s: &str) -> Result<Vec<usize>, String> {
-    const MAX_LAYER: usize = 4096;
-    let number = |n: &str| match n.parse::<usize>() {
-        Ok(l) if l < MAX_LAYER => Ok(l),
-        _ => Err(format!(
-            "layer {n:?} is not a layer number below {MAX_LAYER}"
-        )),
-    };
-    let mut layers = Vec::new();
-    for item in s.split(',') {
-        match item.split_once('-') {
-            Some((a, b)) => {
-                let (a, b) = (number(a)?, number(b)?);
-                if a > b {
-                    return Err(format!("layers {a}-{b}: the range runs backwards"));
-                }
-                layers.extend(a..=b);
-            }
-            None => layers.push(number(item)?),
-        }
-    }
-    Ok(layers)
 }
 
 /// Runs `kv-eval generate`.
@@ -305,30 +220,11 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         )?;
     }
     let draft_model = match &speculate {
-        Some(Speculate::Draft { model: path, .. }) => {
-            let (draft, draft_tokenizer) = load_model(&model_path(&Some(path.clone()))?)?;
-            let draft_ids = match (&prompt, &prompt_file) {
-                (Some(p), _) => draft_tokenizer.encode_reader(p.as_bytes(), limits)?,
-                (None, Some(f)) => draft_tokenizer.encode_reader(
-                    std::fs::File::open(f)
-                        .map_err(|e| format!("cannot read prompt {}: {e}", f.display()))?,
-                    limits,
-                )?,
-                (None, None) => unreachable!("checked above"),
-            };
-            if draft.vocab() != model.vocab() || draft_ids[..ids.len().min(draft_ids.len())] != ids
-            {
-                return Err(format!(
-                    "the draft model {} does not share the target's tokenizer (vocabularies \
-                     of {} and {} tokens, or the prompt's ids differ)",
-                    path.display(),
-                    draft.vocab(),
-                    model.vocab()
-                )
-                .into());
-            }
-            Some(draft)
-        }
+        Some(Speculate::Draft { model: path, .. }) => Some(crate::speculate::load_draft(
+            path,
+            model.as_ref(),
+            &tokenizer,
+        )?),
         Some(Speculate::SelfDraft { skip, .. }) => {
             // Layers the model lacks are refused before any work.
             SelfDrafter::new(model.as_ref(), sampling)?.skipping(skip)?;
@@ -455,20 +351,10 @@ fn print_speculation(
     g: &Generation,
     greedy: bool,
 ) {
-    let (name, k) = match how {
-        Speculate::Lookup { k } => ("prompt lookup".to_string(), k),
-        Speculate::Draft { model, k } => (format!("draft model {}", model.display()), k),
-        Speculate::SelfDraft { k, skip } if skip.is_empty() => {
-            ("self, upper 4-bit plane".to_string(), k)
-        }
-        Speculate::SelfDraft { k, skip } => (
-            format!("self, upper 4-bit plane, {} layers skipped", skip.len()),
-            k,
-        ),
-    };
     eprintln!(
-        "speculation ({name}, k={k}): {} verify passes, {} drafted, {} accepted ({:.1}%), \
+        "speculation ({}): {} verify passes, {} drafted, {} accepted ({:.1}%), \
          {:.2} tokens per pass; drafting {:.2} s, verifying {:.2} s",
+        how.describe(),
         s.verify_passes,
         s.drafted,
         s.accepted,

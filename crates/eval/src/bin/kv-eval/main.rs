@@ -19,6 +19,7 @@ mod niah;
 mod ppl;
 mod progress;
 mod source;
+mod speculate;
 mod stream;
 mod sweep;
 mod top;
