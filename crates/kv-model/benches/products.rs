@@ -14,7 +14,9 @@
 //!   of every row) over `Q4_K` matrices whose bytes total 64 MiB, and one
 //!   token's product through the same matrices, against `baseline-read`,
 //!   the streaming read of those bytes: what a check costs beside a
-//!   decode step.
+//!   decode step;
+//! - `kv-model/prefill-isa/<TYPE>`: 64 tokens on AVX-512 VNNI against the
+//!   same product pinned to AVX2 (on a CPU with AVX-512 VNNI).
 
 use abft_gemm::Matrix;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -124,6 +126,34 @@ fn prefill(c: &mut Criterion) {
     g.finish();
 }
 
+/// `kv-model/prefill-isa/<TYPE>`: the prefill product of the types with
+/// AVX-512 VNNI kernels on that set, against `baseline-<TYPE>`, the same
+/// product pinned to AVX2 (the ratio is what VNNI gains); skipped with a
+/// printed reason on a CPU without AVX-512 VNNI.
+fn prefill_isa(c: &mut Criterion) {
+    if !Isa::Avx512Vnni.is_supported() {
+        eprintln!("kv-model/prefill-isa: skipped, this CPU has no AVX-512 VNNI");
+        return;
+    }
+    let t = 64;
+    let x = input(t);
+    let mut out = vec![0.0; t * SIDE];
+    let mut g = c.benchmark_group("kv-model/prefill-isa");
+    g.throughput(Throughput::Elements((t * SIDE * SIDE) as u64));
+    for ty in [WeightType::Q4_0, WeightType::Q5_0] {
+        let m = matrix(ty, 0);
+        for (name, isa) in [
+            (ty.name().to_string(), Isa::Avx512Vnni),
+            (format!("baseline-{}", ty.name()), Isa::Avx2),
+        ] {
+            g.bench_function(name, |b| {
+                b.iter(|| m.product_into(&mut out, black_box(&x), false, isa).unwrap())
+            });
+        }
+    }
+    g.finish();
+}
+
 /// Streams `ms`' bytes on every pool thread (the memory-bandwidth baseline).
 fn read_all(ms: &[StoredLinear]) -> u64 {
     ms.iter().fold(0u64, |s, m| {
@@ -172,5 +202,5 @@ fn guard(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, prefill, guard);
+criterion_group!(benches, decode, prefill, prefill_isa, guard);
 criterion_main!(benches);

@@ -24,11 +24,16 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA and F16C (Haswell, Zen and later).
     Avx2,
+    /// [`Avx2`](Self::Avx2) plus AVX-512 F/BW/VL with VNNI (Ice Lake,
+    /// Sapphire Rapids, Zen 4 and later): the token-lane kernels of the
+    /// 32-value types sum their blocks with `vpdpbusd`; every other kernel
+    /// is AVX2's.
+    Avx512Vnni,
 }
 
 impl Isa {
     /// Every set, slowest first.
-    pub const ALL: [Isa; 2] = [Isa::Scalar, Isa::Avx2];
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni];
 
     /// The fastest set this CPU runs (checked at run time).
     pub fn detect() -> Isa {
@@ -48,8 +53,17 @@ impl Isa {
                 use std::arch::is_x86_feature_detected as has;
                 has!("avx2") && has!("fma") && has!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                use std::arch::is_x86_feature_detected as has;
+                Isa::Avx2.is_supported()
+                    && has!("avx512f")
+                    && has!("avx512bw")
+                    && has!("avx512vl")
+                    && has!("avx512vnni")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => false,
+            Isa::Avx2 | Isa::Avx512Vnni => false,
         }
     }
 
@@ -109,8 +123,10 @@ impl RowDot {
             Isa::Scalar => scalar_kernel(ty),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => avx2_kernel(ty),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => avx512_vnni_kernel(ty),
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => Err(ModelError::IsaUnavailable(isa)),
+            Isa::Avx2 | Isa::Avx512Vnni => return Err(ModelError::IsaUnavailable(isa)),
         }
         .ok_or(ModelError::NoKernel(ty))
     }
@@ -278,6 +294,33 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
     })
 }
 
+/// The AVX-512 VNNI kernels: AVX2's, with the token-lane kernels of
+/// `Q4_0` and `Q5_0` summing their blocks by `vpdpbusd`. Reachable only
+/// through [`RowDot::new`] after `Isa::Avx512Vnni.checked()`, which implies
+/// AVX2's check.
+#[cfg(target_arch = "x86_64")]
+fn avx512_vnni_kernel(ty: WeightType) -> Option<RowDot> {
+    macro_rules! lanes {
+        ($f:ident) => {{
+            fn lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+                // SAFETY: handed out only after `Isa::Avx512Vnni.checked()`
+                // succeeded: AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI.
+                unsafe { avx2::$f(w, y) }
+            }
+            Some(lanes as Lanes8)
+        }};
+    }
+    Some(match avx2_kernel(ty)? {
+        RowDot::Q8(grouped, _) if ty == WeightType::Q4_0 => {
+            RowDot::Q8(grouped, lanes!(q4_0_lanes_vnni))
+        }
+        RowDot::Q8(grouped, _) if ty == WeightType::Q5_0 => {
+            RowDot::Q8(grouped, lanes!(q5_0_lanes_vnni))
+        }
+        other => other,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,7 +375,14 @@ mod tests {
 
     #[test]
     fn token_lanes_give_each_token_its_own_bits() {
-        let isa = Isa::detect();
+        // Every set this CPU has (the others are skipped by
+        // `tests/products.rs` with a printed reason).
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            token_lanes_on(isa);
+        }
+    }
+
+    fn token_lanes_on(isa: Isa) {
         for ty in [
             WeightType::Q4_0,
             WeightType::Q5_0,

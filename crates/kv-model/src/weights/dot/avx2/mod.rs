@@ -23,7 +23,10 @@ use super::super::kquants::scale_min_k4;
 
 mod lanes;
 
-pub(crate) use lanes::{q4_0_lanes, q4_1_lanes, q4_k_lanes, q5_0_lanes, q5_1_lanes, q6_k_lanes};
+pub(crate) use lanes::{
+    q4_0_lanes, q4_0_lanes_vnni, q4_1_lanes, q4_k_lanes, q5_0_lanes, q5_0_lanes_vnni, q5_1_lanes,
+    q6_k_lanes,
+};
 
 /// The f16 at byte `i` of a block, converted by F16C (the `half` crate's
 /// conversion, without F16C enabled at compile time, costs more than the
@@ -198,8 +201,12 @@ fn serial32<const N: usize>(
         let one = serial32_one(&w[..blocks * block_bytes], block_bytes, a[0], unpack);
         return std::array::from_fn(|_| one);
     }
-    let mut acc = [[0f32; 2]; N];
-    for (i, b) in w.chunks_exact(block_bytes).take(blocks).enumerate() {
+    // The even and the odd chains apart, each indexed by the token alone
+    // (a constant once unrolled): indexed by a block's parity too, they
+    // lived on the stack and each block waited for the store of the one
+    // before it.
+    let (mut even, mut odd) = ([0f32; N], [0f32; N]);
+    let block = |i: usize, b: &[u8], acc: &mut [f32; N]| {
         let x = unpack(b);
         let ax = _mm256_sign_epi8(x, x);
         let dw = f16_at(b, 0);
@@ -210,10 +217,18 @@ fn serial32<const N: usize>(
             // SAFETY: `qs` is 32 bytes.
             let y = unsafe { load(act.qs.as_ptr().cast()) };
             let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x)), ones);
-            acc[j][i % 2] = (dw * act.d).mul_add(hsum_epi32(sum) as f32, acc[j][i % 2]);
+            acc[j] = (dw * act.d).mul_add(hsum_epi32(sum) as f32, acc[j]);
         }
+    };
+    let mut pairs = w[..blocks * block_bytes].chunks_exact(2 * block_bytes);
+    for (p, pair) in pairs.by_ref().enumerate() {
+        block(2 * p, &pair[..block_bytes], &mut even);
+        block(2 * p + 1, &pair[block_bytes..], &mut odd);
     }
-    acc.map(|[even, odd]| even + odd)
+    if !pairs.remainder().is_empty() {
+        block(blocks - 1, pairs.remainder(), &mut even);
+    }
+    std::array::from_fn(|j| even[j] + odd[j])
 }
 
 /// A block's 32 products of signed codes `x` and a token's codes, in
