@@ -128,6 +128,20 @@ pub trait KvBackend {
         false
     }
 
+    /// How many rows a step may hold, from the first not yet written on,
+    /// before a row past them would read differently from a step that
+    /// stopped there: rows up to the end of the current block, where the
+    /// cache seals a completed block at commit (staged forms: per-channel
+    /// groups, exact sinks and windows), so that a row after the
+    /// completing one reads the block sealed when the steps stop at the
+    /// boundary and staged when one step crosses it. `None` (the default)
+    /// where no seal changes a reading. Speculative decoding caps a
+    /// verification's drafts by it, so that its rows read what plain
+    /// decoding's read.
+    fn rows_before_seal(&self) -> Option<usize> {
+        None
+    }
+
     /// Reads `view` of the stored forms from now on (every layer and
     /// part), or refuses, changing nothing, where some part keeps no such
     /// view. The default keeps only [`ReadView::Full`].

@@ -106,6 +106,9 @@ fn batched_speculation_is_the_plain_batch_token_for_token() {
         ("int8h", "int8h-g4", 64, Preemption::Recompute),
         ("int8h", "int8h", 14, Preemption::Recompute),
         ("int8h-g8+secded84", "int8h", 14, Preemption::Swap),
+        // Staged forms: each verification stops where a block seals.
+        ("int4-ch+sink4", "int4", 64, Preemption::Recompute),
+        ("int8h-ch", "int8h", 14, Preemption::Recompute),
     ] {
         let want = plain(&target, key, value, blocks, preemption);
         let hierarchical = key.starts_with("int8h");

@@ -175,14 +175,68 @@ fn greedy_speculation_on_paged_caches_seals_what_plain_decoding_seals() {
     }
 }
 
+/// A drafter that proposes the tokens of a fixed continuation and records
+/// where it was asked and for how many.
+struct Recording {
+    continuation: Vec<u32>,
+    asked: Vec<(usize, usize)>,
+}
+
+impl Drafter for Recording {
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft, ModelError> {
+        self.asked.push((context.len(), k));
+        let from = (context.len() - prompt().len()).min(self.continuation.len());
+        let tokens = self.continuation[from..].iter().copied().take(k).collect();
+        Ok(Draft {
+            tokens,
+            probs: Vec::new(),
+        })
+    }
+}
+
+/// A verification never crosses the end of a block that a staged form
+/// seals: its rows past the block would read it staged (exact) where plain
+/// decoding's read it sealed. The drafter is asked for no more than the
+/// block has room for, and not at all where the next token completes the
+/// block; the output is plain decoding's, with the plain continuation's
+/// own tokens drafted (all accepted). Row-local forms are not capped.
+#[test]
+fn a_verification_stops_where_a_staged_block_seals() {
+    let target = stored_model();
+    let opts = options(30, Sampling::default());
+    for (key, value, block, capped) in [
+        ("int4-ch+sink4", "int4", 4, true),
+        ("int4-ch", "int8", 8, true),
+        ("int8h-ch", "int8h", 4, true),
+        ("int8", "int4", 4, false),
+    ] {
+        let want = plain(&target, paged(&target, key, value, block), &opts);
+        let mut drafter = Recording {
+            continuation: want.clone(),
+            asked: Vec::new(),
+        };
+        let (got, stats) = speculative(
+            &target,
+            paged(&target, key, value, block),
+            &mut drafter,
+            &opts,
+            6,
+        );
+        assert_eq!(got, want, "{key}/{value}");
+        assert_eq!(stats.accepted, stats.drafted, "{key}/{value}");
+        // The cache holds every token of the context but the last.
+        let room = |context: usize| block - (context - 1) % block;
+        let crossing = drafter.asked.iter().any(|&(context, k)| k >= room(context));
+        assert_eq!(crossing, !capped, "{key}/{value}: {:?}", drafter.asked);
+        assert!(!drafter.asked.is_empty());
+    }
+}
+
 /// The target drafting for itself through the upper plane of a
 /// hierarchical cache: output is plain greedy decoding's on the same
 /// cache, most drafts are accepted, and the cache holds exactly what plain
 /// decoding left (drafts never enter it). A cache without a draft view is
-/// refused before any work. (Row-local forms: a staged form's
-/// verification step that completes a block reads it exact where plain
-/// decoding's next step reads it sealed, so on real models it can part
-/// from plain decoding at a near-tie; kv-eval's `docs/speculative.md`.)
+/// refused before any work.
 #[test]
 fn self_speculation_on_a_hierarchical_cache_is_plain_greedy_decoding() {
     let target = stored_model();

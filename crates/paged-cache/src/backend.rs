@@ -404,6 +404,12 @@ impl<P: PrefixCache> KvBackend for PagedBackend<P> {
         self.storage.set_view(view)
     }
 
+    /// To the end of the current block where some form seals blocks
+    /// ([`BlockStorage::rows_before_seal`]).
+    fn rows_before_seal(&self) -> Option<usize> {
+        self.storage.rows_before_seal(self.tokens)
+    }
+
     /// Commits the first `keep` rows of the step and seals only what they
     /// complete: rows dropped here never enter a sealed group.
     fn commit_prefix(&mut self, keep: usize) -> Result<()> {

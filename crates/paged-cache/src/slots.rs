@@ -200,6 +200,12 @@ impl KvBackend for ReservedSlots {
         self.storage.set_view(view)
     }
 
+    /// To the end of the current block where some form seals blocks
+    /// ([`BlockStorage::rows_before_seal`]).
+    fn rows_before_seal(&self) -> Option<usize> {
+        self.storage.rows_before_seal(self.written)
+    }
+
     /// Commits the first `keep` rows and seals only what they complete.
     fn commit_prefix(&mut self, keep: usize) -> Result<()> {
         match self.step.close() {

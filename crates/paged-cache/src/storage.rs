@@ -799,6 +799,25 @@ impl BlockStorage {
         self.parts.iter().flatten().any(|p| read(p).per_sequence())
     }
 
+    /// Whether some layer's key or value part stages rows and seals
+    /// blocks at commit ([`attention::stored::part_seals`]): a step's rows
+    /// past a completed block then read it staged, where steps stopping at
+    /// the block's end read it sealed.
+    pub fn seals(&self) -> bool {
+        self.layers.iter().any(|l| {
+            attention::stored::part_seals(l.key, self.block_size)
+                || attention::stored::part_seals(l.value, self.block_size)
+        })
+    }
+
+    /// [`KvBackend::rows_before_seal`](attention::KvBackend::rows_before_seal)
+    /// for a sequence holding `written` rows: to the end of its block where
+    /// [`seals`](Self::seals), else `None`.
+    pub fn rows_before_seal(&self, written: usize) -> Option<usize> {
+        self.seals()
+            .then(|| self.block_size - written % self.block_size)
+    }
+
     /// Reads `view` of every part from now on (every sequence of the
     /// storage: the view is the storage's), or refuses, leaving every part
     /// in the full view, where some part keeps no such view

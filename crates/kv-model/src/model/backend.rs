@@ -68,4 +68,8 @@ where
     fn skips_layer(&self, layer: usize) -> bool {
         self.0.skips_layer(layer)
     }
+
+    fn rows_before_seal(&self) -> Option<usize> {
+        self.0.rows_before_seal()
+    }
 }

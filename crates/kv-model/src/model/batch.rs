@@ -24,6 +24,7 @@
 
 use std::time::Instant;
 
+use attention::KvBackend;
 use gf2_codes::channel::FaultRng;
 use paged_cache::scheduler::{
     DecodeItem, Engine, Report, Request, SchedulerConfig, Workload, serve,
@@ -362,8 +363,17 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
         let mut context = q.prompt.clone();
         context.extend_from_slice(next);
         let mut target = Adapted(ReservedSlots::new(cache, seq, held)?);
-        let mut draft = drafter.propose_on(&context, spec.k.min(max), &mut target)?;
-        draft.tokens.truncate(spec.k.min(max));
+        // A verification stops at the end of a block a staged form seals
+        // (as in `generate_speculative`).
+        let sealed = target
+            .rows_before_seal()
+            .map_or(usize::MAX, |rows| rows - 1);
+        let k = spec.k.min(max).min(sealed);
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        let mut draft = drafter.propose_on(&context, k, &mut target)?;
+        draft.tokens.truncate(k);
         draft.probs.truncate(draft.tokens.len());
         let vocab = self.model.vocab();
         if let Some(&bad) = draft.tokens.iter().find(|&&d| d as usize >= vocab) {

@@ -187,10 +187,15 @@ where
         before_step(step, cache)?;
         step += 1;
         let remaining = opts.max_new - (context.len() - prompt.len());
+        // A verification stops at the end of a block a staged form seals:
+        // its later rows would read that block staged where plain
+        // decoding's read it sealed.
+        let sealed = cache.rows_before_seal().map_or(usize::MAX, |rows| rows - 1);
         let want = options
             .k
             .min(remaining - 1)
-            .min(opts.context - context.len());
+            .min(opts.context - context.len())
+            .min(sealed);
         let t = Instant::now();
         let mut draft = if want > 0 {
             drafter.propose_on(&context, want, &mut *cache)?
