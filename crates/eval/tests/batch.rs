@@ -177,7 +177,7 @@ fn preemption_by_recompute_and_by_swap_keeps_every_output() {
 /// report counts the drafts.
 #[test]
 fn a_speculating_batch_keeps_every_output() {
-    use kv_model::model::batch::BatchSpeculation;
+    use kv_model::model::batch::{BatchDrafters, BatchSpeculation};
     use kv_model::model::{Drafter, PromptLookup, SelfDrafter};
     let model = model();
     let requests = requests();
@@ -197,7 +197,10 @@ fn a_speculating_batch_keeps_every_output() {
                 }
             })
             .collect();
-        let speculation = BatchSpeculation { k: 3, drafters };
+        let speculation = BatchSpeculation {
+            k: 3,
+            drafters: BatchDrafters::PerRequest(drafters),
+        };
         let report = kv_eval::batch::run_batch_speculative(
             &model,
             &requests,

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use attention::DenseBackend;
 use kv_model::ModelError;
 use kv_model::model::batch::{
-    BatchRequest, BatchSpeculation, Served, serve_batch, serve_batch_speculative,
+    BatchDrafters, BatchModelDrafter, BatchRequest, BatchSpeculation, Served, serve_batch,
+    serve_batch_speculative,
 };
 use kv_model::model::{
     Adapted, CausalLm, Drafter, LlamaModel, ModelDrafter, PromptLookup, Sampling, SelfDrafter,
@@ -82,7 +83,7 @@ fn speculative<'a>(
     (key, value, blocks): (&str, &str, usize),
     preemption: Preemption,
     k: usize,
-    drafters: Vec<Box<dyn Drafter + 'a>>,
+    drafters: BatchDrafters<'a>,
 ) -> Result<Served, ModelError> {
     let mut cache = cache(m, key, value, blocks);
     let mut on_finished = |_: usize, _: &_| Ok(());
@@ -112,11 +113,11 @@ fn batched_speculation_is_the_plain_batch_token_for_token() {
     ] {
         let want = plain(&target, key, value, blocks, preemption);
         let hierarchical = key.starts_with("int8h");
-        for (name, k) in [("lookup", 3), ("model", 2), ("self", 4)] {
+        for (name, k) in [("lookup", 3), ("model", 2), ("batched", 3), ("self", 4)] {
             if name == "self" && !hierarchical {
                 continue;
             }
-            let drafters: Vec<Box<dyn Drafter + '_>> = (0..requests.len())
+            let per_request: Vec<Box<dyn Drafter + '_>> = (0..requests.len())
                 .map(|_| -> Box<dyn Drafter + '_> {
                     match name {
                         "lookup" => Box::new(PromptLookup::default()),
@@ -133,6 +134,13 @@ fn batched_speculation_is_the_plain_batch_token_for_token() {
                     }
                 })
                 .collect();
+            // The other model for every request in batched passes.
+            let drafters = match name {
+                "batched" => BatchDrafters::Model(
+                    BatchModelDrafter::new(&other, VOCAB, requests.len()).unwrap(),
+                ),
+                _ => BatchDrafters::PerRequest(per_request),
+            };
             let got = speculative(
                 &target,
                 &requests,
@@ -194,7 +202,7 @@ fn bad_settings_are_refused_before_any_work() {
             ("fp32", "fp32", 64),
             Preemption::Recompute,
             k,
-            lookups(drafters),
+            BatchDrafters::PerRequest(lookups(drafters)),
         )
         .unwrap_err();
         assert!(
@@ -214,8 +222,30 @@ fn bad_settings_are_refused_before_any_work() {
         ("int8", "int8h", 64),
         Preemption::Recompute,
         2,
-        drafters,
+        BatchDrafters::PerRequest(drafters),
     )
     .unwrap_err();
     assert!(err.to_string().contains("keeps no draft view"), "{err}");
+    // A batched draft model of another vocabulary, or for another count.
+    let other = tiny(3, |_| true);
+    assert!(BatchModelDrafter::new(&other, VOCAB + 1, 4).is_err());
+    let err = speculative(
+        &target,
+        &requests,
+        ("fp32", "fp32", 64),
+        Preemption::Recompute,
+        2,
+        BatchDrafters::Model(BatchModelDrafter::new(&other, VOCAB, 3).unwrap()),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ModelError::InvalidParameter {
+                name: "drafters",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }

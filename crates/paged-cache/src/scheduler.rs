@@ -290,6 +290,18 @@ struct Running {
     appended: usize,
 }
 
+/// A request to draft for, in a decode step ([`Engine::draft`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftItem {
+    /// The request.
+    pub request: usize,
+    /// Its sequence: its tokens before the next one, K/V computed.
+    pub seq: SeqId,
+    /// Drafts it may take at most (what its output has room for after
+    /// its next token).
+    pub max: usize,
+}
+
 /// One request's share of a decode step ([`Engine::decode`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeItem {
@@ -341,19 +353,18 @@ pub trait Engine<P: PrefixCache> {
         cached: usize,
     ) -> std::result::Result<(), Self::Error>;
 
-    /// Up to `max` tokens to append after request `request`'s next token
-    /// (its token `index`) this step, for the decode step to verify
-    /// (speculative decoding); `seq` holds the request's tokens before
-    /// it, K/V computed. The default drafts nothing (plain decoding).
+    /// For each item of `batch` (every running request with room for a
+    /// draft, asked once a step and all together, so an engine may draft
+    /// them in one batched pass), up to `max` tokens to append after its
+    /// next token this step, for the decode step to verify (speculative
+    /// decoding). The default drafts nothing (plain decoding).
     fn draft(
         &mut self,
         cache: &mut KvCacheManager<P>,
-        request: usize,
-        seq: SeqId,
-        max: usize,
-    ) -> std::result::Result<Vec<u32>, Self::Error> {
-        let _ = (cache, request, seq, max);
-        Ok(Vec::new())
+        batch: &[DraftItem],
+    ) -> std::result::Result<Vec<Vec<u32>>, Self::Error> {
+        let _ = cache;
+        Ok(vec![Vec::new(); batch.len()])
     }
 
     /// One decode step: each item of `batch` has just appended its next
@@ -566,9 +577,41 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
         }
         // Decode: one token per running request (and its drafts),
         // preempting when short.
+        // Every running request with room for drafts drafts now, all
+        // together (a preempted request's drafts go unused).
+        let asks: Vec<DraftItem> = running
+            .iter()
+            .filter_map(|run| {
+                let left = reqs[run.request].output_len.saturating_sub(run.generated);
+                (left > 1).then_some(DraftItem {
+                    request: run.request,
+                    seq: run.seq,
+                    max: left - 1,
+                })
+            })
+            .collect();
+        let mut drafts: Vec<Option<Vec<u32>>> = vec![None; reqs.len()];
+        if !asks.is_empty() {
+            let drafted = engine.draft(cache, &asks)?;
+            if drafted.len() != asks.len() {
+                return Err(PagedCacheError::InvalidParameter {
+                    name: "engine",
+                    reason: format!(
+                        "drafted for {} of the step's {} requests",
+                        drafted.len(),
+                        asks.len()
+                    ),
+                }
+                .into());
+            }
+            for (ask, mut d) in asks.iter().zip(drafted) {
+                d.truncate(ask.max);
+                drafts[ask.request] = Some(d);
+            }
+        }
         let mut i = 0;
         // The step of the request being appended (kept while others are
-        // preempted for it, so it is drafted once).
+        // preempted for it).
         let mut pending: Option<(SeqId, Vec<u32>)> = None;
         while i < running.len() {
             let (r, seq) = (running[i].request, running[i].seq);
@@ -581,10 +624,7 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                 Some((s, step)) if s == seq => step,
                 _ => {
                     let mut step = vec![engine.token(r, running[i].generated)];
-                    if left > 1 {
-                        let drafts = engine.draft(cache, r, seq, left - 1)?;
-                        step.extend(drafts.into_iter().take(left - 1));
-                    }
+                    step.extend(drafts[r].take().unwrap_or_default());
                     step
                 }
             };

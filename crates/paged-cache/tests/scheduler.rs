@@ -5,7 +5,8 @@
 //! seed gives the same report every time.
 
 use paged_cache::scheduler::{
-    DecodeItem, Engine, Preemption, SchedulerConfig, Workload, WorkloadConfig, serve, simulate,
+    DecodeItem, DraftItem, Engine, Preemption, SchedulerConfig, Workload, WorkloadConfig, serve,
+    simulate,
 };
 use paged_cache::{
     CacheConfig, HashPrefixCache, KvCacheManager, NoPrefixCache, PagedCacheError, PrefixCache,
@@ -265,15 +266,19 @@ impl<P: PrefixCache> Engine<P> for Drafting<'_> {
     fn draft(
         &mut self,
         cache: &mut KvCacheManager<P>,
-        request: usize,
-        seq: SeqId,
-        max: usize,
-    ) -> Result<Vec<u32>> {
-        let next = cache.tokens(seq)?.len() - self.workload.requests[request].prompt.len();
+        batch: &[DraftItem],
+    ) -> Result<Vec<Vec<u32>>> {
         self.drafted_steps += 1;
-        Ok((next + 1..=next + self.k.min(max))
-            .map(|i| truth(request, i) ^ u32::from(wrong(request, i)))
-            .collect())
+        batch
+            .iter()
+            .map(|item| {
+                let r = item.request;
+                let next = cache.tokens(item.seq)?.len() - self.workload.requests[r].prompt.len();
+                Ok((next + 1..=next + self.k.min(item.max))
+                    .map(|i| truth(r, i) ^ u32::from(wrong(r, i)))
+                    .collect())
+            })
+            .collect()
     }
 
     fn decode(

@@ -14,7 +14,8 @@
 //!
 //! With [`BatchSpeculation`] each request drafts up to `k` tokens a step
 //! with a [`Drafter`] of its own (prompt lookup, a draft model on a cache
-//! of its own, or the target reading its cache's draft view); the
+//! of its own, or the target reading its cache's draft view) or with one
+//! draft model for all of them ([`BatchModelDrafter`], batched); the
 //! scheduler appends them after the request's next token, the batched
 //! pass verifies every request's drafts at once
 //! ([`CausalLm::forward_batch_keeping`], the acceptance rules of
@@ -27,10 +28,12 @@ use std::time::Instant;
 use attention::KvBackend;
 use gf2_codes::channel::FaultRng;
 use paged_cache::scheduler::{
-    DecodeItem, Engine, Report, Request, SchedulerConfig, Workload, serve,
+    DecodeItem, DraftItem, Engine, Report, Request, SchedulerConfig, Workload, serve,
 };
 use paged_cache::{KvCacheManager, PrefixCache, ReservedSlots, SeqId};
 
+use super::batch_draft::DraftAsk;
+pub use super::batch_draft::{BatchDrafters, BatchModelDrafter};
 use super::speculative::verify;
 use super::{Adapted, BatchItem, CausalLm, Draft, Drafter, Sampling, SpeculativeStats};
 use crate::error::{ModelError, Result};
@@ -95,28 +98,27 @@ pub struct Served {
 }
 
 /// Speculative decoding in a batch: each request drafts up to `k` tokens a
-/// step with a drafter of its own.
+/// step, with a drafter of its own or with one draft model for all.
+#[derive(Debug)]
 pub struct BatchSpeculation<'a> {
     /// Drafts per request and step, at most (at least 1, and at most the
     /// context a request's prompt leaves).
     pub k: usize,
-    /// Request `i`'s drafter, one per request (dropped when it finishes).
-    pub drafters: Vec<Box<dyn Drafter + 'a>>,
+    /// How the requests draft.
+    pub drafters: BatchDrafters<'a>,
 }
 
-impl std::fmt::Debug for BatchSpeculation<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BatchSpeculation")
-            .field("k", &self.k)
-            .field("drafters", &self.drafters.len())
-            .finish()
-    }
+/// A speculating engine's drafters (a request's dropped when it
+/// finishes).
+enum Drafting<'a> {
+    PerRequest(Vec<Option<Box<dyn Drafter + 'a>>>),
+    Model(BatchModelDrafter<'a>),
 }
 
 /// A speculating engine's drafters, their last drafts and the counts.
 struct Speculating<'a> {
     k: usize,
-    drafters: Vec<Option<Box<dyn Drafter + 'a>>>,
+    drafters: Drafting<'a>,
     drafts: Vec<Draft>,
     stats: SpeculativeStats,
 }
@@ -172,12 +174,15 @@ impl<'a> ModelEngine<'a> {
     /// count other than the requests'.
     pub fn speculating(mut self, speculation: BatchSpeculation<'a>) -> Result<Self> {
         let BatchSpeculation { k, drafters } = speculation;
-        if drafters.len() != self.requests.len() {
+        let count = match &drafters {
+            BatchDrafters::PerRequest(d) => d.len(),
+            BatchDrafters::Model(m) => m.requests(),
+        };
+        if count != self.requests.len() {
             return Err(ModelError::InvalidParameter {
                 name: "drafters",
                 reason: format!(
-                    "{} drafters for {} requests (one each)",
-                    drafters.len(),
+                    "drafters for {count} requests, the batch has {}",
                     self.requests.len()
                 ),
             });
@@ -200,8 +205,13 @@ impl<'a> ModelEngine<'a> {
         }
         self.speculation = Some(Speculating {
             k,
-            drafts: vec![Draft::default(); drafters.len()],
-            drafters: drafters.into_iter().map(Some).collect(),
+            drafts: vec![Draft::default(); count],
+            drafters: match drafters {
+                BatchDrafters::PerRequest(d) => {
+                    Drafting::PerRequest(d.into_iter().map(Some).collect())
+                }
+                BatchDrafters::Model(m) => Drafting::Model(m),
+            },
             stats: SpeculativeStats::default(),
         });
         Ok(self)
@@ -335,54 +345,82 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
     fn draft(
         &mut self,
         cache: &mut KvCacheManager<P>,
-        request: usize,
-        seq: SeqId,
-        max: usize,
-    ) -> Result<Vec<u32>> {
+        batch: &[DraftItem],
+    ) -> Result<Vec<Vec<u32>>> {
+        let mut out = vec![Vec::new(); batch.len()];
         let Some(spec) = self.speculation.as_mut() else {
-            return Ok(Vec::new());
-        };
-        let Some(drafter) = spec.drafters[request].as_mut() else {
-            return Ok(Vec::new());
+            return Ok(out);
         };
         let started = Instant::now();
-        let q = &self.requests[request];
-        let held = cache.tokens(seq)?.len();
-        // The context is the cache's tokens and the next one.
-        let generated = &self.outputs[request].tokens;
-        let known = (held + 1).checked_sub(q.prompt.len());
-        let Some(next) = known.and_then(|n| generated.get(..n)) else {
-            return Err(ModelError::InvalidParameter {
-                name: "seq",
-                reason: format!(
-                    "request {request}: {held} tokens held, {} generated",
-                    generated.len()
-                ),
-            });
-        };
-        let mut context = q.prompt.clone();
-        context.extend_from_slice(next);
-        let mut target = Adapted(ReservedSlots::new(cache, seq, held)?);
-        // A verification stops at the end of a block a staged form seals
-        // (as in `generate_speculative`).
-        let sealed = target
-            .rows_before_seal()
-            .map_or(usize::MAX, |rows| rows - 1);
-        let k = spec.k.min(max).min(sealed);
-        if k == 0 {
-            return Ok(Vec::new());
+        let mut asks = Vec::new();
+        for (j, item) in batch.iter().enumerate() {
+            let (request, seq) = (item.request, item.seq);
+            let q = &self.requests[request];
+            let held = cache.tokens(seq)?.len();
+            // The context is the cache's tokens and the next one.
+            let generated = &self.outputs[request].tokens;
+            let known = (held + 1).checked_sub(q.prompt.len());
+            let Some(next) = known.and_then(|n| generated.get(..n)) else {
+                return Err(ModelError::InvalidParameter {
+                    name: "seq",
+                    reason: format!(
+                        "request {request}: {held} tokens held, {} generated",
+                        generated.len()
+                    ),
+                });
+            };
+            let mut context = q.prompt.clone();
+            context.extend_from_slice(next);
+            let mut target = Adapted(ReservedSlots::new(cache, seq, held)?);
+            // A verification stops at the end of a block a staged form
+            // seals (as in `generate_speculative`).
+            let sealed = target
+                .rows_before_seal()
+                .map_or(usize::MAX, |rows| rows - 1);
+            let k = spec.k.min(item.max).min(sealed);
+            if k == 0 {
+                spec.drafts[request] = Draft::default();
+                continue;
+            }
+            match &mut spec.drafters {
+                Drafting::PerRequest(drafters) => {
+                    let Some(drafter) = drafters[request].as_mut() else {
+                        continue;
+                    };
+                    let mut draft = drafter.propose_on(&context, k, &mut target)?;
+                    draft.tokens.truncate(k);
+                    draft.probs.truncate(draft.tokens.len());
+                    spec.drafts[request] = draft;
+                }
+                Drafting::Model(_) => asks.push((
+                    j,
+                    DraftAsk {
+                        request,
+                        context,
+                        k,
+                    },
+                )),
+            }
         }
-        let mut draft = drafter.propose_on(&context, k, &mut target)?;
-        draft.tokens.truncate(k);
-        draft.probs.truncate(draft.tokens.len());
+        if let Drafting::Model(model) = &mut spec.drafters {
+            let (at, asks): (Vec<usize>, Vec<DraftAsk>) = asks.into_iter().unzip();
+            for (j, tokens) in at.into_iter().zip(model.propose_all(&asks)?) {
+                spec.drafts[batch[j].request] = Draft {
+                    tokens,
+                    probs: Vec::new(),
+                };
+            }
+        }
         let vocab = self.model.vocab();
-        if let Some(&bad) = draft.tokens.iter().find(|&&d| d as usize >= vocab) {
-            return Err(ModelError::TokenId { id: bad, vocab });
+        for (item, out) in batch.iter().zip(&mut out) {
+            let tokens = &spec.drafts[item.request].tokens;
+            if let Some(&bad) = tokens.iter().find(|&&d| d as usize >= vocab) {
+                return Err(ModelError::TokenId { id: bad, vocab });
+            }
+            out.clone_from(tokens);
         }
         spec.stats.draft_seconds += started.elapsed().as_secs_f64();
-        let tokens = draft.tokens.clone();
-        spec.drafts[request] = draft;
-        Ok(tokens)
+        Ok(out)
     }
 
     fn decode(
@@ -416,8 +454,10 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
     }
 
     fn finished(&mut self, request: usize) -> Result<()> {
-        if let Some(spec) = self.speculation.as_mut() {
-            spec.drafters[request] = None;
+        match self.speculation.as_mut().map(|s| &mut s.drafters) {
+            Some(Drafting::PerRequest(drafters)) => drafters[request] = None,
+            Some(Drafting::Model(model)) => model.release(request),
+            None => {}
         }
         (self.on_finished)(request, &self.outputs[request])
     }
@@ -559,7 +599,9 @@ fn serve_batch_with<'a, P: PrefixCache>(
     check_requests(model, requests)?;
     let mut engine = ModelEngine::new(model, requests, on_finished);
     if let Some(mut speculation) = speculation {
-        check_targets(cache, &requests[0].prompt[..1], &mut speculation.drafters)?;
+        if let BatchDrafters::PerRequest(drafters) = &mut speculation.drafters {
+            check_targets(cache, &requests[0].prompt[..1], drafters)?;
+        }
         engine = engine.speculating(speculation)?;
     }
     let workload = Workload {

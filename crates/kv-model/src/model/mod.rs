@@ -10,6 +10,7 @@
 
 mod backend;
 pub mod batch;
+mod batch_draft;
 mod generate;
 pub mod gpt2;
 mod guard;

@@ -155,13 +155,13 @@ impl Activations {
     }
 
     /// The Q8_0 rows in groups of eight tokens, a token per lane (empty in
-    /// other forms; the last `rows % 8` tokens left out).
+    /// other forms; a last group of fewer filled up with its last token).
     pub(crate) fn token_lanes(&self) -> &[Q8x8Block] {
         self.lanes.get_or_init(|| interleave(self))
     }
 
     /// The Q8_K rows in groups of eight tokens, a token per lane (empty in
-    /// other forms; the last `rows % 8` tokens left out).
+    /// other forms; a last group of fewer filled up with its last token).
     pub(crate) fn token_lanes_k(&self) -> &[Q8Kx8Block] {
         self.lanes_k.get_or_init(|| interleave_k(self))
     }

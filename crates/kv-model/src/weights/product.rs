@@ -8,8 +8,9 @@
 //! (decode) writes its outputs in place; several tokens (prefill, batches)
 //! go through token passes whose activations fit in half the L1 cache
 //! ([`PASS_BYTES`]), each weight row meeting the pass eight tokens at a
-//! time (the weights unpacked once per eight; four, then one by one, for
-//! the pass's last tokens), and each run's tile is then copied into the
+//! time (the weights unpacked once per eight; the pass's last three to
+//! seven tokens in lanes too where the type has token-lane kernels, else
+//! four, then one by one), and each run's tile is then copied into the
 //! output rows.
 
 use rayon::prelude::*;
@@ -33,6 +34,10 @@ fn rows_per_task(rows: usize) -> usize {
     rows.div_ceil(TASKS_PER_THREAD * rayon::current_num_threads())
         .max(MIN_ROWS_PER_TASK)
 }
+/// The fewest tokens left after the groups of eight that go through the
+/// token lanes (filled up to eight) rather than the grouped kernels.
+const LANES_FROM: usize = 3;
+
 /// Bytes of activations a token pass over a run of weight rows reads
 /// again for every row: half of a 32 KiB L1 data cache (measured on
 /// Qwen2.5-0.5B's prefill: passes of 32 tokens, 36 KB of Q8_0 rows,
@@ -93,6 +98,7 @@ impl QuantMatrix {
         }
         // Built once here rather than by the first task to ask.
         kernel.prepare(a);
+        let lanes = kernel.reads_token_lanes();
         let tasks = rows.div_ceil(per_task);
         let per_pass = tokens_per_pass(a.row_bytes());
         let tiles: Vec<Vec<f32>> = (0..tasks)
@@ -111,6 +117,17 @@ impl QuantMatrix {
                                 tile[(i + n) * len + k] = v;
                             }
                             i += 8;
+                        }
+                        // A last group of three to seven tokens in lanes
+                        // (filled up): the eight lanes cost less than four
+                        // tokens through the grouped kernels (measured:
+                        // a decode step of four sequences on Qwen2.5-0.5B).
+                        if tokens.end - i >= LANES_FROM && lanes {
+                            let v = kernel.dot8(w, a, i);
+                            for (n, &v) in v.iter().enumerate().take(tokens.end - i) {
+                                tile[(i + n) * len + k] = v;
+                            }
+                            i = tokens.end;
                         }
                         while i + 4 <= tokens.end {
                             for (n, v) in kernel.dot4(w, a, i).into_iter().enumerate() {

@@ -84,26 +84,29 @@ pub(crate) fn interleave_k(a: &Activations) -> Vec<Q8Kx8Block> {
         return Vec::new();
     }
     let blocks = a.cols() / 256;
-    let mut out = Vec::with_capacity(a.rows() / 8 * blocks);
-    for g in 0..a.rows() / 8 {
-        let rows: [&[Q8KBlock]; 8] = std::array::from_fn(|t| a.q8k_row(8 * g + t));
+    let last = a.rows().saturating_sub(1);
+    let mut out = Vec::with_capacity(a.rows().div_ceil(8) * blocks);
+    for g in 0..a.rows().div_ceil(8) {
+        let rows: [&[Q8KBlock]; 8] = std::array::from_fn(|t| a.q8k_row((8 * g + t).min(last)));
         out.extend((0..blocks).map(|b| Q8Kx8Block::new(rows.map(|r| &r[b]))));
     }
     out
 }
 
 /// The Q8_0 or Q8_1 rows of `a` in groups of eight tokens: group `g`
-/// (tokens `8g .. 8g + 8`) at `blocks·g .. blocks·(g + 1)`; the last
-/// `rows % 8` tokens are left out. Empty unless `a` is Q8_0 or Q8_1.
+/// (tokens `8g .. 8g + 8`) at `blocks·g .. blocks·(g + 1)`; a last group
+/// of fewer than eight is filled up with its last token (lanes whose
+/// results are not read). Empty unless `a` is Q8_0 or Q8_1.
 pub(crate) fn interleave(a: &Activations) -> Vec<Q8x8Block> {
     use super::ActivationKind::{Q8_0, Q8_1};
     if !matches!(a.kind(), Q8_0 | Q8_1) {
         return Vec::new();
     }
     let blocks = a.cols() / 32;
-    let mut out = Vec::with_capacity(a.rows() / 8 * blocks);
-    for g in 0..a.rows() / 8 {
-        let rows: [&[Q8Block]; 8] = std::array::from_fn(|t| a.q8_row(8 * g + t));
+    let last = a.rows().saturating_sub(1);
+    let mut out = Vec::with_capacity(a.rows().div_ceil(8) * blocks);
+    for g in 0..a.rows().div_ceil(8) {
+        let rows: [&[Q8Block]; 8] = std::array::from_fn(|t| a.q8_row((8 * g + t).min(last)));
         out.extend((0..blocks).map(|b| Q8x8Block::new(rows.map(|r| &r[b]))));
     }
     out
@@ -122,12 +125,17 @@ mod tests {
             .collect();
         let a = Activations::new(ActivationKind::Q8_0, &x, cols).unwrap();
         let lanes = interleave(&a);
-        assert_eq!(lanes.len(), 2 * 2, "two whole groups of eight, two blocks");
-        for g in 0..2 {
+        assert_eq!(
+            lanes.len(),
+            3 * 2,
+            "two whole groups of eight, one of three; two blocks"
+        );
+        for g in 0..3 {
             for b in 0..2 {
                 let l = &lanes[2 * g + b];
                 for t in 0..8 {
-                    let row = &a.q8_row(8 * g + t)[b];
+                    // The last group filled up with token 18.
+                    let row = &a.q8_row((8 * g + t).min(rows - 1))[b];
                     for e in 0..32 {
                         assert_eq!(l.qs[8 * (e / 4) + t][e % 4], row.qs[e]);
                     }
@@ -156,14 +164,15 @@ mod tests {
         let lanes = interleave_k(&a);
         assert_eq!(
             lanes.len(),
-            2 * 2,
-            "two whole groups of eight, two super-blocks"
+            3 * 2,
+            "two whole groups of eight, one of one; two super-blocks"
         );
-        for g in 0..2 {
+        for g in 0..3 {
             for b in 0..2 {
                 let l = &lanes[2 * g + b];
                 for t in 0..8 {
-                    let row = &a.q8k_row(8 * g + t)[b];
+                    // The last group filled up with token 16.
+                    let row = &a.q8k_row((8 * g + t).min(rows - 1))[b];
                     for e in 0..256 {
                         assert_eq!(l.qs[8 * (e / 4) + t][e % 4], row.qs[e]);
                     }

@@ -4,10 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use kv_model::model::batch::BatchRequest;
-use kv_model::model::{
-    Adapted, CausalLm, Drafter, ModelDrafter, PromptLookup, Sampling, SelfDrafter,
-};
+use kv_model::model::batch::{BatchDrafters, BatchModelDrafter, BatchRequest};
+use kv_model::model::{CausalLm, Drafter, PromptLookup, SelfDrafter};
 use kv_model::tokenizer::TextTokenizer;
 
 use crate::{Error, load_model, model_path};
@@ -140,36 +138,41 @@ pub(crate) fn load_draft(
     Ok(draft)
 }
 
-/// One drafter per request of a batch, as `how` names them: prompt lookup,
-/// `draft` (loaded by [`load_draft`]) drafting greedily on a dense cache
-/// of its own, or `target` reading its cache's draft view with each
-/// request's sampling.
+/// The drafters of a batch, as `how` names them: prompt lookup for each
+/// request, `draft` (loaded by [`load_draft`]) drafting greedily for every
+/// request in batched passes, or `target` reading its cache's draft view
+/// for each request with its sampling.
 pub(crate) fn batch_drafters<'a>(
     how: &Speculate,
     target: &'a dyn CausalLm,
     draft: Option<&'a dyn CausalLm>,
     requests: &[BatchRequest],
-) -> Result<Vec<Box<dyn Drafter + 'a>>, Error> {
-    requests
-        .iter()
-        .map(|q| -> Result<Box<dyn Drafter + 'a>, Error> {
-            Ok(match how {
-                Speculate::Lookup { .. } => Box::new(PromptLookup::default()),
-                Speculate::Draft { model, .. } => {
-                    let draft = draft.ok_or_else(|| {
-                        format!("the draft model {} is not loaded", model.display())
-                    })?;
-                    Box::new(ModelDrafter::new(
-                        draft,
-                        Adapted(attention::DenseBackend::new()),
-                        target.vocab(),
-                        Sampling::default(),
-                    )?)
-                }
-                Speculate::SelfDraft { skip, .. } => {
-                    Box::new(SelfDrafter::new(target, q.sampling)?.skipping(skip)?)
-                }
-            })
-        })
-        .collect()
+) -> Result<BatchDrafters<'a>, Error> {
+    Ok(match how {
+        Speculate::Lookup { .. } => BatchDrafters::PerRequest(
+            requests
+                .iter()
+                .map(|_| Box::new(PromptLookup::default()) as Box<dyn Drafter>)
+                .collect(),
+        ),
+        Speculate::Draft { model, .. } => {
+            let draft = draft
+                .ok_or_else(|| format!("the draft model {} is not loaded", model.display()))?;
+            BatchDrafters::Model(BatchModelDrafter::new(
+                draft,
+                target.vocab(),
+                requests.len(),
+            )?)
+        }
+        Speculate::SelfDraft { skip, .. } => BatchDrafters::PerRequest(
+            requests
+                .iter()
+                .map(|q| -> Result<Box<dyn Drafter + 'a>, Error> {
+                    Ok(Box::new(
+                        SelfDrafter::new(target, q.sampling)?.skipping(skip)?,
+                    ))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+    })
 }

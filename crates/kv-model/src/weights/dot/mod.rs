@@ -153,8 +153,9 @@ impl RowDot {
         }
     }
 
-    /// Whether [`dot8`](Self::dot8) reads `a`'s tokens in lanes.
-    #[cfg(test)]
+    /// Whether [`dot8`](Self::dot8) reads `a`'s tokens in lanes (and so
+    /// costs about as much for a group of eight as for fewer: a last
+    /// group of fewer tokens is filled up in the lanes).
     pub(crate) fn reads_token_lanes(self) -> bool {
         matches!(self, RowDot::Q8(_, Some(_)) | RowDot::Q8K(_, Some(_)))
     }
