@@ -8,6 +8,7 @@
 use attention::{DenseBackend, KvBackend};
 use gf2_codes::channel::FaultRng;
 
+use super::speculative::check_draft_vocab;
 use super::{Adapted, BatchItem, CausalLm, Drafter, Sampling};
 use crate::error::{ModelError, Result};
 
@@ -78,16 +79,7 @@ impl<'m> BatchModelDrafter<'m> {
     /// Drafts with `model` for `requests` requests of a target of `vocab`
     /// tokens; refuses a model of another vocabulary.
     pub fn new(model: &'m dyn CausalLm, vocab: usize, requests: usize) -> Result<Self> {
-        if model.vocab() != vocab {
-            return Err(ModelError::InvalidParameter {
-                name: "draft model",
-                reason: format!(
-                    "a vocabulary of {} tokens, the target's has {vocab} (a drafter needs the \
-                     target's tokenizer)",
-                    model.vocab()
-                ),
-            });
-        }
+        check_draft_vocab(model, vocab)?;
         Ok(Self {
             model,
             caches: (0..requests).map(|_| DraftCache::empty()).collect(),

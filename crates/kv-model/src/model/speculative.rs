@@ -367,6 +367,21 @@ impl Drafter for PromptLookup {
     }
 }
 
+/// Refuses a draft model whose vocabulary is not the target's `vocab`.
+pub(crate) fn check_draft_vocab(model: &dyn CausalLm, vocab: usize) -> Result<()> {
+    if model.vocab() != vocab {
+        return Err(ModelError::InvalidParameter {
+            name: "draft model",
+            reason: format!(
+                "a vocabulary of {} tokens, the target's has {vocab} (a drafter needs the \
+                 target's tokenizer)",
+                model.vocab()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A draft model with the target's vocabulary, on a cache of its own: each
 /// proposal cuts its cache back to the tokens it shares with the context
 /// (the target's accepted tokens), catches up on the rest and drafts `k`
@@ -402,16 +417,7 @@ where
         sampling: Sampling,
     ) -> Result<Self> {
         sampling.check()?;
-        if model.vocab() != vocab {
-            return Err(ModelError::InvalidParameter {
-                name: "draft model",
-                reason: format!(
-                    "a vocabulary of {} tokens, the target's has {vocab} (a drafter needs the \
-                     target's tokenizer)",
-                    model.vocab()
-                ),
-            });
-        }
+        check_draft_vocab(model, vocab)?;
         if cache.tokens() != 0 {
             return Err(ModelError::InvalidParameter {
                 name: "draft cache",
