@@ -134,7 +134,8 @@ pub trait KvBackend {
     /// cache seals a completed block at commit (staged forms: per-channel
     /// groups, exact sinks and windows), so that a row after the
     /// completing one reads the block sealed when the steps stop at the
-    /// boundary and staged when one step crosses it. `None` (the default)
+    /// boundary and staged when one step crosses it. At least 1 (the row
+    /// that completes the block). `None` (the default)
     /// where no seal changes a reading. Speculative decoding caps a
     /// verification's drafts by it, so that its rows read what plain
     /// decoding's read.

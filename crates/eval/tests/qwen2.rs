@@ -113,6 +113,22 @@ fn the_tokenizer_equals_llama_cpp_id_for_id() {
     }
 }
 
+/// Every token spells as the file's vocabulary does (the byte-level form,
+/// the check a draft model's tokenizer goes through), none past it.
+#[test]
+fn each_token_spells_as_the_vocabulary_does() {
+    let (_, tok) = model_and_tokenizer();
+    let vocab = common::qwen2::vocab();
+    assert_eq!(tok.vocab_size(), vocab.len());
+    for (id, spelled) in vocab.iter().enumerate() {
+        assert_eq!(tok.token(id as u32).as_ref(), Some(spelled), "token {id}");
+    }
+    assert_eq!(tok.token(vocab.len() as u32), None);
+    // Two byte tokens that decode alike (each half a UTF-8 character)
+    // still spell apart.
+    assert_ne!(tok.token(0xc3), tok.token(0xc4));
+}
+
 /// The positions whose logits the reference holds: 7, 15, 23, ... and the last.
 fn reference_positions(n: usize) -> Vec<usize> {
     let mut p: Vec<usize> = (7..n).step_by(8).collect();

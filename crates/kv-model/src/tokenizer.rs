@@ -171,6 +171,13 @@ impl TextTokenizer {
         })
     }
 
+    /// Token `id` as the vocabulary spells it (its byte-level form, not
+    /// decoded text), or `None` past the vocabulary: two tokenizers share
+    /// their tokens when every id spells the same.
+    pub fn token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Vocabulary size.
     pub fn vocab_size(&self) -> usize {
         self.vocab

@@ -186,6 +186,63 @@ fn batched_speculation_is_the_plain_batch_token_for_token() {
     }
 }
 
+/// A drafter that never proposes anything.
+struct Never;
+
+impl Drafter for Never {
+    fn propose(&mut self, _: &[u32], _: usize) -> Result<kv_model::model::Draft, ModelError> {
+        Ok(kv_model::model::Draft::default())
+    }
+}
+
+/// Sampled requests whose drafters never propose draw, step by step, from
+/// the streams the plain batch draws from (stream `1 + i` for output
+/// index `i`): the same tokens, under preemption too.
+#[test]
+fn sampled_requests_without_drafts_draw_what_the_plain_batch_draws() {
+    let target = tiny(0, |_| true);
+    let mut requests = requests();
+    for (i, q) in requests.iter_mut().enumerate() {
+        q.sampling = Sampling {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 11 + i as u64,
+        };
+    }
+    for (blocks, preemption) in [(64, Preemption::Recompute), (14, Preemption::Swap)] {
+        let want = serve_batch(
+            &target,
+            &requests,
+            &mut cache(&target, "fp32", "fp32", blocks),
+            &scheduler(preemption),
+            &mut |_, _| Ok(()),
+        )
+        .unwrap();
+        let never: Vec<Box<dyn Drafter + '_>> = (0..requests.len())
+            .map(|_| Box::new(Never) as Box<dyn Drafter>)
+            .collect();
+        let got = speculative(
+            &target,
+            &requests,
+            ("fp32", "fp32", blocks),
+            preemption,
+            3,
+            BatchDrafters::PerRequest(never),
+        )
+        .unwrap();
+        for (i, (g, w)) in got.outputs.iter().zip(&want.outputs).enumerate() {
+            assert_eq!(g.tokens, w.tokens, "{blocks} blocks: request {i}");
+        }
+        assert_eq!(got.speculation.unwrap().drafted, 0);
+        // Sampling does change the outputs (the check means something).
+        let greedy = plain(&target, "fp32", "fp32", blocks, preemption);
+        assert_ne!(
+            greedy.outputs.iter().map(|o| &o.tokens).collect::<Vec<_>>(),
+            want.outputs.iter().map(|o| &o.tokens).collect::<Vec<_>>()
+        );
+    }
+}
+
 #[test]
 fn bad_settings_are_refused_before_any_work() {
     let target = tiny(0, |_| true);

@@ -188,7 +188,8 @@ fn every_instruction_set_computes_the_scalar_bits() {
                 _ => 3 * 32 + 13,
             };
             let w = random_matrix(ty, 21, cols, 100 + n as u64);
-            // 21 tokens: two groups of eight, one of four and one alone.
+            // 21 tokens: two groups of eight and five (in lanes filled up
+            // to eight where the type has token lanes, else four and one).
             let x = random_activations(21, cols, 100 + n as u64);
             assert_eq!(
                 bits(&product(&w, &x, isa)),

@@ -93,9 +93,10 @@ pub struct Request {
     /// The shared prefix the prompt starts with (index into the workload's
     /// prefixes), if any.
     pub shared_prefix: Option<usize>,
-    /// Decode steps to run (tokens appended after the prompt). A model
-    /// engine samples a token from the prefill's logits too, so it
-    /// generates `output_len + 1` tokens.
+    /// Tokens appended after the prompt (one per decode step, or more
+    /// where an engine's drafts are kept). A model engine samples a token
+    /// from the prefill's logits too, so it generates `output_len + 1`
+    /// tokens.
     pub output_len: usize,
 }
 
@@ -288,6 +289,9 @@ struct Running {
     /// Tokens it appended for the current step's decode (its next token
     /// and the drafts after it; 0 when it does not decode this step).
     appended: usize,
+    /// The drafts its engine proposed for the current step, not yet
+    /// appended.
+    drafts: Vec<u32>,
 }
 
 /// A request to draft for, in a decode step ([`Engine::draft`]).
@@ -517,6 +521,7 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                 seq,
                 generated: generated[r],
                 appended: 0,
+                drafts: Vec::new(),
             });
         }
         // Admission.
@@ -557,6 +562,7 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                 seq,
                 generated: generated[r],
                 appended: 0,
+                drafts: Vec::new(),
             });
         }
         if running.is_empty() && next_arrival == reqs.len() {
@@ -579,18 +585,19 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
         // preempting when short.
         // Every running request with room for drafts drafts now, all
         // together (a preempted request's drafts go unused).
-        let asks: Vec<DraftItem> = running
+        let (asks, at): (Vec<DraftItem>, Vec<usize>) = running
             .iter()
-            .filter_map(|run| {
+            .enumerate()
+            .filter_map(|(j, run)| {
                 let left = reqs[run.request].output_len.saturating_sub(run.generated);
-                (left > 1).then_some(DraftItem {
+                let ask = DraftItem {
                     request: run.request,
                     seq: run.seq,
-                    max: left - 1,
-                })
+                    max: left.saturating_sub(1),
+                };
+                (left > 1).then_some((ask, j))
             })
-            .collect();
-        let mut drafts: Vec<Option<Vec<u32>>> = vec![None; reqs.len()];
+            .unzip();
         if !asks.is_empty() {
             let drafted = engine.draft(cache, &asks)?;
             if drafted.len() != asks.len() {
@@ -604,9 +611,9 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                 }
                 .into());
             }
-            for (ask, mut d) in asks.iter().zip(drafted) {
+            for ((ask, mut d), &j) in asks.iter().zip(drafted).zip(&at) {
                 d.truncate(ask.max);
-                drafts[ask.request] = Some(d);
+                running[j].drafts = d;
             }
         }
         let mut i = 0;
@@ -624,11 +631,12 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                 Some((s, step)) if s == seq => step,
                 _ => {
                     let mut step = vec![engine.token(r, running[i].generated)];
-                    step.extend(drafts[r].take().unwrap_or_default());
+                    step.append(&mut running[i].drafts);
                     step
                 }
             };
-            // Drafts are dropped before anyone is preempted for them.
+            // Drafts are dropped before anyone is preempted for them: this
+            // request's first, then those appended before it this step.
             let appended = match cache.append(seq, &step) {
                 Err(PagedCacheError::PoolExhausted { .. }) if step.len() > 1 => {
                     cache.append(seq, &step[..1]).map(|()| 1)
@@ -646,7 +654,14 @@ pub fn serve<P: PrefixCache, E: Engine<P>>(
                     i += 1;
                 }
                 Err(PagedCacheError::PoolExhausted { .. }) => {
-                    pending = Some((seq, step));
+                    // From now on only its next token is appended.
+                    pending = Some((seq, step[..1].to_vec()));
+                    if let Some(run) = running.iter_mut().find(|run| run.appended > 1) {
+                        cache.truncate(run.seq, run.appended - 1)?;
+                        report.drafted_tokens -= run.appended as u64 - 1;
+                        run.appended = 1;
+                        continue;
+                    }
                     let victim = (0..running.len())
                         .min_by_key(|&j| {
                             let q = &reqs[running[j].request];

@@ -381,3 +381,71 @@ fn an_engine_keeping_more_than_it_drafted_is_an_error() {
     let err = serve(&mut cache, &w, &config, &mut Greedy).unwrap_err();
     assert!(err.to_string().contains("keeps 1 of its 0 drafts"), "{err}");
 }
+
+/// An engine whose request 0 drafts four tokens a step, all rejected,
+/// and whose other requests draft nothing.
+struct Rejected;
+
+impl<P: PrefixCache> Engine<P> for Rejected {
+    type Error = PagedCacheError;
+
+    fn token(&self, request: usize, index: usize) -> u32 {
+        truth(request, index)
+    }
+
+    fn prefill(&mut self, _: &mut KvCacheManager<P>, _: usize, _: SeqId, _: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn draft(&mut self, _: &mut KvCacheManager<P>, batch: &[DraftItem]) -> Result<Vec<Vec<u32>>> {
+        Ok(batch
+            .iter()
+            .map(|item| match item.request {
+                0 => vec![7; item.max.min(4)],
+                _ => Vec::new(),
+            })
+            .collect())
+    }
+
+    fn decode(&mut self, _: &mut KvCacheManager<P>, batch: &[DecodeItem]) -> Result<Vec<usize>> {
+        Ok(vec![0; batch.len()])
+    }
+}
+
+/// Two requests that fit the pool when decoded plainly fit it when one of
+/// them drafts too: drafts are cut off before anyone is preempted for
+/// them, the appending request's own and those appended before it.
+#[test]
+fn drafts_never_preempt_a_request_that_fits_plainly() {
+    use paged_cache::scheduler::Request;
+    let request = |id: usize, prompt: Vec<u32>, output_len: usize| Request {
+        id,
+        arrival: 0,
+        priority: 0,
+        prompt,
+        shared_prefix: None,
+        output_len,
+    };
+    // At most four blocks of 4 at once: 8 + 8 tokens when the second
+    // finishes, then the first alone to 12.
+    let w = Workload {
+        requests: vec![request(0, vec![1, 2, 3], 9), request(1, vec![4, 5, 6], 5)],
+    };
+    let config = SchedulerConfig {
+        cache: CacheConfig {
+            num_blocks: 4,
+            block_size: 4,
+            host_blocks: 0,
+        },
+        watermark: 0.0,
+        ..SchedulerConfig::default()
+    };
+    let plain = simulate(&w, 50_000, &config, NoPrefixCache).unwrap();
+    assert_eq!(plain.preempted_recompute, 0, "{plain:?}");
+    let mut cache = KvCacheManager::new(config.cache, NoPrefixCache).unwrap();
+    let r = serve(&mut cache, &w, &config, &mut Rejected).unwrap();
+    assert_eq!((r.finished, r.decoded_tokens), (2, 14), "{r:?}");
+    assert_eq!(r.preempted_recompute + r.preempted_swap, 0, "{r:?}");
+    assert!(r.drafted_tokens > 0 && r.accepted_tokens == 0, "{r:?}");
+    assert_eq!(r.steps, plain.steps, "{r:?}");
+}

@@ -21,7 +21,11 @@
 //! ([`CausalLm::forward_batch_keeping`], the acceptance rules of
 //! [`generate_speculative`](super::generate_speculative)) and the rejected
 //! rows never enter the cache. A step that decides tokens from output
-//! index `i` on draws from stream `1 + i`.
+//! index `i` on draws from stream `1 + i`: greedy output is the plain
+//! batch's, and sampled output has the target's distribution, but a
+//! sampled request's tokens then depend on the drafts it was given (which
+//! the pool, its neighbours and a drafter's own stream change); a step
+//! without drafts draws what the plain batch draws.
 
 use std::time::Instant;
 
@@ -170,8 +174,8 @@ impl<'a> ModelEngine<'a> {
     }
 
     /// Drafts with `speculation` (see [`BatchSpeculation`]); refuses `k`
-    /// of 0 or past the context a request's prompt leaves, and a drafter
-    /// count other than the requests'.
+    /// of 0 or not below the model's context, and drafters for another
+    /// number of requests.
     pub fn speculating(mut self, speculation: BatchSpeculation<'a>) -> Result<Self> {
         let BatchSpeculation { k, drafters } = speculation;
         let count = match &drafters {
@@ -187,19 +191,15 @@ impl<'a> ModelEngine<'a> {
                 ),
             });
         }
+        // A request's drafts are capped by the room its output has left,
+        // so `k` is refused only where no request could ever take it.
         let context = self.model.context().unwrap_or(usize::MAX);
-        let left = self
-            .requests
-            .iter()
-            .map(|q| context.saturating_sub(q.prompt.len()))
-            .min()
-            .unwrap_or(0);
-        if k == 0 || k > left {
+        if k == 0 || k >= context {
             return Err(ModelError::InvalidParameter {
                 name: "k",
                 reason: format!(
-                    "{k} drafts per step: at least 1 and at most the {left} tokens of context \
-                     the longest prompt leaves"
+                    "{k} drafts per step: at least 1 and less than the model's context of \
+                     {context}"
                 ),
             });
         }
@@ -376,7 +376,7 @@ impl<P: PrefixCache> Engine<P> for ModelEngine<'_> {
             // seals (as in `generate_speculative`).
             let sealed = target
                 .rows_before_seal()
-                .map_or(usize::MAX, |rows| rows - 1);
+                .map_or(usize::MAX, |rows| rows.saturating_sub(1));
             let k = spec.k.min(item.max).min(sealed);
             if k == 0 {
                 spec.drafts[request] = Draft::default();

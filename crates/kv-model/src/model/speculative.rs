@@ -190,7 +190,9 @@ where
         // A verification stops at the end of a block a staged form seals:
         // its later rows would read that block staged where plain
         // decoding's read it sealed.
-        let sealed = cache.rows_before_seal().map_or(usize::MAX, |rows| rows - 1);
+        let sealed = cache
+            .rows_before_seal()
+            .map_or(usize::MAX, |rows| rows.saturating_sub(1));
         let want = options
             .k
             .min(remaining - 1)

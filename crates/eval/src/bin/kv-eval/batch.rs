@@ -109,11 +109,13 @@ pub(crate) struct BatchArgs {
     /// each finishes, then `report.md` and `report.json`.
     #[arg(long)]
     out: PathBuf,
-    /// Speculative decoding, every request drafting with a drafter of its
-    /// own (as `generate --speculate`): `lookup[:k=K]`, `draft:MODEL[:k=K]`
-    /// or `self[:skip=LAYERS][:k=K]` (every form int8h-class). The batch is
-    /// served plainly first and the report adds the acceptance, the
-    /// speedup and how many greedy outputs equal the plain batch's.
+    /// Speculative decoding (the spellings of `generate --speculate`):
+    /// `lookup[:k=K]` (prompt lookup for each request), `draft:MODEL[:k=K]`
+    /// (one draft model drafting greedily for every request in batched
+    /// passes) or `self[:skip=LAYERS][:k=K]` (each request through the
+    /// draft view of an int8h-class cache). The batch is served plainly
+    /// first and the report adds the acceptance, the speedup and how many
+    /// greedy outputs equal the plain batch's.
     #[arg(long, value_parser = crate::speculate::parse_speculate)]
     speculate: Option<Speculate>,
 }
@@ -177,6 +179,18 @@ pub(crate) fn run(args: BatchArgs) -> Result<(), Error> {
     crate::check_out_dir(&args.out)?;
     let (model, tokenizer) = load_model(&model_path(&args.model)?)?;
     let context = model.context().unwrap_or(usize::MAX);
+    if let Some(k) = args
+        .speculate
+        .as_ref()
+        .map(Speculate::k)
+        .filter(|&k| k >= context)
+    {
+        return Err(format!(
+            "--speculate k={k}: less than the model's context of {context} (checked before the \
+             plain baseline runs)"
+        )
+        .into());
+    }
     let requests = match (&text, &args.requests) {
         (Some(text), Some(path)) => parse_requests(text, context, |p| Ok(tokenizer.encode(p)?))
             .map_err(|e| format!("{}: {e}", path.display()))?,

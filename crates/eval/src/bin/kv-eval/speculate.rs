@@ -114,7 +114,7 @@ pub(crate) fn parse_layers(s: &str) -> Result<Vec<usize>, String> {
 
 /// Loads the draft model `path` names (a GGUF file, a folder or a fetched
 /// model's name), refused where it does not share `tokenizer`: another
-/// vocabulary size, or any token whose text differs.
+/// vocabulary size, or any token spelled otherwise in its vocabulary.
 pub(crate) fn load_draft(
     path: &Path,
     target: &dyn CausalLm,
@@ -125,11 +125,11 @@ pub(crate) fn load_draft(
     let differs = draft.vocab() != vocab
         || draft_tokenizer.vocab_size() != tokenizer.vocab_size()
         || (0..tokenizer.vocab_size() as u32)
-            .any(|id| tokenizer.decode(&[id]).ok() != draft_tokenizer.decode(&[id]).ok());
+            .any(|id| tokenizer.token(id) != draft_tokenizer.token(id));
     if differs {
         return Err(format!(
             "the draft model {} does not share the target's tokenizer (vocabularies of {} and \
-             {vocab} tokens, or a token's text differs)",
+             {vocab} tokens, or a token spelled otherwise)",
             path.display(),
             draft.vocab()
         )

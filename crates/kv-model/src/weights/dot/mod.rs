@@ -25,9 +25,9 @@ pub enum Isa {
     /// x86-64 AVX2 with FMA and F16C (Haswell, Zen and later).
     Avx2,
     /// [`Avx2`](Self::Avx2) plus AVX-512 F/BW/VL with VNNI (Ice Lake,
-    /// Sapphire Rapids, Zen 4 and later): the token-lane kernels of the
-    /// 32-value types sum their blocks with `vpdpbusd`; every other kernel
-    /// is AVX2's.
+    /// Sapphire Rapids, Zen 4 and later): the token-lane kernels of
+    /// `Q4_0` and `Q5_0` sum their blocks with `vpdpbusd`; every other
+    /// kernel is AVX2's.
     Avx512Vnni,
 }
 
