@@ -16,7 +16,8 @@
 //!   the streaming read of those bytes: what a check costs beside a
 //!   decode step;
 //! - `kv-model/prefill-isa/<TYPE>`: 64 tokens on AVX-512 VNNI against the
-//!   same product pinned to AVX2 (on a CPU with AVX-512 VNNI).
+//!   same product pinned to AVX2, for the types whose token lanes VNNI
+//!   sums (on a CPU with AVX-512 VNNI).
 
 use abft_gemm::Matrix;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -140,7 +141,12 @@ fn prefill_isa(c: &mut Criterion) {
     let mut out = vec![0.0; t * SIDE];
     let mut g = c.benchmark_group("kv-model/prefill-isa");
     g.throughput(Throughput::Elements((t * SIDE * SIDE) as u64));
-    for ty in [WeightType::Q4_0, WeightType::Q5_0] {
+    for ty in [
+        WeightType::Q4_0,
+        WeightType::Q5_0,
+        WeightType::Q4_K,
+        WeightType::Q6_K,
+    ] {
         let m = matrix(ty, 0);
         for (name, isa) in [
             (ty.name().to_string(), Isa::Avx512Vnni),

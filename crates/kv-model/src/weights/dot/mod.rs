@@ -26,8 +26,8 @@ pub enum Isa {
     Avx2,
     /// [`Avx2`](Self::Avx2) plus AVX-512 F/BW/VL with VNNI (Ice Lake,
     /// Sapphire Rapids, Zen 4 and later): the token-lane kernels of
-    /// `Q4_0` and `Q5_0` sum their blocks with `vpdpbusd`; every other
-    /// kernel is AVX2's.
+    /// `Q4_0`, `Q5_0`, `Q4_K` and `Q6_K` sum their runs with `vpdpbusd`;
+    /// every other kernel is AVX2's.
     Avx512Vnni,
 }
 
@@ -296,7 +296,7 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
 }
 
 /// The AVX-512 VNNI kernels: AVX2's, with the token-lane kernels of
-/// `Q4_0` and `Q5_0` summing their blocks by `vpdpbusd`. Reachable only
+/// `Q4_0`, `Q5_0`, `Q4_K` and `Q6_K` summing their runs by `vpdpbusd`. Reachable only
 /// through [`RowDot::new`] after `Isa::Avx512Vnni.checked()`, which implies
 /// AVX2's check.
 #[cfg(target_arch = "x86_64")]
@@ -311,12 +311,27 @@ fn avx512_vnni_kernel(ty: WeightType) -> Option<RowDot> {
             Some(lanes as Lanes8)
         }};
     }
+    macro_rules! lanes_k {
+        ($f:ident) => {{
+            fn lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+                // SAFETY: as in `lanes!`.
+                unsafe { avx2::$f(w, y) }
+            }
+            Some(lanes as Lanes8K)
+        }};
+    }
     Some(match avx2_kernel(ty)? {
         RowDot::Q8(grouped, _) if ty == WeightType::Q4_0 => {
             RowDot::Q8(grouped, lanes!(q4_0_lanes_vnni))
         }
         RowDot::Q8(grouped, _) if ty == WeightType::Q5_0 => {
             RowDot::Q8(grouped, lanes!(q5_0_lanes_vnni))
+        }
+        RowDot::Q8K(grouped, _) if ty == WeightType::Q4_K => {
+            RowDot::Q8K(grouped, lanes_k!(q4_k_lanes_vnni))
+        }
+        RowDot::Q8K(grouped, _) if ty == WeightType::Q6_K => {
+            RowDot::Q8K(grouped, lanes_k!(q6_k_lanes_vnni))
         }
         other => other,
     })
@@ -343,7 +358,12 @@ mod tests {
 
     #[test]
     fn k_quant_token_lanes_at_their_sixteen_bit_bound_give_each_token_its_own_bits() {
-        let isa = Isa::detect();
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            k_quant_bounds_on(isa);
+        }
+    }
+
+    fn k_quant_bounds_on(isa: Isa) {
         // Every code at its largest (all bits set), every scale large,
         // against tokens of ±127 codes: the 16-bit run sums at their bound.
         for ty in [WeightType::Q4_K, WeightType::Q6_K] {

@@ -354,14 +354,14 @@ struct UnpackedK {
     d: [f32; 2],
 }
 
-/// `Q4_K · Q8_K`, eight tokens in lanes ([`Q8Kx8Block`]): the bits of
-/// [`q4_k`](super::q4_k) for each of the eight. A run's four codes are broadcast from
-/// the unpacked super-block by a load, as in [`lanes8`]; a run's eight
-/// products sum in 16 bits (at most `8·2·15·127 = 30,480`) and
-/// `vpmaddwd` applies its scale; the mins meet each token's code sums in
-/// one `vpmaddwd` per run.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q4_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+/// Defines a `Q4_K` token-lane kernel on `$features`, its runs summed and
+/// scaled by `$run` ([`scaled_run_madd`] or [`scaled_run_dpbusd`]: the
+/// same exact integers).
+macro_rules! q4_k_lanes_kernel {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $run:ident) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        pub(crate) fn $name(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
     let mask = _mm256_set1_epi8(0x0f);
     let mut acc = _mm256_setzero_ps();
     let empty = UnpackedK {
@@ -395,20 +395,11 @@ pub(crate) fn q4_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
             let mut sumi = _mm256_setzero_si256();
             let mut summ = _mm256_setzero_si256();
             for r in 0..8 {
-                // SAFETY: 8r + k < 64: 256 codes, 512 entries of `qs`.
-                let chunk = |k: usize| unsafe { chunk_product(&u.codes, &y.qs, 8 * r + k) };
-                let run = _mm256_add_epi16(
-                    _mm256_add_epi16(
-                        _mm256_add_epi16(chunk(0), chunk(1)),
-                        _mm256_add_epi16(chunk(2), chunk(3)),
-                    ),
-                    _mm256_add_epi16(
-                        _mm256_add_epi16(chunk(4), chunk(5)),
-                        _mm256_add_epi16(chunk(6), chunk(7)),
-                    ),
-                );
-                sumi =
-                    _mm256_add_epi32(sumi, _mm256_madd_epi16(run, _mm256_set1_epi16(u.scales[r])));
+                // SAFETY: run `r` is codes `32r .. 32r + 32` (of 256) and
+                // entries `64r .. 64r + 64` of `qs` (of 512); the codes are
+                // aligned to 32; the features are this function's.
+                let run = unsafe { $run(&u.codes, &y.qs, 8 * r, 8, u.scales[r]) };
+                sumi = _mm256_add_epi32(sumi, run);
                 // SAFETY: `bsums[8r .. 8r + 8]` is 32 bytes of `y`.
                 let sums = unsafe { load(y.bsums.as_ptr().add(8 * r).cast()) };
                 summ =
@@ -429,6 +420,103 @@ pub(crate) fn q4_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
     // SAFETY: `out` is eight f32.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
     out
+        }
+    };
+}
+
+q4_k_lanes_kernel!(
+    /// `Q4_K · Q8_K`, eight tokens in lanes ([`Q8Kx8Block`]): the bits of
+    /// [`q4_k`](super::q4_k) for each of the eight. A run's four codes are broadcast from
+    /// the unpacked super-block by a load, as in [`lanes8`]; a run's eight
+    /// products sum in 16 bits (at most `8·2·15·127 = 30,480`) and
+    /// `vpmaddwd` applies its scale; the mins meet each token's code sums in
+    /// one `vpmaddwd` per run.
+    q4_k_lanes,
+    "avx2,fma,f16c",
+    scaled_run_madd
+);
+
+q4_k_lanes_kernel!(
+    /// [`q4_k_lanes`] on AVX-512 VNNI: its runs summed by `vpdpbusd`.
+    q4_k_lanes_vnni,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    scaled_run_dpbusd
+);
+
+/// `chunks` runs of four codes from run-of-four `first` on, against the
+/// eight tokens' codes, summed per token and times `scale` (exact
+/// integers): on AVX2 the products sum in 16 bits (the callers' bounds:
+/// at most `8·2·15·127 = 30,480` for `Q4_K`'s runs of 32, `4·2·63·127 =
+/// 64,008` in two halves for `Q6_K`'s groups of 16, each half at most
+/// 32,004), then `vpmaddwd` applies the scale.
+///
+/// # Safety
+/// `codes` is 32-byte aligned with `4(first + chunks)` bytes, `qs` has
+/// `8(first + chunks)` entries; the CPU has AVX2. `chunks` is 4 or 8.
+#[inline(always)]
+unsafe fn scaled_run_madd(
+    codes: &[u8],
+    qs: &[[i8; 4]],
+    first: usize,
+    chunks: usize,
+    scale: i16,
+) -> __m256i {
+    // SAFETY: in bounds by the caller's guarantee. No closures: a closure
+    // here would be compiled without the caller's features.
+    unsafe {
+        let sc = _mm256_set1_epi16(scale);
+        if chunks == 8 {
+            let low = pair_product(codes, qs, first);
+            let low = _mm256_add_epi16(low, pair_product(codes, qs, first + 2));
+            let high = pair_product(codes, qs, first + 4);
+            let high = _mm256_add_epi16(high, pair_product(codes, qs, first + 6));
+            _mm256_madd_epi16(_mm256_add_epi16(low, high), sc)
+        } else {
+            _mm256_add_epi32(
+                _mm256_madd_epi16(pair_product(codes, qs, first), sc),
+                _mm256_madd_epi16(pair_product(codes, qs, first + 2), sc),
+            )
+        }
+    }
+}
+
+/// [`chunk_product`] of runs-of-four `at` and `at + 1`, added in 16 bits.
+///
+/// # Safety
+/// As [`chunk_product`] for `at + 1`.
+#[inline(always)]
+unsafe fn pair_product(codes: &[u8], qs: &[[i8; 4]], at: usize) -> __m256i {
+    // SAFETY: by the caller's guarantee.
+    unsafe {
+        _mm256_add_epi16(
+            chunk_product(codes, qs, at),
+            chunk_product(codes, qs, at + 1),
+        )
+    }
+}
+
+/// [`scaled_run_madd`]'s integers by `vpdpbusd` (two chains) and one
+/// `vpmulld` by the scale.
+///
+/// # Safety
+/// As [`scaled_run_madd`], and the CPU has AVX-512 VL and VNNI.
+#[inline(always)]
+unsafe fn scaled_run_dpbusd(
+    codes: &[u8],
+    qs: &[[i8; 4]],
+    first: usize,
+    chunks: usize,
+    scale: i16,
+) -> __m256i {
+    // SAFETY: in bounds by the caller's guarantee.
+    unsafe {
+        let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for k in (0..chunks).step_by(2) {
+            a = chunk_dpbusd(a, codes, qs, first + k);
+            b = chunk_dpbusd(b, codes, qs, first + k + 1);
+        }
+        _mm256_mullo_epi32(_mm256_add_epi32(a, b), _mm256_set1_epi32(i32::from(scale)))
+    }
 }
 
 /// A `Q6_K` super-block unpacked for [`q6_k_lanes`].
@@ -443,13 +531,13 @@ struct Unpacked6K {
     d: f32,
 }
 
-/// `Q6_K · Q8_K`, eight tokens in lanes: the bits of [`q6_k`](super::q6_k) for each of
-/// the eight, as [`q4_k_lanes`] computes `q4_k`'s. Two products of 6-bit
-/// codes sum in 16 bits (at most `2·2·63·127 = 32,004`), so each group of
-/// 16 values takes two `vpmaddwd` with its scale; the offsets
-/// `Σ_g sc_g·Σy_g` take one per pair of groups.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q6_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+/// Defines a `Q6_K` token-lane kernel on `$features`, its groups summed
+/// and scaled by `$run` (as [`q4_k_lanes_kernel`]).
+macro_rules! q6_k_lanes_kernel {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $run:ident) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        pub(crate) fn $name(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
     let (mask, pair) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(3));
     let mut acc = _mm256_setzero_ps();
     let empty = Unpacked6K {
@@ -501,16 +589,11 @@ pub(crate) fn q6_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
             let mut sumi = _mm256_setzero_si256();
             let mut offset = _mm256_setzero_si256();
             for g in 0..16 {
-                // SAFETY: 4g + k < 64: 256 codes, 512 entries of `qs`.
-                let chunk = |k: usize| unsafe { chunk_product(&u.codes, &y.qs, 4 * g + k) };
-                let sc = _mm256_set1_epi16(u.scales[g]);
-                sumi = _mm256_add_epi32(
-                    sumi,
-                    _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_add_epi16(chunk(0), chunk(1)), sc),
-                        _mm256_madd_epi16(_mm256_add_epi16(chunk(2), chunk(3)), sc),
-                    ),
-                );
+                // SAFETY: group `g` is codes `16g .. 16g + 16` (of 256) and
+                // entries `32g .. 32g + 32` of `qs` (of 512); the codes are
+                // aligned to 32; the features are this function's.
+                let group = unsafe { $run(&u.codes, &y.qs, 4 * g, 4, u.scales[g]) };
+                sumi = _mm256_add_epi32(sumi, group);
             }
             for j in 0..8 {
                 let (lo, hi) = (u.scales[2 * j] as u16, u.scales[2 * j + 1] as u16);
@@ -520,10 +603,8 @@ pub(crate) fn q6_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
                 offset = _mm256_add_epi32(offset, _mm256_madd_epi16(sums, sc));
             }
             // SAFETY: `d` is eight f32 of `y`.
-            let d = _mm256_mul_ps(
-                unsafe { _mm256_loadu_ps(y.d.as_ptr()) },
-                _mm256_set1_ps(u.d),
-            );
+            let yd = unsafe { _mm256_loadu_ps(y.d.as_ptr()) };
+            let d = _mm256_mul_ps(yd, _mm256_set1_ps(u.d));
             let total = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<5>(offset));
             // `acc + d·(sumi − 32·offset)`, unfused, as `q6_k`.
             acc = _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(total)));
@@ -533,4 +614,24 @@ pub(crate) fn q6_k_lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
     // SAFETY: `out` is eight f32.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
     out
+        }
+    };
 }
+
+q6_k_lanes_kernel!(
+    /// `Q6_K · Q8_K`, eight tokens in lanes: the bits of [`q6_k`](super::q6_k) for each of
+    /// the eight, as [`q4_k_lanes`] computes `q4_k`'s. Two products of 6-bit
+    /// codes sum in 16 bits (at most `2·2·63·127 = 32,004`), so each group of
+    /// 16 values takes two `vpmaddwd` with its scale; the offsets
+    /// `Σ_g sc_g·Σy_g` take one per pair of groups.
+    q6_k_lanes,
+    "avx2,fma,f16c",
+    scaled_run_madd
+);
+
+q6_k_lanes_kernel!(
+    /// [`q6_k_lanes`] on AVX-512 VNNI: its groups summed by `vpdpbusd`.
+    q6_k_lanes_vnni,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    scaled_run_dpbusd
+);

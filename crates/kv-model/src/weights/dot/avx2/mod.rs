@@ -24,8 +24,8 @@ use super::super::kquants::scale_min_k4;
 mod lanes;
 
 pub(crate) use lanes::{
-    q4_0_lanes, q4_0_lanes_vnni, q4_1_lanes, q4_k_lanes, q5_0_lanes, q5_0_lanes_vnni, q5_1_lanes,
-    q6_k_lanes,
+    q4_0_lanes, q4_0_lanes_vnni, q4_1_lanes, q4_k_lanes, q4_k_lanes_vnni, q5_0_lanes,
+    q5_0_lanes_vnni, q5_1_lanes, q6_k_lanes, q6_k_lanes_vnni,
 };
 
 /// The f16 at byte `i` of a block, converted by F16C (the `half` crate's
