@@ -230,6 +230,34 @@ fn scalar_kernel(ty: WeightType) -> Option<RowDot> {
     })
 }
 
+/// A safe entry point to the token-lane kernel `avx2::$f` (of AVX2, or of
+/// AVX-512 VNNI), as a [`Lanes8`].
+#[cfg(target_arch = "x86_64")]
+macro_rules! lanes {
+    ($f:ident) => {{
+        fn lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
+            // SAFETY: used only by `avx2_kernel` and `avx512_vnni_kernel`,
+            // whose kernels `RowDot::new` hands out only after
+            // `Isa::checked()` found the features of that set, the ones
+            // `avx2::$f` enables.
+            unsafe { avx2::$f(w, y) }
+        }
+        Some(lanes as Lanes8)
+    }};
+}
+
+/// [`lanes!`] for the k-quants' lanes, as a [`Lanes8K`].
+#[cfg(target_arch = "x86_64")]
+macro_rules! lanes_k {
+    ($f:ident) => {{
+        fn lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
+            // SAFETY: as in `lanes!`.
+            unsafe { avx2::$f(w, y) }
+        }
+        Some(lanes as Lanes8K)
+    }};
+}
+
 /// Safe entry points to the AVX2 kernels. They are reachable only through
 /// [`RowDot::new`], which hands them out after [`Isa::checked`] has found
 /// AVX2, FMA and F16C on this CPU.
@@ -261,24 +289,6 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
             }
         }};
     }
-    macro_rules! lanes {
-        ($f:ident) => {{
-            fn lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
-                // SAFETY: as in `wrap!`.
-                unsafe { avx2::$f(w, y) }
-            }
-            Some(lanes as Lanes8)
-        }};
-    }
-    macro_rules! lanes_k {
-        ($f:ident) => {{
-            fn lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
-                // SAFETY: as in `wrap!`.
-                unsafe { avx2::$f(w, y) }
-            }
-            Some(lanes as Lanes8K)
-        }};
-    }
     Some(match ty {
         WeightType::Q4_0 => RowDot::Q8(grouped!(q4_0, Q8Block), lanes!(q4_0_lanes)),
         WeightType::Q4_1 => RowDot::Q8(grouped!(q4_1, Q8Block), lanes!(q4_1_lanes)),
@@ -301,39 +311,12 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
 /// AVX2's check.
 #[cfg(target_arch = "x86_64")]
 fn avx512_vnni_kernel(ty: WeightType) -> Option<RowDot> {
-    macro_rules! lanes {
-        ($f:ident) => {{
-            fn lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
-                // SAFETY: handed out only after `Isa::Avx512Vnni.checked()`
-                // succeeded: AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI.
-                unsafe { avx2::$f(w, y) }
-            }
-            Some(lanes as Lanes8)
-        }};
-    }
-    macro_rules! lanes_k {
-        ($f:ident) => {{
-            fn lanes(w: &[u8], y: &[Q8Kx8Block]) -> [f32; 8] {
-                // SAFETY: as in `lanes!`.
-                unsafe { avx2::$f(w, y) }
-            }
-            Some(lanes as Lanes8K)
-        }};
-    }
-    Some(match avx2_kernel(ty)? {
-        RowDot::Q8(grouped, _) if ty == WeightType::Q4_0 => {
-            RowDot::Q8(grouped, lanes!(q4_0_lanes_vnni))
-        }
-        RowDot::Q8(grouped, _) if ty == WeightType::Q5_0 => {
-            RowDot::Q8(grouped, lanes!(q5_0_lanes_vnni))
-        }
-        RowDot::Q8K(grouped, _) if ty == WeightType::Q4_K => {
-            RowDot::Q8K(grouped, lanes_k!(q4_k_lanes_vnni))
-        }
-        RowDot::Q8K(grouped, _) if ty == WeightType::Q6_K => {
-            RowDot::Q8K(grouped, lanes_k!(q6_k_lanes_vnni))
-        }
-        other => other,
+    Some(match (ty, avx2_kernel(ty)?) {
+        (WeightType::Q4_0, RowDot::Q8(g, _)) => RowDot::Q8(g, lanes!(q4_0_lanes_vnni)),
+        (WeightType::Q5_0, RowDot::Q8(g, _)) => RowDot::Q8(g, lanes!(q5_0_lanes_vnni)),
+        (WeightType::Q4_K, RowDot::Q8K(g, _)) => RowDot::Q8K(g, lanes_k!(q4_k_lanes_vnni)),
+        (WeightType::Q6_K, RowDot::Q8K(g, _)) => RowDot::Q8K(g, lanes_k!(q6_k_lanes_vnni)),
+        (_, other) => other,
     })
 }
 

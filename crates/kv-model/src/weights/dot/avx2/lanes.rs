@@ -41,7 +41,7 @@ unsafe fn chunk_product(codes: &[u8], qs: &[[i8; 4]], c: usize) -> __m256i {
     }
 }
 
-/// Blocks of a weight row unpacked at a time by [`lanes8`]: 1 KiB of
+/// Blocks of a weight row unpacked at a time by [`lanes8_with`]: 1 KiB of
 /// codes and their scales, in L1 beside the tokens' blocks.
 const SEGMENT: usize = 32;
 
@@ -141,7 +141,7 @@ unsafe fn chunk_dpbusd(acc: __m256i, codes: &[u8], qs: &[[i8; 4]], c: usize) -> 
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C and what `S` needs: only inlined into
-/// [`lanes8`] and [`lanes8_vnni`], which enable them.
+/// the `q4_0`/`q5_0` lane kernels, which enable them.
 #[inline(always)]
 unsafe fn lanes8_with<S: BlockSum, const SHIFT: i32>(
     w: &[u8],
@@ -212,31 +212,6 @@ unsafe fn block_term<S: BlockSum, const SHIFT: i32>(
     }
 }
 
-/// [`lanes8_with`] on AVX2.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn lanes8<const SHIFT: i32>(
-    w: &[u8],
-    block_bytes: usize,
-    y: &[Q8x8Block],
-    unpack: impl Fn(&[u8]) -> __m256i,
-) -> [f32; 8] {
-    // SAFETY: this function enables what `Madd` needs.
-    unsafe { lanes8_with::<Madd, SHIFT>(w, block_bytes, y, unpack) }
-}
-
-/// [`lanes8_with`] on AVX-512 VNNI: the same bits (the block sums are the
-/// same exact integers), in fewer instructions.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn lanes8_vnni<const SHIFT: i32>(
-    w: &[u8],
-    block_bytes: usize,
-    y: &[Q8x8Block],
-    unpack: impl Fn(&[u8]) -> __m256i,
-) -> [f32; 8] {
-    // SAFETY: this function enables what `Vnni` needs.
-    unsafe { lanes8_with::<Vnni, SHIFT>(w, block_bytes, y, unpack) }
-}
-
 /// `Q4_1`/`Q5_1` against eight tokens in lanes: the bits of [`lanes32`](super::lanes32)
 /// for each of the eight. Lane `k` of that definition (values `4k .. 4k +
 /// 4` of every block) is here the register `acc[k]`, a token per lane:
@@ -297,25 +272,29 @@ fn lanes8_min(
 /// `Q4_0 · Q8_0`, eight tokens in lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn q4_0_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
-    lanes8::<3>(w, 18, y, |b| q4_0_codes(b))
+    // SAFETY: this function enables what `Madd` needs.
+    unsafe { lanes8_with::<Madd, 3>(w, 18, y, |b| q4_0_codes(b)) }
 }
 
 /// `Q5_0 · Q8_0`, eight tokens in lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn q5_0_lanes(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
-    lanes8::<4>(w, 22, y, |b| q5_0_codes(b))
+    // SAFETY: this function enables what `Madd` needs.
+    unsafe { lanes8_with::<Madd, 4>(w, 22, y, |b| q5_0_codes(b)) }
 }
 
 /// `Q4_0 · Q8_0`, eight tokens in lanes, on AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) fn q4_0_lanes_vnni(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
-    lanes8_vnni::<3>(w, 18, y, |b| q4_0_codes(b))
+    // SAFETY: this function enables what `Vnni` needs.
+    unsafe { lanes8_with::<Vnni, 3>(w, 18, y, |b| q4_0_codes(b)) }
 }
 
 /// `Q5_0 · Q8_0`, eight tokens in lanes, on AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) fn q5_0_lanes_vnni(w: &[u8], y: &[Q8x8Block]) -> [f32; 8] {
-    lanes8_vnni::<4>(w, 22, y, |b| q5_0_codes(b))
+    // SAFETY: this function enables what `Vnni` needs.
+    unsafe { lanes8_with::<Vnni, 4>(w, 22, y, |b| q5_0_codes(b)) }
 }
 
 /// `Q4_1 · Q8_1`, eight tokens in lanes.
@@ -427,7 +406,7 @@ macro_rules! q4_k_lanes_kernel {
 q4_k_lanes_kernel!(
     /// `Q4_K · Q8_K`, eight tokens in lanes ([`Q8Kx8Block`]): the bits of
     /// [`q4_k`](super::q4_k) for each of the eight. A run's four codes are broadcast from
-    /// the unpacked super-block by a load, as in [`lanes8`]; a run's eight
+    /// the unpacked super-block by a load, as in [`lanes8_with`]; a run's eight
     /// products sum in 16 bits (at most `8·2·15·127 = 30,480`) and
     /// `vpmaddwd` applies its scale; the mins meet each token's code sums in
     /// one `vpmaddwd` per run.
