@@ -39,6 +39,7 @@ pub mod meta;
 #[cfg(feature = "ndarray")]
 mod ndarray_views;
 pub mod nf4;
+pub mod outliers;
 pub mod qjl;
 pub mod rotation;
 mod simd;
@@ -54,13 +55,15 @@ pub use layout::GroupLayout;
 pub use lloyd_max::LloydMax;
 pub use meta::MetaCode;
 pub use nf4::NF4_LEVELS;
+pub use outliers::SparseStore;
 pub use qjl::QjlSketch;
 pub use rotation::Hadamard;
 pub use simd::f16_to_f32 as widen_f16;
 pub use spec::{
     BlockPlan, CacheForm, CoeffCode, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms,
-    LloydMaxSpec, LowRankMethod, LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer,
-    RankRule, Rotation, ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
+    LloydMaxSpec, LowRankMethod, LowRankSpec, MAX_OUTLIER_BASIS_POINTS, MetaProtection, Nf4Spec,
+    OutlierShare, Protection, Quantizer, RankRule, Rotation, ScaleType, Segments, ShardSpec,
+    ShardValues, VqSpec,
 };
 pub use store::{
     ChannelSlices, DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection,

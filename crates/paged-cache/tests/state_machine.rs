@@ -51,7 +51,7 @@ const BLOCKS: usize = 24;
 const HOST: usize = 12;
 /// Channels per head of the low-rank and Shard forms' tables.
 const HEAD_DIM: usize = 4;
-const LAYER0_FORMS: [&str; 13] = [
+const LAYER0_FORMS: [&str; 14] = [
     "fp16",
     // Per-channel groups of 2 and 4 blocks, kept as channel slices.
     "int4-ch8+sink2",
@@ -66,6 +66,8 @@ const LAYER0_FORMS: [&str; 13] = [
     "int4-ch+secded84",
     "pca-r2",
     "shard-k3-cal+sink2+win3",
+    // Dense-and-sparse: outliers split off each sealed block.
+    "int2-ch+sink2+out10+secded84",
 ];
 const PROTECTED: &str = "int4-g4+secded84";
 
@@ -245,7 +247,7 @@ impl<P: PrefixCache> Harness<P> {
         let fitted = forms.map(fitted);
         let plan = BlockPlan::new(forms[0], BS).ok();
         let group = plan.map_or(1, |p| p.group_blocks);
-        let sinks = plan.map_or(0, |p| p.sink_blocks);
+        let sinks = plan.map_or(forms[0].segments().sink.div_ceil(BS), |p| p.sink_blocks);
         // A group's oracle holds the sink blocks before it, unused.
         let blocks = if group > 1 { sinks + group } else { 1 };
         let oracles = (0..4)

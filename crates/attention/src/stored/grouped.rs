@@ -559,6 +559,7 @@ impl StoredPart for GroupedPart {
                 data.bytes().is_empty()
                     && data.low_rank().is_none()
                     && data.shard().is_none()
+                    && data.sparse().is_none()
                     && s.tokens() == self.group_tokens()
                     && s.channels() == self.slice
             }

@@ -285,13 +285,11 @@ impl StoredPart for LowRankPart {
     fn restore(&mut self, block: usize, data: &PartBlock) -> Result<()> {
         self.blocks.get(block)?;
         if !self.accepts(data) {
-            return Err(AttentionError::InvalidParameter {
-                name: "block data",
-                reason: format!(
-                    "it does not hold a block of {} rows of {} channels in {}",
-                    self.block_size, self.channels, self.form
-                ),
-            });
+            return Err(super::block_data_refused(
+                self.block_size,
+                self.channels,
+                self.form,
+            ));
         }
         let bases = self.bases.read();
         self.blocks.restore(block, data, |data| {

@@ -98,10 +98,12 @@
 mod grouped;
 mod hierarchical;
 mod low_rank;
+mod part_block;
 mod planned;
 mod sequence;
 mod shard;
 mod shared;
+mod sparse;
 mod staging;
 mod window;
 
@@ -109,7 +111,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use gf2_codes::channel::FaultChannel;
-use kv_lowrank::{HeadBases, LowRankStore};
+use kv_lowrank::HeadBases;
 use kv_quant::{
     BlockPlan, CacheForm, DecodeScratch, FaultTarget, Hadamard, Injection, KvDecodeStats,
     KvQuantError, KvStore, Quantizer, RowBuffers, RowEncoder, ScrubStats, VqCodebook,
@@ -118,10 +120,12 @@ use kv_quant::{
 pub use grouped::GroupedPart;
 pub use hierarchical::HierarchicalPart;
 pub use low_rank::LowRankPart;
+pub use part_block::PartBlock;
 pub use planned::PlannedPart;
 pub use sequence::{SequenceFit, SequenceTables};
 pub use shard::{BlockGuard, MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
+pub use sparse::SparsePart;
 pub use staging::clamp_non_finite;
 pub use window::{
     WindowBytes, WindowInjection, WindowLayer, WindowPart, WindowScratch, WindowShape,
@@ -490,125 +494,6 @@ pub trait StoredPart: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// One block's contents in one part, for copies and the host tier: the
-/// kv-quant stores the implementation keeps for it (the one read last,
-/// [`rows`](Self::rows), holding its rows as attention reads them), a
-/// kv-lowrank store of a sealed low-rank block, and any bytes it keeps
-/// outside both.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct PartBlock {
-    stores: Vec<KvStore>,
-    low_rank: Option<LowRankStore>,
-    shard: Option<ShardBlock>,
-    bytes: Vec<u8>,
-    group: Option<u64>,
-    /// Of a hierarchical block's stores, how many are its upper plane's
-    /// (the residual plane's follow).
-    planes: Option<usize>,
-}
-
-impl PartBlock {
-    /// A block kept in kv-quant stores, the one holding its rows as read
-    /// last.
-    pub fn of_stores(stores: Vec<KvStore>) -> Self {
-        Self {
-            stores,
-            ..Self::default()
-        }
-    }
-
-    /// A sealed low-rank block.
-    pub fn of_low_rank(store: LowRankStore) -> Self {
-        Self {
-            low_rank: Some(store),
-            ..Self::default()
-        }
-    }
-
-    /// A sealed Shard block.
-    pub fn of_shard(block: ShardBlock) -> Self {
-        Self {
-            shard: Some(block),
-            ..Self::default()
-        }
-    }
-
-    /// The block marked as one of the group of blocks sealed together
-    /// under `group` (a per-channel group's channel slice: copies of one
-    /// group's blocks keep its mark, so a cache can tell blocks of one
-    /// group from blocks of another holding the same tokens).
-    pub fn in_group(self, group: u64) -> Self {
-        Self {
-            group: Some(group),
-            ..self
-        }
-    }
-
-    /// The mark of the group of blocks the block was sealed in, if any.
-    pub fn group(&self) -> Option<u64> {
-        self.group
-    }
-
-    /// The sealed Shard block, if it is one.
-    pub fn shard(&self) -> Option<&ShardBlock> {
-        self.shard.as_ref()
-    }
-
-    /// A block kept as plain bytes (a part defined outside kv-quant's forms).
-    pub fn of_bytes(bytes: Vec<u8>) -> Self {
-        Self {
-            bytes,
-            ..Self::default()
-        }
-    }
-
-    /// The low-rank store of a sealed low-rank block.
-    pub fn low_rank(&self) -> Option<&LowRankStore> {
-        self.low_rank.as_ref()
-    }
-
-    /// The stores, in the implementation's order.
-    pub fn stores(&self) -> &[KvStore] {
-        &self.stores
-    }
-
-    /// The bytes kept outside kv-quant stores.
-    pub fn bytes(&self) -> &[u8] {
-        &self.bytes
-    }
-
-    /// The store holding the block's rows as read, if it is kept in stores
-    /// (none for a block of two planes, read as their sum).
-    pub fn rows(&self) -> Option<&KvStore> {
-        match self.planes {
-            Some(_) => None,
-            None => self.stores.last(),
-        }
-    }
-
-    /// Bytes held, counted from the stores' buffers and the plain bytes.
-    pub fn stored_bytes(&self) -> usize {
-        self.stores.iter().map(KvStore::stored_bytes).sum::<usize>()
-            + self.low_rank.as_ref().map_or(0, LowRankStore::stored_bytes)
-            + self.shard.as_ref().map_or(0, ShardBlock::stored_bytes)
-            + self.bytes.len()
-    }
-
-    /// One scrubbing pass over every kv-quant store and a coded Shard
-    /// block's words (swapped-out blocks collect faults too); plain bytes
-    /// and low-rank coefficients are not rewritten here.
-    pub fn scrub(&mut self) -> Result<ScrubStats> {
-        let mut stats = ScrubStats::default();
-        for s in &mut self.stores {
-            stats += s.scrub()?;
-        }
-        if let Some(shard) = &mut self.shard {
-            stats += shard.scrub()?;
-        }
-        Ok(stats)
-    }
-}
-
 /// Rows `start..start + count` of a sequence on `pages` (blocks of
 /// `block_size` rows of `channels` values) decoded page by page into
 /// `rows` by `decode(page, offset, out)`, as one f32 tile: the loop every
@@ -721,6 +606,11 @@ pub fn open_part(
             form, block_size, channels, num_blocks, fitted,
         )?));
     }
+    if form.outliers().is_some() {
+        return Ok(Box::new(SparsePart::new(
+            form, block_size, channels, num_blocks,
+        )?));
+    }
     if form.quantizer().is_hierarchical() {
         return Ok(Box::new(HierarchicalPart::new(
             form, block_size, channels, num_blocks,
@@ -767,6 +657,17 @@ pub fn open_window_layer(
     rope: Option<&crate::Rope>,
 ) -> Result<WindowLayer> {
     window::layer_open(forms, state, rows, shape, rope)
+}
+
+/// A part's refusal of a [`PartBlock`] that is not a block of its
+/// `block_size` rows of `channels` values in `form`.
+fn block_data_refused(block_size: usize, channels: usize, form: CacheForm) -> AttentionError {
+    AttentionError::InvalidParameter {
+        name: "block data",
+        reason: format!(
+            "it does not hold a block of {block_size} rows of {channels} channels in {form}"
+        ),
+    }
 }
 
 /// The bases a low-rank `form` needs from `fitted`, or its refusal.
@@ -830,6 +731,9 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
     if form.quantizer().is_hierarchical() {
         return HierarchicalPart::plans(form, block_size).map(|_| ());
     }
+    if form.outliers().is_some() {
+        return SparsePart::fits(form, block_size);
+    }
     BlockPlan::new(form, block_size)?;
     Ok(())
 }
@@ -845,6 +749,7 @@ pub fn part_seals(form: CacheForm, block_size: usize) -> bool {
             HierarchicalPart::plans(form, block_size).is_ok_and(|(upper, _)| upper.staged)
         }
         Quantizer::LowRank(_) | Quantizer::Shard(_) => check_part_form(form, block_size).is_ok(),
+        _ if form.outliers().is_some() => SparsePart::fits(form, block_size).is_ok(),
         _ => BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged),
     }
 }
@@ -880,6 +785,9 @@ pub fn part_pool_bytes(
     }
     if let Quantizer::Shard(_) = form.quantizer() {
         return ShardPart::pool_bytes(form, block_size, channels, num_blocks, fitted);
+    }
+    if form.outliers().is_some() {
+        return SparsePart::pool_bytes(form, block_size, channels, num_blocks);
     }
     if form.quantizer().is_hierarchical() {
         return HierarchicalPart::pool_bytes(form, block_size, channels, num_blocks);

@@ -453,7 +453,7 @@ impl StoredPart for PlannedPart {
     }
 
     fn accepts(&self, data: &PartBlock) -> bool {
-        if !data.bytes().is_empty() {
+        if !data.bytes().is_empty() || data.sparse().is_some() {
             return false;
         }
         match data.stores() {
@@ -466,13 +466,11 @@ impl StoredPart for PlannedPart {
     fn restore(&mut self, block: usize, data: &PartBlock) -> Result<()> {
         let rows = self.rows_of(block)?;
         if !self.accepts(data) {
-            return Err(AttentionError::InvalidParameter {
-                name: "block data",
-                reason: format!(
-                    "it does not hold a block of {} rows of {} channels in {}",
-                    self.plan.block_size, self.channels, self.plan.form
-                ),
-            });
+            return Err(super::block_data_refused(
+                self.plan.block_size,
+                self.channels,
+                self.plan.form,
+            ));
         }
         self.sealed.copy_rows_from(rows.start, &data.stores()[0])?;
         self.release(block);

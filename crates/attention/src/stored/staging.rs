@@ -249,7 +249,11 @@ impl<S> StagedBlocks<S> {
 
     /// Whether `data` is an empty block or a staged one of this shape.
     pub(crate) fn accepts_unsealed(&self, data: &PartBlock) -> bool {
-        if !data.bytes().is_empty() || data.low_rank().is_some() || data.shard().is_some() {
+        if !data.bytes().is_empty()
+            || data.low_rank().is_some()
+            || data.shard().is_some()
+            || data.sparse().is_some()
+        {
             return false;
         }
         match data.stores() {

@@ -86,6 +86,13 @@ impl BlockPlan {
                     .into(),
             );
         }
+        if form.outliers().is_some() {
+            return refuse(
+                "keeps sparse outliers beside each sealed block: attention's SparsePart \
+                 keeps them"
+                    .into(),
+            );
+        }
         if q.is_hierarchical() {
             return refuse(
                 "keeps two 4-bit planes, each planned in blocks on its own \

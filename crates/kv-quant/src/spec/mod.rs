@@ -14,6 +14,7 @@ mod block_plan;
 mod layers;
 mod parse;
 mod shard;
+mod validate;
 
 pub use block_plan::BlockPlan;
 pub use layers::{LAYER_GRAMMAR, LayerForms, LayerRule};
@@ -391,6 +392,48 @@ impl Segments {
     }
 }
 
+/// KVQuant's dense-and-sparse split (`+out<P>`): the largest P percent of a
+/// block's values are kept exact (f16, with their positions) beside the
+/// quantized rest, so they stretch no group's range. Counted in basis
+/// points (1% is 100), 1 to [`MAX_OUTLIER_BASIS_POINTS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OutlierShare {
+    basis_points: u16,
+}
+
+/// The largest outlier share, 20% (the issue's bound: past it a form keeps
+/// more exact than quantized values worth splitting).
+pub const MAX_OUTLIER_BASIS_POINTS: u16 = 2000;
+
+impl OutlierShare {
+    /// A share of `basis_points` hundredths of a percent, or why not.
+    pub fn new(basis_points: u16) -> Result<Self> {
+        if basis_points == 0 || basis_points > MAX_OUTLIER_BASIS_POINTS {
+            return Err(KvQuantError::InvalidParameter {
+                name: "outlier share",
+                reason: format!("{}% is not in (0, 20]", f64::from(basis_points) / 100.0),
+            });
+        }
+        Ok(Self { basis_points })
+    }
+
+    /// Hundredths of a percent.
+    pub const fn basis_points(&self) -> u16 {
+        self.basis_points
+    }
+
+    /// The share as a fraction in (0, 0.2].
+    pub fn fraction(&self) -> f64 {
+        f64::from(self.basis_points) / 10_000.0
+    }
+
+    /// How many of `values` values are kept exact: the share rounded up,
+    /// so any block keeps at least one.
+    pub fn count(&self, values: usize) -> usize {
+        (values * usize::from(self.basis_points)).div_ceil(10_000)
+    }
+}
+
 /// What a decode puts in place of a value whose codeword (or whose group's
 /// scale) was detected as corrupted but could not be corrected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -486,6 +529,7 @@ pub struct CacheForm {
     rotation: Option<Rotation>,
     segments: Segments,
     protection: Option<Protection>,
+    outliers: Option<OutlierShare>,
 }
 
 impl CacheForm {
@@ -510,6 +554,7 @@ impl CacheForm {
             rotation,
             segments,
             protection,
+            outliers: None,
         };
         form.validate()
             .map_err(|reason| KvQuantError::InvalidSpec {
@@ -537,6 +582,27 @@ impl CacheForm {
     /// The exact sink and window tokens.
     pub fn segments(&self) -> Segments {
         self.segments
+    }
+
+    /// The share of each block's values kept exact as sparse outliers
+    /// (`+out<P>`), if any.
+    pub fn outliers(&self) -> Option<OutlierShare> {
+        self.outliers
+    }
+
+    /// The same form with another outlier share (or none).
+    pub fn with_outliers(mut self, outliers: Option<OutlierShare>) -> Result<Self> {
+        self.outliers = outliers;
+        self.checked()
+    }
+
+    /// The form of the dense part of a form with sparse outliers: the same
+    /// codes, segments and protection, no outliers.
+    pub fn without_outliers(&self) -> CacheForm {
+        CacheForm {
+            outliers: None,
+            ..*self
+        }
     }
 
     /// The protection, if any.
@@ -593,6 +659,7 @@ impl CacheForm {
             rotation: None,
             segments: Segments::default(),
             protection: self.protection,
+            outliers: None,
         }
     }
 
@@ -630,6 +697,7 @@ impl CacheForm {
     /// [`RowEncoder`](crate::RowEncoder).
     pub fn is_row_local(&self) -> bool {
         self.segments.is_empty()
+            && self.outliers.is_none()
             && match self.quantizer {
                 Quantizer::Fp32
                 | Quantizer::Fp16
@@ -662,7 +730,7 @@ impl CacheForm {
             Quantizer::Int(IntSpec {
                 granularity: Granularity::PerChannel { tokens: Some(t) },
                 ..
-            }) if self.segments.is_empty() => Some(t),
+            }) if self.segments.is_empty() && self.outliers.is_none() => Some(t),
             _ => None,
         }
     }
@@ -682,177 +750,6 @@ impl CacheForm {
             Quantizer::Fp8(s) if !s.per_token => None,
             _ => Some(1),
         }
-    }
-
-    fn validate(&self) -> std::result::Result<(), String> {
-        let positive = |what: &str, n: usize| {
-            if n == 0 {
-                Err(format!("{what} must be at least 1"))
-            } else {
-                Ok(())
-            }
-        };
-        match self.quantizer {
-            Quantizer::Int(s) => {
-                if ![2, 3, 4, 8].contains(&s.bits) {
-                    return Err(format!(
-                        "int{} is not supported (2, 3, 4 or 8 bits)",
-                        s.bits
-                    ));
-                }
-                match s.granularity {
-                    Granularity::PerToken { group: Some(g) } => positive("group size", g)?,
-                    Granularity::PerChannel { tokens: Some(t) } => positive("token block", t)?,
-                    _ => {}
-                }
-            }
-            Quantizer::Hierarchical(s) => {
-                if s.bits != 4 {
-                    return Err(format!(
-                        "a hierarchical form keeps two 4-bit planes, not {}-bit ones",
-                        s.bits
-                    ));
-                }
-                match s.granularity {
-                    Granularity::PerToken { group: Some(g) } => positive("group size", g)?,
-                    Granularity::PerChannel { tokens: Some(t) } => positive("token block", t)?,
-                    Granularity::PerTensor => {
-                        return Err("int8h planes are kept in paged blocks: per-token or \
-                                    per-channel groups, not one scale per tensor (-t)"
-                            .into());
-                    }
-                    _ => {}
-                }
-                if self.rotation.is_some() {
-                    return Err(
-                        "int8h keeps its planes in the rows' own coordinates and takes \
-                                no +rot"
-                            .into(),
-                    );
-                }
-            }
-            Quantizer::Nf4(s) => positive("group size", s.group)?,
-            Quantizer::Fp8(Fp8Spec {
-                head_dim: Some(h), ..
-            }) => positive("head dimension", h)?,
-            Quantizer::LloydMax(s) => {
-                if !(1..=8).contains(&s.bits) {
-                    return Err(format!("lm{} is not supported (1 to 8 bits)", s.bits));
-                }
-                if s.qjl && s.bits == 8 {
-                    return Err("+qjl adds a bit to the code: lm1 to lm7 only".into());
-                }
-            }
-            Quantizer::LowRank(s) => {
-                match s.method {
-                    LowRankMethod::Pca(RankRule::Fixed(r)) => positive("rank", r)?,
-                    LowRankMethod::Pca(RankRule::Energy(e)) => {
-                        if e == 0 || e > 1_000_000 {
-                            return Err(format!(
-                                "retained energy {} is not in (0, 1]",
-                                e as f64 / 1e6
-                            ));
-                        }
-                    }
-                    LowRankMethod::Fd {
-                        rank,
-                        sketch,
-                        chunk,
-                        threshold,
-                    } => {
-                        positive("rank", rank)?;
-                        positive("chunk length", chunk)?;
-                        if sketch < 2 * rank {
-                            return Err(format!(
-                                "a sketch of {sketch} rows is below twice the rank {rank}"
-                            ));
-                        }
-                        if threshold == 0 {
-                            return Err("the residual threshold must be positive".into());
-                        }
-                    }
-                }
-                if self.rotation.is_some() || !self.segments.is_empty() {
-                    return Err("low-rank forms take no +rot, +sink or +win".into());
-                }
-            }
-            Quantizer::Shard(s) => {
-                s.check()?;
-                if self.rotation.is_some() {
-                    return Err("shard rotates its values itself and takes no +rot".into());
-                }
-                if self.segments.sink == 0 {
-                    return Err("shard keeps at least one sink token exact".into());
-                }
-                if let Some(p) = &self.protection
-                    && p.policy != ErasurePolicy::Keep
-                {
-                    return Err(
-                        "shard keeps the received codes of detected words (+keep): a code \
-                         covers coefficients and indices, not values to zero or interpolate"
-                            .into(),
-                    );
-                }
-            }
-            Quantizer::Vq(s) => {
-                if ![1, 2, 4, 8].contains(&s.dim) {
-                    return Err(format!(
-                        "vq codes of {} channels are not supported (1, 2, 4 or 8)",
-                        s.dim
-                    ));
-                }
-                if !s.centroids.is_power_of_two() || !(2..=256).contains(&s.centroids) {
-                    return Err(format!(
-                        "a codebook of {} centroids is not supported (a power of two from 2 to 256)",
-                        s.centroids
-                    ));
-                }
-            }
-            _ => {}
-        }
-        match self.rotation {
-            Some(r) => {
-                if self.quantizer.is_float() {
-                    return Err(format!(
-                        "+rot rotates codes that round; {} stores the values as they are",
-                        parse::base_name(&self.quantizer)
-                    ));
-                }
-                if !r.block.is_power_of_two() || !(2..=MAX_ROTATION_BLOCK).contains(&r.block) {
-                    return Err(format!(
-                        "rotation block {} is not a power of two from 2 to {MAX_ROTATION_BLOCK}",
-                        r.block
-                    ));
-                }
-                if let Quantizer::Vq(s) = self.quantizer
-                    && !r.block.is_multiple_of(s.dim)
-                {
-                    return Err(format!(
-                        "vq codes of {} channels do not divide rotation blocks of {}",
-                        s.dim, r.block
-                    ));
-                }
-            }
-            None if self.quantizer.needs_rotation() => {
-                return Err(format!(
-                    "{} quantizes rotated coordinates and needs a rotation",
-                    parse::base_name(&self.quantizer)
-                ));
-            }
-            None => {}
-        }
-        if !self.segments.is_empty() && self.quantizer.is_float() {
-            return Err(format!(
-                "+sink/+win keep tokens exact; {} keeps every token as it is",
-                parse::base_name(&self.quantizer)
-            ));
-        }
-        if let Some(p) = &self.protection
-            && let ErasurePolicy::Interpolate { reach: 0 } = p.policy
-        {
-            return Err("interpolation reach must be at least 1".into());
-        }
-        Ok(())
     }
 }
 

@@ -15,8 +15,8 @@ use super::{
     DEFAULT_NF4_GROUP, DEFAULT_ROTATION_BLOCK, DEFAULT_SHARD_GROUP, DEFAULT_SHARD_KEY_BUDGET,
     DEFAULT_SHARD_SINK, DEFAULT_SHARD_STREAM, DEFAULT_SHARD_WINDOW, DEFAULT_VQ_CENTROIDS,
     DEFAULT_VQ_DIM, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LloydMaxSpec, LowRankMethod,
-    LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer, RankRule, Rotation, ScaleType,
-    Segments, ShardSpec, ShardValues, VqSpec,
+    LowRankSpec, MetaProtection, Nf4Spec, OutlierShare, Protection, Quantizer, RankRule, Rotation,
+    ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
 };
 use crate::error::{KvQuantError, Result};
 use crate::fp8::Fp8Format;
@@ -29,7 +29,7 @@ nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
 shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>[q]|-soff][-f<fold chunk>][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
-+sink<S> | +win<W> | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
++sink<S> | +win<W> | +out<P> (integer forms: the largest P% of each block's values exact, P in (0, 20]) | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
 +interp[<reach>] | +meta-none | +meta-secded | +meta-rm (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
 vq, int4-ch32+win32, int4+secded84+interp, int8+golay24, lm3+sink4+win64)";
 
@@ -201,6 +201,15 @@ impl fmt::Display for CacheForm {
         if self.segments.window != window {
             write!(f, "+win{}", self.segments.window)?;
         }
+        if let Some(share) = self.outliers {
+            let bp = share.basis_points();
+            let text = format!("{}.{:02}", bp / 100, bp % 100);
+            write!(
+                f,
+                "+out{}",
+                text.trim_end_matches('0').trim_end_matches('.')
+            )?;
+        }
         if let Some(p) = &self.protection {
             write!(f, "+{}", p.code)?;
             match p.policy {
@@ -240,6 +249,30 @@ fn share_after(s: &str, prefix: &str) -> Option<std::result::Result<u32, String>
         Ok(v) if v.is_finite() && v > 0.0 && v <= 4000.0 => Ok((v * 1e6).round() as u32),
         _ => Err(format!("{}: not a positive number", quote(s))),
     })
+}
+
+/// Parses the percentage of `+out<P>` (`1`, `0.5`, `0.25`: at most two
+/// decimals, in (0, 20]) as basis points.
+fn outlier_share(text: &str) -> std::result::Result<OutlierShare, String> {
+    let bad = || {
+        format!(
+            "+out{}: the outlier share is a percentage in (0, 20] with at most two \
+             decimals (+out1, +out0.5)",
+            quote(text)
+        )
+    };
+    let (whole, frac) = text.split_once('.').unwrap_or((text, ""));
+    let digits = |d: &str| d.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || !digits(whole) || !digits(frac) || frac.len() > 2 || whole.len() > 3 {
+        return Err(bad());
+    }
+    let whole: u16 = whole.parse().map_err(|_| bad())?;
+    let frac: u16 = format!("{frac:0<2}").parse().map_err(|_| bad())?;
+    let bp = whole
+        .checked_mul(100)
+        .and_then(|w| w.checked_add(frac))
+        .ok_or_else(bad)?;
+    OutlierShare::new(bp).map_err(|_| bad())
 }
 
 /// Parses the number after a prefix (`g64` → 64); `None` if `s` lacks the
@@ -569,6 +602,7 @@ struct Suffixes {
     qjl: bool,
     sink: Option<usize>,
     window: Option<usize>,
+    outliers: Option<OutlierShare>,
     code: Option<Int4Code>,
     policy: Option<ErasurePolicy>,
     metadata: Option<MetaProtection>,
@@ -607,6 +641,9 @@ impl Suffixes {
         }
         if let Some(w) = number_after(part, "win") {
             return once(&mut self.window, w?, "+win");
+        }
+        if let Some(p) = part.strip_prefix("out") {
+            return once(&mut self.outliers, outlier_share(p)?, "+out");
         }
         let policy = match part {
             "keep" => Some(ErasurePolicy::Keep),
@@ -694,6 +731,7 @@ impl FromStr for CacheForm {
             rotation,
             segments,
             protection,
+            outliers: suffixes.outliers,
         };
         form.validate().map_err(err)?;
         Ok(form)

@@ -427,3 +427,50 @@ fn hierarchical_forms_split_into_two_int4_planes() {
     let e = BlockPlan::new(f, 16).unwrap_err().to_string();
     assert!(e.contains("HierarchicalPart"), "{e}");
 }
+
+/// `+out<P>`: a percentage with at most two decimals in (0, 20], printed
+/// in its shortest form, on integer forms with groups only; the dense
+/// form is the same spelling without it.
+#[test]
+fn outlier_shares_parse_print_and_refuse() {
+    for (text, printed, bp) in [
+        ("int2-ch+out1", "int2-ch+out1", 100),
+        ("int3-ch+sink4+out0.5", "int3-ch+sink4+out0.5", 50),
+        ("int4+out0.05+secded84", "int4+out0.05+secded84", 5),
+        ("int2-ch64+out20", "int2-ch64+out20", 2000),
+        ("int2-g32+out1.50", "int2-g32+out1.5", 150),
+    ] {
+        let f: CacheForm = text.parse().unwrap();
+        assert_eq!(f.to_string(), printed);
+        assert_eq!(f.outliers().unwrap().basis_points(), bp);
+        assert_eq!(printed.parse::<CacheForm>().unwrap(), f);
+        assert!(!f.is_row_local() && f.row_unit().is_none());
+        assert_eq!(f.without_outliers().outliers(), None);
+        assert_eq!(f.exact_rows_form().outliers(), None);
+    }
+    let f: CacheForm = "int2-ch+out1".parse().unwrap();
+    assert_eq!(f.outliers().unwrap().count(12_288), 123);
+    assert_eq!(f.outliers().unwrap().fraction(), 0.01);
+    for (bad, why) in [
+        ("int2-ch+out0", "(0, 20]"),
+        ("int2-ch+out20.01", "(0, 20]"),
+        ("int2-ch+out25", "(0, 20]"),
+        ("int2-ch+out0.001", "two"),
+        ("int2-ch+out", "percentage"),
+        ("int2-ch+out-1", "percentage"),
+        ("int2-ch+out1+out2", "more than one"),
+        ("int2-t+out1", "one scale per tensor"),
+        ("lm2+out1", "integer"),
+        ("fp16+out1", "integer"),
+        ("int8h-ch+out1", "integer"),
+        ("int4+rot+out1", "+rot"),
+        ("int4-ch32+win32+out1", "+win"),
+    ] {
+        let e = bad.parse::<CacheForm>().unwrap_err().to_string();
+        assert!(e.contains(why), "{bad}: {e}");
+    }
+    let e = BlockPlan::new(f, 16).unwrap_err().to_string();
+    assert!(e.contains("SparsePart"), "{e}");
+    assert!(f.with_outliers(None).unwrap().outliers().is_none());
+    assert!(OutlierShare::new(0).is_err() && OutlierShare::new(2001).is_err());
+}

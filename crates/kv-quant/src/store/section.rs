@@ -211,6 +211,16 @@ impl Coding {
     /// The metadata grouping of a `tokens × channels` section, or `None`
     /// for the float forms.
     pub(crate) fn layout(&self, tokens: usize, channels: usize) -> Result<Option<GroupLayout>> {
+        if self.form.outliers().is_some() {
+            return Err(KvQuantError::InvalidParameter {
+                name: "form",
+                reason: format!(
+                    "{} keeps sparse outliers beside its codes: a SparseStore holds it \
+                     (on a paged cache, attention's SparsePart)",
+                    self.form
+                ),
+            });
+        }
         let block = self.form.rotation().map(|r| r.block);
         if let Some(b) = block
             && !channels.is_multiple_of(b)

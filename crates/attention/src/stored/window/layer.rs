@@ -74,8 +74,16 @@ pub fn keeps_prefill(form: CacheForm) -> bool {
 /// refusals of the forms alone, for a caller checking them before any
 /// work): a shard form stores keys and values together (one form for
 /// both) and undoes RoPE (the model must have one, `has_rope`); a form
-/// projecting before RoPE is a key form (values carry no RoPE).
+/// projecting before RoPE is a key form (values carry no RoPE); a form
+/// with sparse outliers (`+out`) is a paged form only.
 pub fn check_layer_forms(key: CacheForm, value: CacheForm, has_rope: bool) -> Result<()> {
+    if let Some(form) = [key, value].into_iter().find(|f| f.outliers().is_some()) {
+        return Err(form_refused(format!(
+            "{form} splits sparse outliers off each sealed block of a paged cache \
+             (attention's SparsePart); the re-encode protocol does not keep them: use \
+             --backend paged"
+        )));
+    }
     if keeps_prefill(key) || keeps_prefill(value) {
         if value != key {
             return Err(form_refused(format!(

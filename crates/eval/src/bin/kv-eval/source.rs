@@ -211,15 +211,14 @@ pub(crate) fn prepare(source: &Source, modes: &[CacheMode]) -> Result<Prepared, 
 }
 
 /// Runs one token through a cache in `mode` (skipped for forms that need a
-/// calibration, which is fitted later, and for hierarchical forms, which
-/// only the paged cache holds and which it checks against the model's
-/// shape when it is built): the model's shape against the forms.
+/// calibration, which is fitted later, and for hierarchical and sparse
+/// (`+out`) forms, which only the paged cache holds and which it checks
+/// against the model's shape when it is built): the model's shape against
+/// the forms.
 pub(crate) fn probe_mode(model: &dyn CausalLm, mode: &CacheMode) -> Result<(), Error> {
-    if mode
-        .forms()
-        .iter()
-        .any(|(f, _)| needs_calibration(f) || f.quantizer().is_hierarchical())
-    {
+    if mode.forms().iter().any(|(f, _)| {
+        needs_calibration(f) || f.quantizer().is_hierarchical() || f.outliers().is_some()
+    }) {
         return Ok(());
     }
     let mut cache = KvCache::new(mode.clone(), None, 0)?;

@@ -1,0 +1,178 @@
+//! The dense-and-sparse part (`stored::SparsePart`, `+out<P>` forms)
+//! through the stored-layer interface: rows written one at a time into
+//! scattered blocks read back, tile by tile over the pages, as exactly the
+//! rows a kv-quant `SparseStore` of each sealed block decodes (the block's
+//! rows as staged, f16), the sink block and the block still written as
+//! their f16 rows; snapshots restore bit for bit; faults in the outlier
+//! tables are counted, corrected under a code and scrubbed; bytes are the
+//! store's; what blocks cannot hold is refused.
+
+mod common;
+
+use attention::TileRows;
+use attention::stored::{Fitted, PartScratch, StoredPart, open_part, part_pool_bytes, part_seals};
+use gf2_codes::channel::ExactFlips;
+use kv_quant::{CacheForm, DecodeScratch, FaultTarget, QuantizeOptions, SparseStore};
+
+const CH: usize = 32;
+const BS: usize = 8;
+
+fn rows(tokens: usize, seed: u64) -> Vec<f32> {
+    let mut x = common::structured_rows(tokens, CH, seed, 0.1);
+    // A few far values, as keys' outlier channels have.
+    for t in (0..tokens).step_by(5) {
+        x[t * CH + (t * 7) % CH] = if t % 2 == 0 { 300.0 } else { -200.0 };
+    }
+    x
+}
+
+/// Writes `x` into `pages` of `part` a row at a time and seals what the
+/// rows complete.
+fn write(part: &mut dyn StoredPart, pages: &[u32], x: &[f32]) {
+    let tokens = x.len() / CH;
+    let mut encoder = part.row_encoder().unwrap();
+    let mut buf = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
+    for &p in pages {
+        part.open_block(p as usize).unwrap();
+    }
+    for t in 0..tokens {
+        encoder
+            .encode_into(&x[t * CH..][..CH], buf.as_mut(), QuantizeOptions::default())
+            .unwrap();
+        part.put_row(pages[t / BS] as usize, t % BS, &buf).unwrap();
+    }
+    for i in part.sealable(0, tokens) {
+        assert!(part.seal(pages[i] as usize, i * BS).unwrap());
+    }
+}
+
+fn tile(part: &dyn StoredPart, pages: &[u32], start: usize, count: usize) -> Vec<f32> {
+    let mut scratch = PartScratch::default();
+    let tile = part.read_tile(pages, start, count, &mut scratch).unwrap();
+    let TileRows::F32(got) = tile.rows else {
+        panic!("sparse pages read as f32 rows")
+    };
+    got.to_vec()
+}
+
+#[test]
+fn pages_read_as_each_sealed_block_decodes() {
+    for spelling in [
+        "int2-ch+sink4+out2",
+        "int3-g16+out1+secded84",
+        "int2-ch8+out5",
+    ] {
+        let form: CacheForm = spelling.parse().unwrap();
+        let mut part = open_part(form, BS, CH, 6, &Fitted::default()).unwrap();
+        assert!(part_seals(form, BS), "{spelling}");
+        let pages: Vec<u32> = vec![4, 1, 5, 0];
+        let tokens = 3 * BS + 3;
+        let x = rows(tokens, 1);
+        write(part.as_mut(), &pages, &x);
+        let sink_blocks = form.segments().sink.div_ceil(BS);
+        assert_eq!(part.staged_blocks(), 1 + sink_blocks, "{spelling}");
+        let staged = common::f16_rows(&x, CH);
+        let sealed = form.without_segments();
+        let mut want = Vec::new();
+        for b in 0..3 {
+            let block = &staged[b * BS * CH..][..BS * CH];
+            if b < sink_blocks {
+                want.extend_from_slice(block);
+                continue;
+            }
+            let store = SparseStore::quantize(sealed, block, BS, CH).unwrap();
+            let mut out = vec![0.0; BS * CH];
+            store
+                .decode_rows_into(0, BS, &mut out, &mut DecodeScratch::new())
+                .unwrap();
+            assert_eq!(part.block_bytes(pages[b] as usize), store.stored_bytes());
+            assert_eq!(part.sealed_block_bytes(), store.stored_bytes());
+            want.extend(out);
+        }
+        want.extend_from_slice(&staged[3 * BS * CH..]);
+        // The far values read exactly where they were sealed.
+        for t in (0..3 * BS).step_by(5).filter(|&t| t >= sink_blocks * BS) {
+            let c = t * CH + (t * 7) % CH;
+            assert_eq!(want[c], staged[c], "{spelling}: token {t}");
+        }
+        for (start, count) in [
+            (0, tokens),
+            (3, 9),
+            (BS, BS),
+            (2 * BS + 5, tokens - 2 * BS - 5),
+        ] {
+            assert_eq!(
+                tile(part.as_ref(), &pages, start, count),
+                &want[start * CH..][..count * CH],
+                "{spelling}: {start}+{count}"
+            );
+        }
+        // Snapshots restore bit for bit, sealed and staged.
+        for &p in &pages {
+            let snap = part.snapshot(p as usize).unwrap();
+            assert!(part.accepts(&snap));
+            part.restore(2, &snap).unwrap();
+            assert_eq!(part.snapshot(2).unwrap(), snap);
+        }
+        let pool = part_pool_bytes(form, BS, CH, 6, &Fitted::default()).unwrap();
+        assert!(pool.blocks >= 6 * part.sealed_block_bytes() as u64);
+    }
+}
+
+#[test]
+fn outlier_faults_are_counted_corrected_and_scrubbed() {
+    let form: CacheForm = "int2-ch+out5+secded84".parse().unwrap();
+    let mut part = open_part(form, BS, CH, 2, &Fitted::default()).unwrap();
+    let pages = [1u32];
+    let x = rows(BS, 3);
+    write(part.as_mut(), &pages, &x);
+    let clean = tile(part.as_ref(), &pages, 0, BS);
+    // Bit 0 of every buffer: each table's first word and the dense
+    // store's, all corrected by their codes.
+    let hit = part
+        .inject(1, &ExactFlips::new([0]), 5, FaultTarget::Everything)
+        .unwrap();
+    assert_eq!(hit.exact.len(), 1, "one flip in the outlier values");
+    assert_eq!(hit.tables.len(), 1, "one flip in their positions");
+    let mut scratch = PartScratch::default();
+    let read = part.read_tile(&pages, 0, BS, &mut scratch).unwrap();
+    let stats = read.stats;
+    let TileRows::F32(got) = read.rows else {
+        unreachable!()
+    };
+    assert_eq!(got, &clean[..]);
+    assert!(stats.values.corrected >= 2, "{stats:?}");
+    assert!(stats.metadata.corrected >= 1, "{stats:?}");
+    assert_eq!(stats.values.silent + stats.metadata.silent, 0);
+    let scrubbed = part.scrub(1).unwrap();
+    assert!(scrubbed.values.corrected >= 2 && scrubbed.metadata.corrected >= 1);
+    let again = part.scrub(1).unwrap();
+    assert_eq!(again.values.corrected + again.metadata.corrected, 0);
+    assert_eq!(tile(part.as_ref(), &pages, 0, BS), clean);
+}
+
+#[test]
+fn what_blocks_cannot_hold_is_refused() {
+    let refused = |spelling: &str, block: usize| match open_part(
+        spelling.parse().unwrap(),
+        block,
+        CH,
+        4,
+        &Fitted::default(),
+    ) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("{spelling} accepted in blocks of {block}"),
+    };
+    let e = refused("int2-ch16+out1", BS);
+    assert!(e.contains("-ch8"), "{e}");
+    let e = refused("int2-g12+out1", BS);
+    assert!(e.contains("do not divide"), "{e}");
+    assert!(!part_seals("int2-ch16+out1".parse().unwrap(), BS));
+    // The re-encode protocol refuses the form before any work.
+    let form: CacheForm = "int2-ch+out1".parse().unwrap();
+    let fp16: CacheForm = "fp16".parse().unwrap();
+    let e = attention::stored::check_layer_forms(fp16, form, true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--backend paged"), "{e}");
+}

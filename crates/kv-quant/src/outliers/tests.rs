@@ -1,0 +1,272 @@
+use gf2_codes::channel::{BinarySymmetric, ExactFlips};
+use proptest::prelude::*;
+
+use super::*;
+
+fn form(s: &str) -> CacheForm {
+    s.parse().unwrap()
+}
+
+/// The greedy choice, checked one removal at a time by brute force: of
+/// every group's two extremes, the one whose removal shrinks its squared
+/// range most (ties to the lower group, then the top).
+fn brute_force(
+    rows: &[f32],
+    (tokens, channels): (usize, usize),
+    (tpg, cpg): (usize, usize),
+    count: usize,
+) -> Vec<u32> {
+    let layout = GroupLayout::new(tokens, channels, tpg, cpg).unwrap();
+    let mut left: Vec<Vec<u32>> = vec![Vec::new(); layout.groups()];
+    for p in 0..rows.len() as u32 {
+        left[layout.group(p as usize / channels, p as usize % channels)].push(p);
+    }
+    let key = |p: &u32| (rows[*p as usize], *p);
+    let mut taken = Vec::new();
+    while taken.len() < count {
+        let mut best: Option<(f64, usize, bool)> = None;
+        for (g, members) in left.iter().enumerate() {
+            if members.len() <= 2 {
+                continue;
+            }
+            let mut v: Vec<u32> = members.clone();
+            v.sort_by(|a, b| key(a).0.total_cmp(&key(b).0).then(a.cmp(b)));
+            let x = |i: usize| f64::from(rows[v[i] as usize]);
+            let n = v.len();
+            let range = x(n - 1) - x(0);
+            let (top, bottom) = (x(n - 2) - x(0), x(n - 1) - x(1));
+            let is_top = top <= bottom;
+            let rest = if is_top { top } else { bottom };
+            let gain = range * range - rest * rest;
+            if best.is_none_or(|(b, _, _)| gain > b) {
+                best = Some((gain, g, is_top));
+            }
+        }
+        let Some((_, g, top)) = best else { break };
+        let mut v = left[g].clone();
+        v.sort_by(|a, b| key(a).0.total_cmp(&key(b).0).then(a.cmp(b)));
+        let p = if top { v[v.len() - 1] } else { v[0] };
+        left[g].retain(|&q| q != p);
+        taken.push(p);
+    }
+    taken.sort_unstable();
+    taken
+}
+
+proptest! {
+    #[test]
+    fn the_split_takes_the_greedy_choice_and_bounds_every_group(
+        seed in 0u64..1000,
+        per_channel in any::<bool>(),
+        count in 0usize..30,
+    ) {
+        let (tokens, channels) = (8, 12);
+        let mut rng = test_rng(seed);
+        let rows: Vec<f32> = (0..tokens * channels)
+            .map(|_| {
+                let x: f32 = rng.next_f32() * 2.0 - 1.0;
+                if rng.next_f32() < 0.05 { x * 50.0 } else { x }
+            })
+            .collect();
+        let grouping = if per_channel { (tokens, 1) } else { (1, 4) };
+        let mut dense = rows.clone();
+        let out = split_outliers(&mut dense, (tokens, channels), grouping, count).unwrap();
+        let expect = brute_force(&rows, (tokens, channels), grouping, count);
+        let got: Vec<u32> = out.iter().map(|&(p, _)| p).collect();
+        prop_assert_eq!(&got, &expect);
+        // Values are the originals; the dense rows keep every other value and
+        // put each outlier inside its group's remaining range.
+        let layout = GroupLayout::new(tokens, channels, grouping.0, grouping.1).unwrap();
+        for (p, v) in &out {
+            prop_assert_eq!(*v, rows[*p as usize]);
+        }
+        for g in 0..layout.groups() {
+            let members: Vec<usize> = (0..rows.len())
+                .filter(|&p| layout.group(p / channels, p % channels) == g)
+                .collect();
+            let kept: Vec<f32> = members
+                .iter()
+                .filter(|&&p| !got.contains(&(p as u32)))
+                .map(|&p| rows[p])
+                .collect();
+            let (lo, hi) = kept.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+            for &p in &members {
+                if got.contains(&(p as u32)) {
+                    prop_assert!(dense[p] >= lo && dense[p] <= hi);
+                } else {
+                    prop_assert_eq!(dense[p], rows[p]);
+                }
+            }
+        }
+    }
+}
+
+/// A small deterministic stream for the tests (xorshift).
+struct TestRng(u64);
+
+fn test_rng(seed: u64) -> TestRng {
+    TestRng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+}
+
+impl TestRng {
+    fn next_f32(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+#[test]
+fn one_far_value_per_channel_is_what_the_split_takes() {
+    // 16 tokens × 4 channels, each channel smooth but for one spike.
+    let (tokens, channels) = (16, 4);
+    let mut rows: Vec<f32> = (0..tokens * channels)
+        .map(|i| ((i * 7) % 13) as f32 / 13.0)
+        .collect();
+    let spikes = [(3, 0, 40.0), (9, 1, -25.0), (0, 2, 30.0), (15, 3, -60.0)];
+    for &(t, c, v) in &spikes {
+        rows[t * channels + c] = v;
+    }
+    let mut dense = rows.clone();
+    let out = split_outliers(&mut dense, (tokens, channels), (tokens, 1), 4).unwrap();
+    let mut want: Vec<(u32, f32)> = spikes
+        .iter()
+        .map(|&(t, c, v)| ((t * channels + c) as u32, v))
+        .collect();
+    want.sort_by_key(|w| w.0);
+    assert_eq!(out, want);
+    assert!(dense.iter().all(|x| (0.0..1.0).contains(x)));
+}
+
+#[test]
+fn a_sparse_store_reads_its_outliers_exactly_and_counts_their_bytes() {
+    let (tokens, channels) = (64, 24);
+    let mut rng = test_rng(7);
+    let mut rows: Vec<f32> = (0..tokens * channels)
+        .map(|_| rng.next_f32() - 0.5)
+        .collect();
+    rows[5 * channels + 3] = 100.0;
+    rows[40 * channels + 17] = -80.0;
+    let f = form("int2-ch+out1");
+    let store = SparseStore::quantize(f, &rows, tokens, channels).unwrap();
+    let count = 16; // ⌈1% of 1,536⌉
+    assert_eq!(store.outliers().len(), count);
+    assert_eq!(
+        store.stored_bytes(),
+        SparseStore::stored_bytes_of(f, tokens, channels).unwrap()
+    );
+    assert_eq!(
+        store.stored_bytes(),
+        store.dense().stored_bytes() + 4 * count,
+        "16-bit positions and f16 values, unprotected"
+    );
+    let mut out = vec![0.0; tokens * channels];
+    let mut scratch = DecodeScratch::default();
+    store
+        .decode_rows_into(0, tokens, &mut out, &mut scratch)
+        .unwrap();
+    assert_eq!(out[5 * channels + 3], 100.0);
+    assert_eq!(out[40 * channels + 17], -80.0);
+    // The dense part alone: two bits over each channel's range without the
+    // spikes, so every other value is within a step of the truth.
+    let dense_err = rows
+        .iter()
+        .zip(&out)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(dense_err < 0.5, "{dense_err}");
+    // Tile by tile equals the whole read, statistics included.
+    let mut tiled = vec![0.0; tokens * channels];
+    let mut stats = KvDecodeStats::default();
+    for start in (0..tokens).step_by(16) {
+        stats += store
+            .decode_rows_into(
+                start,
+                16,
+                &mut tiled[start * channels..(start + 16) * channels],
+                &mut scratch,
+            )
+            .unwrap();
+    }
+    assert_eq!(tiled, out);
+    let whole = store
+        .decode_rows_into(0, tokens, &mut out, &mut scratch)
+        .unwrap();
+    assert_eq!(stats, whole);
+}
+
+#[test]
+fn faults_in_protected_outliers_are_corrected_and_counted() {
+    let (tokens, channels) = (32, 16);
+    let mut rng = test_rng(3);
+    let rows: Vec<f32> = (0..tokens * channels)
+        .map(|_| (rng.next_f32() - 0.5) * 4.0)
+        .collect();
+    let f = form("int2-ch+out2+secded84");
+    let clean = SparseStore::quantize(f, &rows, tokens, channels).unwrap();
+    let mut hit = clean.clone();
+    // One flip in each table's first data word: RM(2,5) corrects both.
+    let channel = ExactFlips::new(vec![0]);
+    let injection = hit.inject(&channel, 1, FaultTarget::Everything);
+    assert_eq!(injection.exact.len(), 1);
+    assert_eq!(injection.tables.len(), 1);
+    assert!(!hit.outliers_pristine());
+    assert_eq!(hit.outliers(), clean.outliers());
+    let stats = hit.outlier_stats();
+    assert_eq!(stats.values.corrected, 1);
+    assert_eq!(stats.metadata.corrected, 1);
+    // The scrub counts the dense store's words as its own scrub does, and
+    // one more corrected word in each table.
+    let mut dense = clean.dense().clone();
+    dense.inject(&channel, 1, FaultTarget::Everything);
+    let dense = dense.scrub().unwrap();
+    let scrubbed = hit.scrub().unwrap();
+    assert_eq!(scrubbed.values.corrected, dense.values.corrected + 1);
+    assert_eq!(scrubbed.metadata.corrected, dense.metadata.corrected + 1);
+    assert!(hit.outliers_pristine());
+    assert_eq!(hit.outlier_stats().values.corrected, 0);
+}
+
+#[test]
+fn faults_in_bare_outliers_never_place_a_value_outside_the_block() {
+    let (tokens, channels) = (16, 8);
+    let rows: Vec<f32> = (0..tokens * channels).map(|i| i as f32).collect();
+    let f = form("int4-ch+out20");
+    for seed in 0..50 {
+        let mut store = SparseStore::quantize(f, &rows, tokens, channels).unwrap();
+        store.inject(
+            &BinarySymmetric::new(0.2).unwrap(),
+            seed,
+            FaultTarget::Metadata,
+        );
+        assert!(
+            store
+                .outliers()
+                .iter()
+                .all(|&(p, _)| (p as usize) < tokens * channels)
+        );
+        let mut out = vec![0.0; tokens * channels];
+        store
+            .decode_rows_into(0, tokens, &mut out, &mut DecodeScratch::default())
+            .unwrap();
+    }
+}
+
+#[test]
+fn forms_without_outliers_or_with_segments_are_refused() {
+    let rows = vec![0.0; 64];
+    for (spelling, needle) in [
+        ("int2-ch", "keeps no outliers"),
+        ("int2-ch+sink4+out1", "sink"),
+    ] {
+        let e = SparseStore::quantize(form(spelling), &rows, 8, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{spelling}: {e}");
+    }
+    let e = KvStore::quantize(form("int2-ch+out1"), &rows, 8, 8)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("SparseStore"), "{e}");
+}
