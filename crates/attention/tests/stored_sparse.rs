@@ -2,15 +2,15 @@
 //! through the stored-layer interface: rows written one at a time into
 //! scattered blocks read back, tile by tile over the pages, as exactly the
 //! rows a kv-quant `SparseStore` of each sealed block decodes (the block's
-//! rows as staged, f16), the sink block and the block still written as
-//! their f16 rows; snapshots restore bit for bit; faults in the outlier
+//! rows as staged, f16; sink rows exact inside their block), the block
+//! still written as its f16 rows; snapshots restore bit for bit; faults in the outlier
 //! tables are counted, corrected under a code and scrubbed; bytes are the
 //! store's; what blocks cannot hold is refused.
 
 mod common;
 
-use attention::TileRows;
 use attention::stored::{Fitted, PartScratch, StoredPart, open_part, part_pool_bytes, part_seals};
+use attention::{Rope, RopeLayout, TileRows};
 use gf2_codes::channel::ExactFlips;
 use kv_quant::{CacheForm, DecodeScratch, FaultTarget, QuantizeOptions, SparseStore};
 
@@ -69,29 +69,31 @@ fn pages_read_as_each_sealed_block_decodes() {
         let tokens = 3 * BS + 3;
         let x = rows(tokens, 1);
         write(part.as_mut(), &pages, &x);
-        let sink_blocks = form.segments().sink.div_ceil(BS);
-        assert_eq!(part.staged_blocks(), 1 + sink_blocks, "{spelling}");
+        // Sink tokens seal exact inside the block holding them.
+        assert_eq!(part.staged_blocks(), 1, "{spelling}");
+        let sink = form.segments().sink;
         let staged = common::f16_rows(&x, CH);
         let sealed = form.without_segments();
         let mut want = Vec::new();
         for b in 0..3 {
             let block = &staged[b * BS * CH..][..BS * CH];
-            if b < sink_blocks {
-                want.extend_from_slice(block);
-                continue;
-            }
-            let store = SparseStore::quantize(sealed, block, BS, CH).unwrap();
+            let exact = sink.saturating_sub(b * BS);
+            let store = SparseStore::quantize_with_exact(sealed, block, BS, CH, exact).unwrap();
+            assert_eq!(store.exact_rows(), exact);
             let mut out = vec![0.0; BS * CH];
             store
                 .decode_rows_into(0, BS, &mut out, &mut DecodeScratch::new())
                 .unwrap();
+            assert_eq!(out[..exact * CH], block[..exact * CH], "sink rows exact");
             assert_eq!(part.block_bytes(pages[b] as usize), store.stored_bytes());
-            assert_eq!(part.sealed_block_bytes(), store.stored_bytes());
+            if exact == 0 {
+                assert_eq!(part.sealed_block_bytes(), store.stored_bytes());
+            }
             want.extend(out);
         }
         want.extend_from_slice(&staged[3 * BS * CH..]);
         // The far values read exactly where they were sealed.
-        for t in (0..3 * BS).step_by(5).filter(|&t| t >= sink_blocks * BS) {
+        for t in (0..3 * BS).step_by(5) {
             let c = t * CH + (t * 7) % CH;
             assert_eq!(want[c], staged[c], "{spelling}: token {t}");
         }
@@ -116,6 +118,78 @@ fn pages_read_as_each_sealed_block_decodes() {
         }
         let pool = part_pool_bytes(form, BS, CH, 6, &Fitted::default()).unwrap();
         assert!(pool.blocks >= 6 * part.sealed_block_bytes() as u64);
+    }
+}
+
+/// `+pre`: a sealed block holds its rows rotated back to position 0 (from
+/// its first row's position) and reads them rotated to their positions
+/// again; the part refuses to open without the model's RoPE.
+#[test]
+fn keys_coded_before_rope_read_back_at_their_positions() {
+    let form: CacheForm = "int4-ch+sink3+out2+clip+pre".parse().unwrap();
+    let rope = Rope::new(RopeLayout::Adjacent, 16, 16, 10_000.0).unwrap();
+    let fitted = Fitted {
+        rope: Some(rope.clone()),
+        ..Fitted::default()
+    };
+    let mut part = open_part(form, BS, CH, 6, &fitted).unwrap();
+    let pages: Vec<u32> = vec![3, 0, 5];
+    let tokens = 2 * BS + 2;
+    let x = rows(tokens, 9);
+    write(part.as_mut(), &pages, &x);
+    let staged = common::f16_rows(&x, CH);
+    let sealed = form.without_segments();
+    let mut want = Vec::new();
+    for b in 0..2 {
+        let mut block = staged[b * BS * CH..][..BS * CH].to_vec();
+        for (i, row) in block.chunks_exact_mut(CH).enumerate() {
+            rope.undo(row, b * BS + i).unwrap();
+        }
+        let exact = 3usize.saturating_sub(b * BS);
+        let store = SparseStore::quantize_with_exact(sealed, &block, BS, CH, exact).unwrap();
+        let mut out = vec![0.0; BS * CH];
+        store
+            .decode_rows_into(0, BS, &mut out, &mut DecodeScratch::new())
+            .unwrap();
+        rope.apply_rows(&mut out, CH, b * BS).unwrap();
+        want.extend(out);
+    }
+    want.extend_from_slice(&staged[2 * BS * CH..]);
+    for (start, count) in [(0, tokens), (5, 7), (BS + 1, BS + 1)] {
+        assert_eq!(
+            tile(part.as_ref(), &pages, start, count),
+            &want[start * CH..][..count * CH],
+            "{start}+{count}"
+        );
+    }
+    // Near the staged rows: a 4-bit code and a RoPE round trip away.
+    let err = want[..2 * BS * CH]
+        .iter()
+        .zip(&staged)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(err < 0.2, "{err}");
+    // A sealed block restored elsewhere keeps its positions.
+    let snap = part.snapshot(pages[1] as usize).unwrap();
+    assert_eq!(snap.sparse().unwrap().first, BS);
+    part.restore(1, &snap).unwrap();
+    assert_eq!(
+        tile(part.as_ref(), &[3, 1], BS, BS),
+        &want[BS * CH..2 * BS * CH]
+    );
+    // Without the model's RoPE, or with heads that do not divide the rows.
+    for fitted in [
+        Fitted::default(),
+        Fitted {
+            rope: Some(Rope::new(RopeLayout::Adjacent, 24, 24, 10_000.0).unwrap()),
+            ..Fitted::default()
+        },
+    ] {
+        let e = match open_part(form, BS, CH, 2, &fitted) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("opened"),
+        };
+        assert!(e.contains("RoPE") || e.contains("divide"), "{e}");
     }
 }
 

@@ -243,7 +243,7 @@ pub fn layer_specs(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<LayerSp
 }
 
 /// The fitted tables (calibrated `vq` codebooks, `pca-*` bases, the
-/// tables of `shard-*-cal` forms) of each of `model`'s layers' K and V
+/// tables of `shard-*-cal` forms, the RoPE of `+pre` keys) of each of `model`'s layers' K and V
 /// parts, from `mode`'s calibration: loaded once, shared by every block of
 /// the paged cache.
 pub fn fitted_tables(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<[Fitted; 2]>> {
@@ -270,6 +270,11 @@ pub fn fitted_tables(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<[Fitt
         }
         _ => None,
     };
+    // The model's RoPE for key forms coded before it (`+pre`).
+    let pre_rope = |form: &kv_quant::CacheForm, part| match part {
+        Part::Key if form.sparse().is_some_and(|s| s.pre_rope()) => model.rope().cloned(),
+        _ => None,
+    };
     Ok(s.layers
         .resolve(model.layers())?
         .into_iter()
@@ -280,6 +285,7 @@ pub fn fitted_tables(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<[Fitt
                 bases: cal.and_then(|c| c.bases(&form, i, part)),
                 shard: shard(&form, i, part),
                 sequence: sequence(&form, part),
+                rope: pre_rope(&form, part),
             })
         })
         .collect())

@@ -62,8 +62,8 @@ pub use simd::f16_to_f32 as widen_f16;
 pub use spec::{
     BlockPlan, CacheForm, CoeffCode, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LayerForms,
     LloydMaxSpec, LowRankMethod, LowRankSpec, MAX_OUTLIER_BASIS_POINTS, MetaProtection, Nf4Spec,
-    OutlierShare, Protection, Quantizer, RankRule, Rotation, ScaleType, Segments, ShardSpec,
-    ShardValues, VqSpec,
+    Protection, Quantizer, RankRule, Rotation, ScaleType, Segments, ShardSpec, ShardValues,
+    SparseSpec, VqSpec,
 };
 pub use store::{
     ChannelSlices, DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection,

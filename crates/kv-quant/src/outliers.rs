@@ -10,7 +10,7 @@
 //! saves in proportion to how much it shrinks the group's squared range.
 //! The split removes, one value at a time, the extreme (lowest or highest
 //! remaining value of its group) whose removal shrinks its group's squared
-//! range most, until the share is taken ([`OutlierShare::count`], rounded
+//! range most, until the share is taken ([`SparseSpec::count`], rounded
 //! up), a greedy choice over every group of the block at once (a max-heap
 //! of one candidate per group). Per-channel groups (`int2-ch`) give
 //! KVQuant's per-channel outliers of keys, per-token groups its per-token
@@ -33,16 +33,23 @@
 //! position that decodes outside the block places nothing (its value is
 //! lost, and its word was counted by the ledger). True bytes: both tables
 //! with their check words, beside the dense store's.
+//!
+//! # Clipping (`+clip`)
+//!
+//! After the split, `+clip` clamps each dense group to the range that
+//! minimises its squared error under the form's uniform levels
+//! ([`clip_groups`]); the stored format is unchanged (the clamped group's
+//! minimum and maximum are the clipped bounds).
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use gf2_codes::channel::FaultChannel;
+use gf2_codes::channel::{FaultChannel, Flips};
 use half::f16;
 
 use crate::error::{KvQuantError, Result};
 use crate::layout::GroupLayout;
-use crate::spec::{CacheForm, Granularity, MetaProtection, OutlierShare, Quantizer};
+use crate::spec::{CacheForm, Granularity, MetaProtection, Quantizer, SparseSpec};
 use crate::store::{DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, ScrubStats};
 use crate::table::ProtectedTable;
 
@@ -50,6 +57,8 @@ use crate::table::ProtectedTable;
 const POSITION_SALT: u64 = 0x6a09_e667_f3bc_c908;
 /// Salt of the outlier values' fault stream (apart from the dense store's).
 const VALUE_SALT: u64 = 0xbb67_ae85_84ca_a73b;
+/// Salt of the exact rows' fault stream.
+const EXACT_SALT: u64 = 0x3c6e_f372_fe94_f82b;
 
 /// Removes the outliers of `rows` (`tokens × channels`, row-major) in
 /// place, as the module docs describe, for groups of `tokens_per_group`
@@ -62,13 +71,7 @@ pub fn split_outliers(
     (tokens_per_group, channels_per_group): (usize, usize),
     count: usize,
 ) -> Result<Vec<(u32, f32)>> {
-    if rows.len() != tokens * channels {
-        return Err(KvQuantError::ShapeMismatch {
-            what: "rows",
-            expected: tokens * channels,
-            found: rows.len(),
-        });
-    }
+    check_shape(rows, tokens, channels)?;
     if u32::try_from(rows.len()).is_err() {
         return Err(KvQuantError::InvalidParameter {
             name: "rows",
@@ -77,21 +80,15 @@ pub fn split_outliers(
     }
     let layout = GroupLayout::new(tokens, channels, tokens_per_group, channels_per_group)?;
     let groups = layout.groups();
-    // Every position, sorted by (group, value): each group a contiguous run.
-    let mut order: Vec<u32> = (0..rows.len() as u32).collect();
     let group_of = |p: u32| layout.group(p as usize / channels, p as usize % channels);
-    order.sort_unstable_by(|&a, &b| {
-        group_of(a)
-            .cmp(&group_of(b))
-            .then(rows[a as usize].total_cmp(&rows[b as usize]))
-            .then(a.cmp(&b))
-    });
-    let mut bounds = vec![0usize; groups + 1];
-    for &p in &order {
-        bounds[group_of(p) + 1] += 1;
-    }
+    // Every position, sorted by (group, value): each group a contiguous run.
+    let (mut order, bounds) = group_runs(&layout, rows.len(), channels);
     for g in 0..groups {
-        bounds[g + 1] += bounds[g];
+        order[bounds[g]..bounds[g + 1]].sort_unstable_by(|&a, &b| {
+            rows[a as usize]
+                .total_cmp(&rows[b as usize])
+                .then(a.cmp(&b))
+        });
     }
     let value = |i: usize| f64::from(rows[order[i] as usize]);
     // The remaining run of each group, `lo..hi` in `order`.
@@ -141,6 +138,124 @@ pub fn split_outliers(
     Ok(out)
 }
 
+/// Refuses `rows` that are not `tokens × channels` values.
+fn check_shape(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
+    if rows.len() != tokens * channels {
+        return Err(KvQuantError::ShapeMismatch {
+            what: "rows",
+            expected: tokens * channels,
+            found: rows.len(),
+        });
+    }
+    Ok(())
+}
+
+/// The positions `0..len` of a row-major matrix of `channels` columns
+/// grouped by `layout`: positions in group order (ascending within a
+/// group) and each group's run `bounds[g]..bounds[g + 1]`.
+fn group_runs(layout: &GroupLayout, len: usize, channels: usize) -> (Vec<u32>, Vec<usize>) {
+    let groups = layout.groups();
+    let group_of = |p: usize| layout.group(p / channels, p % channels);
+    let mut bounds = vec![0usize; groups + 1];
+    for p in 0..len {
+        bounds[group_of(p) + 1] += 1;
+    }
+    for g in 0..groups {
+        bounds[g + 1] += bounds[g];
+    }
+    let mut next = bounds.clone();
+    let mut order = vec![0u32; len];
+    for p in 0..len {
+        let g = group_of(p);
+        order[next[g]] = p as u32;
+        next[g] += 1;
+    }
+    (order, bounds)
+}
+
+/// Fractions of the way from a group's bound to its mean that
+/// [`clip_groups`] tries for each bound (0 keeps the bound).
+pub const CLIP_STEPS: [f64; 9] = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5];
+
+/// Clamps each group of `rows` (`tokens × channels`, groups of
+/// `tokens_per_group × channels_per_group`) to the range that minimises
+/// the group's squared error under asymmetric uniform levels of `bits`
+/// bits (`x̂ = lo + s·round((clamp(x) − lo)/s)`, `s = (hi − lo)/(2^b − 1)`),
+/// among the ranges whose low bound is `min + f·(mean − min)` and high
+/// bound `max − g·(max − mean)` for `f`, `g` in [`CLIP_STEPS`] (the full
+/// range first, so a tie keeps it). A 2-bit grid over a bell-shaped group
+/// spans about ±1.5σ at its best, where the group's extremes span about
+/// ±2.4σ over 64 values: clipping halves the error of the rest at the cost
+/// of the few values past the bounds (the outliers are split off first).
+/// Returns how many values were clamped.
+pub fn clip_groups(
+    rows: &mut [f32],
+    (tokens, channels): (usize, usize),
+    (tokens_per_group, channels_per_group): (usize, usize),
+    bits: u8,
+) -> Result<usize> {
+    check_shape(rows, tokens, channels)?;
+    if !(1..=16).contains(&bits) {
+        return Err(KvQuantError::InvalidParameter {
+            name: "bits",
+            reason: format!("{bits} is not in 1..=16"),
+        });
+    }
+    let layout = GroupLayout::new(tokens, channels, tokens_per_group, channels_per_group)?;
+    let (order, bounds) = group_runs(&layout, rows.len(), channels);
+    let steps = f64::from((1u32 << bits) - 1);
+    let mut values = Vec::new();
+    let mut clamped = 0;
+    for run in bounds.windows(2) {
+        let members = &order[run[0]..run[1]];
+        values.clear();
+        values.extend(members.iter().map(|&p| f64::from(rows[p as usize])));
+        if values.iter().any(|x| !x.is_finite()) {
+            continue;
+        }
+        let (lo, hi) = values
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+                (a.min(x), b.max(x))
+            });
+        if hi <= lo {
+            continue;
+        }
+        let mean = values.iter().sum::<f64>() / values.len() as f64;
+        let error = |l: f64, h: f64| {
+            let s = (h - l) / steps;
+            values
+                .iter()
+                .map(|&x| {
+                    let y = l + s * ((x.clamp(l, h) - l) / s).round();
+                    (x - y) * (x - y)
+                })
+                .sum::<f64>()
+        };
+        let mut best = (error(lo, hi), lo, hi);
+        for f in CLIP_STEPS {
+            for g in CLIP_STEPS {
+                let (l, h) = (lo + f * (mean - lo), hi - g * (hi - mean));
+                if h > l {
+                    let e = error(l, h);
+                    if e < best.0 {
+                        best = (e, l, h);
+                    }
+                }
+            }
+        }
+        let (l, h) = (best.1 as f32, best.2 as f32);
+        for &p in members {
+            let x = &mut rows[p as usize];
+            if *x < l || *x > h {
+                *x = x.clamp(l, h);
+                clamped += 1;
+            }
+        }
+    }
+    Ok(clamped)
+}
+
 /// One removable extreme: the heap orders by gain, then by lower group
 /// (so the choice is deterministic).
 #[derive(Clone, Copy, Debug)]
@@ -179,6 +294,8 @@ impl Ord for Candidate {
 pub struct SparseStore {
     form: CacheForm,
     dense: KvStore,
+    /// The leading rows kept exact (a sequence's sink tokens), if any.
+    exact: Option<KvStore>,
     /// Positions as stored (16-bit words where the block allows).
     positions: ProtectedTable,
     /// Values as stored (f16 words).
@@ -195,15 +312,60 @@ impl SparseStore {
     /// `rows` (`tokens × channels`, row-major) in `form` (an integer form
     /// with `+out`): its outliers split off and the rest quantized in the
     /// form without them. A form without `+out`, or with segments, is
-    /// refused (a paged cache keeps sink blocks exact beside it).
+    /// refused (a paged cache keeps a sequence's sink tokens:
+    /// [`quantize_with_exact`](Self::quantize_with_exact)).
     pub fn quantize(form: CacheForm, rows: &[f32], tokens: usize, channels: usize) -> Result<Self> {
+        Self::quantize_with_exact(form, rows, tokens, channels, 0)
+    }
+
+    /// [`quantize`](Self::quantize) keeping the first `exact` rows exact
+    /// (f16 under the form's protection, a sequence's sink tokens): the
+    /// split, the clipping and the share's count see only the other rows,
+    /// and the exact rows' places in the dense store hold copies of the
+    /// first coded row, so they stretch no per-channel group.
+    pub fn quantize_with_exact(
+        form: CacheForm,
+        rows: &[f32],
+        tokens: usize,
+        channels: usize,
+        exact: usize,
+    ) -> Result<Self> {
         let share = Self::share_of(&form)?;
-        let dense_form = form.without_outliers();
-        let grouping = grouping(&dense_form, tokens, channels)?;
+        check_shape(rows, tokens, channels)?;
+        if exact >= tokens {
+            return Err(KvQuantError::InvalidParameter {
+                name: "exact rows",
+                reason: format!("{exact} exact rows leave none of {tokens} to code"),
+            });
+        }
+        let dense_form = form.without_sparse();
+        let coded = tokens - exact;
+        let grouping = grouping(&dense_form, coded, channels)?;
         let mut dense_rows = rows.to_vec();
-        let count = share.count(tokens * channels);
-        let outliers = split_outliers(&mut dense_rows, (tokens, channels), grouping, count)?;
+        let (head, tail) = dense_rows.split_at_mut(exact * channels);
+        let count = share.count(coded * channels);
+        let mut outliers = split_outliers(tail, (coded, channels), grouping, count)?;
+        if let (true, Quantizer::Int(spec)) = (share.clip(), form.quantizer()) {
+            clip_groups(tail, (coded, channels), grouping, spec.bits)?;
+        }
+        for row in head.chunks_exact_mut(channels) {
+            row.copy_from_slice(&tail[..channels]);
+        }
+        let offset = (exact * channels) as u32;
+        for o in &mut outliers {
+            o.0 += offset;
+        }
         let dense = KvStore::quantize(dense_form, &dense_rows, tokens, channels)?;
+        let exact_rows = (exact > 0)
+            .then(|| {
+                KvStore::quantize(
+                    form.exact_rows_form(),
+                    &rows[..exact * channels],
+                    exact,
+                    channels,
+                )
+            })
+            .transpose()?;
         let meta = meta_protection(&form);
         let wide = tokens * channels > 1 << 16;
         let mut position_bytes = Vec::with_capacity(outliers.len() * if wide { 4 } else { 2 });
@@ -219,6 +381,7 @@ impl SparseStore {
         let mut store = Self {
             form,
             dense,
+            exact: exact_rows,
             positions: ProtectedTable::new(&position_bytes, meta),
             values: ProtectedTable::new(&value_bytes, meta).with_f16_range(),
             decoded: Vec::new(),
@@ -228,7 +391,7 @@ impl SparseStore {
         Ok(store)
     }
 
-    fn share_of(form: &CacheForm) -> Result<OutlierShare> {
+    fn share_of(form: &CacheForm) -> Result<SparseSpec> {
         if !form.segments().is_empty() {
             return Err(KvQuantError::InvalidParameter {
                 name: "form",
@@ -238,22 +401,33 @@ impl SparseStore {
                 ),
             });
         }
-        form.outliers()
-            .ok_or_else(|| KvQuantError::InvalidParameter {
-                name: "form",
-                reason: format!("{form} keeps no outliers (spell +out<P>)"),
-            })
+        form.sparse().ok_or_else(|| KvQuantError::InvalidParameter {
+            name: "form",
+            reason: format!("{form} keeps no outliers (spell +out<P>)"),
+        })
     }
 
-    /// Stored bytes of a block of `tokens × channels` values in `form`,
-    /// without building one (for pool sizes).
-    pub fn stored_bytes_of(form: CacheForm, tokens: usize, channels: usize) -> Result<usize> {
+    /// Stored bytes of a block of `tokens × channels` values in `form`
+    /// with its first `exact` rows exact, without building one (for pool
+    /// sizes).
+    pub fn stored_bytes_of(
+        form: CacheForm,
+        tokens: usize,
+        channels: usize,
+        exact: usize,
+    ) -> Result<usize> {
         let share = Self::share_of(&form)?;
-        let dense = KvStore::zeroed(form.without_outliers(), tokens, channels)?.stored_bytes();
-        let count = share.count(tokens * channels).min(tokens * channels);
+        let dense = KvStore::zeroed(form.without_sparse(), tokens, channels)?.stored_bytes();
+        let exact_bytes = match exact {
+            0 => 0,
+            n => KvStore::zeroed(form.exact_rows_form(), n, channels)?.stored_bytes(),
+        };
+        let coded = tokens.saturating_sub(exact) * channels;
+        let count = share.count(coded).min(coded);
         let wide = tokens * channels > 1 << 16;
         let meta = meta_protection(&form);
         Ok(dense
+            + exact_bytes
             + ProtectedTable::stored_len(count * if wide { 4 } else { 2 }, meta)
             + ProtectedTable::stored_len(count * 2, meta))
     }
@@ -284,16 +458,25 @@ impl SparseStore {
         &self.decoded
     }
 
-    /// Every stored byte: the dense store's and both tables' with their
-    /// check words.
+    /// Leading rows kept exact.
+    pub fn exact_rows(&self) -> usize {
+        self.exact.as_ref().map_or(0, KvStore::tokens)
+    }
+
+    /// Every stored byte: the dense store's, the exact rows' and both
+    /// tables' with their check words.
     pub fn stored_bytes(&self) -> usize {
-        self.dense.stored_bytes() + self.positions.stored_bytes() + self.values.stored_bytes()
+        self.dense.stored_bytes()
+            + self.exact.as_ref().map_or(0, KvStore::stored_bytes)
+            + self.positions.stored_bytes()
+            + self.values.stored_bytes()
     }
 
     /// Decodes rows `start..start + count` into `out` (`count × channels`):
-    /// the dense rows, then each outlier of those rows in its place. The
-    /// statistics add the tables' words to the dense store's in the tile
-    /// holding the block's first row, so tiles add up to one whole read.
+    /// the dense rows, the exact rows over theirs, then each outlier of
+    /// those rows in its place. The statistics add the tables' words to
+    /// the dense store's in the tile holding the block's first row, so
+    /// tiles add up to one whole read.
     pub fn decode_rows_into(
         &self,
         start: usize,
@@ -303,6 +486,12 @@ impl SparseStore {
     ) -> Result<KvDecodeStats> {
         let mut stats = self.dense.decode_rows_into(start, count, out, scratch)?;
         let ch = self.channels();
+        if let Some(exact) = &self.exact
+            && start < exact.tokens()
+        {
+            let n = (exact.tokens() - start).min(count);
+            stats += exact.decode_rows_into(start, n, &mut out[..n * ch], scratch)?;
+        }
         let (first, end) = ((start * ch) as u32, ((start + count) * ch) as u32);
         let from = self.decoded.partition_point(|&(p, _)| p < first);
         for &(p, v) in self.decoded[from..].iter().take_while(|&&(p, _)| p < end) {
@@ -315,9 +504,10 @@ impl SparseStore {
     }
 
     /// Faults from `channel` with `seed` in the chosen buffers: the dense
-    /// store's as [`KvStore::inject`] lays them out; the outlier values'
-    /// flips as `exact` (the dense store of a block has no exact rows) and
-    /// the positions' as `tables`, each from a salted stream of `seed`.
+    /// store's as [`KvStore::inject`] lays them out; as `exact`, the exact
+    /// rows' bits (the dense store of a block has none of its own) and
+    /// after them the outlier values'; the positions' as `tables`; each
+    /// from a salted stream of `seed`.
     pub fn inject(
         &mut self,
         channel: &dyn FaultChannel,
@@ -326,7 +516,19 @@ impl SparseStore {
     ) -> Injection {
         let mut injection = self.dense.inject(channel, seed, target);
         if target != FaultTarget::Metadata {
-            injection.exact = self.values.inject(channel, seed ^ VALUE_SALT);
+            let (mut flips, base) = match &mut self.exact {
+                Some(exact) => {
+                    let hit = exact.inject(channel, seed ^ EXACT_SALT, FaultTarget::Values);
+                    (
+                        hit.values.positions().to_vec(),
+                        8 * exact.stored_bytes() as u64,
+                    )
+                }
+                None => (Vec::new(), 0),
+            };
+            let values = self.values.inject(channel, seed ^ VALUE_SALT);
+            flips.extend(values.positions().iter().map(|p| p + base));
+            injection.exact = Flips::from_events(flips);
         }
         if target != FaultTarget::Values {
             injection.tables = self.positions.inject(channel, seed ^ POSITION_SALT);
@@ -335,10 +537,13 @@ impl SparseStore {
         injection
     }
 
-    /// One scrubbing pass over the dense store and both tables (their
-    /// words under `values` and `metadata`).
+    /// One scrubbing pass over the dense store, the exact rows and both
+    /// tables (their words under `values` and `metadata`).
     pub fn scrub(&mut self) -> Result<ScrubStats> {
         let mut stats = self.dense.scrub()?;
+        if let Some(exact) = &mut self.exact {
+            stats += exact.scrub()?;
+        }
         stats.values += self.values.scrub();
         stats.metadata += self.positions.scrub();
         self.reread();

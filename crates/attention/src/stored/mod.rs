@@ -125,7 +125,7 @@ pub use planned::PlannedPart;
 pub use sequence::{SequenceFit, SequenceTables};
 pub use shard::{BlockGuard, MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
-pub use sparse::SparsePart;
+pub use sparse::{SparseBlock, SparsePart};
 pub use staging::clamp_non_finite;
 pub use window::{
     WindowBytes, WindowInjection, WindowLayer, WindowPart, WindowScratch, WindowShape,
@@ -582,6 +582,8 @@ pub struct Fitted {
     /// What a part fitting its tables on each sequence (`shard-k3`) needs
     /// to know of the model.
     pub sequence: Option<SequenceFit>,
+    /// The model's RoPE, for a key part coded before it (`+pre`).
+    pub rope: Option<crate::Rope>,
 }
 
 /// The one place a parsed form meets the type that stores it: a part of
@@ -606,9 +608,13 @@ pub fn open_part(
             form, block_size, channels, num_blocks, fitted,
         )?));
     }
-    if form.outliers().is_some() {
+    if form.sparse().is_some() {
         return Ok(Box::new(SparsePart::new(
-            form, block_size, channels, num_blocks,
+            form,
+            block_size,
+            channels,
+            num_blocks,
+            fitted.rope.clone(),
         )?));
     }
     if form.quantizer().is_hierarchical() {
@@ -731,7 +737,7 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
     if form.quantizer().is_hierarchical() {
         return HierarchicalPart::plans(form, block_size).map(|_| ());
     }
-    if form.outliers().is_some() {
+    if form.sparse().is_some() {
         return SparsePart::fits(form, block_size);
     }
     BlockPlan::new(form, block_size)?;
@@ -749,7 +755,7 @@ pub fn part_seals(form: CacheForm, block_size: usize) -> bool {
             HierarchicalPart::plans(form, block_size).is_ok_and(|(upper, _)| upper.staged)
         }
         Quantizer::LowRank(_) | Quantizer::Shard(_) => check_part_form(form, block_size).is_ok(),
-        _ if form.outliers().is_some() => SparsePart::fits(form, block_size).is_ok(),
+        _ if form.sparse().is_some() => SparsePart::fits(form, block_size).is_ok(),
         _ => BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged),
     }
 }
@@ -786,7 +792,7 @@ pub fn part_pool_bytes(
     if let Quantizer::Shard(_) = form.quantizer() {
         return ShardPart::pool_bytes(form, block_size, channels, num_blocks, fitted);
     }
-    if form.outliers().is_some() {
+    if form.sparse().is_some() {
         return SparsePart::pool_bytes(form, block_size, channels, num_blocks);
     }
     if form.quantizer().is_hierarchical() {

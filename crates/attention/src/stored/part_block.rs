@@ -2,9 +2,9 @@
 //! (copy-on-write) and moves it to and from the host tier.
 
 use kv_lowrank::LowRankStore;
-use kv_quant::{KvStore, ScrubStats, SparseStore};
+use kv_quant::{KvStore, ScrubStats};
 
-use super::ShardBlock;
+use super::{ShardBlock, SparseBlock};
 use crate::error::Result;
 
 /// One block's contents in one part, for copies and the host tier: the
@@ -17,7 +17,7 @@ pub struct PartBlock {
     pub(super) stores: Vec<KvStore>,
     pub(super) low_rank: Option<LowRankStore>,
     pub(super) shard: Option<ShardBlock>,
-    pub(super) sparse: Option<SparseStore>,
+    pub(super) sparse: Option<SparseBlock>,
     pub(super) bytes: Vec<u8>,
     pub(super) group: Option<u64>,
     /// Of a hierarchical block's stores, how many are its upper plane's
@@ -52,15 +52,15 @@ impl PartBlock {
     }
 
     /// A sealed block of a `+out` form (dense rows and sparse outliers).
-    pub fn of_sparse(store: SparseStore) -> Self {
+    pub fn of_sparse(block: SparseBlock) -> Self {
         Self {
-            sparse: Some(store),
+            sparse: Some(block),
             ..Self::default()
         }
     }
 
     /// The sparse store of a sealed `+out` block, if it is one.
-    pub fn sparse(&self) -> Option<&SparseStore> {
+    pub fn sparse(&self) -> Option<&SparseBlock> {
         self.sparse.as_ref()
     }
 
@@ -122,7 +122,7 @@ impl PartBlock {
         self.stores.iter().map(KvStore::stored_bytes).sum::<usize>()
             + self.low_rank.as_ref().map_or(0, LowRankStore::stored_bytes)
             + self.shard.as_ref().map_or(0, ShardBlock::stored_bytes)
-            + self.sparse.as_ref().map_or(0, SparseStore::stored_bytes)
+            + self.sparse.as_ref().map_or(0, |s| s.store.stored_bytes())
             + self.bytes.len()
     }
 
@@ -138,7 +138,7 @@ impl PartBlock {
             stats += shard.scrub()?;
         }
         if let Some(sparse) = &mut self.sparse {
-            stats += sparse.scrub()?;
+            stats += sparse.store.scrub()?;
         }
         Ok(stats)
     }

@@ -8,9 +8,21 @@
 //! (kv-quant's `outliers` module: the greedy choice, the stored tables and
 //! their faults). Per-channel groups span the block (`int2-ch`, or
 //! `int2-ch<B>` with B the block size), per-token groups are the form's.
-//! Sink blocks (`+sink<S>`) stay exact, as [`PlannedPart`](super::PlannedPart)
-//! keeps them. Tiles are the decoded rows (f32): the outliers are patched
-//! into each page's dense rows, so the integer kernels are not used here.
+//! Sink tokens (`+sink<S>`) are kept exact inside the block that holds
+//! them: a block of a sequence's first S tokens alone stays staged (exact),
+//! and the block holding the S-th token seals with its leading sink rows
+//! exact beside the coded rest (`SparseStore::quantize_with_exact`), where
+//! [`PlannedPart`](super::PlannedPart) keeps the whole block exact (at
+//! blocks of 64 and 2,048 tokens of context that is 0.42 bits per value
+//! saved). Tiles are the decoded rows (f32): the outliers are patched into
+//! each page's dense rows, so the integer kernels are not used here.
+//!
+//! With `+pre` (keys coded before RoPE, as KVQuant codes them) a block's
+//! rows are rotated back to position 0 when it seals, from the position
+//! of its first row, and rotated to their positions again when read
+//! (`Rope::apply_rows`, one `sin_cos` per pair and page): the part needs
+//! the model's RoPE ([`Fitted::rope`](super::Fitted)), and a sealed block
+//! carries its first row's position ([`SparseBlock`]).
 
 use std::ops::Range;
 
@@ -23,7 +35,19 @@ use kv_quant::{
 use super::staging::{BlockState, StagedBlocks};
 use super::{PartBlock, PartScratch, PoolBytes, StoredPart};
 use crate::error::{AttentionError, Result};
+use crate::rope::Rope;
 use crate::source::Tile;
+
+/// A sealed block of a [`SparsePart`]: its rows in a kv-quant
+/// [`SparseStore`] and the position of its first row in its sequences
+/// (the rotation a `+pre` block's rows get back when read).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SparseBlock {
+    /// The dense rows, the exact sink rows and the outliers.
+    pub store: SparseStore,
+    /// The position of the block's first row.
+    pub first: usize,
+}
 
 /// An integer form with sparse outliers kept in blocks (module docs).
 #[derive(Debug)]
@@ -33,30 +57,60 @@ pub struct SparsePart {
     sealed_form: CacheForm,
     channels: usize,
     block_size: usize,
-    /// Leading blocks of a sequence never sealed (exact sink tokens).
-    sink_blocks: usize,
-    blocks: StagedBlocks<SparseStore>,
+    /// Sink tokens (`+sink<S>`): blocks of a sequence holding only sink
+    /// tokens are never sealed; the block holding the last one seals with
+    /// them exact.
+    sink: usize,
+    blocks: StagedBlocks<SparseBlock>,
+    /// The model's RoPE, for keys coded before it (`+pre`).
+    rope: Option<Rope>,
     /// Bytes of one sealed block (the same for every block of a form).
     sealed_bytes: usize,
 }
 
 impl SparsePart {
     /// Zeroed blocks of `form` (an integer form with `+out`), or why blocks
-    /// of `block_size` rows of `channels` values cannot hold it.
+    /// of `block_size` rows of `channels` values cannot hold it (a `+pre`
+    /// form needs the model's `rope`, whose heads divide the rows).
     pub fn new(
         form: CacheForm,
         block_size: usize,
         channels: usize,
         num_blocks: usize,
+        rope: Option<Rope>,
     ) -> Result<Self> {
         let (sealed_form, sealed_bytes) = Self::check(form, block_size, channels)?;
+        let pre_rope = form.sparse().is_some_and(|s| s.pre_rope());
+        let rope = match (pre_rope, rope) {
+            (false, _) => None,
+            (true, None) => {
+                return Err(AttentionError::InvalidParameter {
+                    name: "form",
+                    reason: format!(
+                        "{form} codes keys before RoPE (+pre) and needs the model's RoPE: a \
+                         key form of a model with RoPE (Fitted::rope)"
+                    ),
+                });
+            }
+            (true, Some(rope)) if !channels.is_multiple_of(rope.head_dim()) => {
+                return Err(AttentionError::InvalidParameter {
+                    name: "rope",
+                    reason: format!(
+                        "heads of {} channels do not divide rows of {channels}",
+                        rope.head_dim()
+                    ),
+                });
+            }
+            (true, rope) => rope,
+        };
         Ok(Self {
+            rope,
             blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             form,
             sealed_form,
             channels,
             block_size,
-            sink_blocks: form.segments().sink.div_ceil(block_size),
+            sink: form.segments().sink,
             sealed_bytes,
         })
     }
@@ -69,10 +123,14 @@ impl SparsePart {
         channels: usize,
         num_blocks: usize,
     ) -> Result<PoolBytes> {
-        let (_, sealed) = Self::check(form, block_size, channels)?;
+        let (sealed_form, sealed) = Self::check(form, block_size, channels)?;
         let exact = KvStore::zeroed(form.exact_rows_form(), block_size, channels)?.stored_bytes();
+        let sink = match form.segments().sink % block_size {
+            0 => 0,
+            rows => SparseStore::stored_bytes_of(sealed_form, block_size, channels, rows)?,
+        };
         Ok(PoolBytes {
-            blocks: (sealed.max(exact) as u64).saturating_mul(num_blocks as u64),
+            blocks: (sealed.max(exact).max(sink) as u64).saturating_mul(num_blocks as u64),
             ..PoolBytes::default()
         })
     }
@@ -89,7 +147,7 @@ impl SparsePart {
         if block_size == 0 {
             return refuse("blocks hold at least one token".into());
         }
-        if form.outliers().is_none() {
+        if form.sparse().is_none() {
             return refuse("keeps no sparse outliers (spell +out<P>)".into());
         }
         if let Quantizer::Int(spec) = form.quantizer()
@@ -108,7 +166,7 @@ impl SparsePart {
     fn check(form: CacheForm, block_size: usize, channels: usize) -> Result<(CacheForm, usize)> {
         Self::fits(form, block_size)?;
         let sealed_form = form.with_segments(Segments::default())?;
-        let bytes = SparseStore::stored_bytes_of(sealed_form, block_size, channels)?;
+        let bytes = SparseStore::stored_bytes_of(sealed_form, block_size, channels, 0)?;
         Ok((sealed_form, bytes))
     }
 
@@ -123,10 +181,29 @@ impl SparsePart {
         if let Some(stats) = self.blocks.read_unsealed(block, offset, out, scratch)? {
             return Ok(stats);
         }
-        let BlockState::Sealed(store) = self.blocks.get(block)? else {
+        let BlockState::Sealed(sealed) = self.blocks.get(block)? else {
             unreachable!("read_unsealed reads the others");
         };
-        Ok(store.decode_rows_into(offset, out.len() / self.channels, out, scratch)?)
+        Self::read_sealed(self.rope.as_ref(), sealed, offset, out, scratch)
+    }
+
+    /// Rows `offset..` of a sealed block into `out`, rotated to their
+    /// positions where the block was coded before RoPE.
+    fn read_sealed(
+        rope: Option<&Rope>,
+        sealed: &SparseBlock,
+        offset: usize,
+        out: &mut [f32],
+        scratch: &mut DecodeScratch,
+    ) -> Result<KvDecodeStats> {
+        let channels = sealed.store.channels();
+        let stats = sealed
+            .store
+            .decode_rows_into(offset, out.len() / channels, out, scratch)?;
+        if let Some(rope) = rope {
+            rope.apply_rows(out, channels, sealed.first + offset)?;
+        }
+        Ok(stats)
     }
 }
 
@@ -156,24 +233,40 @@ impl StoredPart for SparsePart {
     }
 
     fn put_row(&mut self, block: usize, offset: usize, row: &RowBuffers) -> Result<()> {
-        let bs = self.block_size;
         // A sequence cut back into a sealed block: staged again from the
         // rows it reads as.
-        self.blocks.put_row(block, offset, row, |store, rows| {
-            store.decode_rows_into(0, bs, rows, &mut DecodeScratch::new())?;
+        let rope = self.rope.as_ref();
+        self.blocks.put_row(block, offset, row, |sealed, rows| {
+            Self::read_sealed(rope, sealed, 0, rows, &mut DecodeScratch::new())?;
             Ok(())
         })
     }
 
     fn sealable(&self, before: usize, after: usize) -> Range<usize> {
-        let first = (before / self.block_size).max(self.sink_blocks);
+        let first = (before / self.block_size).max(self.sink / self.block_size);
         first..(after / self.block_size).max(first)
     }
 
-    fn seal(&mut self, block: usize, _first: usize) -> Result<bool> {
+    fn seal(&mut self, block: usize, first: usize) -> Result<bool> {
         let (form, bs, ch) = (self.sealed_form, self.block_size, self.channels);
-        self.blocks
-            .seal(block, |rows| Ok(SparseStore::quantize(form, rows, bs, ch)?))
+        let exact = self.sink.saturating_sub(first);
+        if exact >= bs {
+            return Ok(false);
+        }
+        let rope = self.rope.as_ref();
+        self.blocks.seal(block, |rows| {
+            let store = match rope {
+                Some(rope) => {
+                    let mut unrotated = rows.to_vec();
+                    for (i, row) in unrotated.chunks_exact_mut(ch).enumerate() {
+                        rope.undo(row, first + i)?;
+                    }
+                    SparseStore::quantize_with_exact(form, &unrotated, bs, ch, exact)?
+                }
+                None => SparseStore::quantize_with_exact(form, rows, bs, ch, exact)?,
+            };
+            Ok(SparseBlock { store, first })
+        })
     }
 
     fn is_staged(&self, block: usize) -> bool {
@@ -215,11 +308,11 @@ impl StoredPart for SparsePart {
 
     fn snapshot(&self, block: usize) -> Result<PartBlock> {
         self.blocks
-            .snapshot(block, |store| PartBlock::of_sparse(store.clone()))
+            .snapshot(block, |sealed| PartBlock::of_sparse(sealed.clone()))
     }
 
     fn accepts(&self, data: &PartBlock) -> bool {
-        match data.sparse() {
+        match data.sparse().map(|b| &b.store) {
             Some(s) => {
                 data.stores().is_empty()
                     && data.bytes().is_empty()
@@ -228,6 +321,7 @@ impl StoredPart for SparsePart {
                     && *s.form() == self.sealed_form
                     && s.tokens() == self.block_size
                     && s.channels() == self.channels
+                    && [0, self.sink % self.block_size].contains(&s.exact_rows())
             }
             None => self.blocks.accepts_unsealed(data),
         }
@@ -247,7 +341,8 @@ impl StoredPart for SparsePart {
     }
 
     fn scrub(&mut self, block: usize) -> Result<ScrubStats> {
-        self.blocks.scrub_with(block, |store| Ok(store.scrub()?))
+        self.blocks
+            .scrub_with(block, |sealed| Ok(sealed.store.scrub()?))
     }
 
     fn inject(
@@ -257,14 +352,14 @@ impl StoredPart for SparsePart {
         seed: u64,
         target: FaultTarget,
     ) -> Result<Injection> {
-        self.blocks.inject(block, channel, seed, target, |store| {
-            Ok(store.inject(channel, seed, target))
+        self.blocks.inject(block, channel, seed, target, |sealed| {
+            Ok(sealed.store.inject(channel, seed, target))
         })
     }
 
     fn block_bytes(&self, block: usize) -> usize {
         self.blocks
-            .block_bytes(block, SparseStore::stored_bytes, self.sealed_bytes)
+            .block_bytes(block, |s| s.store.stored_bytes(), self.sealed_bytes)
     }
 
     fn sealed_block_bytes(&self) -> usize {

@@ -101,6 +101,82 @@ proptest! {
     }
 }
 
+/// The squared error of `xs` under the clip search's levels on `lo..hi`.
+fn grid_error(xs: &[f64], lo: f64, hi: f64, bits: u8) -> f64 {
+    let s = (hi - lo) / f64::from((1u32 << bits) - 1);
+    xs.iter()
+        .map(|&x| {
+            let y = lo + s * ((x.clamp(lo, hi) - lo) / s).round();
+            (x - y) * (x - y)
+        })
+        .sum()
+}
+
+proptest! {
+    #[test]
+    fn clipping_never_raises_a_groups_error_and_stays_in_its_range(
+        seed in 0u64..1000,
+        bits in 2u8..=4,
+        per_channel in any::<bool>(),
+    ) {
+        let (tokens, channels) = (16, 8);
+        let mut rng = test_rng(seed);
+        let rows: Vec<f32> = (0..tokens * channels)
+            .map(|_| {
+                // Bell-shaped: a sum of uniforms.
+                (0..4).map(|_| rng.next_f32()).sum::<f32>() - 2.0
+            })
+            .collect();
+        let grouping = if per_channel { (tokens, 1) } else { (1, 4) };
+        let mut clipped = rows.clone();
+        let n = clip_groups(&mut clipped, (tokens, channels), grouping, bits).unwrap();
+        let changed = rows.iter().zip(&clipped).filter(|(a, b)| a != b).count();
+        prop_assert_eq!(n, changed);
+        let layout = GroupLayout::new(tokens, channels, grouping.0, grouping.1).unwrap();
+        for g in 0..layout.groups() {
+            let members: Vec<usize> = (0..rows.len())
+                .filter(|&p| layout.group(p / channels, p % channels) == g)
+                .collect();
+            let xs: Vec<f64> = members.iter().map(|&p| f64::from(rows[p])).collect();
+            let ys: Vec<f64> = members.iter().map(|&p| f64::from(clipped[p])).collect();
+            let (lo, hi) = xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+            let (cl, ch) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+            prop_assert!(cl >= lo && ch <= hi);
+            // The original values read on the clipped group's grid err no
+            // more than on the full range's.
+            prop_assert!(grid_error(&xs, cl, ch, bits) <= grid_error(&xs, lo, hi, bits) + 1e-12);
+        }
+    }
+}
+
+#[test]
+fn clipping_a_bell_shaped_group_at_two_bits_halves_its_error() {
+    let mut rng = test_rng(11);
+    let tokens = 64;
+    let rows: Vec<f32> = (0..tokens)
+        .map(|_| (0..12).map(|_| rng.next_f32()).sum::<f32>() - 6.0)
+        .collect();
+    let xs: Vec<f64> = rows.iter().map(|&x| f64::from(x)).collect();
+    let (lo, hi) = xs
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    let mut clipped = rows.clone();
+    assert!(clip_groups(&mut clipped, (tokens, 1), (tokens, 1), 2).unwrap() > 0);
+    let (cl, ch) = clipped
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    let full = grid_error(&xs, lo, hi, 2);
+    let best = grid_error(&xs, f64::from(cl), f64::from(ch), 2);
+    assert!(best < 0.75 * full, "{best} against {full}");
+    // Bad shapes and bit counts are refused.
+    assert!(clip_groups(&mut clipped, (tokens, 2), (tokens, 1), 2).is_err());
+    assert!(clip_groups(&mut clipped, (tokens, 1), (tokens, 1), 0).is_err());
+}
+
 /// A small deterministic stream for the tests (xorshift).
 struct TestRng(u64);
 
@@ -154,7 +230,7 @@ fn a_sparse_store_reads_its_outliers_exactly_and_counts_their_bytes() {
     assert_eq!(store.outliers().len(), count);
     assert_eq!(
         store.stored_bytes(),
-        SparseStore::stored_bytes_of(f, tokens, channels).unwrap()
+        SparseStore::stored_bytes_of(f, tokens, channels, 0).unwrap()
     );
     assert_eq!(
         store.stored_bytes(),
@@ -194,6 +270,60 @@ fn a_sparse_store_reads_its_outliers_exactly_and_counts_their_bytes() {
         .decode_rows_into(0, tokens, &mut out, &mut scratch)
         .unwrap();
     assert_eq!(stats, whole);
+}
+
+#[test]
+fn exact_leading_rows_read_exactly_and_stretch_no_group() {
+    let (tokens, channels) = (16, 8);
+    let mut rng = test_rng(5);
+    let mut rows: Vec<f32> = (0..tokens * channels)
+        .map(|_| rng.next_f32() - 0.5)
+        .collect();
+    // Attention-sink rows far larger than the rest.
+    for x in &mut rows[..3 * channels] {
+        *x *= 1000.0;
+    }
+    let f = form("int4-ch+out1+secded84");
+    let store = SparseStore::quantize_with_exact(f, &rows, tokens, channels, 3).unwrap();
+    assert_eq!(store.exact_rows(), 3);
+    assert_eq!(
+        store.stored_bytes(),
+        SparseStore::stored_bytes_of(f, tokens, channels, 3).unwrap()
+    );
+    // ⌈1% of the 13 coded rows' 104 values⌉, none of them in the exact rows.
+    assert_eq!(store.outliers().len(), 2);
+    assert!(
+        store
+            .outliers()
+            .iter()
+            .all(|&(p, _)| p >= 3 * channels as u32)
+    );
+    let mut out = vec![0.0; tokens * channels];
+    let mut scratch = DecodeScratch::default();
+    store
+        .decode_rows_into(0, tokens, &mut out, &mut scratch)
+        .unwrap();
+    let f16 = |x: f32| f16::from_f32(x).to_f32();
+    for i in 0..3 * channels {
+        assert_eq!(out[i], f16(rows[i]));
+    }
+    // The coded rows keep 4-bit precision over their own range.
+    let err = (3 * channels..rows.len())
+        .map(|i| (out[i] - rows[i]).abs())
+        .fold(0.0f32, f32::max);
+    assert!(err < 0.05, "{err}");
+    // A row range inside the exact rows, and one across their end.
+    let mut part = vec![0.0; 3 * channels];
+    store
+        .decode_rows_into(1, 3, &mut part, &mut scratch)
+        .unwrap();
+    assert_eq!(part, out[channels..4 * channels]);
+    // Faults reach the exact rows too (their flips come first in `exact`).
+    let mut hit = store.clone();
+    let injection = hit.inject(&ExactFlips::new(vec![0]), 2, FaultTarget::Values);
+    assert_eq!(injection.exact.len(), 2);
+    assert_eq!(injection.exact.positions()[0], 0);
+    assert!(SparseStore::quantize_with_exact(f, &rows, tokens, channels, tokens).is_err());
 }
 
 #[test]
@@ -254,7 +384,7 @@ fn faults_in_bare_outliers_never_place_a_value_outside_the_block() {
 }
 
 #[test]
-fn forms_without_outliers_or_with_segments_are_refused() {
+fn forms_without_sparse_or_with_segments_are_refused() {
     let rows = vec![0.0; 64];
     for (spelling, needle) in [
         ("int2-ch", "keeps no outliers"),

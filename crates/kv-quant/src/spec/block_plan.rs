@@ -86,7 +86,7 @@ impl BlockPlan {
                     .into(),
             );
         }
-        if form.outliers().is_some() {
+        if form.sparse().is_some() {
             return refuse(
                 "keeps sparse outliers beside each sealed block: attention's SparsePart \
                  keeps them"

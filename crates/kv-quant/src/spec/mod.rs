@@ -392,20 +392,32 @@ impl Segments {
     }
 }
 
-/// KVQuant's dense-and-sparse split (`+out<P>`): the largest P percent of a
-/// block's values are kept exact (f16, with their positions) beside the
-/// quantized rest, so they stretch no group's range. Counted in basis
-/// points (1% is 100), 1 to [`MAX_OUTLIER_BASIS_POINTS`].
+/// The dense-and-sparse options of an integer form sealed block by block
+/// (KVQuant's recipe for keys, rebuilt on paged blocks):
+///
+/// - `+out<P>`: the P percent of a block's values that stretch their
+///   groups' ranges most are kept exact (f16, with their positions) beside
+///   the quantized rest. Counted in basis points (1% is 100), 1 to
+///   [`MAX_OUTLIER_BASIS_POINTS`].
+/// - `+clip`: the dense part's groups are also clamped, when a block seals,
+///   to the range that minimises each group's squared error under the
+///   form's uniform levels (kv-quant's `outliers::clip_groups`).
+/// - `+pre`: keys are coded before RoPE (a block's rows rotated back to
+///   position 0 when it seals, rotated to their positions again when
+///   read), so channel pairs that RoPE turns within a block keep their
+///   own ranges.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct OutlierShare {
+pub struct SparseSpec {
     basis_points: u16,
+    clip: bool,
+    pre_rope: bool,
 }
 
 /// The largest outlier share, 20% (the bound: past it a form keeps
 /// more exact than quantized values worth splitting).
 pub const MAX_OUTLIER_BASIS_POINTS: u16 = 2000;
 
-impl OutlierShare {
+impl SparseSpec {
     /// A share of `basis_points` hundredths of a percent, or why not.
     pub fn new(basis_points: u16) -> Result<Self> {
         if basis_points == 0 || basis_points > MAX_OUTLIER_BASIS_POINTS {
@@ -414,7 +426,31 @@ impl OutlierShare {
                 reason: format!("{}% is not in (0, 20]", f64::from(basis_points) / 100.0),
             });
         }
-        Ok(Self { basis_points })
+        Ok(Self {
+            basis_points,
+            clip: false,
+            pre_rope: false,
+        })
+    }
+
+    /// The same options, keys coded before RoPE (`+pre`) or after.
+    pub const fn with_pre_rope(self, pre_rope: bool) -> Self {
+        Self { pre_rope, ..self }
+    }
+
+    /// Whether keys are coded before RoPE (`+pre`).
+    pub const fn pre_rope(&self) -> bool {
+        self.pre_rope
+    }
+
+    /// The same share, the dense groups clipped (`+clip`) or not.
+    pub const fn with_clip(self, clip: bool) -> Self {
+        Self { clip, ..self }
+    }
+
+    /// Whether the dense groups are clipped at their best range (`+clip`).
+    pub const fn clip(&self) -> bool {
+        self.clip
     }
 
     /// Hundredths of a percent.
@@ -529,7 +565,7 @@ pub struct CacheForm {
     rotation: Option<Rotation>,
     segments: Segments,
     protection: Option<Protection>,
-    outliers: Option<OutlierShare>,
+    sparse: Option<SparseSpec>,
 }
 
 impl CacheForm {
@@ -554,7 +590,7 @@ impl CacheForm {
             rotation,
             segments,
             protection,
-            outliers: None,
+            sparse: None,
         };
         form.validate()
             .map_err(|reason| KvQuantError::InvalidSpec {
@@ -586,21 +622,21 @@ impl CacheForm {
 
     /// The share of each block's values kept exact as sparse outliers
     /// (`+out<P>`), if any.
-    pub fn outliers(&self) -> Option<OutlierShare> {
-        self.outliers
+    pub fn sparse(&self) -> Option<SparseSpec> {
+        self.sparse
     }
 
     /// The same form with another outlier share (or none).
-    pub fn with_outliers(mut self, outliers: Option<OutlierShare>) -> Result<Self> {
-        self.outliers = outliers;
+    pub fn with_sparse(mut self, sparse: Option<SparseSpec>) -> Result<Self> {
+        self.sparse = sparse;
         self.checked()
     }
 
     /// The form of the dense part of a form with sparse outliers: the same
     /// codes, segments and protection, no outliers.
-    pub fn without_outliers(&self) -> CacheForm {
+    pub fn without_sparse(&self) -> CacheForm {
         CacheForm {
-            outliers: None,
+            sparse: None,
             ..*self
         }
     }
@@ -659,7 +695,7 @@ impl CacheForm {
             rotation: None,
             segments: Segments::default(),
             protection: self.protection,
-            outliers: None,
+            sparse: None,
         }
     }
 
@@ -697,7 +733,7 @@ impl CacheForm {
     /// [`RowEncoder`](crate::RowEncoder).
     pub fn is_row_local(&self) -> bool {
         self.segments.is_empty()
-            && self.outliers.is_none()
+            && self.sparse.is_none()
             && match self.quantizer {
                 Quantizer::Fp32
                 | Quantizer::Fp16
@@ -730,7 +766,7 @@ impl CacheForm {
             Quantizer::Int(IntSpec {
                 granularity: Granularity::PerChannel { tokens: Some(t) },
                 ..
-            }) if self.segments.is_empty() && self.outliers.is_none() => Some(t),
+            }) if self.segments.is_empty() && self.sparse.is_none() => Some(t),
             _ => None,
         }
     }

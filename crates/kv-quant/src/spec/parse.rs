@@ -15,8 +15,8 @@ use super::{
     DEFAULT_NF4_GROUP, DEFAULT_ROTATION_BLOCK, DEFAULT_SHARD_GROUP, DEFAULT_SHARD_KEY_BUDGET,
     DEFAULT_SHARD_SINK, DEFAULT_SHARD_STREAM, DEFAULT_SHARD_WINDOW, DEFAULT_VQ_CENTROIDS,
     DEFAULT_VQ_DIM, ErasurePolicy, Fp8Spec, Granularity, IntSpec, LloydMaxSpec, LowRankMethod,
-    LowRankSpec, MetaProtection, Nf4Spec, OutlierShare, Protection, Quantizer, RankRule, Rotation,
-    ScaleType, Segments, ShardSpec, ShardValues, VqSpec,
+    LowRankSpec, MetaProtection, Nf4Spec, Protection, Quantizer, RankRule, Rotation, ScaleType,
+    Segments, ShardSpec, ShardValues, SparseSpec, VqSpec,
 };
 use crate::error::{KvQuantError, Result};
 use crate::fp8::Fp8Format;
@@ -29,7 +29,7 @@ nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
 shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>[q]|-soff][-f<fold chunk>][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
-+sink<S> | +win<W> | +out<P> (integer forms: the largest P% of each block's values exact, P in (0, 20]) | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
++sink<S> | +win<W> | +out<P> (integer forms: the largest P% of each block's values exact, P in (0, 20]) | +clip, +pre (with +out: each dense group clamped to its best range; keys coded before RoPE) | +hamming74 | +secded84 | +golay24 | +secded84x8 | +golay24x8 | then, after a code, +keep | +zero | \
 +interp[<reach>] | +meta-none | +meta-secded | +meta-rm (e.g. int4, int4-g64, int4-ch, nf4, fp8-e4m3, int4+rot, lm4, \
 vq, int4-ch32+win32, int4+secded84+interp, int8+golay24, lm3+sink4+win64)";
 
@@ -201,7 +201,7 @@ impl fmt::Display for CacheForm {
         if self.segments.window != window {
             write!(f, "+win{}", self.segments.window)?;
         }
-        if let Some(share) = self.outliers {
+        if let Some(share) = self.sparse {
             let bp = share.basis_points();
             let text = format!("{}.{:02}", bp / 100, bp % 100);
             write!(
@@ -209,6 +209,12 @@ impl fmt::Display for CacheForm {
                 "+out{}",
                 text.trim_end_matches('0').trim_end_matches('.')
             )?;
+            if share.clip() {
+                f.write_str("+clip")?;
+            }
+            if share.pre_rope() {
+                f.write_str("+pre")?;
+            }
         }
         if let Some(p) = &self.protection {
             write!(f, "+{}", p.code)?;
@@ -253,7 +259,7 @@ fn share_after(s: &str, prefix: &str) -> Option<std::result::Result<u32, String>
 
 /// Parses the percentage of `+out<P>` (`1`, `0.5`, `0.25`: at most two
 /// decimals, in (0, 20]) as basis points.
-fn outlier_share(text: &str) -> std::result::Result<OutlierShare, String> {
+fn outlier_share(text: &str) -> std::result::Result<SparseSpec, String> {
     let bad = || {
         format!(
             "+out{}: the outlier share is a percentage in (0, 20] with at most two \
@@ -272,7 +278,7 @@ fn outlier_share(text: &str) -> std::result::Result<OutlierShare, String> {
         .checked_mul(100)
         .and_then(|w| w.checked_add(frac))
         .ok_or_else(bad)?;
-    OutlierShare::new(bp).map_err(|_| bad())
+    SparseSpec::new(bp).map_err(|_| bad())
 }
 
 /// Parses the number after a prefix (`g64` → 64); `None` if `s` lacks the
@@ -602,7 +608,9 @@ struct Suffixes {
     qjl: bool,
     sink: Option<usize>,
     window: Option<usize>,
-    outliers: Option<OutlierShare>,
+    sparse: Option<SparseSpec>,
+    clip: bool,
+    pre_rope: bool,
     code: Option<Int4Code>,
     policy: Option<ErasurePolicy>,
     metadata: Option<MetaProtection>,
@@ -642,8 +650,16 @@ impl Suffixes {
         if let Some(w) = number_after(part, "win") {
             return once(&mut self.window, w?, "+win");
         }
+        for (name, flag) in [("clip", &mut self.clip), ("pre", &mut self.pre_rope)] {
+            if part == name {
+                if std::mem::replace(flag, true) {
+                    return Err(format!("more than one +{name}"));
+                }
+                return Ok(());
+            }
+        }
         if let Some(p) = part.strip_prefix("out") {
-            return once(&mut self.outliers, outlier_share(p)?, "+out");
+            return once(&mut self.sparse, outlier_share(p)?, "+out");
         }
         let policy = match part {
             "keep" => Some(ErasurePolicy::Keep),
@@ -731,7 +747,15 @@ impl FromStr for CacheForm {
             rotation,
             segments,
             protection,
-            outliers: suffixes.outliers,
+            sparse: match (suffixes.sparse, suffixes.clip, suffixes.pre_rope) {
+                (Some(s), clip, pre) => Some(s.with_clip(clip).with_pre_rope(pre)),
+                (None, false, false) => None,
+                (None, ..) => {
+                    return Err(err("+clip and +pre are options of a form sealed with \
+                                    sparse outliers: spell +out<P>+clip, +out<P>+pre"
+                        .into()));
+                }
+            },
         };
         form.validate().map_err(err)?;
         Ok(form)

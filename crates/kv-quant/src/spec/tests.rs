@@ -439,18 +439,20 @@ fn outlier_shares_parse_print_and_refuse() {
         ("int4+out0.05+secded84", "int4+out0.05+secded84", 5),
         ("int2-ch64+out20", "int2-ch64+out20", 2000),
         ("int2-g32+out1.50", "int2-g32+out1.5", 150),
+        ("int2-ch+clip+out1+sink4", "int2-ch+sink4+out1+clip", 100),
+        ("int2-ch+pre+out1+clip", "int2-ch+out1+clip+pre", 100),
     ] {
         let f: CacheForm = text.parse().unwrap();
         assert_eq!(f.to_string(), printed);
-        assert_eq!(f.outliers().unwrap().basis_points(), bp);
+        assert_eq!(f.sparse().unwrap().basis_points(), bp);
         assert_eq!(printed.parse::<CacheForm>().unwrap(), f);
         assert!(!f.is_row_local() && f.row_unit().is_none());
-        assert_eq!(f.without_outliers().outliers(), None);
-        assert_eq!(f.exact_rows_form().outliers(), None);
+        assert_eq!(f.without_sparse().sparse(), None);
+        assert_eq!(f.exact_rows_form().sparse(), None);
     }
     let f: CacheForm = "int2-ch+out1".parse().unwrap();
-    assert_eq!(f.outliers().unwrap().count(12_288), 123);
-    assert_eq!(f.outliers().unwrap().fraction(), 0.01);
+    assert_eq!(f.sparse().unwrap().count(12_288), 123);
+    assert_eq!(f.sparse().unwrap().fraction(), 0.01);
     for (bad, why) in [
         ("int2-ch+out0", "(0, 20]"),
         ("int2-ch+out20.01", "(0, 20]"),
@@ -465,12 +467,22 @@ fn outlier_shares_parse_print_and_refuse() {
         ("int8h-ch+out1", "integer"),
         ("int4+rot+out1", "+rot"),
         ("int4-ch32+win32+out1", "+win"),
+        ("int2-ch+clip", "+out<P>+clip"),
+        ("int2-ch+pre", "+out<P>+pre"),
+        ("int2-ch+out1+pre+pre", "more than one +pre"),
+        ("int2-ch-sym+out1+clip", "asymmetric"),
+        ("int2-ch+out1+clip+clip", "more than one +clip"),
     ] {
         let e = bad.parse::<CacheForm>().unwrap_err().to_string();
         assert!(e.contains(why), "{bad}: {e}");
     }
     let e = BlockPlan::new(f, 16).unwrap_err().to_string();
     assert!(e.contains("SparsePart"), "{e}");
-    assert!(f.with_outliers(None).unwrap().outliers().is_none());
-    assert!(OutlierShare::new(0).is_err() && OutlierShare::new(2001).is_err());
+    assert!(f.with_sparse(None).unwrap().sparse().is_none());
+    let clipped: CacheForm = "int2-ch+out1+clip".parse().unwrap();
+    assert!(clipped.sparse().unwrap().clip() && !f.sparse().unwrap().clip());
+    assert_ne!(clipped, f);
+    let pre: CacheForm = "int2-ch+out1+pre".parse().unwrap();
+    assert!(pre.sparse().unwrap().pre_rope() && !clipped.sparse().unwrap().pre_rope());
+    assert!(SparseSpec::new(0).is_err() && SparseSpec::new(2001).is_err());
 }

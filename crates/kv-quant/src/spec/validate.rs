@@ -173,8 +173,8 @@ impl CacheForm {
         {
             return Err("interpolation reach must be at least 1".into());
         }
-        if let Some(share) = self.outliers {
-            OutlierShare::new(share.basis_points).map_err(|e| e.to_string())?;
+        if let Some(share) = self.sparse {
+            SparseSpec::new(share.basis_points).map_err(|e| e.to_string())?;
             match self.quantizer {
                 Quantizer::Int(IntSpec {
                     granularity: Granularity::PerTensor,
@@ -185,6 +185,11 @@ impl CacheForm {
                                 has no groups to split"
                             .into(),
                     );
+                }
+                Quantizer::Int(s) if s.symmetric && share.clip() => {
+                    return Err("+clip searches an asymmetric range (offset and scale): \
+                                drop -sym or +clip"
+                        .into());
                 }
                 Quantizer::Int(_) => {}
                 other => {

@@ -211,7 +211,7 @@ impl Coding {
     /// The metadata grouping of a `tokens × channels` section, or `None`
     /// for the float forms.
     pub(crate) fn layout(&self, tokens: usize, channels: usize) -> Result<Option<GroupLayout>> {
-        if self.form.outliers().is_some() {
+        if self.form.sparse().is_some() {
             return Err(KvQuantError::InvalidParameter {
                 name: "form",
                 reason: format!(

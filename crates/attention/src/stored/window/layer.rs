@@ -77,7 +77,7 @@ pub fn keeps_prefill(form: CacheForm) -> bool {
 /// projecting before RoPE is a key form (values carry no RoPE); a form
 /// with sparse outliers (`+out`) is a paged form only.
 pub fn check_layer_forms(key: CacheForm, value: CacheForm, has_rope: bool) -> Result<()> {
-    if let Some(form) = [key, value].into_iter().find(|f| f.outliers().is_some()) {
+    if let Some(form) = [key, value].into_iter().find(|f| f.sparse().is_some()) {
         return Err(form_refused(format!(
             "{form} splits sparse outliers off each sealed block of a paged cache \
              (attention's SparsePart); the re-encode protocol does not keep them: use \

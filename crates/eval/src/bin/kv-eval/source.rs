@@ -217,7 +217,7 @@ pub(crate) fn prepare(source: &Source, modes: &[CacheMode]) -> Result<Prepared, 
 /// the forms.
 pub(crate) fn probe_mode(model: &dyn CausalLm, mode: &CacheMode) -> Result<(), Error> {
     if mode.forms().iter().any(|(f, _)| {
-        needs_calibration(f) || f.quantizer().is_hierarchical() || f.outliers().is_some()
+        needs_calibration(f) || f.quantizer().is_hierarchical() || f.sparse().is_some()
     }) {
         return Ok(());
     }
