@@ -65,7 +65,16 @@ impl BackendKind {
                     hierarchical.expect("matched")
                 ),
             }),
-            Self::Reencode => Ok(()),
+            Self::Reencode => match mode.forms().iter().find(|(f, _)| f.sparse().is_some()) {
+                Some((form, _)) => Err(EvalError::InvalidParameter {
+                    name: "backend",
+                    reason: format!(
+                        "{form} splits sparse outliers off each sealed block of a paged cache; \
+                         the re-encode protocol codes each window whole (use --backend paged)"
+                    ),
+                }),
+                None => Ok(()),
+            },
             Self::Dense if *mode == CacheMode::Plain && !faulted => Ok(()),
             Self::Dense => Err(EvalError::InvalidParameter {
                 name: "backend",
@@ -93,7 +102,16 @@ impl BackendKind {
                 })
             }
             Self::Paged { block_size } => {
-                for (form, _) in mode.forms() {
+                for (form, part) in mode.forms() {
+                    if part == Part::Value && form.sparse().is_some_and(|s| s.pre_rope()) {
+                        return Err(EvalError::InvalidParameter {
+                            name: "form",
+                            reason: format!(
+                                "{form} codes keys before RoPE (+pre); values carry no RoPE \
+                                 (drop +pre from the value form)"
+                            ),
+                        });
+                    }
                     paged_cache::check_pageable(&form, block_size)?;
                 }
                 Ok(())

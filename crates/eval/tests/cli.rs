@@ -135,6 +135,37 @@ fn hostile_flags_are_refused_before_any_work() {
             "memory-limit",
         ),
         (&["ppl", "--ber", "2"], "not in [0, 1]"),
+        // Sparse outliers: the share, the paged backend, keys before RoPE.
+        (&["ppl", "--key-form", "int2-ch+out25"], "(0, 20]"),
+        (&["ppl", "--key-form", "int2-ch+out0"], "(0, 20]"),
+        (
+            &["ppl", "--form", "int2-ch+out1", "--backend", "reencode"],
+            "use --backend paged",
+        ),
+        (
+            &[
+                "ppl",
+                "--key-form",
+                "int2-ch32+out1",
+                "--value-form",
+                "fp16",
+                "--backend",
+                "paged",
+            ],
+            "not blocks of 16",
+        ),
+        (
+            &[
+                "ppl",
+                "--key-form",
+                "fp16",
+                "--value-form",
+                "int2+out1+pre",
+                "--backend",
+                "paged",
+            ],
+            "values carry no RoPE",
+        ),
         // A negative number reaches the flag's own check.
         (&["ppl", "--ber", "-1"], "--ber -1"),
         (&["ppl", "--gemm-flips", "1e-6"], "need --abft"),
