@@ -141,17 +141,19 @@ fn keys_coded_before_rope_read_back_at_their_positions() {
     let sealed = form.without_segments();
     let mut want = Vec::new();
     for b in 0..2 {
+        // Sink rows stay as written; the others are coded before RoPE.
+        let exact = 3usize.saturating_sub(b * BS);
         let mut block = staged[b * BS * CH..][..BS * CH].to_vec();
-        for (i, row) in block.chunks_exact_mut(CH).enumerate() {
+        for (i, row) in block.chunks_exact_mut(CH).enumerate().skip(exact) {
             rope.undo(row, b * BS + i).unwrap();
         }
-        let exact = 3usize.saturating_sub(b * BS);
         let store = SparseStore::quantize_with_exact(sealed, &block, BS, CH, exact).unwrap();
         let mut out = vec![0.0; BS * CH];
         store
             .decode_rows_into(0, BS, &mut out, &mut DecodeScratch::new())
             .unwrap();
-        rope.apply_rows(&mut out, CH, b * BS).unwrap();
+        rope.apply_rows(&mut out[exact * CH..], CH, b * BS + exact)
+            .unwrap();
         want.extend(out);
     }
     want.extend_from_slice(&staged[2 * BS * CH..]);
@@ -169,14 +171,22 @@ fn keys_coded_before_rope_read_back_at_their_positions() {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
     assert!(err < 0.2, "{err}");
-    // A sealed block restored elsewhere keeps its positions.
+    // Sink rows read as written, bit for bit.
+    assert_eq!(want[..3 * CH], staged[..3 * CH]);
+    // A sealed block restored elsewhere keeps its positions: read as the
+    // first page of a table, it still rotates to positions BS.. .
     let snap = part.snapshot(pages[1] as usize).unwrap();
     assert_eq!(snap.sparse().unwrap().first, BS);
     part.restore(1, &snap).unwrap();
     assert_eq!(
-        tile(part.as_ref(), &[3, 1], BS, BS),
+        tile(part.as_ref(), &[1], 0, BS),
         &want[BS * CH..2 * BS * CH]
     );
+    // A block claiming another position than its sink rows say is refused.
+    let sink_block = part.snapshot(pages[0] as usize).unwrap();
+    let mut moved = sink_block.sparse().unwrap().clone();
+    moved.first = BS;
+    assert!(!part.accepts(&attention::stored::PartBlock::of_sparse(moved)));
     // Without the model's RoPE, or with heads that do not divide the rows.
     for fitted in [
         Fitted::default(),

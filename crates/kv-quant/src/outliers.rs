@@ -29,10 +29,15 @@
 //! and values (f16) are two [`ProtectedTable`]s under the form's metadata
 //! code: positions are metadata (faulted under
 //! [`FaultTarget::Metadata`]), values are values (under
-//! [`FaultTarget::Values`]); [`FaultTarget::Everything`] hits both. A
-//! position that decodes outside the block places nothing (its value is
-//! lost, and its word was counted by the ledger). True bytes: both tables
-//! with their check words, beside the dense store's.
+//! [`FaultTarget::Values`]); [`FaultTarget::Everything`] hits both. An
+//! entry whose position or value word the code detects as corrupted is
+//! dropped (the dense store's clamped bound reads in its place; counted
+//! as an erased value), and a position that decodes outside the coded rows
+//! places nothing (a fault the code let through, counted by the ledger).
+//! True bytes: both tables with their check words, beside the dense
+//! store's. The dense store also codes placeholders of the exact rows
+//! (copies of the first coded row, which the exact rows overwrite when
+//! read): their words are stored bits, faulted and counted like the rest.
 //!
 //! # Clipping (`+clip`)
 //!
@@ -44,6 +49,7 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
+use gf2_codes::DecodeOutcome;
 use gf2_codes::channel::{FaultChannel, Flips};
 use half::f16;
 
@@ -138,8 +144,15 @@ pub fn split_outliers(
     Ok(out)
 }
 
-/// Refuses `rows` that are not `tokens × channels` values.
+/// Refuses rows of no channels, and a non-finite value (the split and the
+/// clipping order values; a paged cache clamps its staged rows first).
 fn check_shape(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
+    if channels == 0 {
+        return Err(KvQuantError::InvalidParameter {
+            name: "channels",
+            reason: "rows of no channels".into(),
+        });
+    }
     if rows.len() != tokens * channels {
         return Err(KvQuantError::ShapeMismatch {
             what: "rows",
@@ -147,7 +160,24 @@ fn check_shape(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
             found: rows.len(),
         });
     }
-    Ok(())
+    match rows.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(KvQuantError::NonFinite {
+            token: i / channels,
+            channel: i % channels,
+            value: rows[i],
+        }),
+        None => Ok(()),
+    }
+}
+
+/// How many values the split can take from a `layout` over `len` values
+/// of `channels` columns: every group keeps two.
+fn removable(layout: &GroupLayout, len: usize, channels: usize) -> usize {
+    let (_, bounds) = group_runs(layout, len, channels);
+    bounds
+        .windows(2)
+        .map(|r| (r[1] - r[0]).saturating_sub(2))
+        .sum()
 }
 
 /// The positions `0..len` of a row-major matrix of `channels` columns
@@ -181,6 +211,8 @@ pub const CLIP_STEPS: [f64; 9] = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5
 /// `tokens_per_group × channels_per_group`) to the range that minimises
 /// the group's squared error under asymmetric uniform levels of `bits`
 /// bits (`x̂ = lo + s·round((clamp(x) − lo)/s)`, `s = (hi − lo)/(2^b − 1)`),
+/// (values at the sorted positions `skip`, an outlier's placeholder, take no
+/// part in the search but are clamped with their group),
 /// among the ranges whose low bound is `min + f·(mean − min)` and high
 /// bound `max − g·(max − mean)` for `f`, `g` in [`CLIP_STEPS`] (the full
 /// range first, so a tie keeps it). A 2-bit grid over a bell-shaped group
@@ -193,6 +225,7 @@ pub fn clip_groups(
     (tokens, channels): (usize, usize),
     (tokens_per_group, channels_per_group): (usize, usize),
     bits: u8,
+    skip: &[u32],
 ) -> Result<usize> {
     check_shape(rows, tokens, channels)?;
     if !(1..=16).contains(&bits) {
@@ -209,10 +242,12 @@ pub fn clip_groups(
     for run in bounds.windows(2) {
         let members = &order[run[0]..run[1]];
         values.clear();
-        values.extend(members.iter().map(|&p| f64::from(rows[p as usize])));
-        if values.iter().any(|x| !x.is_finite()) {
-            continue;
-        }
+        values.extend(
+            members
+                .iter()
+                .filter(|&p| skip.binary_search(p).is_err())
+                .map(|&p| f64::from(rows[p as usize])),
+        );
         let (lo, hi) = values
             .iter()
             .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
@@ -346,7 +381,8 @@ impl SparseStore {
         let count = share.count(coded * channels);
         let mut outliers = split_outliers(tail, (coded, channels), grouping, count)?;
         if let (true, Quantizer::Int(spec)) = (share.clip(), form.quantizer()) {
-            clip_groups(tail, (coded, channels), grouping, spec.bits)?;
+            let skip: Vec<u32> = outliers.iter().map(|&(p, _)| p).collect();
+            clip_groups(tail, (coded, channels), grouping, spec.bits, &skip)?;
         }
         for row in head.chunks_exact_mut(channels) {
             row.copy_from_slice(&tail[..channels]);
@@ -376,6 +412,9 @@ impl SparseStore {
             } else {
                 position_bytes.extend_from_slice(&(p as u16).to_le_bytes());
             }
+            // Saturated: a value past f16's range (a key un-rotated from a
+            // clamped fault) keeps its sign and the largest magnitude.
+            let v = v.clamp(-f32::from(f16::MAX), f32::from(f16::MAX));
             value_bytes.extend_from_slice(&f16::from_f32(v).to_le_bytes());
         }
         let mut store = Self {
@@ -422,8 +461,13 @@ impl SparseStore {
             0 => 0,
             n => KvStore::zeroed(form.exact_rows_form(), n, channels)?.stored_bytes(),
         };
-        let coded = tokens.saturating_sub(exact) * channels;
-        let count = share.count(coded).min(coded);
+        let coded = tokens.saturating_sub(exact);
+        let (tpg, cpg) = grouping(&form.without_sparse(), coded, channels)?;
+        let layout = GroupLayout::new(coded, channels, tpg, cpg)?;
+        let count =
+            share
+                .count(coded * channels)
+                .min(removable(&layout, coded * channels, channels));
         let wide = tokens * channels > 1 << 16;
         let meta = meta_protection(&form);
         Ok(dense
@@ -552,35 +596,39 @@ impl SparseStore {
 
     /// Decodes both tables into `decoded` and `stats`.
     fn reread(&mut self) {
-        let (positions, position_stats) = self.positions.read();
-        let (values, value_stats) = self.values.read();
-        let values = values
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32());
-        let total = (self.tokens() * self.channels()) as u64;
-        let wide = total > 1 << 16;
-        let positions: Vec<u32> = if wide {
-            positions
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()
-        } else {
-            positions
-                .chunks_exact(2)
-                .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
-                .collect()
-        };
-        let mut decoded: Vec<(u32, f32)> = positions
-            .into_iter()
-            .zip(values)
-            .filter(|&(p, _)| u64::from(p) < total)
-            .collect();
+        let (positions, position_stats) = self.positions.read_words();
+        let (values, value_stats) = self.values.read_words();
+        let ch = self.channels();
+        let total = (self.tokens() * ch) as u64;
+        let first = (self.exact_rows() * ch) as u64;
+        let detected =
+            |w: &[(u16, DecodeOutcome)]| w.iter().any(|(_, o)| *o == DecodeOutcome::Detected);
+        let per_position = if total > 1 << 16 { 2 } else { 1 };
+        let mut erased = 0;
+        let mut decoded: Vec<(u32, f32)> = Vec::with_capacity(values.len());
+        for (p, v) in positions.chunks_exact(per_position).zip(&values) {
+            // An entry whose position or value the code could not vouch
+            // for is dropped: the dense store's clamped bound reads there.
+            if detected(p) || v.1 == DecodeOutcome::Detected {
+                erased += 1;
+                continue;
+            }
+            let position = p
+                .iter()
+                .rev()
+                .fold(0u32, |acc, &(w, _)| (acc << 16) | u32::from(w));
+            // A position outside the coded rows (a fault the code let
+            // through, or no code) places nothing.
+            if (first..total).contains(&u64::from(position)) {
+                decoded.push((position, f16::from_bits(v.0).to_f32()));
+            }
+        }
         decoded.sort_by_key(|&(p, _)| p);
         self.decoded = decoded;
         self.stats = KvDecodeStats {
             values: value_stats,
             metadata: position_stats,
-            erased_values: 0,
+            erased_values: erased,
         };
     }
 

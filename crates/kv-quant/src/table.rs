@@ -190,19 +190,30 @@ impl ProtectedTable {
     /// The table's bytes as decoded (a detected word erased to zero
     /// bytes), and every word's outcome against the words as written.
     pub fn read(&self) -> (Vec<u8>, DecodeStats) {
-        let mut stats = DecodeStats::default();
-        let mut out = Vec::with_capacity(2 * self.words());
-        for i in 0..self.words() {
-            let (word, outcome) = self.checked_word(i);
-            let word = match outcome {
-                gf2_codes::DecodeOutcome::Detected => 0,
-                _ => word,
-            };
-            stats.record_with_truth(outcome, word == self.truth[i]);
-            out.extend_from_slice(&word.to_le_bytes());
-        }
+        let (words, stats) = self.read_words();
+        let mut out: Vec<u8> = words.iter().flat_map(|(w, _)| w.to_le_bytes()).collect();
         out.truncate(self.len);
         (out, stats)
+    }
+
+    /// Every word as decoded with its outcome (a detected word erased to
+    /// zero, as [`read`](Self::read) gives it), and the words' statistics:
+    /// what a reader that must drop detected entries (an outlier whose
+    /// position or value the code could not vouch for) reads.
+    pub fn read_words(&self) -> (Vec<(u16, gf2_codes::DecodeOutcome)>, DecodeStats) {
+        let mut stats = DecodeStats::default();
+        let words = (0..self.words())
+            .map(|i| {
+                let (word, outcome) = self.checked_word(i);
+                let word = match outcome {
+                    gf2_codes::DecodeOutcome::Detected => 0,
+                    _ => word,
+                };
+                stats.record_with_truth(outcome, word == self.truth[i]);
+                (word, outcome)
+            })
+            .collect();
+        (words, stats)
     }
 
     /// One scrubbing pass: every word the code corrects is written back

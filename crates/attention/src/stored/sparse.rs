@@ -197,11 +197,20 @@ impl SparsePart {
         scratch: &mut DecodeScratch,
     ) -> Result<KvDecodeStats> {
         let channels = sealed.store.channels();
+        // A block's own rows only: no limit another part's tile left.
+        scratch.limit_neighbours(None);
         let stats = sealed
             .store
             .decode_rows_into(offset, out.len() / channels, out, scratch)?;
         if let Some(rope) = rope {
-            rope.apply_rows(out, channels, sealed.first + offset)?;
+            // Exact sink rows were kept as written (after RoPE).
+            let skip = sealed.store.exact_rows().saturating_sub(offset);
+            let skip = skip.min(out.len() / channels);
+            rope.apply_rows(
+                &mut out[skip * channels..],
+                channels,
+                sealed.first + offset + skip,
+            )?;
         }
         Ok(stats)
     }
@@ -257,8 +266,9 @@ impl StoredPart for SparsePart {
         self.blocks.seal(block, |rows| {
             let store = match rope {
                 Some(rope) => {
+                    // Sink rows stay as written (exact, after RoPE).
                     let mut unrotated = rows.to_vec();
-                    for (i, row) in unrotated.chunks_exact_mut(ch).enumerate() {
+                    for (i, row) in unrotated.chunks_exact_mut(ch).enumerate().skip(exact) {
                         rope.undo(row, first + i)?;
                     }
                     SparseStore::quantize_with_exact(form, &unrotated, bs, ch, exact)?
@@ -312,8 +322,8 @@ impl StoredPart for SparsePart {
     }
 
     fn accepts(&self, data: &PartBlock) -> bool {
-        match data.sparse().map(|b| &b.store) {
-            Some(s) => {
+        match data.sparse() {
+            Some(SparseBlock { store: s, first }) => {
                 data.stores().is_empty()
                     && data.bytes().is_empty()
                     && data.shard().is_none()
@@ -321,7 +331,8 @@ impl StoredPart for SparsePart {
                     && *s.form() == self.sealed_form
                     && s.tokens() == self.block_size
                     && s.channels() == self.channels
-                    && [0, self.sink % self.block_size].contains(&s.exact_rows())
+                    && first.is_multiple_of(self.block_size)
+                    && s.exact_rows() == self.sink.saturating_sub(*first)
             }
             None => self.blocks.accepts_unsealed(data),
         }
