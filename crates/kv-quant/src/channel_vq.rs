@@ -271,14 +271,7 @@ fn check_rows(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
         tokens * channels,
         rows.len(),
     )?;
-    match rows.iter().position(|x| !x.is_finite()) {
-        Some(i) => Err(KvQuantError::NonFinite {
-            token: i / channels,
-            channel: i % channels,
-            value: rows[i],
-        }),
-        None => Ok(()),
-    }
+    crate::error::check_finite(rows, channels)
 }
 
 /// The codebook's f16 centroids, little-endian: the table every chunk coded

@@ -118,6 +118,19 @@ pub(crate) fn check_len(what: &'static str, expected: usize, found: usize) -> Re
     }
 }
 
+/// Refuses a row-major matrix of `channels` columns holding a NaN or an
+/// infinity, naming the first one's token and channel.
+pub(crate) fn check_finite(rows: &[f32], channels: usize) -> Result<()> {
+    match rows.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(KvQuantError::NonFinite {
+            token: i / channels,
+            channel: i % channels,
+            value: rows[i],
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a matrix without channels.
 pub(crate) fn check_channels(channels: usize) -> Result<()> {
     if channels == 0 {

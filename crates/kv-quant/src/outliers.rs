@@ -53,7 +53,7 @@ use gf2_codes::DecodeOutcome;
 use gf2_codes::channel::{FaultChannel, Flips};
 use half::f16;
 
-use crate::error::{KvQuantError, Result};
+use crate::error::{KvQuantError, Result, check_channels, check_finite, check_len};
 use crate::layout::GroupLayout;
 use crate::spec::{CacheForm, Granularity, MetaProtection, Quantizer, SparseSpec};
 use crate::store::{DecodeScratch, FaultTarget, Injection, KvDecodeStats, KvStore, ScrubStats};
@@ -147,27 +147,9 @@ pub fn split_outliers(
 /// Refuses rows of no channels, and a non-finite value (the split and the
 /// clipping order values; a paged cache clamps its staged rows first).
 fn check_shape(rows: &[f32], tokens: usize, channels: usize) -> Result<()> {
-    if channels == 0 {
-        return Err(KvQuantError::InvalidParameter {
-            name: "channels",
-            reason: "rows of no channels".into(),
-        });
-    }
-    if rows.len() != tokens * channels {
-        return Err(KvQuantError::ShapeMismatch {
-            what: "rows",
-            expected: tokens * channels,
-            found: rows.len(),
-        });
-    }
-    match rows.iter().position(|x| !x.is_finite()) {
-        Some(i) => Err(KvQuantError::NonFinite {
-            token: i / channels,
-            channel: i % channels,
-            value: rows[i],
-        }),
-        None => Ok(()),
-    }
+    check_channels(channels)?;
+    check_len("rows", tokens * channels, rows.len())?;
+    check_finite(rows, channels)
 }
 
 /// How many values the split can take from a `layout` over `len` values
