@@ -511,6 +511,15 @@ impl KvSource for KvStore {
         store_rows(self, start, count)
     }
 
+    /// The rows' bytes, then their groups' metadata (scales, offsets,
+    /// check words), which a decode reads first.
+    fn row_address_ranges(&self, start: usize, count: usize, each: &mut dyn FnMut(Range<usize>)) {
+        if let Some(range) = store_rows(self, start, count) {
+            each(range);
+            self.meta_addresses(start, count, each);
+        }
+    }
+
     fn rotation(&self) -> Option<&'static Hadamard> {
         KvStore::rotation(self).ok().flatten()
     }

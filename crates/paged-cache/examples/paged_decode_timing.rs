@@ -7,7 +7,8 @@
 //! measured figure). `NUMERICS=exact|int8|auto` picks attention's
 //! numerics (default `auto`); `FRESH=1` calls `decode` (fresh buffers
 //! each call, as the bench does) instead of `decode_into` with one kept
-//! workspace; threads follow `RAYON_NUM_THREADS`.
+//! workspace; `VALUE_FORM` stores the values in another form than the
+//! keys; threads follow `RAYON_NUM_THREADS`.
 //!
 //! `cargo run --release -p paged-cache --example paged_decode_timing -- int4-ch 64 65536 20`
 
@@ -45,7 +46,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let q = smooth_rows(1, shape.q_len(), 0.3);
     let (k, v) = (smooth_rows(tokens, ch, 0.0), smooth_rows(tokens, ch, 1.0));
     let blocks = tokens / bs;
-    let storage = BlockStorage::new(blocks, bs, &[LayerSpec::uniform(form, ch)])?;
+    let value: CacheForm = match std::env::var("VALUE_FORM") {
+        Ok(v) => v.parse()?,
+        Err(_) => form,
+    };
+    let spec = LayerSpec {
+        key: form,
+        value,
+        channels: ch,
+    };
+    let storage = BlockStorage::new(blocks, bs, &[spec])?;
     // Shuffled physical order, as a long-running pool hands blocks out.
     let order = shuffled(blocks as u32);
     let tb: Vec<BlockId> = order.iter().map(|&b| BlockId(b)).collect();

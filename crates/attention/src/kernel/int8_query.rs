@@ -754,16 +754,6 @@ pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch:
             && out.len() >= b.heads * b.rows
     );
     match dot {
-        // Weighted lanes are AVX2's (`vpmaddwd` against the weights, where
-        // unweighted sums take ones): AVX-512 hosts, which all have AVX2,
-        // run that kernel for them.
-        #[cfg(target_arch = "x86_64")]
-        Dot::Vnni if b.lane_weights.is_some() && std::arch::is_x86_feature_detected!("avx2") => {
-            // SAFETY: AVX2 was detected; the bounds were checked above.
-            unsafe { avx2::integer_sums(b, out, prefetch) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Dot::Vnni if b.lane_weights.is_some() => portable_sums(b, out, prefetch),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
         // bounds were checked above.

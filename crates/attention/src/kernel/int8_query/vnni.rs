@@ -2,6 +2,18 @@
 //! byte vector's low and high nibbles against the even and odd code
 //! planes): four rows times up to four heads in sixteen accumulators,
 //! folded together by one transposing reduction.
+//!
+//! Class-weighted codes ([`super::classes`]) take the same accumulators:
+//! lane `m` of a packed block's accumulator sums channels `8m..8m + 8`
+//! of its block of 128 (or, for a block of 64 channels or fewer, lanes
+//! `m` and `m + 8` the even and odd ones of channels `8m..8m + 8`), so
+//! lane `m` holds class `m mod 8` alone, and the reduction's first step,
+//! which adds lanes `m` and `m + 8`, leaves one class a lane: each is
+//! multiplied by its head's class weight there (`vpmulld`, eight per four
+//! rows of four heads) and summed on. Integer sums in any order, so the
+//! same bits as AVX2's `vpmaddwd` against the weights and the portable
+//! loop; every partial product is bounded by the whole row's weighted sum,
+//! which [`super::classes::weights_fit`] keeps in i32.
 
 use std::arch::x86_64::*;
 
@@ -14,37 +26,40 @@ use super::{DotBlock, Prefetcher};
 /// [`super::integer_sums`] checks them.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn integer_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
-    match (b.packed, b.image.is_some()) {
-        (false, false) => heads::<false, false>(b, out, prefetch),
-        (false, true) => heads::<false, true>(b, out, prefetch),
-        (true, false) => heads::<true, false>(b, out, prefetch),
-        (true, true) => heads::<true, true>(b, out, prefetch),
+    match (b.packed, b.image.is_some(), b.lane_weights.is_some()) {
+        (false, false, _) => heads::<false, false, false>(b, out, prefetch),
+        (false, true, _) => heads::<false, true, false>(b, out, prefetch),
+        (true, false, false) => heads::<true, false, false>(b, out, prefetch),
+        (true, false, true) => heads::<true, false, true>(b, out, prefetch),
+        (true, true, _) => heads::<true, true, false>(b, out, prefetch),
     }
 }
 
 /// [`block`] for `b`'s number of heads.
 #[inline(always)]
-fn heads<const PACKED: bool, const IMAGE: bool>(
+fn heads<const PACKED: bool, const IMAGE: bool, const WEIGHTED: bool>(
     b: DotBlock<'_>,
     out: &mut [i32],
     prefetch: &mut Prefetcher,
 ) {
     match b.heads {
-        1 => block::<1, PACKED, IMAGE>(b, out, prefetch),
-        2 => block::<2, PACKED, IMAGE>(b, out, prefetch),
-        3 => block::<3, PACKED, IMAGE>(b, out, prefetch),
-        _ => block::<4, PACKED, IMAGE>(b, out, prefetch),
+        1 => block::<1, PACKED, IMAGE, WEIGHTED>(b, out, prefetch),
+        2 => block::<2, PACKED, IMAGE, WEIGHTED>(b, out, prefetch),
+        3 => block::<3, PACKED, IMAGE, WEIGHTED>(b, out, prefetch),
+        _ => block::<4, PACKED, IMAGE, WEIGHTED>(b, out, prefetch),
     }
 }
 
-/// Rows of `b`; with `IMAGE`, each level is read through `b.image`.
+/// Rows of `b`; with `IMAGE`, each level is read through `b.image`; with
+/// `WEIGHTED`, each class's sums times its head's weight.
 #[inline(always)]
-fn block<const H: usize, const PACKED: bool, const IMAGE: bool>(
+fn block<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: bool>(
     b: DotBlock<'_>,
     out: &mut [i32],
     prefetch: &mut Prefetcher,
 ) {
     let quads = b.rows / 4 * 4;
+    let weights4 = pair_weights::<H, 4, WEIGHTED>(b);
     for t in (0..quads).step_by(4) {
         prefetch.step();
         let sums = if PACKED {
@@ -52,15 +67,50 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool>(
         } else {
             lanes::<H, 4, IMAGE>(b, t)
         };
-        store::<H, 4>(sums, out, b.rows, t);
+        store::<H, 4, WEIGHTED>(sums, out, b.rows, t, &weights4);
     }
+    let weights1 = pair_weights::<H, 1, WEIGHTED>(b);
     for t in quads..b.rows {
         let sums = if PACKED {
             nibble_lanes::<H, 1, IMAGE>(b, t)
         } else {
             lanes::<H, 1, IMAGE>(b, t)
         };
-        store::<H, 1>(sums, out, b.rows, t);
+        store::<H, 1, WEIGHTED>(sums, out, b.rows, t, &weights1);
+    }
+}
+
+/// The multipliers of [`reduce16`]'s eight pair vectors with `WEIGHTED`:
+/// pair `p` holds accumulators `2p` and `2p + 1` (head `i / R` for
+/// accumulator `i`), class `k` of the first in lane `k` and of the second
+/// in lane `8 + k`, so its lanes are those heads' class weights (zero for
+/// accumulators past the heads). Unused (zeros) without `WEIGHTED`.
+#[inline(always)]
+fn pair_weights<const H: usize, const R: usize, const WEIGHTED: bool>(
+    b: DotBlock<'_>,
+) -> [__m512i; 8] {
+    let mut lanes = [[0i32; 16]; 8];
+    if let Some(weights) = b.lane_weights.filter(|_| WEIGHTED) {
+        for (p, lanes) in lanes.iter_mut().enumerate() {
+            for (half, i) in [2 * p, 2 * p + 1].into_iter().enumerate() {
+                if i < H * R {
+                    let w = &weights[i / R];
+                    for k in 0..8 {
+                        // The weights come twice each, as `vpmaddwd` reads them.
+                        lanes[8 * half + k] = i32::from(w[2 * k]);
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: only inlined into `integer_sums` (AVX-512F); each array
+    // holds 16 values. A loop, not `map`'s closure (see `reduce16`).
+    unsafe {
+        let mut v = [_mm512_setzero_si512(); 8];
+        for (v, l) in v.iter_mut().zip(&lanes) {
+            *v = _mm512_loadu_si512(l.as_ptr().cast());
+        }
+        v
     }
 }
 
@@ -214,13 +264,16 @@ fn nibble_lanes<const H: usize, const R: usize, const IMAGE: bool>(
     }
 }
 
-/// Folds the accumulators and stores head `j`, row `r` at `out[j·rows + t + r]`.
+/// Folds the accumulators (with `WEIGHTED`, each class times its weight
+/// in `weights`, [`pair_weights`]) and stores head `j`, row `r` at
+/// `out[j·rows + t + r]`.
 #[inline(always)]
-fn store<const H: usize, const R: usize>(
+fn store<const H: usize, const R: usize, const WEIGHTED: bool>(
     acc: [[__m512i; R]; H],
     out: &mut [i32],
     rows: usize,
     t: usize,
+    weights: &[__m512i; 8],
 ) {
     let mut sums = [0i32; 16];
     // SAFETY: only inlined into `integer_sums` (AVX-512F); `sums` holds 16 values.
@@ -229,7 +282,7 @@ fn store<const H: usize, const R: usize>(
         for (j, a) in acc.iter().enumerate() {
             v[j * R..][..R].copy_from_slice(a);
         }
-        _mm512_storeu_si512(sums.as_mut_ptr().cast(), reduce16(v));
+        _mm512_storeu_si512(sums.as_mut_ptr().cast(), reduce16::<WEIGHTED>(v, weights));
     }
     for j in 0..H {
         out[j * rows + t..][..R].copy_from_slice(&sums[j * R..][..R]);
@@ -237,14 +290,17 @@ fn store<const H: usize, const R: usize>(
 }
 
 /// Lane `i` of the result is the sum of the 16 lanes of `v[i]`
-/// (integer additions, so their order does not matter). Written with
+/// (integer additions, so their order does not matter); with `WEIGHTED`,
+/// the pair vectors of the first step (lane `k` of `v[2p]` plus lane
+/// `k + 8`, then `v[2p + 1]`'s likewise) are multiplied by `weights[p]`
+/// lane by lane first. Written with
 /// loops filling arrays and no closures: a closure (as `std::array::from_fn`
 /// takes) is compiled without the target features, so the intrinsics in it
 /// become calls whenever the inliner gives up on it, which it did once the
 /// kernel had NF4 instantiations too (`int4` decode 2.2x slower, seen with
 /// `perf`).
 #[inline(always)]
-fn reduce16(v: [__m512i; 16]) -> __m512i {
+fn reduce16<const WEIGHTED: bool>(v: [__m512i; 16], weights: &[__m512i; 8]) -> __m512i {
     // SAFETY: only inlined into `integer_sums` (AVX-512F); no memory is touched.
     unsafe {
         // 128-bit blocks of pairs: lanes 0..8 hold v[2p]'s half sums, 8..16 v[2p + 1]'s.
@@ -255,6 +311,11 @@ fn reduce16(v: [__m512i; 16]) -> __m512i {
                 _mm512_shuffle_i32x4::<0x44>(a, b),
                 _mm512_shuffle_i32x4::<0xEE>(a, b),
             );
+        }
+        if WEIGHTED {
+            for (w, m) in w.iter_mut().zip(weights) {
+                *w = _mm512_mullo_epi32(*w, *m);
+            }
         }
         let mut x = [_mm512_setzero_si512(); 4];
         for (p, x) in x.iter_mut().enumerate() {
