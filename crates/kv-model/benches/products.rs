@@ -15,6 +15,10 @@
 //!   token's product through the same matrices, against `baseline-read`,
 //!   the streaming read of those bytes: what a check costs beside a
 //!   decode step;
+//! - `kv-model/decode-isa/<TYPE>[-cached]`: one token on AVX-512 VNNI
+//!   against the same product pinned to AVX2, through 64 MiB of matrices
+//!   and through one matrix the caches hold, for the types whose one-token
+//!   kernels VNNI sums (on a CPU with AVX-512 VNNI);
 //! - `kv-model/prefill-isa/<TYPE>`: 64 tokens on AVX-512 VNNI against the
 //!   same product pinned to AVX2, for the types whose token lanes VNNI
 //!   sums (on a CPU with AVX-512 VNNI).
@@ -160,6 +164,47 @@ fn prefill_isa(c: &mut Criterion) {
     g.finish();
 }
 
+/// `kv-model/decode-isa/<TYPE>`: one token through `ty`'s 64 MiB of
+/// matrices (as `decode`) and through one matrix of 2048 × 2048 that the
+/// caches hold (`-cached`), on AVX-512 VNNI against the same product
+/// pinned to AVX2 (`baseline-…`), for the types whose one-token kernels
+/// VNNI sums (on a CPU with AVX-512 VNNI).
+fn decode_isa(c: &mut Criterion) {
+    if !Isa::Avx512Vnni.is_supported() {
+        eprintln!("kv-model/decode-isa: skipped, this CPU has no AVX-512 VNNI");
+        return;
+    }
+    let x = input(1);
+    let mut out = vec![0.0; SIDE];
+    let mut g = c.benchmark_group("kv-model/decode-isa");
+    for ty in [
+        WeightType::Q4_0,
+        WeightType::Q4_1,
+        WeightType::Q5_0,
+        WeightType::Q8_0,
+    ] {
+        let per = QuantMatrix::data_len(ty, SIDE, SIDE).unwrap();
+        let count = (64usize << 20).div_ceil(per);
+        let ms: Vec<StoredLinear> = (0..count).map(|s| matrix(ty, s)).collect();
+        for (what, ms) in [("", &ms[..]), ("-cached", &ms[..1])] {
+            g.throughput(Throughput::Bytes((ms.len() * per) as u64));
+            for (name, isa) in [
+                (format!("{}{what}", ty.name()), Isa::Avx512Vnni),
+                (format!("baseline-{}{what}", ty.name()), Isa::Avx2),
+            ] {
+                g.bench_function(name, |b| {
+                    b.iter(|| {
+                        for m in ms {
+                            m.product_into(&mut out, black_box(&x), false, isa).unwrap();
+                        }
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
 /// Streams `ms`' bytes on every pool thread (the memory-bandwidth baseline).
 fn read_all(ms: &[StoredLinear]) -> u64 {
     ms.iter().fold(0u64, |s, m| {
@@ -208,5 +253,5 @@ fn guard(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, prefill, prefill_isa, guard);
+criterion_group!(benches, decode, decode_isa, prefill, prefill_isa, guard);
 criterion_main!(benches);

@@ -258,6 +258,26 @@ macro_rules! lanes_k {
     }};
 }
 
+/// Safe entry points to the grouped kernel `avx2::$f` (of AVX2, or of
+/// AVX-512 VNNI) for one, four and eight tokens, as a [`Grouped`].
+#[cfg(target_arch = "x86_64")]
+macro_rules! grouped {
+    ($f:ident, $a:ty) => {{
+        fn group<const N: usize>(w: &[u8], a: [&[$a]; N]) -> [f32; N] {
+            // SAFETY: as in `lanes!`.
+            unsafe { avx2::$f::<N>(w, a) }
+        }
+        fn one(w: &[u8], a: &[$a]) -> f32 {
+            group::<1>(w, [a])[0]
+        }
+        Grouped::<$a> {
+            one,
+            four: group::<4>,
+            eight: group::<8>,
+        }
+    }};
+}
+
 /// Safe entry points to the AVX2 kernels. They are reachable only through
 /// [`RowDot::new`], which hands them out after [`Isa::checked`] has found
 /// AVX2, FMA and F16C on this CPU.
@@ -271,22 +291,6 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
                 unsafe { avx2::$f(w, a) }
             }
             RowDot::$variant(entry)
-        }};
-    }
-    macro_rules! grouped {
-        ($f:ident, $a:ty) => {{
-            fn group<const N: usize>(w: &[u8], a: [&[$a]; N]) -> [f32; N] {
-                // SAFETY: as in `wrap!`.
-                unsafe { avx2::$f::<N>(w, a) }
-            }
-            fn one(w: &[u8], a: &[$a]) -> f32 {
-                group::<1>(w, [a])[0]
-            }
-            Grouped::<$a> {
-                one,
-                four: group::<4>,
-                eight: group::<8>,
-            }
         }};
     }
     Some(match ty {
@@ -305,15 +309,24 @@ fn avx2_kernel(ty: WeightType) -> Option<RowDot> {
     })
 }
 
-/// The AVX-512 VNNI kernels: AVX2's, with the token-lane kernels of
-/// `Q4_0`, `Q5_0`, `Q4_K` and `Q6_K` summing their runs by `vpdpbusd`. Reachable only
-/// through [`RowDot::new`] after `Isa::Avx512Vnni.checked()`, which implies
-/// AVX2's check.
+/// The AVX-512 VNNI kernels: the 32-value types' one-token and grouped
+/// kernels summing each block by `vpdpbusd` (one instruction where AVX2
+/// takes `vpmaddubsw` and `vpmaddwd`), and the token-lane kernels of
+/// `Q4_0`, `Q5_0`, `Q4_K` and `Q6_K` summing their runs by it. The other
+/// kernels are AVX2's: a k-quant's one-token and grouped products weight
+/// each run of 32 by its scale through `vpmaddwd`, which `vpdpbusd` would
+/// need a `vpmulld` for (no instruction saved; llama.cpp's x86 k-quant
+/// products are AVX2 code on AVX-512 hosts too), and the float types have
+/// nothing to sum in integers. Reachable only through [`RowDot::new`]
+/// after `Isa::Avx512Vnni.checked()`, which implies AVX2's check.
 #[cfg(target_arch = "x86_64")]
 fn avx512_vnni_kernel(ty: WeightType) -> Option<RowDot> {
     Some(match (ty, avx2_kernel(ty)?) {
-        (WeightType::Q4_0, RowDot::Q8(g, _)) => RowDot::Q8(g, lanes!(q4_0_lanes_vnni)),
-        (WeightType::Q5_0, RowDot::Q8(g, _)) => RowDot::Q8(g, lanes!(q5_0_lanes_vnni)),
+        (WeightType::Q4_0, _) => RowDot::Q8(grouped!(q4_0_vnni, Q8Block), lanes!(q4_0_lanes_vnni)),
+        (WeightType::Q4_1, RowDot::Q8(_, l)) => RowDot::Q8(grouped!(q4_1_vnni, Q8Block), l),
+        (WeightType::Q5_0, _) => RowDot::Q8(grouped!(q5_0_vnni, Q8Block), lanes!(q5_0_lanes_vnni)),
+        (WeightType::Q5_1, RowDot::Q8(_, l)) => RowDot::Q8(grouped!(q5_1_vnni, Q8Block), l),
+        (WeightType::Q8_0, RowDot::Q8(_, l)) => RowDot::Q8(grouped!(q8_0_vnni, Q8Block), l),
         (WeightType::Q4_K, RowDot::Q8K(g, _)) => RowDot::Q8K(g, lanes_k!(q4_k_lanes_vnni)),
         (WeightType::Q6_K, RowDot::Q8K(g, _)) => RowDot::Q8K(g, lanes_k!(q6_k_lanes_vnni)),
         (_, other) => other,

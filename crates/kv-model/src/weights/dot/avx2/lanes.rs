@@ -62,7 +62,7 @@ trait BlockSum {
 
 /// AVX2: `vpmaddubsw` pairs, four pairs summed in 16 bits (at most
 /// `4·2·31·127 = 31,496`: no overflow), then `vpmaddwd` widens them.
-struct Madd;
+pub(super) struct Madd;
 
 impl BlockSum for Madd {
     #[inline(always)]
@@ -89,7 +89,7 @@ impl BlockSum for Madd {
 /// where AVX2 takes three; two chains of four, added. (On 512-bit
 /// registers, two runs a product placed by `vpermd`, it measured slower
 /// here: 1.02-1.08x AVX2 against 1.12-1.14x.)
-struct Vnni;
+pub(super) struct Vnni;
 
 impl BlockSum for Vnni {
     #[inline(always)]

@@ -120,14 +120,52 @@ fn block_scales(b: &[u8]) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
 }
 
+/// How a 32-value block's codes meet a token's: 32 unsigned bytes times
+/// 32 signed bytes, summed four products a lane into eight exact i32
+/// lanes (the unsigned side is at most 128 and the signed one within
+/// ±127 in every kernel here, so no pair sum saturates `vpmaddubsw`).
+pub(super) trait PairSum {
+    /// # Safety
+    /// The CPU has the implementation's features: it is only inlined into
+    /// kernels that enable them.
+    unsafe fn sum32(x: __m256i, y: __m256i) -> __m256i;
+}
+
+/// AVX2: `vpmaddubsw` sums the products in pairs, `vpmaddwd` against
+/// ones in fours.
+impl PairSum for lanes::Madd {
+    #[inline(always)]
+    unsafe fn sum32(x: __m256i, y: __m256i) -> __m256i {
+        // SAFETY: register-only AVX2 operations; the caller has AVX2.
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1)) }
+    }
+}
+
+/// AVX-512 VNNI on 256-bit registers (VL): `vpdpbusd` sums the four
+/// products of each lane in one instruction, as llama.cpp's
+/// `mul_sum_us8_pairs_float` does where it has VNNI. The same integers as
+/// [`lanes::Madd`]'s two.
+impl PairSum for lanes::Vnni {
+    #[inline(always)]
+    unsafe fn sum32(x: __m256i, y: __m256i) -> __m256i {
+        // SAFETY: a register-only AVX-512 VNNI/VL operation; the caller
+        // has both.
+        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), x, y) }
+    }
+}
+
 /// The 32-value types' accumulation for `N` tokens at once: `unpack(block)`
 /// is a block's 32 weight codes as bytes (signed with `SIGNED`, else
 /// unsigned), unpacked once and multiplied by each token's codes; with
 /// `MIN`, each block adds `m·s` (`Q4_1`, `Q5_1`). Each token's arithmetic
 /// is the same whatever `N` is, so a token gets the same bits alone and in
 /// a group.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn lanes32<const MIN: bool, const SIGNED: bool, const N: usize>(
+///
+/// # Safety
+/// The CPU has AVX2, FMA, F16C and what `S` needs: only inlined into the
+/// entry points below, which enable them.
+#[inline(always)]
+unsafe fn lanes32<S: PairSum, const MIN: bool, const SIGNED: bool, const N: usize>(
     w: &[u8],
     block_bytes: usize,
     a: [&[Q8Block]; N],
@@ -140,32 +178,38 @@ fn lanes32<const MIN: bool, const SIGNED: bool, const N: usize>(
         .map(|a| a.len())
         .fold(w.len() / block_bytes, usize::min);
     let a: [&[Q8Block]; N] = std::array::from_fn(|j| &a[j][..blocks]);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [0f32; N];
-    let ones = _mm256_set1_epi16(1);
-    for (i, b) in w.chunks_exact(block_bytes).take(blocks).enumerate() {
-        let x = unpack(b);
-        let ax = if SIGNED { _mm256_sign_epi8(x, x) } else { x };
-        let scales = block_scales(b);
-        let dw = _mm256_broadcastss_ps(scales);
-        for j in 0..N {
-            // SAFETY: every row of `a` was cut to `blocks` blocks above, and
-            // `i < blocks` (`take(blocks)`). Unchecked because the checks,
-            // which the compiler keeps, were a fifth of the instructions of
-            // the four-token loop.
-            let act = unsafe { a[j].get_unchecked(i) };
-            // SAFETY: `qs` is 32 bytes.
-            let y = unsafe { load(act.qs.as_ptr().cast()) };
-            let sy = if SIGNED { _mm256_sign_epi8(y, x) } else { y };
-            let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
-            let d = _mm256_mul_ps(dw, _mm256_set1_ps(act.d));
-            acc[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), acc[j]);
-            if MIN {
-                mins[j] += _mm_cvtss_f32(_mm_movehdup_ps(scales)) * act.s;
+    // SAFETY: the caller has the features; loads as commented.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0f32; N];
+        for (i, b) in w.chunks_exact(block_bytes).take(blocks).enumerate() {
+            let x = unpack(b);
+            let ax = if SIGNED { _mm256_sign_epi8(x, x) } else { x };
+            let scales = block_scales(b);
+            let dw = _mm256_broadcastss_ps(scales);
+            for j in 0..N {
+                // Every row of `a` was cut to `blocks` blocks above, and `i
+                // < blocks` (`take(blocks)`). Unchecked because the checks,
+                // which the compiler keeps, were a fifth of the
+                // instructions of the four-token loop.
+                let act = a[j].get_unchecked(i);
+                // `qs` is 32 bytes.
+                let y = load(act.qs.as_ptr().cast());
+                let sy = if SIGNED { _mm256_sign_epi8(y, x) } else { y };
+                let sum = S::sum32(ax, sy);
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(act.d));
+                acc[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), acc[j]);
+                if MIN {
+                    mins[j] += _mm_cvtss_f32(_mm_movehdup_ps(scales)) * act.s;
+                }
             }
         }
+        let mut out = [0f32; N];
+        for j in 0..N {
+            out[j] = hsum_ps(acc[j]) + mins[j];
+        }
+        out
     }
-    std::array::from_fn(|j| hsum_ps(acc[j]) + mins[j])
 }
 
 /// The sum of the eight lanes (exact: integers).
@@ -184,8 +228,11 @@ fn hsum_epi32(v: __m256i) -> i32 {
 /// tokens' rows: `unpack(block)` is a block's 32 signed codes, unpacked
 /// once; each token's block sum is added up across the lanes, exactly,
 /// and accumulated by one fused multiply-add.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn serial32<const N: usize>(
+///
+/// # Safety
+/// As [`lanes32`].
+#[inline(always)]
+unsafe fn serial32<S: PairSum, const N: usize>(
     w: &[u8],
     block_bytes: usize,
     a: [&[Q8Block]; N],
@@ -196,10 +243,11 @@ fn serial32<const N: usize>(
         .map(|a| a.len())
         .fold(w.len() / block_bytes, usize::min);
     let a: [&[Q8Block]; N] = std::array::from_fn(|j| &a[j][..blocks]);
-    let ones = _mm256_set1_epi16(1);
     if N == 1 {
-        let one = serial32_one(&w[..blocks * block_bytes], block_bytes, a[0], unpack);
-        return std::array::from_fn(|_| one);
+        // SAFETY: as this function's.
+        let one =
+            unsafe { serial32_one::<S>(&w[..blocks * block_bytes], block_bytes, a[0], unpack) };
+        return [one; N];
     }
     // The even and the odd chains apart, each indexed by the token alone
     // (a constant once unrolled): indexed by a block's parity too, they
@@ -207,17 +255,18 @@ fn serial32<const N: usize>(
     // before it.
     let (mut even, mut odd) = ([0f32; N], [0f32; N]);
     let block = |i: usize, b: &[u8], acc: &mut [f32; N]| {
-        let x = unpack(b);
-        let ax = _mm256_sign_epi8(x, x);
-        let dw = f16_at(b, 0);
-        for j in 0..N {
-            // SAFETY: every row of `a` was cut to `blocks` blocks above, and
-            // `i < blocks`.
-            let act = unsafe { a[j].get_unchecked(i) };
-            // SAFETY: `qs` is 32 bytes.
-            let y = unsafe { load(act.qs.as_ptr().cast()) };
-            let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x)), ones);
-            acc[j] = (dw * act.d).mul_add(hsum_epi32(sum) as f32, acc[j]);
+        // SAFETY: the caller has the features; every row of `a` was cut
+        // to `blocks` blocks above, and `i < blocks`; `qs` is 32 bytes.
+        unsafe {
+            let x = unpack(b);
+            let ax = _mm256_sign_epi8(x, x);
+            let dw = f16_at(b, 0);
+            for j in 0..N {
+                let act = a[j].get_unchecked(i);
+                let y = load(act.qs.as_ptr().cast());
+                let sum = S::sum32(ax, _mm256_sign_epi8(y, x));
+                acc[j] = (dw * act.d).mul_add(hsum_epi32(sum) as f32, acc[j]);
+            }
         }
     };
     let mut pairs = w[..blocks * block_bytes].chunks_exact(2 * block_bytes);
@@ -228,36 +277,46 @@ fn serial32<const N: usize>(
     if !pairs.remainder().is_empty() {
         block(blocks - 1, pairs.remainder(), &mut even);
     }
-    std::array::from_fn(|j| even[j] + odd[j])
+    let mut out = [0f32; N];
+    for j in 0..N {
+        out[j] = even[j] + odd[j];
+    }
+    out
 }
 
 /// A block's 32 products of signed codes `x` and a token's codes, in
 /// eight lanes (exact).
+///
+/// # Safety
+/// As [`lanes32`].
 #[inline(always)]
-fn signed_block_sum(x: __m256i, y: &Q8Block, ones: __m256i) -> __m256i {
-    // SAFETY: register-only AVX2 operations and a load of `qs` (32
-    // bytes); only inlined into the kernels below (AVX2).
+unsafe fn signed_block_sum<S: PairSum>(x: __m256i, y: &Q8Block) -> __m256i {
+    // SAFETY: register-only operations and a load of `qs` (32 bytes); the
+    // caller has the features.
     unsafe {
         let y = load(y.qs.as_ptr().cast());
-        _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)),
-            ones,
-        )
+        S::sum32(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
     }
 }
 
 /// [`serial32`] for one token: four blocks' lane sums are added up
 /// together (three `vphaddd`, where one block's sum alone takes a chain of
 /// six operations), then accumulated one by one into the two chains.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn serial32_one(
+///
+/// # Safety
+/// As [`lanes32`].
+#[inline(always)]
+unsafe fn serial32_one<S: PairSum>(
     w: &[u8],
     block_bytes: usize,
     a: &[Q8Block],
     unpack: impl Fn(&[u8]) -> __m256i,
 ) -> f32 {
-    let ones = _mm256_set1_epi16(1);
     let (mut even, mut odd) = (0f32, 0f32);
+    let d = |b: &[u8], y: &Q8Block| {
+        // SAFETY: the caller has F16C; `b` holds its block's scale.
+        unsafe { _mm_cvtss_f32(block_scales(b)) * y.d }
+    };
     let quads = w.chunks_exact(4 * block_bytes).zip(a.chunks_exact(4));
     for (w, a) in quads {
         let (b0, b1, b2, b3) = (
@@ -266,17 +325,18 @@ fn serial32_one(
             &w[2 * block_bytes..3 * block_bytes],
             &w[3 * block_bytes..],
         );
-        let s0 = signed_block_sum(unpack(b0), &a[0], ones);
-        let s1 = signed_block_sum(unpack(b1), &a[1], ones);
-        let s2 = signed_block_sum(unpack(b2), &a[2], ones);
-        let s3 = signed_block_sum(unpack(b3), &a[3], ones);
-        // [Σ s0, Σ s1, Σ s2, Σ s3] after the two halves are added.
-        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
-        let h = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
         let mut sums = [0f32; 4];
-        // SAFETY: `sums` is four f32.
-        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), _mm_cvtepi32_ps(h)) };
-        let d = |b: &[u8], y: &Q8Block| _mm_cvtss_f32(block_scales(b)) * y.d;
+        // SAFETY: the caller has the features; `sums` is four f32.
+        unsafe {
+            let s0 = signed_block_sum::<S>(unpack(b0), &a[0]);
+            let s1 = signed_block_sum::<S>(unpack(b1), &a[1]);
+            let s2 = signed_block_sum::<S>(unpack(b2), &a[2]);
+            let s3 = signed_block_sum::<S>(unpack(b3), &a[3]);
+            // [Σ s0, Σ s1, Σ s2, Σ s3] after the two halves are added.
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+            let h = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            _mm_storeu_ps(sums.as_mut_ptr(), _mm_cvtepi32_ps(h));
+        }
         even = d(b0, &a[0]).mul_add(sums[0], even);
         odd = d(b1, &a[1]).mul_add(sums[1], odd);
         even = d(b2, &a[2]).mul_add(sums[2], even);
@@ -284,9 +344,10 @@ fn serial32_one(
     }
     let done = a.len() / 4 * 4;
     for (i, (b, y)) in w.chunks_exact(block_bytes).zip(a).enumerate().skip(done) {
-        let sum = hsum_epi32(signed_block_sum(unpack(b), y, ones)) as f32;
+        // SAFETY: as above.
+        let sum = hsum_epi32(unsafe { signed_block_sum::<S>(unpack(b), y) }) as f32;
         let acc = if i % 2 == 0 { &mut even } else { &mut odd };
-        *acc = (_mm_cvtss_f32(block_scales(b)) * y.d).mul_add(sum, *acc);
+        *acc = d(b, y).mul_add(sum, *acc);
     }
     even + odd
 }
@@ -307,51 +368,80 @@ fn q5_0_codes(b: &[u8]) -> __m256i {
     _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
 }
 
-/// `Q4_0 · Q8_0`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q4_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
-    serial32::<N>(w, 18, a, |b| {
+/// The 32-value kernels' entry points: `$avx2` with AVX2's block sums
+/// ([`lanes::Madd`]), `$vnni` with `vpdpbusd`'s ([`lanes::Vnni`]), both
+/// running `$body` with `$s` the [`PairSum`] (the same bits).
+macro_rules! kernels32 {
+    ($(#[$doc:meta])* $avx2:ident, $vnni:ident, |$w:ident, $a:ident, $s:ident| $body:expr) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(crate) fn $avx2<const N: usize>($w: &[u8], $a: [&[Q8Block]; N]) -> [f32; N] {
+            type $s = lanes::Madd;
+            // SAFETY: this function enables what `Madd` needs.
+            unsafe { $body }
+        }
+
+        $(#[$doc])*
+        /// (Block sums by `vpdpbusd`.)
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(crate) fn $vnni<const N: usize>($w: &[u8], $a: [&[Q8Block]; N]) -> [f32; N] {
+            type $s = lanes::Vnni;
+            // SAFETY: this function enables what `Vnni` needs.
+            unsafe { $body }
+        }
+    };
+}
+
+kernels32!(
+    /// `Q4_0 · Q8_0`.
+    q4_0,
+    q4_0_vnni,
+    |w, a, S| serial32::<S, N>(w, 18, a, |b| {
         _mm256_sub_epi8(q4_0_codes(b), _mm256_set1_epi8(8))
     })
-}
+);
 
-/// `Q4_1 · Q8_1`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q4_1<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
-    // SAFETY: a block is 20 bytes (nibbles at 4..20).
-    lanes32::<true, false, N>(w, 20, a, |b| unsafe { nibbles(b.as_ptr().add(4)) })
-}
+kernels32!(
+    /// `Q4_1 · Q8_1`.
+    q4_1,
+    q4_1_vnni,
+    // A block is 20 bytes (nibbles at 4..20).
+    |w, a, S| lanes32::<S, true, false, N>(w, 20, a, |b| nibbles(b.as_ptr().add(4)))
+);
 
-/// `Q5_0 · Q8_0`: the fifth bit clear makes a code `nibble − 16`, which as
-/// a byte is the nibble with its top four bits set.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q5_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
-    serial32::<N>(w, 22, a, |b| {
-        // SAFETY: a block is 22 bytes (`qh` at 2..6, nibbles at 6..22).
-        let (low, high) = unsafe { (nibbles(b.as_ptr().add(6)), bit_bytes(b.as_ptr().add(2))) };
+kernels32!(
+    /// `Q5_0 · Q8_0`: the fifth bit clear makes a code `nibble − 16`, which
+    /// as a byte is the nibble with its top four bits set.
+    q5_0,
+    q5_0_vnni,
+    |w, a, S| serial32::<S, N>(w, 22, a, |b| {
+        // A block is 22 bytes (`qh` at 2..6, nibbles at 6..22).
+        let (low, high) = (nibbles(b.as_ptr().add(6)), bit_bytes(b.as_ptr().add(2)));
         _mm256_or_si256(
             low,
             _mm256_andnot_si256(high, _mm256_set1_epi8(0xf0u8 as i8)),
         )
     })
-}
+);
 
-/// `Q5_1 · Q8_1`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q5_1<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
-    lanes32::<true, false, N>(w, 24, a, |b| {
-        // SAFETY: a block is 24 bytes (`qh` at 4..8, nibbles at 8..24).
-        let (low, high) = unsafe { (nibbles(b.as_ptr().add(8)), bit_bytes(b.as_ptr().add(4))) };
+kernels32!(
+    /// `Q5_1 · Q8_1`.
+    q5_1,
+    q5_1_vnni,
+    |w, a, S| lanes32::<S, true, false, N>(w, 24, a, |b| {
+        // A block is 24 bytes (`qh` at 4..8, nibbles at 8..24).
+        let (low, high) = (nibbles(b.as_ptr().add(8)), bit_bytes(b.as_ptr().add(4)));
         _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
     })
-}
+);
 
-/// `Q8_0 · Q8_0`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn q8_0<const N: usize>(w: &[u8], a: [&[Q8Block]; N]) -> [f32; N] {
-    // SAFETY: a block is 34 bytes (codes at 2..34).
-    lanes32::<false, true, N>(w, 34, a, |b| unsafe { load(b.as_ptr().add(2)) })
-}
+kernels32!(
+    /// `Q8_0 · Q8_0`.
+    q8_0,
+    q8_0_vnni,
+    // A block is 34 bytes (codes at 2..34).
+    |w, a, S| lanes32::<S, false, true, N>(w, 34, a, |b| load(b.as_ptr().add(2)))
+);
 
 /// The eight 6-bit scales of a `Q4_K`/`Q5_K` super-block, and its mins
 /// each twice in order (`m_j` at lanes `2j` and `2j + 1`, the two
