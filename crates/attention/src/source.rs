@@ -296,12 +296,19 @@ impl KvSource for DenseKv<'_> {
     }
 }
 
-/// The address range of rows `start..start + count` of a store's value buffer.
+/// The address range of the quantized rows among `start..start + count`
+/// in a store's value buffer, which holds the middle rows alone (exact
+/// sink and window rows live in a section of their own): store row `t` is
+/// buffer row `t − sink`. `None` where no quantized row is among them.
 fn store_rows(store: &KvStore, start: usize, count: usize) -> Option<Range<usize>> {
+    let middle = store.segment_rows().middle;
+    let (first, end) = (start.max(middle.start), (start + count).min(middle.end));
+    if first >= end {
+        return None;
+    }
     let rb = store.row_bytes();
-    Some(addresses(
-        store.data().get(start * rb..(start + count) * rb)?,
-    ))
+    let rows = (first - middle.start) * rb..(end - middle.start) * rb;
+    Some(addresses(store.data().get(rows)?))
 }
 
 /// Scratch of the stored-form sources: kv-quant's decode buffers (decoded
@@ -511,16 +518,35 @@ impl KvSource for KvStore {
         store_rows(self, start, count)
     }
 
-    /// The rows' bytes, then their groups' metadata (scales, offsets,
-    /// check words), which a decode reads first.
-    fn row_address_ranges(&self, start: usize, count: usize, each: &mut dyn FnMut(Range<usize>)) {
-        if let Some(range) = store_rows(self, start, count) {
-            each(range);
-            self.meta_addresses(start, count, each);
-        }
-    }
-
     fn rotation(&self) -> Option<&'static Hadamard> {
         KvStore::rotation(self).ok().flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store with exact sink and window rows gives the addresses of its
+    /// quantized rows only, counted from the middle's first row.
+    #[test]
+    fn row_addresses_skip_exact_rows() {
+        let (tokens, ch) = (40, 16);
+        let rows: Vec<f32> = (0..tokens * ch).map(|i| (i % 13) as f32 * 0.1).collect();
+        let form = "int4+sink4+win8".parse().unwrap();
+        let store = KvStore::quantize(form, &rows, tokens, ch).unwrap();
+        let (rb, base) = (store.row_bytes(), store.data().as_ptr() as usize);
+        let at = |r: usize| base + r * rb;
+        assert_eq!(KvSource::row_addresses(&store, 0, 4), None, "sink rows");
+        assert_eq!(KvSource::row_addresses(&store, 32, 8), None, "window rows");
+        assert_eq!(KvSource::row_addresses(&store, 4, 2), Some(at(0)..at(2)));
+        assert_eq!(KvSource::row_addresses(&store, 0, 40), Some(at(0)..at(28)));
+        assert_eq!(KvSource::row_addresses(&store, 30, 5), Some(at(26)..at(28)));
+        let plain = KvStore::quantize("int4".parse().unwrap(), &rows, tokens, ch).unwrap();
+        let p = plain.data().as_ptr() as usize;
+        assert_eq!(
+            KvSource::row_addresses(&plain, 3, 2),
+            Some(p + 3 * plain.row_bytes()..p + 5 * plain.row_bytes())
+        );
     }
 }

@@ -181,6 +181,7 @@ fn decode_isa(c: &mut Criterion) {
         WeightType::Q4_0,
         WeightType::Q4_1,
         WeightType::Q5_0,
+        WeightType::Q5_1,
         WeightType::Q8_0,
     ] {
         let per = QuantMatrix::data_len(ty, SIDE, SIDE).unwrap();

@@ -24,9 +24,8 @@ impl Default for Upcoming {
 }
 
 impl Upcoming {
-    /// Ranges held: a 256-row tile over pages of 8 rows, keys and values,
-    /// each page's rows and its two metadata buffers (scales and offsets).
-    pub(crate) const MAX: usize = 192;
+    /// Ranges held: a 256-row tile over pages of 8 rows, keys and values.
+    pub(crate) const MAX: usize = 64;
 
     /// Adds a range: extends the last one when it starts where that one
     /// ends, and is dropped once [`MAX`](Self::MAX) are held.
@@ -128,7 +127,7 @@ mod tests {
         p.step();
         assert_eq!(p.at, 2, "the last line of the first range, then the second");
         p.step();
-        for i in 0..Upcoming::MAX + 16 {
+        for i in 0..80 {
             upcoming.push(i * 64..i * 64 + 1);
         }
         assert_eq!(upcoming.ranges().len(), Upcoming::MAX);

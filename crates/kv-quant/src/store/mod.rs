@@ -434,52 +434,6 @@ impl KvStore {
         &self.middle.checks
     }
 
-    /// The memory addresses of the metadata that decoding `count` rows
-    /// from `start` of the quantized middle reads: their groups' scales,
-    /// offsets and check words, one range per buffer (empty ones left
-    /// out), given to `each`. Attention prefetches them with the rows' bytes
-    /// ([`data`](Self::data)): a decode reads a tile's metadata first, and
-    /// per-channel groups keep it in buffers of their own, apart from the
-    /// rows. Nothing is given for rows past the middle or forms without
-    /// group metadata.
-    pub fn meta_addresses(&self, start: usize, count: usize, each: &mut dyn FnMut(Range<usize>)) {
-        let s = &self.middle;
-        let Some(layout) = s.layout.as_ref() else {
-            return;
-        };
-        if count == 0 || start + count > s.tokens || layout.groups() == 0 {
-            return;
-        }
-        let total = layout.groups();
-        let groups = layout.groups_of_rows(start, start + count);
-        let mut give = |buffer: &[u8], base: usize| {
-            let per = buffer.len() / total;
-            if let Some(words) = buffer.get((base + groups.start) * per..(base + groups.end) * per)
-                && !words.is_empty()
-            {
-                let r = words.as_ptr_range();
-                each(r.start as usize..r.end as usize);
-            }
-        };
-        give(&s.scales, 0);
-        give(&s.offsets, 0);
-        // Check words: one per scale, then one per offset.
-        if !s.checks.is_empty() {
-            let words = if s.offsets.is_empty() { 1 } else { 2 };
-            let per = s.checks.len() / (words * total);
-            for w in 0..words {
-                if let Some(c) = s
-                    .checks
-                    .get((w * total + groups.start) * per..(w * total + groups.end) * per)
-                    && !c.is_empty()
-                {
-                    let r = c.as_ptr_range();
-                    each(r.start as usize..r.end as usize);
-                }
-            }
-        }
-    }
-
     /// The f16 rows of the exact sink and window tokens (sink first), as
     /// stored (encoded by the form's code when it has one); empty without segments.
     pub fn exact_data(&self) -> &[u8] {

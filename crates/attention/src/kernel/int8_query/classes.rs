@@ -18,13 +18,14 @@
 //! ⌈W·peak_k / max|q'|⌉ ≤ W` (`W` = [`max_weight`] of the head's
 //! dimension), so each class's codes use
 //! their full int8 range (within `1/w_k` of its own peak's scale). The
-//! weights are the multipliers of the `vpmaddwd` that widens the kernel's
-//! pair sums (ones for a single scale), so a row's score is still one
-//! integer sum `Σ_c w_class(c)·code_c·l_c` finished as `u·sum + constant`:
-//! no work per row beyond the single scale's. `W` keeps a row's whole
-//! weighted sum exact in i32 ([`weights_fit`]), and the sums are the
-//! same on every instruction set (AVX2, which
-//! AVX-512 hosts run for these, and the portable loop).
+//! weights are the multipliers of the `vpmaddwd` that widens AVX2's pair
+//! sums (ones for a single scale; AVX-512 VNNI multiplies its class lanes
+//! by them once per row in its reduction, see `vnni.rs`), so a row's score
+//! is still one integer sum `Σ_c w_class(c)·code_c·l_c` finished as
+//! `u·sum + constant`: no work per row beyond the single scale's. `W` keeps
+//! a row's whole weighted sum exact in i32 ([`weights_fit`]), and the sums
+//! are the same on every instruction set (AVX-512 VNNI, AVX2 and the
+//! portable loop).
 
 /// Channel classes of a head, each with its own query scale.
 pub(crate) const CLASSES: usize = 8;
@@ -188,13 +189,16 @@ mod tests {
     #[test]
     fn every_kernel_gives_the_weighted_sums_of_the_definition() {
         let dots = Dot::available();
-        if dots.len() == 1 {
-            test_support::skip(
-                test_support::Requirement::Isa,
-                "attention",
-                "every_kernel_gives_the_weighted_sums_of_the_definition",
-                "no AVX2: only the portable weighted sums were run",
-            );
+        #[cfg(target_arch = "x86_64")]
+        for (dot, name) in [(Dot::Avx2, "AVX2"), (Dot::Vnni, "AVX-512 VNNI")] {
+            if !dots.contains(&dot) {
+                test_support::skip(
+                    test_support::Requirement::Isa,
+                    "attention",
+                    "every_kernel_gives_the_weighted_sums_of_the_definition",
+                    &format!("no {name}: its weighted sums were not run"),
+                );
+            }
         }
         // The packed segments of the unweighted tests, a head of 256 (the
         // widest at the full weight) and one of 2,048 (weights cut to 550).

@@ -12,8 +12,9 @@
 //! multiplied by its head's class weight there (`vpmulld`, eight per four
 //! rows of four heads) and summed on. Integer sums in any order, so the
 //! same bits as AVX2's `vpmaddwd` against the weights and the portable
-//! loop; every partial product is bounded by the whole row's weighted sum,
-//! which [`super::classes::weights_fit`] keeps in i32.
+//! loop: `vpdpbusd`, `vpmulld` and the additions wrap modulo 2^32, so the
+//! result is the exact sum wherever that fits in i32, which
+//! [`super::classes::weights_fit`] guarantees.
 
 use std::arch::x86_64::*;
 

@@ -254,34 +254,77 @@ unsafe fn serial32<S: PairSum, const N: usize>(
     // lived on the stack and each block waited for the store of the one
     // before it.
     let (mut even, mut odd) = ([0f32; N], [0f32; N]);
-    let block = |i: usize, b: &[u8], acc: &mut [f32; N]| {
-        // SAFETY: the caller has the features; every row of `a` was cut
-        // to `blocks` blocks above, and `i < blocks`; `qs` is 32 bytes.
-        unsafe {
-            let x = unpack(b);
-            let ax = _mm256_sign_epi8(x, x);
-            let dw = f16_at(b, 0);
-            for j in 0..N {
-                let act = a[j].get_unchecked(i);
-                let y = load(act.qs.as_ptr().cast());
-                let sum = S::sum32(ax, _mm256_sign_epi8(y, x));
-                acc[j] = (dw * act.d).mul_add(hsum_epi32(sum) as f32, acc[j]);
-            }
-        }
-    };
     let mut pairs = w[..blocks * block_bytes].chunks_exact(2 * block_bytes);
     for (p, pair) in pairs.by_ref().enumerate() {
-        block(2 * p, &pair[..block_bytes], &mut even);
-        block(2 * p + 1, &pair[block_bytes..], &mut odd);
+        // SAFETY: the caller has the features; every row of `a` was cut to
+        // `blocks` blocks above, and both indices are below it.
+        unsafe {
+            serial_block::<S, N>(
+                &a,
+                2 * p,
+                unpack(&pair[..block_bytes]),
+                &pair[..block_bytes],
+                &mut even,
+            );
+            serial_block::<S, N>(
+                &a,
+                2 * p + 1,
+                unpack(&pair[block_bytes..]),
+                &pair[block_bytes..],
+                &mut odd,
+            );
+        }
     }
     if !pairs.remainder().is_empty() {
-        block(blocks - 1, pairs.remainder(), &mut even);
+        let b = pairs.remainder();
+        // SAFETY: as above; `blocks − 1` is the last block.
+        unsafe { serial_block::<S, N>(&a, blocks - 1, unpack(b), b, &mut even) };
     }
     let mut out = [0f32; N];
     for j in 0..N {
         out[j] = even[j] + odd[j];
     }
     out
+}
+
+/// One block `b` (its signed codes `x`) of [`serial32`] for each of the
+/// `N` tokens, accumulated into `acc` by one fused multiply-add each. A
+/// function, not a closure: a closure written in a function without the
+/// target features is compiled without them, and its intrinsics became
+/// calls (seen in the binary).
+///
+/// # Safety
+/// As [`lanes32`]; every row of `a` has more than `i` blocks.
+#[inline(always)]
+unsafe fn serial_block<S: PairSum, const N: usize>(
+    a: &[&[Q8Block]; N],
+    i: usize,
+    x: __m256i,
+    b: &[u8],
+    acc: &mut [f32; N],
+) {
+    // SAFETY: the caller has the features and the bounds; `qs` is 32 bytes.
+    unsafe {
+        let ax = _mm256_sign_epi8(x, x);
+        let dw = f16_at(b, 0);
+        for j in 0..N {
+            let act = a[j].get_unchecked(i);
+            let y = load(act.qs.as_ptr().cast());
+            let sum = S::sum32(ax, _mm256_sign_epi8(y, x));
+            acc[j] = (dw * act.d).mul_add(hsum_epi32(sum) as f32, acc[j]);
+        }
+    }
+}
+
+/// A block's scale times a token's: the factor of its block sum.
+///
+/// # Safety
+/// The CPU has F16C; `b` holds its block's scale in bytes 0..2 (and 4
+/// bytes in all).
+#[inline(always)]
+unsafe fn block_factor(b: &[u8], y: &Q8Block) -> f32 {
+    // SAFETY: the caller has F16C.
+    unsafe { _mm_cvtss_f32(block_scales(b)) * y.d }
 }
 
 /// A block's 32 products of signed codes `x` and a token's codes, in
@@ -313,10 +356,6 @@ unsafe fn serial32_one<S: PairSum>(
     unpack: impl Fn(&[u8]) -> __m256i,
 ) -> f32 {
     let (mut even, mut odd) = (0f32, 0f32);
-    let d = |b: &[u8], y: &Q8Block| {
-        // SAFETY: the caller has F16C; `b` holds its block's scale.
-        unsafe { _mm_cvtss_f32(block_scales(b)) * y.d }
-    };
     let quads = w.chunks_exact(4 * block_bytes).zip(a.chunks_exact(4));
     for (w, a) in quads {
         let (b0, b1, b2, b3) = (
@@ -337,17 +376,25 @@ unsafe fn serial32_one<S: PairSum>(
             let h = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
             _mm_storeu_ps(sums.as_mut_ptr(), _mm_cvtepi32_ps(h));
         }
-        even = d(b0, &a[0]).mul_add(sums[0], even);
-        odd = d(b1, &a[1]).mul_add(sums[1], odd);
-        even = d(b2, &a[2]).mul_add(sums[2], even);
-        odd = d(b3, &a[3]).mul_add(sums[3], odd);
+        // SAFETY: the caller has F16C; each block holds its scale.
+        unsafe {
+            even = block_factor(b0, &a[0]).mul_add(sums[0], even);
+            odd = block_factor(b1, &a[1]).mul_add(sums[1], odd);
+            even = block_factor(b2, &a[2]).mul_add(sums[2], even);
+            odd = block_factor(b3, &a[3]).mul_add(sums[3], odd);
+        }
     }
     let done = a.len() / 4 * 4;
     for (i, (b, y)) in w.chunks_exact(block_bytes).zip(a).enumerate().skip(done) {
         // SAFETY: as above.
-        let sum = hsum_epi32(unsafe { signed_block_sum::<S>(unpack(b), y) }) as f32;
+        let (sum, factor) = unsafe {
+            (
+                hsum_epi32(signed_block_sum::<S>(unpack(b), y)) as f32,
+                block_factor(b, y),
+            )
+        };
         let acc = if i % 2 == 0 { &mut even } else { &mut odd };
-        *acc = d(b, y).mul_add(sum, *acc);
+        *acc = factor.mul_add(sum, *acc);
     }
     even + odd
 }
