@@ -3,7 +3,7 @@
 //! query before it is quantized, the levels scored centred on
 //! `2^(bits−1)` (see the parent module).
 
-use super::fold::{fold, fold_classes};
+use super::fold::{FoldedHead, HEADS_TOGETHER, fold, fold_heads};
 use super::{
     Context, DotBlock, DotValue, HeadBlockPass, IntScratch, LevelPacking, Prefetcher, QueryCodes,
     TileGeometry, for_head_blocks, quantize, split_planes,
@@ -27,7 +27,7 @@ pub(super) fn per_channel(
     prefetch: &mut Prefetcher,
 ) -> bool {
     let mut folded = std::mem::take(&mut scratch.folded);
-    folded.resize(ctx.geometry.d, 0.0);
+    folded.resize(HEADS_TOGETHER * ctx.geometry.d, 0.0);
     let scored = per_channel_runs(ctx, &mut folded, scratch, weights, prefetch);
     scratch.folded = folded;
     scored
@@ -42,12 +42,9 @@ fn per_channel_runs(
     weights: &mut [f32],
     prefetch: &mut Prefetcher,
 ) -> bool {
-    let (q, keys, mid) = (ctx.q, ctx.keys, ctx.mid);
+    let (q, keys) = (ctx.q, ctx.keys);
     let TileGeometry { group, kv_heads, d } = ctx.geometry;
     let ch = kv_heads * d;
-    // The middle of the levels' range, `2^(bits−1)` (a centred map's own
-    // middle level).
-    let centre = mid.unwrap_or((f32::from(keys.max_level()) + 1.0) / 2.0);
     // Packed levels with int8 codes take one scale per channel class
     // (heads short enough for a weight of 1: under 1.1 million channels).
     let classes = ctx.codes == QueryCodes::Int8
@@ -65,53 +62,49 @@ fn per_channel_runs(
         ) else {
             return false;
         };
-        if !scratch.reuse(q, [scale, offset], classes) {
-            for (h, q) in q.chunks_exact(d).enumerate() {
-                let kvh = h / group;
+        // A run of a whole group is the only one of its group in this
+        // pass, so its codes are not kept for reuse (comparing and copying
+        // the group's parameters was 2% of a paged `int4-ch` decode in
+        // blocks of 64, `perf`); shorter runs may share theirs.
+        let fresh = if t1 - t0 >= keys.tokens_per_group() {
+            scratch.coded_for = None;
+            true
+        } else {
+            !scratch.reuse(q, [scale, offset], classes)
+        };
+        if fresh {
+            for kvh in 0..kv_heads {
                 let (a, b) = (&scale[kvh * d..][..d], &offset[kvh * d..][..d]);
-                let (hi, lo) = (
-                    &mut scratch.codes[h * d..][..d],
-                    &mut scratch.codes_lo[h * d..][..d],
-                );
-                // `Σ_c s_c·code_c`, the codes' own image of `Σ q'`.
-                let (folded_sum, offset_sum, coded_sum) = if classes {
-                    let Some(head) = fold_classes(q, a, b, folded, hi, ctx.dot) else {
-                        scratch.coded_for = None;
-                        return false;
+                let mut h0 = kvh * group;
+                while h0 < (kvh + 1) * group {
+                    let n = HEADS_TOGETHER.min((kvh + 1) * group - h0);
+                    let heads = h0..h0 + n;
+                    // The class codes of `n` heads at once, or none.
+                    let folded_heads = if classes {
+                        let Some(f) = fold_heads(
+                            &q[heads.start * d..heads.end * d],
+                            a,
+                            b,
+                            folded,
+                            &mut scratch.codes[heads.start * d..heads.end * d],
+                            ctx.dot,
+                        ) else {
+                            scratch.coded_for = None;
+                            return false;
+                        };
+                        Some(f)
+                    } else {
+                        None
                     };
-                    scratch.class_weights[h] = head.weights;
-                    scratch.scale[h] = head.unit;
-                    let coded_sum = head.unit * head.code_sum as f32;
-                    (head.folded_sum, head.offset_sum, coded_sum)
-                } else {
-                    let (folded_sum, offset_sum) = fold(q, a, b, folded);
-                    let Some(s) = quantize(folded, ctx.codes, hi, lo) else {
-                        scratch.coded_for = None;
-                        return false;
-                    };
-                    let code_sum: i32 = match ctx.codes {
-                        QueryCodes::Int8 => hi.iter().map(|&c| i32::from(c)).sum(),
-                        QueryCodes::Int16 => hi
-                            .iter()
-                            .zip(lo.iter())
-                            .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
-                            .sum(),
-                    };
-                    scratch.scale[h] = s;
-                    (folded_sum, offset_sum, s * code_sum as f32)
-                };
-                split_planes(hi, &mut scratch.planes[h * d..][..d]);
-                let base = match mid {
-                    None => offset_sum,
-                    Some(mid) => -mid * folded_sum,
-                };
-                // Scored against levels centred on `centre`: the integer
-                // sum `Σ q̂·l` less `centre·Σ q̂` (exact) is
-                // `Σ q̂·(l − centre)`, and `centre·Σ q'` puts back exactly
-                // what the centring took away, so the codes' rounding
-                // errors meet `l − centre` (at most 8 for 4-bit levels)
-                // instead of `l` (up to 15).
-                scratch.constant[h] = base + centre * (folded_sum - coded_sum);
+                    for h in heads {
+                        let head = folded_heads.map(|f| f[h - h0]);
+                        if !code_head(ctx, scratch, folded, h, (a, b), head) {
+                            scratch.coded_for = None;
+                            return false;
+                        }
+                    }
+                    h0 += n;
+                }
             }
         }
         let mut pass = ChannelRun {
@@ -124,6 +117,66 @@ fn per_channel_runs(
         };
         for_head_blocks(ctx.geometry, &mut pass);
     }
+    true
+}
+
+/// Codes query head `h` for a run: its class codes `head` (already in
+/// `scratch.codes`) or, without classes, its fold with `a` and `b`
+/// quantized on one scale; then its split planes, scale and constant.
+/// `false` when its fold is not finite.
+#[inline(always)]
+fn code_head(
+    ctx: Context<'_, '_>,
+    scratch: &mut IntScratch,
+    folded: &mut [f32],
+    h: usize,
+    (a, b): (&[f32], &[f32]),
+    head: Option<FoldedHead>,
+) -> bool {
+    let d = ctx.geometry.d;
+    let q = &ctx.q[h * d..][..d];
+    let (hi, lo) = (
+        &mut scratch.codes[h * d..][..d],
+        &mut scratch.codes_lo[h * d..][..d],
+    );
+    // `Σ_c s_c·code_c`, the codes' own image of `Σ q'`.
+    let (folded_sum, offset_sum, coded_sum) = if let Some(head) = head {
+        scratch.class_weights[h] = head.weights;
+        scratch.scale[h] = head.unit;
+        let coded_sum = head.unit * head.code_sum as f32;
+        (head.folded_sum, head.offset_sum, coded_sum)
+    } else {
+        let (folded_sum, offset_sum) = fold(q, a, b, &mut folded[..d]);
+        let Some(s) = quantize(&folded[..d], ctx.codes, hi, lo) else {
+            return false;
+        };
+        let code_sum: i32 = match ctx.codes {
+            QueryCodes::Int8 => hi.iter().map(|&c| i32::from(c)).sum(),
+            QueryCodes::Int16 => hi
+                .iter()
+                .zip(lo.iter())
+                .map(|(&h, &l)| 256 * i32::from(h) + i32::from(l))
+                .sum(),
+        };
+        scratch.scale[h] = s;
+        (folded_sum, offset_sum, s * code_sum as f32)
+    };
+    split_planes(hi, &mut scratch.planes[h * d..][..d]);
+    let base = match ctx.mid {
+        None => offset_sum,
+        Some(mid) => -mid * folded_sum,
+    };
+    // The middle of the levels' range, `2^(bits−1)` (a centred map's own
+    // middle level).
+    let centre = ctx
+        .mid
+        .unwrap_or((f32::from(ctx.keys.max_level()) + 1.0) / 2.0);
+    // Scored against levels centred on `centre`: the integer sum `Σ q̂·l`
+    // less `centre·Σ q̂` (exact) is `Σ q̂·(l − centre)`, and `centre·Σ q'`
+    // puts back exactly what the centring took away, so the codes'
+    // rounding errors meet `l − centre` (at most 8 for 4-bit levels)
+    // instead of `l` (up to 15).
+    scratch.constant[h] = base + centre * (folded_sum - coded_sum);
     true
 }
 

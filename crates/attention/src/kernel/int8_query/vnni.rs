@@ -70,6 +70,9 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: 
         };
         store::<H, 4, WEIGHTED>(sums, out, b.rows, t, &weights4);
     }
+    if quads == b.rows {
+        return;
+    }
     let weights1 = pair_weights::<H, 1, WEIGHTED>(b);
     for t in quads..b.rows {
         let sums = if PACKED {
@@ -90,26 +93,26 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: 
 fn pair_weights<const H: usize, const R: usize, const WEIGHTED: bool>(
     b: DotBlock<'_>,
 ) -> [__m512i; 8] {
-    let mut lanes = [[0i32; 16]; 8];
-    if let Some(weights) = b.lane_weights.filter(|_| WEIGHTED) {
-        for (p, lanes) in lanes.iter_mut().enumerate() {
-            for (half, i) in [2 * p, 2 * p + 1].into_iter().enumerate() {
-                if i < H * R {
-                    let w = &weights[i / R];
-                    for k in 0..8 {
-                        // The weights come twice each, as `vpmaddwd` reads them.
-                        lanes[8 * half + k] = i32::from(w[2 * k]);
-                    }
-                }
-            }
-        }
-    }
-    // SAFETY: only inlined into `integer_sums` (AVX-512F); each array
-    // holds 16 values. A loop, not `map`'s closure (see `reduce16`).
+    // SAFETY: only inlined into `integer_sums` (AVX-512F); each head's
+    // weights are 16 readable i16. Loops, not closures (see `reduce16`).
     unsafe {
         let mut v = [_mm512_setzero_si512(); 8];
-        for (v, l) in v.iter_mut().zip(&lanes) {
-            *v = _mm512_loadu_si512(l.as_ptr().cast());
+        let Some(weights) = b.lane_weights.filter(|_| WEIGHTED) else {
+            return v;
+        };
+        // Lanes 0..8 from the first operand's even lanes, 8..16 from the
+        // second's: the weights come twice each, as `vpmaddwd` reads them.
+        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        for (p, v) in v.iter_mut().enumerate() {
+            let mut pair = [_mm512_setzero_si512(); 2];
+            for (half, w) in pair.iter_mut().enumerate() {
+                let i = 2 * p + half;
+                if i < H * R {
+                    let head = _mm256_loadu_si256(weights[i / R].as_ptr().cast());
+                    *w = _mm512_cvtepi16_epi32(head);
+                }
+            }
+            *v = _mm512_permutex2var_epi32(pair[0], evens, pair[1]);
         }
         v
     }
