@@ -21,6 +21,7 @@ use kv_quant::{Hadamard, KvDecodeStats};
 use rayon::prelude::*;
 
 use crate::error::{AttentionError, Result, check_len};
+use crate::isa::Isa;
 use crate::kernel::{Partial, TileGeometry, Upcoming, attend_tile};
 use crate::numerics::Numerics;
 use crate::shape::{HeadShape, Mask};
@@ -65,6 +66,11 @@ pub struct AttentionConfig {
     pub on_non_finite: OnNonFinite,
     /// Scores against integer keys: exact f32 or int8-quantized queries.
     pub numerics: Numerics,
+    /// The instruction set of every CPU kernel. Default: the fastest this
+    /// CPU supports ([`Isa::detect`]); pin another to compare sets or to
+    /// reproduce a slower host's float rounding. One this CPU lacks is
+    /// refused by [`Attention::with_config`] and [`Attention::set_isa`].
+    pub isa: Isa,
 }
 
 impl Default for AttentionConfig {
@@ -75,6 +81,7 @@ impl Default for AttentionConfig {
             split_tokens: 2048,
             on_non_finite: OnNonFinite::Error,
             numerics: Numerics::default(),
+            isa: Isa::detect(),
         }
     }
 }
@@ -157,7 +164,16 @@ impl Attention {
                 ),
             });
         }
+        config.isa.ensure_supported()?;
         Ok(Self { shape, config })
+    }
+
+    /// Runs every kernel on `isa` from now on; an error (and no change)
+    /// where this CPU lacks it.
+    pub fn set_isa(&mut self, isa: Isa) -> Result<()> {
+        isa.ensure_supported()?;
+        self.config.isa = isa;
+        Ok(())
     }
 
     /// The head shape.
@@ -616,6 +632,7 @@ impl Attention {
                             v.rows.slice(rows, ch),
                             geometry,
                             self.config.numerics,
+                            self.config.isa,
                             next.as_ref().filter(|_| i == 0),
                             &mut scratch.kernel,
                             &mut slot.partials[i],

@@ -18,10 +18,12 @@ mod partial;
 mod prefetch;
 mod runs;
 
+pub(crate) use int8_query::Dot;
 pub(crate) use partial::Partial;
 pub(crate) use prefetch::{Prefetcher, Upcoming};
 pub(crate) use runs::block_runs;
 
+use crate::isa::Isa;
 use crate::numerics::Numerics;
 use crate::source::TileRows;
 use kv_quant::{LevelMap, LevelRows};
@@ -72,11 +74,12 @@ pub(crate) struct TileGeometry {
 /// Folds the keys and values of `keys`/`values` (`rows × kv_heads·d`) into
 /// `partial` for the query heads `q` (`q_heads × d`, already multiplied by
 /// the softmax scale). Integer keys are scored with integer dot products
-/// under [`Numerics::Int8Query`] ([`int8_query`]). With AVX-512
-/// ([`fused`]) or AVX2 ([`fused::avx2`], head dimensions that are
-/// multiples of 16) both sides are read as stored, half floats widened and
-/// levels dequantized in registers; otherwise they are first widened into
-/// the scratch.
+/// under [`Numerics::Int8Query`] ([`int8_query`]). `isa` (a set this CPU
+/// supports: [`AttentionConfig`](crate::AttentionConfig) checks it) picks
+/// every kernel: with AVX-512 ([`fused`]) or AVX2 ([`fused::avx2`], head
+/// dimensions that are multiples of 16) both sides are read as stored,
+/// half floats widened and levels dequantized in registers; otherwise they
+/// are first widened into the scratch.
 #[allow(clippy::too_many_arguments)] // one tile's inputs, state and scratch
 pub(crate) fn attend_tile(
     q: &[f32],
@@ -84,6 +87,7 @@ pub(crate) fn attend_tile(
     values: TileRows<'_>,
     geometry: TileGeometry,
     numerics: Numerics,
+    isa: Isa,
     upcoming: Option<&Upcoming>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
@@ -126,7 +130,7 @@ pub(crate) fn attend_tile(
             levels,
             geometry,
             codes,
-            int8_query::Dot::detect(),
+            isa.dot(),
             &mut scratch.int,
             &mut scratch.weights[..heads * rows],
             &mut Prefetcher::new(upcoming, steps),
@@ -183,7 +187,7 @@ pub(crate) fn attend_tile(
         (Some(keys), upcoming)
     };
     kernels(
-        q, keys, values, int_values, geometry, rows, upcoming, scratch, partial,
+        q, keys, values, int_values, geometry, rows, isa, upcoming, scratch, partial,
     );
     scratch.unpacked = unpacked;
 }
@@ -197,35 +201,39 @@ fn kernels(
     int_values: Option<LevelRows<'_>>,
     geometry: TileGeometry,
     rows: usize,
+    isa: Isa,
     upcoming: Option<&Upcoming>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 {
-        // SAFETY: `isa()` returned Avx512 only after detecting avx512f/bw/vl
-        // and fma, and the scratch was sized above.
+    if matches!(isa, Isa::Avx512 | Isa::Avx512Vnni) {
+        // SAFETY: the configured `isa` is supported (checked by
+        // `AttentionConfig`): AVX-512F/BW/VL, AVX2, FMA and F16C; the
+        // scratch was sized above.
         unsafe {
             let tile = fused::Tile {
                 q,
                 geometry,
                 rows,
                 upcoming,
+                dot: isa.dot(),
             };
             fused::attend_tile_avx512(tile, keys, values, int_values, scratch, partial);
         }
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 && geometry.d.is_multiple_of(16) && fused::avx2::available() {
-        // SAFETY: `available()` detected avx2, fma and f16c; the scratch
-        // was sized above and `d` is a multiple of 16.
+    if isa == Isa::Avx2 && geometry.d.is_multiple_of(16) {
+        // SAFETY: the configured `isa` is supported: AVX2, FMA and F16C;
+        // the scratch was sized above and `d` is a multiple of 16.
         unsafe {
             let tile = fused::Tile {
                 q,
                 geometry,
                 rows,
                 upcoming,
+                dot: isa.dot(),
             };
             fused::avx2::attend_tile_avx2(tile, keys, values, int_values, scratch, partial);
         }
@@ -241,12 +249,13 @@ fn kernels(
         int_values,
         geometry,
         rows,
+        dot: isa.dot(),
     };
-    match isa() {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
-            // SAFETY: `isa()` returned Avx2 only after detecting avx2 and fma
-            // (head dimensions that are not multiples of 16, or no F16C).
+            // SAFETY: the configured `isa` is supported: AVX2 and FMA (head
+            // dimensions that are not multiples of 16).
             unsafe { attend_tile_avx2(args, scratch, partial) }
         }
         _ => attend_tile_body::<false, GENERIC>(args, scratch, partial),
@@ -312,6 +321,7 @@ fn integer_values(
     levels: Option<LevelRows<'_>>,
     geometry: TileGeometry,
     rows: usize,
+    dot: Dot,
     scratch: &mut KernelScratch,
 ) -> bool {
     let Some(levels) = levels else {
@@ -323,7 +333,7 @@ fn integer_values(
         geometry,
         &scratch.weights[..heads * rows],
         &mut scratch.acc[..heads * d],
-        int8_query::Dot::detect(),
+        dot,
         &mut scratch.int_values,
     )
 }
@@ -404,36 +414,8 @@ struct TileArgs<'a> {
     int_values: Option<LevelRows<'a>>,
     geometry: TileGeometry,
     rows: usize,
-}
-
-/// The instruction set the kernels run with, detected once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    Generic,
-}
-
-pub(crate) fn isa() -> Isa {
-    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Generic
-    })
+    /// The integer dot products of the configured instruction set.
+    dot: Dot,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -460,6 +442,7 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
         int_values,
         geometry,
         rows,
+        dot,
     } = args;
     let TileGeometry { group, kv_heads, d } = geometry;
     let (ch, heads) = (kv_heads * d, kv_heads * group);
@@ -474,7 +457,7 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
             }
         },
         |scratch| {
-            if integer_values(int_values, geometry, rows, scratch) {
+            if integer_values(int_values, geometry, rows, dot, scratch) {
                 return;
             }
             let values = widen_rows(values, value_buffer);

@@ -53,6 +53,7 @@ mod attend;
 mod backend;
 mod draft_overlay;
 mod error;
+mod isa;
 mod kernel;
 mod low_rank;
 #[cfg(feature = "ndarray")]
@@ -76,6 +77,7 @@ pub use backend::{
 };
 pub use draft_overlay::DraftOverlay;
 pub use error::{AttentionError, Result};
+pub use isa::Isa;
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use numerics::Numerics;
 pub use reference::{ReferenceOutput, reference_attention};

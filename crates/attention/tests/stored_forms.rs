@@ -98,6 +98,7 @@ fn in_loop_equals_up_front(shape: HeadShape, forms: &[&str]) {
         // Bit identity with attention over the decoded f32 rows holds for
         // the exact scores only.
         numerics: Numerics::Exact,
+        ..AttentionConfig::default()
     };
     let attn = Attention::with_config(shape, config).unwrap();
     let ch = shape.kv_channels();

@@ -402,7 +402,7 @@ pub(super) unsafe fn attend_tile_avx512(
             }
         },
         |scratch| {
-            if integer_values(int_values, tile.geometry, rows, scratch) {
+            if integer_values(int_values, tile.geometry, rows, tile.dot, scratch) {
                 return;
             }
             match Side::new(values, ch, vb) {
@@ -442,6 +442,8 @@ pub(in crate::kernel) struct Tile<'a> {
     pub(in crate::kernel) geometry: TileGeometry,
     pub(in crate::kernel) rows: usize,
     pub(in crate::kernel) upcoming: Option<&'a Upcoming>,
+    /// The integer dot products of the configured instruction set.
+    pub(in crate::kernel) dot: super::Dot,
 }
 
 /// The scores of every head into `scratch.weights` (`heads × rows`), as
@@ -815,7 +817,7 @@ mod tests {
 
     #[test]
     fn fp8_codes_widen_to_their_values_exactly() {
-        if super::super::isa() != super::super::Isa::Avx512 {
+        if !crate::Isa::Avx512.is_supported() {
             test_support::skip(
                 test_support::Requirement::Isa,
                 "attention",

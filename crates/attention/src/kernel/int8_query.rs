@@ -222,10 +222,10 @@ pub(crate) fn scores(
     };
     match dot {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI.
+        // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW/VNNI.
         Dot::Vnni => unsafe { layouts_avx512(ctx, scratch, weights, prefetch) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Avx2` is only detected with AVX2.
+        // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2.
         Dot::Avx2 => unsafe { layouts_avx2(ctx, scratch, weights, prefetch) },
         Dot::Portable => layouts(ctx, scratch, weights, prefetch),
     }
@@ -755,11 +755,11 @@ pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch:
     );
     match dot {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
+        // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW/VNNI; the
         // bounds were checked above.
         Dot::Vnni => unsafe { vnni::integer_sums(b, out, prefetch) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Avx2` is only detected with AVX2; the bounds were
+        // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2; the bounds were
         // checked above.
         Dot::Avx2 => unsafe { avx2::integer_sums(b, out, prefetch) },
         Dot::Portable => portable_sums(b, out, prefetch),

@@ -103,10 +103,10 @@ pub(crate) fn weighted_sums(
 ) -> bool {
     match dot {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI.
+        // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW/VNNI.
         Dot::Vnni => unsafe { weighted_sums_avx512(levels, geometry, weights, acc, scratch) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Avx2` is only detected with AVX2.
+        // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2.
         Dot::Avx2 => unsafe { weighted_sums_avx2(levels, geometry, weights, acc, scratch) },
         Dot::Portable => weighted_sums_with(levels, geometry, weights, acc, dot, scratch),
     }
@@ -369,10 +369,10 @@ fn code_weights(
     }
     match dot {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW.
+        // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW.
         Dot::Vnni => unsafe { vnni::round_codes(w, a, inv, code_max, codes) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Avx2` is only detected with AVX2.
+        // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2.
         Dot::Avx2 => unsafe { avx2::round_codes(w, a, inv, code_max, codes) },
         Dot::Portable => round_codes(w, a, inv, code_max, codes),
     }
@@ -432,11 +432,11 @@ fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
     );
     match dot {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Vnni` is only detected with AVX-512F/BW/VNNI; the
+        // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW/VNNI; the
         // bounds were checked above.
         Dot::Vnni => unsafe { vnni::sums::<H>(b, out) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Avx2` is only detected with AVX2; the bounds were
+        // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2; the bounds were
         // checked above.
         Dot::Avx2 => unsafe { avx2::sums::<H>(b, out) },
         Dot::Portable => portable_sums::<H>(b, out),

@@ -2,6 +2,7 @@
 //! against f64 sums, and every instruction set against the others.
 
 use super::*;
+use crate::isa::Isa;
 
 #[test]
 fn exp_is_within_two_ulps_of_libm_on_its_domain() {
@@ -108,6 +109,7 @@ fn run_tile(
                 geometry,
                 rows,
                 upcoming: None,
+                dot: isa.dot(),
             };
             fused::avx2::attend_tile_avx2(
                 tile,
@@ -129,6 +131,7 @@ fn run_tile(
                 geometry,
                 rows,
                 upcoming: None,
+                dot: isa.dot(),
             };
             fused::attend_tile_avx512(tile, Some(keys), values, None, &mut scratch, &mut partial)
         };
@@ -144,14 +147,13 @@ fn run_tile(
         int_values: None,
         geometry,
         rows,
+        dot: isa.dot(),
     };
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {}
-        #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller checked the features.
         Isa::Avx2 => unsafe { attend_tile_avx2(args, &mut scratch, &mut partial) },
-        Isa::Generic => attend_tile_body::<false, GENERIC>(args, &mut scratch, &mut partial),
+        _ => attend_tile_body::<false, GENERIC>(args, &mut scratch, &mut partial),
     }
     finish(partial)
 }
@@ -181,19 +183,19 @@ fn every_isa_variant_agrees() {
         (7, 1, 80, 66),
     ] {
         let geometry = TileGeometry { group, kv_heads, d };
-        let generic = run(Isa::Generic, geometry, rows, (false, false), false);
+        let generic = run(Isa::Scalar, geometry, rows, (false, false), false);
         assert_eq!(
             generic,
-            run(Isa::Generic, geometry, rows, (true, true), false)
+            run(Isa::Scalar, geometry, rows, (true, true), false)
         );
         #[cfg(target_arch = "x86_64")]
         {
-            let fma = is_x86_feature_detected!("fma");
-            let avx2 = (fma && is_x86_feature_detected!("avx2"))
+            let avx2 = Isa::Avx2
+                .is_supported()
                 .then(|| run(Isa::Avx2, geometry, rows, (false, false), false));
             if let Some(a) = &avx2 {
                 assert_eq!(a, &run(Isa::Avx2, geometry, rows, (true, false), false));
-                if d.is_multiple_of(16) && fused::avx2::available() {
+                if d.is_multiple_of(16) && Isa::Avx2.is_supported() {
                     for halves in [(false, false), (true, true), (true, false), (false, true)] {
                         assert_eq!(
                             a,
@@ -203,7 +205,7 @@ fn every_isa_variant_agrees() {
                     }
                 }
             }
-            let avx512 = (isa() == Isa::Avx512).then(|| {
+            let avx512 = (Isa::Avx512.is_supported()).then(|| {
                 let f32_rows = run(Isa::Avx512, geometry, rows, (false, false), false);
                 for halves in [(true, true), (true, false), (false, true)] {
                     assert_eq!(
@@ -279,7 +281,7 @@ fn nan_blind(o: &(Vec<f32>, Vec<f32>)) -> Vec<u32> {
 fn level_tiles_read_in_registers_match_the_f32_body() {
     #[cfg(target_arch = "x86_64")]
     {
-        if !fused::avx2::available() {
+        if !Isa::Avx2.is_supported() {
             test_support::skip(
                 test_support::Requirement::Isa,
                 "attention",
@@ -361,7 +363,7 @@ fn level_tiles_read_in_registers_match_the_f32_body() {
                 TileRows::Levels(vl),
             );
             assert_eq!(nan_blind(&got), nan_blind(&want), "{form}");
-            if isa() == Isa::Avx512 {
+            if Isa::Avx512.is_supported() {
                 let avx512 = run_tile(
                     Isa::Avx512,
                     false,

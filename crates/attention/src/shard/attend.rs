@@ -16,6 +16,7 @@ use super::tile_math::{OffsetTable, score_tile, turn_pairs, weigh_codebook};
 use super::{Compressed, MiddleValues, QUERY_BLOCK, ShardLayer, TILE};
 use crate::attend::{Attention, AttentionOutput, AttentionStats};
 use crate::error::{AttentionError, Result, check_len};
+use crate::isa::Isa;
 use crate::kernel::exp;
 use crate::rope::Rope;
 use crate::shape::Mask;
@@ -103,6 +104,7 @@ impl ShardLayer {
             group: shape.group(),
             q_heads: shape.q_heads(),
             scale: shape.scale() as f32,
+            isa: attention.config().isa,
         };
         // Many queries: each compressed key tile is built once and read by all.
         let mut tiles = Vec::new();
@@ -255,6 +257,8 @@ struct Context<'a> {
     group: usize,
     q_heads: usize,
     scale: f32,
+    /// The configured instruction set of the tile loops.
+    isa: Isa,
 }
 
 /// Buffers of one work item's compressed scores, shared by its runs (all
@@ -379,6 +383,7 @@ impl Context<'_> {
                         for (gi, g) in gs.clone().enumerate() {
                             let ws = &weights[gi * g_len..][..g_len];
                             vq_sum(
+                                self.isa,
                                 vq,
                                 g,
                                 d,
@@ -513,7 +518,7 @@ impl Context<'_> {
                         }
                         let mut acc = [0.0f32; TILE];
                         let acc = &mut acc[..n];
-                        score_tile(qv, keys, acc);
+                        score_tile(self.isa, qv, keys, acc);
                         let s = &mut scores[(bi * gs.len() + gi) * self.group + hh];
                         for (o, &a) in s[span.start - r.start..span.end - r.start]
                             .iter_mut()
@@ -571,7 +576,7 @@ impl Context<'_> {
         }
         let t = self.offsets;
         for head in tile.chunks_exact_mut(d * n) {
-            turn_pairs(head, n, t);
+            turn_pairs(self.isa, head, n, t);
         }
         Ok(())
     }
@@ -603,6 +608,7 @@ const HISTOGRAM_SPAN: usize = 512;
 /// histograms by the codebook once.
 #[allow(clippy::too_many_arguments)]
 fn vq_sum(
+    isa: Isa,
     vq: &kv_quant::ChannelVq,
     g: usize,
     d: usize,
@@ -652,7 +658,7 @@ fn vq_sum(
         }
         for (j, bins) in hist.chunks_exact(CENTROIDS).enumerate() {
             let mut block = [[0.0f32; 4]; 4];
-            weigh_codebook(bins, centroids, &mut block);
+            weigh_codebook(isa, bins, centroids, &mut block);
             for (head, sums) in acc.chunks_exact_mut(d).zip(&block) {
                 head[j * GROUP..][..GROUP].copy_from_slice(sums);
             }

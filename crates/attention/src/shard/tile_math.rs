@@ -1,5 +1,5 @@
 //! The inner loops of attention over a `shard` layer, compiled for each
-//! instruction set the kernels use ([`crate::kernel::isa`]): scores of one
+//! instruction set the kernels use (the configured [`Isa`]): scores of one
 //! query over a key tile stored channel by channel, a tile's RoPE pairs
 //! turned by their offsets, and VQ weight histograms weighed against the
 //! codebook. The crate itself is built for baseline x86-64 (no FMA,
@@ -9,7 +9,7 @@
 //! the same bits everywhere.
 
 use super::TILE;
-use crate::kernel::{Isa, isa};
+use crate::isa::Isa;
 use crate::rope::Rope;
 
 /// `cos`, `sin` of `θᵢ·j` for offsets `j < TILE` within a tile, per pair.
@@ -43,22 +43,24 @@ impl OffsetTable {
 }
 
 /// A function run by its `body::<FMA>` compiled for AVX-512 and AVX2 (both
-/// with FMA) or for the baseline, as [`isa`] finds the host.
+/// with FMA) or for the baseline, as its first argument, the configured
+/// [`Isa`] (a set this CPU supports), says.
 macro_rules! per_isa {
     (
         $(#[$doc:meta])*
         fn $name:ident / $avx512:ident / $avx2:ident ($($arg:ident: $ty:ty),* $(,)?) => $body:ident
     ) => {
         $(#[$doc])*
-        pub(super) fn $name($($arg: $ty),*) {
-            match isa() {
+        pub(super) fn $name(isa: Isa, $($arg: $ty),*) {
+            match isa {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa()` found AVX-512F and FMA on this host.
-                Isa::Avx512 => unsafe { $avx512($($arg),*) },
+                // SAFETY: a configured `Isa` is one this CPU supports:
+                // AVX-512F and FMA.
+                Isa::Avx512 | Isa::Avx512Vnni => unsafe { $avx512($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa()` found AVX2 and FMA on this host.
+                // SAFETY: as above: AVX2 and FMA.
                 Isa::Avx2 => unsafe { $avx2($($arg),*) },
-                Isa::Generic => $body::<false>($($arg),*),
+                _ => $body::<false>($($arg),*),
             }
         }
 
@@ -170,16 +172,19 @@ fn weigh_codebook_body<const FMA: bool>(
 mod tests {
     use super::*;
 
-    /// This host's instruction set's scores and the generic ones within
-    /// rounding of an f64 sum, for whole and partial tiles.
+    /// Every instruction set's scores of this host and the generic ones
+    /// within rounding of an f64 sum, for whole and partial tiles.
     #[test]
     fn scores_match_an_f64_sum() {
-        for n in [TILE, 37, 1] {
+        for (isa, n) in Isa::available()
+            .into_iter()
+            .flat_map(|isa| [TILE, 37, 1].map(|n| (isa, n)))
+        {
             let d = 24;
             let q: Vec<f32> = (0..d).map(|e| (e as f32 * 0.37).sin()).collect();
             let keys: Vec<f32> = (0..d * n).map(|i| (i as f32 * 0.11).cos()).collect();
             let mut acc = vec![f32::NAN; n];
-            score_tile(&q, &keys, &mut acc);
+            score_tile(isa, &q, &keys, &mut acc);
             let mut generic = vec![f32::NAN; n];
             score_tile_body::<false>(&q, &keys, &mut generic);
             for t in 0..n {
@@ -193,9 +198,16 @@ mod tests {
         }
     }
 
-    /// Codebook sums within rounding of an f64 sum, added to what `out` held.
+    /// Codebook sums within rounding of an f64 sum, added to what `out`
+    /// held, on every instruction set of this host.
     #[test]
     fn codebook_sums_match_an_f64_sum() {
+        for isa in Isa::available() {
+            codebook_sums_on(isa);
+        }
+    }
+
+    fn codebook_sums_on(isa: Isa) {
         let bins: Vec<[f32; 4]> = (0..256)
             .map(|k| std::array::from_fn(|h| ((k * 4 + h) as f32 * 0.61).sin().abs()))
             .collect();
@@ -203,7 +215,7 @@ mod tests {
             .map(|k| std::array::from_fn(|e| ((k * 4 + e) as f32 * 0.23).cos()))
             .collect();
         let mut out = [[1.0f32; 4]; 4];
-        weigh_codebook(&bins, &centroids, &mut out);
+        weigh_codebook(isa, &bins, &centroids, &mut out);
         for h in 0..4 {
             for e in 0..4 {
                 let want: f64 = 1.0
@@ -215,17 +227,21 @@ mod tests {
         }
     }
 
-    /// Turned pairs (on this host's instruction set) equal the scalar
-    /// rotation bit for bit, for both layouts.
+    /// Turned pairs (on every instruction set of this host) equal the
+    /// scalar rotation bit for bit, for both layouts.
     #[test]
     fn turned_pairs_equal_the_scalar_rotation() {
         use crate::rope::RopeLayout;
         let (d, n) = (8, 5);
-        for layout in [RopeLayout::Adjacent, RopeLayout::RotateHalf] {
+        let layouts = [RopeLayout::Adjacent, RopeLayout::RotateHalf];
+        for (isa, layout) in Isa::available()
+            .into_iter()
+            .flat_map(|isa| layouts.map(|l| (isa, l)))
+        {
             let table = OffsetTable::new(&Rope::new(layout, d, d, 100.0).unwrap());
             let head: Vec<f32> = (0..d * n).map(|i| i as f32 - 17.5).collect();
             let mut turned = head.clone();
-            turn_pairs(&mut turned, n, &table);
+            turn_pairs(isa, &mut turned, n, &table);
             for (i, &(a, b)) in table.index.iter().enumerate() {
                 for t in 0..n {
                     let (c, s) = (table.cos[i * TILE + t], table.sin[i * TILE + t]);

@@ -306,14 +306,6 @@ fn dequantize8<const MAP: u8>(
     }
 }
 
-/// Whether this CPU has what [`attend_tile_avx2`] needs: AVX2, FMA and
-/// F16C (std caches each detection).
-pub(in crate::kernel) fn available() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-}
-
 /// [`attend_tile`](crate::kernel::attend_tile) with AVX2: scores from the
 /// keys (unless `keys` is `None`: the integer path scored them), softmax,
 /// and value sums (the integer value pass's where `int_values` is given and
@@ -359,7 +351,7 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
             }
         },
         |scratch| {
-            if integer_values(int_values, tile.geometry, rows, scratch) {
+            if integer_values(int_values, tile.geometry, rows, tile.dot, scratch) {
                 return;
             }
             let (acc, weights) = (
@@ -643,7 +635,7 @@ mod tests {
     /// formulas of `LevelMap`'s docs), NaN for E4M3's NaN codes.
     #[test]
     fn every_byte_dequantizes_as_kv_quant_defines_it() {
-        if !super::available() {
+        if !crate::Isa::Avx2.is_supported() {
             test_support::skip(
                 test_support::Requirement::Isa,
                 "attention",

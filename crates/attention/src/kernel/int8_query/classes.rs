@@ -412,7 +412,7 @@ mod tests {
                 levels,
                 geometry,
                 QueryCodes::Int8,
-                Dot::detect(),
+                crate::Isa::detect().dot(),
                 &mut IntScratch::default(),
                 &mut w,
                 &mut Prefetcher::new(None, 1),

@@ -1,5 +1,6 @@
 //! Which integer dot-product kernel runs: AVX-512 VNNI, AVX2 or the
-//! portable loop, detected once per process. All three give the same sums.
+//! portable loop, as the configured [`Isa`](crate::Isa) says. All three
+//! give the same sums.
 
 /// How the integer dot products are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,39 +16,15 @@ pub(crate) enum Dot {
 }
 
 impl Dot {
-    /// The fastest one this CPU runs, detected once.
-    pub(crate) fn detect() -> Self {
-        static DOT: std::sync::OnceLock<Dot> = std::sync::OnceLock::new();
-        *DOT.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-            {
-                return Dot::Vnni;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if is_x86_feature_detected!("avx2") {
-                return Dot::Avx2;
-            }
-            Dot::Portable
-        })
-    }
-
     /// Every way this CPU runs, the portable loop first: the tests check
-    /// each against it.
+    /// each against it (one per supported [`Isa`](crate::Isa)).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
-        let mut dots = vec![Dot::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") {
-                dots.push(Dot::Avx2);
-            }
-            if Dot::detect() == Dot::Vnni {
-                dots.push(Dot::Vnni);
-            }
-        }
+        let mut dots: Vec<Dot> = crate::Isa::available()
+            .into_iter()
+            .map(crate::Isa::dot)
+            .collect();
+        dots.dedup();
         dots
     }
 }

@@ -88,17 +88,17 @@ pub(super) fn fold_classes(
     dot: Dot,
 ) -> Option<FoldedHead> {
     let d = q.len();
-    // `Dot::Vnni` is detected from AVX-512 alone: AVX2 is checked too.
     #[cfg(target_arch = "x86_64")]
-    if (dot == Dot::Avx2 || (dot == Dot::Vnni && std::arch::is_x86_feature_detected!("avx2")))
+    if matches!(dot, Dot::Avx2 | Dot::Vnni)
         && d.is_multiple_of(64)
         && a.len() >= d
         && b.len() >= d
         && folded.len() >= d
         && codes.len() >= d
     {
-        // SAFETY: `Dot::Avx2` is only detected with AVX2, and AVX2 was
-        // checked for `Dot::Vnni`; the lengths are checked above.
+        // SAFETY: a `Dot` is that of a supported `Isa`, and both of these
+        // come with AVX2 (`Isa::Avx2` and `Isa::Avx512Vnni` need it); the
+        // lengths are checked above.
         return unsafe { avx2::fold_classes(q, a, b, folded, codes) };
     }
     let _ = dot;
@@ -140,8 +140,8 @@ pub(super) fn fold_heads(
     );
     #[cfg(target_arch = "x86_64")]
     if dot == Dot::Vnni && d.is_multiple_of(64) {
-        // SAFETY: `Dot::Vnni` is only detected with AVX-512F and BW; the
-        // lengths are checked above.
+        // SAFETY: `Dot::Vnni` is only that of a supported
+        // `Isa::Avx512Vnni` (AVX-512F and BW); the lengths are checked above.
         return unsafe {
             match n {
                 1 => avx512::fold_heads::<1>(q, a, b, folded, codes),
@@ -630,7 +630,7 @@ mod tests {
             let expected = fold_classes_portable(&q, &a, &b, &mut f1, &mut c1);
             assert!(expected.is_some());
             assert_eq!(
-                fold_classes(&q, &a, &b, &mut f2, &mut c2, Dot::detect()),
+                fold_classes(&q, &a, &b, &mut f2, &mut c2, crate::Isa::detect().dot()),
                 expected
             );
             assert_eq!(c2, c1, "d {d}");

@@ -249,7 +249,7 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
                     levels,
                     geometry,
                     codes,
-                    Dot::detect(),
+                    crate::Isa::detect().dot(),
                     scratch,
                     &mut w,
                     &mut prefetch
@@ -262,7 +262,7 @@ fn scores_are_the_same_bits_on_every_path_and_after_reuse() {
                 let fast = run(levels, codes, dot, &mut IntScratch::default());
                 assert_eq!(bits(&fresh), bits(&fast), "{form} {codes:?} {dot:?}");
             }
-            let reused = run(levels, codes, Dot::detect(), &mut shared);
+            let reused = run(levels, codes, crate::Isa::detect().dot(), &mut shared);
             assert_eq!(
                 bits(&fresh),
                 bits(&reused),

@@ -208,7 +208,7 @@ fn other_layouts_and_non_finite_weights_are_refused() {
             geometry,
             &weights,
             &mut acc,
-            Dot::detect(),
+            crate::Isa::detect().dot(),
             &mut scratch,
         );
         assert_eq!(ok, taken, "{form}");
@@ -218,7 +218,7 @@ fn other_layouts_and_non_finite_weights_are_refused() {
             geometry,
             &weights,
             &mut acc,
-            Dot::detect(),
+            crate::Isa::detect().dot(),
             &mut scratch
         ));
     }
