@@ -2,13 +2,17 @@
 //! once and carried by [`AttentionConfig`](crate::AttentionConfig), so that
 //! a caller or a test can pin it (as gf2-codes' `Backend` is pinned).
 //!
-//! Every kernel choice reads it: the float tile kernels (AVX-512 reads
+//! Every choice among attention's kernels reads it: the float tile kernels (AVX-512 reads
 //! rows as stored; AVX2 does for heads of a multiple of 16 channels and
 //! widens them first otherwise; the scalar body widens them), and the
 //! integer dot products of int8 query codes and of value sums (AVX-512
 //! VNNI's `vpdpbusd`, AVX2's `vpmaddubsw`/`vpmaddwd`, or the portable loop;
 //! plain AVX-512 takes AVX2's). The integer paths give the same bits on
 //! every set; the float kernels agree to rounding (`tests/isa.rs`).
+//! kv-quant's exact conversions that attention calls (f16 widening,
+//! nibble unpacking) pick their instructions themselves: their results
+//! are the same bits on every CPU. A CPU with AVX2 and FMA but no F16C
+//! (none is known) runs the scalar set.
 
 use std::fmt;
 use std::str::FromStr;
@@ -27,8 +31,8 @@ pub enum Isa {
     Avx2,
     /// x86-64 AVX-512 F/BW/VL with AVX2, FMA and F16C.
     Avx512,
-    /// [`Avx512`](Isa::Avx512) with VNNI (`vpdpbusd`): Ice Lake, Sapphire
-    /// Rapids, Zen 4 and later.
+    /// [`Avx512`](Isa::Avx512) with VNNI (`vpdpbusd`): Cascade Lake, Ice
+    /// Lake, Sapphire Rapids, Zen 4 and later.
     Avx512Vnni,
 }
 

@@ -75,7 +75,8 @@ pub(crate) struct TileGeometry {
 /// `partial` for the query heads `q` (`q_heads × d`, already multiplied by
 /// the softmax scale). Integer keys are scored with integer dot products
 /// under [`Numerics::Int8Query`] ([`int8_query`]). `isa` (a set this CPU
-/// supports: [`AttentionConfig`](crate::AttentionConfig) checks it) picks
+/// supports: [`Attention::with_config`](crate::Attention::with_config) and
+/// [`Attention::set_isa`](crate::Attention::set_isa) check it) picks
 /// every kernel: with AVX-512 ([`fused`]) or AVX2 ([`fused::avx2`], head
 /// dimensions that are multiples of 16) both sides are read as stored,
 /// half floats widened and levels dequantized in registers; otherwise they

@@ -74,8 +74,9 @@ pub enum Numerics {
     /// within 1e-5 of the f64 oracle's largest |value|.
     Exact,
     /// The query quantized per head to int8 and scored with integer dot
-    /// products (AVX-512 VNNI `vpdpbusd` where the CPU has it, a portable
-    /// loop with bit-identical results elsewhere), group scales and
+    /// products (AVX-512 VNNI `vpdpbusd` where the configured
+    /// [`Isa`](crate::Isa) has it, AVX2's `vpmaddubsw`/`vpmaddwd` or a
+    /// portable loop with bit-identical results elsewhere), group scales and
     /// offsets applied once per group; integer values summed with 16-bit
     /// weight codes (`vpdpwssd`).
     Int8Query,

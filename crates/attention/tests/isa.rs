@@ -52,6 +52,14 @@ fn every_supported_set_decodes_alike() {
     // Float rows, integer levels read by the int8 paths (per token and
     // per channel), a Lloyd-Max codebook, a protected form.
     let forms = ["fp16", "int4", "int4-ch32", "int8", "lm4", "int4+secded84"];
+    if available.len() == 2 {
+        test_support::skip(
+            test_support::Requirement::Isa,
+            "attention",
+            "every_supported_set_decodes_alike",
+            "one vector set on this CPU: its bits were compared with no other vector set",
+        );
+    }
     let shapes = [
         HeadShape::new(8, 2, 128).unwrap(),
         HeadShape::new(9, 3, 64).unwrap(),

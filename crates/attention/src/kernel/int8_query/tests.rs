@@ -440,3 +440,63 @@ fn packed_keys_are_read_as_they_are_only_in_whole_blocks() {
         }
     }
 }
+
+/// Per-channel keys read in tiles shorter than their groups (each group's
+/// codes coded by the first tile and reused by the next through one
+/// scratch) score every row as the whole store in one tile does (whole
+/// groups, coded afresh), and as a fresh scratch per tile does, on every
+/// way this CPU runs: four query heads of 128 channels (folded together on
+/// AVX-512) and three of 96 (one at a time).
+#[test]
+fn per_channel_codes_reused_across_tiles_give_the_whole_tile_bits() {
+    for (group, kv_heads, d) in [(4, 2, 128), (3, 2, 96)] {
+        let geometry = TileGeometry { group, kv_heads, d };
+        let (ch, heads, rows, tile) = (kv_heads * d, kv_heads * group, 64, 16);
+        let q = crate::kernel::test_values(7, heads * d, 1.0);
+        let k = crate::kernel::test_values(8, rows * ch, 1.0);
+        let store =
+            kv_quant::KvStore::quantize("int4-ch32".parse().unwrap(), &k, rows, ch).unwrap();
+        let mut decode = kv_quant::DecodeScratch::new();
+        let all = level_view(
+            store
+                .decode_rows_view_packed(0, rows, &mut decode)
+                .unwrap()
+                .0,
+        );
+        assert_eq!(all.packing, kv_quant::LevelPacking::Nibbles);
+        let run = |levels: &LevelRows<'_>, dot, scratch: &mut IntScratch| {
+            let n = levels.rows();
+            let mut w = vec![f32::NAN; heads * n];
+            let mut prefetch = Prefetcher::new(None, 1);
+            assert!(scores(
+                &q,
+                levels,
+                geometry,
+                QueryCodes::Int8,
+                dot,
+                scratch,
+                &mut w,
+                &mut prefetch
+            ));
+            w
+        };
+        let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for dot in Dot::available() {
+            let whole = run(&all, dot, &mut IntScratch::default());
+            let mut shared = IntScratch::default();
+            for t0 in (0..rows).step_by(tile) {
+                let part = all.sub_rows(t0, tile);
+                let reused = run(&part, dot, &mut shared);
+                let fresh = run(&part, dot, &mut IntScratch::default());
+                assert_eq!(bits(&reused), bits(&fresh), "d {d} {dot:?} rows {t0}..");
+                for h in 0..heads {
+                    assert_eq!(
+                        bits(&reused[h * tile..][..tile]),
+                        bits(&whole[h * rows + t0..][..tile]),
+                        "d {d} {dot:?} head {h} rows {t0}.."
+                    );
+                }
+            }
+        }
+    }
+}
