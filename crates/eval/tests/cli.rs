@@ -36,6 +36,14 @@ fn hostile_flags_are_refused_before_any_work() {
             "--stride 300",
         ),
         (&["ppl", "--max-tokens", "0"], "--max-tokens 0"),
+        (
+            &["ppl", "--isa", "avx-512"],
+            "not one of scalar, avx2, avx512",
+        ),
+        (
+            &["generate", "--prompt", "hi", "--isa", "sse"],
+            "not one of scalar, avx2, avx512",
+        ),
         (&["ppl", "--memory-limit", "12X"], "memory-limit"),
         (
             &["top", "--model", "/dev/zero", "--prompt", "hi"],
@@ -374,4 +382,35 @@ fn hostile_flags_are_refused_before_any_work() {
     assert!(!o.status.success());
     assert!(o.stderr.len() < 4096, "{} bytes of error", o.stderr.len());
     std::fs::remove_file(&file).unwrap();
+}
+
+/// `--isa` naming a set this CPU lacks is refused before the model loads.
+#[test]
+fn an_instruction_set_this_cpu_lacks_is_refused() {
+    let lacking: Vec<attention::Isa> = attention::Isa::ALL
+        .into_iter()
+        .filter(|isa| !isa.is_supported())
+        .collect();
+    if lacking.is_empty() {
+        test_support::skip(
+            test_support::Requirement::Isa,
+            "kv-eval",
+            "an_instruction_set_this_cpu_lacks_is_refused",
+            "this CPU runs every set: no refusal to see",
+        );
+        return;
+    }
+    for isa in lacking {
+        let o = Command::new(env!("CARGO_BIN_EXE_kv-eval"))
+            .args(["ppl", "--isa", isa.name()])
+            .output()
+            .expect("run kv-eval");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "--isa {isa} succeeded");
+        assert!(stderr.contains("not supported by this CPU"), "{stderr}");
+        assert!(
+            !stderr.contains("loaded "),
+            "--isa {isa} loaded the model first: {stderr}"
+        );
+    }
 }

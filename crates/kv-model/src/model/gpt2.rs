@@ -207,6 +207,10 @@ impl CausalLm for Gpt2Model {
         self.attention.set_numerics(numerics);
     }
 
+    fn set_attention_isa(&mut self, isa: attention::Isa) -> Result<()> {
+        Ok(self.attention.set_isa(isa)?)
+    }
+
     fn describe(&self) -> String {
         let c = &self.config;
         format!(

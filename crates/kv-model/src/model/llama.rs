@@ -714,6 +714,10 @@ impl CausalLm for LlamaModel {
         self.attention.set_numerics(numerics);
     }
 
+    fn set_attention_isa(&mut self, isa: attention::Isa) -> Result<()> {
+        Ok(self.attention.set_isa(isa)?)
+    }
+
     fn describe(&self) -> String {
         let c = &self.config;
         format!(

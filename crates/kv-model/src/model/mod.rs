@@ -75,6 +75,10 @@ pub trait CausalLm: Send + Sync {
     fn set_projection_hook(&mut self, hook: Option<std::sync::Arc<dyn ProjectionHook>>);
     /// How attention scores integer-coded keys from now on.
     fn set_numerics(&mut self, numerics: attention::Numerics);
+    /// The instruction set of attention's kernels from now on
+    /// ([`attention::Isa`]; the weight products keep their own choice); an
+    /// error, and no change, where this CPU lacks it.
+    fn set_attention_isa(&mut self, isa: attention::Isa) -> Result<()>;
     /// Whether the forward pass skips the layers a cache asks it to skip
     /// (`KvBackend::skips_layer`: a shallower self-speculative draft). The
     /// default: no.

@@ -52,6 +52,31 @@ pub(crate) struct BackendArgs {
     /// (16-bit query codes as two int8 halves) [default: exact].
     #[arg(long, value_enum)]
     pub(crate) numerics: Option<NumericsArg>,
+    /// Instruction set of attention's kernels: `scalar`, `avx2`, `avx512`
+    /// or `avx512-vnni` (one this CPU lacks is refused) [default: the
+    /// fastest this CPU runs]. The vector sets give the same bits.
+    #[arg(long, value_parser = parse_isa)]
+    pub(crate) isa: Option<attention::Isa>,
+}
+
+/// `--isa`, as [`attention::Isa`] spells it: refused at parse time, before
+/// the model loads, where the name is unknown or this CPU lacks the set.
+pub(crate) fn parse_isa(s: &str) -> Result<attention::Isa, String> {
+    let isa: attention::Isa = s
+        .parse()
+        .map_err(|e: attention::AttentionError| e.to_string())?;
+    if isa.is_supported() {
+        Ok(isa)
+    } else {
+        let runs: Vec<&str> = attention::Isa::available()
+            .iter()
+            .map(|i| i.name())
+            .collect();
+        Err(format!(
+            "{isa} is not supported by this CPU (it runs {})",
+            runs.join(", ")
+        ))
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -84,6 +84,10 @@ pub(crate) struct GenerateArgs {
     /// (as `ppl --numerics`) [default: exact].
     #[arg(long, value_enum)]
     numerics: Option<crate::NumericsArg>,
+    /// Instruction set of attention's kernels (as `ppl --isa`) [default:
+    /// the fastest this CPU runs].
+    #[arg(long, value_parser = crate::args::parse_isa)]
+    isa: Option<attention::Isa>,
     /// Speculative decoding: `lookup[:k=K]` (prompt lookup: the last 3 or 2
     /// tokens matched earlier in the prompt and output, what followed
     /// proposed), `draft:MODEL[:k=K]` (a smaller model with the same
@@ -121,6 +125,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         threads,
         prefill_step,
         numerics,
+        isa,
         speculate,
     } = args;
     let mode = mode_of(&forms)?;
@@ -129,6 +134,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         backend,
         block_size,
         numerics: None,
+        isa: None,
     }
     .kind(&mode, None);
     let sampling = Sampling {
@@ -165,6 +171,9 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
     let (mut model, tokenizer) = load_model(&model_path(&model)?)?;
     if let Some(n) = numerics {
         model.set_numerics(n.numerics());
+    }
+    if let Some(isa) = isa {
+        model.set_attention_isa(isa)?;
     }
     let limits = ReadLimits {
         max_tokens: prompt_tokens,

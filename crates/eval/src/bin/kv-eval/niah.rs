@@ -71,6 +71,7 @@ pub(crate) fn run(args: NiahArgs) -> Result<(), Error> {
         backend: args.backend,
         block_size: args.block_size,
         numerics: None,
+        isa: None,
     };
     for m in &modes {
         backend_args.kind(m, None).check(m, None)?;

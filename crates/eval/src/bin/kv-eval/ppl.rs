@@ -177,7 +177,7 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
     };
     // GEMM flips can make K/V non-finite, which the paged cache
     // refuses to store: `auto` keeps them on the re-encode backend.
-    let numerics = backend.numerics;
+    let (numerics, isa) = (backend.numerics, backend.isa);
     let backend = match backend.backend {
         Backend::Auto if gemm_flips > 0.0 => kv_eval::backend::BackendKind::Reencode,
         _ => backend.kind(&mode, Some(faults)),
@@ -201,6 +201,9 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
     )?;
     if let Some(n) = numerics {
         model.set_numerics(n.numerics());
+    }
+    if let Some(isa) = isa {
+        model.set_attention_isa(isa)?;
     }
     let mut checks = None;
     if let Some(rule) = rule {
