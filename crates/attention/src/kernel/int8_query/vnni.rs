@@ -1,13 +1,16 @@
 //! `vpdpbusd` on 64 levels at a time (128 when packed two per byte: a
 //! byte vector's low and high nibbles against the even and odd code
 //! planes): four rows times up to four heads in sixteen accumulators,
-//! folded together by one transposing reduction.
+//! folded together by one transposing reduction. Packed heads of 64
+//! channels or fewer put two rows in a vector instead ([`row_pairs`]),
+//! eight accumulators for four rows of four heads, each half its own row.
 //!
 //! Class-weighted codes ([`super::classes`]) take the same accumulators:
 //! lane `m` of a packed block's accumulator sums channels `8m..8m + 8`
-//! of its block of 128 (or, for a block of 64 channels or fewer, lanes
-//! `m` and `m + 8` the even and odd ones of channels `8m..8m + 8`), so
-//! lane `m` holds class `m mod 8` alone, and the reduction's first step,
+//! of its block of 128 (or, for the last block of 64 channels or fewer of
+//! a longer head, lanes `m` and `m + 8` the even and odd ones of channels
+//! `8m..8m + 8`), so lane `m` holds class `m mod 8` alone, and the
+//! reduction's first step,
 //! which adds lanes `m` and `m + 8`, leaves one class a lane: each is
 //! multiplied by its head's class weight there (`vpmulld`, eight per four
 //! rows of four heads) and summed on. Integer sums in any order, so the
@@ -23,9 +26,10 @@ use super::{DotBlock, Prefetcher};
 /// [`super::integer_sums`] with AVX-512 VNNI.
 ///
 /// # Safety
-/// The CPU must have AVX-512F/BW/VNNI, and `b`'s bounds must hold as
+/// The CPU must have AVX-512F/BW/VL/VNNI (as `Isa::Avx512Vnni` does), and
+/// `b`'s bounds must hold as
 /// [`super::integer_sums`] checks them.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn integer_sums(b: DotBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
     match (b.packed, b.image.is_some(), b.lane_weights.is_some()) {
         (false, false, _) => heads::<false, false, false>(b, out, prefetch),
@@ -60,15 +64,20 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: 
     prefetch: &mut Prefetcher,
 ) {
     let quads = b.rows / 4 * 4;
-    let weights4 = pair_weights::<H, 4, WEIGHTED>(b);
-    for t in (0..quads).step_by(4) {
-        prefetch.step();
-        let sums = if PACKED {
-            nibble_lanes::<H, 4, IMAGE>(b, t)
-        } else {
-            lanes::<H, 4, IMAGE>(b, t)
-        };
-        store::<H, 4, WEIGHTED>(sums, out, b.rows, t, &weights4);
+    if PACKED && b.len <= 64 {
+        // Heads of 64 channels or fewer: two rows a vector.
+        row_pairs::<H, IMAGE, WEIGHTED>(b, out, prefetch, quads);
+    } else {
+        let weights4 = pair_weights::<H, 4, WEIGHTED>(b);
+        for t in (0..quads).step_by(4) {
+            prefetch.step();
+            let sums = if PACKED {
+                nibble_lanes::<H, 4, IMAGE>(b, t)
+            } else {
+                lanes::<H, 4, IMAGE>(b, t)
+            };
+            store::<H, 4, WEIGHTED>(sums, out, b.rows, t, &weights4);
+        }
     }
     if quads == b.rows {
         return;
@@ -81,6 +90,112 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: 
             lanes::<H, 1, IMAGE>(b, t)
         };
         store::<H, 1, WEIGHTED>(sums, out, b.rows, t, &weights1);
+    }
+}
+
+/// [`block`]'s rows `0..quads` for packed heads of at most 64 channels
+/// (one block of the split codes): rows `t` and `t + 1` of a head share a
+/// vector, row `t`'s bytes in its low 256 bits and row `t + 1`'s in its
+/// high ones, so one `vpdpbusd` per nibble plane serves two rows against
+/// the codes broadcast to both halves (loaded once per call). Lane `m` of
+/// each half then sums channels `8m..8m + 8` of its row, class `m` alone
+/// ([`super::classes`]): with `WEIGHTED` each lane is multiplied by its
+/// head's class weight, and [`reduce_pairs`] sums each half. Against one
+/// row a vector (a block of 64 channels or fewer as one vector, both
+/// planes in it) this halves the reduction's shuffles per sum, which held
+/// the integer scores at 9/3/64 (`perf annotate`: the reduction's shuffles
+/// were their hottest instructions). Integer sums, so the same bits.
+#[inline(always)]
+fn row_pairs<const H: usize, const IMAGE: bool, const WEIGHTED: bool>(
+    b: DotBlock<'_>,
+    out: &mut [i32],
+    prefetch: &mut Prefetcher,
+    quads: usize,
+) {
+    let half = b.len / 2;
+    let mask = if half >= 32 {
+        u32::MAX
+    } else {
+        (1u32 << half) - 1
+    };
+    // SAFETY: only inlined into `integer_sums` (AVX-512F/BW/VL/VNNI). Every
+    // byte read is below `(start + len) / 2 <= ch / 2` of a row `< quads
+    // <= b.rows`, or `(H − 1)·code_stride + len` of the codes, the rest
+    // masked off (`half <= 32`).
+    unsafe {
+        let image = image_lanes::<IMAGE>(b);
+        let nibble = _mm512_set1_epi8(0x0F);
+        // Each head's even and odd codes in both 256-bit halves, and its
+        // class weights (class `m` in lanes `m` and `8 + m`).
+        let mut even_codes = [_mm512_setzero_si512(); H];
+        let mut odd_codes = [_mm512_setzero_si512(); H];
+        let mut weights = [_mm512_setzero_si512(); H];
+        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+        for j in 0..H {
+            let p = b.codes.as_ptr().add(j * b.code_stride);
+            even_codes[j] = _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(mask, p.cast()));
+            odd_codes[j] =
+                _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(mask, p.add(half).cast()));
+            if let Some(w) = b.lane_weights.filter(|_| WEIGHTED) {
+                let twice = _mm512_cvtepi16_epi32(_mm256_loadu_si256(w[j].as_ptr().cast()));
+                weights[j] = _mm512_permutexvar_epi32(evens, twice);
+            }
+        }
+        let row = |r: usize| b.levels.as_ptr().add(r * (b.ch / 2) + b.start / 2);
+        let mut sums = [0i32; 16];
+        for t in (0..quads).step_by(4) {
+            prefetch.step();
+            let mut v = [_mm512_setzero_si512(); 8];
+            for pair in 0..2 {
+                let (r0, r1) = (t + 2 * pair, t + 2 * pair + 1);
+                let x = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, row(r0).cast())),
+                    _mm256_maskz_loadu_epi8(mask, row(r1).cast()),
+                );
+                let mut even = _mm512_and_si512(x, nibble);
+                let mut odd = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
+                if IMAGE {
+                    // Masked-off bytes become image[0], against zero codes.
+                    even = _mm512_shuffle_epi8(image, even);
+                    odd = _mm512_shuffle_epi8(image, odd);
+                }
+                for j in 0..H {
+                    let acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, even_codes[j]);
+                    let acc = _mm512_dpbusd_epi32(acc, odd, odd_codes[j]);
+                    v[2 * j + pair] = if WEIGHTED {
+                        _mm512_mullo_epi32(acc, weights[j])
+                    } else {
+                        acc
+                    };
+                }
+            }
+            // Lane `2m + h` is vector `m`'s half `h`: head `j`, row `t + r`
+            // at lane `4j + r`, as `store` lays them out.
+            _mm512_storeu_si512(sums.as_mut_ptr().cast(), reduce_pairs(v));
+            for j in 0..H {
+                out[j * b.rows + t..][..4].copy_from_slice(&sums[4 * j..][..4]);
+            }
+        }
+    }
+}
+
+/// Lane `2m + h` of the result is the sum of half `h` (lanes `8h..8h + 8`)
+/// of `v[m]`: pairs of 128-bit blocks first (blocks 0 and 1, 2 and 3),
+/// which leaves each half's four partial lanes in one block, as
+/// [`reduce16`]'s second step leaves each vector's, then its last steps.
+#[inline(always)]
+fn reduce_pairs(v: [__m512i; 8]) -> __m512i {
+    // SAFETY: only inlined into `integer_sums` (AVX-512F); no memory is touched.
+    unsafe {
+        let mut x = [_mm512_setzero_si512(); 4];
+        for (p, x) in x.iter_mut().enumerate() {
+            let (a, b) = (v[2 * p], v[2 * p + 1]);
+            *x = _mm512_add_epi32(
+                _mm512_shuffle_i32x4::<0x88>(a, b),
+                _mm512_shuffle_i32x4::<0xDD>(a, b),
+            );
+        }
+        reduce_blocks(x)
     }
 }
 
@@ -329,6 +444,17 @@ fn reduce16<const WEIGHTED: bool>(v: [__m512i; 16], weights: &[__m512i; 8]) -> _
                 _mm512_shuffle_i32x4::<0xDD>(a, b),
             );
         }
+        reduce_blocks(x)
+    }
+}
+
+/// The last steps of [`reduce16`] and [`reduce_pairs`]: block `k` of
+/// `x[q]` holds four partial lanes of item `4q + k`; lane `i` of the
+/// result is item `i`'s sum.
+#[inline(always)]
+fn reduce_blocks(x: [__m512i; 4]) -> __m512i {
+    // SAFETY: only inlined into `integer_sums` (AVX-512F); no memory is touched.
+    unsafe {
         let mut y = [_mm512_setzero_si512(); 2];
         for (p, y) in y.iter_mut().enumerate() {
             let (a, b) = (
