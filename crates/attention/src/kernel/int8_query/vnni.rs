@@ -1,9 +1,9 @@
 //! `vpdpbusd` on 64 levels at a time (128 when packed two per byte: a
 //! byte vector's low and high nibbles against the even and odd code
 //! planes): four rows times up to four heads in sixteen accumulators,
-//! folded together by one transposing reduction. Packed heads of 64
-//! channels or fewer put two rows in a vector instead ([`row_pairs`]),
-//! eight accumulators for four rows of four heads, each half its own row.
+//! folded together by one transposing reduction. Heads of 64 channels or
+//! fewer put two rows in a vector instead ([`row_pairs`]), eight
+//! accumulators for four rows of four heads, each half its own row.
 //!
 //! Class-weighted codes ([`super::classes`]) take the same accumulators:
 //! lane `m` of a packed block's accumulator sums channels `8m..8m + 8`
@@ -64,9 +64,9 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: 
     prefetch: &mut Prefetcher,
 ) {
     let quads = b.rows / 4 * 4;
-    if PACKED && b.len <= 64 {
+    if b.len <= 64 {
         // Heads of 64 channels or fewer: two rows a vector.
-        row_pairs::<H, IMAGE, WEIGHTED>(b, out, prefetch, quads);
+        row_pairs::<H, PACKED, IMAGE, WEIGHTED>(b, out, prefetch, quads);
     } else {
         let weights4 = pair_weights::<H, 4, WEIGHTED>(b);
         for t in (0..quads).step_by(4) {
@@ -93,75 +93,101 @@ fn block<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: 
     }
 }
 
-/// [`block`]'s rows `0..quads` for packed heads of at most 64 channels
-/// (one block of the split codes): rows `t` and `t + 1` of a head share a
-/// vector, row `t`'s bytes in its low 256 bits and row `t + 1`'s in its
-/// high ones, so one `vpdpbusd` per nibble plane serves two rows against
-/// the codes broadcast to both halves (loaded once per call). Lane `m` of
-/// each half then sums channels `8m..8m + 8` of its row, class `m` alone
-/// ([`super::classes`]): with `WEIGHTED` each lane is multiplied by its
-/// head's class weight, and [`reduce_pairs`] sums each half. Against one
-/// row a vector (a block of 64 channels or fewer as one vector, both
-/// planes in it) this halves the reduction's shuffles per sum, which held
-/// the integer scores at 9/3/64 (`perf annotate`: the reduction's shuffles
-/// were their hottest instructions). Integer sums, so the same bits.
+/// [`block`]'s rows `0..quads` for heads of at most 64 channels: rows `t`
+/// and `t + 1` of a head share a vector, row `t`'s in its low 256 bits and
+/// row `t + 1`'s in its high ones, so each `vpdpbusd` serves two rows
+/// against codes broadcast to both halves (loaded once per call). Packed
+/// levels (one block of the split codes) give a vector per nibble plane
+/// against the even and odd codes; a byte a level, a vector per 32
+/// channels (0..32, 32..64) against those codes. Lane `m` of each half
+/// then sums channels `8m..8m + 8` of its row when packed, class `m` alone
+/// ([`super::classes`]): with `WEIGHTED` (packed only) each lane is
+/// multiplied by its head's class weight. [`reduce_pairs`] sums each half.
+/// Against one row a vector this halves the reduction's shuffles per sum,
+/// which held the integer scores at 9/3/64 (`perf annotate`: the
+/// reduction's shuffles were their hottest instructions). Integer sums,
+/// so the same bits.
 #[inline(always)]
-fn row_pairs<const H: usize, const IMAGE: bool, const WEIGHTED: bool>(
+fn row_pairs<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHTED: bool>(
     b: DotBlock<'_>,
     out: &mut [i32],
     prefetch: &mut Prefetcher,
     quads: usize,
 ) {
-    let half = b.len / 2;
-    let mask = if half >= 32 {
-        u32::MAX
+    // The bytes of each code vector (packed: a plane's, each a row's
+    // bytes; a byte a level: channels 0..32 and 32..len), and where the
+    // second starts.
+    let ones = |n: usize| if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
+    let (first, second, split) = if PACKED {
+        (ones(b.len / 2), ones(b.len / 2), b.len / 2)
     } else {
-        (1u32 << half) - 1
+        (ones(b.len.min(32)), ones(b.len.saturating_sub(32)), 32)
     };
     // SAFETY: only inlined into `integer_sums` (AVX-512F/BW/VL/VNNI). Every
-    // byte read is below `(start + len) / 2 <= ch / 2` of a row `< quads
-    // <= b.rows`, or `(H − 1)·code_stride + len` of the codes, the rest
-    // masked off (`half <= 32`).
+    // level byte read is below `start + len <= ch` (`(start + len) / 2 <=
+    // ch / 2` packed) of a row `< quads <= b.rows`, every code below
+    // `(H − 1)·code_stride + len`, the rest masked off (`len <= 64`).
     unsafe {
         let image = image_lanes::<IMAGE>(b);
         let nibble = _mm512_set1_epi8(0x0F);
-        // Each head's even and odd codes in both 256-bit halves, and its
+        // Each head's two code vectors in both 256-bit halves, and its
         // class weights (class `m` in lanes `m` and `8 + m`).
-        let mut even_codes = [_mm512_setzero_si512(); H];
-        let mut odd_codes = [_mm512_setzero_si512(); H];
+        let mut codes = [[_mm512_setzero_si512(); 2]; H];
         let mut weights = [_mm512_setzero_si512(); H];
         let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
         for j in 0..H {
             let p = b.codes.as_ptr().add(j * b.code_stride);
-            even_codes[j] = _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(mask, p.cast()));
-            odd_codes[j] =
-                _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(mask, p.add(half).cast()));
+            codes[j][0] = _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(first, p.cast()));
+            codes[j][1] =
+                _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(second, p.add(split).cast()));
             if let Some(w) = b.lane_weights.filter(|_| WEIGHTED) {
                 let twice = _mm512_cvtepi16_epi32(_mm256_loadu_si256(w[j].as_ptr().cast()));
                 weights[j] = _mm512_permutexvar_epi32(evens, twice);
             }
         }
-        let row = |r: usize| b.levels.as_ptr().add(r * (b.ch / 2) + b.start / 2);
+        let stride = if PACKED { b.ch / 2 } else { b.ch };
+        let row = |r: usize| {
+            b.levels
+                .as_ptr()
+                .add(r * stride + if PACKED { b.start / 2 } else { b.start })
+        };
         let mut sums = [0i32; 16];
         for t in (0..quads).step_by(4) {
             prefetch.step();
             let mut v = [_mm512_setzero_si512(); 8];
             for pair in 0..2 {
-                let (r0, r1) = (t + 2 * pair, t + 2 * pair + 1);
-                let x = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, row(r0).cast())),
-                    _mm256_maskz_loadu_epi8(mask, row(r1).cast()),
-                );
-                let mut even = _mm512_and_si512(x, nibble);
-                let mut odd = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
+                let (r0, r1) = (row(t + 2 * pair), row(t + 2 * pair + 1));
+                let mut x = if PACKED {
+                    let both = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(first, r0.cast())),
+                        _mm256_maskz_loadu_epi8(first, r1.cast()),
+                    );
+                    [
+                        _mm512_and_si512(both, nibble),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(both), nibble),
+                    ]
+                } else {
+                    let mask = u64::from(first) | u64::from(second) << 32;
+                    let (a, c) = (
+                        _mm512_maskz_loadu_epi8(mask, r0.cast()),
+                        _mm512_maskz_loadu_epi8(mask, r1.cast()),
+                    );
+                    // Channels 0..32 of both rows, then 32..64.
+                    [
+                        _mm512_shuffle_i64x2::<0x44>(a, c),
+                        _mm512_shuffle_i64x2::<0xEE>(a, c),
+                    ]
+                };
                 if IMAGE {
                     // Masked-off bytes become image[0], against zero codes.
-                    even = _mm512_shuffle_epi8(image, even);
-                    odd = _mm512_shuffle_epi8(image, odd);
+                    x = [
+                        _mm512_shuffle_epi8(image, x[0]),
+                        _mm512_shuffle_epi8(image, x[1]),
+                    ];
                 }
                 for j in 0..H {
-                    let acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, even_codes[j]);
-                    let acc = _mm512_dpbusd_epi32(acc, odd, odd_codes[j]);
+                    let acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x[0], codes[j][0]);
+                    let acc = _mm512_dpbusd_epi32(acc, x[1], codes[j][1]);
                     v[2 * j + pair] = if WEIGHTED {
                         _mm512_mullo_epi32(acc, weights[j])
                     } else {
