@@ -755,8 +755,8 @@ pub(crate) fn integer_sums(dot: Dot, b: DotBlock<'_>, out: &mut [i32], prefetch:
     );
     match dot {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW/VNNI; the
-        // bounds were checked above.
+        // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`:
+        // AVX-512F/BW/VL/VNNI; the bounds were checked above.
         Dot::Vnni => unsafe { vnni::integer_sums(b, out, prefetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2; the bounds were

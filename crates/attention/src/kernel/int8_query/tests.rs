@@ -55,6 +55,12 @@ fn every_dot_kernel_gives_the_exact_sums() {
         (192, 0, 64, 16, 1),
         (64, 0, 48, 33, 2),
         (256, 128, 128, 48, 4),
+        // Heads of 64 channels or fewer, two rows a vector: 32 or fewer,
+        // odd lengths and starts, one and four heads.
+        (64, 5, 20, 9, 4),
+        (64, 0, 33, 8, 1),
+        (96, 32, 64, 12, 4),
+        (40, 3, 31, 13, 2),
     ] {
         // Levels of every byte, and NF4 codes (nibbles) read through
         // their image.
@@ -105,7 +111,7 @@ fn every_dot_kernel_gives_the_exact_sums() {
 /// Packed segments `(ch, start, len, rows, heads)` the kernels are checked
 /// on: segments of whole blocks of 128, a last block of more and of fewer
 /// than 64 channels, every head count, odd row counts.
-pub(super) const PACKED_SEGMENTS: [(usize, usize, usize, usize, usize); 8] = [
+pub(super) const PACKED_SEGMENTS: [(usize, usize, usize, usize, usize); 11] = [
     (1024, 128, 128, 37, 4),
     (192, 64, 64, 5, 3),
     (512, 0, 320, 9, 2),
@@ -114,6 +120,10 @@ pub(super) const PACKED_SEGMENTS: [(usize, usize, usize, usize, usize); 8] = [
     (64, 0, 48, 33, 2),
     (16, 0, 16, 1, 1),
     (384, 128, 256, 8, 3),
+    // Heads of 64 channels or fewer (two rows a vector), one and four heads.
+    (64, 0, 32, 8, 1),
+    (128, 64, 64, 13, 4),
+    (64, 0, 64, 20, 4),
 ];
 
 /// Integer sums over levels packed two per byte, against split codes,

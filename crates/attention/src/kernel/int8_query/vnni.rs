@@ -138,8 +138,10 @@ fn row_pairs<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHT
         for j in 0..H {
             let p = b.codes.as_ptr().add(j * b.code_stride);
             codes[j][0] = _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(first, p.cast()));
-            codes[j][1] =
-                _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(second, p.add(split).cast()));
+            // At most `len` past the head's codes (bytes of 32 channels
+            // or fewer: an empty mask there).
+            let rest = p.add(split.min(b.len));
+            codes[j][1] = _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(second, rest.cast()));
             if let Some(w) = b.lane_weights.filter(|_| WEIGHTED) {
                 let twice = _mm512_cvtepi16_epi32(_mm256_loadu_si256(w[j].as_ptr().cast()));
                 weights[j] = _mm512_permutexvar_epi32(evens, twice);

@@ -229,11 +229,14 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         )?;
     }
     let draft_model = match &speculate {
-        Some(Speculate::Draft { model: path, .. }) => Some(crate::speculate::load_draft(
-            path,
-            model.as_ref(),
-            &tokenizer,
-        )?),
+        Some(Speculate::Draft { model: path, .. }) => {
+            let mut draft = crate::speculate::load_draft(path, model.as_ref(), &tokenizer)?;
+            // The draft's attention runs on the pinned set too.
+            if let Some(isa) = isa {
+                draft.set_attention_isa(isa)?;
+            }
+            Some(draft)
+        }
         Some(Speculate::SelfDraft { skip, .. }) => {
             // Layers the model lacks are refused before any work.
             SelfDrafter::new(model.as_ref(), sampling)?.skipping(skip)?;

@@ -193,6 +193,10 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
         model_file,
         text_file,
     } = prepare(&source, std::slice::from_ref(&mode))?;
+    // Pinned before the calibration passes, which run the model too.
+    if let Some(isa) = isa {
+        model.set_attention_isa(isa)?;
+    }
     let cal = calibration_for(
         std::slice::from_ref(&mode),
         &calib,
@@ -201,9 +205,6 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
     )?;
     if let Some(n) = numerics {
         model.set_numerics(n.numerics());
-    }
-    if let Some(isa) = isa {
-        model.set_attention_isa(isa)?;
     }
     let mut checks = None;
     if let Some(rule) = rule {
