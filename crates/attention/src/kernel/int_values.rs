@@ -190,9 +190,13 @@ fn weighted_sums_with(
     let stride = rows.next_multiple_of(LANES);
     let per_row = levels.channels() / levels.channels_per_group();
     let s = &mut *scratch;
+    // Every row is written below and only the padding zeroed (clearing
+    // whole buffers first wrote every row twice).
     for buffer in [&mut s.seg_a, &mut s.seg_b] {
-        buffer.clear();
         buffer.resize(per_row * stride, 0.0);
+        for group in buffer.chunks_exact_mut(stride) {
+            group[rows..].fill(0.0);
+        }
     }
     for t in 0..rows {
         for g in 0..per_row {
@@ -209,10 +213,10 @@ fn weighted_sums_with(
             s.seg_b[g * stride + t] = b;
         }
     }
-    s.w.clear();
     s.w.resize(heads * stride, 0.0);
     for (padded, w) in s.w.chunks_exact_mut(stride).zip(weights.chunks_exact(rows)) {
         padded[..rows].copy_from_slice(w);
+        padded[rows..].fill(0.0);
     }
     let mut pass = Segments {
         levels,

@@ -80,10 +80,10 @@ pub(super) fn weighted_sums(
     // more (an odd last run reads the code after it, against zero levels),
     // with unit scales and zero offsets for the coding.
     let stride = (rows + 1).next_multiple_of(LANES);
-    s.w.clear();
     s.w.resize(heads * stride, 0.0);
     for (padded, w) in s.w.chunks_exact_mut(stride).zip(weights.chunks_exact(rows)) {
         padded[..rows].copy_from_slice(w);
+        padded[rows..].fill(0.0);
     }
     s.seg_a.clear();
     s.seg_a.resize(stride, 1.0);

@@ -276,3 +276,44 @@ fn negative_and_tiny_products_are_refused() {
         }
     }
 }
+
+/// A scratch that served a longer tile with large weights gives a shorter
+/// tile's sums the bits a fresh scratch gives: the rows past the shorter
+/// tile (padding to whole lanes) read as zero weights, not as what the
+/// longer tile left there. Per-token and per-channel values, every way
+/// this CPU runs.
+#[test]
+fn a_reused_scratch_pads_shorter_tiles_with_zeros() {
+    let geometry = TileGeometry {
+        group: 2,
+        kv_heads: 2,
+        d: 64,
+    };
+    let (heads, ch) = (4, 128);
+    for form in ["int4", "int4-ch16"] {
+        for dot in Dot::available() {
+            let mut shared = ValueScratch::default();
+            for (rows, weight) in [(40, 30.0f32), (17, 0.25)] {
+                let v = uniform(9, rows * ch, 1.0);
+                let store = KvStore::quantize(form.parse().unwrap(), &v, rows, ch).unwrap();
+                let mut decode = kv_quant::DecodeScratch::new();
+                let levels = levels_of(&store, rows, &mut decode);
+                let weights: Vec<f32> = (0..heads * rows)
+                    .map(|i| weight * (1.0 + (i % 7) as f32))
+                    .collect();
+                let run = |scratch: &mut ValueScratch| {
+                    let mut acc = vec![0.0f32; heads * 64];
+                    assert!(weighted_sums(
+                        &levels, geometry, &weights, &mut acc, dot, scratch
+                    ));
+                    acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(
+                    run(&mut shared),
+                    run(&mut ValueScratch::default()),
+                    "{form} {dot:?} {rows} rows"
+                );
+            }
+        }
+    }
+}
