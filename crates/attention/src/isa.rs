@@ -93,8 +93,8 @@ impl Isa {
     }
 
     /// `Ok` where this CPU runs the set, else the error a configuration
-    /// naming it gets.
-    pub(crate) fn ensure_supported(self) -> crate::Result<()> {
+    /// naming it gets (it names the sets the CPU runs).
+    pub fn ensure_supported(self) -> crate::Result<()> {
         if self.is_supported() {
             Ok(())
         } else {

@@ -62,17 +62,9 @@ fn per_channel_runs(
         ) else {
             return false;
         };
-        // A run of a whole group is the only one of its group in this
-        // pass, so its codes are not kept for reuse (comparing and copying
-        // the group's parameters was 2% of a paged `int4-ch` decode in
-        // blocks of 64, `perf`); shorter runs may share theirs.
-        let fresh = if t1 - t0 >= keys.tokens_per_group() {
-            scratch.coded_for = None;
-            true
-        } else {
-            !scratch.reuse(q, [scale, offset], classes)
-        };
-        if fresh {
+        // Runs shorter than their group may share its codes with the next.
+        let recurs = t1 - t0 < keys.tokens_per_group();
+        if !scratch.reuse(q, [scale, offset], classes, recurs) {
             for kvh in 0..kv_heads {
                 let (a, b) = (&scale[kvh * d..][..d], &offset[kvh * d..][..d]);
                 let mut h0 = kvh * group;

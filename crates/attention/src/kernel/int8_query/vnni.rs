@@ -133,19 +133,17 @@ fn row_pairs<const H: usize, const PACKED: bool, const IMAGE: bool, const WEIGHT
         // Each head's two code vectors in both 256-bit halves, and its
         // class weights (class `m` in lanes `m` and `8 + m`).
         let mut codes = [[_mm512_setzero_si512(); 2]; H];
+        // `pair_weights`' pair `2j` for four rows: head `j`'s twice.
+        let pairs = pair_weights::<H, 4, WEIGHTED>(b);
         let mut weights = [_mm512_setzero_si512(); H];
-        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
         for j in 0..H {
+            weights[j] = pairs[2 * j];
             let p = b.codes.as_ptr().add(j * b.code_stride);
             codes[j][0] = _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(first, p.cast()));
             // At most `len` past the head's codes (bytes of 32 channels
             // or fewer: an empty mask there).
             let rest = p.add(split.min(b.len));
             codes[j][1] = _mm512_broadcast_i64x4(_mm256_maskz_loadu_epi8(second, rest.cast()));
-            if let Some(w) = b.lane_weights.filter(|_| WEIGHTED) {
-                let twice = _mm512_cvtepi16_epi32(_mm256_loadu_si256(w[j].as_ptr().cast()));
-                weights[j] = _mm512_permutexvar_epi32(evens, twice);
-            }
         }
         let stride = if PACKED { b.ch / 2 } else { b.ch };
         let row = |r: usize| {

@@ -65,18 +65,8 @@ pub(crate) fn parse_isa(s: &str) -> Result<attention::Isa, String> {
     let isa: attention::Isa = s
         .parse()
         .map_err(|e: attention::AttentionError| e.to_string())?;
-    if isa.is_supported() {
-        Ok(isa)
-    } else {
-        let runs: Vec<&str> = attention::Isa::available()
-            .iter()
-            .map(|i| i.name())
-            .collect();
-        Err(format!(
-            "{isa} is not supported by this CPU (it runs {})",
-            runs.join(", ")
-        ))
-    }
+    isa.ensure_supported().map_err(|e| e.to_string())?;
+    Ok(isa)
 }
 
 #[derive(Clone, Copy, ValueEnum)]
