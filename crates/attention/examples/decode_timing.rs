@@ -7,6 +7,8 @@
 //! `Auto` (the default),
 //! `TILE` sets the rows of every tile (default: up to 256, fewer where a
 //! tile would hold more than 128 KiB of stored K and V rows),
+//! `ISA=scalar|avx2|avx512|avx512-vnni` pins the instruction set (default:
+//! the best this CPU has),
 //! `FRESH=1` calls `decode` (fresh buffers each call) instead of
 //! `decode_into` with one kept workspace. Threads follow
 //! `RAYON_NUM_THREADS`.
@@ -45,6 +47,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         numerics,
         ..AttentionConfig::default()
     };
+    if let Ok(isa) = std::env::var("ISA") {
+        config.isa = isa.parse()?;
+    }
     if let Some(tile) = std::env::var("TILE").ok().and_then(|s| s.parse().ok()) {
         config.tile_tokens = tile;
         config.tile_bytes = None;

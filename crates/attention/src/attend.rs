@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use crate::error::{AttentionError, Result, check_len};
 use crate::isa::Isa;
-use crate::kernel::{Partial, TileGeometry, Upcoming, attend_tile};
+use crate::kernel::{NextTile, Partial, TileGeometry, attend_tile};
 use crate::numerics::Numerics;
 use crate::shape::{HeadShape, Mask};
 use crate::source::KvSource;
@@ -614,9 +614,9 @@ impl Attention {
                 // The next tile's stored rows, fetched while this one is worked on.
                 let next = (end < span.end).then(|| {
                     let n = grid.next(end).min(span.end) - end;
-                    let mut next = Upcoming::default();
-                    keys.row_address_ranges(end, n, &mut |r| next.push(r));
-                    values.row_address_ranges(end, n, &mut |r| next.push(r));
+                    let mut next = NextTile::default();
+                    keys.row_address_ranges(end, n, &mut |r| next.keys.push(r));
+                    values.row_address_ranges(end, n, &mut |r| next.values.push(r));
                     next
                 });
                 let k = keys.read_tile(start, end - start, &mut scratch.keys)?;

@@ -20,7 +20,7 @@ mod runs;
 
 pub(crate) use int8_query::Dot;
 pub(crate) use partial::Partial;
-pub(crate) use prefetch::{Prefetcher, Upcoming};
+pub(crate) use prefetch::{NextTile, Prefetcher};
 pub(crate) use runs::block_runs;
 
 use crate::isa::Isa;
@@ -89,7 +89,7 @@ pub(crate) fn attend_tile(
     geometry: TileGeometry,
     numerics: Numerics,
     isa: Isa,
-    upcoming: Option<&Upcoming>,
+    upcoming: Option<&NextTile>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
 ) {
@@ -134,7 +134,7 @@ pub(crate) fn attend_tile(
             isa.dot(),
             &mut scratch.int,
             &mut scratch.weights[..heads * rows],
-            &mut Prefetcher::new(upcoming, steps),
+            &mut Prefetcher::new(upcoming.map(|n| &n.keys), steps),
         )
     };
     let (keys, scored) = match (keys, codes) {
@@ -181,12 +181,8 @@ pub(crate) fn attend_tile(
         }
         values => (values, None),
     };
-    // The integer path prefetched the next tile already.
-    let (keys, upcoming) = if scored {
-        (None, None)
-    } else {
-        (Some(keys), upcoming)
-    };
+    // The integer path prefetched the next tile's keys already.
+    let keys = (!scored).then_some(keys);
     kernels(
         q, keys, values, int_values, geometry, rows, isa, upcoming, scratch, partial,
     );
@@ -203,7 +199,7 @@ fn kernels(
     geometry: TileGeometry,
     rows: usize,
     isa: Isa,
-    upcoming: Option<&Upcoming>,
+    upcoming: Option<&NextTile>,
     scratch: &mut KernelScratch,
     partial: &mut Partial,
 ) {
@@ -251,6 +247,7 @@ fn kernels(
         geometry,
         rows,
         dot: isa.dot(),
+        upcoming,
     };
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -316,7 +313,8 @@ const AUTO_CHANNEL_BLOCK: usize = 128;
 const MIN_CHANNEL_BLOCK: usize = 16;
 
 /// The value pass of [`int_values`] into `scratch.acc`, where `levels` is
-/// given and the pass takes it; `false` leaves the f32 pass to run.
+/// given and the pass takes it (stepping `prefetch`); `false` leaves the
+/// f32 pass to run.
 #[inline(always)]
 fn integer_values(
     levels: Option<LevelRows<'_>>,
@@ -324,6 +322,7 @@ fn integer_values(
     rows: usize,
     dot: Dot,
     scratch: &mut KernelScratch,
+    prefetch: &mut Prefetcher,
 ) -> bool {
     let Some(levels) = levels else {
         return false;
@@ -336,7 +335,15 @@ fn integer_values(
         &mut scratch.acc[..heads * d],
         dot,
         &mut scratch.int_values,
+        prefetch,
     )
+}
+
+/// The steps a value pass takes: one per four rows of each block of up to
+/// 64 channels of each head block (the value kernels' unit; the
+/// prefetcher spreads the next tile's value lines over them).
+pub(crate) fn value_steps(geometry: TileGeometry, rows: usize) -> usize {
+    geometry.kv_heads * geometry.group.div_ceil(4) * geometry.d.div_ceil(64) * rows.div_ceil(4)
 }
 
 /// A pass over one block of up to four query heads sharing a KV head: the
@@ -417,6 +424,8 @@ struct TileArgs<'a> {
     rows: usize,
     /// The integer dot products of the configured instruction set.
     dot: Dot,
+    /// The next tile's rows, whose values the value pass requests.
+    upcoming: Option<&'a NextTile>,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -444,9 +453,11 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
         geometry,
         rows,
         dot,
+        upcoming,
     } = args;
     let TileGeometry { group, kv_heads, d } = geometry;
     let (ch, heads) = (kv_heads * d, kv_heads * group);
+    let mut prefetch = Prefetcher::new(upcoming.map(|n| &n.values), value_steps(geometry, rows));
     three_passes::<FMA>(
         geometry,
         rows,
@@ -458,9 +469,12 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
             }
         },
         |scratch| {
-            if integer_values(int_values, geometry, rows, dot, scratch) {
+            if integer_values(int_values, geometry, rows, dot, scratch, &mut prefetch) {
+                prefetch.finish();
                 return;
             }
+            // The float pass here does not step: its lines go first.
+            prefetch.finish();
             let values = widen_rows(values, value_buffer);
             // Up to four heads of the group per pass over the value rows.
             let mut pass = ValuePass::<FMA, ISA> {

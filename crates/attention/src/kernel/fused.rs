@@ -31,8 +31,8 @@ use std::arch::x86_64::*;
 use kv_quant::{LevelMap, LevelRows};
 
 use super::{
-    HeadBlockPass, KernelScratch, LANES, Partial, Prefetcher, TileGeometry, Upcoming,
-    for_head_blocks, integer_values, three_passes, widen_rows,
+    HeadBlockPass, KernelScratch, LANES, NextTile, Partial, Prefetcher, TileGeometry,
+    for_head_blocks, integer_values, three_passes, value_steps, widen_rows,
 };
 use crate::source::TileRows;
 
@@ -391,9 +391,9 @@ pub(super) unsafe fn attend_tile_avx512(
         |scratch| {
             if let Some(keys) = keys {
                 assert_eq!(keys.len(), rows * ch);
-                // The next tile's lines are requested during the score passes.
+                // The next tile's keys are requested during the score pass.
                 let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
-                let mut prefetch = Prefetcher::new(tile.upcoming, steps);
+                let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.keys), steps);
                 match Side::new(keys, ch, kb) {
                     Side::F32(k) => score_pass(tile, k, scratch, &mut prefetch),
                     Side::F16(k) => score_pass(tile, k, scratch, &mut prefetch),
@@ -402,14 +402,24 @@ pub(super) unsafe fn attend_tile_avx512(
             }
         },
         |scratch| {
-            if integer_values(int_values, tile.geometry, rows, tile.dot, scratch) {
-                return;
+            // ... and its values during the value pass.
+            let steps = value_steps(tile.geometry, rows);
+            let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.values), steps);
+            if !integer_values(
+                int_values,
+                tile.geometry,
+                rows,
+                tile.dot,
+                scratch,
+                &mut prefetch,
+            ) {
+                match Side::new(values, ch, vb) {
+                    Side::F32(v) => value_pass(tile, v, scratch, &mut prefetch),
+                    Side::F16(v) => value_pass(tile, v, scratch, &mut prefetch),
+                    Side::Levels(v) => value_pass(tile, v, scratch, &mut prefetch),
+                }
             }
-            match Side::new(values, ch, vb) {
-                Side::F32(v) => value_pass(tile, v, scratch),
-                Side::F16(v) => value_pass(tile, v, scratch),
-                Side::Levels(v) => value_pass(tile, v, scratch),
-            }
+            prefetch.finish();
         },
     );
     scratch.wide = wide;
@@ -441,7 +451,7 @@ pub(in crate::kernel) struct Tile<'a> {
     pub(in crate::kernel) q: &'a [f32],
     pub(in crate::kernel) geometry: TileGeometry,
     pub(in crate::kernel) rows: usize,
-    pub(in crate::kernel) upcoming: Option<&'a Upcoming>,
+    pub(in crate::kernel) upcoming: Option<&'a NextTile>,
     /// The integer dot products of the configured instruction set.
     pub(in crate::kernel) dot: super::Dot,
 }
@@ -504,7 +514,12 @@ impl<K: Load> HeadBlockPass for ScorePass<'_, K> {
 /// The weighted value sums of every head into `scratch.acc` (`heads × d`)
 /// from the weights in `scratch.weights`.
 #[inline(always)]
-fn value_pass<V: Load>(tile: Tile<'_>, values: V, scratch: &mut KernelScratch) {
+fn value_pass<V: Load>(
+    tile: Tile<'_>,
+    values: V,
+    scratch: &mut KernelScratch,
+    prefetch: &mut Prefetcher,
+) {
     let TileGeometry { group, kv_heads, d } = tile.geometry;
     let (heads, rows) = (kv_heads * group, tile.rows);
     assert!(values.len() == rows * kv_heads * d && values.ch() == kv_heads * d);
@@ -514,6 +529,7 @@ fn value_pass<V: Load>(tile: Tile<'_>, values: V, scratch: &mut KernelScratch) {
         values,
         d,
         rows,
+        prefetch,
     };
     for_head_blocks(tile.geometry, &mut pass);
 }
@@ -525,6 +541,7 @@ struct ValuePass<'a, V> {
     values: V,
     d: usize,
     rows: usize,
+    prefetch: &'a mut Prefetcher,
 }
 
 impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
@@ -533,7 +550,7 @@ impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
         let (d, rows) = (self.d, self.rows);
         let out = &mut self.acc[h0 * d..][..H * d];
         let w = &self.weights[h0 * rows..][..H * rows];
-        weighted_sum::<V, H>(out, w, self.values, kvh * d);
+        weighted_sum::<V, H>(out, w, self.values, kvh * d, self.prefetch);
     }
 }
 
@@ -697,7 +714,13 @@ fn reduce16(v: [__m512; 16]) -> __m512 {
 /// registers while the rows stream by; the last `d mod 16` channels use
 /// masked lanes.
 #[inline(always)]
-fn weighted_sum<V: Load, const H: usize>(out: &mut [f32], w: &[f32], values: V, offset: usize) {
+fn weighted_sum<V: Load, const H: usize>(
+    out: &mut [f32],
+    w: &[f32],
+    values: V,
+    offset: usize,
+    prefetch: &mut Prefetcher,
+) {
     let d = out.len() / H;
     let rows = w.len() / H;
     let b = ValueBlock {
@@ -709,22 +732,28 @@ fn weighted_sum<V: Load, const H: usize>(out: &mut [f32], w: &[f32], values: V, 
     };
     let mut c = 0;
     while c + 64 <= d {
-        store_block::<H, 4>(out, d, c, 16, value_block::<V, H, 4, 16>(b, c));
+        store_block::<H, 4>(out, d, c, 16, value_block::<V, H, 4, 16>(b, c, prefetch));
         c += 64;
     }
     if c + 32 <= d {
-        store_block::<H, 2>(out, d, c, 16, value_block::<V, H, 2, 16>(b, c));
+        store_block::<H, 2>(out, d, c, 16, value_block::<V, H, 2, 16>(b, c, prefetch));
         c += 32;
     }
     if c + 16 <= d {
-        store_block::<H, 1>(out, d, c, 16, value_block::<V, H, 1, 16>(b, c));
+        store_block::<H, 1>(out, d, c, 16, value_block::<V, H, 1, 16>(b, c, prefetch));
         c += 16;
     }
     let n = d - c;
     if n > 0 {
         // A rare shape (head dims are multiples of 16 in practice): the
         // lane count is a run-time value here.
-        store_block::<H, 1>(out, d, c, n, value_block::<V, H, 1, 0>(b.with_tail(n), c));
+        store_block::<H, 1>(
+            out,
+            d,
+            c,
+            n,
+            value_block::<V, H, 1, 0>(b.with_tail(n), c, prefetch),
+        );
     }
 }
 
@@ -750,6 +779,7 @@ impl<V> ValueBlock<'_, V> {
 fn value_block<V: Load, const H: usize, const N: usize, const FULL: usize>(
     b: ValueBlock<'_, V>,
     c: usize,
+    prefetch: &mut Prefetcher,
 ) -> [[__m512; N]; H] {
     // SAFETY: only inlined into `attend_tile_avx512` (AVX-512F, FMA);
     // `value_pass` checked `values.len() == rows·ch`, channel `offset + c + 16N`
@@ -758,6 +788,9 @@ fn value_block<V: Load, const H: usize, const N: usize, const FULL: usize>(
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); N]; H];
         for t in 0..b.rows {
+            if t % 4 == 0 {
+                prefetch.step();
+            }
             let row = b.values.row(t);
             let mut v = [_mm512_setzero_ps(); N];
             for (k, v) in v.iter_mut().enumerate() {

@@ -34,7 +34,7 @@
 use kv_quant::{LevelMap, LevelPacking, LevelRows};
 
 use super::int8_query::{Dot, NF4_IMAGE, NF4_MID, NF4_UNIT};
-use super::{HeadBlockPass, TileGeometry, for_head_blocks};
+use super::{HeadBlockPass, Prefetcher, TileGeometry, for_head_blocks};
 
 /// The largest weight code.
 const CODE_MAX: i64 = 32_767;
@@ -100,15 +100,20 @@ pub(crate) fn weighted_sums(
     acc: &mut [f32],
     dot: Dot,
     scratch: &mut ValueScratch,
+    prefetch: &mut Prefetcher,
 ) -> bool {
     match dot {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW/VNNI.
-        Dot::Vnni => unsafe { weighted_sums_avx512(levels, geometry, weights, acc, scratch) },
+        Dot::Vnni => unsafe {
+            weighted_sums_avx512(levels, geometry, weights, acc, scratch, prefetch)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2.
-        Dot::Avx2 => unsafe { weighted_sums_avx2(levels, geometry, weights, acc, scratch) },
-        Dot::Portable => weighted_sums_with(levels, geometry, weights, acc, dot, scratch),
+        Dot::Avx2 => unsafe {
+            weighted_sums_avx2(levels, geometry, weights, acc, scratch, prefetch)
+        },
+        Dot::Portable => weighted_sums_with(levels, geometry, weights, acc, dot, scratch, prefetch),
     }
 }
 
@@ -125,8 +130,9 @@ unsafe fn weighted_sums_avx2(
     weights: &[f32],
     acc: &mut [f32],
     scratch: &mut ValueScratch,
+    prefetch: &mut Prefetcher,
 ) -> bool {
-    weighted_sums_with(levels, geometry, weights, acc, Dot::Avx2, scratch)
+    weighted_sums_with(levels, geometry, weights, acc, Dot::Avx2, scratch, prefetch)
 }
 
 /// [`weighted_sums`] compiled with AVX-512, so that the weight coding's
@@ -143,8 +149,9 @@ unsafe fn weighted_sums_avx512(
     weights: &[f32],
     acc: &mut [f32],
     scratch: &mut ValueScratch,
+    prefetch: &mut Prefetcher,
 ) -> bool {
-    weighted_sums_with(levels, geometry, weights, acc, Dot::Vnni, scratch)
+    weighted_sums_with(levels, geometry, weights, acc, Dot::Vnni, scratch, prefetch)
 }
 
 /// The body of [`weighted_sums`], inlined into each instruction set's entry.
@@ -156,6 +163,7 @@ fn weighted_sums_with(
     acc: &mut [f32],
     dot: Dot,
     scratch: &mut ValueScratch,
+    prefetch: &mut Prefetcher,
 ) -> bool {
     let rows = levels.rows();
     let heads = geometry.kv_heads * geometry.group;
@@ -167,7 +175,7 @@ fn weighted_sums_with(
         return false;
     }
     if channels::takes(levels, geometry) {
-        return channels::weighted_sums(levels, geometry, weights, acc, dot, scratch);
+        return channels::weighted_sums(levels, geometry, weights, acc, dot, scratch, prefetch);
     }
     // NF4 codes are read through their integer image (centred levels of
     // scale `a / 127`).
@@ -228,6 +236,7 @@ fn weighted_sums_with(
         rows,
         stride,
         scratch,
+        prefetch,
         ok: true,
     };
     for_head_blocks(geometry, &mut pass);
@@ -247,6 +256,8 @@ struct Segments<'a, 'k> {
     /// Rows padded to whole lanes.
     stride: usize,
     scratch: &'a mut ValueScratch,
+    /// Stepped every four rows of each run of 64 channels.
+    prefetch: &'a mut Prefetcher,
     /// Cleared by a non-finite weight or scale.
     ok: bool,
 }
@@ -296,7 +307,7 @@ impl HeadBlockPass for Segments<'_, '_> {
                 stride,
                 image: self.image,
             };
-            integer_sums::<H>(self.dot, block, &mut s.sums[..H * len]);
+            integer_sums::<H>(self.dot, block, &mut s.sums[..H * len], self.prefetch);
             for j in 0..H {
                 let out = &mut self.acc[(h0 + j) * d + (c - first)..][..len];
                 let (scale, offset) = (s.scale[j], s.offset[j]);
@@ -419,7 +430,12 @@ struct SumBlock<'a> {
 }
 
 /// `out[j·len + c] = Σ_t code_j(t)·levels[t][start + c]` for `H` heads.
-fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
+fn integer_sums<const H: usize>(
+    dot: Dot,
+    b: SumBlock<'_>,
+    out: &mut [i32],
+    prefetch: &mut Prefetcher,
+) {
     let pairs = b.rows.div_ceil(2);
     let row_bytes = if b.packed { b.ch / 2 } else { b.ch };
     assert!(
@@ -438,19 +454,22 @@ fn integer_sums<const H: usize>(dot: Dot, b: SumBlock<'_>, out: &mut [i32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Vnni` is only that of a supported `Isa::Avx512Vnni`: AVX-512F/BW/VNNI; the
         // bounds were checked above.
-        Dot::Vnni => unsafe { vnni::sums::<H>(b, out) },
+        Dot::Vnni => unsafe { vnni::sums::<H>(b, out, prefetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Dot::Avx2` is only that of a supported `Isa` with AVX2; the bounds were
         // checked above.
-        Dot::Avx2 => unsafe { avx2::sums::<H>(b, out) },
-        Dot::Portable => portable_sums::<H>(b, out),
+        Dot::Avx2 => unsafe { avx2::sums::<H>(b, out, prefetch) },
+        Dot::Portable => portable_sums::<H>(b, out, prefetch),
     }
 }
 
 /// The reference loop: exact i32 sums.
-fn portable_sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
+fn portable_sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
     out[..H * b.len].fill(0);
     for t in 0..b.rows {
+        if t % 4 == 0 && b.start.is_multiple_of(64) {
+            prefetch.step();
+        }
         let level = |c: usize| {
             let l = if b.packed {
                 (b.levels[t * b.ch / 2 + (b.start + c) / 2] >> (4 * (c % 2))) & 15
@@ -477,7 +496,7 @@ mod vnni {
 
     use std::arch::x86_64::*;
 
-    use super::SumBlock;
+    use super::{Prefetcher, SumBlock};
 
     /// [`super::round_codes`] sixteen lanes at a time, with the same
     /// operations in the same order (products, scaling, `+ 0.5`, `vminps`,
@@ -516,25 +535,33 @@ mod vnni {
     /// The CPU must have AVX-512F/BW/VNNI, and `b`'s bounds must hold as
     /// [`super::integer_sums`] checks them.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
+    pub(super) unsafe fn sums<const H: usize>(
+        b: SumBlock<'_>,
+        out: &mut [i32],
+        prefetch: &mut Prefetcher,
+    ) {
         match (b.packed, b.image.is_some()) {
-            (false, true) => segment::<H, true>(b, out),
-            (false, false) => segment::<H, false>(b, out),
-            (true, true) => nibble_segment::<H, true>(b, out),
-            (true, false) => nibble_segment::<H, false>(b, out),
+            (false, true) => segment::<H, true>(b, out, prefetch),
+            (false, false) => segment::<H, false>(b, out, prefetch),
+            (true, true) => nibble_segment::<H, true>(b, out, prefetch),
+            (true, false) => nibble_segment::<H, false>(b, out, prefetch),
         }
     }
 
     /// A segment of packed levels in blocks of 64 and 32 channels.
     #[inline(always)]
-    fn nibble_segment<const H: usize, const IMAGE: bool>(b: SumBlock<'_>, out: &mut [i32]) {
+    fn nibble_segment<const H: usize, const IMAGE: bool>(
+        b: SumBlock<'_>,
+        out: &mut [i32],
+        prefetch: &mut Prefetcher,
+    ) {
         let mut c = 0;
         while c + 64 <= b.len {
-            nibble_block::<H, 2, IMAGE>(b, c, out);
+            nibble_block::<H, 2, IMAGE>(b, c, out, prefetch);
             c += 64;
         }
         if c + 32 <= b.len {
-            nibble_block::<H, 1, IMAGE>(b, c, out);
+            nibble_block::<H, 1, IMAGE>(b, c, out, prefetch);
         }
     }
 
@@ -548,8 +575,10 @@ mod vnni {
         b: SumBlock<'_>,
         c: usize,
         out: &mut [i32],
+        prefetch: &mut Prefetcher,
     ) {
         let pairs = b.rows.div_ceil(2);
+        let steps = (b.start + c).is_multiple_of(64);
         let row_bytes = b.ch / 2;
         // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every byte
         // read is in row `t < rows` at byte `(start + c) / 2 + 16k + 15 <
@@ -568,6 +597,9 @@ mod vnni {
                     .add(t * row_bytes + (b.start + c) / 2 + 16 * k)
             };
             for p in 0..pairs {
+                if steps && p % 2 == 0 {
+                    prefetch.step();
+                }
                 let t = 2 * p;
                 let mut v = [[_mm512_setzero_si512(); 2]; K];
                 for (k, v) in v.iter_mut().enumerate() {
@@ -618,18 +650,22 @@ mod vnni {
 
     /// The segment's channels in blocks of 64, 32 and 16.
     #[inline(always)]
-    fn segment<const H: usize, const IMAGE: bool>(b: SumBlock<'_>, out: &mut [i32]) {
+    fn segment<const H: usize, const IMAGE: bool>(
+        b: SumBlock<'_>,
+        out: &mut [i32],
+        prefetch: &mut Prefetcher,
+    ) {
         let mut c = 0;
         while c + 64 <= b.len {
-            block::<H, 4, IMAGE>(b, c, out);
+            block::<H, 4, IMAGE>(b, c, out, prefetch);
             c += 64;
         }
         if c + 32 <= b.len {
-            block::<H, 2, IMAGE>(b, c, out);
+            block::<H, 2, IMAGE>(b, c, out, prefetch);
             c += 32;
         }
         if c + 16 <= b.len {
-            block::<H, 1, IMAGE>(b, c, out);
+            block::<H, 1, IMAGE>(b, c, out, prefetch);
         }
     }
 
@@ -641,8 +677,10 @@ mod vnni {
         b: SumBlock<'_>,
         c: usize,
         out: &mut [i32],
+        prefetch: &mut Prefetcher,
     ) {
         let pairs = b.rows.div_ceil(2);
+        let steps = (b.start + c).is_multiple_of(64);
         // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every level
         // read is in row `t < rows` at channel `start + c + 16k + 15 <
         // start + len <= ch`; every pair of codes read is below `(H − 1)·stride + 2·pairs`; every
@@ -655,6 +693,9 @@ mod vnni {
             let mut acc = [[_mm512_setzero_si512(); N]; H];
             let at = |t: usize, k: usize| b.levels.as_ptr().add(t * b.ch + b.start + c + 16 * k);
             for p in 0..pairs {
+                if steps && p % 2 == 0 {
+                    prefetch.step();
+                }
                 let t = 2 * p;
                 let mut v = [_mm512_setzero_si512(); N];
                 for (k, v) in v.iter_mut().enumerate() {

@@ -148,6 +148,7 @@ fn run_tile(
         geometry,
         rows,
         dot: isa.dot(),
+        upcoming: None,
     };
     match isa {
         #[cfg(target_arch = "x86_64")]

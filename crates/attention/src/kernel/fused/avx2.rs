@@ -34,7 +34,7 @@ use kv_quant::{LevelMap, LevelRows};
 use super::{Floats, Halves, Levels, Side, Tile};
 use crate::kernel::{
     HeadBlockPass, KernelScratch, Partial, Prefetcher, TileGeometry, for_head_blocks,
-    integer_values, three_passes,
+    integer_values, three_passes, value_steps,
 };
 use crate::source::TileRows;
 
@@ -338,8 +338,9 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
         |scratch| {
             if let Some(keys) = keys {
                 assert_eq!(keys.len(), rows * ch);
+                // The next tile's keys are requested during the score pass.
                 let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
-                let mut prefetch = Prefetcher::new(tile.upcoming, steps);
+                let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.keys), steps);
                 let weights = &mut scratch.weights[..heads * rows];
                 match Side::new(keys, ch, kb) {
                     Side::F32(k) => score_pass(tile, k, weights, &mut prefetch),
@@ -351,18 +352,24 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
             }
         },
         |scratch| {
-            if integer_values(int_values, tile.geometry, rows, tile.dot, scratch) {
-                return;
+            // ... and its values during the value pass.
+            let steps = value_steps(tile.geometry, rows);
+            let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.values), steps);
+            let p = &mut prefetch;
+            if !integer_values(int_values, tile.geometry, rows, tile.dot, scratch, p) {
+                let (acc, weights) = (
+                    &mut scratch.acc[..heads * d],
+                    &scratch.weights[..heads * rows],
+                );
+                match Side::new(values, ch, vb) {
+                    Side::F32(v) => value_pass(tile, v, acc, weights, p),
+                    Side::F16(v) => value_pass(tile, v, acc, weights, p),
+                    Side::Levels(v) => {
+                        with_mapped_levels!(v, v => value_pass(tile, v, acc, weights, p))
+                    }
+                }
             }
-            let (acc, weights) = (
-                &mut scratch.acc[..heads * d],
-                &scratch.weights[..heads * rows],
-            );
-            match Side::new(values, ch, vb) {
-                Side::F32(v) => value_pass(tile, v, acc, weights),
-                Side::F16(v) => value_pass(tile, v, acc, weights),
-                Side::Levels(v) => with_mapped_levels!(v, v => value_pass(tile, v, acc, weights)),
-            }
+            prefetch.finish();
         },
     );
     scratch.wide = wide;
@@ -484,7 +491,13 @@ fn reduce8(v: [__m256; 8]) -> __m256 {
 /// The weighted value sums of every head into `acc` (`heads × d`) from the
 /// softmax weights (`heads × rows`).
 #[inline(always)]
-fn value_pass<V: Load>(tile: Tile<'_>, values: V, acc: &mut [f32], weights: &[f32]) {
+fn value_pass<V: Load>(
+    tile: Tile<'_>,
+    values: V,
+    acc: &mut [f32],
+    weights: &[f32],
+    prefetch: &mut Prefetcher,
+) {
     let TileGeometry { kv_heads, d, .. } = tile.geometry;
     assert!(values.len() == tile.rows * kv_heads * d && values.ch() == kv_heads * d);
     let mut pass = ValuePass {
@@ -493,6 +506,7 @@ fn value_pass<V: Load>(tile: Tile<'_>, values: V, acc: &mut [f32], weights: &[f3
         values,
         d,
         rows: tile.rows,
+        prefetch,
     };
     for_head_blocks(tile.geometry, &mut pass);
 }
@@ -504,6 +518,9 @@ struct ValuePass<'a, V> {
     values: V,
     d: usize,
     rows: usize,
+    /// Stepped every four rows of the blocks that start a run of 64
+    /// channels ([`value_steps`]' unit).
+    prefetch: &'a mut Prefetcher,
 }
 
 impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
@@ -524,18 +541,18 @@ impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
         let mut c = 0;
         if H == 1 {
             while c + 64 <= d {
-                store_block::<H, 4>(out, d, c, value_block::<V, H, 4>(block, c));
+                store_block::<H, 4>(out, d, c, value_block::<V, H, 4>(block, c, self.prefetch));
                 c += 64;
             }
         }
         if H <= 2 {
             while c + 32 <= d {
-                store_block::<H, 2>(out, d, c, value_block::<V, H, 2>(block, c));
+                store_block::<H, 2>(out, d, c, value_block::<V, H, 2>(block, c, self.prefetch));
                 c += 32;
             }
         }
         while c < d {
-            store_block::<H, 1>(out, d, c, value_block::<V, H, 1>(block, c));
+            store_block::<H, 1>(out, d, c, value_block::<V, H, 1>(block, c, self.prefetch));
             c += 16;
         }
     }
@@ -556,13 +573,18 @@ struct ValueBlock<'a, V> {
 fn value_block<V: Load, const H: usize, const N: usize>(
     b: ValueBlock<'_, V>,
     c: usize,
+    prefetch: &mut Prefetcher,
 ) -> [[[__m256; 2]; N]; H] {
     // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C);
     // `value_pass` checked `values.len() == rows·ch` with rows `ch` apart, channel
     // `offset + c + 16N` is at most `ch`, and `w` holds `H·rows` weights.
     unsafe {
         let mut acc = [[[_mm256_setzero_ps(); 2]; N]; H];
+        let step = c.is_multiple_of(64);
         for t in 0..b.rows {
+            if step && t % 4 == 0 {
+                prefetch.step();
+            }
             let row = b.values.row(t);
             let mut v = [[_mm256_setzero_ps(); 2]; N];
             for (k, v) in v.iter_mut().enumerate() {

@@ -6,6 +6,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::Prefetcher;
 use super::SumBlock;
 
 /// [`super::integer_sums`] with AVX2.
@@ -14,14 +15,18 @@ use super::SumBlock;
 /// The CPU must have AVX2, and `b`'s bounds must hold as
 /// [`super::integer_sums`] checks them.
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32]) {
+pub(super) unsafe fn sums<const H: usize>(
+    b: SumBlock<'_>,
+    out: &mut [i32],
+    prefetch: &mut Prefetcher,
+) {
     let mut j = 0;
     while j < H {
         if H - j >= 2 {
-            heads::<2>(b, j, out);
+            heads::<2>(b, j, out, prefetch);
             j += 2;
         } else {
-            heads::<1>(b, j, out);
+            heads::<1>(b, j, out, prefetch);
             j += 1;
         }
     }
@@ -64,12 +69,12 @@ pub(super) unsafe fn round_codes(w: &[f32], a: &[f32], inv: f32, code_max: f32, 
 
 /// Heads `j0..j0 + G`, every channel of the segment.
 #[inline(always)]
-fn heads<const G: usize>(b: SumBlock<'_>, j0: usize, out: &mut [i32]) {
+fn heads<const G: usize>(b: SumBlock<'_>, j0: usize, out: &mut [i32], prefetch: &mut Prefetcher) {
     match (b.packed, b.image.is_some()) {
-        (false, false) => bytes::<G, false>(b, j0, out),
-        (false, true) => bytes::<G, true>(b, j0, out),
-        (true, false) => nibbles::<G, false>(b, j0, out),
-        (true, true) => nibbles::<G, true>(b, j0, out),
+        (false, false) => bytes::<G, false>(b, j0, out, prefetch),
+        (false, true) => bytes::<G, true>(b, j0, out, prefetch),
+        (true, false) => nibbles::<G, false>(b, j0, out, prefetch),
+        (true, true) => nibbles::<G, true>(b, j0, out, prefetch),
     }
 }
 
@@ -100,7 +105,12 @@ fn image<const IMAGE: bool>(b: SumBlock<'_>) -> __m128i {
 /// Levels one per byte, 16 channels per step: per pair of rows, channels
 /// 0-7 and 8-15 as 16-bit pairs (row `2p`'s level, row `2p + 1`'s).
 #[inline(always)]
-fn bytes<const G: usize, const IMAGE: bool>(b: SumBlock<'_>, j0: usize, out: &mut [i32]) {
+fn bytes<const G: usize, const IMAGE: bool>(
+    b: SumBlock<'_>,
+    j0: usize,
+    out: &mut [i32],
+    prefetch: &mut Prefetcher,
+) {
     let pairs = b.rows.div_ceil(2);
     // SAFETY: only inlined into `sums` (AVX2). Every level read is in row
     // `t < rows` at channel `start + c + 15 < start + len <= ch`; every
@@ -111,6 +121,9 @@ fn bytes<const G: usize, const IMAGE: bool>(b: SumBlock<'_>, j0: usize, out: &mu
         for c in (0..b.len).step_by(16) {
             let mut acc = [[_mm256_setzero_si256(); 2]; G];
             for p in 0..pairs {
+                if j0 == 0 && (b.start + c).is_multiple_of(64) && p % 2 == 0 {
+                    prefetch.step();
+                }
                 let t = 2 * p;
                 let mut r0 = _mm_loadu_si128(at(t, c).cast());
                 // An odd last row pairs with zeros (its code is 0 too).
@@ -145,7 +158,12 @@ fn bytes<const G: usize, const IMAGE: bool>(b: SumBlock<'_>, j0: usize, out: &mu
 /// nibbles the 16-bit pairs of the even channels and in their high
 /// nibbles those of the odd ones, 8 channels per vector.
 #[inline(always)]
-fn nibbles<const G: usize, const IMAGE: bool>(b: SumBlock<'_>, j0: usize, out: &mut [i32]) {
+fn nibbles<const G: usize, const IMAGE: bool>(
+    b: SumBlock<'_>,
+    j0: usize,
+    out: &mut [i32],
+    prefetch: &mut Prefetcher,
+) {
     let pairs = b.rows.div_ceil(2);
     let row_bytes = b.ch / 2;
     // SAFETY: only inlined into `sums` (AVX2). Every byte read is in row
@@ -159,6 +177,9 @@ fn nibbles<const G: usize, const IMAGE: bool>(b: SumBlock<'_>, j0: usize, out: &
             // [even 0-14, even 16-30, odd 1-15, odd 17-31] per head.
             let mut acc = [[_mm256_setzero_si256(); 4]; G];
             for p in 0..pairs {
+                if j0 == 0 && (b.start + c).is_multiple_of(64) && p % 2 == 0 {
+                    prefetch.step();
+                }
                 let t = 2 * p;
                 let r0 = _mm_loadu_si128(at(t, c).cast());
                 // An odd last row pairs with zeros (its code is 0 too).

@@ -22,7 +22,7 @@
 use kv_quant::{LevelMap, LevelPacking, LevelRows};
 
 use super::super::int8_query::Dot;
-use super::super::{HeadBlockPass, TileGeometry, for_head_blocks};
+use super::super::{HeadBlockPass, Prefetcher, TileGeometry, for_head_blocks};
 use super::{CODE_MAX, CODE_MIN, LANES, SumBlock, ValueScratch, code_weights, integer_sums};
 
 /// Fewest tokens per block worth coding this way: shorter blocks leave
@@ -53,6 +53,7 @@ pub(super) fn weighted_sums(
     acc: &mut [f32],
     dot: Dot,
     scratch: &mut ValueScratch,
+    prefetch: &mut Prefetcher,
 ) -> bool {
     let rows = levels.rows();
     let heads = geometry.kv_heads * geometry.group;
@@ -97,6 +98,7 @@ pub(super) fn weighted_sums(
         d: geometry.d,
         stride,
         scratch: s,
+        prefetch,
         ok: true,
     };
     for_head_blocks(geometry, &mut pass);
@@ -129,6 +131,8 @@ struct Runs<'a, 'k> {
     d: usize,
     stride: usize,
     scratch: &'a mut ValueScratch,
+    /// Stepped by the integer sums ([`integer_sums`]).
+    prefetch: &'a mut Prefetcher,
     /// Cleared by a non-finite weight.
     ok: bool,
 }
@@ -177,7 +181,7 @@ impl HeadBlockPass for Runs<'_, '_> {
                 stride,
                 image: None,
             };
-            integer_sums::<H>(self.dot, block, &mut s.sums[..H * d]);
+            integer_sums::<H>(self.dot, block, &mut s.sums[..H * d], self.prefetch);
             let (a, b) = (
                 &levels.scale[base + kvh * d..][..d],
                 &levels.offset[base + kvh * d..][..d],

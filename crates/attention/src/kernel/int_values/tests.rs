@@ -69,7 +69,8 @@ fn integer_value_sums_stay_within_the_stated_bound() {
                 &weights,
                 &mut acc,
                 dot,
-                &mut scratch
+                &mut scratch,
+                &mut Prefetcher::new(None, 1)
             ));
             results.push(acc);
         }
@@ -102,7 +103,8 @@ fn integer_value_sums_stay_within_the_stated_bound() {
                     &weights,
                     &mut acc,
                     dot,
-                    &mut scratch
+                    &mut scratch,
+                    &mut Prefetcher::new(None, 1)
                 ));
                 assert_eq!(acc, results[0], "{form}: packed {dot:?}");
             }
@@ -210,6 +212,7 @@ fn other_layouts_and_non_finite_weights_are_refused() {
             &mut acc,
             crate::Isa::detect().dot(),
             &mut scratch,
+            &mut Prefetcher::new(None, 1),
         );
         assert_eq!(ok, taken, "{form}");
         weights[5] = f32::NAN;
@@ -219,7 +222,8 @@ fn other_layouts_and_non_finite_weights_are_refused() {
             &weights,
             &mut acc,
             crate::Isa::detect().dot(),
-            &mut scratch
+            &mut scratch,
+            &mut Prefetcher::new(None, 1)
         ));
     }
 }
@@ -271,7 +275,15 @@ fn negative_and_tiny_products_are_refused() {
         for dot in Dot::available() {
             let mut acc = vec![0.0; 2 * 64];
             let mut scratch = ValueScratch::default();
-            let ok = weighted_sums(&levels, geometry, &weights, &mut acc, dot, &mut scratch);
+            let ok = weighted_sums(
+                &levels,
+                geometry,
+                &weights,
+                &mut acc,
+                dot,
+                &mut scratch,
+                &mut Prefetcher::new(None, 1),
+            );
             assert!(!ok, "{what}, {dot:?}: taken");
         }
     }
@@ -303,8 +315,9 @@ fn a_reused_scratch_pads_shorter_tiles_with_zeros() {
                     .collect();
                 let run = |scratch: &mut ValueScratch| {
                     let mut acc = vec![0.0f32; heads * 64];
+                    let prefetch = &mut Prefetcher::new(None, 1);
                     assert!(weighted_sums(
-                        &levels, geometry, &weights, &mut acc, dot, scratch
+                        &levels, geometry, &weights, &mut acc, dot, scratch, prefetch
                     ));
                     acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
                 };
