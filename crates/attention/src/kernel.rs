@@ -77,10 +77,9 @@ pub(crate) struct TileGeometry {
 /// under [`Numerics::Int8Query`] ([`int8_query`]). `isa` (a set this CPU
 /// supports: [`Attention::with_config`](crate::Attention::with_config) and
 /// [`Attention::set_isa`](crate::Attention::set_isa) check it) picks
-/// every kernel: with AVX-512 ([`fused`]) or AVX2 ([`fused::avx2`], head
-/// dimensions that are multiples of 16) both sides are read as stored,
-/// half floats widened and levels dequantized in registers; otherwise they
-/// are first widened into the scratch.
+/// every kernel: with AVX-512 ([`fused`]) or AVX2 ([`fused::avx2`]) both
+/// sides are read as stored, half floats widened and levels dequantized in
+/// registers; the scalar set first widens them into the scratch.
 #[allow(clippy::too_many_arguments)] // one tile's inputs, state and scratch
 pub(crate) fn attend_tile(
     q: &[f32],
@@ -124,9 +123,10 @@ pub(crate) fn attend_tile(
     // scratch.
     let mut unpacked = std::mem::take(&mut scratch.unpacked);
     let [key_levels, value_levels] = &mut unpacked;
-    let steps = geometry.kv_heads * geometry.group.div_ceil(4) * rows.div_ceil(4);
+    let steps = score_steps(geometry, rows);
     let mut score = |levels: &LevelRows<'_>, codes| {
-        int8_query::scores(
+        let mut prefetch = Prefetcher::new(upcoming.map(|n| &n.keys), steps);
+        let scored = int8_query::scores(
             q,
             levels,
             geometry,
@@ -134,8 +134,11 @@ pub(crate) fn attend_tile(
             isa.dot(),
             &mut scratch.int,
             &mut scratch.weights[..heads * rows],
-            &mut Prefetcher::new(upcoming.map(|n| &n.keys), steps),
-        )
+            &mut prefetch,
+        );
+        // Rows past the last whole step (a range ending mid-tile).
+        prefetch.finish();
+        scored
     };
     let (keys, scored) = match (keys, codes) {
         (TileRows::Levels(levels), Some(codes))
@@ -221,9 +224,9 @@ fn kernels(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && geometry.d.is_multiple_of(16) {
+    if isa == Isa::Avx2 {
         // SAFETY: the configured `isa` is supported: AVX2, FMA and F16C;
-        // the scratch was sized above and `d` is a multiple of 16.
+        // the scratch was sized above.
         unsafe {
             let tile = fused::Tile {
                 q,
@@ -249,15 +252,7 @@ fn kernels(
         dot: isa.dot(),
         upcoming,
     };
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            // SAFETY: the configured `isa` is supported: AVX2 and FMA (head
-            // dimensions that are not multiples of 16).
-            unsafe { attend_tile_avx2(args, scratch, partial) }
-        }
-        _ => attend_tile_body::<false, GENERIC>(args, scratch, partial),
-    }
+    attend_tile_body(args, scratch, partial);
     scratch.wide = wide;
 }
 
@@ -339,10 +334,15 @@ fn integer_values(
     )
 }
 
+/// The steps a score pass takes: one per four rows of each head block.
+pub(super) fn score_steps(geometry: TileGeometry, rows: usize) -> usize {
+    geometry.kv_heads * geometry.group.div_ceil(4) * rows.div_ceil(4)
+}
+
 /// The steps a value pass takes: one per four rows of each block of up to
 /// 64 channels of each head block (the value kernels' unit; the
 /// prefetcher spreads the next tile's value lines over them).
-pub(crate) fn value_steps(geometry: TileGeometry, rows: usize) -> usize {
+pub(super) fn value_steps(geometry: TileGeometry, rows: usize) -> usize {
     geometry.kv_heads * geometry.group.div_ceil(4) * geometry.d.div_ceil(64) * rows.div_ceil(4)
 }
 
@@ -428,22 +428,11 @@ struct TileArgs<'a> {
     upcoming: Option<&'a NextTile>,
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn attend_tile_avx2(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &mut Partial) {
-    attend_tile_body::<true, AVX2>(args, scratch, partial);
-}
-
 /// Three passes over the tile: scores of every head (`q_heads × rows`),
 /// reading the key rows in memory order; per head the maximum and
 /// `exp(s − m)`; then per head the weighted sum of its value rows, with the
 /// sum held in registers across the rows ([`weighted_sum`]).
-#[inline(always)]
-fn attend_tile_body<const FMA: bool, const ISA: u8>(
-    args: TileArgs<'_>,
-    scratch: &mut KernelScratch,
-    partial: &mut Partial,
-) {
+fn attend_tile_body(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &mut Partial) {
     let TileArgs {
         q,
         keys,
@@ -458,26 +447,26 @@ fn attend_tile_body<const FMA: bool, const ISA: u8>(
     let TileGeometry { group, kv_heads, d } = geometry;
     let (ch, heads) = (kv_heads * d, kv_heads * group);
     let mut prefetch = Prefetcher::new(upcoming.map(|n| &n.values), value_steps(geometry, rows));
-    three_passes::<FMA>(
+    three_passes::<false>(
         geometry,
         rows,
         scratch,
         partial,
         |scratch| {
             if let Some(keys) = keys {
-                score_rows::<FMA>(q, keys, geometry, &mut scratch.weights[..heads * rows]);
+                score_rows::<false>(q, keys, geometry, &mut scratch.weights[..heads * rows]);
             }
         },
         |scratch| {
-            if integer_values(int_values, geometry, rows, dot, scratch, &mut prefetch) {
-                prefetch.finish();
+            let summed = integer_values(int_values, geometry, rows, dot, scratch, &mut prefetch);
+            // The scalar float pass does not step: its lines go first.
+            prefetch.finish();
+            if summed {
                 return;
             }
-            // The float pass here does not step: its lines go first.
-            prefetch.finish();
             let values = widen_rows(values, value_buffer);
             // Up to four heads of the group per pass over the value rows.
-            let mut pass = ValuePass::<FMA, ISA> {
+            let mut pass = ValuePass::<false> {
                 acc: &mut scratch.acc[..heads * d],
                 weights: &scratch.weights[..heads * rows],
                 values,
@@ -518,7 +507,7 @@ pub(crate) fn three_passes<const FMA: bool>(
 }
 
 /// The weighted value sums of one head block from f32 value rows.
-struct ValuePass<'a, const FMA: bool, const ISA: u8> {
+struct ValuePass<'a, const FMA: bool> {
     acc: &'a mut [f32],
     weights: &'a [f32],
     values: &'a [f32],
@@ -527,13 +516,13 @@ struct ValuePass<'a, const FMA: bool, const ISA: u8> {
     rows: usize,
 }
 
-impl<const FMA: bool, const ISA: u8> HeadBlockPass for ValuePass<'_, FMA, ISA> {
+impl<const FMA: bool> HeadBlockPass for ValuePass<'_, FMA> {
     #[inline(always)]
     fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
         let (d, rows) = (self.d, self.rows);
         let out = &mut self.acc[h0 * d..][..H * d];
         let w = &self.weights[h0 * rows..][..H * rows];
-        weighted_sum::<FMA, ISA, H>(out, w, self.values, self.ch, kvh * d);
+        weighted_sum::<FMA, H>(out, w, self.values, self.ch, kvh * d);
     }
 }
 
@@ -682,7 +671,7 @@ fn exp_sub_sum<const FMA: bool>(x: &mut [f32], m: f32) -> f32 {
 /// channels; each block's `H` sums stay in registers while its rows are
 /// loaded once and stream by.
 #[inline(always)]
-fn weighted_sum<const FMA: bool, const ISA: u8, const H: usize>(
+fn weighted_sum<const FMA: bool, const H: usize>(
     out: &mut [f32],
     w: &[f32],
     values: &[f32],
@@ -693,15 +682,15 @@ fn weighted_sum<const FMA: bool, const ISA: u8, const H: usize>(
     let rows = w.len() / H;
     let mut c = 0;
     while c + 64 <= d {
-        weighted_block::<FMA, ISA, H, 4>(out, w, rows, values, ch, offset, c);
+        weighted_block::<FMA, H, 4>(out, w, rows, values, ch, offset, c);
         c += 64;
     }
     if c + 32 <= d {
-        weighted_block::<FMA, ISA, H, 2>(out, w, rows, values, ch, offset, c);
+        weighted_block::<FMA, H, 2>(out, w, rows, values, ch, offset, c);
         c += 32;
     }
     if c + 16 <= d {
-        weighted_block::<FMA, ISA, H, 1>(out, w, rows, values, ch, offset, c);
+        weighted_block::<FMA, H, 1>(out, w, rows, values, ch, offset, c);
         c += 16;
     }
     for j in 0..H {
@@ -715,16 +704,12 @@ fn weighted_sum<const FMA: bool, const ISA: u8, const H: usize>(
     }
 }
 
-/// Instruction sets of [`weighted_block`].
-const GENERIC: u8 = 0;
-const AVX2: u8 = 1;
-
-/// Channels `c..c + 16N` of [`weighted_sum`] for its `H` heads. Written
-/// with intrinsics on x86-64: from plain lane arrays LLVM vectorises across
-/// the rows instead, with gathers, and runs six times slower (measured).
+/// Channels `c..c + 16N` of [`weighted_sum`] for its `H` heads, in plain
+/// lane arrays: the scalar set's body (the vector sets sum values in
+/// [`fused`]'s kernels).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn weighted_block<const FMA: bool, const ISA: u8, const H: usize, const N: usize>(
+fn weighted_block<const FMA: bool, const H: usize, const N: usize>(
     out: &mut [f32],
     w: &[f32],
     rows: usize,
@@ -742,14 +727,6 @@ fn weighted_block<const FMA: bool, const ISA: u8, const H: usize, const N: usize
         offset: offset + c,
     };
     let mut acc = [[[0.0f32; LANES]; N]; H];
-    #[cfg(target_arch = "x86_64")]
-    match ISA {
-        // SAFETY: ISA is AVX2 only inside `attend_tile_avx2`, whose
-        // features `isa()` detected.
-        AVX2 => acc = unsafe { x86::weighted_block_avx2::<H, N>(block) },
-        _ => generic_block::<FMA, H, N>(block, &mut acc),
-    }
-    #[cfg(not(target_arch = "x86_64"))]
     generic_block::<FMA, H, N>(block, &mut acc);
     for (j, a) in acc.iter().enumerate() {
         for (o, a) in out[j * d + c..][..N * LANES].chunks_exact_mut(LANES).zip(a) {
@@ -785,53 +762,6 @@ fn generic_block<const FMA: bool, const H: usize, const N: usize>(
                 }
             }
         }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    //! Register blocks of [`weighted_block`](super::weighted_block): lane
-    //! `i` of block `k` of head `j` computes exactly the generic FMA path's
-    //! `acc[j][k][i]`, in the same row order.
-    use std::arch::x86_64::*;
-
-    use super::{Block, LANES};
-
-    /// # Safety
-    /// The CPU must have AVX2 and FMA.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn weighted_block_avx2<const H: usize, const N: usize>(
-        b: Block<'_>,
-    ) -> [[[f32; LANES]; N]; H] {
-        let mut acc = [[[_mm256_setzero_ps(); 2]; N]; H];
-        for t in 0..b.rows {
-            let v = &b.values[t * b.ch + b.offset..][..16 * N];
-            let v: [[__m256; 2]; N] = std::array::from_fn(|k| {
-                std::array::from_fn(|h| {
-                    // SAFETY: `v` holds 16N floats, so every 8-lane load is in bounds.
-                    unsafe { _mm256_loadu_ps(v.as_ptr().add(16 * k + 8 * h)) }
-                })
-            });
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let wt = _mm256_set1_ps(b.w[j * b.rows + t]);
-                for (a, v) in acc.iter_mut().zip(&v) {
-                    a[0] = _mm256_fmadd_ps(wt, v[0], a[0]);
-                    a[1] = _mm256_fmadd_ps(wt, v[1], a[1]);
-                }
-            }
-        }
-        let mut out = [[[0.0f32; LANES]; N]; H];
-        for (o, a) in out.iter_mut().zip(&acc) {
-            for (o, a) in o.iter_mut().zip(a) {
-                // SAFETY: `o` holds 16 floats.
-                unsafe {
-                    _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
-                    _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
-                }
-            }
-        }
-        out
     }
 }
 

@@ -32,7 +32,7 @@ use kv_quant::{LevelMap, LevelRows};
 
 use super::{
     HeadBlockPass, KernelScratch, LANES, NextTile, Partial, Prefetcher, TileGeometry,
-    for_head_blocks, integer_values, three_passes, value_steps, widen_rows,
+    for_head_blocks, integer_values, score_steps, three_passes, value_steps, widen_rows,
 };
 use crate::source::TileRows;
 
@@ -163,15 +163,20 @@ struct Levels<'a> {
 
 impl<'a> Levels<'a> {
     /// `None` for levels packed two per byte and groupings the loader does
-    /// not handle.
-    fn new(rows: LevelRows<'a>) -> Option<Self> {
+    /// not handle: groups of a multiple of 16 channels are read a group per
+    /// 16-channel load, which holds for heads of `d` channels only where
+    /// `d` is a multiple of 16 (or the whole row is one group); a head
+    /// starting inside a group would have its loads straddle two.
+    fn new(rows: LevelRows<'a>, d: usize) -> Option<Self> {
         if rows.packing != kv_quant::LevelPacking::Bytes {
             return None;
         }
         let cpg = rows.channels_per_group();
         let shared = match cpg {
             1 => None,
-            n if n % 16 == 0 => Some(GroupDivisor::new(n, rows.channels())?),
+            n if n % 16 == 0 && (d.is_multiple_of(16) || n == rows.channels()) => {
+                Some(GroupDivisor::new(n, rows.channels())?)
+            }
             _ => return None,
         };
         let row_step = if rows.tokens_per_group() == 1 {
@@ -392,13 +397,14 @@ pub(super) unsafe fn attend_tile_avx512(
             if let Some(keys) = keys {
                 assert_eq!(keys.len(), rows * ch);
                 // The next tile's keys are requested during the score pass.
-                let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
+                let steps = score_steps(tile.geometry, rows);
                 let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.keys), steps);
-                match Side::new(keys, ch, kb) {
+                match Side::new(keys, ch, d, kb) {
                     Side::F32(k) => score_pass(tile, k, scratch, &mut prefetch),
                     Side::F16(k) => score_pass(tile, k, scratch, &mut prefetch),
                     Side::Levels(k) => score_pass(tile, k, scratch, &mut prefetch),
                 }
+                prefetch.finish();
             }
         },
         |scratch| {
@@ -413,7 +419,7 @@ pub(super) unsafe fn attend_tile_avx512(
                 scratch,
                 &mut prefetch,
             ) {
-                match Side::new(values, ch, vb) {
+                match Side::new(values, ch, d, vb) {
                     Side::F32(v) => value_pass(tile, v, scratch, &mut prefetch),
                     Side::F16(v) => value_pass(tile, v, scratch, &mut prefetch),
                     Side::Levels(v) => value_pass(tile, v, scratch, &mut prefetch),
@@ -433,11 +439,13 @@ enum Side<'a> {
 }
 
 impl<'a> Side<'a> {
-    fn new(rows: TileRows<'a>, ch: usize, buffer: &'a mut Vec<f32>) -> Self {
+    /// The loader of `rows` (`ch` channels each, heads of `d`); level
+    /// layouts [`Levels`] does not read are widened into `buffer` first.
+    fn new(rows: TileRows<'a>, ch: usize, d: usize, buffer: &'a mut Vec<f32>) -> Self {
         match rows {
             TileRows::F32(v) => Self::F32(Floats(v, ch)),
             TileRows::F16(h) => Self::F16(Halves(h, ch)),
-            TileRows::Levels(l) => match Levels::new(l) {
+            TileRows::Levels(l) => match Levels::new(l, d) {
                 Some(levels) => Self::Levels(levels),
                 None => Self::F32(Floats(widen_rows(rows, buffer), ch)),
             },

@@ -467,8 +467,11 @@ fn integer_sums<const H: usize>(
 fn portable_sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32], prefetch: &mut Prefetcher) {
     out[..H * b.len].fill(0);
     for t in 0..b.rows {
-        if t % 4 == 0 && b.start.is_multiple_of(64) {
-            prefetch.step();
+        if t % 4 == 0 {
+            // One step per 64 channels of the segment, as the vector paths.
+            for _ in 0..b.len.div_ceil(64) {
+                prefetch.step();
+            }
         }
         let level = |c: usize| {
             let l = if b.packed {
@@ -578,7 +581,8 @@ mod vnni {
         prefetch: &mut Prefetcher,
     ) {
         let pairs = b.rows.div_ceil(2);
-        let steps = (b.start + c).is_multiple_of(64);
+        // One step per four rows of each 64 channels of the segment.
+        let steps = c.is_multiple_of(64);
         let row_bytes = b.ch / 2;
         // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every byte
         // read is in row `t < rows` at byte `(start + c) / 2 + 16k + 15 <
@@ -680,7 +684,8 @@ mod vnni {
         prefetch: &mut Prefetcher,
     ) {
         let pairs = b.rows.div_ceil(2);
-        let steps = (b.start + c).is_multiple_of(64);
+        // One step per four rows of each 64 channels of the segment.
+        let steps = c.is_multiple_of(64);
         // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every level
         // read is in row `t < rows` at channel `start + c + 16k + 15 <
         // start + len <= ch`; every pair of codes read is below `(H − 1)·stride + 2·pairs`; every

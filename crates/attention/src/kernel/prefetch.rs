@@ -1,11 +1,14 @@
 //! [`Prefetcher`]: the next tile's stored rows requested into L2 while the
 //! current tile is worked on: its keys while this tile's keys are scored,
-//! its values while this tile's values are summed ([`NextTile`]).
+//! its values while this tile's values are summed ([`NextTile`]; the
+//! scalar set's float passes request nothing, and its value lines go at
+//! the start of its value pass).
 
 use std::ops::Range;
 
-/// Address ranges of the next tile's stored keys and values, to prefetch
-/// while the current tile is worked on: one per run of contiguous rows (a
+/// Address ranges of one side (keys or values) of the next tile's stored
+/// rows, to prefetch while the current tile is worked on: one per run of
+/// contiguous rows (a
 /// contiguous store's tile is one run, a paged tile one per page; a range
 /// that starts where the last one ends extends it), at most
 /// [`Upcoming::MAX`] (the rest are not prefetched; a prefetch is a hint).
@@ -25,8 +28,8 @@ impl Default for Upcoming {
 }
 
 impl Upcoming {
-    /// Ranges held: a 256-row tile over pages of 8 rows, keys and values.
-    pub(crate) const MAX: usize = 64;
+    /// Ranges held: a 256-row tile over pages of 8 rows.
+    pub(crate) const MAX: usize = 32;
 
     /// Adds a range: extends the last one when it starts where that one
     /// ends, and is dropped once [`MAX`](Self::MAX) are held.
@@ -56,8 +59,8 @@ impl Upcoming {
 /// tile's lines queued behind each other there (the instruction after the
 /// prefetch held half the score pass's samples, `perf annotate`) and none
 /// were read while values were summed: FP16 at 32/8/128 over 64K tokens
-/// took 19.8-20.0 ms that way and 14.7-15.4 ms with the values' lines
-/// requested in the value pass.
+/// took 19.0-20.6 ms that way and 14.5-15.3 ms with the values' lines
+/// requested in the value pass (`decode_timing`, builds alternated).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct NextTile {
     /// The next tile's key rows.

@@ -42,14 +42,11 @@ fn fixed_reductions_match_f64_sums() {
 /// Runs one tile through one ISA variant, with the keys and the values
 /// given as f32 or as half floats (`halves`), and returns the finished
 /// output. The inputs are f16 values, so both spellings hold the same.
-/// With `fused_avx2`, `Isa::Avx2` runs the AVX2 kernel that reads rows as
-/// stored (`fused::avx2`) instead of the f32 body.
 fn run(
     isa: Isa,
     geometry: TileGeometry,
     rows: usize,
     halves: (bool, bool),
-    fused_avx2: bool,
 ) -> (Vec<f32>, Vec<f32>) {
     let heads = geometry.kv_heads * geometry.group;
     let (d, ch) = (geometry.d, geometry.kv_heads * geometry.d);
@@ -72,15 +69,13 @@ fn run(
     } else {
         TileRows::F32(&v)
     };
-    run_tile(isa, fused_avx2, geometry, &q, keys, values)
+    run_tile(isa, geometry, &q, keys, values)
 }
 
-/// One tile of `keys` and `values` through one ISA variant (with
-/// `fused_avx2`, `Isa::Avx2` runs `fused::avx2`), returning the finished
-/// output and log-sum-exp.
+/// One tile of `keys` and `values` through one ISA variant, returning the
+/// finished output and log-sum-exp.
 fn run_tile(
     isa: Isa,
-    fused_avx2: bool,
     geometry: TileGeometry,
     q: &[f32],
     keys: TileRows<'_>,
@@ -101,7 +96,7 @@ fn run_tile(
         (out, lse)
     };
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && fused_avx2 {
+    if isa == Isa::Avx2 {
         // SAFETY: the caller checked the features (and `d % 16 == 0`); the scratch is sized.
         unsafe {
             let tile = fused::Tile {
@@ -150,12 +145,7 @@ fn run_tile(
         dot: isa.dot(),
         upcoming: None,
     };
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked the features.
-        Isa::Avx2 => unsafe { attend_tile_avx2(args, &mut scratch, &mut partial) },
-        _ => attend_tile_body::<false, GENERIC>(args, &mut scratch, &mut partial),
-    }
+    attend_tile_body(args, &mut scratch, &mut partial);
     finish(partial)
 }
 
@@ -184,34 +174,28 @@ fn every_isa_variant_agrees() {
         (7, 1, 80, 66),
     ] {
         let geometry = TileGeometry { group, kv_heads, d };
-        let generic = run(Isa::Scalar, geometry, rows, (false, false), false);
-        assert_eq!(
-            generic,
-            run(Isa::Scalar, geometry, rows, (true, true), false)
-        );
+        let generic = run(Isa::Scalar, geometry, rows, (false, false));
+        assert_eq!(generic, run(Isa::Scalar, geometry, rows, (true, true)));
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = Isa::Avx2
                 .is_supported()
-                .then(|| run(Isa::Avx2, geometry, rows, (false, false), false));
+                .then(|| run(Isa::Avx2, geometry, rows, (false, false)));
             if let Some(a) = &avx2 {
-                assert_eq!(a, &run(Isa::Avx2, geometry, rows, (true, false), false));
-                if d.is_multiple_of(16) && Isa::Avx2.is_supported() {
-                    for halves in [(false, false), (true, true), (true, false), (false, true)] {
-                        assert_eq!(
-                            a,
-                            &run(Isa::Avx2, geometry, rows, halves, true),
-                            "AVX2 reading halves {halves:?} as stored at {geometry:?}"
-                        );
-                    }
+                for halves in [(true, true), (true, false), (false, true)] {
+                    assert_eq!(
+                        a,
+                        &run(Isa::Avx2, geometry, rows, halves),
+                        "AVX2 reading halves {halves:?} as stored at {geometry:?}"
+                    );
                 }
             }
             let avx512 = (Isa::Avx512.is_supported()).then(|| {
-                let f32_rows = run(Isa::Avx512, geometry, rows, (false, false), false);
+                let f32_rows = run(Isa::Avx512, geometry, rows, (false, false));
                 for halves in [(true, true), (true, false), (false, true)] {
                     assert_eq!(
                         f32_rows,
-                        run(Isa::Avx512, geometry, rows, halves, false),
+                        run(Isa::Avx512, geometry, rows, halves),
                         "AVX-512 reading halves {halves:?} at {geometry:?}"
                     );
                 }
@@ -276,29 +260,39 @@ fn nan_blind(o: &(Vec<f32>, Vec<f32>)) -> Vec<u32> {
 
 /// `fused::avx2` reading level tiles in registers (every level map, groups
 /// shared by 16 channels and one per channel, out-of-range levels and FP8
-/// NaN codes among the values) gives the bits of the f32 body over the
-/// same rows dequantized by kv-quant, and of the AVX-512 kernel.
+/// NaN codes among the values) gives the bits of the same kernel over the
+/// rows dequantized by kv-quant, and of the AVX-512 kernel; also with a
+/// head dimension that is not a multiple of 16 (per-channel levels read
+/// through the last chunk's partial loads, shared groups widened first).
 #[test]
-fn level_tiles_read_in_registers_match_the_f32_body() {
+fn level_tiles_read_in_registers_match_their_f32_rows() {
     #[cfg(target_arch = "x86_64")]
     {
         if !Isa::Avx2.is_supported() {
             test_support::skip(
                 test_support::Requirement::Isa,
                 "attention",
-                "level_tiles_read_in_registers_match_the_f32_body",
+                "level_tiles_read_in_registers_match_their_f32_rows",
                 "no AVX2/FMA/F16C: the AVX2 tile kernel is not used here",
             );
             return;
         }
-        let geometry = TileGeometry {
-            group: 3,
-            kv_heads: 2,
-            d: 64,
+        let tails = TileGeometry {
+            group: 2,
+            kv_heads: 4,
+            d: 40,
         };
-        let (rows, ch, heads) = (37, 128, 6);
-        let q = test_values(3, heads * 64, 0.5);
-        for form in [
+        let tail_forms = [
+            "int8",
+            "int4-ch",
+            "int4-ch32",
+            "int8-sym-ch",
+            "int4-g32",
+            "nf4-g1",
+            "lm4+rot8",
+        ];
+        let heads64 = [
+            "int8",
             "int8",
             "int4-ch",
             // Per-channel groups over blocks of 32 tokens: the 37 rows span
@@ -318,7 +312,20 @@ fn level_tiles_read_in_registers_match_the_f32_body() {
             "lm4",
             "lm3",
             "lm2",
-        ] {
+        ];
+        let geometry64 = TileGeometry {
+            group: 3,
+            kv_heads: 2,
+            d: 64,
+        };
+        let cases = heads64
+            .iter()
+            .map(|&f| (f, geometry64))
+            .chain(tail_forms.iter().map(|&f| (f, tails)));
+        for (form, geometry) in cases {
+            let rows = 37;
+            let ch = geometry.kv_heads * geometry.d;
+            let q = test_values(3, geometry.kv_heads * geometry.group * geometry.d, 0.5);
             let quantize = |seed: u64, scale: f32| {
                 let values = test_values(seed, rows * ch, scale);
                 kv_quant::KvStore::quantize(form.parse().unwrap(), &values, rows, ch).unwrap()
@@ -348,7 +355,6 @@ fn level_tiles_read_in_registers_match_the_f32_body() {
             );
             let want = run_tile(
                 Isa::Avx2,
-                false,
                 geometry,
                 &q,
                 TileRows::F32(kf),
@@ -357,7 +363,6 @@ fn level_tiles_read_in_registers_match_the_f32_body() {
             assert!(want.0.iter().any(|x| x.is_finite()), "{form}");
             let got = run_tile(
                 Isa::Avx2,
-                true,
                 geometry,
                 &q,
                 TileRows::Levels(kl),
@@ -367,7 +372,6 @@ fn level_tiles_read_in_registers_match_the_f32_body() {
             if Isa::Avx512.is_supported() {
                 let avx512 = run_tile(
                     Isa::Avx512,
-                    false,
                     geometry,
                     &q,
                     TileRows::Levels(kl),

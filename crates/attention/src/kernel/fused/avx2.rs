@@ -14,8 +14,10 @@
 //! multiply-add over the head dimension (here two 8-lane registers)
 //! folded by the tree `+8, +4, +2, +1`, eight scores at once by shuffles
 //! ([`reduce8`]); a weighted value sum runs over the rows in order, per
-//! channel. Only head dimensions that are multiples of 16 come here; the
-//! caller sends others to the f32 body.
+//! channel. A head dimension that is not a multiple of 16 ends in a
+//! partial chunk: its values are read through a zero-padded copy
+//! ([`Load::load_partial`]) and its score lanes above the head kept as
+//! they were, as the AVX-512 kernel's masked loads and multiply-adds do.
 //!
 //! Written because on an AVX2-only host (Zen 3) FP16 decode ran at a
 //! quarter of the streaming read: a third of its time went to widening
@@ -34,7 +36,7 @@ use kv_quant::{LevelMap, LevelRows};
 use super::{Floats, Halves, Levels, Side, Tile};
 use crate::kernel::{
     HeadBlockPass, KernelScratch, Partial, Prefetcher, TileGeometry, for_head_blocks,
-    integer_values, three_passes, value_steps,
+    integer_values, score_steps, three_passes, value_steps,
 };
 use crate::source::TileRows;
 
@@ -59,6 +61,26 @@ trait Load: Copy {
 
     /// Channels `col..col + 16` of a row as f32, low eight in the first register.
     unsafe fn load(self, row: Self::Row, col: usize) -> [__m256; 2];
+
+    /// Channels `col..col + n` of a row as f32 (`n < 16`, a head's last
+    /// channels when its dimension is not a multiple of 16), zeros above:
+    /// through a copy, the values the parent module's masked loads give.
+    unsafe fn load_partial(self, row: Self::Row, col: usize, n: usize) -> [__m256; 2];
+}
+
+/// Sixteen lanes from a zero-padded copy.
+///
+/// # Safety
+/// Only called from functions compiled with AVX.
+#[inline(always)]
+unsafe fn lanes16(values: &[f32; 16]) -> [__m256; 2] {
+    // SAFETY: `values` holds 16 floats; unaligned loads.
+    unsafe {
+        [
+            _mm256_loadu_ps(values.as_ptr()),
+            _mm256_loadu_ps(values.as_ptr().add(8)),
+        ]
+    }
 }
 
 /// The parent module's f32 rows, eight lanes at a time.
@@ -87,6 +109,14 @@ impl Load for Floats<'_> {
             [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
         }
     }
+
+    #[inline(always)]
+    unsafe fn load_partial(self, row: usize, col: usize, n: usize) -> [__m256; 2] {
+        let mut lanes = [0.0f32; 16];
+        lanes[..n].copy_from_slice(&self.0[row + col..][..n]);
+        // SAFETY: the caller is compiled with AVX.
+        unsafe { lanes16(&lanes) }
+    }
 }
 
 /// The parent module's half-float rows, widened by F16C eight lanes at a time.
@@ -113,6 +143,22 @@ impl Load for Halves<'_> {
         // SAFETY: bytes `2i..2i + 32` are inside the slice; x86 is little-endian.
         unsafe {
             let p = self.0.as_ptr().add(2 * i).cast::<__m128i>();
+            [
+                _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load_partial(self, row: usize, col: usize, n: usize) -> [__m256; 2] {
+        let i = row + col;
+        let mut halves = [0u8; 32];
+        halves[..2 * n].copy_from_slice(&self.0[2 * i..][..2 * n]);
+        // SAFETY: `halves` holds 32 bytes (zero halves above `n`); the
+        // caller is compiled with F16C.
+        unsafe {
+            let p = halves.as_ptr().cast::<__m128i>();
             [
                 _mm256_cvtph_ps(_mm_loadu_si128(p)),
                 _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
@@ -246,6 +292,40 @@ impl<const MAP: u8, const SHARED: bool> Load for MappedLevels<'_, MAP, SHARED> {
             ]
         }
     }
+
+    /// [`load`](Self::load)'s arithmetic on copies of the `n` levels and
+    /// their parameters (zero above `n`, so those lanes hold `b + 0·a`
+    /// with finite parameters: the passes never use them).
+    #[inline(always)]
+    unsafe fn load_partial(self, (row, g): (usize, usize), col: usize, n: usize) -> [__m256; 2] {
+        let rows = self.levels.rows;
+        let mut bytes = [0u8; 16];
+        bytes[..n].copy_from_slice(&rows.levels[row + col..][..n]);
+        let (mut a, mut b) = ([0.0f32; 16], [0.0f32; 16]);
+        match self.levels.shared {
+            // The whole row is one group where a head ends mid-chunk
+            // (`Levels::new`).
+            Some(div) if SHARED => {
+                let j = g + div.of(col);
+                a.fill(rows.scale[j]);
+                b.fill(rows.offset[j]);
+            }
+            _ => {
+                a[..n].copy_from_slice(&rows.scale[g + col..][..n]);
+                b[..n].copy_from_slice(&rows.offset[g + col..][..n]);
+            }
+        }
+        // SAFETY: the buffers hold 16 bytes and 16 floats each; the caller
+        // is compiled with AVX2, FMA and F16C.
+        unsafe {
+            let bytes = _mm_loadu_si128(bytes.as_ptr().cast());
+            let ([a0, a1], [b0, b1]) = (lanes16(&a), lanes16(&b));
+            [
+                dequantize8::<MAP>(self.mid, self.table, bytes, a0, b0),
+                dequantize8::<MAP>(self.mid, self.table, _mm_srli_si128::<8>(bytes), a1, b1),
+            ]
+        }
+    }
 }
 
 /// The low eight levels (bytes) of `bytes` as values under the map `MAP`
@@ -328,7 +408,7 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
     let TileGeometry { group, kv_heads, d } = tile.geometry;
     let (ch, heads, rows) = (kv_heads * d, kv_heads * group, tile.rows);
     // Every load below stays inside these lengths.
-    assert!(values.len() == rows * ch && tile.q.len() == heads * d && d.is_multiple_of(16));
+    assert!(values.len() == rows * ch && tile.q.len() == heads * d);
     let (kb, vb) = wide.buffers();
     three_passes::<true>(
         tile.geometry,
@@ -339,16 +419,17 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
             if let Some(keys) = keys {
                 assert_eq!(keys.len(), rows * ch);
                 // The next tile's keys are requested during the score pass.
-                let steps = kv_heads * group.div_ceil(4) * rows.div_ceil(4);
+                let steps = score_steps(tile.geometry, rows);
                 let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.keys), steps);
                 let weights = &mut scratch.weights[..heads * rows];
-                match Side::new(keys, ch, kb) {
+                match Side::new(keys, ch, d, kb) {
                     Side::F32(k) => score_pass(tile, k, weights, &mut prefetch),
                     Side::F16(k) => score_pass(tile, k, weights, &mut prefetch),
                     Side::Levels(k) => with_mapped_levels!(k, k => {
                         score_pass(tile, k, weights, &mut prefetch)
                     }),
                 }
+                prefetch.finish();
             }
         },
         |scratch| {
@@ -361,7 +442,7 @@ pub(in crate::kernel) unsafe fn attend_tile_avx2(
                     &mut scratch.acc[..heads * d],
                     &scratch.weights[..heads * rows],
                 );
-                match Side::new(values, ch, vb) {
+                match Side::new(values, ch, d, vb) {
                     Side::F32(v) => value_pass(tile, v, acc, weights, p),
                     Side::F16(v) => value_pass(tile, v, acc, weights, p),
                     Side::Levels(v) => {
@@ -411,12 +492,26 @@ impl<K: Load> HeadBlockPass for ScorePass<'_, K> {
         let (d, rows) = (self.d, self.rows);
         let q = &self.q[h0 * d..][..H * d];
         let w = &mut self.weights[h0 * rows..][..H * rows];
+        let (full, tail) = (d / 16 * 16, d % 16);
+        // The queries' last `tail` channels, zero-padded to 16 lanes.
+        let mut q_tail = [[0.0f32; 16]; H];
+        for (j, lanes) in q_tail.iter_mut().enumerate() {
+            lanes[..tail].copy_from_slice(&q[j * d + full..][..tail]);
+        }
         // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C).
         // `score_pass` checked `keys.len() == rows·ch` with rows `ch`
         // apart; a row's chunks end
-        // at `t·ch + kvh·d + d <= rows·ch`; `q` holds `H·d` values and `d`
-        // is a multiple of 16.
+        // at `t·ch + kvh·d + d <= rows·ch`; `q` holds `H·d` values, read in
+        // chunks of 16 up to `full <= d` and then from `q_tail`.
         unsafe {
+            // Lanes `< tail` of the last chunk: the others keep their sums,
+            // as the parent module's masked multiply-add keeps them.
+            let in_tail = |base: i32| {
+                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let limit = _mm256_set1_epi32(tail as i32 - base);
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, lane))
+            };
+            let tail_mask = [in_tail(0), in_tail(8)];
             let mut halves = [[_mm256_setzero_ps(); 8]; H];
             for t in 0..rows {
                 if t.is_multiple_of(4) {
@@ -424,12 +519,22 @@ impl<K: Load> HeadBlockPass for ScorePass<'_, K> {
                 }
                 let row = self.keys.row(t);
                 let mut acc = [[_mm256_setzero_ps(); 2]; H];
-                for c in (0..d).step_by(16) {
+                for c in (0..full).step_by(16) {
                     let k = self.keys.load(row, kvh * d + c);
                     for (j, a) in acc.iter_mut().enumerate() {
                         let p = q.as_ptr().add(j * d + c);
                         a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(p), k[0], a[0]);
                         a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), k[1], a[1]);
+                    }
+                }
+                if tail > 0 {
+                    let k = self.keys.load_partial(row, kvh * d + full, tail);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let p = q_tail[j].as_ptr();
+                        for (h, a) in a.iter_mut().enumerate() {
+                            let sum = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8 * h)), k[h], *a);
+                            *a = _mm256_blendv_ps(*a, sum, tail_mask[h]);
+                        }
                     }
                 }
                 let r = t % 8;
@@ -551,9 +656,21 @@ impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
                 c += 32;
             }
         }
-        while c < d {
+        while c + 16 <= d {
             store_block::<H, 1>(out, d, c, value_block::<V, H, 1>(block, c, self.prefetch));
             c += 16;
+        }
+        if c < d {
+            let tail = value_tail::<V, H>(block, c, d - c);
+            for (j, a) in tail.iter().enumerate() {
+                let mut lanes = [0.0f32; 16];
+                // SAFETY: only inlined into `attend_tile_avx2` (AVX2); `lanes` holds 16 floats.
+                unsafe {
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), a[0]);
+                    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), a[1]);
+                }
+                out[j * d + c..(j + 1) * d].copy_from_slice(&lanes[..d - c]);
+            }
         }
     }
 }
@@ -596,6 +713,32 @@ fn value_block<V: Load, const H: usize, const N: usize>(
                     a[0] = _mm256_fmadd_ps(wt, v[0], a[0]);
                     a[1] = _mm256_fmadd_ps(wt, v[1], a[1]);
                 }
+            }
+        }
+        acc
+    }
+}
+
+/// Channels `c..c + n` (`n < 16`, a head's last ones) of `H` heads,
+/// summed over the rows in order as [`value_block`] sums them.
+#[inline(always)]
+fn value_tail<V: Load, const H: usize>(
+    b: ValueBlock<'_, V>,
+    c: usize,
+    n: usize,
+) -> [[__m256; 2]; H] {
+    // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C);
+    // `value_pass` checked `values.len() == rows·ch` with rows `ch` apart,
+    // channel `offset + c + n` is at most `ch`, and `w` holds `H·rows`
+    // weights.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; H];
+        for t in 0..b.rows {
+            let v = b.values.load_partial(b.values.row(t), b.offset + c, n);
+            for (j, a) in acc.iter_mut().enumerate() {
+                let wt = _mm256_set1_ps(*b.w.get_unchecked(j * b.rows + t));
+                a[0] = _mm256_fmadd_ps(wt, v[0], a[0]);
+                a[1] = _mm256_fmadd_ps(wt, v[1], a[1]);
             }
         }
         acc
