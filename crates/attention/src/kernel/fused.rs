@@ -6,9 +6,9 @@
 //! dequantized in registers too ([`Levels`]). [`avx2`] is the same kernel
 //! for hosts without AVX-512, on the same loaders.
 //!
-//! It computes exactly what the f32 body (`attend_tile_body`, AVX2 or
-//! generic with FMA) and [`avx2`] compute from the same values widened to
-//! f32, bit for bit:
+//! It computes exactly what [`avx2`] computes, and what it computes itself
+//! from the same values widened to f32, bit for bit (the scalar set's
+//! body, without fused multiply-adds, agrees to rounding):
 //! - a score is a 16-lane multiply-add over the head dimension (the tail
 //!   with masked lanes) folded by the tree `+8, +4, +2, +1`; here sixteen
 //!   scores are folded at once by shuffles ([`reduce16`]) with the same
@@ -142,8 +142,9 @@ impl Load for Halves<'_> {
 /// `b + level·a` (product, then sum), `(level − mid)·a`, or
 /// `value(code)·a` for FP8, the code widened exactly through IEEE half
 /// precision ([`fp8_values`]), and `NF4_LEVELS[code]·a` from a register. Only for layouts where 16 consecutive channels of a
-/// row share one group (`channels_per_group` a multiple of 16, like
-/// SmolLM2's whole-row groups of 192) or each have their own
+/// head share one group (`channels_per_group` a multiple of 16, like
+/// SmolLM2's whole-row groups of 192, and of the head dimension where
+/// that is not a multiple of 16) or each have their own
 /// (`channels_per_group == 1`).
 #[derive(Clone, Copy)]
 struct Levels<'a> {
@@ -165,8 +166,8 @@ impl<'a> Levels<'a> {
     /// `None` for levels packed two per byte and groupings the loader does
     /// not handle: groups of a multiple of 16 channels are read a group per
     /// 16-channel load, which holds for heads of `d` channels only where
-    /// `d` is a multiple of 16 (or the whole row is one group); a head
-    /// starting inside a group would have its loads straddle two.
+    /// `d` is a multiple of 16 or groups hold whole heads; a head starting
+    /// inside a group would have its loads straddle two.
     fn new(rows: LevelRows<'a>, d: usize) -> Option<Self> {
         if rows.packing != kv_quant::LevelPacking::Bytes {
             return None;
@@ -174,7 +175,7 @@ impl<'a> Levels<'a> {
         let cpg = rows.channels_per_group();
         let shared = match cpg {
             1 => None,
-            n if n % 16 == 0 && (d.is_multiple_of(16) || n == rows.channels()) => {
+            n if n % 16 == 0 && (d.is_multiple_of(16) || n.is_multiple_of(d)) => {
                 Some(GroupDivisor::new(n, rows.channels())?)
             }
             _ => return None,
@@ -411,18 +412,12 @@ pub(super) unsafe fn attend_tile_avx512(
             // ... and its values during the value pass.
             let steps = value_steps(tile.geometry, rows);
             let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.values), steps);
-            if !integer_values(
-                int_values,
-                tile.geometry,
-                rows,
-                tile.dot,
-                scratch,
-                &mut prefetch,
-            ) {
+            let p = &mut prefetch;
+            if !integer_values(int_values, tile.geometry, rows, tile.dot, scratch, p) {
                 match Side::new(values, ch, d, vb) {
-                    Side::F32(v) => value_pass(tile, v, scratch, &mut prefetch),
-                    Side::F16(v) => value_pass(tile, v, scratch, &mut prefetch),
-                    Side::Levels(v) => value_pass(tile, v, scratch, &mut prefetch),
+                    Side::F32(v) => value_pass(tile, v, scratch, p),
+                    Side::F16(v) => value_pass(tile, v, scratch, p),
+                    Side::Levels(v) => value_pass(tile, v, scratch, p),
                 }
             }
             prefetch.finish();
@@ -464,8 +459,7 @@ pub(in crate::kernel) struct Tile<'a> {
     pub(in crate::kernel) dot: super::Dot,
 }
 
-/// The scores of every head into `scratch.weights` (`heads × rows`), as
-/// the parent module's `attend_tile_body` computes them.
+/// The scores of every head into `scratch.weights` (`heads × rows`).
 #[inline(always)]
 fn score_pass<K: Load>(
     tile: Tile<'_>,
@@ -795,8 +789,10 @@ fn value_block<V: Load, const H: usize, const N: usize, const FULL: usize>(
     // weights.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); N]; H];
+        // Steps at each multiple of 64 channels of the head (`value_steps`).
+        let steps = c.is_multiple_of(64);
         for t in 0..b.rows {
-            if t % 4 == 0 {
+            if steps && t % 4 == 0 {
                 prefetch.step();
             }
             let row = b.values.row(t);

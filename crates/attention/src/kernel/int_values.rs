@@ -301,6 +301,7 @@ impl HeadBlockPass for Segments<'_, '_> {
                 packed: levels.packing == LevelPacking::Nibbles,
                 ch,
                 start: c,
+                in_head: c - first,
                 len,
                 rows,
                 codes: &s.codes[..H * stride],
@@ -419,6 +420,10 @@ struct SumBlock<'a> {
     /// and `start` and `len` of 32 when packed).
     start: usize,
     len: usize,
+    /// `start` counted from its head's first channel: the kernels step the
+    /// prefetcher every four rows at each multiple of 64 channels of the
+    /// head ([`value_steps`](super::value_steps)' unit).
+    in_head: usize,
     rows: usize,
     /// `H × stride` weight codes (the last head's only up to its
     /// `2·rows.div_ceil(2)`: the rows' pairs are all that is read).
@@ -468,8 +473,9 @@ fn portable_sums<const H: usize>(b: SumBlock<'_>, out: &mut [i32], prefetch: &mu
     out[..H * b.len].fill(0);
     for t in 0..b.rows {
         if t % 4 == 0 {
-            // One step per 64 channels of the segment, as the vector paths.
-            for _ in 0..b.len.div_ceil(64) {
+            // One step per multiple of 64 channels of the head in the
+            // segment, as the vector paths take them.
+            for _ in b.in_head.div_ceil(64)..(b.in_head + b.len).div_ceil(64) {
                 prefetch.step();
             }
         }
@@ -581,8 +587,7 @@ mod vnni {
         prefetch: &mut Prefetcher,
     ) {
         let pairs = b.rows.div_ceil(2);
-        // One step per four rows of each 64 channels of the segment.
-        let steps = c.is_multiple_of(64);
+        let steps = (b.in_head + c).is_multiple_of(64);
         let row_bytes = b.ch / 2;
         // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every byte
         // read is in row `t < rows` at byte `(start + c) / 2 + 16k + 15 <
@@ -684,8 +689,7 @@ mod vnni {
         prefetch: &mut Prefetcher,
     ) {
         let pairs = b.rows.div_ceil(2);
-        // One step per four rows of each 64 channels of the segment.
-        let steps = c.is_multiple_of(64);
+        let steps = (b.in_head + c).is_multiple_of(64);
         // SAFETY: only inlined into `sums` (AVX-512F/BW/VNNI). Every level
         // read is in row `t < rows` at channel `start + c + 16k + 15 <
         // start + len <= ch`; every pair of codes read is below `(H − 1)·stride + 2·pairs`; every

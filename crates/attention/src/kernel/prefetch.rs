@@ -28,8 +28,9 @@ impl Default for Upcoming {
 }
 
 impl Upcoming {
-    /// Ranges held: a 256-row tile over pages of 8 rows.
-    pub(crate) const MAX: usize = 32;
+    /// Ranges held: a 256-row tile over pages of 4 rows, or of 8 rows
+    /// read in two planes (a hierarchical source's upper and residual).
+    pub(crate) const MAX: usize = 64;
 
     /// Adds a range: extends the last one when it starts where that one
     /// ends, and is dropped once [`MAX`](Self::MAX) are held.

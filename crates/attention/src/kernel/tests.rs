@@ -97,7 +97,7 @@ fn run_tile(
     };
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        // SAFETY: the caller checked the features (and `d % 16 == 0`); the scratch is sized.
+        // SAFETY: the caller checked the features; the scratch is sized.
         unsafe {
             let tile = fused::Tile {
                 q,
@@ -172,6 +172,8 @@ fn every_isa_variant_agrees() {
         (5, 1, 117, 9),
         (1, 2, 3, 1),
         (7, 1, 80, 66),
+        // A tail of 12: both eight-lane halves of AVX2's partial chunk.
+        (3, 2, 60, 13),
     ] {
         let geometry = TileGeometry { group, kv_heads, d };
         let generic = run(Isa::Scalar, geometry, rows, (false, false));
@@ -282,17 +284,24 @@ fn level_tiles_read_in_registers_match_their_f32_rows() {
             kv_heads: 4,
             d: 40,
         };
+        // Read in registers through the last chunk's partial loads
+        // (whole-row, per-channel and two-head groups, every map), or
+        // widened first (groups of 40 or 32 channels).
         let tail_forms = [
             "int8",
+            "int8-sym",
             "int4-ch",
             "int4-ch32",
             "int8-sym-ch",
+            "int4-g80",
+            "int4-g40",
             "int4-g32",
             "nf4-g1",
+            "fp8-e4m3",
+            "fp8-e5m2-h1",
             "lm4+rot8",
         ];
         let heads64 = [
-            "int8",
             "int8",
             "int4-ch",
             // Per-channel groups over blocks of 32 tokens: the 37 rows span
@@ -345,6 +354,9 @@ fn level_tiles_read_in_registers_match_their_f32_rows() {
             if !form.starts_with("lm") {
                 bytes[5] = 0x7F;
                 bytes[ch + 70] = 0xFF;
+                // In the last (partial) chunk of head 0 where heads have
+                // 40 channels.
+                bytes[2 * ch + 37] = 0x7F;
             }
             let mut vl = vl;
             vl.levels = &bytes;

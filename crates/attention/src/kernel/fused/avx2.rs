@@ -8,8 +8,8 @@
 //! module's eight-lane [`Load`] (levels as [`MappedLevels`], compiled for
 //! their level map).
 //!
-//! It computes exactly what the parent module's AVX-512 kernel and the
-//! generic FMA kernel compute, bit for bit (NaN aside: an E4M3 NaN code
+//! It computes exactly what the parent module's AVX-512 kernel computes,
+//! bit for bit (NaN aside: an E4M3 NaN code
 //! gives a NaN here whose sign and payload may differ): a score is the 16-lane
 //! multiply-add over the head dimension (here two 8-lane registers)
 //! folded by the tree `+8, +4, +2, +1`, eight scores at once by shuffles
@@ -43,9 +43,10 @@ use crate::source::TileRows;
 /// Values of a tile (`rows × ch`) read 16 lanes at a time as f32.
 ///
 /// # Safety
-/// [`load`](Self::load) is only called from functions compiled with AVX2,
-/// FMA and F16C, with a [`Row`](Self::Row) of a row `< rows` and
-/// `col + 16 <= ch`.
+/// [`load`](Self::load) and [`load_partial`](Self::load_partial) are only
+/// called from functions compiled with AVX2, FMA and F16C, with a
+/// [`Row`](Self::Row) of a row `< rows` and `col + 16 <= ch` (`col + n <=
+/// ch` for a partial load).
 trait Load: Copy {
     /// Where a row starts, computed once per row and pass ([`row`](Self::row)).
     type Row: Copy;
@@ -272,7 +273,9 @@ impl<const MAP: u8, const SHARED: bool> Load for MappedLevels<'_, MAP, SHARED> {
             let bytes = _mm_loadu_si128(rows.levels.as_ptr().add(i).cast());
             let (s, o) = (rows.scale.as_ptr(), rows.offset.as_ptr());
             let ((a0, b0), (a1, b1)) = match self.levels.shared {
-                // 16 channels from a multiple of 16 lie in one group.
+                // 16 channels from a multiple of 16 lie in one group; so do
+                // any 16 of a head where groups hold whole heads
+                // (`Levels::new`).
                 Some(div) if SHARED => {
                     let j = g + div.of(col);
                     let p = (_mm256_set1_ps(*s.add(j)), _mm256_set1_ps(*o.add(j)));
@@ -303,8 +306,8 @@ impl<const MAP: u8, const SHARED: bool> Load for MappedLevels<'_, MAP, SHARED> {
         bytes[..n].copy_from_slice(&rows.levels[row + col..][..n]);
         let (mut a, mut b) = ([0.0f32; 16], [0.0f32; 16]);
         match self.levels.shared {
-            // The whole row is one group where a head ends mid-chunk
-            // (`Levels::new`).
+            // Groups hold whole heads where a head ends mid-chunk
+            // (`Levels::new`): the tail is in its head's group.
             Some(div) if SHARED => {
                 let j = g + div.of(col);
                 a.fill(rows.scale[j]);
@@ -393,8 +396,7 @@ fn dequantize8<const MAP: u8>(
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; the scratch must be sized for
-/// `tile.rows` rows of `tile.geometry` (as `attend_tile` does), and
-/// `tile.geometry.d` must be a multiple of 16.
+/// `tile.rows` rows of `tile.geometry` (as `attend_tile` does).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(in crate::kernel) unsafe fn attend_tile_avx2(
     tile: Tile<'_>,
@@ -630,8 +632,9 @@ struct ValuePass<'a, V> {
 
 impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
     /// Blocks of `16·N` channels with `H·N ≤ 4`, so the `2·H·N`
-    /// accumulators fit the registers while the rows stream by; a last
-    /// narrower block takes what is left (`d` is a multiple of 16).
+    /// accumulators fit the registers while the rows stream by; narrower
+    /// blocks take what is left, the last one partial where `d` is not a
+    /// multiple of 16 ([`value_tail`]).
     #[inline(always)]
     fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
         let (d, rows) = (self.d, self.rows);
@@ -661,7 +664,7 @@ impl<V: Load> HeadBlockPass for ValuePass<'_, V> {
             c += 16;
         }
         if c < d {
-            let tail = value_tail::<V, H>(block, c, d - c);
+            let tail = value_tail::<V, H>(block, c, d - c, self.prefetch);
             for (j, a) in tail.iter().enumerate() {
                 let mut lanes = [0.0f32; 16];
                 // SAFETY: only inlined into `attend_tile_avx2` (AVX2); `lanes` holds 16 floats.
@@ -726,6 +729,7 @@ fn value_tail<V: Load, const H: usize>(
     b: ValueBlock<'_, V>,
     c: usize,
     n: usize,
+    prefetch: &mut Prefetcher,
 ) -> [[__m256; 2]; H] {
     // SAFETY: only inlined into `attend_tile_avx2` (AVX2, FMA, F16C);
     // `value_pass` checked `values.len() == rows·ch` with rows `ch` apart,
@@ -733,7 +737,11 @@ fn value_tail<V: Load, const H: usize>(
     // weights.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; H];
+        let steps = c.is_multiple_of(64);
         for t in 0..b.rows {
+            if steps && t % 4 == 0 {
+                prefetch.step();
+            }
             let v = b.values.load_partial(b.values.row(t), b.offset + c, n);
             for (j, a) in acc.iter_mut().enumerate() {
                 let wt = _mm256_set1_ps(*b.w.get_unchecked(j * b.rows + t));

@@ -121,7 +121,7 @@ fn bytes<const G: usize, const IMAGE: bool>(
         for c in (0..b.len).step_by(16) {
             let mut acc = [[_mm256_setzero_si256(); 2]; G];
             for p in 0..pairs {
-                if j0 == 0 && c.is_multiple_of(64) && p % 2 == 0 {
+                if j0 == 0 && (b.in_head + c).is_multiple_of(64) && p % 2 == 0 {
                     prefetch.step();
                 }
                 let t = 2 * p;
@@ -177,7 +177,7 @@ fn nibbles<const G: usize, const IMAGE: bool>(
             // [even 0-14, even 16-30, odd 1-15, odd 17-31] per head.
             let mut acc = [[_mm256_setzero_si256(); 4]; G];
             for p in 0..pairs {
-                if j0 == 0 && c.is_multiple_of(64) && p % 2 == 0 {
+                if j0 == 0 && (b.in_head + c).is_multiple_of(64) && p % 2 == 0 {
                     prefetch.step();
                 }
                 let t = 2 * p;

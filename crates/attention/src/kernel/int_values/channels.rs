@@ -175,6 +175,7 @@ impl HeadBlockPass for Runs<'_, '_> {
                 packed: levels.packing == LevelPacking::Nibbles,
                 ch,
                 start: kvh * d,
+                in_head: 0,
                 len: d,
                 rows: run,
                 codes: &s.codes[t0..H * stride],
