@@ -125,11 +125,42 @@ impl Prefetcher {
                     r.start as *const i8,
                 );
             }
+            #[cfg(test)]
+            issued::note(r.start);
             r.start = (r.start + Self::LINE).min(r.end);
             if r.start == r.end {
                 self.at += 1;
             }
         }
+    }
+}
+
+/// The lines the prefetchers of this thread request while a closure runs
+/// (tests only: which lines each kernel path asks for).
+#[cfg(test)]
+pub(crate) mod issued {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static LINES: RefCell<Option<Vec<usize>>> = const { RefCell::new(None) };
+    }
+
+    /// Records the line `address` when a [`record`] is running.
+    pub(super) fn note(address: usize) {
+        LINES.with(|l| {
+            if let Some(lines) = l.borrow_mut().as_mut() {
+                lines.push(address);
+            }
+        });
+    }
+
+    /// Runs `f`, returning its result and the lines requested meanwhile,
+    /// in order.
+    pub(crate) fn record<R>(f: impl FnOnce() -> R) -> (R, Vec<usize>) {
+        LINES.with(|l| *l.borrow_mut() = Some(Vec::new()));
+        let out = f();
+        let lines = LINES.with(|l| l.borrow_mut().take()).unwrap_or_default();
+        (out, lines)
     }
 }
 

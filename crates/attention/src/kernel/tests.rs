@@ -241,7 +241,23 @@ fn levels_of<'s>(
     rows: usize,
     scratch: &'s mut kv_quant::DecodeScratch,
 ) -> kv_quant::LevelRows<'s> {
-    match store.decode_rows_view(0, rows, scratch).unwrap().0 {
+    view_of(store, rows, scratch, false)
+}
+
+/// The level view of a store's first `rows` rows, packed as
+/// `decode_rows_view_packed` packs them where `packed`.
+fn view_of<'s>(
+    store: &'s kv_quant::KvStore,
+    rows: usize,
+    scratch: &'s mut kv_quant::DecodeScratch,
+    packed: bool,
+) -> kv_quant::LevelRows<'s> {
+    let view = if packed {
+        store.decode_rows_view_packed(0, rows, scratch)
+    } else {
+        store.decode_rows_view(0, rows, scratch)
+    };
+    match view.unwrap().0 {
         kv_quant::RowsView::Levels(levels) => levels,
         kv_quant::RowsView::Values(_) => panic!("{} gives values", store.form()),
     }
@@ -390,6 +406,106 @@ fn level_tiles_read_in_registers_match_their_f32_rows() {
                     TileRows::Levels(vl),
                 );
                 assert_eq!(nan_blind(&avx512), nan_blind(&want), "{form}: AVX-512");
+            }
+        }
+    }
+}
+
+/// Every line of the next tile's keys and values is requested while a tile
+/// is worked on, on every instruction set and kernel path (half-float
+/// rows, integer scores and sums, levels read by the float kernels), and
+/// the requests change no bit of the result; keys go first, during the
+/// score pass. The scalar set's float score pass requests no keys (it may
+/// request them through the integer path).
+#[test]
+fn every_path_requests_every_line_of_the_next_tile() {
+    use std::collections::BTreeSet;
+
+    let geometry = TileGeometry {
+        group: 4,
+        kv_heads: 2,
+        d: 64,
+    };
+    let (rows, ch, heads) = (37, 128, 8);
+    let q = test_values(5, heads * 64, 0.5);
+    // The next tile's rows: two ranges of keys, one of values, in a real
+    // buffer (a prefetch never faults, but the addresses are honest).
+    let buffer = vec![0u8; 40_000];
+    let base = buffer.as_ptr() as usize;
+    let mut next = NextTile::default();
+    next.keys.push(base..base + 5_000);
+    next.keys.push(base + 8_192..base + 9_000);
+    next.values.push(base + 20_000..base + 30_000);
+    let lines = |side: &prefetch::Upcoming, out: &mut BTreeSet<usize>| {
+        let mut p = Prefetcher::new(Some(side), 1);
+        let ((), issued) = prefetch::issued::record(|| p.finish());
+        out.extend(issued);
+    };
+    let (mut keys_lines, mut value_lines) = (BTreeSet::new(), BTreeSet::new());
+    lines(&next.keys, &mut keys_lines);
+    lines(&next.values, &mut value_lines);
+    assert_eq!((keys_lines.len(), value_lines.len()), (79 + 13, 157));
+    for form in ["fp16", "int4", "int8", "nf4", "int4-ch32"] {
+        let store = |seed: u64| {
+            let values = test_values(seed, rows * ch, 1.0);
+            kv_quant::KvStore::quantize(form.parse().unwrap(), &values, rows, ch).unwrap()
+        };
+        let (ks, vs) = (store(1), store(2));
+        let (mut kd, mut vd) = (
+            kv_quant::DecodeScratch::new(),
+            kv_quant::DecodeScratch::new(),
+        );
+        let (kt, vt) = match form {
+            "fp16" => (
+                TileRows::F16(ks.fp16_rows(0, rows).unwrap().unwrap().0),
+                TileRows::F16(vs.fp16_rows(0, rows).unwrap().unwrap().0),
+            ),
+            _ => (
+                TileRows::Levels(view_of(&ks, rows, &mut kd, true)),
+                TileRows::Levels(view_of(&vs, rows, &mut vd, true)),
+            ),
+        };
+        for isa in Isa::available() {
+            for numerics in [Numerics::Exact, Numerics::Int8Query, Numerics::Auto] {
+                let run = |upcoming: Option<&NextTile>| {
+                    let mut scratch = KernelScratch::default();
+                    let mut partial = Partial::new(heads, 64);
+                    attend_tile(
+                        &q,
+                        kt,
+                        vt,
+                        geometry,
+                        numerics,
+                        isa,
+                        upcoming,
+                        &mut scratch,
+                        &mut partial,
+                    );
+                    let (mut out, mut lse) = (vec![0.0f32; heads * 64], vec![0.0f32; heads]);
+                    partial.finish(&mut out, &mut lse);
+                    out.iter()
+                        .chain(&lse)
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>()
+                };
+                let (with, order) = prefetch::issued::record(|| run(Some(&next)));
+                assert_eq!(with, run(None), "{form} {isa} {numerics:?}: bits");
+                let ctx = format!("{form} {isa} {numerics:?}");
+                // Keys in the score pass, values in the value pass after it.
+                let last_key = order.iter().rposition(|l| keys_lines.contains(l));
+                let first_value = order.iter().position(|l| value_lines.contains(l));
+                if let (Some(k), Some(v)) = (last_key, first_value) {
+                    assert!(k < v, "{ctx}: a value line before a key line");
+                }
+                let issued: BTreeSet<usize> = order.into_iter().collect();
+                assert!(value_lines.is_subset(&issued), "{ctx}: value lines");
+                if isa == Isa::Scalar {
+                    let all: BTreeSet<usize> = keys_lines.union(&value_lines).copied().collect();
+                    assert!(issued.is_subset(&all), "{ctx}: lines of neither side");
+                } else {
+                    assert!(keys_lines.is_subset(&issued), "{ctx}: key lines");
+                    assert_eq!(issued.len(), keys_lines.len() + value_lines.len(), "{ctx}");
+                }
             }
         }
     }
