@@ -622,6 +622,9 @@ impl Attention {
                 let k = keys.read_tile(start, end - start, &mut scratch.keys)?;
                 let v = values.read_tile(start, end - start, &mut scratch.values)?;
                 slot.tiles.push((start, k.stats, v.stats));
+                // The first query range that reads this tile requests the
+                // next one (a later range's tile may lie past the first's end).
+                let mut next = next;
                 for (i, r) in ranges.iter().enumerate() {
                     let (lo, hi) = (r.start.max(start), r.end.min(end));
                     if lo < hi {
@@ -633,7 +636,7 @@ impl Attention {
                             geometry,
                             self.config.numerics,
                             self.config.isa,
-                            next.as_ref().filter(|_| i == 0),
+                            next.take().as_ref(),
                             &mut scratch.kernel,
                             &mut slot.partials[i],
                         );
