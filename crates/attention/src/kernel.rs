@@ -454,7 +454,7 @@ fn attend_tile_body(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &m
         partial,
         |scratch| {
             if let Some(keys) = keys {
-                score_rows::<false>(q, keys, geometry, &mut scratch.weights[..heads * rows]);
+                score_rows(q, keys, geometry, &mut scratch.weights[..heads * rows]);
             }
         },
         |scratch| {
@@ -466,7 +466,7 @@ fn attend_tile_body(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &m
             }
             let values = widen_rows(values, value_buffer);
             // Up to four heads of the group per pass over the value rows.
-            let mut pass = ValuePass::<false> {
+            let mut pass = ValuePass {
                 acc: &mut scratch.acc[..heads * d],
                 weights: &scratch.weights[..heads * rows],
                 values,
@@ -507,7 +507,7 @@ pub(crate) fn three_passes<const FMA: bool>(
 }
 
 /// The weighted value sums of one head block from f32 value rows.
-struct ValuePass<'a, const FMA: bool> {
+struct ValuePass<'a> {
     acc: &'a mut [f32],
     weights: &'a [f32],
     values: &'a [f32],
@@ -516,43 +516,38 @@ struct ValuePass<'a, const FMA: bool> {
     rows: usize,
 }
 
-impl<const FMA: bool> HeadBlockPass for ValuePass<'_, FMA> {
+impl HeadBlockPass for ValuePass<'_> {
     #[inline(always)]
     fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
         let (d, rows) = (self.d, self.rows);
         let out = &mut self.acc[h0 * d..][..H * d];
         let w = &self.weights[h0 * rows..][..H * rows];
-        weighted_sum::<FMA, H>(out, w, self.values, self.ch, kvh * d);
+        weighted_sum::<H>(out, w, self.values, self.ch, kvh * d);
     }
 }
 
 /// The scores of every head against every key row into `weights`
 /// (`heads × rows`).
 #[inline(always)]
-fn score_rows<const FMA: bool>(
-    q: &[f32],
-    keys: &[f32],
-    geometry: TileGeometry,
-    weights: &mut [f32],
-) {
+fn score_rows(q: &[f32], keys: &[f32], geometry: TileGeometry, weights: &mut [f32]) {
     let TileGeometry { group, kv_heads, d } = geometry;
     let (ch, heads) = (kv_heads * d, kv_heads * group);
     let rows = weights.len() / heads;
-    // Four rows at a time: each query chunk loaded once feeds four FMAs.
+    // Four rows at a time: each query chunk loaded once feeds four multiply-adds.
     let quads = rows / 4 * 4;
     for t in (0..quads).step_by(4) {
         let k4 = &keys[t * ch..][..4 * ch];
         for h in 0..heads {
             let off = h / group * d;
             let k = [0, 1, 2, 3].map(|r| &k4[r * ch + off..][..d]);
-            let s = dot4::<FMA>(&q[h * d..][..d], k);
+            let s = dot4::<false>(&q[h * d..][..d], k);
             weights[h * rows + t..][..4].copy_from_slice(&s);
         }
     }
     for t in quads..rows {
         let k = &keys[t * ch..][..ch];
         for h in 0..heads {
-            weights[h * rows + t] = dot::<FMA>(&q[h * d..][..d], &k[h / group * d..][..d]);
+            weights[h * rows + t] = dot::<false>(&q[h * d..][..d], &k[h / group * d..][..d]);
         }
     }
 }
@@ -671,7 +666,7 @@ fn exp_sub_sum<const FMA: bool>(x: &mut [f32], m: f32) -> f32 {
 /// channels; each block's `H` sums stay in registers while its rows are
 /// loaded once and stream by.
 #[inline(always)]
-fn weighted_sum<const FMA: bool, const H: usize>(
+fn weighted_sum<const H: usize>(
     out: &mut [f32],
     w: &[f32],
     values: &[f32],
@@ -682,22 +677,22 @@ fn weighted_sum<const FMA: bool, const H: usize>(
     let rows = w.len() / H;
     let mut c = 0;
     while c + 64 <= d {
-        weighted_block::<FMA, H, 4>(out, w, rows, values, ch, offset, c);
+        weighted_block::<H, 4>(out, w, rows, values, ch, offset, c);
         c += 64;
     }
     if c + 32 <= d {
-        weighted_block::<FMA, H, 2>(out, w, rows, values, ch, offset, c);
+        weighted_block::<H, 2>(out, w, rows, values, ch, offset, c);
         c += 32;
     }
     if c + 16 <= d {
-        weighted_block::<FMA, H, 1>(out, w, rows, values, ch, offset, c);
+        weighted_block::<H, 1>(out, w, rows, values, ch, offset, c);
         c += 16;
     }
     for j in 0..H {
         for c in c..d {
             let mut sum = 0.0;
             for t in 0..rows {
-                sum = madd::<FMA>(w[j * rows + t], values[t * ch + offset + c], sum);
+                sum = madd::<false>(w[j * rows + t], values[t * ch + offset + c], sum);
             }
             out[j * d + c] = sum;
         }
@@ -709,7 +704,7 @@ fn weighted_sum<const FMA: bool, const H: usize>(
 /// [`fused`]'s kernels).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn weighted_block<const FMA: bool, const H: usize, const N: usize>(
+fn weighted_block<const H: usize, const N: usize>(
     out: &mut [f32],
     w: &[f32],
     rows: usize,
@@ -727,7 +722,7 @@ fn weighted_block<const FMA: bool, const H: usize, const N: usize>(
         offset: offset + c,
     };
     let mut acc = [[[0.0f32; LANES]; N]; H];
-    generic_block::<FMA, H, N>(block, &mut acc);
+    generic_block::<H, N>(block, &mut acc);
     for (j, a) in acc.iter().enumerate() {
         for (o, a) in out[j * d + c..][..N * LANES].chunks_exact_mut(LANES).zip(a) {
             o.copy_from_slice(a);
@@ -746,10 +741,7 @@ struct Block<'a> {
 }
 
 #[inline(always)]
-fn generic_block<const FMA: bool, const H: usize, const N: usize>(
-    b: Block<'_>,
-    acc: &mut [[[f32; LANES]; N]; H],
-) {
+fn generic_block<const H: usize, const N: usize>(b: Block<'_>, acc: &mut [[[f32; LANES]; N]; H]) {
     for t in 0..b.rows {
         let v = b.values[t * b.ch + b.offset..][..N * LANES]
             .as_chunks::<LANES>()
@@ -758,7 +750,7 @@ fn generic_block<const FMA: bool, const H: usize, const N: usize>(
             let wt = b.w[j * b.rows + t];
             for (a, v) in acc.iter_mut().zip(v) {
                 for i in 0..LANES {
-                    a[i] = madd::<FMA>(wt, v[i], a[i]);
+                    a[i] = madd::<false>(wt, v[i], a[i]);
                 }
             }
         }

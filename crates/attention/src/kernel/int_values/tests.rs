@@ -5,6 +5,19 @@ use super::*;
 use crate::kernel::test_values as uniform;
 use kv_quant::KvStore;
 
+/// [`weighted_sums`] with no next tile to prefetch.
+fn sums(
+    levels: &LevelRows<'_>,
+    geometry: TileGeometry,
+    weights: &[f32],
+    acc: &mut [f32],
+    dot: Dot,
+    scratch: &mut ValueScratch,
+) -> bool {
+    let prefetch = &mut Prefetcher::new(None, 1);
+    weighted_sums(levels, geometry, weights, acc, dot, scratch, prefetch)
+}
+
 fn levels_of<'s>(
     store: &'s KvStore,
     rows: usize,
@@ -63,14 +76,13 @@ fn integer_value_sums_stay_within_the_stated_bound() {
         for dot in Dot::available() {
             let mut acc = vec![f32::NAN; heads * d];
             let mut scratch = ValueScratch::default();
-            assert!(weighted_sums(
+            assert!(sums(
                 &levels,
                 geometry,
                 &weights,
                 &mut acc,
                 dot,
-                &mut scratch,
-                &mut Prefetcher::new(None, 1)
+                &mut scratch
             ));
             results.push(acc);
         }
@@ -97,14 +109,13 @@ fn integer_value_sums_stay_within_the_stated_bound() {
             for dot in Dot::available().into_iter().filter(|_| whole) {
                 let mut acc = vec![f32::NAN; heads * d];
                 let mut scratch = ValueScratch::default();
-                assert!(weighted_sums(
+                assert!(sums(
                     &packed,
                     geometry,
                     &weights,
                     &mut acc,
                     dot,
-                    &mut scratch,
-                    &mut Prefetcher::new(None, 1)
+                    &mut scratch
                 ));
                 assert_eq!(acc, results[0], "{form}: packed {dot:?}");
             }
@@ -205,25 +216,23 @@ fn other_layouts_and_non_finite_weights_are_refused() {
         let mut acc = vec![0.0; 2 * 64];
         let mut weights = vec![0.5; 2 * 8];
         let mut scratch = ValueScratch::default();
-        let ok = weighted_sums(
+        let ok = sums(
             &levels,
             geometry,
             &weights,
             &mut acc,
             crate::Isa::detect().dot(),
             &mut scratch,
-            &mut Prefetcher::new(None, 1),
         );
         assert_eq!(ok, taken, "{form}");
         weights[5] = f32::NAN;
-        assert!(!weighted_sums(
+        assert!(!sums(
             &levels,
             geometry,
             &weights,
             &mut acc,
             crate::Isa::detect().dot(),
-            &mut scratch,
-            &mut Prefetcher::new(None, 1)
+            &mut scratch
         ));
     }
 }
@@ -275,15 +284,7 @@ fn negative_and_tiny_products_are_refused() {
         for dot in Dot::available() {
             let mut acc = vec![0.0; 2 * 64];
             let mut scratch = ValueScratch::default();
-            let ok = weighted_sums(
-                &levels,
-                geometry,
-                &weights,
-                &mut acc,
-                dot,
-                &mut scratch,
-                &mut Prefetcher::new(None, 1),
-            );
+            let ok = sums(&levels, geometry, &weights, &mut acc, dot, &mut scratch);
             assert!(!ok, "{what}, {dot:?}: taken");
         }
     }
@@ -315,10 +316,7 @@ fn a_reused_scratch_pads_shorter_tiles_with_zeros() {
                     .collect();
                 let run = |scratch: &mut ValueScratch| {
                     let mut acc = vec![0.0f32; heads * 64];
-                    let prefetch = &mut Prefetcher::new(None, 1);
-                    assert!(weighted_sums(
-                        &levels, geometry, &weights, &mut acc, dot, scratch, prefetch
-                    ));
+                    assert!(sums(&levels, geometry, &weights, &mut acc, dot, scratch));
                     acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
                 };
                 assert_eq!(
