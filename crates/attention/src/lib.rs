@@ -26,6 +26,8 @@
 //! - [`KvBackend`]: the one interface between a model's forward pass and its
 //!   cache (append, attend, commit or roll back a step); [`DenseBackend`]
 //!   keeps f32 rows, the oracle.
+//! - [`Evicting`]: any backend with SnapKV's token eviction at the end of
+//!   the prefill ([`SnapKv`]), the kept rows written compactly.
 //!
 //! ```
 //! use attention::{Attention, DenseKv, HeadShape, Mask};
@@ -53,6 +55,8 @@ mod attend;
 mod backend;
 mod draft_overlay;
 mod error;
+mod evict;
+mod evicting;
 mod isa;
 mod kernel;
 mod low_rank;
@@ -77,6 +81,8 @@ pub use backend::{
 };
 pub use draft_overlay::DraftOverlay;
 pub use error::{AttentionError, Result};
+pub use evict::SnapKv;
+pub use evicting::{Evicting, Eviction};
 pub use isa::Isa;
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use numerics::Numerics;

@@ -29,6 +29,37 @@ pub enum BackendKind {
     },
 }
 
+/// Refuses, before any work, what token eviction cannot run: the
+/// re-encode protocol (each call codes the whole window again, evicted
+/// tokens included) and forms that read a row's position from where it is
+/// stored (keys coded before RoPE, `+pre` and the `-pre` low-rank forms;
+/// shard forms), which evicted rows would read at the wrong positions.
+pub fn check_eviction(mode: &CacheMode, backend: BackendKind) -> Result<()> {
+    let refuse = |reason: String| EvalError::InvalidParameter {
+        name: "evict",
+        reason,
+    };
+    if backend == BackendKind::Reencode {
+        return Err(refuse(
+            "the re-encode protocol codes each window whole, evicted tokens included (use \
+             --backend paged or dense)"
+                .into(),
+        ));
+    }
+    let positional = |form: &kv_quant::CacheForm| {
+        form.quantizer().is_shard()
+            || form.sparse().is_some_and(|s| s.pre_rope())
+            || matches!(form.quantizer(), kv_quant::Quantizer::LowRank(s) if s.pre_rope)
+    };
+    match mode.forms().into_iter().find(|(f, _)| positional(f)) {
+        Some((form, _)) => Err(refuse(format!(
+            "{form} reads each row at the position it is stored at; evicted rows are stored \
+             compactly (use a form coded after RoPE)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Whether `mode` stores blocks in forms of their own (`BlockForms`).
 fn has_block_forms(mode: &CacheMode) -> bool {
     matches!(mode, CacheMode::Stored(s) if s.blocks.is_some())

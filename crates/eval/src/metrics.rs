@@ -9,9 +9,9 @@ use std::time::Instant;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use attention::DenseBackend;
+use attention::{DenseBackend, Evicting, KvBackend, SnapKv};
 
-use crate::backend::{BackendKind, paged_backend, paged_stats, seals_blocks};
+use crate::backend::{BackendKind, check_eviction, paged_backend, paged_stats, seals_blocks};
 use crate::cache::{CacheMode, CacheStats, FaultSpec, KvCache};
 use crate::error::{EvalError, Result};
 use kv_model::model::Adapted;
@@ -111,6 +111,9 @@ pub struct RunConfig {
     pub faults: Option<FaultSpec>,
     /// The KV backend the model runs on.
     pub backend: BackendKind,
+    /// Token eviction at the end of each window's unscored prefix
+    /// (SnapKV, [`attention::Evicting`]); the dense and paged backends.
+    pub eviction: Option<SnapKv>,
 }
 
 impl RunConfig {
@@ -120,6 +123,7 @@ impl RunConfig {
             mode,
             faults,
             backend: BackendKind::Reencode,
+            eviction: None,
         }
     }
 
@@ -437,6 +441,9 @@ fn run_window(
     logits_from: usize,
     window: usize,
 ) -> Result<(Vec<f32>, CacheStats)> {
+    if let Some(policy) = run.eviction {
+        return run_evicting(model, run, policy, input, logits_from);
+    }
     match run.backend {
         BackendKind::Reencode => {
             let mut cache = KvCache::new(run.mode.clone(), run.faults, window as u64)?;
@@ -475,6 +482,81 @@ fn run_window(
             Ok((logits, paged_stats(&cache.0, model, input.len())?))
         }
     }
+}
+
+/// [`run_window`] with SnapKV's eviction after the window's unscored
+/// prefix (its first `logits_from` tokens: the prompt), so every scored
+/// prediction reads the evicted cache; the steps as without eviction (one
+/// block where forms seal blocks, else the prefix and the rest whole). A
+/// window that scores from its first token evicts nothing. Bits count the
+/// rows held at the window's end against every token of the window.
+fn run_evicting(
+    model: &dyn CausalLm,
+    run: &RunConfig,
+    policy: SnapKv,
+    input: &[u32],
+    logits_from: usize,
+) -> Result<(Vec<f32>, CacheStats)> {
+    check_eviction(&run.mode, run.backend)?;
+    match run.backend {
+        BackendKind::Dense => {
+            let mut cache = Adapted(Evicting::new(DenseBackend::new(), policy)?);
+            let logits = evicting_steps(model, &mut cache, input, logits_from)?;
+            let inner = cache.0.inner();
+            let values = 2 * (input.len() * model.kv_channels() * model.layers()) as u64;
+            let bytes = inner.held_bytes();
+            Ok((
+                logits,
+                CacheStats {
+                    stored_bytes: bytes,
+                    stored_values: values,
+                    part_bytes: [bytes / 2, bytes / 2],
+                    ..CacheStats::default()
+                },
+            ))
+        }
+        BackendKind::Paged { block_size } => {
+            let paged = paged_backend(model, &run.mode, run.faults, block_size, input.len())?;
+            let mut cache = Adapted(Evicting::new(paged, policy)?);
+            let logits = evicting_steps(model, &mut cache, input, logits_from)?;
+            Ok((logits, paged_stats(cache.0.inner(), model, input.len())?))
+        }
+        BackendKind::Reencode => unreachable!("refused by check_eviction"),
+    }
+}
+
+/// The steps of [`run_evicting`]: the prefix, the eviction, the rest.
+fn evicting_steps<B>(
+    model: &dyn CausalLm,
+    cache: &mut Adapted<Evicting<B>>,
+    input: &[u32],
+    logits_from: usize,
+) -> Result<Vec<f32>>
+where
+    B: KvBackend,
+    kv_model::ModelError: From<B::Error>,
+{
+    let mut logits = Vec::new();
+    let mut done = 0;
+    while done < input.len() {
+        if done == logits_from && done > 0 && cache.0.eviction().is_none() {
+            cache.0.evict().map_err(kv_model::ModelError::from)?;
+        }
+        let end = if done < logits_from {
+            logits_from
+        } else {
+            input.len()
+        };
+        let n = cache
+            .0
+            .rows_before_seal()
+            .unwrap_or(end - done)
+            .min(end - done);
+        let from = logits_from.saturating_sub(done).min(n);
+        logits.extend(model.forward(&input[done..done + n], cache, from)?);
+        done += n;
+    }
+    Ok(logits)
 }
 
 /// Evaluates every configuration over the windows of `tokens`, calling

@@ -201,6 +201,7 @@ pub(crate) fn run_adapt(args: AdaptArgs) -> Result<(), Error> {
         mode,
         faults: Some(faults),
         backend: BackendKind::Reencode,
+        eviction: None,
     };
     let ppl_method = method(&args.source);
     let observing = blocked(

@@ -162,3 +162,47 @@ pub(crate) fn mode_of(forms: &Forms) -> Result<CacheMode, Error> {
     }
     Ok(CacheMode::layered(spec.parse::<LayerForms>()?, None))
 }
+
+/// Token eviction at the end of each window's prompt (SnapKV).
+#[derive(clap::Args, Clone)]
+pub(crate) struct EvictArgs {
+    /// Evict tokens after each window's unscored prefix, keeping this share
+    /// of them per key head (SnapKV: the prefix's last --evict-window
+    /// queries vote, pooled over --evict-pool positions); comma-separated
+    /// shares in `frontier` run each configuration at each. Paged and
+    /// dense backends; forms coded after RoPE.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) evict: Vec<f64>,
+    /// Queries of the observation window that vote (and are kept whole).
+    #[arg(long, default_value_t = 32)]
+    pub(crate) evict_window: usize,
+    /// Positions the votes are max-pooled over (odd).
+    #[arg(long, default_value_t = 7)]
+    pub(crate) evict_pool: usize,
+}
+
+impl EvictArgs {
+    /// One policy per --evict share, or `[None]` without the flag;
+    /// refused before any work where a parameter is out of its domain.
+    pub(crate) fn policies(&self) -> Result<Vec<Option<attention::SnapKv>>, Error> {
+        if self.evict.is_empty() {
+            return Ok(vec![None]);
+        }
+        self.evict
+            .iter()
+            .map(|&keep| {
+                attention::SnapKv::new(keep, self.evict_window, self.evict_pool)
+                    .map(Some)
+                    .map_err(|e| format!("--evict: {e}").into())
+            })
+            .collect()
+    }
+
+    /// The one policy of a command that runs one configuration.
+    pub(crate) fn policy(&self) -> Result<Option<attention::SnapKv>, Error> {
+        match self.policies()?.as_slice() {
+            [one] => Ok(*one),
+            many => Err(format!("--evict takes one share here, got {}", many.len()).into()),
+        }
+    }
+}

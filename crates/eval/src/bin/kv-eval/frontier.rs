@@ -52,6 +52,8 @@ pub(crate) struct FrontierArgs {
     backends: Vec<String>,
     #[command(flatten)]
     calib: Calib,
+    #[command(flatten)]
+    evict: crate::args::EvictArgs,
     /// Output folder.
     #[arg(long)]
     out: PathBuf,
@@ -77,11 +79,12 @@ fn parse_backend(text: &str) -> Result<BackendKind, Error> {
 }
 
 /// The label of a point: the configuration, with its backend unless it is
-/// the re-encode protocol.
-fn label(config: &str, backend: BackendKind) -> String {
+/// the re-encode protocol, and the share its eviction keeps.
+fn label(config: &str, backend: BackendKind, eviction: Option<attention::SnapKv>) -> String {
+    let evict = eviction.map_or(String::new(), |e| format!(" evict{}", e.keep()));
     match backend {
-        BackendKind::Paged { block_size } => format!("{config} @paged{block_size}"),
-        _ => config.to_string(),
+        BackendKind::Paged { block_size } => format!("{config} @paged{block_size}{evict}"),
+        _ => format!("{config}{evict}"),
     }
 }
 
@@ -94,8 +97,10 @@ pub(crate) fn run(args: FrontierArgs) -> Result<(), Error> {
         preset,
         backends,
         calib,
+        evict,
         out,
     } = args;
+    let evictions = evict.policies()?;
     let backends = backends
         .iter()
         .map(|b| parse_backend(b.trim()))
@@ -155,16 +160,25 @@ pub(crate) fn run(args: FrontierArgs) -> Result<(), Error> {
         let mut runs = vec![RunConfig::new(CacheMode::Plain, None)];
         let mut labels = Vec::new();
         for (config, mode) in configs.iter().zip(&modes) {
-            for &backend in &backends {
-                if let Err(e) = backend.check(mode, None) {
-                    eprintln!("{}: skipped ({e})", label(config, backend));
+            for (&backend, &eviction) in backends
+                .iter()
+                .flat_map(|b| evictions.iter().map(move |e| (b, e)))
+            {
+                let name = label(config, backend, eviction);
+                let refused = backend.check(mode, None).and_then(|()| match eviction {
+                    Some(_) => kv_eval::backend::check_eviction(mode, backend),
+                    None => Ok(()),
+                });
+                if let Err(e) = refused {
+                    eprintln!("{name}: skipped ({e})");
                     continue;
                 }
                 runs.push(RunConfig {
                     backend,
+                    eviction,
                     ..RunConfig::new(mode.clone(), None)
                 });
-                labels.push(label(config, backend));
+                labels.push(name);
             }
         }
         let mut metrics = evaluate_with_bar(

@@ -9,7 +9,7 @@ use kv_eval::metrics::{RunConfig, RunMetrics};
 
 use crate::Error;
 use crate::abft::{self, AbftRule, FlipSite, abft_rule};
-use crate::args::{Backend, BackendArgs, Forms, Target, mode_of};
+use crate::args::{Backend, BackendArgs, EvictArgs, Forms, Target, mode_of};
 use crate::calib::{Calib, calibration_for};
 use crate::checks::{check_ber, check_out_file, check_segments};
 use crate::progress::evaluate_with_bar;
@@ -26,6 +26,8 @@ pub(crate) struct PplArgs {
     pub(crate) calib: Calib,
     #[command(flatten)]
     pub(crate) backend: BackendArgs,
+    #[command(flatten)]
+    pub(crate) evict: EvictArgs,
     /// Bit error rate of the fault channel.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) ber: f64,
@@ -104,6 +106,7 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
         forms,
         calib,
         backend,
+        evict,
         ber,
         channel,
         target,
@@ -157,6 +160,7 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
         );
     }
     let rule = abft_rule(abft, abft_emax, abft_tau)?;
+    let eviction = evict.policy()?;
     let mode = mode_of(&forms)?;
     if weight_faults.is_some() && mode != CacheMode::Plain {
         return Err(format!(
@@ -180,9 +184,15 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
     let (numerics, isa) = (backend.numerics, backend.isa);
     let backend = match backend.backend {
         Backend::Auto if gemm_flips > 0.0 => kv_eval::backend::BackendKind::Reencode,
+        Backend::Auto if eviction.is_some() => kv_eval::backend::BackendKind::Paged {
+            block_size: backend.block_size,
+        },
         _ => backend.kind(&mode, Some(faults)),
     };
     backend.check(&mode, Some(faults))?;
+    if eviction.is_some() {
+        kv_eval::backend::check_eviction(&mode, backend)?;
+    }
     if ber > 0.0 && mode == CacheMode::Plain {
         return Err("faults need a stored form: pass --form (fp32, int4+secded84, ...)".into());
     }
@@ -236,6 +246,7 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
         mode,
         faults: Some(faults),
         backend,
+        eviction,
     };
     eprintln!("backend: {}", backend.name());
     let m = evaluate_with_bar(
