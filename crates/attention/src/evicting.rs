@@ -42,7 +42,8 @@ pub struct Eviction {
 #[derive(Debug)]
 pub struct Evicting<B> {
     inner: B,
-    policy: SnapKv,
+    /// `None`: every call passes through, nothing is kept.
+    policy: Option<SnapKv>,
     shape: Option<(usize, HeadShape)>,
     /// The f32 rows as computed, until the eviction.
     rows: Option<DenseBackend>,
@@ -56,6 +57,13 @@ pub struct Evicting<B> {
 impl<B: KvBackend> Evicting<B> {
     /// `inner` (empty: nothing written yet) under `policy`.
     pub fn new(inner: B, policy: SnapKv) -> Result<Self, B::Error> {
+        Self::with_policy(inner, Some(policy))
+    }
+
+    /// [`new`](Self::new) where `policy` is given, else `inner` with every
+    /// call passed through and nothing kept beside it ([`evict`](Self::evict)
+    /// refused): one cache type for callers that evict only sometimes.
+    pub fn with_policy(inner: B, policy: Option<SnapKv>) -> Result<Self, B::Error> {
         if inner.tokens() != 0 {
             return Err(AttentionError::InvalidParameter {
                 name: "eviction",
@@ -70,7 +78,7 @@ impl<B: KvBackend> Evicting<B> {
             inner,
             policy,
             shape: None,
-            rows: Some(DenseBackend::new()),
+            rows: policy.map(|_| DenseBackend::new()),
             queries: Vec::new(),
             done: None,
             open: false,
@@ -82,9 +90,16 @@ impl<B: KvBackend> Evicting<B> {
         &self.inner
     }
 
-    /// The selection's parameters.
-    pub fn policy(&self) -> &SnapKv {
-        &self.policy
+    /// The selection's parameters (`None`: a pass-through).
+    pub fn policy(&self) -> Option<&SnapKv> {
+        self.policy.as_ref()
+    }
+
+    /// The wrapped backend, mutably: what it is given changes what the
+    /// wrapper maps, so only calls that write no rows belong here (fault
+    /// injection and scrubbing, statistics).
+    pub fn inner_mut(&mut self) -> &mut B {
+        &mut self.inner
     }
 
     /// What the eviction kept, once it ran.
@@ -112,6 +127,11 @@ impl<B: KvBackend> Evicting<B> {
             }
             .into()
         };
+        let Some(policy) = self.policy else {
+            return Err(refuse(
+                "this cache passes every call through (no policy)".into(),
+            ));
+        };
         let (Some(rows), Some((layers, shape))) = (&self.rows, self.shape) else {
             return Err(refuse(match self.done {
                 Some(_) => "the cache has evicted once already".into(),
@@ -127,7 +147,7 @@ impl<B: KvBackend> Evicting<B> {
         if prefill == 0 || self.inner.tokens() != prefill || rows.layers() != layers {
             return Err(refuse(format!("{prefill} tokens committed")));
         }
-        let window = self.policy.window().min(prefill);
+        let window = policy.window().min(prefill);
         let (kv, d) = (shape.kv_channels(), shape.head_dim());
         let mut kept_rows = Vec::with_capacity(layers);
         let mut kept = 0;
@@ -140,9 +160,7 @@ impl<B: KvBackend> Evicting<B> {
             let positions: Vec<usize> = seen.iter().map(|(p, _)| *p).collect();
             let queries: Vec<f32> = seen.iter().flat_map(|(_, q)| q.iter().copied()).collect();
             let (k, v) = rows.rows(layer).expect("fitted layers");
-            let heads = self
-                .policy
-                .select(&shape, &queries, &positions, &k[..prefill * kv])?;
+            let heads = policy.select(&shape, &queries, &positions, &k[..prefill * kv])?;
             kept = heads[0].len();
             let (mut ks, mut vs) = (vec![0.0f32; kept * kv], vec![0.0f32; kept * kv]);
             for (g, tokens) in heads.iter().enumerate() {
@@ -236,11 +254,11 @@ impl<B: KvBackend> KvBackend for Evicting<B> {
     ) -> Result<AttentionOutput, B::Error> {
         let offset = self.offset();
         if offset == 0 {
-            if let Some(ring) = self.queries.get_mut(layer) {
+            if let (Some(policy), Some(ring)) = (self.policy, self.queries.get_mut(layer)) {
                 let q_len = attention.shape().q_len();
                 for (&p, q) in positions.iter().zip(queries.chunks_exact(q_len)) {
                     ring.push_back((p, q.to_vec()));
-                    if ring.len() > self.policy.window() {
+                    if ring.len() > policy.window() {
                         ring.pop_front();
                     }
                 }

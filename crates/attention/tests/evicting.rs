@@ -215,3 +215,22 @@ fn a_layer_that_never_attended_the_window_is_refused() {
     assert!(e.contains("eviction window"), "{e}");
     assert_eq!(b.inner().tokens(), 8, "nothing changed");
 }
+
+#[test]
+fn without_a_policy_every_call_passes_through() {
+    let s = shape();
+    let mut plain = DenseBackend::new();
+    let mut wrapped = Evicting::with_policy(DenseBackend::new(), None).unwrap();
+    plain.fit(&model(&s)).unwrap();
+    wrapped.fit(&model(&s)).unwrap();
+    assert_eq!(step(&mut plain, 0, 9), step(&mut wrapped, 0, 9));
+    assert!(
+        wrapped
+            .evict()
+            .unwrap_err()
+            .to_string()
+            .contains("no policy")
+    );
+    assert_eq!(step(&mut plain, 9, 2), step(&mut wrapped, 9, 2));
+    assert_eq!(wrapped.tokens(), 11);
+}

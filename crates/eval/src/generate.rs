@@ -6,9 +6,11 @@
 //! On the paged backend, faults can accumulate over time: before each
 //! decode step the resident blocks take flips at a given rate, and a
 //! scrubber can rewrite single-bit errors every few steps before they pair
-//! up.
+//! up. With an eviction policy, the prompt's tokens are evicted once
+//! after the prompt step (SnapKV: [`attention::Evicting`]), before the
+//! first decode step.
 
-use attention::DenseBackend;
+use attention::{DenseBackend, Evicting, SnapKv};
 use gf2_codes::channel::FaultChannel;
 use kv_quant::{FaultTarget, KvDecodeStats, ScrubStats};
 use paged_cache::PagedBackend;
@@ -59,6 +61,9 @@ pub struct GenerateConfig {
     /// queries read the blocks before it sealed, as decoding does (what
     /// evaluations of staged forms use).
     pub prefill_step: Option<usize>,
+    /// Token eviction after the prompt (dense and paged backends; forms
+    /// coded after RoPE).
+    pub eviction: Option<SnapKv>,
 }
 
 /// What a generation produced and measured.
@@ -219,6 +224,9 @@ fn generate_with(
         )?;
     }
     config.backend.check(&config.mode, None)?;
+    if config.eviction.is_some() {
+        crate::backend::check_eviction(&config.mode, config.backend)?;
+    }
     let channel: Option<(StepFaults, Box<dyn FaultChannel + Send + Sync>)> = match config.faults {
         Some(f) if f.ber_per_step > 0.0 || f.scrub_every.is_some() => {
             if !matches!(config.backend, BackendKind::Paged { .. }) {
@@ -251,19 +259,12 @@ fn generate_with(
     let mut out = Generation::default();
     let generated = match config.backend {
         BackendKind::Dense => {
-            let mut cache = Adapted(DenseBackend::new());
-            let g = decode.run(
-                model,
-                &mut cache,
-                prompt,
-                &options,
-                no_faults,
-                &mut on_token,
-            )?;
-            out.cache_bytes = (0..)
-                .map_while(|l| cache.0.rows(l))
-                .map(|(k, v)| 4 * (k.len() + v.len()) as u64)
-                .sum();
+            let mut cache = Adapted(Evicting::with_policy(DenseBackend::new(), config.eviction)?);
+            let evict = |step: usize, cache: &mut Adapted<Evicting<DenseBackend>>| -> Result<()> {
+                evict_after_prompt(step, &mut cache.0)
+            };
+            let g = decode.run(model, &mut cache, prompt, &options, evict, &mut on_token)?;
+            out.cache_bytes = cache.0.inner().held_bytes();
             g
         }
         BackendKind::Reencode => {
@@ -281,20 +282,23 @@ fn generate_with(
         }
         BackendKind::Paged { block_size } => {
             let backend = paged_backend(model, &config.mode, None, block_size, capacity)?;
-            let mut cache = Adapted(backend);
+            let mut cache = Adapted(Evicting::with_policy(backend, config.eviction)?);
             let (mut flips, mut scrubbed) = (0, ScrubStats::default());
-            let faults = |step: usize, cache: &mut Adapted<PagedBackend>| -> Result<()> {
+            let faults = |step: usize, cache: &mut Adapted<Evicting<PagedBackend>>| -> Result<()> {
+                evict_after_prompt(step, &mut cache.0)?;
+                let cache = cache.0.inner();
                 if let Some((f, ch)) = &channel {
                     let seed = f.seed ^ (step as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-                    flips += cache.0.inject(ch.as_ref(), seed, f.target)?;
+                    flips += cache.inject(ch.as_ref(), seed, f.target)?;
                     if f.scrub_every.is_some_and(|n| (step + 1).is_multiple_of(n)) {
-                        scrubbed += cache.0.scrub()?;
+                        scrubbed += cache.scrub()?;
                     }
                 }
                 Ok(())
             };
             let g = decode.run(model, &mut cache, prompt, &options, faults, &mut on_token)?;
             (out.injected_flips, out.scrubbed) = (flips, scrubbed);
+            let cache = Adapted(cache.0.inner());
             out.tables = (cache.0.table_flips(), cache.0.table_stats()?);
             out.cache_bytes = cache.0.stored_bytes()? as u64;
             let fitted = match cache.0.sequence() {
@@ -319,5 +323,18 @@ fn generate_with(
 
 /// Nothing between decode steps.
 fn no_faults<C>(_: usize, _: &mut C) -> Result<()> {
+    Ok(())
+}
+
+/// Evicts before the first decode step (step 0), where the cache has a
+/// policy.
+fn evict_after_prompt<B>(step: usize, cache: &mut Evicting<B>) -> Result<()>
+where
+    B: KvBackend,
+    EvalError: From<B::Error>,
+{
+    if step == 0 && cache.policy().is_some() {
+        cache.evict()?;
+    }
     Ok(())
 }

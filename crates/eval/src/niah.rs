@@ -349,7 +349,10 @@ pub fn run_grid(
         }
     }
     Ok(NiahGrid {
-        form: mode.label(),
+        form: match base.eviction {
+            Some(e) => format!("{} evict{}", mode.label(), e.keep()),
+            None => mode.label(),
+        },
         found: cells.iter().filter(|c| c.found).count(),
         cells,
         seconds: started.elapsed().as_secs_f64(),

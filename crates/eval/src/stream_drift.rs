@@ -158,6 +158,7 @@ pub fn run(
             sampling: Sampling::default(),
             faults: None,
             prefill_step: None,
+            eviction: None,
         };
         Ok(generate(model, prompt, &c, |_| Ok(()))?.tokens)
     };

@@ -85,6 +85,7 @@ fn alone(model: &LlamaModel, q: &BatchRequest) -> Vec<u32> {
         sampling: q.sampling,
         faults: None,
         prefill_step: None,
+        eviction: None,
     };
     generate(model, &q.prompt, &config, |_| Ok(()))
         .unwrap()

@@ -106,3 +106,49 @@ fn what_eviction_cannot_run_is_refused_before_any_work() {
     }
     assert!(check_eviction(&CacheMode::parse("int4-ch+sink4/lm4+rot8").unwrap(), paged).is_ok());
 }
+
+#[test]
+fn generation_evicts_the_prompt_once_before_decoding() {
+    use kv_eval::generate::{GenerateConfig, generate};
+    use kv_model::model::Sampling;
+    let m = model();
+    let prompt = tokens(100);
+    for backend in [BackendKind::Dense, BackendKind::Paged { block_size: 16 }] {
+        let config = |keep: Option<f64>| GenerateConfig {
+            mode: CacheMode::parse(if backend == BackendKind::Dense {
+                "plain"
+            } else {
+                "int8"
+            })
+            .unwrap(),
+            backend,
+            context: 160,
+            max_new: 12,
+            sampling: Sampling::default(),
+            faults: None,
+            prefill_step: None,
+            eviction: keep.map(|k| SnapKv::new(k, 8, 3).unwrap()),
+        };
+        let plain = generate(&m, &prompt, &config(None), |_| Ok(())).unwrap();
+        let all = generate(&m, &prompt, &config(Some(1.0)), |_| Ok(())).unwrap();
+        assert_eq!(plain.tokens, all.tokens, "{backend:?}");
+        assert_eq!(plain.cache_bytes, all.cache_bytes, "{backend:?}");
+        let part = generate(&m, &prompt, &config(Some(0.3)), |_| Ok(())).unwrap();
+        assert_eq!(part.tokens.len(), 12);
+        // The first token comes from the whole prompt.
+        assert_eq!(part.tokens[0], plain.tokens[0]);
+        assert!(part.cache_bytes < plain.cache_bytes, "{backend:?}");
+    }
+    // Refused before any work on the re-encode backend.
+    let reencode = GenerateConfig {
+        mode: CacheMode::parse("int8").unwrap(),
+        backend: BackendKind::Reencode,
+        context: 160,
+        max_new: 4,
+        sampling: Sampling::default(),
+        faults: None,
+        prefill_step: None,
+        eviction: Some(SnapKv::default()),
+    };
+    assert!(generate(&m, &prompt, &reencode, |_| Ok(())).is_err());
+}

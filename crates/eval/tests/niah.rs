@@ -118,6 +118,7 @@ fn the_grid_runs_end_to_end_and_reproducibly() {
         sampling: Sampling::default(),
         faults: None,
         prefill_step: None,
+        eviction: None,
     };
     let mut seen = 0;
     let a = run_grid(&model, &tok, &hay, &config, &mode, &base, |_| seen += 1).unwrap();

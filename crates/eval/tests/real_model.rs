@@ -273,6 +273,7 @@ fn greedy_generation_starts_paris_on_every_backend() {
             sampling: Sampling::default(),
             faults: None,
             prefill_step: None,
+            eviction: None,
         };
         let g = generate(&model, &ids, &config, |_| Ok(())).unwrap();
         assert_eq!(g.tokens.len(), 4);
@@ -499,6 +500,7 @@ fn niah_finds_the_passkey_in_1k_haystacks() {
             sampling: Sampling::default(),
             faults: None,
             prefill_step: None,
+            eviction: None,
         };
         let base = if form == "plain" {
             GenerateConfig {

@@ -404,6 +404,7 @@ fn generation_refuses_bad_input_before_any_work() {
         sampling: Sampling::default(),
         faults: None,
         prefill_step: None,
+        eviction: None,
     };
     let called = std::cell::Cell::new(0);
     let count = |_| {
@@ -551,6 +552,7 @@ fn faults_in_an_unprotected_cache_are_an_outcome_not_an_error() {
             scrub_every: None,
         }),
         prefill_step: None,
+        eviction: None,
     };
     let g = generate(&m, &tokens(6), &config, |_| Ok(())).unwrap();
     assert_eq!(g.tokens.len(), 12);
@@ -790,6 +792,7 @@ fn speculative_generation_equals_plain_greedy_on_every_backend() {
             sampling: Sampling::default(),
             faults: None,
             prefill_step: None,
+            eviction: None,
         };
         let plain = generate(&m, &prompt, &config, |_| Ok(())).unwrap();
         let mut lookup = PromptLookup::default();

@@ -100,6 +100,8 @@ pub(crate) struct GenerateArgs {
     /// same cache form and reports the speedup.
     #[arg(long, value_parser = crate::speculate::parse_speculate)]
     speculate: Option<Speculate>,
+    #[command(flatten)]
+    evict: crate::args::EvictArgs,
 }
 
 /// Runs `kv-eval generate`.
@@ -127,7 +129,9 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         numerics,
         isa,
         speculate,
+        evict,
     } = args;
+    let eviction = evict.policy()?;
     let mode = mode_of(&forms)?;
     crate::check_segments(&mode, ctx)?;
     let backend = BackendArgs {
@@ -144,6 +148,9 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
     };
     sampling.check()?;
     backend.check(&mode, None)?;
+    if eviction.is_some() {
+        kv_eval::backend::check_eviction(&mode, backend)?;
+    }
     if let Some(Speculate::SelfDraft { .. }) = speculate {
         backend.check_draft_view(&mode)?;
     }
@@ -215,6 +222,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         sampling,
         faults: Some(faults),
         prefill_step,
+        eviction,
     };
     if let Some(k) = speculate.as_ref().map(Speculate::k) {
         let generate = kv_model::model::GenerateOptions {

@@ -45,6 +45,8 @@ pub(crate) struct NiahArgs {
     /// Tokens per block of the paged backend.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    #[command(flatten)]
+    evict: crate::args::EvictArgs,
     /// Output folder.
     #[arg(long)]
     out: PathBuf,
@@ -73,8 +75,13 @@ pub(crate) fn run(args: NiahArgs) -> Result<(), Error> {
         numerics: None,
         isa: None,
     };
+    let eviction = args.evict.policy()?;
     for m in &modes {
-        backend_args.kind(m, None).check(m, None)?;
+        let backend = backend_args.kind(m, None);
+        backend.check(m, None)?;
+        if eviction.is_some() {
+            kv_eval::backend::check_eviction(m, backend)?;
+        }
     }
     let haystack_path = args
         .haystack
@@ -118,6 +125,7 @@ pub(crate) fn run(args: NiahArgs) -> Result<(), Error> {
             sampling: Sampling::default(),
             faults: None,
             prefill_step,
+            eviction,
         };
         eprintln!("{}:", mode.label());
         let grid = run_grid(
