@@ -95,13 +95,6 @@ impl<B: KvBackend> Evicting<B> {
         self.policy.as_ref()
     }
 
-    /// The wrapped backend, mutably: what it is given changes what the
-    /// wrapper maps, so only calls that write no rows belong here (fault
-    /// injection and scrubbing, statistics).
-    pub fn inner_mut(&mut self) -> &mut B {
-        &mut self.inner
-    }
-
     /// What the eviction kept, once it ran.
     pub fn eviction(&self) -> Option<Eviction> {
         self.done
@@ -118,7 +111,8 @@ impl<B: KvBackend> Evicting<B> {
     /// and writes them compactly into the emptied inner backend. Refused
     /// (nothing changed) while a step is open, before any token, a second
     /// time, or when a layer has not attended the prefill's last queries.
-    /// An error of the inner backend while writing leaves it empty.
+    /// An error of the inner backend while writing leaves the cache empty
+    /// (no token held, none evicted).
     pub fn evict(&mut self) -> Result<Eviction, B::Error> {
         let refuse = |reason: String| -> B::Error {
             AttentionError::InvalidParameter {
@@ -175,17 +169,19 @@ impl<B: KvBackend> Evicting<B> {
         // The kept rows' token ids differ by head, so none is named (a
         // backend wrapped here shares no blocks by them).
         self.inner.truncate(0)?;
-        let ids = vec![0u32; kept];
-        self.inner.begin(&ids)?;
-        let written = kept_rows
-            .iter()
-            .enumerate()
-            .try_for_each(|(layer, (k, v))| self.inner.append(layer, k, v));
-        if let Err(e) = written {
+        let written = self.inner.begin(&vec![0u32; kept]).and_then(|()| {
+            kept_rows
+                .iter()
+                .enumerate()
+                .try_for_each(|(layer, (k, v))| self.inner.append(layer, k, v))
+        });
+        if let Err(e) = written.and_then(|()| self.inner.commit()) {
             self.inner.rollback();
+            // Empty, as the inner backend is (refitted by the next pass).
+            self.rows = Some(DenseBackend::new());
+            self.queries.iter_mut().for_each(VecDeque::clear);
             return Err(e);
         }
-        self.inner.commit()?;
         let done = Eviction { prefill, kept };
         self.done = Some(done);
         self.rows = None;
@@ -256,7 +252,10 @@ impl<B: KvBackend> KvBackend for Evicting<B> {
         if offset == 0 {
             if let (Some(policy), Some(ring)) = (self.policy, self.queries.get_mut(layer)) {
                 let q_len = attention.shape().q_len();
-                for (&p, q) in positions.iter().zip(queries.chunks_exact(q_len)) {
+                // Only the call's last `window` queries can be kept.
+                let skip = positions.len().saturating_sub(policy.window());
+                let rows = queries.chunks_exact(q_len).skip(skip);
+                for (&p, q) in positions[skip..].iter().zip(rows) {
                     ring.push_back((p, q.to_vec()));
                     if ring.len() > policy.window() {
                         ring.pop_front();

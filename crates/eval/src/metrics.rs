@@ -127,9 +127,12 @@ impl RunConfig {
         }
     }
 
-    /// Whether this is the unquantised, fault-free plain pass.
+    /// Whether this is the unquantised, fault-free plain pass without
+    /// eviction (its logits are the clean pass's).
     pub fn is_clean_plain(&self) -> bool {
-        self.mode == CacheMode::Plain && self.faults.is_none_or(|f| f.ber == 0.0)
+        self.mode == CacheMode::Plain
+            && self.faults.is_none_or(|f| f.ber == 0.0)
+            && self.eviction.is_none()
     }
 }
 

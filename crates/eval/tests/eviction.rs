@@ -86,6 +86,19 @@ fn evicting_stores_fewer_bits_and_scores_every_prediction() {
         evicted.stats.bits_per_value,
         all.stats.bits_per_value
     );
+    // The plain form evicts too (not the clean pass's logits): f32 rows.
+    let plain = evaluate(
+        &m,
+        &toks,
+        64,
+        method,
+        &runs("plain", BackendKind::Dense, &[Some(0.25)]),
+        |_, _| {},
+    )
+    .unwrap();
+    assert!(plain[0].kl_mean > 0.0, "{:?}", plain[0]);
+    let bits = plain[0].stats.bits_per_value;
+    assert!(bits > 8.0 && bits < 0.6 * 32.0, "{bits}");
 }
 
 #[test]
