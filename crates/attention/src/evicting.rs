@@ -37,6 +37,33 @@ pub struct Eviction {
     pub kept: usize,
 }
 
+impl Eviction {
+    /// The stored row of the model's position `p`, which must not lie
+    /// inside the prefill (a range's end may be the prefill's end).
+    fn stored(&self, p: usize, what: &str) -> Result<usize, AttentionError> {
+        if p < self.prefill {
+            return Err(AttentionError::InvalidParameter {
+                name: "position",
+                reason: format!(
+                    "{what} {p} lies in the prefill of {} tokens, whose rows were evicted \
+                     or moved",
+                    self.prefill
+                ),
+            });
+        }
+        Ok(p - (self.prefill - self.kept))
+    }
+
+    /// The stored row a key range starting at position `start` starts at:
+    /// 0 for the first, else as [`stored`](Self::stored).
+    fn stored_start(&self, start: usize) -> Result<usize, AttentionError> {
+        match start {
+            0 => Ok(0),
+            s => self.stored(s, "key range start"),
+        }
+    }
+}
+
 /// A [`KvBackend`] that evicts tokens once, at the end of the prefill (see
 /// the module docs).
 #[derive(Debug)]
@@ -248,8 +275,7 @@ impl<B: KvBackend> KvBackend for Evicting<B> {
         positions: &[usize],
         mask: &Mask<'_>,
     ) -> Result<AttentionOutput, B::Error> {
-        let offset = self.offset();
-        if offset == 0 {
+        let Some(done) = self.done else {
             if let (Some(policy), Some(ring)) = (self.policy, self.queries.get_mut(layer)) {
                 let q_len = attention.shape().q_len();
                 // Only the call's last `window` queries can be kept.
@@ -265,18 +291,32 @@ impl<B: KvBackend> KvBackend for Evicting<B> {
             return self
                 .inner
                 .attend(layer, attention, queries, positions, mask);
-        }
-        let stored: Vec<usize> = positions
+        };
+        let stored = positions
             .iter()
-            .map(|&p| {
-                p.checked_sub(offset)
-                    .ok_or_else(|| AttentionError::InvalidParameter {
-                        name: "position",
-                        reason: format!("{p} lies in the {offset} evicted tokens"),
-                    })
-            })
-            .collect::<Result<_, _>>()?;
-        self.inner.attend(layer, attention, queries, &stored, mask)
+            .map(|&p| done.stored(p, "query position"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ranges;
+        let mask = match mask {
+            Mask::Causal => Mask::Causal,
+            Mask::SlidingWindow(_) => {
+                return Err(AttentionError::InvalidParameter {
+                    name: "mask",
+                    reason: "a sliding window counts model positions, which evicted rows no \
+                             longer follow"
+                        .into(),
+                }
+                .into());
+            }
+            Mask::Ranges(r) => {
+                ranges = r
+                    .iter()
+                    .map(|r| Ok(done.stored_start(r.start)?..done.stored(r.end, "key range end")?))
+                    .collect::<Result<Vec<_>, AttentionError>>()?;
+                Mask::Ranges(&ranges)
+            }
+        };
+        self.inner.attend(layer, attention, queries, &stored, &mask)
     }
 
     fn commit(&mut self) -> Result<(), B::Error> {

@@ -189,10 +189,31 @@ fn misuse_is_refused() {
     assert!(b.truncate(19).unwrap_err().to_string().contains("evicted"));
     b.truncate(21).unwrap();
     assert_eq!((b.tokens(), b.inner().tokens()), (21, 11));
-    // A position inside the evicted tokens.
+    // Positions inside the prefill: evicted (3) or moved (15, stored 5).
     let attn = Attention::new(s);
     let q = rows(s.q_len(), 1);
-    assert!(b.attend(0, &attn, &q, &[3], &Mask::Causal).is_err());
+    for p in [3, 15] {
+        let e = b.attend(0, &attn, &q, &[p], &Mask::Causal).unwrap_err();
+        assert!(e.to_string().contains("prefill"), "{e}");
+    }
+    // Key ranges in model positions (a self-speculative draft's mask):
+    // the whole cache reads as the causal mask does; one starting inside
+    // the prefill is refused, and so is a sliding window.
+    let causal = b.attend(0, &attn, &q, &[20], &Mask::Causal).unwrap();
+    let whole = [0..21];
+    let ranged = b
+        .attend(0, &attn, &q, &[20], &Mask::Ranges(&whole))
+        .unwrap();
+    assert_eq!(causal.out, ranged.out);
+    let inside = [5..21];
+    assert!(
+        b.attend(0, &attn, &q, &[20], &Mask::Ranges(&inside))
+            .is_err()
+    );
+    assert!(
+        b.attend(0, &attn, &q, &[20], &Mask::SlidingWindow(4))
+            .is_err()
+    );
     // Wrapping a cache that holds tokens.
     let mut used = DenseBackend::new();
     used.fit(&model(&s)).unwrap();

@@ -60,6 +60,20 @@ pub fn check_eviction(mode: &CacheMode, backend: BackendKind) -> Result<()> {
     }
 }
 
+/// Refuses an eviction whose f32 copies of a `tokens`-token prompt (the
+/// rows as computed, kept until the eviction, and the kept rows while
+/// they are written) would pass the memory budget.
+pub fn check_eviction_memory(model: &dyn CausalLm, tokens: usize) -> Result<()> {
+    let values = (model.layers() as u64)
+        .saturating_mul(model.kv_channels() as u64)
+        .saturating_mul(tokens as u64)
+        .saturating_mul(2);
+    crate::budget::check(
+        &format!("eviction's f32 copies of a {tokens}-token prompt"),
+        values.saturating_mul(2 * 4),
+    )
+}
+
 /// Whether `mode` stores blocks in forms of their own (`BlockForms`).
 fn has_block_forms(mode: &CacheMode) -> bool {
     matches!(mode, CacheMode::Stored(s) if s.blocks.is_some())

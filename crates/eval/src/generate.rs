@@ -226,6 +226,7 @@ fn generate_with(
     config.backend.check(&config.mode, None)?;
     if config.eviction.is_some() {
         crate::backend::check_eviction(&config.mode, config.backend)?;
+        crate::backend::check_eviction_memory(model, prompt.len())?;
     }
     let channel: Option<(StepFaults, Box<dyn FaultChannel + Send + Sync>)> = match config.faults {
         Some(f) if f.ber_per_step > 0.0 || f.scrub_every.is_some() => {

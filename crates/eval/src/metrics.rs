@@ -11,7 +11,9 @@ use serde::Serialize;
 
 use attention::{DenseBackend, Evicting, KvBackend, SnapKv};
 
-use crate::backend::{BackendKind, check_eviction, paged_backend, paged_stats, seals_blocks};
+use crate::backend::{
+    BackendKind, check_eviction, check_eviction_memory, paged_backend, paged_stats, seals_blocks,
+};
 use crate::cache::{CacheMode, CacheStats, FaultSpec, KvCache};
 use crate::error::{EvalError, Result};
 use kv_model::model::Adapted;
@@ -501,6 +503,7 @@ fn run_evicting(
     logits_from: usize,
 ) -> Result<(Vec<f32>, CacheStats)> {
     check_eviction(&run.mode, run.backend)?;
+    check_eviction_memory(model, logits_from)?;
     match run.backend {
         BackendKind::Dense => {
             let mut cache = Adapted(Evicting::new(DenseBackend::new(), policy)?);

@@ -115,7 +115,10 @@ fn what_eviction_cannot_run_is_refused_before_any_work() {
         // And through the protocol itself.
         let m = model();
         let run = &runs(spec, backend, &[Some(0.5)]);
-        assert!(evaluate(&m, &tokens(130), 64, PplMethod::LlamaCpp, run, |_, _| {}).is_err());
+        let e = evaluate(&m, &tokens(130), 64, PplMethod::LlamaCpp, run, |_, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("evict") && e.contains(what), "{spec}: {e}");
     }
     assert!(check_eviction(&CacheMode::parse("int4-ch+sink4/lm4+rot8").unwrap(), paged).is_ok());
 }

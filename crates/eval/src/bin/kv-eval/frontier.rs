@@ -108,6 +108,10 @@ pub(crate) fn run(args: FrontierArgs) -> Result<(), Error> {
     if backends.is_empty() {
         return Err("--backends needs at least one backend".into());
     }
+    if evictions.iter().any(Option::is_some) && backends.iter().all(|b| *b == BackendKind::Reencode)
+    {
+        return Err("--evict runs on paged backends: add --backends paged<B>".into());
+    }
     check_out_dir(&out)?;
     let configs: Vec<String> = if configs.is_empty() {
         let preset = match preset {

@@ -241,7 +241,16 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
         model.set_projection_hook(Some(faults.clone()));
     }
     let mode = mode.with_calibration(cal);
-    let label = mode.label();
+    let label = match eviction {
+        Some(e) => format!(
+            "{} evict{} (window {}, pool {})",
+            mode.label(),
+            e.keep(),
+            e.window(),
+            e.pool()
+        ),
+        None => mode.label(),
+    };
     let run = RunConfig {
         mode,
         faults: Some(faults),
@@ -276,6 +285,9 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
             "layer_forms": forms.layer_forms, "ber": ber,
             "channel": channel.name(), "seed": seed,
             "backend": backend.name(),
+            "evict": eviction.map(|e| serde_json::json!({
+                "keep": e.keep(), "window": e.window(), "pool": e.pool(),
+            })),
             "ppl": m.ppl, "nll_mean": m.nll_mean, "tokens_scored": m.tokens_scored,
             "bits_per_value": m.stats.bits_per_value,
             "key_bits_per_value": m.stats.key_bits_per_value,
