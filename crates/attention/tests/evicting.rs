@@ -200,14 +200,12 @@ fn misuse_is_refused() {
     // the whole cache reads as the causal mask does; one starting inside
     // the prefill is refused, and so is a sliding window.
     let causal = b.attend(0, &attn, &q, &[20], &Mask::Causal).unwrap();
-    let whole = [0..21];
-    let ranged = b
-        .attend(0, &attn, &q, &[20], &Mask::Ranges(&whole))
-        .unwrap();
+    let whole = std::slice::from_ref(&(0..21));
+    let ranged = b.attend(0, &attn, &q, &[20], &Mask::Ranges(whole)).unwrap();
     assert_eq!(causal.out, ranged.out);
-    let inside = [5..21];
+    let inside = std::slice::from_ref(&(5..21));
     assert!(
-        b.attend(0, &attn, &q, &[20], &Mask::Ranges(&inside))
+        b.attend(0, &attn, &q, &[20], &Mask::Ranges(inside))
             .is_err()
     );
     assert!(
