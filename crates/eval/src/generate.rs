@@ -98,6 +98,8 @@ pub struct Generation {
     pub non_finite_stored: u64,
     /// Drafting and verification, where the run speculated.
     pub speculation: Option<SpeculativeStats>,
+    /// What the eviction after the prompt kept, where it ran.
+    pub eviction: Option<attention::Eviction>,
 }
 
 /// How the decode steps run: one token each, or verifying a drafter's.
@@ -266,6 +268,7 @@ fn generate_with(
             };
             let g = decode.run(model, &mut cache, prompt, &options, evict, &mut on_token)?;
             out.cache_bytes = cache.0.inner().held_bytes();
+            out.eviction = cache.0.eviction();
             g
         }
         BackendKind::Reencode => {
@@ -299,6 +302,7 @@ fn generate_with(
             };
             let g = decode.run(model, &mut cache, prompt, &options, faults, &mut on_token)?;
             (out.injected_flips, out.scrubbed) = (flips, scrubbed);
+            out.eviction = cache.0.eviction();
             let cache = Adapted(cache.0.inner());
             out.tables = (cache.0.table_flips(), cache.0.table_stats()?);
             out.cache_bytes = cache.0.stored_bytes()? as u64;

@@ -151,6 +151,14 @@ fn generation_evicts_the_prompt_once_before_decoding() {
         assert_eq!(plain.cache_bytes, all.cache_bytes, "{backend:?}");
         let part = generate(&m, &prompt, &config(Some(0.3)), |_| Ok(())).unwrap();
         assert_eq!(part.tokens.len(), 12);
+        assert_eq!(
+            part.eviction,
+            Some(attention::Eviction {
+                prefill: 100,
+                kept: 30
+            })
+        );
+        assert_eq!(plain.eviction, None);
         // The first token comes from the whole prompt.
         assert_eq!(part.tokens[0], plain.tokens[0]);
         assert!(part.cache_bytes < plain.cache_bytes, "{backend:?}");

@@ -306,6 +306,12 @@ pub(crate) fn run(args: GenerateArgs) -> Result<(), Error> {
         mode.label()
     );
     let bits = |bytes: u64| 8.0 * bytes as f64 / values.max(1) as f64;
+    if let Some(e) = g.eviction {
+        eprintln!(
+            "eviction: each key head kept {} of the {} prompt tokens (SnapKV)",
+            e.kept, e.prefill
+        );
+    }
     if g.table_bytes > 0 {
         eprintln!(
             "cache: {} bytes, {:.3} bits per K/V value held; with {} bytes of fitted tables, {:.3}",
