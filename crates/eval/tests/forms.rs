@@ -1,4 +1,4 @@
-//! Key and value forms, per-layer forms and calibrated (vq) forms on the
+//! Key and value forms, per-layer forms and calibrated (vq, cq) forms on the
 //! tiny model: the spellings, the bytes each part is counted with, the
 //! errors before any work, and the calibration file's round trip and
 //! refusals.
@@ -84,6 +84,11 @@ fn bad_layer_forms_fail_before_any_work() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("straddle heads"), "{e}");
+}
+
+/// The largest absolute difference between two equally long runs of logits.
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 fn calibration(m: &LlamaModel, form: &str) -> Calibration {
@@ -274,10 +279,7 @@ fn vq_forms_are_paged_forms_with_their_codebooks() {
     let logits = m.forward(&toks, &mut paged, 0).unwrap();
     assert_eq!(paged.tokens(), toks.len());
     let paged = paged.0;
-    let worst = logits
-        .iter()
-        .zip(&reencoded)
-        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    let worst = max_abs_diff(&logits, &reencoded);
     assert!(
         worst < 1e-4,
         "paged vq differs from re-encoded vq by {worst}"
@@ -376,10 +378,7 @@ fn shard_forms_fitted_per_sequence_are_paged_forms() {
     assert!(shard.iter().all(|x| x.is_finite()));
     assert_ne!(shard, f16, "blocks were sealed");
     let scale = plain.iter().fold(0f32, |a, x| a.max(x.abs()));
-    let worst = shard
-        .iter()
-        .zip(&plain)
-        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    let worst = max_abs_diff(&shard, &plain);
     assert!(worst < 0.5 * scale, "{worst} of {scale}");
     assert!(
         stats.codebook_bytes > 0,
@@ -423,10 +422,7 @@ fn calibrated_shard_forms_are_paged_forms() {
     let (shard, stats) = run(&with("shard-k4-g4-cal+sink2+win8"));
     assert!(shard.iter().all(|x| x.is_finite()));
     let scale = plain.iter().fold(0f32, |a, x| a.max(x.abs()));
-    let worst = shard
-        .iter()
-        .zip(&plain)
-        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    let worst = max_abs_diff(&shard, &plain);
     assert!(worst > 0.0 && worst < 0.5 * scale, "{worst} of {scale}");
     let blocks = |s: &kv_eval::cache::CacheStats| s.stored_bytes - s.codebook_bytes;
     assert!(stats.codebook_bytes > 0, "the tables are counted");
@@ -578,4 +574,51 @@ fn rewrite(bytes: &[u8], edit: impl Fn(&str, &mut [u8])) -> Vec<u8> {
         .map(|(n, dt, shape, d)| (n.clone(), TensorView::new(*dt, shape.clone(), d).unwrap()))
         .collect();
     safetensors::serialize(views, header.metadata().clone()).unwrap()
+}
+
+/// Coupled Quantization (`cq`): a codebook per group of channels, fitted on
+/// the calibration text, saved and loaded with the calibration, and coded
+/// the same way by the re-encode protocol and the paged cache.
+#[test]
+fn cq_forms_code_each_group_on_its_own_calibrated_codebook() {
+    use kv_eval::backend::{paged_backend, paged_stats};
+    use kv_model::model::Adapted;
+    let m = model();
+    let cal = calibration(&m, "cq-d2-k8");
+    assert_eq!(cal.shapes(), ["cq-d2-k8"]);
+    let form: CacheForm = "cq-d2-k8".parse().unwrap();
+    let kv_channels = m.config().kv_heads * m.config().head_dim;
+    let book = cal.codebook(&form, 0, Part::Value).unwrap();
+    assert_eq!(book.codebooks(), kv_channels / 2, "one codebook per pair");
+    let dir = std::env::temp_dir().join(format!("kv-eval-cq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cq.safetensors");
+    cal.save(&path).unwrap();
+    assert_eq!(Calibration::load(&path).unwrap(), cal);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let cal = Arc::new(cal);
+    let mode = CacheMode::parse("fp32/cq-d2-k8")
+        .unwrap()
+        .with_calibration(Some(cal.clone()));
+    let (reencoded, cache) = forward(&m, mode.clone()).unwrap();
+    assert!(reencoded.iter().all(|x| x.is_finite()));
+    // f16 centroids: pairs × 8 centroids × 2 channels, per layer.
+    let books = LAYERS * kv_channels / 2 * 8 * 2 * 2;
+    assert_eq!(cache.stats().codebook_bytes as usize, books);
+    let toks = tokens(40);
+    let mut paged = Adapted(paged_backend(&m, &mode, None, 16, toks.len()).unwrap());
+    let logits = m.forward(&toks, &mut paged, 0).unwrap();
+    let worst = max_abs_diff(&logits, &reencoded);
+    assert!(
+        worst < 1e-4,
+        "paged cq differs from re-encoded cq by {worst}"
+    );
+    let s = paged_stats(&paged.0, &m, toks.len()).unwrap();
+    assert_eq!(s.codebook_bytes as usize, books);
+    // A vq codebook of the same size is another shape: refused by name.
+    let vq = CacheMode::parse("fp32/vq-d2-k8+rot8")
+        .unwrap()
+        .with_calibration(Some(cal));
+    let e = forward(&m, vq).unwrap_err().to_string();
+    assert!(e.contains("no value codebook"), "{e}");
 }

@@ -1,13 +1,23 @@
-//! Codebooks of the vector-quantized forms (`vq`): k-means over groups of
-//! `dim` consecutive rotated coordinates (Shard's value path, section 6).
+//! Codebooks of the vector-quantized forms: k-means over groups of `dim`
+//! consecutive coordinates.
 //!
-//! A store of `channels` channels in a `vq` form with rotation blocks of `N`
-//! channels has `channels / N` blocks (one per head when `N` is the head
-//! dimension), and each block has its own codebook of `K` centroids in
-//! `dim` dimensions, shared by every group of `dim` coordinates of the
-//! block. A token's block is rotated, divided by its RMS, and each group is
-//! replaced by the index of its nearest centroid; the block's gain (the
-//! least-squares scale of the chosen centroids) is stored per token.
+//! - `vq` (Shard's value path, section 6): a store of `channels` channels
+//!   with rotation blocks of `N` channels has `channels / N` blocks (one
+//!   per head when `N` is the head dimension), and each block has its own
+//!   codebook of `K` centroids in `dim` dimensions, shared by every group
+//!   of `dim` rotated coordinates of the block.
+//! - `cq` (Coupled Quantization, Zhang et al. 2024, "KV Cache is 1 Bit Per
+//!   Channel"): no rotation, the whole row is one gain block, and each
+//!   group of `dim` channels has its own codebook (`channels / dim` of
+//!   them), fitted on that group's calibration values, so a codebook
+//!   learns how its channels vary together. CQ's own codebooks are fitted
+//!   on raw activations with Fisher-weighted centroids; here they are
+//!   fitted on RMS-normalised rows by plain k-means, as `vq`'s are.
+//!
+//! A token's gain block is rotated (vq), divided by its RMS, and each
+//! group is replaced by the index of its nearest centroid; the block's
+//! gain (the least-squares scale of the chosen centroids) is stored per
+//! token.
 //!
 //! [`VqCodebook::fit`] fits the codebooks on calibration rows: k-means++
 //! seeding and Lloyd iterations, deterministic for a seed (the workspace's
@@ -44,17 +54,19 @@ impl Default for FitOptions {
     }
 }
 
-/// The codebooks of one `vq` store shape.
+/// The codebooks of one `vq` or `cq` store shape.
 #[derive(Clone, Debug)]
 pub struct VqCodebook {
     spec: VqSpec,
+    /// Channels of a gain block (the rotation block; `cq`: the row).
     block: usize,
-    blocks: usize,
-    /// Stored centroids (f16 bits): `blocks × K × dim`.
+    /// Codebooks: one per gain block (`vq`), one per group (`cq`).
+    books: usize,
+    /// Stored centroids (f16 bits): `books × K × dim`.
     bits: Vec<u16>,
-    /// The same as f32, `blocks × K × dim` (for decoding).
+    /// The same as f32, `books × K × dim` (for decoding).
     values: Vec<f32>,
-    /// The same transposed per block, `blocks × dim × K` (for searching).
+    /// The same transposed per codebook, `books × dim × K` (for searching).
     columns: Vec<f32>,
 }
 
@@ -66,13 +78,27 @@ impl PartialEq for VqCodebook {
 
 impl Eq for VqCodebook {}
 
+/// `form`'s codebook parameters over `channels` channels: the spec, the
+/// channels of a gain block and the number of codebooks.
 fn vq_parts(form: &CacheForm, channels: usize) -> Result<(VqSpec, usize, usize)> {
     let Quantizer::Vq(spec) = *form.quantizer() else {
         return Err(KvQuantError::InvalidParameter {
             name: "form",
-            reason: format!("{form} is not a vq form"),
+            reason: format!("{form} is not a vq or cq form"),
         });
     };
+    if spec.coupled {
+        if channels == 0 || !channels.is_multiple_of(spec.dim) {
+            return Err(KvQuantError::InvalidParameter {
+                name: "channels",
+                reason: format!(
+                    "{channels} channels are not whole groups of {} ({form})",
+                    spec.dim
+                ),
+            });
+        }
+        return Ok((spec, channels, channels / spec.dim));
+    }
     let block = form.rotation().map_or(0, |r| r.block);
     if block == 0 || !channels.is_multiple_of(block) {
         return Err(KvQuantError::InvalidParameter {
@@ -86,13 +112,14 @@ fn vq_parts(form: &CacheForm, channels: usize) -> Result<(VqSpec, usize, usize)>
 }
 
 impl VqCodebook {
-    /// Codebooks from centroid values (`blocks × K × dim`, rounded to f16 as stored).
+    /// Codebooks from centroid values (`codebooks × K × dim`, rounded to
+    /// f16 as stored; [`codebooks`](Self::codebooks) says how many).
     pub fn new(form: &CacheForm, channels: usize, centroids: &[f32]) -> Result<Self> {
         let (spec, block, blocks) = vq_parts(form, channels)?;
         let expected = blocks * spec.centroids * spec.dim;
         if centroids.len() != expected {
             return Err(KvQuantError::ShapeMismatch {
-                what: "codebook centroids (blocks × centroids × dim)",
+                what: "codebook centroids (codebooks × centroids × dim)",
                 expected,
                 found: centroids.len(),
             });
@@ -125,7 +152,7 @@ impl VqCodebook {
         Self {
             spec,
             block,
-            blocks,
+            books: blocks,
             bits,
             values,
             columns,
@@ -133,7 +160,8 @@ impl VqCodebook {
     }
 
     /// Fits the codebooks of `form` on `data` (`tokens × channels`, row-major,
-    /// unrotated): every block's normalised groups, at most
+    /// unrotated): each codebook's normalised groups (`vq`: every group of
+    /// its rotated block; `cq`: its own group of every row), at most
     /// `options.max_samples` of them, clustered by k-means.
     pub fn fit(
         form: &CacheForm,
@@ -152,19 +180,34 @@ impl VqCodebook {
             });
         }
         let (k, d) = (spec.centroids, spec.dim);
-        let groups_per_token = block / d;
-        let hadamard = Hadamard::of(block)?;
+        let groups_per_token = if spec.coupled { 1 } else { block / d };
+        let hadamard = if spec.coupled {
+            None
+        } else {
+            Some(Hadamard::of(block)?)
+        };
         let mut bits = Vec::with_capacity(blocks * k * d);
         for b in 0..blocks {
-            // Every token's normalised block, split into groups.
-            let mut samples: Vec<f32> = Vec::with_capacity(tokens * block);
+            // Every token's normalised block, split into groups (cq: the
+            // row's RMS, group `b` alone).
+            let mut samples: Vec<f32> = Vec::with_capacity(tokens * block / blocks.max(1));
             let mut y = vec![0.0f32; block];
             for row in data.chunks_exact(channels) {
-                y.copy_from_slice(&row[b * block..][..block]);
-                hadamard.rotate(&mut y);
-                let rms = rms(&y);
-                if rms > 0.0 {
-                    samples.extend(y.iter().map(|v| v / rms));
+                match hadamard {
+                    Some(h) => {
+                        y.copy_from_slice(&row[b * block..][..block]);
+                        h.rotate(&mut y);
+                        let rms = rms(&y);
+                        if rms > 0.0 {
+                            samples.extend(y.iter().map(|v| v / rms));
+                        }
+                    }
+                    None => {
+                        let rms = rms(row);
+                        if rms > 0.0 {
+                            samples.extend(row[b * d..][..d].iter().map(|v| v / rms));
+                        }
+                    }
                 }
             }
             let count = samples.len() / d;
@@ -192,29 +235,47 @@ impl VqCodebook {
         self.spec
     }
 
-    /// Channels per block (the rotation block).
+    /// Channels per gain block (`vq`: the rotation block; `cq`: the row).
     pub fn block(&self) -> usize {
         self.block
     }
 
-    /// Blocks (codebooks).
-    pub fn blocks(&self) -> usize {
-        self.blocks
+    /// Codebooks: one per gain block (`vq`), one per group of `dim`
+    /// channels (`cq`).
+    pub fn codebooks(&self) -> usize {
+        self.books
+    }
+
+    /// The codebook of group `group` (counted within its block) of gain
+    /// block `block`: the block's own (`vq`) or the group's (`cq`).
+    #[inline]
+    pub fn codebook_of(&self, block: usize, group: usize) -> usize {
+        if self.spec.coupled {
+            block * (self.block / self.spec.dim) + group
+        } else {
+            block
+        }
     }
 
     /// Checks that the codebooks serve `form` over `channels` channels.
     pub fn check_fits(&self, form: &CacheForm, channels: usize) -> Result<()> {
         let (spec, block, blocks) = vq_parts(form, channels)?;
-        if (spec.dim, spec.centroids, block, blocks)
-            != (self.spec.dim, self.spec.centroids, self.block, self.blocks)
+        if (spec.dim, spec.centroids, spec.coupled, block, blocks)
+            != (
+                self.spec.dim,
+                self.spec.centroids,
+                self.spec.coupled,
+                self.block,
+                self.books,
+            )
         {
             return Err(KvQuantError::Calibration {
                 form: form.to_string(),
                 what: "a codebook of its shape",
                 reason: format!(
-                    "the codebook holds {} blocks of {} channels, {} centroids of {} \
-                     channels; the store needs {blocks} blocks of {block}, {} of {}",
-                    self.blocks,
+                    "the codebook holds {} codebooks over blocks of {} channels, {} centroids \
+                     of {} channels; the store needs {blocks} over blocks of {block}, {} of {}",
+                    self.books,
                     self.block,
                     self.spec.centroids,
                     self.spec.dim,
@@ -226,16 +287,17 @@ impl VqCodebook {
         Ok(())
     }
 
-    /// The stored centroids as f32 (`blocks × K × dim`).
+    /// The stored centroids as f32 (`codebooks × K × dim`).
     pub fn centroids(&self) -> &[f32] {
         &self.values
     }
 
-    /// Centroid `index` of block `block` (`dim` values).
+    /// Centroid `index` of codebook `book` (`dim` values; see
+    /// [`codebook_of`](Self::codebook_of)).
     #[inline]
-    pub fn centroid(&self, block: usize, index: u8) -> &[f32] {
+    pub fn centroid(&self, book: usize, index: u8) -> &[f32] {
         let (k, d) = (self.spec.centroids, self.spec.dim);
-        &self.values[(block * k + usize::from(index)) * d..][..d]
+        &self.values[(book * k + usize::from(index)) * d..][..d]
     }
 
     /// Bytes of the stored centroids (f16 each).
@@ -243,11 +305,11 @@ impl VqCodebook {
         2 * self.bits.len()
     }
 
-    /// Index of the centroid of block `block` nearest `x` (`dim` values).
+    /// Index of the centroid of codebook `book` nearest `x` (`dim` values).
     #[inline]
-    pub fn nearest(&self, block: usize, x: &[f32]) -> u8 {
+    pub fn nearest(&self, book: usize, x: &[f32]) -> u8 {
         let (k, d) = (self.spec.centroids, self.spec.dim);
-        nearest_in(&self.columns[block * k * d..][..k * d], k, x) as u8
+        nearest_in(&self.columns[book * k * d..][..k * d], k, x) as u8
     }
 }
 
@@ -392,7 +454,7 @@ impl crate::table::TableBytes for VqCodebook {
             .chunks_exact(2)
             .map(|b| u16::from_le_bytes([b[0], b[1]]))
             .collect();
-        Ok(Self::from_bits(self.spec, self.block, self.blocks, bits))
+        Ok(Self::from_bits(self.spec, self.block, self.books, bits))
     }
 
     fn f16_words(&self) -> bool {
@@ -467,7 +529,7 @@ mod tests {
         let a = VqCodebook::fit(&f, &data, tokens, channels, opts).unwrap();
         let b = VqCodebook::fit(&f, &data, tokens, channels, opts).unwrap();
         assert_eq!(a, b);
-        assert_eq!((a.blocks(), a.block()), (2, 64));
+        assert_eq!((a.codebooks(), a.block()), (2, 64));
         assert_eq!(a.stored_bytes(), 2 * 2 * 16 * 4);
         let other =
             VqCodebook::fit(&f, &data, tokens, channels, FitOptions { seed: 9, ..opts }).unwrap();

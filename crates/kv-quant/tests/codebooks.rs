@@ -37,6 +37,20 @@ fn correlated(tokens: usize, channels: usize, seed: u64) -> Vec<f32> {
     data
 }
 
+/// `data` coded in `form` against `codebook`.
+fn coded(form: CacheForm, data: &[f32], channels: usize, codebook: Arc<VqCodebook>) -> KvStore {
+    let tokens = data.len() / channels;
+    KvStore::quantize_with_codebook(
+        form,
+        data,
+        tokens,
+        channels,
+        QuantizeOptions::default(),
+        codebook,
+    )
+    .unwrap()
+}
+
 fn mse(a: &[f32], b: &[f32]) -> f64 {
     a.iter()
         .zip(b)
@@ -93,15 +107,7 @@ fn vq_decodes_gain_times_centroid_and_beats_scalar_codes_of_equal_bits() {
     let f = form("vq");
     let cb =
         Arc::new(VqCodebook::fit(&f, &train, tokens, channels, FitOptions::default()).unwrap());
-    let store = KvStore::quantize_with_codebook(
-        f,
-        &test,
-        256,
-        channels,
-        QuantizeOptions::default(),
-        cb.clone(),
-    )
-    .unwrap();
+    let store = coded(f, &test, channels, cb.clone());
     // 8-bit indices per 4 values, an f16 gain per 64-channel block and token.
     assert_eq!(
         store.stored_bytes(),
@@ -140,15 +146,7 @@ fn vq_rows_written_one_at_a_time_equal_a_whole_quantization() {
     let data = correlated(tokens, channels, 4);
     let f = form("vq-d2-k16+secded84");
     let cb = Arc::new(VqCodebook::fit(&f, &data, tokens, channels, FitOptions::default()).unwrap());
-    let whole = KvStore::quantize_with_codebook(
-        f,
-        &data,
-        tokens,
-        channels,
-        QuantizeOptions::default(),
-        cb.clone(),
-    )
-    .unwrap();
+    let whole = coded(f, &data, channels, cb.clone());
     let mut rows = KvStore::zeroed_with(f, tokens, channels, Some(cb)).unwrap();
     for t in (0..tokens).rev() {
         rows.write_rows(
@@ -159,4 +157,101 @@ fn vq_rows_written_one_at_a_time_equal_a_whole_quantization() {
         .unwrap();
     }
     assert_eq!(rows, whole);
+}
+
+/// Unrotated rows whose groups of two channels each move along their own
+/// direction (`(a, s_g·a)` plus a little noise, `s_g` per group): what a
+/// codebook per group learns and one codebook shared by a rotated block
+/// cannot.
+fn coupled(tokens: usize, channels: usize, seed: u64) -> Vec<f32> {
+    let mut rng = FaultRng::new(seed);
+    let mut normal = || {
+        let (u1, u2) = (1.0 - rng.next_f64(), rng.next_f64());
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    };
+    let mut data = Vec::with_capacity(tokens * channels);
+    for _ in 0..tokens {
+        for g in 0..channels / 2 {
+            let s = 2.0 * (g as f32 * 0.7).sin();
+            let a = normal() * (1.0 + (g % 5) as f32);
+            data.extend([a, s * a + 0.05 * normal()]);
+        }
+    }
+    data
+}
+
+#[test]
+fn cq_codes_each_group_on_its_own_codebook() {
+    let (tokens, channels) = (2048, 64);
+    let train = coupled(tokens, channels, 5);
+    let test = coupled(256, channels, 6);
+    let f = form("cq-d2-k16");
+    assert_eq!(f.rotation(), None, "cq codes the channels as they are");
+    let cb =
+        Arc::new(VqCodebook::fit(&f, &train, tokens, channels, FitOptions::default()).unwrap());
+    assert_eq!((cb.codebooks(), cb.block()), (channels / 2, channels));
+    assert_eq!(cb.stored_bytes(), channels / 2 * 16 * 2 * 2);
+    let store = coded(f, &test, channels, cb.clone());
+    // A 4-bit index per two values and one f16 gain per row.
+    assert_eq!(store.stored_bytes(), 256 * (channels / 4 + 2));
+    // Decoded rows are the row's gain times each group's own centroid.
+    let decoded = store.decode().unwrap().values;
+    // Two 4-bit indices a byte, the first in the low nibble.
+    let indices: Vec<u8> = store.data()[9 * channels / 4..][..channels / 4]
+        .iter()
+        .flat_map(|b| [b & 0xF, b >> 4])
+        .collect();
+    let (gain, _) = store.group_params(9).unwrap();
+    for (g, &idx) in indices.iter().enumerate() {
+        let c = cb.centroid(cb.codebook_of(0, g), idx);
+        for j in 0..2 {
+            assert_eq!(decoded[9 * channels + 2 * g + j], gain * c[j]);
+        }
+    }
+    // One codebook per group beats one shared per rotated block of the
+    // same bits on data whose groups differ.
+    let cq = mse(&decoded, &test);
+    let shared = form("vq-d2-k16");
+    let shared_cb = VqCodebook::fit(&shared, &train, tokens, channels, FitOptions::default());
+    let vq = coded(shared, &test, channels, Arc::new(shared_cb.unwrap()));
+    let vq = mse(&vq.decode().unwrap().values, &test);
+    assert!(cq < 0.5 * vq, "cq {cq} vs vq {vq}");
+    // Written a row at a time under a code, the same store.
+    let protected = form("cq-d2-k16+secded84");
+    let whole = coded(protected, &test, channels, cb.clone());
+    let mut rows = KvStore::zeroed_with(protected, 256, channels, Some(cb.clone())).unwrap();
+    for t in 0..256 {
+        let row = &test[t * channels..][..channels];
+        rows.write_rows(t, row, QuantizeOptions::default()).unwrap();
+    }
+    assert_eq!(rows, whole);
+}
+
+#[test]
+fn cq_refuses_rotation_and_other_shapes() {
+    let e = "cq+rot".parse::<CacheForm>().unwrap_err().to_string();
+    assert!(e.contains("takes no +rot"), "{e}");
+    let e = "cq-x3".parse::<CacheForm>().unwrap_err().to_string();
+    assert!(e.contains("unknown cq option"), "{e}");
+    let data = coupled(300, 64, 7);
+    let cb = VqCodebook::fit(&form("cq-d2-k16"), &data, 300, 64, FitOptions::default()).unwrap();
+    assert!(cb.check_fits(&form("cq-d2-k16"), 64).is_ok());
+    // A vq codebook of the same dim and size, other channels, another dim.
+    for (other, channels) in [("vq-d2-k16", 64), ("cq-d2-k16", 128), ("cq-d4-k16", 64)] {
+        assert!(matches!(
+            cb.check_fits(&form(other), channels),
+            Err(KvQuantError::Calibration { .. })
+        ));
+    }
+    // Channels that are not whole groups.
+    assert!(
+        VqCodebook::fit(
+            &form("cq-d4-k16"),
+            &data[..6 * 300],
+            300,
+            6,
+            FitOptions::default()
+        )
+        .is_err()
+    );
 }

@@ -556,7 +556,7 @@ impl Calibration {
             let name = format!("vq/{shape}/{layer}/{}", part.tag());
             let check = table_checks(&cb.table_bytes());
             buffers.push((format!("{name}/check"), check.clone(), vec![check.len()]));
-            buffers.push((name, bytes, vec![cb.blocks(), spec.centroids, spec.dim]));
+            buffers.push((name, bytes, vec![cb.codebooks(), spec.centroids, spec.dim]));
         }
         for ((shape, layer, part), bases) in &self.bases {
             for (h, b) in bases.heads.iter().enumerate() {
@@ -773,7 +773,7 @@ impl Calibration {
                 .collect();
             let cb = VqCodebook::new(&form, kv_channels, &values)
                 .map_err(|e| bad(format!("{name}: {e}")))?;
-            if view.shape() != [cb.blocks(), cb.spec().centroids, cb.spec().dim] {
+            if view.shape() != [cb.codebooks(), cb.spec().centroids, cb.spec().dim] {
                 return Err(bad(format!("{name}: shape {:?}", view.shape())));
             }
             verify(&name, &[(&values, cb.centroids())], &cb.table_bytes())?;

@@ -256,7 +256,7 @@ mod tests {
 
     #[test]
     fn row_local_forms_are_written_in_place_unless_segmented() {
-        // (`vq` with the fitted codebook its store is built with.)
+        // (`vq` and `cq` with the fitted codebook their store is built with.)
         for s in [
             "int4",
             "fp16",
@@ -265,6 +265,7 @@ mod tests {
             "nf4",
             "int4-ch1",
             "vq",
+            "cq-d2-k16",
         ] {
             let p = plan(s, 16).unwrap();
             assert!(!p.staged, "{s}");

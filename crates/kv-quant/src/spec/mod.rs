@@ -153,10 +153,16 @@ pub struct LloydMaxSpec {
     pub scale: ScaleType,
 }
 
-/// Vector quantization of rotated coordinates: each rotation block of a
-/// token stores its RMS, and every `dim` consecutive coordinates divided by
-/// it are replaced by the index of the nearest of `centroids` codebook
-/// vectors, fitted per block on calibration data ([`crate::VqCodebook`]).
+/// Vector quantization: each gain block of a token stores its RMS, and
+/// every `dim` consecutive coordinates divided by it are replaced by the
+/// index of the nearest of `centroids` codebook vectors fitted on
+/// calibration data ([`crate::VqCodebook`]). Two kinds:
+/// - `vq`: coordinates rotated (the rotation block is the gain block), one
+///   codebook per block shared by its groups (Shard's value path);
+/// - `cq` (`coupled`): Coupled Quantization (Zhang et al. 2024): the
+///   channels as they are, one codebook per group of `dim` channels, so
+///   each group's codebook learns its channels' joint distribution; the
+///   gain block is the whole row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct VqSpec {
     /// Channels per code (1, 2, 4 or 8).
@@ -165,6 +171,9 @@ pub struct VqSpec {
     pub centroids: usize,
     /// Storage type of the RMS.
     pub scale: ScaleType,
+    /// One codebook per group of `dim` channels, unrotated (`cq`), rather
+    /// than one per rotation block (`vq`).
+    pub coupled: bool,
 }
 
 impl VqSpec {
@@ -320,7 +329,10 @@ impl Quantizer {
     /// Whether the quantizer only works on rotated coordinates (Lloyd-Max and
     /// vector quantization).
     pub const fn needs_rotation(&self) -> bool {
-        matches!(self, Quantizer::LloydMax(_) | Quantizer::Vq(_))
+        matches!(
+            self,
+            Quantizer::LloydMax(_) | Quantizer::Vq(VqSpec { coupled: false, .. })
+        )
     }
 
     /// Whether stores of this quantizer need a fitted codebook.

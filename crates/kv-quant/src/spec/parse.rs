@@ -26,6 +26,7 @@ pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 
 fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
 int8h[-sym][-g<N> | -ch | -ch<N>][-sf32] (two 4-bit planes: upper and residual) | \
 nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
+cq[-d{1,2,4,8}][-k<2..256>][-sf32] (Coupled Quantization: a codebook per group of d channels, unrotated) | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
 shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>[q]|-soff][-f<fold chunk>][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
@@ -162,7 +163,7 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
             Ok(())
         }
         Quantizer::Vq(s) => {
-            f.write_str("vq")?;
+            f.write_str(if s.coupled { "cq" } else { "vq" })?;
             if s.dim != DEFAULT_VQ_DIM {
                 write!(f, "-d{}", s.dim)?;
             }
@@ -404,11 +405,12 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
         }
         "pca" | "fd" => parse_low_rank(head, &options),
         "shard" => parse_shard(&options),
-        "vq" => {
+        "vq" | "cq" => {
             let mut spec = VqSpec {
                 dim: DEFAULT_VQ_DIM,
                 centroids: DEFAULT_VQ_CENTROIDS,
                 scale: ScaleType::F16,
+                coupled: head == "cq",
             };
             for o in options {
                 if let Some(s) = parse_scale(o) {
@@ -419,7 +421,7 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
                     spec.centroids = k?;
                 } else {
                     return Err(format!(
-                        "unknown VQ option -{} (-d<D>, -k<K>, -sf32)",
+                        "unknown {head} option -{} (-d<D>, -k<K>, -sf32)",
                         quote(o)
                     ));
                 }

@@ -299,11 +299,14 @@ fn forms() -> impl Strategy<Value = CacheForm> {
             .prop_map(|(group, scale)| Quantizer::Nf4(Nf4Spec { group, scale })),
         (1u8..=8, any::<bool>(), scale.clone())
             .prop_map(|(bits, qjl, scale)| Quantizer::LloydMax(LloydMaxSpec { bits, qjl, scale })),
-        (0u32..4, 1u32..=8, scale).prop_map(|(d, k, scale)| Quantizer::Vq(VqSpec {
-            dim: 1 << d,
-            centroids: 1 << k,
-            scale
-        })),
+        (0u32..4, 1u32..=8, scale, any::<bool>()).prop_map(|(d, k, scale, coupled)| {
+            Quantizer::Vq(VqSpec {
+                dim: 1 << d,
+                centroids: 1 << k,
+                scale,
+                coupled,
+            })
+        }),
         (
             prop_oneof![
                 (1usize..200).prop_map(|r| LowRankMethod::Pca(RankRule::Fixed(r))),

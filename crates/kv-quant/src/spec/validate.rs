@@ -128,6 +128,13 @@ impl CacheForm {
                         s.centroids
                     ));
                 }
+                if s.coupled && self.rotation.is_some() {
+                    return Err(
+                        "cq codes the channels as they are, each group with its own codebook, \
+                         and takes no +rot (vq rotates)"
+                            .into(),
+                    );
+                }
             }
             _ => {}
         }

@@ -616,8 +616,9 @@ impl Section {
                         .zip(a)
                         .enumerate()
                     {
-                        for (o, &l) in o.chunks_exact_mut(dim).zip(lv) {
-                            for (o, &c) in o.iter_mut().zip(codebook.centroid(blk, l)) {
+                        for (j, (o, &l)) in o.chunks_exact_mut(dim).zip(lv).enumerate() {
+                            let book = codebook.codebook_of(blk, j);
+                            for (o, &c) in o.iter_mut().zip(codebook.centroid(book, l)) {
                                 *o = gain * c;
                             }
                         }

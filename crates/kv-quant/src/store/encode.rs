@@ -655,8 +655,8 @@ fn lloyd_max_row(
     Ok(())
 }
 
-/// One rotated row of a vq form: per block the gain and the index of every
-/// group of `dim` coordinates.
+/// One row of a vq form (rotated) or cq form: per gain block the gain and
+/// the index of every group of `dim` coordinates.
 fn vq_row(
     codebook: &VqCodebook,
     dim: usize,
@@ -681,15 +681,18 @@ fn vq_row(
             continue;
         }
         let inv = 1.0 / r;
-        for (l, g) in lv.iter_mut().zip(y.chunks_exact(dim)) {
+        for (j, (l, g)) in lv.iter_mut().zip(y.chunks_exact(dim)).enumerate() {
             for (u, &v) in unit.iter_mut().zip(g) {
                 *u = v * inv;
             }
-            *l = codebook.nearest(b, &unit[..dim]);
+            *l = codebook.nearest(codebook.codebook_of(b, j), &unit[..dim]);
         }
-        let chosen = lv
-            .iter()
-            .flat_map(|&l| codebook.centroid(b, l).iter().copied());
+        let chosen = lv.iter().enumerate().flat_map(|(j, &l)| {
+            codebook
+                .centroid(codebook.codebook_of(b, j), l)
+                .iter()
+                .copied()
+        });
         *p = (stored_gain(ty, y, chosen)?, 0.0);
     }
     Ok(())

@@ -452,7 +452,7 @@ impl KvStore {
         let fits = self.middle.codebook.as_ref().is_some_and(|c| {
             c.spec() == codebook.spec()
                 && c.block() == codebook.block()
-                && c.blocks() == codebook.blocks()
+                && c.codebooks() == codebook.codebooks()
         });
         if !fits {
             return Err(KvQuantError::InvalidParameter {
