@@ -88,6 +88,7 @@ fn bad_layer_forms_fail_before_any_work() {
 
 /// The largest absolute difference between two equally long runs of logits.
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "logits of the same tokens");
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 

@@ -49,7 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // Vector quantization needs codebooks fitted on calibration rows (here
     // the same matrix; kv-eval fits them on a disjoint text).
-    for spelling in ["vq", "vq-d8-k256", "vq+secded84"] {
+    for spelling in ["vq", "vq-d8-k256", "vq+secded84", "cq-d2-k16"] {
         let form: CacheForm = spelling.parse()?;
         let codebook = VqCodebook::fit(&form, &keys, tokens, channels, FitOptions::default())?;
         let store = KvStore::quantize_with_codebook(

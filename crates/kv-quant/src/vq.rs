@@ -39,7 +39,7 @@ pub struct FitOptions {
     pub seed: u64,
     /// Lloyd iterations after seeding.
     pub iterations: usize,
-    /// At most this many groups per block are used (a seeded sample when
+    /// At most this many groups per codebook are used (a seeded sample when
     /// the data holds more).
     pub max_samples: usize,
 }
@@ -186,13 +186,19 @@ impl VqCodebook {
         } else {
             Some(Hadamard::of(block)?)
         };
+        // cq: every row's RMS, once (each codebook reads its own group).
+        let row_rms: Vec<f32> = if spec.coupled {
+            data.chunks_exact(channels).map(rms).collect()
+        } else {
+            Vec::new()
+        };
         let mut bits = Vec::with_capacity(blocks * k * d);
         for b in 0..blocks {
             // Every token's normalised block, split into groups (cq: the
             // row's RMS, group `b` alone).
             let mut samples: Vec<f32> = Vec::with_capacity(tokens * block / blocks.max(1));
             let mut y = vec![0.0f32; block];
-            for row in data.chunks_exact(channels) {
+            for (t, row) in data.chunks_exact(channels).enumerate() {
                 match hadamard {
                     Some(h) => {
                         y.copy_from_slice(&row[b * block..][..block]);
@@ -203,7 +209,7 @@ impl VqCodebook {
                         }
                     }
                     None => {
-                        let rms = rms(row);
+                        let rms = row_rms[t];
                         if rms > 0.0 {
                             samples.extend(row[b * d..][..d].iter().map(|v| v / rms));
                         }
@@ -216,7 +222,7 @@ impl VqCodebook {
                     form: form.to_string(),
                     what: "enough calibration rows",
                     reason: format!(
-                        "{count} non-zero groups of {d} for {k} centroids in block {b} \
+                        "{count} non-zero groups of {d} for {k} centroids in codebook {b} \
                          ({} tokens give {groups_per_token} groups each)",
                         tokens
                     ),
@@ -273,12 +279,14 @@ impl VqCodebook {
                 form: form.to_string(),
                 what: "a codebook of its shape",
                 reason: format!(
-                    "the codebook holds {} codebooks over blocks of {} channels, {} centroids \
-                     of {} channels; the store needs {blocks} over blocks of {block}, {} of {}",
+                    "the codebook is {}: {} codebooks over blocks of {} channels, {} centroids \
+                     of {} channels; the store needs {}: {blocks} over blocks of {block}, {} of {}",
+                    kind(self.spec),
                     self.books,
                     self.block,
                     self.spec.centroids,
                     self.spec.dim,
+                    kind(spec),
                     spec.centroids,
                     spec.dim
                 ),
@@ -310,6 +318,15 @@ impl VqCodebook {
     pub fn nearest(&self, book: usize, x: &[f32]) -> u8 {
         let (k, d) = (self.spec.centroids, self.spec.dim);
         nearest_in(&self.columns[book * k * d..][..k * d], k, x) as u8
+    }
+}
+
+/// The form kind a codebook serves, for messages.
+fn kind(spec: VqSpec) -> &'static str {
+    if spec.coupled {
+        "cq (one per group)"
+    } else {
+        "vq (one per rotated block)"
     }
 }
 

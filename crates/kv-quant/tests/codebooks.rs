@@ -202,8 +202,10 @@ fn cq_codes_each_group_on_its_own_codebook() {
         .flat_map(|b| [b & 0xF, b >> 4])
         .collect();
     let (gain, _) = store.group_params(9).unwrap();
+    assert_ne!(cb.centroid(0, 0), cb.centroid(1, 0), "groups fit apart");
     for (g, &idx) in indices.iter().enumerate() {
-        let c = cb.centroid(cb.codebook_of(0, g), idx);
+        assert_eq!(cb.codebook_of(0, g), g, "group g reads codebook g");
+        let c = cb.centroid(g, idx);
         for j in 0..2 {
             assert_eq!(decoded[9 * channels + 2 * g + j], gain * c[j]);
         }
@@ -240,6 +242,28 @@ fn cq_refuses_rotation_and_other_shapes() {
     for (other, channels) in [("vq-d2-k16", 64), ("cq-d2-k16", 128), ("cq-d4-k16", 64)] {
         assert!(matches!(
             cb.check_fits(&form(other), channels),
+            Err(KvQuantError::Calibration { .. })
+        ));
+    }
+    // Where only the kind differs (one group, one rotated block of 8
+    // channels: the same counts), the kinds still do not mix.
+    let rows8 = coupled(300, 8, 8);
+    let cq8 = VqCodebook::fit(&form("cq-d8-k16"), &rows8, 300, 8, FitOptions::default()).unwrap();
+    let vq8 = VqCodebook::fit(
+        &form("vq-d8-k16+rot8"),
+        &rows8,
+        300,
+        8,
+        FitOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        (cq8.codebooks(), cq8.block()),
+        (vq8.codebooks(), vq8.block())
+    );
+    for (cb, other) in [(&cq8, "vq-d8-k16+rot8"), (&vq8, "cq-d8-k16")] {
+        assert!(matches!(
+            cb.check_fits(&form(other), 8),
             Err(KvQuantError::Calibration { .. })
         ));
     }

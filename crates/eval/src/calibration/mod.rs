@@ -97,7 +97,6 @@ impl Part {
     }
 }
 
-/// The codebook shape of a `vq` form, as a form spelling (`vq+rot`,
 /// A malformed calibration file, found by the safetensors crate.
 fn st_err(context: impl Into<String>) -> impl FnOnce(safetensors::SafeTensorError) -> EvalError {
     let context = context.into();
@@ -107,7 +106,9 @@ fn st_err(context: impl Into<String>) -> impl FnOnce(safetensors::SafeTensorErro
     }
 }
 
-/// `vq-d2-k16+rot128`): what two forms must share to share a codebook.
+/// The codebook shape of a `vq` or `cq` form, as a form spelling (`vq+rot`,
+/// `vq-d2-k16+rot128`, `cq-d2-k16`): what two forms must share to share a
+/// codebook.
 pub fn codebook_shape(form: &CacheForm) -> Option<String> {
     let Quantizer::Vq(mut spec) = *form.quantizer() else {
         return None;

@@ -153,10 +153,11 @@ pub struct LloydMaxSpec {
     pub scale: ScaleType,
 }
 
-/// Vector quantization: each gain block of a token stores its RMS, and
-/// every `dim` consecutive coordinates divided by it are replaced by the
-/// index of the nearest of `centroids` codebook vectors fitted on
-/// calibration data ([`crate::VqCodebook`]). Two kinds:
+/// Vector quantization: every `dim` consecutive coordinates of a token's
+/// gain block, divided by the block's RMS, are replaced by the index of the
+/// nearest of `centroids` codebook vectors fitted on calibration data
+/// ([`crate::VqCodebook`]), and the block stores the least-squares gain of
+/// the chosen centroids. Two kinds:
 /// - `vq`: coordinates rotated (the rotation block is the gain block), one
 ///   codebook per block shared by its groups (Shard's value path);
 /// - `cq` (`coupled`): Coupled Quantization (Zhang et al. 2024): the
@@ -169,7 +170,7 @@ pub struct VqSpec {
     pub dim: usize,
     /// Codebook size: a power of two from 2 to 256.
     pub centroids: usize,
-    /// Storage type of the RMS.
+    /// Storage type of the gain.
     pub scale: ScaleType,
     /// One codebook per group of `dim` channels, unrotated (`cq`), rather
     /// than one per rotation block (`vq`).
@@ -327,7 +328,7 @@ impl Quantizer {
     }
 
     /// Whether the quantizer only works on rotated coordinates (Lloyd-Max and
-    /// vector quantization).
+    /// `vq`; not `cq`, which codes the channels as they are).
     pub const fn needs_rotation(&self) -> bool {
         matches!(
             self,
@@ -582,7 +583,7 @@ pub struct CacheForm {
 
 impl CacheForm {
     /// Checks and builds a form without rotation or segments (Lloyd-Max and
-    /// vector quantization get their default rotation).
+    /// `vq` get their default rotation).
     pub fn new(quantizer: Quantizer, protection: Option<Protection>) -> Result<Self> {
         let rotation = quantizer.needs_rotation().then_some(Rotation {
             block: DEFAULT_ROTATION_BLOCK,

@@ -35,6 +35,9 @@ fn issue_spellings_parse_and_print_back() {
         "vq",
         "vq-d2-k16",
         "vq+rot128",
+        "cq",
+        "cq-d2-k16",
+        "cq-d1-k4+sink4+secded84",
         "int4-ch32+win32",
         "int4+sink4+win64",
         "lm4+sink4",
@@ -140,6 +143,7 @@ fn defaults_are_dropped_when_printing() {
         "int4+rot"
     );
     assert_eq!("vq-d4-k256".parse::<CacheForm>().unwrap().to_string(), "vq");
+    assert_eq!("cq-d4-k256".parse::<CacheForm>().unwrap().to_string(), "cq");
     // Suffixes in any order print in one.
     let f: CacheForm = "int4+win64+secded84+sink4+rot".parse().unwrap();
     assert_eq!(f.to_string(), "int4+rot+sink4+win64+secded84");

@@ -118,7 +118,8 @@ impl CacheForm {
             Quantizer::Vq(s) => {
                 if ![1, 2, 4, 8].contains(&s.dim) {
                     return Err(format!(
-                        "vq codes of {} channels are not supported (1, 2, 4 or 8)",
+                        "{} codes of {} channels are not supported (1, 2, 4 or 8)",
+                        if s.coupled { "cq" } else { "vq" },
                         s.dim
                     ));
                 }

@@ -20,8 +20,8 @@ pub(crate) struct CalibrateArgs {
     /// (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) [default: smollm2-135m].
     #[arg(long)]
     pub(crate) model: Option<PathBuf>,
-    /// Comma-separated forms to fit codebooks (vq), bases (pca-*) and Shard
-    /// tables (shard-*-cal) for.
+    /// Comma-separated forms to fit codebooks (vq, cq), bases (pca-*) and
+    /// Shard tables (shard-*-cal) for.
     #[arg(long, value_delimiter = ',', default_value = "vq")]
     pub(crate) forms: Vec<String>,
     #[command(flatten)]
@@ -47,7 +47,9 @@ pub(crate) fn run(args: CalibrateArgs) -> Result<(), Error> {
         .flat_map(|f| [(f, Part::Key), (f, Part::Value)])
         .collect();
     if !forms.iter().any(|(f, _)| needs_calibration(f)) {
-        return Err("no form needs calibration (calibrate vq, pca-* and shard-*-cal forms)".into());
+        return Err(
+            "no form needs calibration (calibrate vq, cq, pca-* and shard-*-cal forms)".into(),
+        );
     }
     refuse_calibration_file(&calib, "calibrate")?;
     check_out_file(&out, "--out")?;
