@@ -7,7 +7,8 @@
 //!   codebook of `K` centroids in `dim` dimensions, shared by every group
 //!   of `dim` rotated coordinates of the block.
 //! - `cq` (Coupled Quantization, Zhang et al. 2024, "KV Cache is 1 Bit Per
-//!   Channel"): no rotation, the whole row is one gain block, and each
+//!   Channel"): no rotation, the whole row is one gain block (or blocks of
+//!   N channels, `cq-g<N>`), and each
 //!   group of `dim` channels has its own codebook (`channels / dim` of
 //!   them), fitted on that group's calibration values, so a codebook
 //!   learns how its channels vary together. CQ's own codebooks are fitted
@@ -88,16 +89,18 @@ fn vq_parts(form: &CacheForm, channels: usize) -> Result<(VqSpec, usize, usize)>
         });
     };
     if spec.coupled {
-        if channels == 0 || !channels.is_multiple_of(spec.dim) {
+        let gain = spec.gain_block.unwrap_or(channels);
+        if channels == 0 || !channels.is_multiple_of(gain) || !gain.is_multiple_of(spec.dim) {
             return Err(KvQuantError::InvalidParameter {
                 name: "channels",
                 reason: format!(
-                    "{channels} channels are not whole groups of {} ({form})",
+                    "{channels} channels are not whole gain blocks of {gain} in groups of {} \
+                     ({form})",
                     spec.dim
                 ),
             });
         }
-        return Ok((spec, channels, channels / spec.dim));
+        return Ok((spec, gain, channels / spec.dim));
     }
     let block = form.rotation().map_or(0, |r| r.block);
     if block == 0 || !channels.is_multiple_of(block) {
@@ -186,12 +189,14 @@ impl VqCodebook {
         } else {
             Some(Hadamard::of(block)?)
         };
-        // cq: every row's RMS, once (each codebook reads its own group).
-        let row_rms: Vec<f32> = if spec.coupled {
-            data.chunks_exact(channels).map(rms).collect()
+        // cq: every gain block's RMS, once (each codebook reads its own
+        // group of its block).
+        let gain_rms: Vec<f32> = if spec.coupled {
+            data.chunks_exact(block).map(rms).collect()
         } else {
             Vec::new()
         };
+        let gains_per_row = channels / block;
         let mut bits = Vec::with_capacity(blocks * k * d);
         for b in 0..blocks {
             // Every token's normalised block, split into groups (cq: the
@@ -209,7 +214,7 @@ impl VqCodebook {
                         }
                     }
                     None => {
-                        let rms = row_rms[t];
+                        let rms = gain_rms[t * gains_per_row + b * d / block];
                         if rms > 0.0 {
                             samples.extend(row[b * d..][..d].iter().map(|v| v / rms));
                         }

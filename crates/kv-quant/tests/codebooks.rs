@@ -218,6 +218,21 @@ fn cq_codes_each_group_on_its_own_codebook() {
     let vq = coded(shared, &test, channels, Arc::new(shared_cb.unwrap()));
     let vq = mse(&vq.decode().unwrap().values, &test);
     assert!(cq < 0.5 * vq, "cq {cq} vs vq {vq}");
+    // A gain per 32 channels (`-g32`): the same codebooks per group, two
+    // gains a row; group g of the second block reads codebook 16 + g.
+    let halves = form("cq-d2-k16-g32");
+    let cb32 = Arc::new(
+        VqCodebook::fit(&halves, &train, tokens, channels, FitOptions::default()).unwrap(),
+    );
+    assert_eq!((cb32.codebooks(), cb32.block()), (channels / 2, 32));
+    assert_eq!(cb32.codebook_of(1, 3), 16 + 3);
+    let store32 = coded(halves, &test, channels, cb32.clone());
+    assert_eq!(store32.stored_bytes(), 256 * (channels / 4 + 2 * 2));
+    let decoded32 = store32.decode().unwrap().values;
+    let (gain, _) = store32.group_params(9 * 2 + 1).unwrap();
+    let byte = store32.data()[9 * channels / 4 + 8 + 1];
+    let c = cb32.centroid(16 + 2, byte & 0xF);
+    assert_eq!(decoded32[9 * channels + 32 + 4], gain * c[0]);
     // Written a row at a time under a code, the same store.
     let protected = form("cq-d2-k16+secded84");
     let whole = coded(protected, &test, channels, cb.clone());
@@ -235,6 +250,10 @@ fn cq_refuses_rotation_and_other_shapes() {
     assert!(e.contains("takes no +rot"), "{e}");
     let e = "cq-x3".parse::<CacheForm>().unwrap_err().to_string();
     assert!(e.contains("unknown cq option"), "{e}");
+    let e = "vq-g64".parse::<CacheForm>().unwrap_err().to_string();
+    assert!(e.contains("unknown vq option"), "{e}");
+    let e = "cq-d4-g6".parse::<CacheForm>().unwrap_err().to_string();
+    assert!(e.contains("not whole codes of 4"), "{e}");
     let data = coupled(300, 64, 7);
     let cb = VqCodebook::fit(&form("cq-d2-k16"), &data, 300, 64, FitOptions::default()).unwrap();
     assert!(cb.check_fits(&form("cq-d2-k16"), 64).is_ok());

@@ -163,7 +163,7 @@ pub struct LloydMaxSpec {
 /// - `cq` (`coupled`): Coupled Quantization (Zhang et al. 2024): the
 ///   channels as they are, one codebook per group of `dim` channels, so
 ///   each group's codebook learns its channels' joint distribution; the
-///   gain block is the whole row.
+///   gain block is the whole row, or `gain_block` channels (`-g<N>`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct VqSpec {
     /// Channels per code (1, 2, 4 or 8).
@@ -175,6 +175,10 @@ pub struct VqSpec {
     /// One codebook per group of `dim` channels, unrotated (`cq`), rather
     /// than one per rotation block (`vq`).
     pub coupled: bool,
+    /// `cq` only: channels sharing a gain (`-g<N>`, a multiple of `dim`
+    /// dividing the row); `None`: the whole row. `vq`'s gain block is its
+    /// rotation block.
+    pub gain_block: Option<usize>,
 }
 
 impl VqSpec {

@@ -38,6 +38,7 @@ fn issue_spellings_parse_and_print_back() {
         "cq",
         "cq-d2-k16",
         "cq-d1-k4+sink4+secded84",
+        "cq-d2-k16-g64",
         "int4-ch32+win32",
         "int4+sink4+win64",
         "lm4+sink4",
@@ -303,14 +304,17 @@ fn forms() -> impl Strategy<Value = CacheForm> {
             .prop_map(|(group, scale)| Quantizer::Nf4(Nf4Spec { group, scale })),
         (1u8..=8, any::<bool>(), scale.clone())
             .prop_map(|(bits, qjl, scale)| Quantizer::LloydMax(LloydMaxSpec { bits, qjl, scale })),
-        (0u32..4, 1u32..=8, scale, any::<bool>()).prop_map(|(d, k, scale, coupled)| {
-            Quantizer::Vq(VqSpec {
-                dim: 1 << d,
-                centroids: 1 << k,
-                scale,
-                coupled,
-            })
-        }),
+        (0u32..4, 1u32..=8, scale, any::<bool>(), 0usize..4).prop_map(
+            |(d, k, scale, coupled, g)| {
+                Quantizer::Vq(VqSpec {
+                    dim: 1 << d,
+                    centroids: 1 << k,
+                    scale,
+                    coupled,
+                    gain_block: (coupled && g > 0).then_some(g << (d + 2)),
+                })
+            }
+        ),
         (
             prop_oneof![
                 (1usize..200).prop_map(|r| LowRankMethod::Pca(RankRule::Fixed(r))),

@@ -129,6 +129,14 @@ impl CacheForm {
                         s.centroids
                     ));
                 }
+                if let Some(g) = s.gain_block
+                    && (g == 0 || !g.is_multiple_of(s.dim))
+                {
+                    return Err(format!(
+                        "a gain block of {g} channels is not whole codes of {} channels",
+                        s.dim
+                    ));
+                }
                 if s.coupled && self.rotation.is_some() {
                     return Err(
                         "cq codes the channels as they are, each group with its own codebook, \

@@ -22,7 +22,7 @@ use crate::fp8::Fp8Format;
 use crate::layout::GroupLayout;
 use crate::meta::MetaCode;
 use crate::rotation::Hadamard;
-use crate::spec::{CacheForm, Granularity, Protection, Quantizer, ScaleType};
+use crate::spec::{CacheForm, Granularity, Protection, Quantizer, ScaleType, VqSpec};
 use crate::vq::VqCodebook;
 
 use super::bound::ParamBound;
@@ -245,6 +245,11 @@ impl Coding {
                 Granularity::PerChannel { tokens: block } => (block.unwrap_or(tokens), 1),
                 Granularity::PerTensor => (tokens, channels),
             },
+            Quantizer::Vq(VqSpec {
+                coupled: true,
+                gain_block,
+                ..
+            }) => (1, gain_block.unwrap_or(channels)),
             Quantizer::LloydMax(_) | Quantizer::Vq(_) => (1, block.unwrap_or(channels)),
             Quantizer::LowRank(_) => {
                 return Err(KvQuantError::InvalidParameter {
