@@ -176,6 +176,11 @@ fn hostile_flags_are_refused_before_any_work() {
             "memory-limit",
         ),
         (&["ppl", "--ber", "2"], "not in [0, 1]"),
+        // Coupled Quantization: no rotation, whole codes per gain block, a
+        // fitted codebook.
+        (&["ppl", "--form", "cq+rot"], "takes no +rot"),
+        (&["ppl", "--form", "cq-d4-g6"], "not whole codes of 4"),
+        (&["ppl", "--form", "cq-d3"], "not supported"),
         // Sparse outliers: the share, the paged backend, keys before RoPE.
         (&["ppl", "--key-form", "int2-ch+out25"], "(0, 20]"),
         (&["ppl", "--key-form", "int2-ch+out0"], "(0, 20]"),

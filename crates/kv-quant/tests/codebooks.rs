@@ -286,6 +286,21 @@ fn cq_refuses_rotation_and_other_shapes() {
             Err(KvQuantError::Calibration { .. })
         ));
     }
+    // Gain blocks that do not divide the rows: refused by the fit and by a
+    // store given a codebook of another width.
+    let e = VqCodebook::fit(
+        &form("cq-d2-k16-g48"),
+        &data,
+        300,
+        64,
+        FitOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("not whole gain blocks of 48"), "{e}");
+    assert!(
+        KvStore::zeroed_with(form("cq-d2-k16-g48"), 4, 64, Some(Arc::new(cb.clone()))).is_err()
+    );
     // Channels that are not whole groups.
     assert!(
         VqCodebook::fit(
