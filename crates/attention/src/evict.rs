@@ -7,7 +7,10 @@
 //! key head (GQA), then max-pooled over `pool` neighbouring positions so
 //! that a kept token brings its neighbours' context. Each key head keeps
 //! the tokens with the largest pooled votes, up to its budget, and every
-//! token of the window. Every key head keeps the same number of tokens, so
+//! token of the window. With [`SnapKv::with_sinks`] every head also keeps
+//! the prefill's first tokens (attention sinks), before any voted one, so
+//! that a cache form keeping its first tokens exact (`+sink<S>`) holds the
+//! true sinks in those slots. Every key head keeps the same number of tokens, so
 //! a layer's kept rows still fill one row per slot (slot `s` of head `h`
 //! is head `h`'s `s`-th kept token); different heads may keep different
 //! tokens. [`crate::Evicting`] applies the selection to any
@@ -28,6 +31,7 @@ pub struct SnapKv {
     keep: f64,
     window: usize,
     pool: usize,
+    sinks: usize,
 }
 
 impl Default for SnapKv {
@@ -38,6 +42,7 @@ impl Default for SnapKv {
             keep: 0.5,
             window: 32,
             pool: 7,
+            sinks: 0,
         }
     }
 }
@@ -57,7 +62,26 @@ impl SnapKv {
         if pool == 0 || pool.is_multiple_of(2) {
             return invalid("eviction pool", format!("{pool} is not odd and positive"));
         }
-        Ok(Self { keep, window, pool })
+        Ok(Self {
+            keep,
+            window,
+            pool,
+            sinks: 0,
+        })
+    }
+
+    /// The same policy keeping, in every key head, the prefill's first
+    /// `sinks` tokens before any voted one (as many of them as the budget
+    /// leaves beside the window). SnapKV itself keeps none by rule (0, the
+    /// default).
+    pub fn with_sinks(self, sinks: usize) -> Self {
+        Self { sinks, ..self }
+    }
+
+    /// The first tokens every key head keeps (see
+    /// [`with_sinks`](Self::with_sinks)).
+    pub fn sinks(&self) -> usize {
+        self.sinks
     }
 
     /// The share of a prefill's tokens kept.
@@ -156,7 +180,12 @@ impl SnapKv {
                         }
                     }
                 }
-                chosen(&pooled(&votes, self.pool), budget - window, voted, prefill)
+                let mut score = pooled(&votes, self.pool);
+                // Sinks first: above every vote, the earlier first.
+                for s in score.iter_mut().take(self.sinks) {
+                    *s = f64::INFINITY;
+                }
+                chosen(&score, budget - window, voted, prefill)
             })
             .collect();
         Ok(kept)
@@ -255,9 +284,10 @@ mod tests {
                 let r = p.pool / 2;
                 let pooled: Vec<f64> = (0..votes.len())
                     .map(|t| {
-                        (t.saturating_sub(r)..=(t + r).min(votes.len() - 1))
+                        let vote = (t.saturating_sub(r)..=(t + r).min(votes.len() - 1))
                             .map(|u| votes[u])
-                            .fold(f64::MIN, f64::max)
+                            .fold(f64::MIN, f64::max);
+                        if t < p.sinks { f64::INFINITY } else { vote }
                     })
                     .collect();
                 let mut idx: Vec<usize> = (0..votes.len()).collect();
@@ -284,14 +314,16 @@ mod tests {
 
     #[test]
     fn selection_matches_the_definition() {
-        for (q_heads, kv_heads, d, prefill, keep, window, pool) in [
-            (4, 2, 8, 50, 0.3, 6, 3),
-            (3, 3, 4, 40, 0.5, 5, 1),
-            (6, 2, 8, 64, 0.1, 4, 7),
-            (2, 1, 4, 9, 0.5, 32, 3),
+        for (q_heads, kv_heads, d, prefill, keep, window, pool, sinks) in [
+            (4, 2, 8, 50, 0.3, 6, 3, 0),
+            (3, 3, 4, 40, 0.5, 5, 1, 0),
+            (6, 2, 8, 64, 0.1, 4, 7, 0),
+            (2, 1, 4, 9, 0.5, 32, 3, 0),
+            (4, 2, 8, 50, 0.3, 6, 3, 4),
+            (6, 2, 8, 64, 0.1, 4, 7, 9), // more sinks than the budget's votes
         ] {
             let shape = HeadShape::new(q_heads, kv_heads, d).unwrap();
-            let p = SnapKv::new(keep, window, pool).unwrap();
+            let p = SnapKv::new(keep, window, pool).unwrap().with_sinks(sinks);
             let w = window.min(prefill);
             let q = rows(w * shape.q_len(), 7);
             let k = rows(prefill * shape.kv_channels(), 11);
@@ -305,6 +337,9 @@ mod tests {
             for kept in &got {
                 assert_eq!(kept.len(), p.budget(prefill));
                 assert!(kept.windows(2).all(|w| w[0] < w[1]));
+                let voted = p.budget(prefill) - w;
+                let first: Vec<u32> = (0..sinks.min(voted) as u32).collect();
+                assert_eq!(kept[..first.len()], first, "the sinks first");
             }
         }
     }
@@ -324,6 +359,14 @@ mod tests {
         // Budget 8: the window (4) and 4 voted, 16..=18 pooled to the peak
         // first, then the earliest of the ties.
         assert_eq!(kept, vec![vec![0, 16, 17, 18, 36, 37, 38, 39]]);
+        // Two sinks take two of the voted places: the peak and one neighbour
+        // stay.
+        let kept = SnapKv::new(0.2, 4, 3)
+            .unwrap()
+            .with_sinks(2)
+            .select(&shape, &q, &positions, &k)
+            .unwrap();
+        assert_eq!(kept, vec![vec![0, 1, 16, 17, 36, 37, 38, 39]]);
     }
 
     #[test]

@@ -104,6 +104,15 @@ pub fn windows(n: usize, ctx: usize, method: PplMethod) -> Result<Vec<Window>> {
     })
 }
 
+/// How an eviction policy is named in reports: `evict<keep>`, and
+/// ` sinks<S>` where every head keeps the first S tokens.
+pub fn eviction_label(policy: &SnapKv) -> String {
+    match policy.sinks() {
+        0 => format!("evict{}", policy.keep()),
+        s => format!("evict{} sinks{s}", policy.keep()),
+    }
+}
+
 /// One cache configuration to evaluate.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunConfig {

@@ -350,7 +350,7 @@ pub fn run_grid(
     }
     Ok(NiahGrid {
         form: match base.eviction {
-            Some(e) => format!("{} evict{}", mode.label(), e.keep()),
+            Some(e) => format!("{} {}", mode.label(), crate::metrics::eviction_label(&e)),
             None => mode.label(),
         },
         found: cells.iter().filter(|c| c.found).count(),

@@ -179,6 +179,11 @@ pub(crate) struct EvictArgs {
     /// Positions the votes are max-pooled over (odd).
     #[arg(long, default_value_t = 7)]
     pub(crate) evict_pool: usize,
+    /// The prefix's first tokens every key head keeps before any voted one
+    /// (attention sinks: with a `+sink<S>` form, S puts the true sinks in
+    /// its exact slots); 0 keeps SnapKV's rule.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) evict_sinks: usize,
 }
 
 impl EvictArgs {
@@ -192,7 +197,7 @@ impl EvictArgs {
             .iter()
             .map(|&keep| {
                 attention::SnapKv::new(keep, self.evict_window, self.evict_pool)
-                    .map(Some)
+                    .map(|p| Some(p.with_sinks(self.evict_sinks)))
                     .map_err(|e| format!("--evict: {e}").into())
             })
             .collect()

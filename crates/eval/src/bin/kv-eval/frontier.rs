@@ -81,7 +81,9 @@ fn parse_backend(text: &str) -> Result<BackendKind, Error> {
 /// The label of a point: the configuration, with its backend unless it is
 /// the re-encode protocol, and the share its eviction keeps.
 fn label(config: &str, backend: BackendKind, eviction: Option<attention::SnapKv>) -> String {
-    let evict = eviction.map_or(String::new(), |e| format!(" evict{}", e.keep()));
+    let evict = eviction.map_or(String::new(), |e| {
+        format!(" {}", kv_eval::metrics::eviction_label(&e))
+    });
     match backend {
         BackendKind::Paged { block_size } => format!("{config} @paged{block_size}{evict}"),
         _ => format!("{config}{evict}"),

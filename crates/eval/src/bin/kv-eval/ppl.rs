@@ -243,9 +243,9 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
     let mode = mode.with_calibration(cal);
     let label = match eviction {
         Some(e) => format!(
-            "{} evict{} (window {}, pool {})",
+            "{} {} (window {}, pool {})",
             mode.label(),
-            e.keep(),
+            kv_eval::metrics::eviction_label(&e),
             e.window(),
             e.pool()
         ),
@@ -287,6 +287,7 @@ pub(crate) fn run(args: PplArgs) -> Result<(), Error> {
             "backend": backend.name(),
             "evict": eviction.map(|e| serde_json::json!({
                 "keep": e.keep(), "window": e.window(), "pool": e.pool(),
+                "sinks": e.sinks(),
             })),
             "ppl": m.ppl, "nll_mean": m.nll_mean, "tokens_scored": m.tokens_scored,
             "bits_per_value": m.stats.bits_per_value,
