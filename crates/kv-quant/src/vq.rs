@@ -8,10 +8,10 @@
 //!   of `dim` rotated coordinates of the block.
 //! - `cq` (Coupled Quantization, Zhang et al. 2024, "KV Cache is 1 Bit Per
 //!   Channel"): no rotation, the whole row is one gain block (or blocks of
-//!   N channels, `cq-g<N>`), and each
-//!   group of `dim` channels has its own codebook (`channels / dim` of
-//!   them), fitted on that group's calibration values, so a codebook
-//!   learns how its channels vary together. CQ's own codebooks are fitted
+//!   N channels, `cq-g<N>`), and each group of `dim` channels has its own
+//!   codebook (`channels / dim` of them), fitted on that group's
+//!   calibration values, so a codebook learns how its channels vary
+//!   together. CQ's own codebooks are fitted
 //!   on raw activations with Fisher-weighted centroids; here they are
 //!   fitted on RMS-normalised rows by plain k-means, as `vq`'s are.
 //!
@@ -199,9 +199,10 @@ impl VqCodebook {
         let gains_per_row = channels / block;
         let mut bits = Vec::with_capacity(blocks * k * d);
         for b in 0..blocks {
-            // Every token's normalised block, split into groups (cq: the
-            // row's RMS, group `b` alone).
-            let mut samples: Vec<f32> = Vec::with_capacity(tokens * block / blocks.max(1));
+            // Every token's normalised block, split into groups (cq: group
+            // `b` alone, divided by its gain block's RMS).
+            let per_token = if spec.coupled { d } else { block };
+            let mut samples: Vec<f32> = Vec::with_capacity(tokens * per_token);
             let mut y = vec![0.0f32; block];
             for (t, row) in data.chunks_exact(channels).enumerate() {
                 match hadamard {
