@@ -254,6 +254,18 @@ fn cq_refuses_rotation_and_other_shapes() {
     assert!(e.contains("unknown vq option"), "{e}");
     let e = "cq-d4-g6".parse::<CacheForm>().unwrap_err().to_string();
     assert!(e.contains("not whole codes of 4"), "{e}");
+    // A vq spec built with a gain block of its own (no spelling reaches it).
+    let spec = kv_quant::VqSpec {
+        dim: 4,
+        centroids: 16,
+        scale: kv_quant::ScaleType::F16,
+        coupled: false,
+        gain_block: Some(64),
+    };
+    let e = CacheForm::new(kv_quant::Quantizer::Vq(spec), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("only cq"), "{e}");
     let data = coupled(300, 64, 7);
     let cb = VqCodebook::fit(&form("cq-d2-k16"), &data, 300, 64, FitOptions::default()).unwrap();
     assert!(cb.check_fits(&form("cq-d2-k16"), 64).is_ok());

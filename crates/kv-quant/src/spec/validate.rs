@@ -129,6 +129,13 @@ impl CacheForm {
                         s.centroids
                     ));
                 }
+                if s.gain_block.is_some() && !s.coupled {
+                    return Err(
+                        "a vq form's gain block is its rotation block (+rot<N>); only cq \
+                         takes a gain block of its own"
+                            .into(),
+                    );
+                }
                 if let Some(g) = s.gain_block
                     && (g == 0 || !g.is_multiple_of(s.dim))
                 {
