@@ -166,6 +166,39 @@ impl Rope {
         Ok(())
     }
 
+    /// Reorders every head of `x` (a whole number of heads) so that each
+    /// rotated pair's two channels sit side by side, pair `i` at channels
+    /// `2i, 2i + 1`, the channels RoPE leaves alone after them in their
+    /// order: what a code of one pair reads ([`Adjacent`](RopeLayout::Adjacent)
+    /// pairs already are; nothing moves). `head` is a buffer of one head,
+    /// grown once. [`from_pair_order`](Self::from_pair_order) undoes it.
+    pub fn to_pair_order(&self, x: &mut [f32], head: &mut Vec<f32>) {
+        self.reorder(x, head, true);
+    }
+
+    /// Undoes [`to_pair_order`](Self::to_pair_order) exactly.
+    pub fn from_pair_order(&self, x: &mut [f32], head: &mut Vec<f32>) {
+        self.reorder(x, head, false);
+    }
+
+    fn reorder(&self, x: &mut [f32], head: &mut Vec<f32>, to_pairs: bool) {
+        if self.layout == RopeLayout::Adjacent {
+            return;
+        }
+        head.resize(self.head_dim, 0.0);
+        for h in x.chunks_exact_mut(self.head_dim) {
+            head.copy_from_slice(h);
+            for i in 0..self.inv_freq.len() {
+                let (a, b) = self.pair(i);
+                if to_pairs {
+                    (h[2 * i], h[2 * i + 1]) = (head[a], head[b]);
+                } else {
+                    (h[a], h[b]) = (head[2 * i], head[2 * i + 1]);
+                }
+            }
+        }
+    }
+
     /// Rows of [`apply_rows`](Self::apply_rows) between two exact `sin_cos`.
     pub const ANCHOR: usize = 16;
 
@@ -248,6 +281,27 @@ mod tests {
                 Err(AttentionError::InvalidParameter { .. })
             ));
         }
+    }
+
+    #[test]
+    fn pair_order_puts_each_pair_side_by_side_and_back() {
+        // Heads of 8 with 6 rotated channels: pairs (0,3) (1,4) (2,5), then
+        // channels 6 and 7 left where they are.
+        let h = Rope::new(RopeLayout::RotateHalf, 8, 6, 10_000.0).unwrap();
+        let x: Vec<f32> = (0..16).map(|v| v as f32).collect();
+        let (mut y, mut head) = (x.clone(), Vec::new());
+        h.to_pair_order(&mut y, &mut head);
+        assert_eq!(
+            y,
+            [
+                0., 3., 1., 4., 2., 5., 6., 7., 8., 11., 9., 12., 10., 13., 14., 15.
+            ]
+        );
+        h.from_pair_order(&mut y, &mut head);
+        assert_eq!(y, x);
+        let a = Rope::new(RopeLayout::Adjacent, 8, 8, 10_000.0).unwrap();
+        a.to_pair_order(&mut y, &mut head);
+        assert_eq!(y, x);
     }
 
     #[test]

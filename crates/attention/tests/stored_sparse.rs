@@ -9,10 +9,10 @@
 
 mod common;
 
-use attention::stored::{Fitted, PartScratch, StoredPart, open_part, part_pool_bytes, part_seals};
+use attention::stored::{Fitted, PartScratch, open_part, part_pool_bytes, part_seals};
 use attention::{Rope, RopeLayout, TileRows};
 use gf2_codes::channel::ExactFlips;
-use kv_quant::{CacheForm, DecodeScratch, FaultTarget, QuantizeOptions, SparseStore};
+use kv_quant::{CacheForm, DecodeScratch, FaultTarget, SparseStore};
 
 const CH: usize = 32;
 const BS: usize = 8;
@@ -24,35 +24,6 @@ fn rows(tokens: usize, seed: u64) -> Vec<f32> {
         x[t * CH + (t * 7) % CH] = if t % 2 == 0 { 300.0 } else { -200.0 };
     }
     x
-}
-
-/// Writes `x` into `pages` of `part` a row at a time and seals what the
-/// rows complete.
-fn write(part: &mut dyn StoredPart, pages: &[u32], x: &[f32]) {
-    let tokens = x.len() / CH;
-    let mut encoder = part.row_encoder().unwrap();
-    let mut buf = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
-    for &p in pages {
-        part.open_block(p as usize).unwrap();
-    }
-    for t in 0..tokens {
-        encoder
-            .encode_into(&x[t * CH..][..CH], buf.as_mut(), QuantizeOptions::default())
-            .unwrap();
-        part.put_row(pages[t / BS] as usize, t % BS, &buf).unwrap();
-    }
-    for i in part.sealable(0, tokens) {
-        assert!(part.seal(pages[i] as usize, i * BS).unwrap());
-    }
-}
-
-fn tile(part: &dyn StoredPart, pages: &[u32], start: usize, count: usize) -> Vec<f32> {
-    let mut scratch = PartScratch::default();
-    let tile = part.read_tile(pages, start, count, &mut scratch).unwrap();
-    let TileRows::F32(got) = tile.rows else {
-        panic!("sparse pages read as f32 rows")
-    };
-    got.to_vec()
 }
 
 #[test]
@@ -68,7 +39,7 @@ fn pages_read_as_each_sealed_block_decodes() {
         let pages: Vec<u32> = vec![4, 1, 5, 0];
         let tokens = 3 * BS + 3;
         let x = rows(tokens, 1);
-        write(part.as_mut(), &pages, &x);
+        common::write_and_seal(part.as_mut(), &pages, &x);
         // Sink tokens seal exact inside the block holding them.
         assert_eq!(part.staged_blocks(), 1, "{spelling}");
         let sink = form.segments().sink;
@@ -104,7 +75,7 @@ fn pages_read_as_each_sealed_block_decodes() {
             (2 * BS + 5, tokens - 2 * BS - 5),
         ] {
             assert_eq!(
-                tile(part.as_ref(), &pages, start, count),
+                common::f32_tile(part.as_ref(), &pages, start, count),
                 &want[start * CH..][..count * CH],
                 "{spelling}: {start}+{count}"
             );
@@ -136,7 +107,7 @@ fn keys_coded_before_rope_read_back_at_their_positions() {
     let pages: Vec<u32> = vec![3, 0, 5];
     let tokens = 2 * BS + 2;
     let x = rows(tokens, 9);
-    write(part.as_mut(), &pages, &x);
+    common::write_and_seal(part.as_mut(), &pages, &x);
     let staged = common::f16_rows(&x, CH);
     let sealed = form.without_segments();
     let mut want = Vec::new();
@@ -159,7 +130,7 @@ fn keys_coded_before_rope_read_back_at_their_positions() {
     want.extend_from_slice(&staged[2 * BS * CH..]);
     for (start, count) in [(0, tokens), (5, 7), (BS + 1, BS + 1)] {
         assert_eq!(
-            tile(part.as_ref(), &pages, start, count),
+            common::f32_tile(part.as_ref(), &pages, start, count),
             &want[start * CH..][..count * CH],
             "{start}+{count}"
         );
@@ -179,7 +150,7 @@ fn keys_coded_before_rope_read_back_at_their_positions() {
     assert_eq!(snap.sparse().unwrap().first, BS);
     part.restore(1, &snap).unwrap();
     assert_eq!(
-        tile(part.as_ref(), &[1], 0, BS),
+        common::f32_tile(part.as_ref(), &[1], 0, BS),
         &want[BS * CH..2 * BS * CH]
     );
     // A block claiming another position than its sink rows say is refused.
@@ -209,8 +180,8 @@ fn outlier_faults_are_counted_corrected_and_scrubbed() {
     let mut part = open_part(form, BS, CH, 2, &Fitted::default()).unwrap();
     let pages = [1u32];
     let x = rows(BS, 3);
-    write(part.as_mut(), &pages, &x);
-    let clean = tile(part.as_ref(), &pages, 0, BS);
+    common::write_and_seal(part.as_mut(), &pages, &x);
+    let clean = common::f32_tile(part.as_ref(), &pages, 0, BS);
     // Bit 0 of every buffer: each table's first word and the dense
     // store's, all corrected by their codes.
     let hit = part
@@ -232,7 +203,7 @@ fn outlier_faults_are_counted_corrected_and_scrubbed() {
     assert!(scrubbed.values.corrected >= 2 && scrubbed.metadata.corrected >= 1);
     let again = part.scrub(1).unwrap();
     assert_eq!(again.values.corrected + again.metadata.corrected, 0);
-    assert_eq!(tile(part.as_ref(), &pages, 0, BS), clean);
+    assert_eq!(common::f32_tile(part.as_ref(), &pages, 0, BS), clean);
 }
 
 #[test]

@@ -46,11 +46,8 @@ pub fn check_eviction(mode: &CacheMode, backend: BackendKind) -> Result<()> {
                 .into(),
         ));
     }
-    let positional = |form: &kv_quant::CacheForm| {
-        form.quantizer().is_shard()
-            || form.sparse().is_some_and(|s| s.pre_rope())
-            || matches!(form.quantizer(), kv_quant::Quantizer::LowRank(s) if s.pre_rope)
-    };
+    let positional =
+        |form: &kv_quant::CacheForm| form.quantizer().is_shard() || form.codes_before_rope();
     match mode.forms().into_iter().find(|(f, _)| positional(f)) {
         Some((form, _)) => Err(refuse(format!(
             "{form} reads each row at the position it is stored at; evicted rows are stored \
@@ -148,12 +145,12 @@ impl BackendKind {
             }
             Self::Paged { block_size } => {
                 for (form, part) in mode.forms() {
-                    if part == Part::Value && form.sparse().is_some_and(|s| s.pre_rope()) {
+                    if part == Part::Value && form.codes_before_rope() {
                         return Err(EvalError::InvalidParameter {
                             name: "form",
                             reason: format!(
-                                "{form} codes keys before RoPE (+pre); values carry no RoPE \
-                                 (drop +pre from the value form)"
+                                "{form} codes keys before RoPE (+pre, -pre); values carry no \
+                                 RoPE (drop it from the value form)"
                             ),
                         });
                     }
@@ -333,9 +330,9 @@ pub fn fitted_tables(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<[Fitt
         }
         _ => None,
     };
-    // The model's RoPE for key forms coded before it (`+pre`).
+    // The model's RoPE for key forms coded before it (`+pre`, `cq-d2-pre`).
     let pre_rope = |form: &kv_quant::CacheForm, part| match part {
-        Part::Key if form.sparse().is_some_and(|s| s.pre_rope()) => model.rope().cloned(),
+        Part::Key if form.codes_before_rope() => model.rope().cloned(),
         _ => None,
     };
     Ok(s.layers

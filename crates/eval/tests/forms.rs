@@ -623,3 +623,60 @@ fn cq_forms_code_each_group_on_its_own_calibrated_codebook() {
     let e = forward(&m, vq).unwrap_err().to_string();
     assert!(e.contains("no value codebook"), "{e}");
 }
+
+/// Keys coded before RoPE on pair codebooks (`cq-d2-pre`): fitted on the
+/// calibration keys rotated back to position 0 (keys only), served by the
+/// paged cache (its blocks rotated back when sealed and to their
+/// positions when read), refused by the re-encode protocol and for values.
+#[test]
+fn cq_pre_keys_are_fitted_on_keys_before_rope_and_paged() {
+    let m = model();
+    let rows = CalibrationRows::collect(&m, &tokens(300), 64).unwrap();
+    let f: CacheForm = "cq-d2-k8-pre".parse().unwrap();
+    let opts = FitOptions {
+        iterations: 5,
+        ..FitOptions::default()
+    };
+    let e = Calibration::fit(&m, &rows, "tokens", &[(f, Part::Value)], opts)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("values carry no RoPE"), "{e}");
+    let cal = Calibration::fit(&m, &rows, "tokens", &[(f, Part::Key)], opts).unwrap();
+    assert_eq!(cal.shapes(), ["cq-d2-k8-pre"]);
+    // Fitted on other rows than the keys as the model rotates them.
+    let plain = Calibration::fit(
+        &m,
+        &rows,
+        "tokens",
+        &[("cq-d2-k8".parse().unwrap(), Part::Key)],
+        opts,
+    )
+    .unwrap();
+    let (pre, post) = (
+        cal.codebook(&f, 1, Part::Key).unwrap(),
+        plain
+            .codebook(&"cq-d2-k8".parse().unwrap(), 1, Part::Key)
+            .unwrap(),
+    );
+    assert_ne!(pre.centroid(1, 0), post.centroid(1, 0));
+    let cal = Arc::new(cal);
+    let mode = CacheMode::parse("cq-d2-k8-pre+sink2/fp32")
+        .unwrap()
+        .with_calibration(Some(cal.clone()));
+    let e = forward(&m, mode.clone()).unwrap_err().to_string();
+    assert!(e.contains("--backend paged"), "{e}");
+    let toks = tokens(24);
+    let (logits, s) = paged_run(&m, &toks, &mode);
+    let (exact, _) = paged_run(&m, &toks, &CacheMode::parse("fp32").unwrap());
+    let worst = max_abs_diff(&logits, &exact);
+    assert!(worst > 0.0 && worst < 5.0, "{worst}");
+    assert!(s.codebook_bytes > 0);
+    let values = CacheMode::parse("fp32/cq-d2-k8-pre")
+        .unwrap()
+        .with_calibration(Some(cal));
+    let e = match kv_eval::backend::paged_backend(&m, &values, None, 4, 8) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("values coded before RoPE"),
+    };
+    assert!(e.contains("values carry no"), "{e}");
+}

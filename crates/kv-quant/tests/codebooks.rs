@@ -254,6 +254,15 @@ fn cq_refuses_rotation_and_other_shapes() {
     assert!(e.contains("unknown vq option"), "{e}");
     let e = "cq-d4-g6".parse::<CacheForm>().unwrap_err().to_string();
     assert!(e.contains("not whole codes of 4"), "{e}");
+    // Codes before RoPE are codes of rotated pairs: cq-d2 only.
+    for bad in ["cq-d4-pre", "cq-d1-k4-pre"] {
+        let e = bad.parse::<CacheForm>().unwrap_err().to_string();
+        assert!(e.contains("spell it with cq-d2"), "{bad}: {e}");
+    }
+    let e = "vq-d2-pre".parse::<CacheForm>().unwrap_err().to_string();
+    assert!(e.contains("unknown vq option"), "{e}");
+    let pre: CacheForm = "cq-d2-k16-g32-pre+sink4".parse().unwrap();
+    assert_eq!(pre.to_string(), "cq-d2-k16-g32-pre+sink4");
     // A vq spec built with a gain block of its own (no spelling reaches it).
     let spec = kv_quant::VqSpec {
         dim: 4,
@@ -261,6 +270,7 @@ fn cq_refuses_rotation_and_other_shapes() {
         scale: kv_quant::ScaleType::F16,
         coupled: false,
         gain_block: Some(64),
+        pre_rope: false,
     };
     let e = CacheForm::new(kv_quant::Quantizer::Vq(spec), None)
         .unwrap_err()

@@ -100,6 +100,7 @@ mod hierarchical;
 mod low_rank;
 mod part_block;
 mod planned;
+mod rope_pairs;
 mod sequence;
 mod shard;
 mod shared;
@@ -122,6 +123,7 @@ pub use hierarchical::HierarchicalPart;
 pub use low_rank::LowRankPart;
 pub use part_block::PartBlock;
 pub use planned::PlannedPart;
+pub use rope_pairs::{RopePairBlock, RopePairPart};
 pub use sequence::{SequenceFit, SequenceTables};
 pub use shard::{BlockGuard, MAX_FIT_ROWS, ShardBlock, ShardPart, ShardTables};
 pub use shared::SharedTable;
@@ -608,6 +610,12 @@ pub fn open_part(
             form, block_size, channels, num_blocks, fitted,
         )?));
     }
+    if codes_pairs(form) {
+        let (codebook, rope) = pair_tables(form, fitted)?;
+        return Ok(Box::new(RopePairPart::new(
+            form, block_size, channels, num_blocks, codebook, rope,
+        )?));
+    }
     if form.sparse().is_some() {
         return Ok(Box::new(SparsePart::new(
             form,
@@ -688,6 +696,32 @@ fn bases_of(form: CacheForm, fitted: &Fitted) -> Result<Arc<HeadBases>> {
     })
 }
 
+/// Whether `form` codes keys before RoPE on pair codebooks
+/// ([`RopePairPart`]).
+fn codes_pairs(form: CacheForm) -> bool {
+    matches!(form.quantizer(), Quantizer::Vq(s) if s.pre_rope)
+}
+
+/// The codebook and the model's RoPE a [`RopePairPart`] of `form` needs
+/// from `fitted`, or their refusal.
+fn pair_tables(form: CacheForm, fitted: &Fitted) -> Result<(Arc<VqCodebook>, crate::Rope)> {
+    let codebook = codebook_of(form, fitted)?.ok_or_else(|| AttentionError::InvalidParameter {
+        name: "form",
+        reason: format!("{form} reads a fitted codebook"),
+    })?;
+    let rope = fitted
+        .rope
+        .clone()
+        .ok_or_else(|| AttentionError::InvalidParameter {
+            name: "form",
+            reason: format!(
+                "{form} codes keys before RoPE (-pre) and needs the model's RoPE: a key form \
+                 of a model with RoPE (Fitted::rope)"
+            ),
+        })?;
+    Ok((codebook, rope))
+}
+
 /// The codebook `form` needs from `fitted`, or its refusal.
 fn codebook_of(form: CacheForm, fitted: &Fitted) -> Result<Option<Arc<VqCodebook>>> {
     if !form.quantizer().needs_codebook() {
@@ -737,6 +771,9 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
     if form.quantizer().is_hierarchical() {
         return HierarchicalPart::plans(form, block_size).map(|_| ());
     }
+    if codes_pairs(form) {
+        return RopePairPart::fits(form, block_size);
+    }
     if form.sparse().is_some() {
         return SparsePart::fits(form, block_size);
     }
@@ -755,6 +792,7 @@ pub fn part_seals(form: CacheForm, block_size: usize) -> bool {
             HierarchicalPart::plans(form, block_size).is_ok_and(|(upper, _)| upper.staged)
         }
         Quantizer::LowRank(_) | Quantizer::Shard(_) => check_part_form(form, block_size).is_ok(),
+        _ if codes_pairs(form) => RopePairPart::fits(form, block_size).is_ok(),
         _ if form.sparse().is_some() => SparsePart::fits(form, block_size).is_ok(),
         _ => BlockPlan::new(form, block_size).is_ok_and(|plan| plan.staged),
     }
@@ -791,6 +829,10 @@ pub fn part_pool_bytes(
     }
     if let Quantizer::Shard(_) = form.quantizer() {
         return ShardPart::pool_bytes(form, block_size, channels, num_blocks, fitted);
+    }
+    if codes_pairs(form) {
+        let (codebook, _) = pair_tables(form, fitted)?;
+        return RopePairPart::pool_bytes(form, block_size, channels, num_blocks, &codebook);
     }
     if form.sparse().is_some() {
         return SparsePart::pool_bytes(form, block_size, channels, num_blocks);

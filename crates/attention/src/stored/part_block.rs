@@ -23,6 +23,9 @@ pub struct PartBlock {
     /// Of a hierarchical block's stores, how many are its upper plane's
     /// (the residual plane's follow).
     pub(super) planes: Option<usize>,
+    /// The position of the first row of a block coded before RoPE, which
+    /// its rows are rotated back to when read.
+    pub(super) first: Option<usize>,
 }
 
 impl PartBlock {
@@ -73,6 +76,21 @@ impl PartBlock {
             group: Some(group),
             ..self
         }
+    }
+
+    /// The block marked as coded before RoPE from position `first` (the
+    /// position of its first row, which reading rotates its rows from).
+    pub fn at_position(self, first: usize) -> Self {
+        Self {
+            first: Some(first),
+            ..self
+        }
+    }
+
+    /// The position of the first row of a block coded before RoPE, if it is
+    /// one.
+    pub fn first_position(&self) -> Option<usize> {
+        self.first
     }
 
     /// The mark of the group of blocks the block was sealed in, if any.

@@ -92,6 +92,28 @@ pub fn f32_tile(
     r.to_vec()
 }
 
+/// Writes `x` into `pages` of `part` a row at a time, as a cache writes
+/// tokens, and seals the blocks the rows complete (at their positions).
+pub fn write_and_seal(part: &mut dyn attention::stored::StoredPart, pages: &[u32], x: &[f32]) {
+    let (bs, ch) = (part.block_size(), part.channels());
+    let tokens = x.len() / ch;
+    let mut encoder = part.row_encoder().unwrap();
+    let mut buf = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
+    for &p in pages {
+        part.open_block(p as usize).unwrap();
+    }
+    let options = kv_quant::QuantizeOptions::default();
+    for t in 0..tokens {
+        encoder
+            .encode_into(&x[t * ch..][..ch], buf.as_mut(), options)
+            .unwrap();
+        part.put_row(pages[t / bs] as usize, t % bs, &buf).unwrap();
+    }
+    for i in part.sealable(0, tokens) {
+        assert!(part.seal(pages[i] as usize, i * bs).unwrap());
+    }
+}
+
 /// `x` (rows of `channels` values) as an exact f16 store reads it back.
 pub fn f16_rows(x: &[f32], channels: usize) -> Vec<f32> {
     let fp16: kv_quant::CacheForm = "fp16".parse().unwrap();

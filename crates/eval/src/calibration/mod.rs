@@ -278,6 +278,40 @@ impl CalibrationRows {
     }
 }
 
+impl CalibrationRows {
+    /// A layer's keys as a pair codebook of `form` (`cq-d2-pre`) codes
+    /// them: rotated back to position 0, each rotated pair's channels side
+    /// by side (attention's `RopePairPart` codes the same rows). Values
+    /// carry no RoPE and are refused, and so is a model without one.
+    fn pair_ordered_keys(
+        &self,
+        model: &dyn CausalLm,
+        form: &CacheForm,
+        layer: usize,
+        part: Part,
+    ) -> Result<Vec<f32>> {
+        let refuse = |reason: String| EvalError::InvalidParameter {
+            name: "form",
+            reason,
+        };
+        if part != Part::Key {
+            return Err(refuse(format!(
+                "{form} codes keys before RoPE; values carry no RoPE (drop -pre from the \
+                 value form)"
+            )));
+        }
+        let rope = model.rope().ok_or_else(|| {
+            refuse(format!(
+                "{form} codes keys before RoPE; {} has none",
+                model.describe()
+            ))
+        })?;
+        let mut data = self.head_rows(layer, Part::Key, 0, self.channels, Some(rope))?;
+        rope.to_pair_order(&mut data, &mut Vec::new());
+        Ok(data)
+    }
+}
+
 impl Calibration {
     /// Fits a codebook per layer for every `(form, part)` whose form is a
     /// `vq` form (other forms need nothing) on `rows`.
@@ -304,8 +338,13 @@ impl Calibration {
             .into_par_iter()
             .map(|(shape, form, l, part)| {
                 let (k, v) = &rows.layers[l];
-                let data = if part == Part::Key { k } else { v };
-                let cb = VqCodebook::fit(&form, data, rows.tokens, rows.channels, options)?;
+                let cb = if form.codes_before_rope() {
+                    let data = rows.pair_ordered_keys(model, &form, l, part)?;
+                    VqCodebook::fit(&form, &data, rows.tokens, rows.channels, options)?
+                } else {
+                    let data = if part == Part::Key { k } else { v };
+                    VqCodebook::fit(&form, data, rows.tokens, rows.channels, options)?
+                };
                 Ok(((shape, l, part), Arc::new(cb)))
             })
             .collect::<Result<_>>()?;

@@ -179,6 +179,12 @@ pub struct VqSpec {
     /// dividing the row); `None`: the whole row. `vq`'s gain block is its
     /// rotation block.
     pub gain_block: Option<usize>,
+    /// `cq-d2` only (`-pre`): keys coded before RoPE, each code one rotated
+    /// pair. kv-quant codes the rows it is handed like any `cq` rows; the
+    /// cache hands them rotated back to position 0 and with each pair's two
+    /// channels side by side (attention's `RopePairPart`), and rotates the
+    /// decoded rows to their positions again.
+    pub pre_rope: bool,
 }
 
 impl VqSpec {
@@ -641,6 +647,19 @@ impl CacheForm {
     /// (`+out<P>`), if any.
     pub fn sparse(&self) -> Option<SparseSpec> {
         self.sparse
+    }
+
+    /// Whether the form codes keys before RoPE (`+out<P>+pre`, `cq-d2-pre`,
+    /// `pca-*-pre`, `fd-*-pre`): a key form whose cache rotates rows back
+    /// to position 0 before coding them and to their positions when read,
+    /// so the model's RoPE goes with it and values cannot take it.
+    pub fn codes_before_rope(&self) -> bool {
+        self.sparse.is_some_and(|s| s.pre_rope())
+            || matches!(
+                self.quantizer,
+                Quantizer::Vq(VqSpec { pre_rope: true, .. })
+                    | Quantizer::LowRank(LowRankSpec { pre_rope: true, .. })
+            )
     }
 
     /// The same form with another outlier share (or none).

@@ -26,7 +26,7 @@ pub const GRAMMAR: &str = "BASE[+SUFFIX...] with BASE one of fp32 | fp16 | bf16 
 fp8-e4m3[-h<N>][-tok] | fp8-e5m2[-h<N>][-tok] | int{2,3,4,8}[-sym][-g<N> | -ch | -ch<N> | -t][-sf32] | \
 int8h[-sym][-g<N> | -ch | -ch<N>][-sf32] (two 4-bit planes: upper and residual) | \
 nf4[-g<N>][-sf32] | lm{1..8}[-sf32] | vq[-d{1,2,4,8}][-k<2..256>][-sf32] | \
-cq[-d{1,2,4,8}][-k<2..256>][-g<N>][-sf32] (Coupled Quantization: a codebook per group of d channels, unrotated; a gain per row or per N channels) | \
+cq[-d{1,2,4,8}][-k<2..256>][-g<N>][-pre][-sf32] (Coupled Quantization: a codebook per group of d channels, unrotated; a gain per row or per N channels; -pre with -d2: keys coded before RoPE, a code per rotated pair) | \
 pca-r<R>[-c16|-c8|-c4][-pre] | pca-e<E in (0,1]>[...] | fd-r<R>[-m<M>][-l<L>][-t<T>][-c16|-c8|-c4][-pre] | \
 shard[-k<key bits per value>][-g<G>][-r<R>][-vnf4][-s<1..8>[q]|-soff][-f<fold chunk>][-cal] (sink 4, window 64 unless +sink/+win), and SUFFIX one of \
 +rot[<N>] (Hadamard blocks of N channels, default 64; lm and vq always rotate) | +qjl (lm only) | \
@@ -172,6 +172,9 @@ fn write_quantizer(f: &mut impl fmt::Write, q: &Quantizer) -> fmt::Result {
             }
             if let Some(g) = s.gain_block {
                 write!(f, "-g{g}")?;
+            }
+            if s.pre_rope {
+                f.write_str("-pre")?;
             }
             scale(f, s.scale)
         }
@@ -415,6 +418,7 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
                 scale: ScaleType::F16,
                 coupled: head == "cq",
                 gain_block: None,
+                pre_rope: false,
             };
             for o in options {
                 if let Some(s) = parse_scale(o) {
@@ -425,11 +429,13 @@ fn parse_quantizer(base: &str) -> std::result::Result<Quantizer, String> {
                     spec.centroids = k?;
                 } else if let Some(g) = number_after(o, "g").filter(|_| spec.coupled) {
                     spec.gain_block = Some(g?);
+                } else if o == "pre" && spec.coupled {
+                    spec.pre_rope = true;
                 } else {
                     return Err(format!(
                         "unknown {head} option -{} (-d<D>, -k<K>, {}-sf32)",
                         quote(o),
-                        if spec.coupled { "-g<N>, " } else { "" }
+                        if spec.coupled { "-g<N>, -pre, " } else { "" }
                     ));
                 }
             }

@@ -304,17 +304,24 @@ fn forms() -> impl Strategy<Value = CacheForm> {
             .prop_map(|(group, scale)| Quantizer::Nf4(Nf4Spec { group, scale })),
         (1u8..=8, any::<bool>(), scale.clone())
             .prop_map(|(bits, qjl, scale)| Quantizer::LloydMax(LloydMaxSpec { bits, qjl, scale })),
-        (0u32..4, 1u32..=8, scale, any::<bool>(), 0usize..4).prop_map(
-            |(d, k, scale, coupled, g)| {
+        (
+            0u32..4,
+            1u32..=8,
+            scale,
+            any::<bool>(),
+            0usize..4,
+            any::<bool>()
+        )
+            .prop_map(|(d, k, scale, coupled, g, pre)| {
                 Quantizer::Vq(VqSpec {
                     dim: 1 << d,
                     centroids: 1 << k,
                     scale,
                     coupled,
                     gain_block: (coupled && g > 0).then_some(g << (d + 2)),
+                    pre_rope: pre && coupled && d == 1,
                 })
-            }
-        ),
+            }),
         (
             prop_oneof![
                 (1usize..200).prop_map(|r| LowRankMethod::Pca(RankRule::Fixed(r))),

@@ -144,6 +144,13 @@ impl CacheForm {
                         s.dim
                     ));
                 }
+                if s.pre_rope && (!s.coupled || s.dim != 2) {
+                    return Err(
+                        "-pre codes each rotated pair of a key on its own codebook: spell it \
+                         with cq-d2 (one code per pair)"
+                            .into(),
+                    );
+                }
                 if s.coupled && self.rotation.is_some() {
                     return Err(
                         "cq codes the channels as they are, each group with its own codebook, \

@@ -112,6 +112,13 @@ pub(super) fn open(
                  (use --backend paged)"
             ),
         }),
+        Quantizer::Vq(spec) if spec.pre_rope => Err(AttentionError::InvalidParameter {
+            name: "form",
+            reason: format!(
+                "{form} codes keys before RoPE block by block, each block rotated back from \
+                 its position; the re-encode protocol does not hold it (use --backend paged)"
+            ),
+        }),
         Quantizer::LowRank(spec) => {
             let unrotate = rope.filter(|_| spec.pre_rope);
             let unrotated;

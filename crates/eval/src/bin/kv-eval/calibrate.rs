@@ -44,7 +44,15 @@ pub(crate) fn run(args: CalibrateArgs) -> Result<(), Error> {
         .map(|f| f.parse::<CacheForm>())
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
-        .flat_map(|f| [(f, Part::Key), (f, Part::Value)])
+        .flat_map(|f| {
+            // A form coding keys before RoPE is fitted for keys alone.
+            let parts: &[Part] = if f.codes_before_rope() {
+                &[Part::Key]
+            } else {
+                &[Part::Key, Part::Value]
+            };
+            parts.iter().map(move |&p| (f, p))
+        })
         .collect();
     if !forms.iter().any(|(f, _)| needs_calibration(f)) {
         return Err(
