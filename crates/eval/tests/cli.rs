@@ -181,6 +181,45 @@ fn hostile_flags_are_refused_before_any_work() {
         (&["ppl", "--form", "cq+rot"], "takes no +rot"),
         (&["ppl", "--form", "cq-d4-g6"], "not whole codes of 4"),
         (&["ppl", "--form", "cq-d3"], "not supported"),
+        // Keys before RoPE on pair codebooks: pairs (cq-d2), keys, paged.
+        (&["ppl", "--key-form", "cq-d4-pre"], "spell it with cq-d2"),
+        (&["ppl", "--key-form", "vq-d2-pre"], "unknown vq option"),
+        (
+            &[
+                "ppl",
+                "--key-form",
+                "fp16",
+                "--value-form",
+                "cq-d2-k16-pre",
+                "--backend",
+                "paged",
+            ],
+            "values carry no RoPE",
+        ),
+        (
+            &[
+                "ppl",
+                "--key-form",
+                "cq-d2-k16-pre+win8",
+                "--value-form",
+                "fp16",
+                "--backend",
+                "paged",
+            ],
+            "window of exact tokens",
+        ),
+        (
+            &[
+                "ppl",
+                "--key-form",
+                "cq-d2-k16-pre",
+                "--value-form",
+                "fp16",
+                "--backend",
+                "reencode",
+            ],
+            "use --backend paged",
+        ),
         // Sparse outliers: the share, the paged backend, keys before RoPE.
         (&["ppl", "--key-form", "int2-ch+out25"], "(0, 20]"),
         (&["ppl", "--key-form", "int2-ch+out0"], "(0, 20]"),
