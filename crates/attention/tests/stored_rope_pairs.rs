@@ -6,7 +6,8 @@
 //! 0 from the block's first row and put in pair order before coding; sink
 //! rows exact inside their block), in both pair layouts; a rotated key
 //! scores as its pair centroids rotated (the codebook commutes with RoPE);
-//! snapshots restore at their positions; the shared codebook's faults are
+//! snapshots restore at their positions; the re-encode protocol's window
+//! codes as a block at position 0; the shared codebook's faults are
 //! corrected under a code; what blocks cannot hold is refused.
 
 mod common;
@@ -14,7 +15,7 @@ mod common;
 use std::sync::Arc;
 
 use attention::stored::{Fitted, open_part, part_seals};
-use attention::{Rope, RopeLayout};
+use attention::{Rope, RopeLayout, TileRows};
 use gf2_codes::channel::ExactFlips;
 use kv_quant::{
     CacheForm, DecodeScratch, FaultTarget, FitOptions, KvStore, QuantizeOptions, Segments,
@@ -206,6 +207,37 @@ fn a_rotated_key_scores_as_its_rotated_centroids() {
     assert_eq!(codebook.codebooks(), CH / 2);
 }
 
+/// The re-encode protocol codes a window as the paged cache codes a block
+/// at position 0: given the rows as the block staged them (f16), the
+/// window reads back the block's rows bit for bit.
+#[test]
+fn a_window_reads_as_the_paged_block_at_position_zero() {
+    use attention::KvSource;
+    for layout in [RopeLayout::Adjacent, RopeLayout::RotateHalf] {
+        let rope = Rope::new(layout, HEAD, HEAD, 10_000.0).unwrap();
+        let form: CacheForm = "cq-d2-k16-pre+sink3+secded84".parse().unwrap();
+        let fitted = fitted(&form, &rope);
+        let mut part = open_part(form, BS, CH, 2, &fitted).unwrap();
+        let (_, x) = keys(&rope, BS, 6);
+        common::write_and_seal(part.as_mut(), &[1], &x);
+        let paged = common::f32_tile(part.as_ref(), &[1], 0, BS);
+        let staged = common::f16_rows(&x, CH);
+        let window =
+            attention::stored::open_window(form, &fitted, &staged, (BS, CH, HEAD), Some(&rope))
+                .unwrap();
+        assert!(window.rotated_back());
+        let source = window.source();
+        let mut scratch = Default::default();
+        for (start, count) in [(0, BS), (2, 5)] {
+            let tile = source.read_tile(start, count, &mut scratch).unwrap();
+            let TileRows::F32(rows) = tile.rows else {
+                panic!("rows")
+            };
+            assert_eq!(rows, &paged[start * CH..][..count * CH], "{layout:?}");
+        }
+    }
+}
+
 #[test]
 fn codebook_faults_are_corrected_under_a_code_and_read_silently_without() {
     let rope = Rope::new(RopeLayout::Adjacent, HEAD, HEAD, 10_000.0).unwrap();
@@ -269,15 +301,10 @@ fn what_blocks_cannot_hold_is_refused() {
     let windowed: CacheForm = "cq-d2-k16-pre+win16".parse().unwrap();
     assert!(refused(windowed, &fitted).contains("window"));
     assert!(!part_seals(windowed, BS));
-    // The re-encode protocol refuses it before any work.
-    let e = attention::stored::open_window(
-        form,
-        &fitted,
-        &vec![0.0; BS * CH],
-        (BS, CH, HEAD),
-        Some(&rope),
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("--backend paged"), "{e}");
+    // A window of the re-encode protocol without the model's RoPE.
+    let e =
+        attention::stored::open_window(form, &fitted, &vec![0.0; BS * CH], (BS, CH, HEAD), None)
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("needs the model's RoPE"), "{e}");
 }

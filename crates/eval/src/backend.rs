@@ -107,24 +107,16 @@ impl BackendKind {
                     hierarchical.expect("matched")
                 ),
             }),
-            Self::Reencode => {
-                let paged_only = |f: &kv_quant::CacheForm| {
-                    f.sparse().is_some()
-                        || matches!(f.quantizer(), kv_quant::Quantizer::Vq(s) if s.pre_rope)
-                };
-                match mode.forms().iter().find(|(f, _)| paged_only(f)) {
-                    Some((form, _)) => Err(EvalError::InvalidParameter {
-                        name: "backend",
-                        reason: format!(
-                            "{form} is coded block by block as a paged cache seals it (sparse \
-                             outliers split off, or keys rotated back from the block's \
-                             position); the re-encode protocol codes each window whole (use \
-                             --backend paged)"
-                        ),
-                    }),
-                    None => Ok(()),
-                }
-            }
+            Self::Reencode => match mode.forms().iter().find(|(f, _)| f.sparse().is_some()) {
+                Some((form, _)) => Err(EvalError::InvalidParameter {
+                    name: "backend",
+                    reason: format!(
+                        "{form} splits sparse outliers off each sealed block of a paged cache; \
+                         the re-encode protocol codes each window whole (use --backend paged)"
+                    ),
+                }),
+                None => Ok(()),
+            },
             Self::Dense if *mode == CacheMode::Plain && !faulted => Ok(()),
             Self::Dense => Err(EvalError::InvalidParameter {
                 name: "backend",

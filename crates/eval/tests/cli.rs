@@ -208,18 +208,6 @@ fn hostile_flags_are_refused_before_any_work() {
             ],
             "window of exact tokens",
         ),
-        (
-            &[
-                "ppl",
-                "--key-form",
-                "cq-d2-k16-pre",
-                "--value-form",
-                "fp16",
-                "--backend",
-                "reencode",
-            ],
-            "use --backend paged",
-        ),
         // Sparse outliers: the share, the paged backend, keys before RoPE.
         (&["ppl", "--key-form", "int2-ch+out25"], "(0, 20]"),
         (&["ppl", "--key-form", "int2-ch+out0"], "(0, 20]"),

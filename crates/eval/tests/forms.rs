@@ -627,7 +627,8 @@ fn cq_forms_code_each_group_on_its_own_calibrated_codebook() {
 /// Keys coded before RoPE on pair codebooks (`cq-d2-pre`): fitted on the
 /// calibration keys rotated back to position 0 (keys only), served by the
 /// paged cache (its blocks rotated back when sealed and to their
-/// positions when read), refused by the re-encode protocol and for values.
+/// positions when read) and the re-encode protocol alike, refused for
+/// values.
 #[test]
 fn cq_pre_keys_are_fitted_on_keys_before_rope_and_paged() {
     let m = model();
@@ -663,12 +664,17 @@ fn cq_pre_keys_are_fitted_on_keys_before_rope_and_paged() {
     let mode = CacheMode::parse("cq-d2-k8-pre+sink2/fp32")
         .unwrap()
         .with_calibration(Some(cal.clone()));
-    let e = forward(&m, mode.clone()).unwrap_err().to_string();
-    assert!(e.contains("--backend paged"), "{e}");
+    // Both backends hold it (attention's tests pin the window's rows to
+    // the paged block's); the paged cache keeps the step's own block
+    // staged exact, so their logits differ by more than rounding.
+    let (reencoded, _) = forward(&m, mode.clone()).unwrap();
+    let (exact, _) = forward(&m, CacheMode::parse("fp32").unwrap()).unwrap();
+    let worst = max_abs_diff(&reencoded, &exact);
+    assert!(worst > 0.0 && worst < 5.0, "{worst}");
     let toks = tokens(24);
     let (logits, s) = paged_run(&m, &toks, &mode);
-    let (exact, _) = paged_run(&m, &toks, &CacheMode::parse("fp32").unwrap());
-    let worst = max_abs_diff(&logits, &exact);
+    let (plain, _) = paged_run(&m, &toks, &CacheMode::parse("fp32").unwrap());
+    let worst = max_abs_diff(&logits, &plain);
     assert!(worst > 0.0 && worst < 5.0, "{worst}");
     assert!(s.codebook_bytes > 0);
     let values = CacheMode::parse("fp32/cq-d2-k8-pre")

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use gf2_codes::DecodeStats;
 use gf2_codes::channel::FaultChannel;
 use kv_lowrank::LowRankStore;
-use kv_quant::{CacheForm, FaultTarget, KvStore, Quantizer};
+use kv_quant::{CacheForm, FaultTarget, KvStore};
 
 use super::{WindowPart, attend_windows};
 use crate::error::{AttentionError, Result};
@@ -96,11 +96,9 @@ pub fn check_layer_forms(key: CacheForm, value: CacheForm, has_rope: bool) -> Re
             )));
         }
     }
-    if let Quantizer::LowRank(spec) = value.quantizer()
-        && spec.pre_rope
-    {
+    if value.codes_before_rope() {
         return Err(form_refused(format!(
-            "{value} projects before RoPE, which values do not carry: use it for keys (the \
+            "{value} codes before RoPE, which values do not carry: use it for keys (the \
              value form without -pre)"
         )));
     }

@@ -46,8 +46,8 @@ use gf2_codes::DecodeStats;
 use gf2_codes::channel::FaultChannel;
 use kv_lowrank::{HeadBases, LowRankStore};
 use kv_quant::{
-    CacheForm, FaultTarget, Hadamard, KvStore, MetaProtection, NonFinite, ProtectedTable,
-    QuantizeOptions, Quantizer,
+    CacheForm, DecodeScratch, FaultTarget, Hadamard, KvStore, MetaProtection, NonFinite,
+    ProtectedTable, QuantizeOptions, Quantizer,
 };
 
 use super::{Fitted, SharedTable};
@@ -112,13 +112,9 @@ pub(super) fn open(
                  (use --backend paged)"
             ),
         }),
-        Quantizer::Vq(spec) if spec.pre_rope => Err(AttentionError::InvalidParameter {
-            name: "form",
-            reason: format!(
-                "{form} codes keys before RoPE block by block, each block rotated back from \
-                 its position; the re-encode protocol does not hold it (use --backend paged)"
-            ),
-        }),
+        Quantizer::Vq(spec) if spec.pre_rope => {
+            open_pairs(form, fitted, rows, (tokens, channels), rope)
+        }
         Quantizer::LowRank(spec) => {
             let unrotate = rope.filter(|_| spec.pre_rope);
             let unrotated;
@@ -181,6 +177,54 @@ pub(super) fn open(
             })
         }
     }
+}
+
+/// Keys coded before RoPE on pair codebooks (`cq-d2-pre`), as a paged
+/// cache's [`RopePairPart`](super::RopePairPart) codes a block: the rows
+/// past the window's sink tokens rotated back to position 0 from their
+/// positions and put in pair order, the sink rows exact as given; read
+/// rotated to their positions again ([`WindowPart::source`]).
+fn open_pairs(
+    form: CacheForm,
+    fitted: &Fitted,
+    rows: &[f32],
+    (tokens, channels): (usize, usize),
+    rope: Option<&Rope>,
+) -> Result<WindowPart> {
+    let refuse = |reason: String| AttentionError::InvalidParameter {
+        name: "form",
+        reason,
+    };
+    let rope = rope.ok_or_else(|| {
+        refuse(format!(
+            "{form} codes keys before RoPE and needs the model's RoPE"
+        ))
+    })?;
+    if form.segments().window > 0 {
+        return Err(refuse(format!(
+            "{form} keeps a window of exact tokens, which keys coded before RoPE do not hold \
+             (keep sink tokens with +sink<S>)"
+        )));
+    }
+    let codebook = super::codebook_of(form, fitted)?
+        .ok_or_else(|| refuse(format!("{form} reads a fitted codebook")))?;
+    let sink = form.segments().sink.min(tokens);
+    let mut unrotated = rows.to_vec();
+    let coded = &mut unrotated[sink * channels..];
+    for (i, row) in coded.chunks_exact_mut(channels.max(1)).enumerate() {
+        rope.undo(row, sink + i)?;
+    }
+    rope.to_pair_order(coded, &mut Vec::new());
+    let options = QuantizeOptions {
+        non_finite: NonFinite::Clamp,
+    };
+    let store =
+        KvStore::quantize_with_codebook(form, &unrotated, tokens, channels, options, codebook)?;
+    Ok(WindowPart {
+        store: WindowStore::Rows(store),
+        bases: None,
+        rope: Some(rope.clone()),
+    })
 }
 
 impl WindowPart {
@@ -316,7 +360,8 @@ impl WindowPart {
     /// RoPE they were opened with.
     pub fn source(&self) -> WindowSource<'_> {
         WindowSource(match (&self.store, &self.rope) {
-            (WindowStore::Rows(s), _) => SourceKind::Store(s),
+            (WindowStore::Rows(s), Some(rope)) => SourceKind::Pairs(s, rope),
+            (WindowStore::Rows(s), None) => SourceKind::Store(s),
             (WindowStore::LowRank(s), Some(rope)) => {
                 SourceKind::PreRope(PreRopeKeys::new(s, rope, 0))
             }
@@ -391,6 +436,8 @@ enum SourceKind<'a> {
     Store(&'a KvStore),
     LowRank(&'a LowRankStore),
     PreRope(PreRopeKeys<'a>),
+    /// Keys coded before RoPE on pair codebooks, rotated when read.
+    Pairs(&'a KvStore, &'a Rope),
 }
 
 /// Per-thread buffers of a [`WindowSource`].
@@ -398,6 +445,8 @@ enum SourceKind<'a> {
 pub struct WindowScratch {
     store: StoreScratch,
     low_rank: LowRankScratch,
+    /// Decoded rows of keys coded before RoPE, one head's buffer.
+    pairs: (Vec<f32>, DecodeScratch, Vec<f32>),
 }
 
 impl KvSource for WindowSource<'_> {
@@ -408,6 +457,7 @@ impl KvSource for WindowSource<'_> {
             SourceKind::Store(s) => KvSource::tokens(*s),
             SourceKind::LowRank(s) => KvSource::tokens(*s),
             SourceKind::PreRope(s) => s.tokens(),
+            SourceKind::Pairs(s, _) => KvSource::tokens(*s),
         }
     }
 
@@ -416,6 +466,7 @@ impl KvSource for WindowSource<'_> {
             SourceKind::Store(s) => KvSource::channels(*s),
             SourceKind::LowRank(s) => KvSource::channels(*s),
             SourceKind::PreRope(s) => s.channels(),
+            SourceKind::Pairs(s, _) => KvSource::channels(*s),
         }
     }
 
@@ -424,6 +475,7 @@ impl KvSource for WindowSource<'_> {
             SourceKind::Store(s) => KvSource::stored_bytes(*s),
             SourceKind::LowRank(s) => KvSource::stored_bytes(*s),
             SourceKind::PreRope(s) => s.stored_bytes(),
+            SourceKind::Pairs(s, _) => KvSource::stored_bytes(*s),
         }
     }
 
@@ -437,6 +489,21 @@ impl KvSource for WindowSource<'_> {
             SourceKind::Store(s) => s.read_tile(start, count, &mut scratch.store),
             SourceKind::LowRank(s) => s.read_tile(start, count, &mut scratch.low_rank),
             SourceKind::PreRope(s) => s.read_tile(start, count, &mut scratch.low_rank),
+            SourceKind::Pairs(s, rope) => {
+                let (rows, decode, head) = &mut scratch.pairs;
+                let ch = s.channels();
+                rows.resize(count * ch, 0.0);
+                let stats = s.decode_rows_into(start, count, rows, decode)?;
+                // Sink rows were kept as given (after RoPE).
+                let skip = s.form().segments().sink.saturating_sub(start).min(count);
+                let coded = &mut rows[skip * ch..];
+                rope.from_pair_order(coded, head);
+                rope.apply_rows(coded, ch, start + skip)?;
+                Ok(Tile {
+                    rows: crate::TileRows::F32(rows),
+                    stats,
+                })
+            }
         }
     }
 
