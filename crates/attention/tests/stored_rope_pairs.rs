@@ -62,8 +62,13 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn pages_read_as_each_block_coded_before_rope_decodes() {
-    for layout in [RopeLayout::Adjacent, RopeLayout::RotateHalf] {
-        let rope = Rope::new(layout, HEAD, HEAD, 10_000.0).unwrap();
+    // Heads of 16, all rotated or 12 of them (channels 12-15 left alone).
+    for (layout, rotary) in [
+        (RopeLayout::Adjacent, HEAD),
+        (RopeLayout::RotateHalf, HEAD),
+        (RopeLayout::RotateHalf, 12),
+    ] {
+        let rope = Rope::new(layout, HEAD, rotary, 10_000.0).unwrap();
         let form: CacheForm = "cq-d2-k16-pre+sink3".parse().unwrap();
         let fitted = fitted(&form, &rope);
         let codebook = fitted.codebook.clone().unwrap();
@@ -109,14 +114,14 @@ fn pages_read_as_each_block_coded_before_rope_decodes() {
             assert_eq!(
                 common::f32_tile(part.as_ref(), &pages, start, count),
                 &want[start * CH..][..count * CH],
-                "{layout:?}: {start}+{count}"
+                "{layout:?} {rotary}: {start}+{count}"
             );
         }
         // Sink rows read as written, bit for bit.
         assert_eq!(want[..3 * CH], staged[..3 * CH]);
         // The coded rows: near the keys (2 bits a value, on the pairs).
         let err = max_abs_diff(&want[3 * CH..2 * BS * CH], &staged[3 * CH..2 * BS * CH]);
-        assert!(err > 0.0 && err < 2.0, "{layout:?}: {err}");
+        assert!(err > 0.0 && err < 2.0, "{layout:?} {rotary}: {err}");
         // A sealed block restored elsewhere keeps its positions: read as
         // the first page of a table, it still rotates to positions BS.. .
         let snap = part.snapshot(pages[1] as usize).unwrap();
@@ -171,8 +176,9 @@ fn a_rotated_key_scores_as_its_rotated_centroids() {
     let (_, x) = keys(&rope, BS, 4);
     common::write_and_seal(part.as_mut(), &[1], &x);
     let read = common::f32_tile(part.as_ref(), &[1], 0, BS);
-    // The block's codes and gains, as its store holds them.
-    let store = part.block_store(1).unwrap();
+    // The block's codes and gains, as its store holds them: a 4-bit index
+    // a pair (two a byte, low nibble first) and one f16 gain a row.
+    let store = part.snapshot(1).unwrap().stores()[0].clone();
     let (q, _) = keys(&rope, 1, 77);
     let pairs = HEAD / 2;
     for t in 0..BS {
@@ -182,6 +188,15 @@ fn a_rotated_key_scores_as_its_rotated_centroids() {
         store
             .decode_rows_into(t, 1, &mut decoded, &mut DecodeScratch::new())
             .unwrap();
+        let indices: Vec<u8> = store.data()[t * CH / 4..][..CH / 4]
+            .iter()
+            .flat_map(|b| [b & 0xF, b >> 4])
+            .collect();
+        let (gain, _) = store.group_params(t).unwrap();
+        for (pair, &idx) in indices.iter().enumerate() {
+            let c = codebook.centroid(codebook.codebook_of(0, pair), idx);
+            assert_eq!(decoded[2 * pair..][..2], [gain * c[0], gain * c[1]]);
+        }
         let mut via_codebook = 0.0f64;
         for h in 0..2 {
             for p in 0..pairs {
@@ -202,9 +217,7 @@ fn a_rotated_key_scores_as_its_rotated_centroids() {
             "token {t}: {direct} against {via_codebook}"
         );
     }
-    // Each coded pair is a centroid of its own pair's codebook times the
-    // row's gain: the codes are the codebook's.
-    assert_eq!(codebook.codebooks(), CH / 2);
+    assert_eq!(codebook.codebooks(), CH / 2, "one codebook per pair");
 }
 
 /// The re-encode protocol codes a window as the paged cache codes a block
@@ -238,36 +251,59 @@ fn a_window_reads_as_the_paged_block_at_position_zero() {
     }
 }
 
+/// The exponent's top bit of every centroid of the first pair's codebook
+/// (16 centroids of two f16 values: words 0-31 of the table).
+fn first_codebook_exponents() -> ExactFlips {
+    ExactFlips::new((0..32).map(|w| 16 * w + 14))
+}
+
 #[test]
-fn codebook_faults_are_corrected_under_a_code_and_read_silently_without() {
+fn codebook_faults_are_corrected_under_a_code_and_read_by_every_block_without() {
     let rope = Rope::new(RopeLayout::Adjacent, HEAD, HEAD, 10_000.0).unwrap();
     for (spelling, corrected) in [("cq-d2-k16-pre+secded84", true), ("cq-d2-k16-pre", false)] {
         let form: CacheForm = spelling.parse().unwrap();
         let fitted = fitted(&form, &rope);
-        let mut part = open_part(form, BS, CH, 2, &fitted).unwrap();
-        let (_, x) = keys(&rope, BS, 5);
-        common::write_and_seal(part.as_mut(), &[0], &x);
-        let clean = common::f32_tile(part.as_ref(), &[0], 0, BS);
+        let mut part = open_part(form, BS, CH, 4, &fitted).unwrap();
+        let (_, x) = keys(&rope, 2 * BS, 5);
+        common::write_and_seal(part.as_mut(), &[0, 1], &x);
+        let clean = common::f32_tile(part.as_ref(), &[0, 1], 0, 2 * BS);
+        let before = part.snapshot(0).unwrap();
         // Values alone never reach the shared table.
         let none = part
-            .inject_shared(&ExactFlips::new([3]), 1, FaultTarget::Values)
+            .inject_shared(&first_codebook_exponents(), 1, FaultTarget::Values)
             .unwrap();
         assert!(none.tables.is_empty());
-        // Bits of the first centroid's two halves (pair 0, centroid 0).
         let hit = part
-            .inject_shared(&ExactFlips::new([14, 30]), 1, FaultTarget::Everything)
+            .inject_shared(&first_codebook_exponents(), 1, FaultTarget::Everything)
             .unwrap();
-        assert_eq!(hit.tables.len(), 2, "{spelling}");
+        assert_eq!(hit.tables.len(), 32, "{spelling}");
         let stats = part.shared_stats();
-        let read = common::f32_tile(part.as_ref(), &[0], 0, BS);
+        let read = common::f32_tile(part.as_ref(), &[0, 1], 0, 2 * BS);
         if corrected {
             assert_eq!(read, clean, "{spelling}");
-            assert!(stats.corrected >= 1 && stats.silent == 0, "{stats:?}");
-            assert!(part.scrub_shared().unwrap().corrected >= 1);
+            assert!(stats.corrected == 32 && stats.silent == 0, "{stats:?}");
+            assert_eq!(part.scrub_shared().unwrap().corrected, 32);
             assert_eq!(part.scrub_shared().unwrap().corrected, 0);
-        } else {
-            assert!(stats.silent >= 1, "{stats:?}");
+            continue;
         }
+        assert!(stats.silent >= 1, "{stats:?}");
+        // Every sealed block reads the faulted table: each row's first
+        // pair took one of the faulted centroids.
+        for t in 0..2 * BS {
+            assert_ne!(read[t * CH..][..2], clean[t * CH..][..2], "token {t}");
+        }
+        // So does a block restored from a copy taken before the fault; a
+        // block sealed after it is coded on the faulted table (the same
+        // rows sealed on the clean one read as `clean`).
+        part.restore(2, &before).unwrap();
+        assert_eq!(
+            common::f32_tile(part.as_ref(), &[2], 0, BS),
+            read[..BS * CH]
+        );
+        common::write_and_seal(part.as_mut(), &[3], &x[..BS * CH]);
+        let resealed = common::f32_tile(part.as_ref(), &[3], 0, BS);
+        assert_ne!(resealed, clean[..BS * CH]);
+        assert_ne!(resealed, read[..BS * CH]);
     }
 }
 
@@ -301,6 +337,26 @@ fn what_blocks_cannot_hold_is_refused() {
     let windowed: CacheForm = "cq-d2-k16-pre+win16".parse().unwrap();
     assert!(refused(windowed, &fitted).contains("window"));
     assert!(!part_seals(windowed, BS));
+    // A codebook fitted on keys after RoPE (a `cq-d2` table) is another
+    // table, whatever its shape.
+    let after_rope: CacheForm = "cq-d2-k16".parse().unwrap();
+    let (_, post) = keys(&rope, 512, 99);
+    let plain = VqCodebook::fit(&after_rope, &post, 512, CH, FitOptions::default()).unwrap();
+    let wrong = Fitted {
+        codebook: Some(Arc::new(plain)),
+        ..fitted.clone()
+    };
+    assert!(refused(form, &wrong).contains("cq-pre"));
+    // The re-encode protocol's check of a layer's forms, before any work.
+    let fp16: CacheForm = "fp16".parse().unwrap();
+    let check = |key: CacheForm, value: CacheForm, rope: bool| {
+        attention::stored::check_layer_forms(key, value, rope)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(check(form, fp16, false).contains("this model has none"));
+    assert!(check(windowed, fp16, true).contains("window of exact tokens"));
+    assert!(check(fp16, form, true).contains("values do not carry"));
     // A window of the re-encode protocol without the model's RoPE.
     let e =
         attention::stored::open_window(form, &fitted, &vec![0.0; BS * CH], (BS, CH, HEAD), None)

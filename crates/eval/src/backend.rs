@@ -107,16 +107,25 @@ impl BackendKind {
                     hierarchical.expect("matched")
                 ),
             }),
-            Self::Reencode => match mode.forms().iter().find(|(f, _)| f.sparse().is_some()) {
-                Some((form, _)) => Err(EvalError::InvalidParameter {
-                    name: "backend",
-                    reason: format!(
-                        "{form} splits sparse outliers off each sealed block of a paged cache; \
-                         the re-encode protocol codes each window whole (use --backend paged)"
-                    ),
-                }),
-                None => Ok(()),
-            },
+            Self::Reencode => {
+                if let Some((form, _)) = mode.forms().iter().find(|(f, _)| f.sparse().is_some()) {
+                    return Err(EvalError::InvalidParameter {
+                        name: "backend",
+                        reason: format!(
+                            "{form} splits sparse outliers off each sealed block of a paged \
+                             cache; the re-encode protocol codes each window whole (use \
+                             --backend paged)"
+                        ),
+                    });
+                }
+                // Pair codebooks of keys before RoPE keep no exact window.
+                for (form, _) in mode.forms() {
+                    if matches!(form.quantizer(), kv_quant::Quantizer::Vq(s) if s.pre_rope) {
+                        attention::stored::RopePairPart::fits(form, 1)?;
+                    }
+                }
+                Ok(())
+            }
             Self::Dense if *mode == CacheMode::Plain && !faulted => Ok(()),
             Self::Dense => Err(EvalError::InvalidParameter {
                 name: "backend",

@@ -208,6 +208,16 @@ fn hostile_flags_are_refused_before_any_work() {
             ],
             "window of exact tokens",
         ),
+        (
+            &[
+                "ppl",
+                "--key-form",
+                "cq-d2-k16-pre+win8",
+                "--value-form",
+                "fp16",
+            ],
+            "window of exact tokens",
+        ),
         // Sparse outliers: the share, the paged backend, keys before RoPE.
         (&["ppl", "--key-form", "int2-ch+out25"], "(0, 20]"),
         (&["ppl", "--key-form", "int2-ch+out0"], "(0, 20]"),

@@ -272,15 +272,21 @@ impl VqCodebook {
     /// Checks that the codebooks serve `form` over `channels` channels.
     pub fn check_fits(&self, form: &CacheForm, channels: usize) -> Result<()> {
         let (spec, block, blocks) = vq_parts(form, channels)?;
-        if (spec.dim, spec.centroids, spec.coupled, block, blocks)
-            != (
-                self.spec.dim,
-                self.spec.centroids,
-                self.spec.coupled,
-                self.block,
-                self.books,
-            )
-        {
+        if (
+            spec.dim,
+            spec.centroids,
+            spec.coupled,
+            spec.pre_rope,
+            block,
+            blocks,
+        ) != (
+            self.spec.dim,
+            self.spec.centroids,
+            self.spec.coupled,
+            self.spec.pre_rope,
+            self.block,
+            self.books,
+        ) {
             return Err(KvQuantError::Calibration {
                 form: form.to_string(),
                 what: "a codebook of its shape",
@@ -329,10 +335,10 @@ impl VqCodebook {
 
 /// The form kind a codebook serves, for messages.
 fn kind(spec: VqSpec) -> &'static str {
-    if spec.coupled {
-        "cq (one per group)"
-    } else {
-        "vq (one per rotated block)"
+    match (spec.coupled, spec.pre_rope) {
+        (true, true) => "cq-pre (one per rotated pair, fitted on keys before RoPE)",
+        (true, false) => "cq (one per group)",
+        (false, _) => "vq (one per rotated block)",
     }
 }
 

@@ -428,18 +428,6 @@ impl StoredPart for RopePairPart {
         Ok(self.codebook.scrub())
     }
 
-    fn block_store(&self, block: usize) -> Result<KvStore> {
-        match self.blocks.get(block)? {
-            BlockState::Staged(exact) => Ok((**exact).clone()),
-            BlockState::Sealed(sealed) => Ok(sealed.store.clone()),
-            BlockState::Empty => Ok(KvStore::zeroed(
-                self.blocks.exact_form(),
-                self.block_size,
-                self.channels,
-            )?),
-        }
-    }
-
     fn block_bytes(&self, block: usize) -> usize {
         self.blocks
             .block_bytes(block, |s| s.store.stored_bytes(), self.sealed_bytes)

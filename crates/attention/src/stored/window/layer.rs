@@ -23,7 +23,7 @@ use std::sync::Arc;
 use gf2_codes::DecodeStats;
 use gf2_codes::channel::FaultChannel;
 use kv_lowrank::LowRankStore;
-use kv_quant::{CacheForm, FaultTarget, KvStore};
+use kv_quant::{CacheForm, FaultTarget, KvStore, Quantizer};
 
 use super::{WindowPart, attend_windows};
 use crate::error::{AttentionError, Result};
@@ -74,9 +74,21 @@ pub fn keeps_prefill(form: CacheForm) -> bool {
 /// refusals of the forms alone, for a caller checking them before any
 /// work): a shard form stores keys and values together (one form for
 /// both) and undoes RoPE (the model must have one, `has_rope`); a form
-/// projecting before RoPE is a key form (values carry no RoPE); a form
-/// with sparse outliers (`+out`) is a paged form only.
+/// coding before RoPE is a key form (values carry no RoPE) of a model with
+/// RoPE, keys on pair codebooks (`cq-d2-pre`) keep no window of exact
+/// tokens; a form with sparse outliers (`+out`) is a paged form only.
 pub fn check_layer_forms(key: CacheForm, value: CacheForm, has_rope: bool) -> Result<()> {
+    if key.codes_before_rope() && !has_rope {
+        return Err(form_refused(format!(
+            "{key} codes keys before RoPE; this model has none"
+        )));
+    }
+    if matches!(key.quantizer(), Quantizer::Vq(s) if s.pre_rope) && key.segments().window > 0 {
+        return Err(form_refused(format!(
+            "{key} keeps a window of exact tokens, which keys coded before RoPE do not hold \
+             (keep sink tokens with +sink<S>)"
+        )));
+    }
     if let Some(form) = [key, value].into_iter().find(|f| f.sparse().is_some()) {
         return Err(form_refused(format!(
             "{form} splits sparse outliers off each sealed block of a paged cache \

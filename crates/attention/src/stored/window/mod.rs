@@ -208,8 +208,18 @@ fn open_pairs(
     }
     let codebook = super::codebook_of(form, fitted)?
         .ok_or_else(|| refuse(format!("{form} reads a fitted codebook")))?;
+    if Some(rows.len()) != tokens.checked_mul(channels) {
+        return Err(AttentionError::ShapeMismatch {
+            what: "window rows",
+            expected: tokens.saturating_mul(channels),
+            got: rows.len(),
+        });
+    }
     let sink = form.segments().sink.min(tokens);
+    // Non-finite values (a fault upstream) saturate before the rotation,
+    // as a paged block's staged rows do when it seals.
     let mut unrotated = rows.to_vec();
+    super::clamp_non_finite(&mut unrotated);
     let coded = &mut unrotated[sink * channels..];
     for (i, row) in coded.chunks_exact_mut(channels.max(1)).enumerate() {
         rope.undo(row, sink + i)?;

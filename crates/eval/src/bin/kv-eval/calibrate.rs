@@ -45,8 +45,10 @@ pub(crate) fn run(args: CalibrateArgs) -> Result<(), Error> {
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .flat_map(|f| {
-            // A form coding keys before RoPE is fitted for keys alone.
-            let parts: &[Part] = if f.codes_before_rope() {
+            // Pair codebooks of keys before RoPE are fitted for keys alone
+            // (a `pca-*-pre` form fits value bases too, without `-pre`).
+            let pairs = matches!(f.quantizer(), kv_quant::Quantizer::Vq(s) if s.pre_rope);
+            let parts: &[Part] = if pairs {
                 &[Part::Key]
             } else {
                 &[Part::Key, Part::Value]
