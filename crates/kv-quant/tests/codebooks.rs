@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use gf2_codes::channel::FaultRng;
 use kv_quant::{
-    CacheForm, FitOptions, Hadamard, KvQuantError, KvStore, QuantizeOptions, VqCodebook,
+    CacheForm, FitOptions, Hadamard, KvQuantError, KvStore, NonFinite, QuantizeOptions, VqCodebook,
 };
 
 fn form(s: &str) -> CacheForm {
@@ -334,4 +334,40 @@ fn cq_refuses_rotation_and_other_shapes() {
         )
         .is_err()
     );
+}
+
+/// A cq row a fault upstream made non-finite or huge: refused under
+/// `NonFinite::Reject`; under `Clamp` saturated as a rotated block is
+/// (NaN to 0, ±∞ to the row's largest finite magnitude) and its gain held
+/// at f16's largest, so the fault's outcome is measured, not fatal.
+#[test]
+fn cq_rows_a_fault_made_non_finite_saturate_under_clamp() {
+    let channels = 64;
+    let f = form("cq-d2-k16");
+    let train = coupled(1024, channels, 5);
+    let cb = Arc::new(VqCodebook::fit(&f, &train, 1024, channels, FitOptions::default()).unwrap());
+    let mut rows = coupled(3, channels, 8);
+    rows[3] = f32::NAN;
+    rows[channels + 5] = f32::INFINITY;
+    for x in &mut rows[2 * channels..] {
+        *x *= 1e30;
+    }
+    let quantize = |non_finite| {
+        let options = QuantizeOptions { non_finite };
+        KvStore::quantize_with_codebook(f, &rows, 3, channels, options, cb.clone())
+    };
+    assert!(matches!(
+        quantize(NonFinite::Reject),
+        Err(KvQuantError::NonFinite {
+            token: 0,
+            channel: 3,
+            ..
+        })
+    ));
+    let store = quantize(NonFinite::Clamp).unwrap();
+    let decoded = store.decode().unwrap().values;
+    assert!(decoded.iter().all(|x| x.is_finite()));
+    // The huge row's gain saturates at f16's largest finite value.
+    let (gain, _) = store.group_params(2).unwrap();
+    assert_eq!(gain.abs(), 65504.0);
 }

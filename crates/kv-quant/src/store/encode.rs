@@ -417,7 +417,20 @@ impl RowEncoder {
             }
             Kind::Vq { dim } => {
                 let codebook = self.codebook.as_ref().expect("vq encoders hold a codebook");
-                vq_row(codebook, dim, ty, row, self.cpg, params, levels)?;
+                // An unrotated (cq) row holding non-finite values (only under
+                // NonFinite::Clamp) saturates as a rotated block does first.
+                let row = if finite {
+                    row
+                } else {
+                    let clean = grow(&mut s.sanitized, row.len());
+                    clean.copy_from_slice(row);
+                    for block in clean.chunks_exact_mut(self.cpg) {
+                        clamp_block(block);
+                    }
+                    &*clean
+                };
+                let saturate = self.clamp;
+                vq_row(codebook, (dim, ty, saturate), row, self.cpg, params, levels)?;
             }
             Kind::F32 | Kind::F16 | Kind::Bf16 | Kind::LowRank => {
                 unreachable!("float forms handled above; sections refuse low-rank forms")
@@ -594,6 +607,23 @@ fn stored_gain(ty: ScaleType, y: &[f32], c: impl Iterator<Item = f32> + Clone) -
     int::round_to(ty, yc / cc, Toward::Nearest, "gain")
 }
 
+/// [`stored_gain`], saturated at the scale type's largest finite value
+/// where `saturate` (rows a fault upstream made huge, under
+/// [`NonFinite::Clamp`]: the fault's outcome is measured, not fatal).
+fn saturated_gain(
+    ty: ScaleType,
+    y: &[f32],
+    c: impl Iterator<Item = f32> + Clone,
+    saturate: bool,
+) -> Result<f32> {
+    match stored_gain(ty, y, c) {
+        Err(KvQuantError::OutOfRange { value, max, .. }) if saturate && !value.is_nan() => {
+            Ok((max as f32).copysign(value as f32))
+        }
+        other => other,
+    }
+}
+
 /// One rotated row of a Lloyd-Max form: per block the gain (and QJL
 /// residual norm), the centroid indices with the QJL sign in the top bit.
 /// `signs` and `residual` hold a block each for QJL forms and are empty
@@ -659,8 +689,7 @@ fn lloyd_max_row(
 /// the index of every group of `dim` coordinates.
 fn vq_row(
     codebook: &VqCodebook,
-    dim: usize,
-    ty: ScaleType,
+    (dim, ty, saturate): (usize, ScaleType, bool),
     row: &[f32],
     block: usize,
     params: &mut [(f32, f32)],
@@ -693,7 +722,7 @@ fn vq_row(
                 .iter()
                 .copied()
         });
-        *p = (stored_gain(ty, y, chosen)?, 0.0);
+        *p = (saturated_gain(ty, y, chosen, saturate)?, 0.0);
     }
     Ok(())
 }
