@@ -417,8 +417,7 @@ impl RowEncoder {
             }
             Kind::Vq { dim } => {
                 let codebook = self.codebook.as_ref().expect("vq encoders hold a codebook");
-                // An unrotated (cq) row holding non-finite values (only under
-                // NonFinite::Clamp) saturates as a rotated block does first.
+                // A non-finite cq row (under Clamp) saturates as rotated ones do.
                 let row = if finite {
                     row
                 } else {
@@ -607,9 +606,8 @@ fn stored_gain(ty: ScaleType, y: &[f32], c: impl Iterator<Item = f32> + Clone) -
     int::round_to(ty, yc / cc, Toward::Nearest, "gain")
 }
 
-/// [`stored_gain`], saturated at the scale type's largest finite value
-/// where `saturate` (rows a fault upstream made huge, under
-/// [`NonFinite::Clamp`]: the fault's outcome is measured, not fatal).
+/// [`stored_gain`], held at the scale type's largest finite value where
+/// `saturate` (a row a fault made huge, under [`NonFinite::Clamp`]).
 fn saturated_gain(
     ty: ScaleType,
     y: &[f32],
