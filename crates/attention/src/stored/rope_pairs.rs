@@ -25,7 +25,8 @@
 //! calibrated codebook (one kv-quant [`KvStore`] per block, the sequence's
 //! sink tokens exact inside it, kept as written). Reading a sealed block
 //! decodes its rows, puts the channels of its coded rows back and rotates
-//! each to its position ([`Rope::apply_rows`]); tiles are those f32 rows.
+//! each to its position ([`Rope::apply_rows`]); tiles are those f32 rows
+//! (the kernels do not take the codebook-space scores above yet).
 
 use std::ops::Range;
 use std::sync::Arc;
