@@ -128,6 +128,17 @@ impl Rope {
     /// `apply`'s bits but for rare rounding ties, one f32 ulp apart (a test
     /// checks both).
     pub fn apply_rows(&self, x: &mut [f32], row: usize, first: usize) -> Result<()> {
+        self.rotate_rows(x, row, first, 1.0)
+    }
+
+    /// Undoes [`apply_rows`](Self::apply_rows) at the same positions (each
+    /// row [`undo`](Self::undo)ne, one `sin_cos` per pair for the run,
+    /// within one f32 ulp of `undo`'s bits likewise).
+    pub fn undo_rows(&self, x: &mut [f32], row: usize, first: usize) -> Result<()> {
+        self.rotate_rows(x, row, first, -1.0)
+    }
+
+    fn rotate_rows(&self, x: &mut [f32], row: usize, first: usize, sign: f64) -> Result<()> {
         if row == 0 || !row.is_multiple_of(self.head_dim) || !x.len().is_multiple_of(row) {
             return Err(AttentionError::InvalidParameter {
                 name: "RoPE rows",
@@ -147,12 +158,12 @@ impl Rope {
             let (mut now, mut step) = ([(0.0f64, 1.0f64); PAIRS], [(0.0f64, 1.0f64); PAIRS]);
             let (now, step) = (&mut now[..freqs.len()], &mut step[..freqs.len()]);
             for (t, &f) in step.iter_mut().zip(freqs) {
-                *t = f.sin_cos();
+                *t = (sign * f).sin_cos();
             }
             for (r, rows) in x.chunks_exact_mut(row).enumerate() {
                 if r % Self::ANCHOR == 0 {
                     for (t, &f) in now.iter_mut().zip(freqs) {
-                        *t = ((first + r) as f64 * f).sin_cos();
+                        *t = (sign * (first + r) as f64 * f).sin_cos();
                     }
                 } else {
                     for (t, &(s1, c1)) in now.iter_mut().zip(step.iter()) {
@@ -256,11 +267,18 @@ mod tests {
             let (mut same, mut all) = (0usize, 0usize);
             for first in [0usize, 1, 63, 4_095, 131_000] {
                 let x: Vec<f32> = (0..row * rows).map(|_| uniform()).collect();
-                let mut run = x.clone();
+                let (mut run, mut back) = (x.clone(), x.clone());
                 rope.apply_rows(&mut run, row, first).unwrap();
-                for (r, (want, got)) in x.chunks(row).zip(run.chunks(row)).enumerate() {
+                rope.undo_rows(&mut back, row, first).unwrap();
+                let pairs = x.chunks(row).zip(run.chunks(row)).map(|p| (p, true));
+                let undone = x.chunks(row).zip(back.chunks(row)).map(|p| (p, false));
+                for (r, ((want, got), forward)) in pairs.enumerate().chain(undone.enumerate()) {
                     let mut want = want.to_vec();
-                    rope.apply(&mut want, first + r).unwrap();
+                    if forward {
+                        rope.apply(&mut want, first + r).unwrap();
+                    } else {
+                        rope.undo(&mut want, first + r).unwrap();
+                    }
                     for (w, g) in want.iter().zip(got) {
                         let ulps = (w.to_bits() as i64 - g.to_bits() as i64).abs();
                         assert!(

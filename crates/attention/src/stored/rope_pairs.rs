@@ -283,9 +283,7 @@ impl StoredPart for RopePairPart {
             // Sink rows stay as written (exact, after RoPE).
             let mut unrotated = rows.to_vec();
             let coded = &mut unrotated[exact * ch..];
-            for (i, row) in coded.chunks_exact_mut(ch).enumerate() {
-                rope.undo(row, first + exact + i)?;
-            }
+            rope.undo_rows(coded, ch, first + exact)?;
             rope.to_pair_order(coded, &mut Vec::new());
             let store =
                 KvStore::quantize_with_codebook(form, &unrotated, bs, ch, clamped(), codebook)?;

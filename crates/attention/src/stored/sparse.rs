@@ -268,9 +268,7 @@ impl StoredPart for SparsePart {
                 Some(rope) => {
                     // Sink rows stay as written (exact, after RoPE).
                     let mut unrotated = rows.to_vec();
-                    for (i, row) in unrotated.chunks_exact_mut(ch).enumerate().skip(exact) {
-                        rope.undo(row, first + i)?;
-                    }
+                    rope.undo_rows(&mut unrotated[exact * ch..], ch, first + exact)?;
                     SparseStore::quantize_with_exact(form, &unrotated, bs, ch, exact)?
                 }
                 None => SparseStore::quantize_with_exact(form, rows, bs, ch, exact)?,

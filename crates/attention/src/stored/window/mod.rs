@@ -221,8 +221,8 @@ fn open_pairs(
     let mut unrotated = rows.to_vec();
     super::clamp_non_finite(&mut unrotated);
     let coded = &mut unrotated[sink * channels..];
-    for (i, row) in coded.chunks_exact_mut(channels.max(1)).enumerate() {
-        rope.undo(row, sink + i)?;
+    if !coded.is_empty() {
+        rope.undo_rows(coded, channels, sink)?;
     }
     rope.to_pair_order(coded, &mut Vec::new());
     let options = QuantizeOptions {
