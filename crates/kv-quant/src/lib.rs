@@ -69,7 +69,7 @@ pub use store::{
     ChannelSlices, DecodeScratch, DecodedMatrix, FaultTarget, GatheredLevels, Injection,
     KvDecodeStats, KvStore, LevelMap, LevelPacking, LevelRows, NonFinite, ParamBound,
     QuantizeOptions, RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder, RowsView, ScrubStats,
-    SegmentRows,
+    SegmentRows, VqCodeRows,
 };
 pub use table::{ProtectedTable, TableBytes};
 pub use vq::{FitOptions, VqCodebook};

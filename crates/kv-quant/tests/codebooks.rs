@@ -371,3 +371,68 @@ fn cq_rows_a_fault_made_non_finite_saturate_under_clamp() {
     let (gain, _) = store.group_params(2).unwrap();
     assert_eq!(gain.abs(), 65504.0);
 }
+
+/// `decode_vq_codes` stops where the decode looks codes up: every value
+/// it describes is the decode's, bit for bit, with the decode's
+/// statistics, faults included; rows it cannot describe are `None`.
+#[test]
+fn cq_codes_read_as_codes_and_gains_are_the_decoded_rows() {
+    use kv_quant::{DecodeScratch, FaultTarget};
+    let (tokens, channels) = (1024, 64);
+    let train = coupled(tokens, channels, 11);
+    let test = coupled(96, channels, 12);
+    let channel = gf2_codes::channel::BinarySymmetric::new(2e-3).unwrap();
+    for (spelling, fault) in [
+        ("cq-d2-k16", false),
+        ("cq-d2-k16-g32", false),
+        ("cq", false),
+        ("cq-d2-k16+secded84", true),
+        ("cq-d2-k16+sink4", false),
+    ] {
+        let f = form(spelling);
+        let base = f.with_segments(Default::default()).unwrap();
+        let cb = Arc::new(
+            VqCodebook::fit(&base, &train, tokens, channels, FitOptions::default()).unwrap(),
+        );
+        let mut store = coded(f, &test, channels, cb);
+        if fault {
+            store.inject(&channel, 3, FaultTarget::Everything);
+        }
+        let sink = f.segments().sink;
+        let (mut a, mut b) = (DecodeScratch::new(), DecodeScratch::new());
+        let mut described = 0;
+        for (start, count) in [(0, 96), (sink, 16), (40, 7), (95, 1)] {
+            let mut rows = vec![0f32; count * channels];
+            let decoded = store
+                .decode_rows_into(start, count, &mut rows, &mut a)
+                .unwrap();
+            let Some((codes, stats)) = store.decode_vq_codes(start, count, &mut b).unwrap() else {
+                assert!(
+                    start < sink || decoded.erased_values > 0,
+                    "{spelling}: rows {start}+{count} not described"
+                );
+                continue;
+            };
+            described += 1;
+            assert_eq!(stats, decoded, "{spelling}");
+            assert_eq!((codes.rows(), codes.channels()), (count, channels));
+            for r in 0..count {
+                for c in 0..channels {
+                    let (got, want) = (codes.value(r, c), rows[r * channels + c]);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{spelling} row {r} ch {c}");
+                }
+            }
+        }
+        assert!(described >= 3, "{spelling}: {described}");
+    }
+    // Forms that are not coupled codebooks are not described.
+    let ints = KvStore::quantize(form("int4"), &test, 96, channels).unwrap();
+    let mut scratch = DecodeScratch::new();
+    assert!(ints.decode_vq_codes(0, 8, &mut scratch).unwrap().is_none());
+    let vq = form("vq-d2-k16");
+    let cb = VqCodebook::fit(&vq, &train, tokens, channels, FitOptions::default()).unwrap();
+    let vq = coded(vq, &test, channels, Arc::new(cb));
+    assert!(vq.decode_vq_codes(0, 8, &mut scratch).unwrap().is_none());
+    // A range past the rows is the decode's error.
+    assert!(vq.decode_vq_codes(90, 8, &mut scratch).is_err());
+}

@@ -56,6 +56,7 @@ mod row_range;
 mod rows;
 pub(crate) mod section;
 mod view;
+mod vq_codes;
 
 pub use bound::ParamBound;
 pub use decode::DecodeScratch;
@@ -63,6 +64,7 @@ pub use encode::{RowBufferSizes, RowBuffers, RowBuffersMut, RowEncoder};
 pub use inject::{FaultTarget, Injection};
 pub use rows::ScrubStats;
 pub use view::{ChannelSlices, GatheredLevels, LevelMap, LevelPacking, LevelRows, RowsView};
+pub use vq_codes::VqCodeRows;
 
 use std::ops::Range;
 use std::sync::Arc;
