@@ -33,6 +33,11 @@
 //! `attention/shard-<q>x<kv>x<d>-<context>` (4K, 16K, 64K tokens): decode
 //! attention over `shard` layers computed on their compressed forms,
 //! against FP16 decode attention (`baseline-fp16`) in the same run.
+//!
+//! `attention/pair-codes-<q>x<kv>x<d>-<context>` (4K, 16K, 64K tokens):
+//! keys coded before RoPE on pair codebooks scored against the codebook,
+//! beside the same keys decoded and rotated per tile, against FP16 decode
+//! attention in the same run.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -403,5 +408,141 @@ fn shard(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, decode, low_rank, shard);
+/// Keys coded before RoPE on pair codebooks, read as the paged cache read
+/// them before they were scored against the codebook: each tile's rows
+/// decoded, put back in channel order and rotated to their positions
+/// (f64 rotation), then scored as f32 rows.
+struct DecodedPairs<'a> {
+    store: &'a KvStore,
+    rope: &'a attention::Rope,
+}
+
+impl KvSource for DecodedPairs<'_> {
+    type Scratch = (Vec<f32>, kv_quant::DecodeScratch, Vec<f32>);
+
+    fn tokens(&self) -> usize {
+        KvSource::tokens(self.store)
+    }
+
+    fn channels(&self) -> usize {
+        KvSource::channels(self.store)
+    }
+
+    fn stored_bytes(&self) -> usize {
+        KvSource::stored_bytes(self.store)
+    }
+
+    fn read_tile<'s>(
+        &'s self,
+        start: usize,
+        count: usize,
+        (rows, decode, head): &'s mut Self::Scratch,
+    ) -> attention::Result<attention::Tile<'s>> {
+        let ch = self.store.channels();
+        rows.resize(count * ch, 0.0);
+        let stats = self.store.decode_rows_into(start, count, rows, decode)?;
+        self.rope.from_pair_order(rows, head);
+        self.rope.apply_rows(rows, ch, start)?;
+        Ok(attention::Tile {
+            rows: attention::TileRows::F32(rows),
+            stats,
+        })
+    }
+}
+
+/// `attention/pair-codes-<q>x<kv>x<d>-<context>k` (4K, 16K, 64K tokens):
+/// decode attention over keys coded before RoPE on one 16-centroid
+/// codebook per pair (`cq-d2-k16-pre`, values FP16), scored against the
+/// codebook (`cq-d2-k16-pre`) and read as decoded, rotated rows
+/// (`cq-d2-k16-pre-decoded`, the read path before), against FP16 decode
+/// attention (`baseline-fp16`) in the same run; throughput in tokens per
+/// second, so each ratio is the speed-up over FP16.
+fn pair_codes(c: &mut Criterion) {
+    use attention::stored::{Fitted, open_window};
+    use attention::{Rope, RopeLayout};
+    use kv_quant::{FitOptions, QuantizeOptions, VqCodebook};
+    use std::sync::Arc;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(THREADS)
+        .build()
+        .expect("pool");
+    let form: CacheForm = "cq-d2-k16-pre".parse().expect("form");
+    for &(q_heads, kv_heads, d) in &SHAPES {
+        let shape = HeadShape::new(q_heads, kv_heads, d).expect("shape");
+        let ch = shape.kv_channels();
+        let attn = Attention::new(shape);
+        let q = smooth_rows(1, shape.q_len(), 0.3);
+        let rope = Rope::new(RopeLayout::RotateHalf, d, d, 10_000.0).expect("rope");
+        // The codebook, fitted on 2,048 rows of the same kind, in pair order.
+        let mut train = smooth_rows(2048, ch, 0.0);
+        rope.to_pair_order(&mut train, &mut Vec::new());
+        let codebook =
+            Arc::new(VqCodebook::fit(&form, &train, 2048, ch, FitOptions::default()).expect("fit"));
+        let fitted = Fitted {
+            codebook: Some(codebook.clone()),
+            rope: Some(rope.clone()),
+            ..Fitted::default()
+        };
+        for tokens in contexts(d).into_iter().filter(|&t| t <= 65536) {
+            let (k, v) =
+                pool.install(|| (smooth_rows(tokens, ch, 0.0), smooth_rows(tokens, ch, 1.0)));
+            let name = format!(
+                "attention/pair-codes-{q_heads}x{kv_heads}x{d}-{}k",
+                tokens / 1024
+            );
+            let mut group = fp16_group(c, name, &pool, &attn, &q, (&k, &v, tokens));
+            let position = tokens - 1;
+            let mut rotated = k.clone();
+            for (t, row) in rotated.chunks_exact_mut(ch).enumerate() {
+                rope.apply(row, t).expect("rope");
+            }
+            let window =
+                open_window(form, &fitted, &rotated, (tokens, ch, d), Some(&rope)).expect("window");
+            let mut paired = k.clone();
+            rope.to_pair_order(&mut paired, &mut Vec::new());
+            let options = QuantizeOptions::default();
+            let store = KvStore::quantize_with_codebook(
+                form,
+                &paired,
+                tokens,
+                ch,
+                options,
+                codebook.clone(),
+            )
+            .expect("store");
+            let fp16: CacheForm = "fp16".parse().expect("form");
+            let vs = KvStore::quantize(fp16, &v, tokens, ch).expect("v");
+            let decoded = DecodedPairs {
+                store: &store,
+                rope: &rope,
+            };
+            let source = window.source();
+            for (spec, keys) in [
+                ("cq-d2-k16-pre", &source as &dyn Bench),
+                ("cq-d2-k16-pre-decoded", &decoded),
+            ] {
+                group.bench_function(spec, |b| {
+                    b.iter(|| pool.install(|| keys.decode(&attn, black_box(&q), position, &vs)))
+                });
+            }
+            group.finish();
+        }
+    }
+}
+
+/// One decode call over keys of any source type (so both key sources run
+/// in one loop).
+trait Bench: Sync {
+    fn decode(&self, attn: &Attention, q: &[f32], position: usize, values: &KvStore) -> f32;
+}
+
+impl<K: KvSource> Bench for K {
+    fn decode(&self, attn: &Attention, q: &[f32], position: usize, values: &KvStore) -> f32 {
+        attn.decode(q, position, self, values, &Mask::Causal)
+            .expect("decode")
+            .out[0]
+    }
+}
+
+criterion_group!(benches, decode, low_rank, shard, pair_codes);
 criterion_main!(benches);

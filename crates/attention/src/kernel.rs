@@ -14,6 +14,7 @@
 mod fused;
 mod int8_query;
 mod int_values;
+mod pair_scores;
 mod partial;
 mod prefetch;
 mod runs;
@@ -47,6 +48,8 @@ pub(crate) struct KernelScratch {
     int: int8_query::IntScratch,
     /// Weight codes and sums of the integer value path.
     int_values: int_values::ValueScratch,
+    /// The query's table against a pair codebook.
+    pairs: pair_scores::PairScratch,
     /// Key and value levels packed two per byte, unpacked for the paths
     /// that read one level per byte.
     unpacked: [Vec<u8>; 2],
@@ -57,6 +60,7 @@ impl KernelScratch {
     /// call before the queries' buffer is reused for other queries.
     pub(crate) fn forget_queries(&mut self) {
         self.int.forget();
+        self.pairs.forget();
     }
 }
 
@@ -107,6 +111,16 @@ pub(crate) fn attend_tile(
     if scratch.acc.len() < heads * geometry.d {
         scratch.acc.resize(heads * geometry.d, 0.0);
     }
+    // Keys coded before RoPE on pair codebooks are scored against the
+    // codebook under every numerics (f32 arithmetic throughout).
+    let pair_scored = match keys {
+        TileRows::PairCodes(pairs) => {
+            let weights = &mut scratch.weights[..heads * rows];
+            pair_scores::scores(q, &pairs, geometry, isa, &mut scratch.pairs, weights);
+            true
+        }
+        _ => false,
+    };
     let codes = match numerics {
         Numerics::Exact => None,
         Numerics::Auto => match keys {
@@ -141,6 +155,7 @@ pub(crate) fn attend_tile(
         scored
     };
     let (keys, scored) = match (keys, codes) {
+        (keys, _) if pair_scored => (keys, true),
         (TileRows::Levels(levels), Some(codes))
             if int8_query::reads_packed(&levels, geometry, codes) && score(&levels, codes) =>
         {
@@ -390,6 +405,11 @@ pub(crate) fn widen_rows<'a>(rows: TileRows<'a>, buffer: &'a mut Vec<f32>) -> &'
             // Values, not bytes: packed levels hold two per byte.
             buffer.resize(levels.rows() * levels.channels(), 0.0);
             levels.dequantize_into(buffer);
+            buffer
+        }
+        TileRows::PairCodes(pairs) => {
+            buffer.resize(pairs.rows() * pairs.channels(), 0.0);
+            pairs.widen_into(buffer);
             buffer
         }
     }

@@ -63,6 +63,7 @@ mod low_rank;
 #[cfg(feature = "ndarray")]
 mod ndarray_views;
 mod numerics;
+mod pair_codes;
 mod reference;
 mod rope;
 mod shape;
@@ -86,6 +87,7 @@ pub use evicting::{Evicting, Eviction};
 pub use isa::Isa;
 pub use low_rank::{LowRankScratch, PreRopeKeys, certificates};
 pub use numerics::Numerics;
+pub use pair_codes::PairCodeRows;
 pub use reference::{ReferenceOutput, reference_attention};
 pub use rope::{Rope, RopeLayout};
 pub use shape::{HeadShape, Mask};

@@ -4,7 +4,14 @@
 /// How scores against integer keys (INT8/INT4/INT3/INT2 at any
 /// granularity, the ECC-protected INT4 forms, and NF4, read as levels plus
 /// group parameters) are computed. Keys held as f32, half floats or FP8,
-/// and tiles with erased values, are always scored exactly.
+/// and tiles with erased values, are always scored exactly. Keys coded
+/// before RoPE on pair codebooks ([`PairCodeRows`](crate::PairCodeRows))
+/// are scored against the codebook under every setting, in f32: each score
+/// is `Σ_blocks g·Σ_pairs (A·cos + B·sin)` with the table entries `A`, `B`
+/// (one f32 product sum of the query pair and the centroid) and the
+/// rows' angles within 4e-7 ([`Rope::trig_rows`](crate::Rope::trig_rows)),
+/// held to the f64 oracle over the same keys like the exact path
+/// (`tests/pair_scores.rs`).
 ///
 /// Fast-path error bound (stated against scores computed exactly from the
 /// dequantized keys): each query head `q` (already scaled by `1/√d`) is

@@ -15,6 +15,7 @@ use kv_quant::{
 };
 
 use crate::error::{AttentionError, Result, check_len};
+use crate::pair_codes::PairCodeRows;
 
 /// The values of a tile as the attention kernel reads them: `count × channels`
 /// values, row-major.
@@ -28,6 +29,10 @@ pub enum TileRows<'s> {
     /// Integer levels and their group parameters, dequantized in the kernel
     /// exactly as [`LevelRows::dequantize_into`] would.
     Levels(LevelRows<'s>),
+    /// Keys coded before RoPE on pair codebooks, with their rows' angles:
+    /// scored against the codebook ([`PairCodeRows`]), read as values
+    /// through [`PairCodeRows::widen_into`].
+    PairCodes(PairCodeRows<'s>),
 }
 
 impl TileRows<'_> {
@@ -37,12 +42,26 @@ impl TileRows<'_> {
             Self::F32(v) => v.len(),
             Self::F16(b) => b.len() / 2,
             Self::Levels(l) => l.rows() * l.channels(),
+            Self::PairCodes(p) => p.rows() * p.channels(),
         }
     }
 
     /// Whether no values are held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The values as f32, as the kernels read them: copied, widened,
+    /// dequantized or (pair codes) turned by their angles.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        match *self {
+            Self::F32(v) => out.copy_from_slice(v),
+            Self::F16(b) => kv_quant::widen_f16(b, &mut out),
+            Self::Levels(l) => l.dequantize_into(&mut out),
+            Self::PairCodes(p) => p.widen_into(&mut out),
+        }
+        out
     }
 
     /// The values `range` (element indices; whole rows of `channels`).
@@ -52,6 +71,9 @@ impl TileRows<'_> {
             Self::F16(b) => Self::F16(&b[2 * range.start..2 * range.end]),
             Self::Levels(l) => {
                 Self::Levels(l.sub_rows(range.start / channels, range.len() / channels))
+            }
+            Self::PairCodes(p) => {
+                Self::PairCodes(p.sub_rows(range.start / channels, range.len() / channels))
             }
         }
     }

@@ -87,6 +87,7 @@ fn tile(part: &dyn StoredPart, pages: &[u32], start: usize, count: usize) -> (Ve
             l.dequantize_into(&mut out);
             (out, true)
         }
+        TileRows::PairCodes(_) => (tile.rows.to_f32_vec(), false),
     }
 }
 

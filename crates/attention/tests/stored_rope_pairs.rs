@@ -14,7 +14,7 @@ mod common;
 
 use std::sync::Arc;
 
-use attention::stored::{Fitted, open_part, part_seals};
+use attention::stored::{Fitted, StoredPart, open_part, part_seals};
 use attention::{Rope, RopeLayout, TileRows};
 use gf2_codes::channel::ExactFlips;
 use kv_quant::{
@@ -26,31 +26,12 @@ const HEAD: usize = 16;
 const CH: usize = 2 * HEAD;
 const BS: usize = 8;
 
-/// Keys before RoPE with fixed-sign, larger channels (as keys' outlier
-/// channels are), rotated to their positions `0..tokens`.
 fn keys(rope: &Rope, tokens: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
-    let mut pre = common::structured_rows(tokens, CH, seed, 0.1);
-    for row in pre.chunks_exact_mut(CH) {
-        row[3] += 4.0;
-        row[HEAD + 5] -= 3.0;
-    }
-    let mut post = pre.clone();
-    for (t, row) in post.chunks_exact_mut(CH).enumerate() {
-        rope.apply(row, t).unwrap();
-    }
-    (pre, post)
+    common::pre_rope_keys(rope, tokens, CH, seed)
 }
 
-/// The pair codebook of `form` fitted on keys before RoPE in pair order.
 fn fitted(form: &CacheForm, rope: &Rope) -> Fitted {
-    let (mut pre, _) = keys(rope, 512, 99);
-    rope.to_pair_order(&mut pre, &mut Vec::new());
-    let cb = VqCodebook::fit(form, &pre, 512, CH, FitOptions::default()).unwrap();
-    Fitted {
-        codebook: Some(Arc::new(cb)),
-        rope: Some(rope.clone()),
-        ..Fitted::default()
-    }
+    common::pair_fitted(form, rope, CH)
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -58,6 +39,26 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// `got` equals `want` within f32 rounding of a rotation: a tile scored as
+/// pair codes turns its pairs in f32 by f32 angles, where a decoded row
+/// turns them in f64 and rounds once (a few ulp of each row's largest).
+fn assert_near(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.chunks(CH).zip(want.chunks(CH)) {
+        let scale = w.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+        let err = max_abs_diff(g, w);
+        assert!(err <= 1e-6 * scale, "{what}: {err} at scale {scale}");
+    }
+}
+
+/// Whether rows `start..start + count` of `part` on `pages` come as pair
+/// codes (scored against the codebook) rather than decoded rows.
+fn reads_as_codes(part: &dyn StoredPart, pages: &[u32], start: usize, count: usize) -> bool {
+    let mut scratch = attention::stored::PartScratch::default();
+    let tile = part.read_tile(pages, start, count, &mut scratch).unwrap();
+    matches!(tile.rows, TileRows::PairCodes(_))
 }
 
 #[test]
@@ -110,12 +111,21 @@ fn pages_read_as_each_block_coded_before_rope_decodes() {
             want.extend(out);
         }
         want.extend_from_slice(&staged[2 * BS * CH..]);
-        for (start, count) in [(0, tokens), (5, 7), (BS + 1, BS + 1), (2 * BS, 2)] {
+        for (start, count) in [(0, tokens), (5, 7), (BS + 1, BS + 1), (2 * BS, 2), (BS, BS)] {
+            let what = format!("{layout:?} {rotary}: {start}+{count}");
+            let got = common::f32_tile(part.as_ref(), &pages, start, count);
+            assert_near(&got, &want[start * CH..][..count * CH], &what);
+            // Codes where the rows lie in one sealed block past the sink
+            // rows, all channels rotated; decoded rows, bit for bit, else.
+            let codes = start / BS == (start + count - 1) / BS && (3..2 * BS).contains(&start);
             assert_eq!(
-                common::f32_tile(part.as_ref(), &pages, start, count),
-                &want[start * CH..][..count * CH],
-                "{layout:?} {rotary}: {start}+{count}"
+                reads_as_codes(part.as_ref(), &pages, start, count),
+                codes && rotary == HEAD,
+                "{what}"
             );
+            if !reads_as_codes(part.as_ref(), &pages, start, count) {
+                assert_eq!(got, &want[start * CH..][..count * CH], "{what}");
+            }
         }
         // Sink rows read as written, bit for bit.
         assert_eq!(want[..3 * CH], staged[..3 * CH]);
@@ -128,9 +138,10 @@ fn pages_read_as_each_block_coded_before_rope_decodes() {
         assert_eq!(snap.first_position(), Some(BS));
         assert!(part.accepts(&snap));
         part.restore(1, &snap).unwrap();
-        assert_eq!(
-            common::f32_tile(part.as_ref(), &[1], 0, BS),
-            &want[BS * CH..2 * BS * CH]
+        assert_near(
+            &common::f32_tile(part.as_ref(), &[1], 0, BS),
+            &want[BS * CH..2 * BS * CH],
+            "restored",
         );
         // A block claiming another position than its sink rows say, or a
         // block's store without its position, is refused.
@@ -143,7 +154,9 @@ fn pages_read_as_each_block_coded_before_rope_decodes() {
         assert!(part.restore(2, &moved).is_err());
         // A sequence cut back into a sealed block: staged again from the
         // rows it reads as (after RoPE), a row then written over.
-        let before = common::f32_tile(part.as_ref(), &pages, BS, BS);
+        let mut before = vec![0.0; BS * CH];
+        part.read_rows(pages[1] as usize, 0, &mut before, &mut DecodeScratch::new())
+            .unwrap();
         let mut encoder = part.row_encoder().unwrap();
         let mut buf = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
         encoder
@@ -222,7 +235,7 @@ fn a_rotated_key_scores_as_its_rotated_centroids() {
 
 /// The re-encode protocol codes a window as the paged cache codes a block
 /// at position 0: given the rows as the block staged them (f16), the
-/// window reads back the block's rows bit for bit.
+/// window reads back the block's rows (or codes) bit for bit.
 #[test]
 fn a_window_reads_as_the_paged_block_at_position_zero() {
     use attention::KvSource;
@@ -233,7 +246,6 @@ fn a_window_reads_as_the_paged_block_at_position_zero() {
         let mut part = open_part(form, BS, CH, 2, &fitted).unwrap();
         let (_, x) = keys(&rope, BS, 6);
         common::write_and_seal(part.as_mut(), &[1], &x);
-        let paged = common::f32_tile(part.as_ref(), &[1], 0, BS);
         let staged = common::f16_rows(&x, CH);
         let window =
             attention::stored::open_window(form, &fitted, &staged, (BS, CH, HEAD), Some(&rope))
@@ -241,12 +253,14 @@ fn a_window_reads_as_the_paged_block_at_position_zero() {
         assert!(window.rotated_back());
         let source = window.source();
         let mut scratch = Default::default();
-        for (start, count) in [(0, BS), (2, 5)] {
+        // Rows with sink rows among them decode; rows past them are codes
+        // in both, with the same angles.
+        for (start, count, codes) in [(0, BS, false), (2, 5, false), (4, 4, true)] {
             let tile = source.read_tile(start, count, &mut scratch).unwrap();
-            let TileRows::F32(rows) = tile.rows else {
-                panic!("rows")
-            };
-            assert_eq!(rows, &paged[start * CH..][..count * CH], "{layout:?}");
+            assert_eq!(matches!(tile.rows, TileRows::PairCodes(_)), codes);
+            assert_eq!(reads_as_codes(part.as_ref(), &[1], start, count), codes);
+            let paged = common::f32_tile(part.as_ref(), &[1], start, count);
+            assert_eq!(tile.rows.to_f32_vec(), paged, "{layout:?} {start}+{count}");
         }
     }
 }
@@ -296,10 +310,8 @@ fn codebook_faults_are_corrected_under_a_code_and_read_by_every_block_without() 
         // block sealed after it is coded on the faulted table (the same
         // rows sealed on the clean one read as `clean`).
         part.restore(2, &before).unwrap();
-        assert_eq!(
-            common::f32_tile(part.as_ref(), &[2], 0, BS),
-            read[..BS * CH]
-        );
+        let restored = common::f32_tile(part.as_ref(), &[2], 0, BS);
+        assert_near(&restored, &read[..BS * CH], spelling);
         common::write_and_seal(part.as_mut(), &[3], &x[..BS * CH]);
         let resealed = common::f32_tile(part.as_ref(), &[3], 0, BS);
         assert_ne!(resealed, clean[..BS * CH]);

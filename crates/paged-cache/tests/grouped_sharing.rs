@@ -56,6 +56,7 @@ fn keys<P: PrefixCache>(cache: &KvCacheManager<P>, storage: &BlockStorage, id: S
             .chunks_exact(2)
             .map(|h| half::f16::from_le_bytes([h[0], h[1]]).to_f32())
             .collect(),
+        TileRows::PairCodes(_) => tile.rows.to_f32_vec(),
     }
 }
 

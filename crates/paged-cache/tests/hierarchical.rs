@@ -84,6 +84,7 @@ fn read(b: &PagedBackend, part: KvPart) -> (Vec<f32>, &'static str) {
             l.dequantize_into(&mut out);
             (out, "levels")
         }
+        TileRows::PairCodes(_) => (tile.rows.to_f32_vec(), "pair codes"),
     }
 }
 

@@ -447,7 +447,9 @@ fn a_gathered_tile_with_an_erased_value_is_decoded_page_by_page() {
                 (true, out)
             }
             TileRows::F32(v) => (false, v.to_vec()),
-            TileRows::F16(_) => panic!("an integer form reads as levels or f32"),
+            TileRows::F16(_) | TileRows::PairCodes(_) => {
+                panic!("an integer form reads as levels or f32")
+            }
         };
         (values, tile.stats)
     };

@@ -89,6 +89,7 @@ fn stored(backend: &PagedBackend, part: KvPart, ch: usize) -> Vec<f32> {
             l.dequantize_into(&mut out);
             out
         }
+        TileRows::PairCodes(_) => tile.rows.to_f32_vec(),
     };
     // Tiles of rotated forms come in the rotated coordinates.
     if let Some(h) = part.rotation() {

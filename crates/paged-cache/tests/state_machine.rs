@@ -844,7 +844,9 @@ fn read_row(part: &dyn StoredPart, pages: &[u32], pos: usize) -> Vec<f32> {
     match tile.rows {
         TileRows::Levels(l) => l.dequantize_into(&mut out),
         TileRows::F32(r) => out.copy_from_slice(r),
-        TileRows::F16(_) => unreachable!("a sealed group reads as levels or f32"),
+        TileRows::F16(_) | TileRows::PairCodes(_) => {
+            unreachable!("a sealed group reads as levels or f32")
+        }
     }
     out
 }

@@ -444,6 +444,7 @@ impl<'a> Side<'a> {
                 Some(levels) => Self::Levels(levels),
                 None => Self::F32(Floats(widen_rows(rows, buffer), ch)),
             },
+            TileRows::PairCodes(_) => Self::F32(Floats(widen_rows(rows, buffer), ch)),
         }
     }
 }

@@ -559,6 +559,18 @@ pub struct PartScratch {
     pub coeffs: Vec<f32>,
     /// A tile gathered from a group's channel slices.
     pub slices: kv_quant::ChannelSlices,
+    /// Codes of keys coded before RoPE on pair codebooks, and the angles
+    /// of their rows.
+    pub pairs: PairScratch,
+}
+
+/// Per-thread buffers of a tile of pair codes ([`crate::PairCodeRows`]).
+#[derive(Debug, Default)]
+pub struct PairScratch {
+    /// Decoding the codes.
+    pub decode: DecodeScratch,
+    /// The rows' angles ([`crate::Rope::trig_rows`]).
+    pub trig: Vec<f32>,
 }
 
 /// The quantization options of re-coding exact rows (sealing, staging a

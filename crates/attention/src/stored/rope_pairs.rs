@@ -23,10 +23,15 @@
 //! first row's, [`seal`](StoredPart::seal)), puts each pair's two channels
 //! side by side ([`Rope::to_pair_order`]) and codes the block on the
 //! calibrated codebook (one kv-quant [`KvStore`] per block, the sequence's
-//! sink tokens exact inside it, kept as written). Reading a sealed block
-//! decodes its rows, puts the channels of its coded rows back and rotates
-//! each to its position ([`Rope::apply_rows`]); tiles are those f32 rows
-//! (the kernels do not take the codebook-space scores above yet).
+//! sink tokens exact inside it, kept as written). A tile within one
+//! sealed block, past its sink rows, is its codes, gains and rows' angles
+//! ([`crate::PairCodeRows`]): the kernel scores a query against the
+//! codebook once and adds each row's entries turned by its angle, nothing
+//! decoded or rotated per row (5x faster than decoding at SmolLM2's
+//! shape: attention's `pair-codes` bench). Other tiles (sink rows, staged
+//! rows, tiles across blocks) and [`read_rows`](StoredPart::read_rows)
+//! decode the rows, put the channels back and rotate each to its position
+//! ([`Rope::apply_rows`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -41,6 +46,7 @@ use kv_quant::{
 use super::staging::{BlockState, StagedBlocks};
 use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart, clamped};
 use crate::error::{AttentionError, Result};
+use crate::pair_codes::pair_tile;
 use crate::rope::Rope;
 use crate::source::Tile;
 
@@ -317,6 +323,24 @@ impl StoredPart for RopePairPart {
         count: usize,
         scratch: &'s mut PartScratch,
     ) -> Result<Tile<'s>> {
+        // A tile within one sealed block is scored against the codebook.
+        let (bs, last) = (self.block_size, start + count - 1);
+        if start / bs == last / bs
+            && let BlockState::Sealed(sealed) = self.blocks.get(pages[start / bs] as usize)?
+        {
+            let (offset, pairs) = (start % bs, &mut scratch.pairs);
+            let rows = (offset, count, sealed.first + offset);
+            let tile = pair_tile(
+                &sealed.store,
+                &self.rope,
+                rows,
+                &mut pairs.decode,
+                &mut pairs.trig,
+            );
+            if let Some(tile) = tile? {
+                return Ok(tile);
+            }
+        }
         let PartScratch {
             rows,
             decode,

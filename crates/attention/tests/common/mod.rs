@@ -86,10 +86,7 @@ pub fn f32_tile(
 ) -> Vec<f32> {
     let mut scratch = attention::stored::PartScratch::default();
     let tile = part.read_tile(pages, start, count, &mut scratch).unwrap();
-    let attention::TileRows::F32(r) = tile.rows else {
-        panic!("rebuilt rows are f32")
-    };
-    r.to_vec()
+    tile.rows.to_f32_vec()
 }
 
 /// Writes `x` into `pages` of `part` a row at a time, as a cache writes
@@ -147,4 +144,44 @@ pub fn fitted_bases(
         })
         .collect();
     std::sync::Arc::new(HeadBases { heads })
+}
+
+/// Keys before RoPE (`tokens × channels`, heads of `rope`'s) with
+/// fixed-sign, larger channels (as keys' outlier channels are), and the
+/// same rotated to their positions `0..tokens`.
+pub fn pre_rope_keys(
+    rope: &attention::Rope,
+    tokens: usize,
+    channels: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<f32>) {
+    let d = rope.head_dim();
+    let mut pre = structured_rows(tokens, channels, seed, 0.1);
+    for row in pre.chunks_exact_mut(channels) {
+        row[3] += 4.0;
+        row[d + 5] -= 3.0;
+    }
+    let mut post = pre.clone();
+    for (t, row) in post.chunks_exact_mut(channels).enumerate() {
+        rope.apply(row, t).unwrap();
+    }
+    (pre, post)
+}
+
+/// The pair codebook of `form` (a `cq-d2-…-pre` form) fitted on 512 keys
+/// of [`pre_rope_keys`] in pair order, with the RoPE.
+pub fn pair_fitted(
+    form: &kv_quant::CacheForm,
+    rope: &attention::Rope,
+    channels: usize,
+) -> attention::stored::Fitted {
+    let (mut pre, _) = pre_rope_keys(rope, 512, channels, 99);
+    rope.to_pair_order(&mut pre, &mut Vec::new());
+    let options = kv_quant::FitOptions::default();
+    let cb = kv_quant::VqCodebook::fit(form, &pre, 512, channels, options).unwrap();
+    attention::stored::Fitted {
+        codebook: Some(std::sync::Arc::new(cb)),
+        rope: Some(rope.clone()),
+        ..Default::default()
+    }
 }

@@ -429,7 +429,9 @@ mod tests {
             match tile.rows {
                 attention::TileRows::F32(v) => got.copy_from_slice(v),
                 attention::TileRows::Levels(l) => l.dequantize_into(&mut got),
-                attention::TileRows::F16(_) => panic!("int4 tiles are not half floats"),
+                attention::TileRows::F16(_) | attention::TileRows::PairCodes(_) => {
+                    panic!("int4 tiles are levels or f32")
+                }
             }
             let expected = &want[start * CH..][..count * CH];
             assert!(

@@ -53,6 +53,7 @@ use kv_quant::{
 use super::{Fitted, SharedTable};
 use crate::error::{AttentionError, Result};
 use crate::low_rank::{LowRankScratch, PreRopeKeys};
+use crate::pair_codes::pair_tile;
 use crate::source::{KvSource, StoreScratch, Tile};
 use crate::{Attention, AttentionOutput, Mask, Rope};
 
@@ -457,6 +458,8 @@ pub struct WindowScratch {
     low_rank: LowRankScratch,
     /// Decoded rows of keys coded before RoPE, one head's buffer.
     pairs: (Vec<f32>, DecodeScratch, Vec<f32>),
+    /// Their codes and angles, where they are scored as codes.
+    pair_codes: super::PairScratch,
 }
 
 impl KvSource for WindowSource<'_> {
@@ -500,6 +503,14 @@ impl KvSource for WindowSource<'_> {
             SourceKind::LowRank(s) => s.read_tile(start, count, &mut scratch.low_rank),
             SourceKind::PreRope(s) => s.read_tile(start, count, &mut scratch.low_rank),
             SourceKind::Pairs(s, rope) => {
+                // Scored against the codebook where the rows are codes (a
+                // window starts at position 0).
+                let codes = &mut scratch.pair_codes;
+                let rows = (start, count, start);
+                let tile = pair_tile(s, rope, rows, &mut codes.decode, &mut codes.trig);
+                if let Some(tile) = tile? {
+                    return Ok(tile);
+                }
                 let (rows, decode, head) = &mut scratch.pairs;
                 let ch = s.channels();
                 rows.resize(count * ch, 0.0);

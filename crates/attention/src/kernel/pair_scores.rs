@@ -1,0 +1,365 @@
+//! Scores of every query head against keys coded before RoPE on pair
+//! codebooks ([`PairCodeRows`]), taken against the codebook: per query
+//! head, pair and centroid the two numbers `A = q_a·c₀ + q_b·c₁` and
+//! `B = q_b·c₀ − q_a·c₁` once per query (the table), then per row and pair
+//! `A[code]·cos + B[code]·sin`, summed over the pairs of each gain block
+//! and times the block's gain (the derivation is in
+//! [`crate::pair_codes`]). Nothing is decoded or rotated per row.
+//!
+//! Rows run sixteen to a vector: each pair's codes of sixteen rows index
+//! its table row (one `vpermps` for up to 16 centroids, two tables for 32
+//! on AVX-512; a lookup elsewhere), and the rows' angles are read in lanes
+//! ([`Rope::trig_rows`](crate::Rope::trig_rows) lays them out so). Every
+//! instruction set with FMA gives the same bits (the same fused
+//! multiply-adds in the same order: per lane
+//! `acc = fma(A, cos, acc); acc = fma(B, sin, acc)` over a block's pairs,
+//! then `score = fma(gain, acc, score)` over the blocks); the portable
+//! fallback without FMA rounds each product.
+
+use super::{LANES, TileGeometry, madd};
+use crate::isa::Isa;
+use crate::pair_codes::PairCodeRows;
+
+/// Per-thread buffers: the query's table and one run of rows' codes and
+/// gains turned so that rows lie in lanes.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PairScratch {
+    /// Per query head and pair, `width` values of `A` then `width` of `B`
+    /// (entries past the codebook's centroids zero).
+    table: Vec<f32>,
+    /// What `table` was made from: the query's address and the centroids'.
+    made_for: Option<(usize, usize)>,
+    /// Per pair of one head, the codes of sixteen rows.
+    codes: Vec<[u8; LANES]>,
+    /// Per gain block of one head, the gains of sixteen rows.
+    gains: Vec<[f32; LANES]>,
+    /// One head's runs of pairs under one gain ([`gain_runs`]).
+    runs: Vec<(usize, usize, usize)>,
+}
+
+impl PairScratch {
+    /// Forgets the table (the queries' buffer may hold other queries).
+    pub(crate) fn forget(&mut self) {
+        self.made_for = None;
+    }
+}
+
+/// Table entries per pair and part (`A` or `B`): the centroids, at least 16.
+fn table_width(centroids: usize) -> usize {
+    centroids.max(LANES)
+}
+
+/// One head's gain blocks: runs of its pairs `[start, end)` under one gain,
+/// and the gain's index within a row.
+fn gain_runs(pairs: &PairCodeRows<'_>, kv_head: usize, out: &mut Vec<(usize, usize, usize)>) {
+    let d = pairs.head_dim();
+    let block = pairs.codes().codebook.block();
+    out.clear();
+    for i in 0..d / 2 {
+        let gain = (kv_head * d + 2 * i) / block;
+        match out.last_mut() {
+            Some((_, end, g)) if *g == gain => *end = i + 1,
+            _ => out.push((i, i + 1, gain)),
+        }
+    }
+}
+
+/// Scores of every query head of `q` (`q_heads × d`, already scaled)
+/// against the rows of `pairs` into `weights[h·rows + t]`.
+pub(crate) fn scores(
+    q: &[f32],
+    pairs: &PairCodeRows<'_>,
+    geometry: TileGeometry,
+    isa: Isa,
+    scratch: &mut PairScratch,
+    weights: &mut [f32],
+) {
+    let TileGeometry { group, kv_heads, d } = geometry;
+    let rows = pairs.rows();
+    debug_assert_eq!(pairs.channels(), kv_heads * d);
+    debug_assert_eq!(pairs.head_dim(), d);
+    make_table(q, pairs, geometry, scratch);
+    let width = table_width(pairs.codes().codebook.spec().centroids);
+    let (p, groups) = (d / 2, kv_heads * d / 2);
+    let blocks = pairs.channels() / pairs.codes().codebook.block();
+    let PairScratch {
+        table,
+        codes,
+        gains,
+        runs,
+        ..
+    } = scratch;
+    codes.resize(p, [0; LANES]);
+    gains.resize(p, [0.0; LANES]);
+    for g in 0..kv_heads {
+        gain_runs(pairs, g, runs);
+        for t in (0..rows).step_by(LANES) {
+            let n = LANES.min(rows - t);
+            // Sixteen rows' codes and gains of this head, rows in lanes.
+            let src = &pairs.codes().codes[t * groups..][..n * groups];
+            turn_codes(src, (groups, g * p), n, isa, codes);
+            for (lanes, &(_, _, b)) in gains.iter_mut().zip(runs.iter()) {
+                *lanes = [0.0; LANES];
+                for (l, v) in lanes.iter_mut().enumerate().take(n) {
+                    *v = pairs.codes().gains[(t + l) * blocks + b];
+                }
+            }
+            let chunk = Chunk {
+                pairs,
+                codes,
+                gains,
+                runs,
+                row: t,
+                lanes: n,
+                width,
+            };
+            // Up to four query heads at once, sharing the codes and angles.
+            let mut h = g * group;
+            while h < (g + 1) * group {
+                let count = ((g + 1) * group - h).min(4);
+                let tables = |k: usize| &table[(h + k) * p * 2 * width..][..p * 2 * width];
+                let mut put = |scores: &[[f32; LANES]]| {
+                    for (k, s) in scores.iter().enumerate() {
+                        weights[(h + k) * rows + t..][..n].copy_from_slice(&s[..n]);
+                    }
+                };
+                match count {
+                    1 => put(&chunk.score([tables(0)], isa)),
+                    2 => put(&chunk.score([tables(0), tables(1)], isa)),
+                    3 => put(&chunk.score([tables(0), tables(1), tables(2)], isa)),
+                    _ => put(&chunk.score([tables(0), tables(1), tables(2), tables(3)], isa)),
+                }
+                h += count;
+            }
+        }
+    }
+}
+
+/// Codes `first..first + out.len()` of `n` rows of `groups` codes (`src`)
+/// into `out`, a pair's sixteen rows a lane each (zeros past `n`).
+fn turn_codes(
+    src: &[u8],
+    (groups, first): (usize, usize),
+    n: usize,
+    isa: Isa,
+    out: &mut [[u8; LANES]],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx512 | Isa::Avx512Vnni) && out.len().is_multiple_of(4) {
+        // SAFETY: the configured `isa` is supported: AVX-512F. The
+        // gathers read four codes `first + 4j .. first + 4j + 4` of each of
+        // the `n` rows, within `src` (`first + out.len() <= groups`).
+        unsafe { turn_codes_avx512(src, (groups, first), n, out) };
+        return;
+    }
+    let _ = isa;
+    for (i, lanes) in out.iter_mut().enumerate() {
+        *lanes = [0; LANES];
+        for (l, c) in lanes.iter_mut().enumerate().take(n) {
+            *c = src[l * groups + first + i];
+        }
+    }
+}
+
+/// [`turn_codes`] with one gather of four codes a row per four pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn turn_codes_avx512(
+    src: &[u8],
+    (groups, first): (usize, usize),
+    n: usize,
+    out: &mut [[u8; LANES]],
+) {
+    use std::arch::x86_64::*;
+    assert!(first + out.len() <= groups && src.len() >= n * groups && n <= LANES);
+    let mask: __mmask16 = if n == LANES { 0xFFFF } else { (1u16 << n) - 1 };
+    let stride = i32::try_from(groups).expect("a row's codes fit in i32 offsets");
+    let offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(stride),
+    );
+    let bytes = _mm512_set1_epi32(0xFF);
+    for (j, quad) in out.chunks_exact_mut(4).enumerate() {
+        // SAFETY: lanes below `n` read bytes `l·groups + first + 4j ..+4`
+        // of `src` (asserted above); masked lanes read nothing.
+        let words = unsafe {
+            let base = src.as_ptr().add(first + 4 * j).cast::<i32>();
+            _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, base)
+        };
+        for (k, lanes) in quad.iter_mut().enumerate() {
+            let codes = _mm512_and_si512(
+                _mm512_srlv_epi32(words, _mm512_set1_epi32(8 * k as i32)),
+                bytes,
+            );
+            // SAFETY: 16 bytes.
+            unsafe { _mm_storeu_si128(lanes.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(codes)) };
+        }
+    }
+}
+
+/// The table of `q` against the codebook, unless it is already made.
+fn make_table(q: &[f32], pairs: &PairCodeRows<'_>, geometry: TileGeometry, s: &mut PairScratch) {
+    let codebook = pairs.codes().codebook;
+    let key = (q.as_ptr() as usize, codebook.centroids().as_ptr() as usize);
+    if s.made_for == Some(key) {
+        return;
+    }
+    let TileGeometry { group, kv_heads, d } = geometry;
+    let (p, k) = (d / 2, codebook.spec().centroids);
+    let width = table_width(k);
+    s.table.clear();
+    s.table.resize(kv_heads * group * p * 2 * width, 0.0);
+    for (h, entries) in s.table.chunks_exact_mut(p * 2 * width).enumerate() {
+        let (qh, g) = (&q[h * d..][..d], h / group);
+        for (i, e) in entries.chunks_exact_mut(2 * width).enumerate() {
+            let (a, b) = pairs.pair(i);
+            let (qa, qb) = (qh[a], qh[b]);
+            let (ta, tb) = e.split_at_mut(width);
+            for c in 0..k {
+                let centroid = codebook.centroid(g * p + i, c as u8);
+                let (c0, c1) = (centroid[0], centroid[1]);
+                ta[c] = qa * c0 + qb * c1;
+                tb[c] = qb * c0 - qa * c1;
+            }
+        }
+    }
+    s.made_for = Some(key);
+}
+
+/// Sixteen rows (or the tile's last few) of one KV head.
+struct Chunk<'a> {
+    pairs: &'a PairCodeRows<'a>,
+    codes: &'a [[u8; LANES]],
+    gains: &'a [[f32; LANES]],
+    runs: &'a [(usize, usize, usize)],
+    row: usize,
+    lanes: usize,
+    width: usize,
+}
+
+impl Chunk<'_> {
+    /// The scores of `H` query heads (their `tables`) for these rows.
+    fn score<const H: usize>(&self, tables: [&[f32]; H], isa: Isa) -> [[f32; LANES]; H] {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(isa, Isa::Avx512 | Isa::Avx512Vnni) && self.width <= 2 * LANES {
+            // SAFETY: the configured `isa` is supported (checked by
+            // `AttentionConfig`): AVX-512F; every code is below the
+            // codebook's centroids, so below `width`.
+            return unsafe { self.score_avx512(tables) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa != Isa::Scalar {
+            // SAFETY: AVX2 and FMA come with every instruction set but
+            // `Scalar`, and the configured one is supported.
+            return unsafe { self.score_fma(tables) };
+        }
+        self.score_portable::<false, H>(tables)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn score_fma<const H: usize>(&self, tables: [&[f32]; H]) -> [[f32; LANES]; H] {
+        self.score_portable::<true, H>(tables)
+    }
+
+    #[inline(always)]
+    fn score_portable<const FMA: bool, const H: usize>(
+        &self,
+        tables: [&[f32]; H],
+    ) -> [[f32; LANES]; H] {
+        let w = self.width;
+        let mut score = [[0f32; LANES]; H];
+        for (&(start, end, _), gain) in self.runs.iter().zip(self.gains) {
+            let mut acc = [[0f32; LANES]; H];
+            for i in start..end {
+                let (cos, sin) = self.pairs.trig_run(i, self.row, self.lanes);
+                let codes = &self.codes[i];
+                for (acc, table) in acc.iter_mut().zip(tables) {
+                    let (ta, tb) = table[i * 2 * w..][..2 * w].split_at(w);
+                    for l in 0..self.lanes {
+                        let c = usize::from(codes[l]);
+                        acc[l] = madd::<FMA>(ta[c], cos[l], acc[l]);
+                        acc[l] = madd::<FMA>(tb[c], sin[l], acc[l]);
+                    }
+                }
+            }
+            for (score, acc) in score.iter_mut().zip(&acc) {
+                for l in 0..self.lanes {
+                    score[l] = madd::<FMA>(gain[l], acc[l], score[l]);
+                }
+            }
+        }
+        score
+    }
+
+    /// [`score_portable`](Self::score_portable) with FMA, on AVX-512
+    /// registers: the same operations lane for lane, each pair's codes
+    /// and angles loaded once for the `H` heads.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn score_avx512<const H: usize>(&self, tables: [&[f32]; H]) -> [[f32; LANES]; H] {
+        use std::arch::x86_64::*;
+        let w = self.width;
+        let mask: __mmask16 = if self.lanes == LANES {
+            0xFFFF
+        } else {
+            (1u16 << self.lanes) - 1
+        };
+        let mut score = [_mm512_setzero_ps(); H];
+        for (&(start, end, _), gain) in self.runs.iter().zip(self.gains) {
+            let mut acc = [_mm512_setzero_ps(); H];
+            for i in start..end {
+                let (cos, sin) = self.pairs.trig_run(i, self.row, self.lanes);
+                // SAFETY: 16 code bytes per pair; masked loads read only
+                // the `lanes` angles the run holds.
+                let (idx, c, s) = unsafe {
+                    (
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(self.codes[i].as_ptr().cast())),
+                        _mm512_maskz_loadu_ps(mask, cos.as_ptr()),
+                        _mm512_maskz_loadu_ps(mask, sin.as_ptr()),
+                    )
+                };
+                for (acc, table) in acc.iter_mut().zip(tables) {
+                    let entries = &table[i * 2 * w..][..2 * w];
+                    let p = entries.as_ptr();
+                    // SAFETY: the table rows hold `width` (16 or 32)
+                    // entries of A, then as many of B.
+                    let (ka, kb) = unsafe {
+                        if w == LANES {
+                            (
+                                _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)),
+                                _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p.add(w))),
+                            )
+                        } else {
+                            (
+                                _mm512_permutex2var_ps(
+                                    _mm512_loadu_ps(p),
+                                    idx,
+                                    _mm512_loadu_ps(p.add(LANES)),
+                                ),
+                                _mm512_permutex2var_ps(
+                                    _mm512_loadu_ps(p.add(w)),
+                                    idx,
+                                    _mm512_loadu_ps(p.add(w + LANES)),
+                                ),
+                            )
+                        }
+                    };
+                    *acc = _mm512_fmadd_ps(ka, c, *acc);
+                    *acc = _mm512_fmadd_ps(kb, s, *acc);
+                }
+            }
+            // SAFETY: 16 gains per run.
+            let g = unsafe { _mm512_loadu_ps(gain.as_ptr()) };
+            for (score, acc) in score.iter_mut().zip(&acc) {
+                *score = _mm512_fmadd_ps(g, *acc, *score);
+            }
+        }
+        let mut out = [[0f32; LANES]; H];
+        for (o, s) in out.iter_mut().zip(&score) {
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *s) };
+        }
+        out
+    }
+}
