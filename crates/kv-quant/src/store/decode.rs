@@ -610,12 +610,17 @@ impl Section {
                 Kind::Vq { dim } => {
                     let codebook = self.codebook.as_ref().expect("vq sections hold a codebook");
                     let per_block = cpg / dim;
-                    for (blk, ((o, lv), &gain)) in o
-                        .chunks_exact_mut(cpg)
-                        .zip(lv.chunks_exact(per_block))
-                        .zip(a)
-                        .enumerate()
-                    {
+                    let blocks = o.chunks_exact_mut(cpg).zip(lv.chunks_exact(per_block));
+                    for (blk, ((o, lv), &gain)) in blocks.zip(a).enumerate() {
+                        // `cq-d2` pairs gathered eight at a time: the paged
+                        // cache decodes its values every step.
+                        if dim == 2 && codebook.spec().coupled {
+                            let k = codebook.spec().centroids;
+                            let book = codebook.codebook_of(blk, 0);
+                            let table = (codebook.centroids(), k, book);
+                            crate::simd::centroid_pairs(table, lv, gain, o);
+                            continue;
+                        }
                         for (j, (o, &l)) in o.chunks_exact_mut(dim).zip(lv).enumerate() {
                             let book = codebook.codebook_of(blk, j);
                             for (o, &c) in o.iter_mut().zip(codebook.centroid(book, l)) {
