@@ -282,13 +282,6 @@ impl AccumulateReport {
 
     /// Writes `accumulate.md` and `accumulate.json` into `dir`.
     pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        let report = |e: &dyn std::fmt::Display| EvalError::Report(e.to_string());
-        std::fs::create_dir_all(dir).map_err(|e| report(&e))?;
-        let md = dir.join("accumulate.md");
-        std::fs::write(&md, self.markdown()).map_err(|e| report(&e))?;
-        let json = dir.join("accumulate.json");
-        let text = serde_json::to_string_pretty(self).map_err(|e| report(&e))?;
-        std::fs::write(&json, text).map_err(|e| report(&e))?;
-        Ok(vec![md, json])
+        crate::report_files::write(dir, "accumulate", &self.markdown(), Some(self), None)
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::error::{EvalError, Result};
+use crate::error::Result;
 use crate::metrics::RunMetrics;
 
 /// The configurations of `kv-eval frontier` by default (each a
@@ -263,18 +263,8 @@ impl FrontierReport {
 
     /// Writes `frontier.md`, `frontier.json` and `frontier.svg` into `dir`.
     pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        let report = |what: &Path, e: &dyn std::fmt::Display| {
-            EvalError::Report(format!("{}: {e}", what.display()))
-        };
-        std::fs::create_dir_all(dir).map_err(|e| report(dir, &e))?;
-        let md = dir.join("frontier.md");
-        std::fs::write(&md, self.markdown()).map_err(|e| report(&md, &e))?;
-        let json = dir.join("frontier.json");
-        let text = serde_json::to_string_pretty(self).map_err(|e| report(&json, &e))?;
-        std::fs::write(&json, text).map_err(|e| report(&json, &e))?;
-        let svg = dir.join("frontier.svg");
-        self.plot(&svg).map_err(|e| report(&svg, &e))?;
-        Ok(vec![md, json, svg])
+        let plot = |path: &Path| self.plot(path);
+        crate::report_files::write(dir, "frontier", &self.markdown(), Some(self), Some(&plot))
     }
 
     fn plot(&self, path: &Path) -> std::result::Result<(), Box<dyn std::error::Error>> {
@@ -312,19 +302,9 @@ impl FrontierReport {
                 .draw()?;
             let pareto: Vec<String> = self.pareto(*ctx).iter().map(|p| p.config.clone()).collect();
             for p in &pts {
-                let on_front = pareto.contains(&p.config);
-                let color = if on_front {
-                    BLUE
-                } else {
-                    RGBColor(120, 120, 120)
-                };
                 let at = (p.bits_per_value, y(p.delta_ppl_percent.min(max_delta)));
-                chart.draw_series(std::iter::once(Circle::new(at, 4, color.filled())))?;
-                chart.draw_series(std::iter::once(Text::new(
-                    p.config.clone(),
-                    (at.0 + 0.08, at.1),
-                    ("sans-serif", 10).into_font().color(&color),
-                )))?;
+                let label = (p.config.clone(), (0.08, 0.0), 10);
+                labelled_point(&mut chart, at, label, pareto.contains(&p.config))?;
             }
             let mut front: Vec<(f64, f64)> = self
                 .pareto(*ctx)
@@ -348,6 +328,35 @@ impl FrontierReport {
         root.present()?;
         Ok(())
     }
+}
+
+/// A chart of ΔPPL (log) against bits per value.
+pub(crate) type BitsChart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// One point of a frontier plot and its label (text, offset from the
+/// point, font size): blue on the Pareto front, grey off it.
+pub(crate) fn labelled_point(
+    chart: &mut BitsChart<'_, '_>,
+    at: (f64, f64),
+    (label, (dx, dy), size): (String, (f64, f64), u32),
+    on_front: bool,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let color = if on_front {
+        BLUE
+    } else {
+        RGBColor(120, 120, 120)
+    };
+    chart.draw_series(std::iter::once(Circle::new(at, 4, color.filled())))?;
+    chart.draw_series(std::iter::once(Text::new(
+        label,
+        (at.0 + dx, at.1 + dy),
+        ("sans-serif", size).into_font().color(&color),
+    )))?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::calibration::{CalibrationRows, Part};
-use crate::error::{EvalError, Result};
+use crate::error::Result;
 use kv_model::model::CausalLm;
 
 /// Which rows a spectrum is of.
@@ -208,21 +208,8 @@ impl LowRankReport {
 
     /// Writes `lowrank.md`, `lowrank.json` and `lowrank.svg` into `dir`.
     pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        let report = |p: &Path, e: &dyn std::fmt::Display| {
-            EvalError::Report(format!("{}: {e}", p.display()))
-        };
-        std::fs::create_dir_all(dir).map_err(|e| report(dir, &e))?;
-        let md = dir.join("lowrank.md");
-        std::fs::write(&md, self.markdown()).map_err(|e| report(&md, &e))?;
-        let json = dir.join("lowrank.json");
-        std::fs::write(
-            &json,
-            serde_json::to_string_pretty(self).map_err(|e| report(&json, &e))?,
-        )
-        .map_err(|e| report(&json, &e))?;
-        let svg = dir.join("lowrank.svg");
-        self.plot(&svg).map_err(|e| report(&svg, &e))?;
-        Ok(vec![md, json, svg])
+        let plot = |path: &Path| self.plot(path);
+        crate::report_files::write(dir, "lowrank", &self.markdown(), Some(self), Some(&plot))
     }
 
     fn plot(&self, path: &Path) -> std::result::Result<(), Box<dyn std::error::Error>> {

@@ -416,16 +416,8 @@ impl NiahReport {
     /// Writes `niah.md`, `niah.json` and `niah.svg` (a heat map per form)
     /// into `dir`; returns their paths.
     pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        let report = |e: &dyn std::fmt::Display| EvalError::Report(e.to_string());
-        std::fs::create_dir_all(dir).map_err(|e| report(&e))?;
-        let md = dir.join("niah.md");
-        std::fs::write(&md, self.markdown()).map_err(|e| report(&e))?;
-        let json = dir.join("niah.json");
-        let text = serde_json::to_string_pretty(self).map_err(|e| report(&e))?;
-        std::fs::write(&json, text).map_err(|e| report(&e))?;
-        let svg = dir.join("niah.svg");
-        crate::niah_plot::heat_maps(self, &svg).map_err(|e| report(&e))?;
-        Ok(vec![md, json, svg])
+        let plot = |path: &Path| crate::niah_plot::heat_maps(self, path);
+        crate::report_files::write(dir, "niah", &self.markdown(), Some(self), Some(&plot))
     }
 }
 

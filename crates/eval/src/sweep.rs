@@ -11,7 +11,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 use statrs::distribution::{ContinuousCDF, StudentsT};
 
-use crate::error::{EvalError, Result};
+use crate::error::Result;
 use crate::metrics::RunMetrics;
 
 /// One evaluated point: a form at a BER with one seed.
@@ -214,16 +214,8 @@ impl SweepReport {
 
     /// Writes `sweep.md`, `sweep.json` and `sweep.svg` into `dir`; returns their paths.
     pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        let report = |e: &dyn std::fmt::Display| EvalError::Report(e.to_string());
-        std::fs::create_dir_all(dir).map_err(|e| report(&e))?;
-        let md = dir.join("sweep.md");
-        std::fs::write(&md, self.markdown()).map_err(|e| report(&e))?;
-        let json = dir.join("sweep.json");
-        let text = serde_json::to_string_pretty(self).map_err(|e| report(&e))?;
-        std::fs::write(&json, text).map_err(|e| report(&e))?;
-        let svg = dir.join("sweep.svg");
-        self.plot(&svg).map_err(|e| report(&e))?;
-        Ok(vec![md, json, svg])
+        let plot = |path: &Path| self.plot(path);
+        crate::report_files::write(dir, "sweep", &self.markdown(), Some(self), Some(&plot))
     }
 
     fn plot(&self, path: &Path) -> std::result::Result<(), Box<dyn std::error::Error>> {

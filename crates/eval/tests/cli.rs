@@ -426,6 +426,44 @@ fn hostile_flags_are_refused_before_any_work() {
         ),
         (
             &[
+                "frontier-plot",
+                "--inputs",
+                "/nonexistent/frontier.json",
+                "--goals",
+                "2.5",
+                "--out",
+                tmp,
+            ],
+            "--goals \"2.5\" is not BITS:PERCENT",
+        ),
+        (
+            &[
+                "frontier-plot",
+                "--inputs",
+                "/nonexistent/frontier.json",
+                "--goals",
+                "2.5:-1",
+                "--out",
+                tmp,
+            ],
+            "both finite and positive",
+        ),
+        (
+            &[
+                "frontier-plot",
+                "--inputs",
+                "/nonexistent/frontier.json",
+                "--out",
+                tmp,
+            ],
+            "/nonexistent/frontier.json",
+        ),
+        (
+            &["frontier-plot", "--inputs", out, "--out", tmp],
+            "kv-eval-cli-",
+        ),
+        (
+            &[
                 "batch",
                 "--workload",
                 "--num-requests",

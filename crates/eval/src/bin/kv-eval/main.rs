@@ -13,6 +13,7 @@ mod calib;
 mod calibrate;
 mod checks;
 mod frontier;
+mod frontier_plot;
 mod generate;
 mod lowrank;
 mod niah;
@@ -63,6 +64,10 @@ enum Command {
     /// top-1 agreement of many key/value/per-layer form configurations at
     /// several context lengths; frontier.md, frontier.json and frontier.svg in --out.
     Frontier(frontier::FrontierArgs),
+    /// Several `frontier` runs (their frontier.json) as one figure at one
+    /// context: a panel per model with its Pareto front and the goals;
+    /// frontier.md and frontier.svg in --out.
+    FrontierPlot(frontier_plot::FrontierPlotArgs),
     /// Spectra of the KV cache per layer and head (keys before and after
     /// RoPE, values) over the calibration text: ranks at 90/99/99.9% of the
     /// energy; lowrank.md, lowrank.json and lowrank.svg in --out.
@@ -139,6 +144,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Ppl(args) => ppl::run(args),
         Command::Sweep(args) => sweep::run(args),
         Command::Frontier(args) => frontier::run(args),
+        Command::FrontierPlot(args) => frontier_plot::run(args),
         Command::LowrankReport(args) => lowrank::run(args),
         Command::Calibrate(args) => calibrate::run(args),
         Command::Generate(args) => generate::run(args),
