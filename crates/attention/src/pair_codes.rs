@@ -24,7 +24,7 @@ use crate::source::{Tile, TileRows};
 pub struct PairCodeRows<'s> {
     codes: VqCodeRows<'s>,
     /// Cosines then sines, pair-major ([`Rope::trig_rows`]), of
-    /// `trig_rows` rows from the one before `first`.
+    /// `trig_rows` rows; this view's rows start at row `first` of them.
     trig: &'s [f32],
     trig_rows: usize,
     first: usize,

@@ -6,7 +6,10 @@
 //! A tile is f32 rows, or, for plain FP16 stores, the stored half floats
 //! themselves ([`TileRows::F16`]), which the AVX-512 kernel widens in
 //! registers: decoding FP16 into a buffer first took more time than the
-//! attention arithmetic (measured at 32/8/128, 64K tokens).
+//! attention arithmetic (measured at 32/8/128, 64K tokens). Integer forms
+//! come as levels and group parameters ([`TileRows::Levels`]), keys coded
+//! before RoPE on pair codebooks as codes, gains and angles
+//! ([`TileRows::PairCodes`]).
 
 use std::ops::Range;
 

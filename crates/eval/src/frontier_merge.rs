@@ -25,25 +25,39 @@ pub struct MergedPoint {
     /// Context length.
     pub ctx: usize,
     /// Bits per value, every stored byte counted.
+    #[serde(deserialize_with = "finite_or_nan")]
     pub bits_per_value: f64,
     /// Bits per key value.
+    #[serde(deserialize_with = "finite_or_nan")]
     pub key_bits: f64,
     /// Bits per value value.
+    #[serde(deserialize_with = "finite_or_nan")]
     pub value_bits: f64,
     /// Perplexity.
+    #[serde(deserialize_with = "finite_or_nan")]
     pub ppl: f64,
     /// ΔPPL against the run's own plain pass, in percent.
+    #[serde(deserialize_with = "finite_or_nan")]
     pub delta_ppl_percent: f64,
     /// Mean KL divergence from the plain pass.
+    #[serde(deserialize_with = "finite_or_nan")]
     pub kl: f64,
     /// Top-1 agreement with the plain pass.
+    #[serde(deserialize_with = "finite_or_nan")]
     pub top1_agreement: f64,
 }
 
 /// What the merge reads of a plain pass.
 #[derive(Clone, Debug, Deserialize)]
 struct PlainRun {
+    #[serde(deserialize_with = "finite_or_nan")]
     ppl: f64,
+}
+
+/// A number as `frontier.json` writes it: `null` for a NaN or infinite
+/// one (a diverged run), read as NaN.
+fn finite_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// What the merge reads of one `frontier.json`.
@@ -71,14 +85,16 @@ pub struct Panel {
 }
 
 impl Panel {
-    /// Whether `p` lies on this panel's Pareto front.
+    /// Whether `p` lies on this panel's Pareto front (a point whose run
+    /// diverged, ΔPPL not finite, never does).
     pub fn on_front(&self, p: &MergedPoint) -> bool {
-        !self.points.iter().any(|q| {
-            q.bits_per_value <= p.bits_per_value
-                && q.delta_ppl_percent <= p.delta_ppl_percent
-                && (q.bits_per_value < p.bits_per_value
-                    || q.delta_ppl_percent < p.delta_ppl_percent)
-        })
+        p.delta_ppl_percent.is_finite()
+            && !self.points.iter().any(|q| {
+                q.bits_per_value <= p.bits_per_value
+                    && q.delta_ppl_percent <= p.delta_ppl_percent
+                    && (q.bits_per_value < p.bits_per_value
+                        || q.delta_ppl_percent < p.delta_ppl_percent)
+            })
     }
 }
 
@@ -116,14 +132,25 @@ impl MergedFrontier {
             let points = run.points.into_iter().filter(|p| p.ctx == ctx);
             match panels.iter_mut().find(|(p, _, _)| p.model == model) {
                 Some((panel, text, _)) => {
-                    if panel.tokens != run.tokens || *text != source {
+                    // The same tokens give the same plain pass, bit for bit
+                    // within a build; another build's moves it a little.
+                    let same_plain = (panel.plain_ppl - plain.ppl).abs() <= 1e-9 * plain.ppl;
+                    if panel.tokens != run.tokens || *text != source || !same_plain {
                         return Err(report(&format!(
-                            "{model} was scored over {} tokens of {text} in another run, \
-                             here over {} of {source}: their ΔPPL do not compare",
-                            panel.tokens, run.tokens
+                            "{model} was scored over {} tokens of {text} (plain PPL {}) in another \
+                             run, here over {} of {source} (plain PPL {}): their ΔPPL do not compare",
+                            panel.tokens, panel.plain_ppl, run.tokens, plain.ppl
                         )));
                     }
-                    panel.points.extend(points);
+                    for p in points {
+                        if panel.points.iter().any(|q| q.config == p.config) {
+                            return Err(report(&format!(
+                                "{} of {model} is in another run too: keep one",
+                                p.config
+                            )));
+                        }
+                        panel.points.push(p);
+                    }
                 }
                 None => panels.push((
                     Panel {
@@ -252,7 +279,7 @@ impl MergedFrontier {
                 .points
                 .iter()
                 .filter(|p| panel.on_front(p))
-                .map(|p| (p.bits_per_value, y(p.delta_ppl_percent)))
+                .map(|p| (p.bits_per_value, y(p.delta_ppl_percent.min(max_delta))))
                 .collect();
             chart.draw_series(LineSeries::new(front, BLUE.stroke_width(1)))?;
         }
@@ -314,6 +341,15 @@ mod tests {
         let merged = MergedFrontier::read(&files(dir.as_path(), &runs), 2048, vec![(2.5, 10.0)]);
         let merged = merged.unwrap();
         assert_eq!(merged.panels.len(), 2);
+        // A diverged point (serde_json writes its NaN as null) is read and
+        // kept off the front.
+        let diverged = run("c.gguf", 10, &[("w", 2.0, 5.0), ("v", 1.0, 1.0)])
+            .replacen("\"delta_ppl_percent\":1", "\"delta_ppl_percent\":null", 1)
+            .replacen("\"ppl\":10.1", "\"ppl\":null", 1);
+        let c = MergedFrontier::read(&files(dir.as_path(), &[diverged]), 2048, vec![]).unwrap();
+        let c = &c.panels[0];
+        assert!(c.points[0].delta_ppl_percent.is_nan() && !c.on_front(&c.points[0]));
+        assert!(c.on_front(&c.points[1]));
         let a = &merged.panels[0];
         let configs: Vec<&str> = a.points.iter().map(|p| p.config.as_str()).collect();
         assert_eq!(configs, ["y", "z", "x"], "by bits");
@@ -341,6 +377,20 @@ mod tests {
         ];
         let e = MergedFrontier::read(&files(dir.as_path(), &runs), 2048, vec![]).unwrap_err();
         assert!(e.to_string().contains("do not compare"), "{e}");
+        let twice = [
+            run("a.gguf", 100, &[("x", 3.0, 10.0)]),
+            run("a.gguf", 100, &[("x", 3.0, 9.0)]),
+        ];
+        let e = MergedFrontier::read(&files(dir.as_path(), &twice), 2048, vec![]).unwrap_err();
+        assert!(
+            e.to_string().contains("x of a.gguf is in another run"),
+            "{e}"
+        );
+        let other_plain =
+            run("a.gguf", 100, &[("y", 2.0, 5.0)]).replace("\"ppl\":10.0}", "\"ppl\":10.5}");
+        let runs2 = [runs[0].clone(), other_plain];
+        let e = MergedFrontier::read(&files(dir.as_path(), &runs2), 2048, vec![]).unwrap_err();
+        assert!(e.to_string().contains("plain PPL 10.5"), "{e}");
         let e = MergedFrontier::read(&files(dir.as_path(), &runs[..1]), 256, vec![]).unwrap_err();
         assert!(e.to_string().contains("no context 256"), "{e}");
         std::fs::write(dir.as_path().join("bad.json"), "{").unwrap();

@@ -173,7 +173,11 @@ unsafe fn turn_codes_avx512(
     use std::arch::x86_64::*;
     assert!(first + out.len() <= groups && src.len() >= n * groups && n <= LANES);
     let mask: __mmask16 = if n == LANES { 0xFFFF } else { (1u16 << n) - 1 };
-    let stride = i32::try_from(groups).expect("a row's codes fit in i32 offsets");
+    // Offsets up to 15 rows of codes: no i32 product may wrap.
+    let stride = i32::try_from(groups)
+        .ok()
+        .filter(|g| g.checked_mul(LANES as i32).is_some())
+        .expect("sixteen rows' codes fit in i32 offsets");
     let offsets = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(stride),
@@ -253,6 +257,7 @@ impl Chunk<'_> {
             // `Scalar`, and the configured one is supported.
             return unsafe { self.score_fma(tables) };
         }
+        let _ = isa;
         self.score_portable::<false, H>(tables)
     }
 

@@ -262,8 +262,9 @@ impl StoredPart for RopePairPart {
     }
 
     fn put_row(&mut self, block: usize, offset: usize, row: &RowBuffers) -> Result<()> {
-        // A sequence cut back into a sealed block: staged again from the
-        // rows it reads as (after RoPE, as written).
+        // A sequence cut back into a sealed block: staged again from its
+        // decoded rows (after RoPE, as written; `read_rows`' f64 rotation,
+        // within 1e-6 of the kernel's codebook scores' f32 angles).
         let rope = &self.rope;
         self.blocks.put_row(block, offset, row, |sealed, rows| {
             let mut scratch = DecodeScratch::new();
@@ -324,8 +325,9 @@ impl StoredPart for RopePairPart {
         scratch: &'s mut PartScratch,
     ) -> Result<Tile<'s>> {
         // A tile within one sealed block is scored against the codebook.
-        let (bs, last) = (self.block_size, start + count - 1);
-        if start / bs == last / bs
+        let (bs, last) = (self.block_size, (start + count).saturating_sub(1));
+        if count > 0
+            && start / bs == last / bs
             && let BlockState::Sealed(sealed) = self.blocks.get(pages[start / bs] as usize)?
         {
             let (offset, pairs) = (start % bs, &mut scratch.pairs);
