@@ -25,7 +25,7 @@ use crate::isa::Isa;
 use crate::kernel::{NextTile, Partial, TileGeometry, attend_tile};
 use crate::numerics::Numerics;
 use crate::shape::{HeadShape, Mask};
-use crate::source::KvSource;
+use crate::source::{KvSource, TileRows};
 use crate::tile_grid::TileGrid;
 use crate::workspace::{Scratch, Slot, TileStats, Workspace};
 
@@ -622,6 +622,25 @@ impl Attention {
                 let k = keys.read_tile(start, end - start, &mut scratch.keys)?;
                 let v = values.read_tile(start, end - start, &mut scratch.values)?;
                 slot.tiles.push((start, k.stats, v.stats));
+                // Keys as pair codes are scored against the codebook when
+                // one query reads the tile (decode); several queries
+                // (prefill, a draft's verification) would each make their
+                // table for it, so they read it widened once (a prefill
+                // over 2,048 tokens ran 2.6x slower with a table per query
+                // and tile, `kv-eval ppl`).
+                let readers = ranges
+                    .iter()
+                    .filter(|r| r.start < end && start < r.end)
+                    .count();
+                let k_rows = match k.rows {
+                    TileRows::PairCodes(pairs) if readers > 1 => {
+                        let widened = &mut scratch.widened_keys;
+                        widened.resize(pairs.rows() * pairs.channels(), 0.0);
+                        pairs.widen_into(widened);
+                        TileRows::F32(widened)
+                    }
+                    rows => rows,
+                };
                 // The first query range that reads this tile requests the
                 // next one (a later range's tile may lie past the first's end).
                 let mut next = next;
@@ -631,7 +650,7 @@ impl Attention {
                         let rows = (lo - start) * ch..(hi - start) * ch;
                         attend_tile(
                             &q[i * ql..][..ql],
-                            k.rows.slice(rows.clone(), ch),
+                            k_rows.slice(rows.clone(), ch),
                             v.rows.slice(rows, ch),
                             geometry,
                             self.config.numerics,

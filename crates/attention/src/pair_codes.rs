@@ -141,18 +141,23 @@ impl<'s> PairCodeRows<'s> {
     /// read them.
     pub fn widen_into(&self, out: &mut [f32]) {
         let (ch, d) = (self.channels(), self.head_dim);
+        let codebook = self.codes.codebook;
+        let (k, block) = (codebook.spec().centroids, codebook.block());
+        let centroids = codebook.centroids();
+        let (groups, blocks) = (ch / 2, ch / block);
         for (r, row) in out.chunks_exact_mut(ch).enumerate().take(self.rows()) {
-            for (h, head) in row.chunks_exact_mut(d).enumerate() {
-                for i in 0..d / 2 {
-                    let (x0, x1) = (
-                        self.codes.value(r, h * d + 2 * i),
-                        self.codes.value(r, h * d + 2 * i + 1),
-                    );
-                    let (cos, sin) = self.trig(r, i);
-                    let (a, b) = self.pair(i);
-                    head[a] = x0 * cos - x1 * sin;
-                    head[b] = x0 * sin + x1 * cos;
-                }
+            let codes = &self.codes.codes[r * groups..][..groups];
+            let gains = &self.codes.gains[r * blocks..][..blocks];
+            // Pair j of the row is pair i of head h; it reads codebook j.
+            for (j, &code) in codes.iter().enumerate() {
+                let (h, i) = (j / (d / 2), j % (d / 2));
+                let gain = gains[2 * j / block];
+                let c = &centroids[2 * (j * k + usize::from(code))..][..2];
+                let (x0, x1) = (gain * c[0], gain * c[1]);
+                let (cos, sin) = self.trig(r, i);
+                let (a, b) = self.pair(i);
+                row[h * d + a] = x0 * cos - x1 * sin;
+                row[h * d + b] = x0 * sin + x1 * cos;
             }
         }
     }

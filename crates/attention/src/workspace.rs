@@ -115,6 +115,8 @@ pub(crate) struct Scratch<K: KvSource, V: KvSource> {
     pub(crate) keys: K::Scratch,
     pub(crate) values: V::Scratch,
     pub(crate) kernel: KernelScratch,
+    /// Keys of a pair-code tile read by several queries, widened once.
+    pub(crate) widened_keys: Vec<f32>,
 }
 
 impl<K: KvSource, V: KvSource> Default for Scratch<K, V> {
@@ -123,6 +125,7 @@ impl<K: KvSource, V: KvSource> Default for Scratch<K, V> {
             keys: K::Scratch::default(),
             values: V::Scratch::default(),
             kernel: KernelScratch::default(),
+            widened_keys: Vec::new(),
         }
     }
 }

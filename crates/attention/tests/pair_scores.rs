@@ -82,3 +82,49 @@ fn codebook_scores_are_the_oracles_over_the_same_keys() {
         }
     }
 }
+
+/// Prefill reads a tile of pair codes that several queries share widened
+/// once (each query would otherwise make its own table for it), and a
+/// query alone against the codebook: both within f32 rounding of the
+/// oracle over the same keys, causal masks cutting tiles included.
+#[test]
+fn prefill_over_pair_codes_is_the_oracles() {
+    let shape = HeadShape::new(9, 3, 64).unwrap();
+    let (d, ch, tokens) = (64, 192, 700);
+    let rope = Rope::new(RopeLayout::Adjacent, d, d, 100_000.0).unwrap();
+    let form: CacheForm = "cq-d2-k16-pre".parse().unwrap();
+    let fitted = common::pair_fitted(&form, &rope, ch);
+    let (_, x) = common::pre_rope_keys(&rope, tokens, ch, 5);
+    let window = open_window(form, &fitted, &x, (tokens, ch, d), Some(&rope)).unwrap();
+    let source = window.source();
+    let mut scratch = Default::default();
+    let k = source
+        .read_tile(0, tokens, &mut scratch)
+        .unwrap()
+        .rows
+        .to_f32_vec();
+    let v = common::structured_rows(tokens, ch, 6, 1.0);
+    let values = DenseKv::new(&v, tokens, ch).unwrap();
+    let largest = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for positions in [
+        vec![tokens - 1],
+        (100..164).collect(),
+        (tokens - 40..tokens).collect(),
+    ] {
+        let q = common::structured_rows(positions.len(), shape.q_len(), 7, 3.0);
+        let oracle =
+            reference_attention(&q, &positions, &k, &v, tokens, &shape, &Mask::Causal).unwrap();
+        let attn = Attention::new(shape);
+        let got = attn
+            .prefill(&q, &positions, &source, &values, &Mask::Causal)
+            .unwrap();
+        for (a, b) in got.out.iter().zip(&oracle.out) {
+            let err = (f64::from(*a) - b).abs();
+            assert!(
+                err <= 1e-5 * f64::from(largest),
+                "{} queries: {a} vs {b}",
+                positions.len()
+            );
+        }
+    }
+}
