@@ -231,6 +231,18 @@ impl MergedFrontier {
         // ΔPPL on a log axis from 0.1% (smaller changes sit at the floor).
         let floor = 0.1f64;
         let y = |d: f64| d.max(floor).log10();
+        // Bits from the half bit below the fewest, so the points spread.
+        let min_bits = self
+            .panels
+            .iter()
+            .flat_map(|p| &p.points)
+            .map(|p| p.bits_per_value)
+            .fold(f64::INFINITY, f64::min);
+        let min_bits = if min_bits.is_finite() {
+            (min_bits - 0.5).max(0.0).floor()
+        } else {
+            0.0
+        };
         let max_bits = self
             .panels
             .iter()
@@ -254,7 +266,7 @@ impl MergedFrontier {
                 .margin(12)
                 .x_label_area_size(36)
                 .y_label_area_size(54)
-                .build_cartesian_2d(0.0..max_bits + 0.3, y(floor)..y(max_delta) + 0.15)?;
+                .build_cartesian_2d(min_bits..max_bits + 0.3, y(floor)..y(max_delta) + 0.15)?;
             chart
                 .configure_mesh()
                 .x_desc("bits per value (true bytes)")
@@ -262,11 +274,11 @@ impl MergedFrontier {
                 .y_label_formatter(&|v| format!("{:.1}", 10f64.powf(*v)))
                 .draw()?;
             for &(bits, delta) in &self.goals {
-                let corner = [(0.0, y(delta)), (bits, y(delta)), (bits, y(floor))];
+                let corner = [(min_bits, y(delta)), (bits, y(delta)), (bits, y(floor))];
                 chart.draw_series(LineSeries::new(corner, RED.mix(0.5).stroke_width(1)))?;
                 chart.draw_series(std::iter::once(Text::new(
                     format!("goal: ≤{bits} bits, ≤+{delta}%"),
-                    (0.1, y(delta) + 0.04),
+                    (min_bits + 0.05, y(delta) + 0.04),
                     ("sans-serif", 10).into_font().color(&RED),
                 )))?;
             }
