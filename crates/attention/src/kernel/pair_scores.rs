@@ -16,7 +16,7 @@
 //! then `score = fma(gain, acc, score)` over the blocks); the portable
 //! fallback without FMA rounds each product.
 
-use super::{LANES, TileGeometry, madd};
+use super::{HeadBlockPass, LANES, TileGeometry, for_head_blocks, madd};
 use crate::isa::Isa;
 use crate::pair_codes::PairCodeRows;
 
@@ -74,14 +74,12 @@ pub(crate) fn scores(
     scratch: &mut PairScratch,
     weights: &mut [f32],
 ) {
-    let TileGeometry { group, kv_heads, d } = geometry;
-    let rows = pairs.rows();
+    let TileGeometry { kv_heads, d, .. } = geometry;
     debug_assert_eq!(pairs.channels(), kv_heads * d);
     debug_assert_eq!(pairs.head_dim(), d);
     make_table(q, pairs, geometry, scratch);
     let width = table_width(pairs.codes().codebook.spec().centroids);
-    let (p, groups) = (d / 2, kv_heads * d / 2);
-    let blocks = pairs.channels() / pairs.codes().codebook.block();
+    let p = d / 2;
     let PairScratch {
         table,
         codes,
@@ -91,14 +89,48 @@ pub(crate) fn scores(
     } = scratch;
     codes.resize(p, [0; LANES]);
     gains.resize(p, [0.0; LANES]);
-    for g in 0..kv_heads {
-        gain_runs(pairs, g, runs);
+    let mut pass = PairPass {
+        pairs,
+        table,
+        codes,
+        gains,
+        runs,
+        weights,
+        isa,
+        width,
+    };
+    for_head_blocks(geometry, &mut pass);
+}
+
+/// The scores of one block of up to four query heads sharing a KV head
+/// (the kernels' one head-block loop, [`for_head_blocks`]): sixteen rows at
+/// a time, their codes and gains turned into lanes once for the block.
+struct PairPass<'a> {
+    pairs: &'a PairCodeRows<'a>,
+    table: &'a [f32],
+    codes: &'a mut [[u8; LANES]],
+    gains: &'a mut [[f32; LANES]],
+    runs: &'a mut Vec<(usize, usize, usize)>,
+    weights: &'a mut [f32],
+    isa: Isa,
+    width: usize,
+}
+
+impl HeadBlockPass for PairPass<'_> {
+    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
+        let (pairs, isa, width) = (self.pairs, self.isa, self.width);
+        let (d, rows) = (pairs.head_dim(), pairs.rows());
+        let (p, groups) = (d / 2, pairs.channels() / 2);
+        let blocks = pairs.channels() / pairs.codes().codebook.block();
+        gain_runs(pairs, kvh, self.runs);
+        let tables: [&[f32]; H] =
+            std::array::from_fn(|k| &self.table[(h0 + k) * p * 2 * width..][..p * 2 * width]);
         for t in (0..rows).step_by(LANES) {
             let n = LANES.min(rows - t);
             // Sixteen rows' codes and gains of this head, rows in lanes.
             let src = &pairs.codes().codes[t * groups..][..n * groups];
-            turn_codes(src, (groups, g * p), n, isa, codes);
-            for (lanes, &(_, _, b)) in gains.iter_mut().zip(runs.iter()) {
+            turn_codes(src, (groups, kvh * p), n, isa, self.codes);
+            for (lanes, &(_, _, b)) in self.gains.iter_mut().zip(self.runs.iter()) {
                 *lanes = [0.0; LANES];
                 for (l, v) in lanes.iter_mut().enumerate().take(n) {
                     *v = pairs.codes().gains[(t + l) * blocks + b];
@@ -106,30 +138,15 @@ pub(crate) fn scores(
             }
             let chunk = Chunk {
                 pairs,
-                codes,
-                gains,
-                runs,
+                codes: self.codes,
+                gains: self.gains,
+                runs: self.runs,
                 row: t,
                 lanes: n,
                 width,
             };
-            // Up to four query heads at once, sharing the codes and angles.
-            let mut h = g * group;
-            while h < (g + 1) * group {
-                let count = ((g + 1) * group - h).min(4);
-                let tables = |k: usize| &table[(h + k) * p * 2 * width..][..p * 2 * width];
-                let mut put = |scores: &[[f32; LANES]]| {
-                    for (k, s) in scores.iter().enumerate() {
-                        weights[(h + k) * rows + t..][..n].copy_from_slice(&s[..n]);
-                    }
-                };
-                match count {
-                    1 => put(&chunk.score([tables(0)], isa)),
-                    2 => put(&chunk.score([tables(0), tables(1)], isa)),
-                    3 => put(&chunk.score([tables(0), tables(1), tables(2)], isa)),
-                    _ => put(&chunk.score([tables(0), tables(1), tables(2), tables(3)], isa)),
-                }
-                h += count;
+            for (k, s) in chunk.score(tables, isa).iter().enumerate() {
+                self.weights[(h0 + k) * rows + t..][..n].copy_from_slice(&s[..n]);
             }
         }
     }
