@@ -10,7 +10,6 @@
 //! folded into the running state in f64, so long contexts lose nothing to
 //! the running sums.
 
-#[cfg(target_arch = "x86_64")]
 mod fused;
 mod int8_query;
 mod int_values;
@@ -81,7 +80,7 @@ pub(crate) struct TileGeometry {
 /// under [`Numerics::Int8Query`] ([`int8_query`]). `isa` (a set this CPU
 /// supports: [`Attention::with_config`](crate::Attention::with_config) and
 /// [`Attention::set_isa`](crate::Attention::set_isa) check it) picks
-/// every kernel: with AVX-512 ([`fused`]) or AVX2 ([`fused::avx2`]) both
+/// every kernel: with AVX-512 or AVX2 ([`fused`], one body at both widths) both
 /// sides are read as stored, half floats widened and levels dequantized in
 /// registers; the scalar set first widens them into the scratch.
 #[allow(clippy::too_many_arguments)] // one tile's inputs, state and scratch
@@ -221,54 +220,28 @@ fn kernels(
     scratch: &mut KernelScratch,
     partial: &mut Partial,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(isa, Isa::Avx512 | Isa::Avx512Vnni) {
-        // SAFETY: the configured `isa` is supported (checked by
-        // `AttentionConfig`): AVX-512F/BW/VL, AVX2, FMA and F16C; the
-        // scratch was sized above.
-        unsafe {
-            let tile = fused::Tile {
-                q,
-                geometry,
-                rows,
-                upcoming,
-                dot: isa.dot(),
-            };
-            fused::attend_tile_avx512(tile, keys, values, int_values, scratch, partial);
-        }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: the configured `isa` is supported: AVX2, FMA and F16C;
-        // the scratch was sized above.
-        unsafe {
-            let tile = fused::Tile {
-                q,
-                geometry,
-                rows,
-                upcoming,
-                dot: isa.dot(),
-            };
-            fused::avx2::attend_tile_avx2(tile, keys, values, int_values, scratch, partial);
-        }
-        return;
-    }
-    let mut wide = std::mem::take(&mut scratch.wide);
-    let (key_buffer, value_buffer) = wide.buffers();
-    let args = TileArgs {
+    let tile = fused::Tile {
         q,
-        keys: keys.map(|k| widen_rows(k, key_buffer)),
-        values,
-        value_buffer,
-        int_values,
         geometry,
         rows,
-        dot: isa.dot(),
         upcoming,
+        dot: isa.dot(),
     };
-    attend_tile_body(args, scratch, partial);
-    scratch.wide = wide;
+    match isa {
+        // SAFETY: the configured `isa` is supported (checked by
+        // `AttentionConfig`): AVX-512F/BW/VL, AVX2, FMA and F16C; the
+        // scratch was sized by `attend_tile`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vnni => unsafe {
+            fused::attend_tile_avx512(tile, keys, values, int_values, scratch, partial)
+        },
+        // SAFETY: as above: AVX2, FMA and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe {
+            fused::attend_tile_avx2(tile, keys, values, int_values, scratch, partial)
+        },
+        _ => fused::attend_tile_portable(tile, keys, values, int_values, scratch, partial),
+    }
 }
 
 /// Whether [`Numerics::Auto`] scores keys `levels` with integer dot
@@ -429,146 +402,28 @@ impl WideScratch {
     }
 }
 
-struct TileArgs<'a> {
-    q: &'a [f32],
-    /// `None` when the scores are already in the scratch.
-    keys: Option<&'a [f32]>,
-    /// Widened into `value_buffer` only if the integer value pass does
-    /// not take them (on every instruction set: a tile whose value sums
-    /// are integer ones never dequantizes its values).
-    values: TileRows<'a>,
-    value_buffer: &'a mut Vec<f32>,
-    /// The values' levels where the integer value pass takes them.
-    int_values: Option<LevelRows<'a>>,
-    geometry: TileGeometry,
-    rows: usize,
-    /// The integer dot products of the configured instruction set.
-    dot: Dot,
-    /// The next tile's rows, whose values the value pass requests.
-    upcoming: Option<&'a NextTile>,
-}
-
-/// Three passes over the tile: scores of every head (`q_heads × rows`),
-/// reading the key rows in memory order; per head the maximum and
-/// `exp(s − m)`; then per head the weighted sum of its value rows, with the
-/// sum held in registers across the rows ([`weighted_sum`]).
-fn attend_tile_body(args: TileArgs<'_>, scratch: &mut KernelScratch, partial: &mut Partial) {
-    let TileArgs {
-        q,
-        keys,
-        values,
-        value_buffer,
-        int_values,
-        geometry,
-        rows,
-        dot,
-        upcoming,
-    } = args;
-    let TileGeometry { group, kv_heads, d } = geometry;
-    let (ch, heads) = (kv_heads * d, kv_heads * group);
-    let mut prefetch = Prefetcher::new(upcoming.map(|n| &n.values), value_steps(geometry, rows));
-    three_passes::<false>(
-        geometry,
-        rows,
-        scratch,
-        partial,
-        |scratch| {
-            if let Some(keys) = keys {
-                score_rows(q, keys, geometry, &mut scratch.weights[..heads * rows]);
-            }
-        },
-        |scratch| {
-            let summed = integer_values(int_values, geometry, rows, dot, scratch, &mut prefetch);
-            // The scalar float pass does not step: its lines go first.
-            prefetch.finish();
-            if summed {
-                return;
-            }
-            let values = widen_rows(values, value_buffer);
-            // Up to four heads of the group per pass over the value rows.
-            let mut pass = ValuePass {
-                acc: &mut scratch.acc[..heads * d],
-                weights: &scratch.weights[..heads * rows],
-                values,
-                ch,
-                d,
-                rows,
-            };
-            for_head_blocks(geometry, &mut pass);
-        },
-    );
-}
-
-/// The three passes of a tile, written once for every instruction set:
-/// `scores` fills `scratch.weights` (`heads × rows`; it may leave them as
-/// the integer path wrote them), softmax turns each head's row into
-/// `exp(s − m)` with its maximum and sum, `values` writes the weighted sums
-/// to `scratch.acc` (`heads × d`), and each head is folded into `partial`.
+/// Each head's scores in `scratch.weights` turned into `exp(s − m)`, with
+/// the maximum `m` and the sum in `scratch.maxima` and `scratch.sums`.
 #[inline(always)]
-pub(crate) fn three_passes<const FMA: bool>(
+pub(crate) fn softmax_pass<const FMA: bool>(
     geometry: TileGeometry,
     rows: usize,
     scratch: &mut KernelScratch,
-    partial: &mut Partial,
-    scores: impl FnOnce(&mut KernelScratch),
-    values: impl FnOnce(&mut KernelScratch),
 ) {
-    let d = geometry.d;
     let heads = geometry.kv_heads * geometry.group;
-    scores(scratch);
     let weights = &mut scratch.weights[..heads * rows];
     let (m, l) = (&mut scratch.maxima[..heads], &mut scratch.sums[..heads]);
     softmax_rows::<FMA>(weights, rows, m, l);
-    values(scratch);
-    let (m, l, acc) = (&scratch.maxima, &scratch.sums, &scratch.acc);
-    for h in 0..heads {
-        partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
-    }
 }
 
-/// The weighted value sums of one head block from f32 value rows.
-struct ValuePass<'a> {
-    acc: &'a mut [f32],
-    weights: &'a [f32],
-    values: &'a [f32],
-    ch: usize,
-    d: usize,
-    rows: usize,
-}
-
-impl HeadBlockPass for ValuePass<'_> {
-    #[inline(always)]
-    fn run<const H: usize>(&mut self, kvh: usize, h0: usize) {
-        let (d, rows) = (self.d, self.rows);
-        let out = &mut self.acc[h0 * d..][..H * d];
-        let w = &self.weights[h0 * rows..][..H * rows];
-        weighted_sum::<H>(out, w, self.values, self.ch, kvh * d);
-    }
-}
-
-/// The scores of every head against every key row into `weights`
-/// (`heads × rows`).
+/// Each head's weighted sum in `scratch.acc`, with its maximum and sum,
+/// folded into `partial`.
 #[inline(always)]
-fn score_rows(q: &[f32], keys: &[f32], geometry: TileGeometry, weights: &mut [f32]) {
-    let TileGeometry { group, kv_heads, d } = geometry;
-    let (ch, heads) = (kv_heads * d, kv_heads * group);
-    let rows = weights.len() / heads;
-    // Four rows at a time: each query chunk loaded once feeds four multiply-adds.
-    let quads = rows / 4 * 4;
-    for t in (0..quads).step_by(4) {
-        let k4 = &keys[t * ch..][..4 * ch];
-        for h in 0..heads {
-            let off = h / group * d;
-            let k = [0, 1, 2, 3].map(|r| &k4[r * ch + off..][..d]);
-            let s = dot4::<false>(&q[h * d..][..d], k);
-            weights[h * rows + t..][..4].copy_from_slice(&s);
-        }
-    }
-    for t in quads..rows {
-        let k = &keys[t * ch..][..ch];
-        for h in 0..heads {
-            weights[h * rows + t] = dot::<false>(&q[h * d..][..d], &k[h / group * d..][..d]);
-        }
+pub(crate) fn fold_heads(geometry: TileGeometry, scratch: &KernelScratch, partial: &mut Partial) {
+    let d = geometry.d;
+    let (m, l, acc) = (&scratch.maxima, &scratch.sums, &scratch.acc);
+    for h in 0..geometry.kv_heads * geometry.group {
+        partial.fold(h, m[h], l[h], &acc[h * d..][..d]);
     }
 }
 
@@ -602,45 +457,6 @@ fn reduce(mut lanes: [f32; LANES]) -> f32 {
         width /= 2;
     }
     lanes[0]
-}
-
-#[inline(always)]
-fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
-    let (ac, at) = a.as_chunks::<LANES>();
-    let (bc, bt) = b.as_chunks::<LANES>();
-    let mut lanes = [0.0f32; LANES];
-    for (x, y) in ac.iter().zip(bc) {
-        for i in 0..LANES {
-            lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
-        }
-    }
-    for (i, (x, y)) in at.iter().zip(bt).enumerate() {
-        lanes[i] = madd::<FMA>(*x, *y, lanes[i]);
-    }
-    reduce(lanes)
-}
-
-/// Four dot products of `q` with rows of the same length, each with
-/// exactly [`dot`]'s lanes and reduction tree.
-#[inline(always)]
-fn dot4<const FMA: bool>(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
-    let (qc, qt) = q.as_chunks::<LANES>();
-    let kc = k.map(|k| k.as_chunks::<LANES>());
-    let mut lanes = [[0.0f32; LANES]; 4];
-    for (j, x) in qc.iter().enumerate() {
-        for (r, l) in lanes.iter_mut().enumerate() {
-            let y = &kc[r].0[j];
-            for i in 0..LANES {
-                l[i] = madd::<FMA>(x[i], y[i], l[i]);
-            }
-        }
-    }
-    for (r, l) in lanes.iter_mut().enumerate() {
-        for (i, (x, y)) in qt.iter().zip(kc[r].1).enumerate() {
-            l[i] = madd::<FMA>(*x, *y, l[i]);
-        }
-    }
-    lanes.map(reduce)
 }
 
 /// Largest element, ignoring NaN (a NaN score still poisons the output
@@ -678,103 +494,6 @@ fn exp_sub_sum<const FMA: bool>(x: &mut [f32], m: f32) -> f32 {
         lanes[i] += *v;
     }
     reduce(lanes)
-}
-
-/// For each of `H` heads `j` (sharing one KV head):
-/// `out[j·d + c] = Σ_t w[j·rows + t] · values[t·ch + offset + c]`, summed
-/// in row order. The head dimension is cut into blocks of 64, 32 and 16
-/// channels; each block's `H` sums stay in registers while its rows are
-/// loaded once and stream by.
-#[inline(always)]
-fn weighted_sum<const H: usize>(
-    out: &mut [f32],
-    w: &[f32],
-    values: &[f32],
-    ch: usize,
-    offset: usize,
-) {
-    let d = out.len() / H;
-    let rows = w.len() / H;
-    let mut c = 0;
-    while c + 64 <= d {
-        weighted_block::<H, 4>(out, w, rows, values, ch, offset, c);
-        c += 64;
-    }
-    if c + 32 <= d {
-        weighted_block::<H, 2>(out, w, rows, values, ch, offset, c);
-        c += 32;
-    }
-    if c + 16 <= d {
-        weighted_block::<H, 1>(out, w, rows, values, ch, offset, c);
-        c += 16;
-    }
-    for j in 0..H {
-        for c in c..d {
-            let mut sum = 0.0;
-            for t in 0..rows {
-                sum = madd::<false>(w[j * rows + t], values[t * ch + offset + c], sum);
-            }
-            out[j * d + c] = sum;
-        }
-    }
-}
-
-/// Channels `c..c + 16N` of [`weighted_sum`] for its `H` heads, in plain
-/// lane arrays: the scalar set's body (the vector sets sum values in
-/// [`fused`]'s kernels).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn weighted_block<const H: usize, const N: usize>(
-    out: &mut [f32],
-    w: &[f32],
-    rows: usize,
-    values: &[f32],
-    ch: usize,
-    offset: usize,
-    c: usize,
-) {
-    let d = out.len() / H;
-    let block = Block {
-        w,
-        rows,
-        values,
-        ch,
-        offset: offset + c,
-    };
-    let mut acc = [[[0.0f32; LANES]; N]; H];
-    generic_block::<H, N>(block, &mut acc);
-    for (j, a) in acc.iter().enumerate() {
-        for (o, a) in out[j * d + c..][..N * LANES].chunks_exact_mut(LANES).zip(a) {
-            o.copy_from_slice(a);
-        }
-    }
-}
-
-/// Inputs of one register block.
-#[derive(Clone, Copy)]
-struct Block<'a> {
-    w: &'a [f32],
-    rows: usize,
-    values: &'a [f32],
-    ch: usize,
-    offset: usize,
-}
-
-#[inline(always)]
-fn generic_block<const H: usize, const N: usize>(b: Block<'_>, acc: &mut [[[f32; LANES]; N]; H]) {
-    for t in 0..b.rows {
-        let v = b.values[t * b.ch + b.offset..][..N * LANES]
-            .as_chunks::<LANES>()
-            .0;
-        for (j, acc) in acc.iter_mut().enumerate() {
-            let wt = b.w[j * b.rows + t];
-            for (a, v) in acc.iter_mut().zip(v) {
-                for i in 0..LANES {
-                    a[i] = madd::<false>(wt, v[i], a[i]);
-                }
-            }
-        }
-    }
 }
 
 /// `e^x` for `x ≤ 0` (scores minus their maximum), branch-free so it

@@ -33,10 +33,21 @@ fn fixed_reductions_match_f64_sums() {
         .zip(&b)
         .map(|(&x, &y)| f64::from(x) * f64::from(y))
         .sum();
-    approx::assert_abs_diff_eq!(f64::from(dot::<true>(&a, &b)), want, epsilon = 1e-5);
-    approx::assert_abs_diff_eq!(f64::from(dot::<false>(&a, &b)), want, epsilon = 1e-5);
+    approx::assert_abs_diff_eq!(f64::from(dot(&a, &b, true)), want, epsilon = 1e-5);
+    approx::assert_abs_diff_eq!(f64::from(dot(&a, &b, false)), want, epsilon = 1e-5);
     assert_eq!(max(&a), a.iter().copied().fold(f32::MIN, f32::max));
     assert_eq!(max(&[]), f32::NEG_INFINITY);
+}
+
+/// A dot product in 16 lanes (element `i` in lane `i mod 16`) folded by
+/// [`reduce`], each multiply-add fused or not.
+fn dot(a: &[f32], b: &[f32], fma: bool) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let l = &mut lanes[i % LANES];
+        *l = if fma { x.mul_add(*y, *l) } else { x * y + *l };
+    }
+    reduce(lanes)
 }
 
 /// Runs one tile through one ISA variant, with the keys and the values
@@ -106,14 +117,7 @@ fn run_tile(
                 upcoming: None,
                 dot: isa.dot(),
             };
-            fused::avx2::attend_tile_avx2(
-                tile,
-                Some(keys),
-                values,
-                None,
-                &mut scratch,
-                &mut partial,
-            );
+            fused::attend_tile_avx2(tile, Some(keys), values, None, &mut scratch, &mut partial);
         }
         return finish(partial);
     }
@@ -132,20 +136,14 @@ fn run_tile(
         };
         return finish(partial);
     }
-    let mut wide = WideScratch::default();
-    let (key_buffer, value_buffer) = wide.buffers();
-    let args = TileArgs {
+    let tile = fused::Tile {
         q,
-        keys: Some(widen_rows(keys, key_buffer)),
-        values,
-        value_buffer,
-        int_values: None,
         geometry,
         rows,
-        dot: isa.dot(),
         upcoming: None,
+        dot: isa.dot(),
     };
-    attend_tile_body(args, &mut scratch, &mut partial);
+    fused::attend_tile_portable(tile, Some(keys), values, None, &mut scratch, &mut partial);
     finish(partial)
 }
 
