@@ -1,14 +1,29 @@
 //! The inner loop of blockwise online-softmax attention: one query token's
-//! heads against one tile of f32 K/V rows ([`attend_tile`]), and the exact
-//! log-sum-exp merge of partial results ([`Partial`]), section 3.3 of
+//! heads against one tile of stored K/V rows ([`attend_tile`]), and the
+//! exact log-sum-exp merge of partial results ([`Partial`]), section 3.3 of
 //! `lowrank-kv-subspace-paper.md` ("blockwise softmax across chunks").
 //!
 //! Within a tile, scores, their maximum, `exp(s − m)` and the weighted value
-//! sum are f32 in 16-lane arrays with a fixed reduction tree, so every ISA
-//! variant (AVX-512, AVX2 with FMA) gives bit-identical results; the generic
-//! fallback (no FMA) rounds the multiply-adds separately. Tile results are
-//! folded into the running state in f64, so long contexts lose nothing to
-//! the running sums.
+//! sum are f32 in 16-lane vectors with a fixed reduction tree, so every
+//! vector instruction set gives bit-identical results; the scalar set (no
+//! fused multiply-adds) rounds the multiply-adds separately. Tile results
+//! are folded into the running state in f64, so long contexts lose nothing
+//! to the running sums. [`Isa`] picks every body's instructions.
+//!
+//! Each algorithm has one body:
+//! - float scores and weighted value sums of f32, half-float, level and FP8
+//!   tiles: [`fused`] (its loaders dequantize levels in registers,
+//!   `fused::load`; the lane widths are `fused::lanes` and `fused::x86`);
+//! - integer scores of int8 or int16 query codes against 4- and 8-bit
+//!   levels, per-token or per-channel: [`int8_query`];
+//! - integer value sums of rounded weights against levels: [`int_values`];
+//! - scores of keys coded before RoPE against their pair codebook:
+//!   [`pair_scores`];
+//! - softmax ([`max`], [`exp_sub_sum`], [`exp`]) and the merge of tiles
+//!   ([`Partial`]): here and in [`partial`].
+//!
+//! Tiles no body reads as stored are widened to f32 rows by kv-quant first
+//! ([`widen_rows`]), whose arithmetic the in-register loaders reproduce.
 
 mod fused;
 mod int8_query;

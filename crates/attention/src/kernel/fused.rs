@@ -39,7 +39,7 @@ pub(super) mod load;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86;
 
-use kv_quant::LevelRows;
+use kv_quant::{LevelMap, LevelRows};
 
 use super::{
     HeadBlockPass, KernelScratch, NextTile, Partial, Prefetcher, TileGeometry, fold_heads,
@@ -107,7 +107,7 @@ unsafe fn attend_tile_lanes<V: Lanes>(
         let steps = score_steps(tile.geometry, rows);
         let mut prefetch = Prefetcher::new(tile.upcoming.map(|n| &n.keys), steps);
         let (w, p) = (&mut scratch.weights[..heads * rows], &mut prefetch);
-        match Side::new(keys, ch, d, kb) {
+        match Side::new::<V>(keys, ch, d, kb) {
             Side::F32(k) => score_pass::<V, _>(tile, k, w, p),
             Side::F16(k) => score_pass::<V, _>(tile, k, w, p),
             Side::Levels(k) => with_levels!(k, k => score_pass::<V, _>(tile, k, w, p)),
@@ -128,7 +128,7 @@ unsafe fn attend_tile_lanes<V: Lanes>(
             &mut scratch.acc[..heads * d],
             &scratch.weights[..heads * rows],
         );
-        match Side::new(values, ch, d, vb) {
+        match Side::new::<V>(values, ch, d, vb) {
             Side::F32(v) => value_pass::<V, _>(tile, v, acc, w, p),
             Side::F16(v) => value_pass::<V, _>(tile, v, acc, w, p),
             Side::Levels(v) => with_levels!(v, v => value_pass::<V, _>(tile, v, acc, w, p)),
@@ -148,17 +148,23 @@ enum Side<'a> {
 
 impl<'a> Side<'a> {
     /// The loader of `rows` (`ch` channels each, heads of `d`); level
-    /// layouts [`LevelLayout`] does not read, and pair codes, are widened
-    /// into `buffer` first.
-    fn new(rows: TileRows<'a>, ch: usize, d: usize, buffer: &'a mut Vec<f32>) -> Self {
+    /// layouts [`LevelLayout`] does not read, pair codes, and for lanes
+    /// that do not widen in registers half floats and FP8 codes, are
+    /// widened into `buffer` first.
+    fn new<V: Lanes>(rows: TileRows<'a>, ch: usize, d: usize, buffer: &'a mut Vec<f32>) -> Self {
+        let widened = |buffer| Self::F32(Floats(widen_rows(rows, buffer), ch));
         match rows {
             TileRows::F32(v) => Self::F32(Floats(v, ch)),
-            TileRows::F16(h) => Self::F16(Halves(h, ch)),
+            TileRows::F16(h) if V::WIDENS_IN_REGISTERS => Self::F16(Halves(h, ch)),
+            TileRows::F16(_) => widened(buffer),
+            TileRows::Levels(l) if !V::WIDENS_IN_REGISTERS && matches!(l.map, LevelMap::Fp8(_)) => {
+                widened(buffer)
+            }
             TileRows::Levels(l) => match LevelLayout::new(l, d) {
                 Some(levels) => Self::Levels(levels),
-                None => Self::F32(Floats(widen_rows(rows, buffer), ch)),
+                None => widened(buffer),
             },
-            TileRows::PairCodes(_) => Self::F32(Floats(widen_rows(rows, buffer), ch)),
+            TileRows::PairCodes(_) => widened(buffer),
         }
     }
 }
@@ -208,6 +214,26 @@ impl<V: Lanes, K: Load> HeadBlockPass for ScorePass<'_, V, K> {
         let w = &mut self.weights[h0 * rows..][..H * rows];
         let whole = rows / V::SCORE_ROWS * V::SCORE_ROWS;
         let mut stash: Stash<H> = [[[0.0; 8]; 8]; H];
+        // The queries' last `d mod 16` channels, zero above, loaded once.
+        let (full, tail) = (d / 16 * 16, d % 16);
+        // SAFETY: only inlined into the kernel (its width's features);
+        // `q` holds `H·d` values.
+        let q_tail: [V; H] = unsafe {
+            let mut lanes = [V::zero(); H];
+            if tail > 0 {
+                for (j, lanes) in lanes.iter_mut().enumerate() {
+                    *lanes = V::load_partial(q.as_ptr().add(j * d + full), tail);
+                }
+            }
+            lanes
+        };
+        let b = ScoreBlock {
+            q,
+            q_tail: &q_tail,
+            keys: self.keys,
+            offset: kvh * d,
+            d,
+        };
         let mut t = 0;
         while t < rows {
             if t.is_multiple_of(4) {
@@ -217,11 +243,11 @@ impl<V: Lanes, K: Load> HeadBlockPass for ScorePass<'_, V, K> {
             // `t + R <= rows`.
             unsafe {
                 if t < whole && V::SCORE_ROWS == 4 {
-                    let acc = score_lanes::<V, K, H, 4>(q, self.keys, kvh * d, d, t);
+                    let acc = score_lanes::<V, K, H, 4>(b, t);
                     V::finish_scores::<H, 4>(acc, &mut stash, w, rows, t);
                     t += 4;
                 } else {
-                    let acc = score_lanes::<V, K, H, 1>(q, self.keys, kvh * d, d, t);
+                    let acc = score_lanes::<V, K, H, 1>(b, t);
                     V::finish_scores::<H, 1>(acc, &mut stash, w, rows, t);
                     t += 1;
                 }
@@ -230,16 +256,32 @@ impl<V: Lanes, K: Load> HeadBlockPass for ScorePass<'_, V, K> {
     }
 }
 
-/// The 16-lane accumulators of heads `j < H` (queries `q[j·d..]`) against
-/// rows `t..t + R`, channels `offset..offset + d` of each.
-#[inline(always)]
-fn score_lanes<V: Lanes, K: Load, const H: usize, const R: usize>(
-    q: &[f32],
+/// Up to four query heads of one KV head against the key rows of a tile.
+#[derive(Clone, Copy)]
+struct ScoreBlock<'a, V, K, const H: usize> {
+    /// `H × d` scaled query values.
+    q: &'a [f32],
+    /// Each head's last `d mod 16` query values, zero above.
+    q_tail: &'a [V; H],
     keys: K,
+    /// First channel of the KV head in a key row.
     offset: usize,
     d: usize,
+}
+
+/// The 16-lane accumulators of heads `j < H` against rows `t..t + R`.
+#[inline(always)]
+fn score_lanes<V: Lanes, K: Load, const H: usize, const R: usize>(
+    b: ScoreBlock<'_, V, K, H>,
     t: usize,
 ) -> [[V; R]; H] {
+    let ScoreBlock {
+        q,
+        q_tail,
+        keys,
+        offset,
+        d,
+    } = b;
     let full = d / 16 * 16;
     let tail = d - full;
     // SAFETY: only inlined into the kernel (its width's features).
@@ -271,8 +313,7 @@ fn score_lanes<V: Lanes, K: Load, const H: usize, const R: usize>(
             for (r, k) in k.iter_mut().enumerate() {
                 *k = keys.load_partial(starts[r], offset + full, tail);
             }
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let qv = V::load_partial(q.as_ptr().add(j * d + full), tail);
+            for (acc, &qv) in acc.iter_mut().zip(q_tail) {
                 for (a, k) in acc.iter_mut().zip(&k) {
                     // Lanes above the tail keep their sums, as in the generic dot product.
                     *a = V::fmadd_low(qv, *k, *a, tail);

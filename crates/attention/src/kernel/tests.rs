@@ -274,7 +274,7 @@ fn nan_blind(o: &(Vec<f32>, Vec<f32>)) -> Vec<u32> {
     o.0.iter().chain(&o.1).map(bits).collect()
 }
 
-/// `fused::avx2` reading level tiles in registers (every level map, groups
+/// The AVX2 width of `fused` reading level tiles in registers (every level map, groups
 /// shared by 16 channels and one per channel, out-of-range levels and FP8
 /// NaN codes among the values) gives the bits of the same kernel over the
 /// rows dequantized by kv-quant, and of the AVX-512 kernel; also with a

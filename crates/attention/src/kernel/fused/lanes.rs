@@ -1,12 +1,14 @@
 //! [`Lanes`]: sixteen f32 lanes, the one vector the float tile kernel is
-//! written over, as one AVX-512 register ([`Zmm`]) or two AVX2 registers
-//! ([`Ymm2`]). Each operation gives the same bits on both (NaN payloads
-//! aside), so the kernel body is written once and its results do not
-//! depend on the width; what differs is register blocking, read from
-//! [`Lanes::SCORE_ROWS`] and [`Lanes::VALUE_BLOCKS`].
-//!
-//! Also [`reduce8`], the batched end of the score reduction tree both
-//! widths share (AVX2 instructions, which every AVX-512 CPU has).
+//! written over: one AVX-512 register (`Zmm`), two AVX2 registers (`Ymm2`,
+//! both in [`x86`](super::x86)), or a plain array ([`Portable`], every
+//! CPU). The vector widths give the same bits (NaN payloads aside), so the
+//! kernel body is written once and its results do not depend on the width;
+//! [`Portable`] rounds each multiply and add on its own (no fused
+//! multiply-add), as the scalar set always has. What differs is register
+//! blocking, read from [`Lanes::SCORE_ROWS`] and [`Lanes::VALUE_BLOCKS`],
+//! and how scores are folded in batches ([`Lanes::finish_scores`]: sixteen
+//! at once in one AVX-512 register, eight rows at a time with AVX2, one at
+//! a time in an array).
 
 /// Sixteen f32 lanes and the operations the float tile kernel needs.
 ///
@@ -18,6 +20,10 @@
 pub(super) trait Lanes: Copy {
     /// Whether multiply-adds are fused (rounded once): softmax follows.
     const FMA: bool;
+    /// Whether half floats and FP8 codes are read as stored, widened in
+    /// registers; else kv-quant widens their tiles first (its bulk
+    /// conversions, exact and faster than sixteen lanes at a time).
+    const WIDENS_IN_REGISTERS: bool;
     /// Key rows scored per step: each query chunk loaded feeds this many
     /// rows (four with AVX-512's 32 registers, one with AVX2's 16).
     const SCORE_ROWS: usize;
@@ -108,6 +114,7 @@ impl Portable {
 #[allow(clippy::undocumented_unsafe_blocks)] // one contract, stated above
 impl Lanes for Portable {
     const FMA: bool = false;
+    const WIDENS_IN_REGISTERS: bool = false;
     const SCORE_ROWS: usize = 4;
     const VALUE_BLOCKS: usize = 16;
     type Bytes = [u8; 16];

@@ -9,7 +9,7 @@ use super::lanes::{Lanes, Stash};
 use super::{KernelScratch, Partial, Tile, attend_tile_lanes};
 use crate::source::TileRows;
 
-/// [`attend_tile`](super::attend_tile) with AVX-512 ([`attend_tile_lanes`](super::attend_tile_lanes)).
+/// [`attend_tile`](crate::kernel::attend_tile) with AVX-512 ([`attend_tile_lanes`]).
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW/VL, AVX2, FMA and F16C; the scratch must
@@ -27,7 +27,7 @@ pub(in crate::kernel) unsafe fn attend_tile_avx512(
     unsafe { attend_tile_lanes::<Zmm>(tile, keys, values, int_values, scratch, partial) }
 }
 
-/// [`attend_tile`](super::attend_tile) with AVX2 ([`attend_tile_lanes`](super::attend_tile_lanes)).
+/// [`attend_tile`](crate::kernel::attend_tile) with AVX2 ([`attend_tile_lanes`]).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; the scratch must be sized for
@@ -61,6 +61,7 @@ pub(super) struct Zmm(__m512);
 #[allow(clippy::undocumented_unsafe_blocks)] // one contract, stated above
 impl Lanes for Zmm {
     const FMA: bool = true;
+    const WIDENS_IN_REGISTERS: bool = true;
     const SCORE_ROWS: usize = 4;
     const VALUE_BLOCKS: usize = 16;
 
@@ -299,6 +300,7 @@ impl Ymm2 {
 #[allow(clippy::undocumented_unsafe_blocks)] // one contract, stated above
 impl Lanes for Ymm2 {
     const FMA: bool = true;
+    const WIDENS_IN_REGISTERS: bool = true;
     const SCORE_ROWS: usize = 1;
     const VALUE_BLOCKS: usize = 4;
 
