@@ -6,17 +6,21 @@
 //! and times the block's gain (the derivation is in
 //! [`crate::pair_codes`]). Nothing is decoded or rotated per row.
 //!
-//! Rows run sixteen to a vector: each pair's codes of sixteen rows index
-//! its table row (one `vpermps` for up to 16 centroids, two tables for 32
-//! on AVX-512; a lookup elsewhere), and the rows' angles are read in lanes
-//! ([`Rope::trig_rows`](crate::Rope::trig_rows) lays them out so). Every
-//! instruction set with FMA gives the same bits (the same fused
-//! multiply-adds in the same order: per lane
-//! `acc = fma(A, cos, acc); acc = fma(B, sin, acc)` over a block's pairs,
-//! then `score = fma(gain, acc, score)` over the blocks); the portable
-//! fallback without FMA rounds each product.
+//! Rows run sixteen to a vector, one body over the float kernel's
+//! [`Lanes`]: each pair's codes of sixteen rows index its table row in
+//! registers (AVX-512 one `vpermps` for up to 16 centroids, `vpermi2ps`
+//! for 32; AVX2 eight-entry tables blended; one lane at a time past 32),
+//! and the rows' angles are read in lanes
+//! ([`Rope::trig_rows`](crate::Rope::trig_rows) lays them out so). Both
+//! vector sets give the same bits (the same fused multiply-adds in the
+//! same order: per lane `acc = fma(A, cos, acc); acc = fma(B, sin, acc)`
+//! over a block's pairs, then `score = fma(gain, acc, score)` over the
+//! blocks); the scalar set rounds each product.
 
-use super::{HeadBlockPass, LANES, TileGeometry, for_head_blocks, madd};
+use super::fused::lanes::{Lanes, Portable};
+#[cfg(target_arch = "x86_64")]
+use super::fused::x86::{Ymm2, Zmm};
+use super::{HeadBlockPass, LANES, TileGeometry, for_head_blocks};
 use crate::isa::Isa;
 use crate::pair_codes::PairCodeRows;
 
@@ -259,129 +263,83 @@ struct Chunk<'a> {
 }
 
 impl Chunk<'_> {
-    /// The scores of `H` query heads (their `tables`) for these rows.
+    /// The scores of `H` query heads (their `tables`) for these rows, on
+    /// the configured instruction set's [`Lanes`].
     fn score<const H: usize>(&self, tables: [&[f32]; H], isa: Isa) -> [[f32; LANES]; H] {
-        #[cfg(target_arch = "x86_64")]
-        if matches!(isa, Isa::Avx512 | Isa::Avx512Vnni) && self.width <= 2 * LANES {
+        match isa {
             // SAFETY: the configured `isa` is supported (checked by
-            // `AttentionConfig`): AVX-512F; every code is below the
-            // codebook's centroids, so below `width`.
-            return unsafe { self.score_avx512(tables) };
+            // `AttentionConfig`): AVX-512F/BW/VL, AVX2, FMA and F16C.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx512Vnni => unsafe { self.score_avx512(tables) },
+            // SAFETY: as above: AVX2, FMA and F16C.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { self.score_avx2(tables) },
+            // SAFETY: `Portable` needs no CPU feature.
+            _ => unsafe { self.score_lanes::<Portable, H>(tables) },
         }
-        #[cfg(target_arch = "x86_64")]
-        if isa != Isa::Scalar {
-            // SAFETY: AVX2 and FMA come with every instruction set but
-            // `Scalar`, and the configured one is supported.
-            return unsafe { self.score_fma(tables) };
-        }
-        let _ = isa;
-        self.score_portable::<false, H>(tables)
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn score_fma<const H: usize>(&self, tables: [&[f32]; H]) -> [[f32; LANES]; H] {
-        self.score_portable::<true, H>(tables)
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn score_avx512<const H: usize>(&self, tables: [&[f32]; H]) -> [[f32; LANES]; H] {
+        // SAFETY: compiled with `Zmm`'s features, which the caller checked.
+        unsafe { self.score_lanes::<Zmm, H>(tables) }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn score_avx2<const H: usize>(&self, tables: [&[f32]; H]) -> [[f32; LANES]; H] {
+        // SAFETY: compiled with `Ymm2`'s features, which the caller checked.
+        unsafe { self.score_lanes::<Ymm2, H>(tables) }
+    }
+
+    /// Per lane (row) `acc = A[code]·cos + acc; acc = B[code]·sin + acc`
+    /// over a gain block's pairs, then `score = gain·acc + score`, with
+    /// `V`'s multiply-adds; each pair's codes and angles loaded once for
+    /// the `H` heads, the entries looked up in registers
+    /// ([`Lanes::lookup_codes`]).
+    ///
+    /// # Safety
+    /// Only inlined into code compiled with `V`'s features.
     #[inline(always)]
-    fn score_portable<const FMA: bool, const H: usize>(
+    unsafe fn score_lanes<V: Lanes, const H: usize>(
         &self,
         tables: [&[f32]; H],
     ) -> [[f32; LANES]; H] {
-        let w = self.width;
-        let mut score = [[0f32; LANES]; H];
-        for (&(start, end, _), gain) in self.runs.iter().zip(self.gains) {
-            let mut acc = [[0f32; LANES]; H];
-            for i in start..end {
-                let (cos, sin) = self.pairs.trig_run(i, self.row, self.lanes);
-                let codes = &self.codes[i];
-                for (acc, table) in acc.iter_mut().zip(tables) {
-                    let (ta, tb) = table[i * 2 * w..][..2 * w].split_at(w);
-                    for l in 0..self.lanes {
-                        let c = usize::from(codes[l]);
-                        acc[l] = madd::<FMA>(ta[c], cos[l], acc[l]);
-                        acc[l] = madd::<FMA>(tb[c], sin[l], acc[l]);
+        let (w, n) = (self.width, self.lanes);
+        // SAFETY: the caller has `V`'s features; the angle runs hold `n`
+        // values, the codes and gains 16 each, a table row `2·width`.
+        unsafe {
+            let mut score = [V::zero(); H];
+            for (&(start, end, _), gain) in self.runs.iter().zip(self.gains) {
+                let mut acc = [V::zero(); H];
+                for i in start..end {
+                    let (cos, sin) = self.pairs.trig_run(i, self.row, n);
+                    let (c, s) = if n == LANES {
+                        (V::load(cos.as_ptr()), V::load(sin.as_ptr()))
+                    } else {
+                        (
+                            V::load_partial(cos.as_ptr(), n),
+                            V::load_partial(sin.as_ptr(), n),
+                        )
+                    };
+                    for (acc, table) in acc.iter_mut().zip(tables) {
+                        let (ta, tb) = table[i * 2 * w..][..2 * w].split_at(w);
+                        let codes = &self.codes[i];
+                        *acc = V::fmadd(V::lookup_codes(codes, ta), c, *acc);
+                        *acc = V::fmadd(V::lookup_codes(codes, tb), s, *acc);
                     }
                 }
-            }
-            for (score, acc) in score.iter_mut().zip(&acc) {
-                for l in 0..self.lanes {
-                    score[l] = madd::<FMA>(gain[l], acc[l], score[l]);
+                let g = V::load(gain.as_ptr());
+                for (score, acc) in score.iter_mut().zip(&acc) {
+                    *score = V::fmadd(g, *acc, *score);
                 }
             }
-        }
-        score
-    }
-
-    /// [`score_portable`](Self::score_portable) with FMA, on AVX-512
-    /// registers: the same operations lane for lane, each pair's codes
-    /// and angles loaded once for the `H` heads.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn score_avx512<const H: usize>(&self, tables: [&[f32]; H]) -> [[f32; LANES]; H] {
-        use std::arch::x86_64::*;
-        let w = self.width;
-        let mask: __mmask16 = if self.lanes == LANES {
-            0xFFFF
-        } else {
-            (1u16 << self.lanes) - 1
-        };
-        let mut score = [_mm512_setzero_ps(); H];
-        for (&(start, end, _), gain) in self.runs.iter().zip(self.gains) {
-            let mut acc = [_mm512_setzero_ps(); H];
-            for i in start..end {
-                let (cos, sin) = self.pairs.trig_run(i, self.row, self.lanes);
-                // SAFETY: 16 code bytes per pair; masked loads read only
-                // the `lanes` angles the run holds.
-                let (idx, c, s) = unsafe {
-                    (
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128(self.codes[i].as_ptr().cast())),
-                        _mm512_maskz_loadu_ps(mask, cos.as_ptr()),
-                        _mm512_maskz_loadu_ps(mask, sin.as_ptr()),
-                    )
-                };
-                for (acc, table) in acc.iter_mut().zip(tables) {
-                    let entries = &table[i * 2 * w..][..2 * w];
-                    let p = entries.as_ptr();
-                    // SAFETY: the table rows hold `width` (16 or 32)
-                    // entries of A, then as many of B.
-                    let (ka, kb) = unsafe {
-                        if w == LANES {
-                            (
-                                _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)),
-                                _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p.add(w))),
-                            )
-                        } else {
-                            (
-                                _mm512_permutex2var_ps(
-                                    _mm512_loadu_ps(p),
-                                    idx,
-                                    _mm512_loadu_ps(p.add(LANES)),
-                                ),
-                                _mm512_permutex2var_ps(
-                                    _mm512_loadu_ps(p.add(w)),
-                                    idx,
-                                    _mm512_loadu_ps(p.add(w + LANES)),
-                                ),
-                            )
-                        }
-                    };
-                    *acc = _mm512_fmadd_ps(ka, c, *acc);
-                    *acc = _mm512_fmadd_ps(kb, s, *acc);
-                }
+            let mut out = [[0f32; LANES]; H];
+            for (o, s) in out.iter_mut().zip(&score) {
+                s.store(o.as_mut_ptr());
             }
-            // SAFETY: 16 gains per run.
-            let g = unsafe { _mm512_loadu_ps(gain.as_ptr()) };
-            for (score, acc) in score.iter_mut().zip(&acc) {
-                *score = _mm512_fmadd_ps(g, *acc, *score);
-            }
+            out
         }
-        let mut out = [[0f32; LANES]; H];
-        for (o, s) in out.iter_mut().zip(&score) {
-            // SAFETY: 16 floats.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *s) };
-        }
-        out
     }
 }

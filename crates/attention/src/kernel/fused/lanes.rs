@@ -17,7 +17,7 @@
 /// the implementation's width (inlined into the kernel's entry for it).
 /// Pointers must be valid for the lanes read or written: 16, or `n < 16`
 /// for the partial forms.
-pub(super) trait Lanes: Copy {
+pub(in crate::kernel) trait Lanes: Copy {
     /// Whether multiply-adds are fused (rounded once): softmax follows.
     const FMA: bool;
     /// Whether half floats and FP8 codes are read as stored, widened in
@@ -65,6 +65,10 @@ pub(super) trait Lanes: Copy {
     unsafe fn levels(bytes: Self::Bytes) -> Self;
     /// `table[byte & 15]` per lane.
     unsafe fn lookup(bytes: Self::Bytes, table: &[f32; 16]) -> Self;
+    /// `table[codes[l]]` in lane `l` (every code below `table.len()`): a
+    /// register permutation for tables of 16 and 32 entries, else
+    /// [`gathered`].
+    unsafe fn lookup_codes(codes: &[u8; 16], table: &[f32]) -> Self;
     /// E5M2 codes' values: the code is the top byte of the IEEE half with
     /// the same value.
     unsafe fn e5m2(bytes: Self::Bytes) -> Self;
@@ -87,15 +91,29 @@ pub(super) trait Lanes: Copy {
     );
 }
 
+/// `table[codes[l]]` in lane `l`, read one lane at a time.
+///
+/// # Safety
+/// As [`Lanes::load`]; every code is below `table.len()` (checked).
+#[inline(always)]
+pub(super) unsafe fn gathered<V: Lanes>(codes: &[u8; 16], table: &[f32]) -> V {
+    let mut lanes = [0.0f32; 16];
+    for (v, &c) in lanes.iter_mut().zip(codes) {
+        *v = table[usize::from(c)];
+    }
+    // SAFETY: `lanes` holds 16 floats; the caller has `V`'s features.
+    unsafe { V::load(lanes.as_ptr()) }
+}
+
 /// Rows of `H` heads after the tree's first step (`k + (k + 8)`, eight
 /// lanes), kept until eight rows can be folded at once.
-pub(super) type Stash<const H: usize> = [[[f32; 8]; 8]; H];
+pub(in crate::kernel) type Stash<const H: usize> = [[[f32; 8]; 8]; H];
 
 /// Sixteen lanes in an array, each multiply and add rounded on its own:
 /// the scalar set, on every CPU (the compiler vectorises the loops where
 /// it can).
 #[derive(Clone, Copy)]
-pub(super) struct Portable([f32; 16]);
+pub(in crate::kernel) struct Portable([f32; 16]);
 
 impl Portable {
     #[inline(always)]
@@ -196,6 +214,10 @@ impl Lanes for Portable {
     #[inline(always)]
     unsafe fn lookup(bytes: [u8; 16], table: &[f32; 16]) -> Self {
         Self(bytes.map(|b| table[usize::from(b & 15)]))
+    }
+    #[inline(always)]
+    unsafe fn lookup_codes(codes: &[u8; 16], table: &[f32]) -> Self {
+        unsafe { gathered(codes, table) }
     }
     #[inline(always)]
     unsafe fn e5m2(bytes: [u8; 16]) -> Self {

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use kv_quant::LevelRows;
 
-use super::lanes::{Lanes, Stash};
+use super::lanes::{Lanes, Stash, gathered};
 use super::{KernelScratch, Partial, Tile, attend_tile_lanes};
 use crate::source::TileRows;
 
@@ -53,7 +53,7 @@ pub(super) fn mask(n: usize) -> u16 {
 
 /// One AVX-512 register.
 #[derive(Clone, Copy)]
-pub(super) struct Zmm(__m512);
+pub(in crate::kernel) struct Zmm(__m512);
 
 // SAFETY (every method's block): inlined only into `attend_tile_avx512`
 // (AVX-512F/BW/VL, AVX2, FMA, F16C); the caller keeps pointers valid for
@@ -135,6 +135,23 @@ impl Lanes for Zmm {
                 levels,
                 _mm512_loadu_ps(table.as_ptr()),
             ))
+        }
+    }
+    /// One `vpermps` (16 entries) or `vpermi2ps` (32).
+    #[inline(always)]
+    unsafe fn lookup_codes(codes: &[u8; 16], table: &[f32]) -> Self {
+        unsafe {
+            let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr().cast()));
+            let p = table.as_ptr();
+            match table.len() {
+                16 => Self(_mm512_permutexvar_ps(idx, _mm512_loadu_ps(p))),
+                32 => Self(_mm512_permutex2var_ps(
+                    _mm512_loadu_ps(p),
+                    idx,
+                    _mm512_loadu_ps(p.add(16)),
+                )),
+                _ => gathered(codes, table),
+            }
         }
     }
     /// The codes widened to 16-bit lanes, where the halves are built (not
@@ -237,7 +254,7 @@ unsafe fn reduce16(v: [__m512; 16]) -> __m512 {
 
 /// Two AVX2 registers, the low eight lanes first.
 #[derive(Clone, Copy)]
-pub(super) struct Ymm2([__m256; 2]);
+pub(in crate::kernel) struct Ymm2([__m256; 2]);
 
 // SAFETY (every method's block): as for `Ymm2`'s `Lanes` below.
 #[allow(clippy::undocumented_unsafe_blocks)] // one contract, stated above
@@ -269,6 +286,21 @@ impl Ymm2 {
             _mm256_blendv_ps(
                 _mm256_permutevar8x32_ps(low, levels),
                 _mm256_permutevar8x32_ps(high, levels),
+                upper,
+            )
+        }
+    }
+
+    /// `table[level & 31]` for the low eight bytes, the table in four
+    /// registers: [`lookup8`](Self::lookup8) of each half, chosen by bit 4
+    /// (moved to the sign bit).
+    #[inline(always)]
+    unsafe fn lookup8x4(bytes: __m128i, t: &[__m256; 4]) -> __m256 {
+        unsafe {
+            let upper = _mm256_castsi256_ps(_mm256_slli_epi32::<27>(_mm256_cvtepu8_epi32(bytes)));
+            _mm256_blendv_ps(
+                Self::lookup8(bytes, t[0], t[1]),
+                Self::lookup8(bytes, t[2], t[3]),
                 upper,
             )
         }
@@ -413,6 +445,31 @@ impl Lanes for Ymm2 {
                 Self::lookup8(bytes, low, high),
                 Self::lookup8(_mm_srli_si128::<8>(bytes), low, high),
             ])
+        }
+    }
+    /// Eight-entry tables chosen per lane by the code's bits 3 and 4.
+    #[inline(always)]
+    unsafe fn lookup_codes(codes: &[u8; 16], table: &[f32]) -> Self {
+        unsafe {
+            let bytes = _mm_loadu_si128(codes.as_ptr().cast());
+            let high = _mm_srli_si128::<8>(bytes);
+            let p = table.as_ptr();
+            match table.len() {
+                16 => {
+                    let (t0, t1) = (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+                    Self([Self::lookup8(bytes, t0, t1), Self::lookup8(high, t0, t1)])
+                }
+                32 => {
+                    let t = [
+                        _mm256_loadu_ps(p),
+                        _mm256_loadu_ps(p.add(8)),
+                        _mm256_loadu_ps(p.add(16)),
+                        _mm256_loadu_ps(p.add(24)),
+                    ];
+                    Self([Self::lookup8x4(bytes, &t), Self::lookup8x4(high, &t)])
+                }
+                _ => gathered(codes, table),
+            }
         }
     }
     #[inline(always)]
