@@ -95,9 +95,10 @@ pub(crate) struct TileGeometry {
 /// under [`Numerics::Int8Query`] ([`int8_query`]). `isa` (a set this CPU
 /// supports: [`Attention::with_config`](crate::Attention::with_config) and
 /// [`Attention::set_isa`](crate::Attention::set_isa) check it) picks
-/// every kernel: with AVX-512 or AVX2 ([`fused`], one body at both widths) both
-/// sides are read as stored, half floats widened and levels dequantized in
-/// registers; the scalar set first widens them into the scratch.
+/// every kernel: the float passes ([`fused`], one body at every width) read
+/// both sides as stored, levels dequantized in registers (and, with
+/// AVX-512 or AVX2, half floats and FP8 codes widened there too; the
+/// scalar set has kv-quant widen those tiles first).
 #[allow(clippy::too_many_arguments)] // one tile's inputs, state and scratch
 pub(crate) fn attend_tile(
     q: &[f32],

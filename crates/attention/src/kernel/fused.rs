@@ -1,8 +1,8 @@
-//! The vector tile kernel: [`attend_tile`](super::attend_tile) reading keys
-//! and values as stored, f32 or half floats widened in registers
-//! (`vcvtph2ps`), so an FP16 cache is never copied into an f32 buffer;
-//! levels and FP8 codes with their group parameters are dequantized in
-//! registers too ([`load`]).
+//! The float tile kernel: [`attend_tile`](super::attend_tile) reading keys
+//! and values as stored: f32 rows, integer and table levels with their
+//! group parameters dequantized in registers ([`load`]), and with the
+//! vector widths half floats and FP8 codes widened in registers too
+//! (`vcvtph2ps`), so an FP16 cache is never copied into an f32 buffer.
 //!
 //! One body, written over sixteen f32 [`Lanes`]: one AVX-512 register
 //! (`attend_tile_avx512`), two AVX2 registers (`attend_tile_avx2`, both in

@@ -9,7 +9,8 @@
 //! Rows run sixteen to a vector, one body over the float kernel's
 //! [`Lanes`]: each pair's codes of sixteen rows index its table row in
 //! registers (AVX-512 one `vpermps` for up to 16 centroids, `vpermi2ps`
-//! for 32; AVX2 eight-entry tables blended; one lane at a time past 32),
+//! for 32; AVX2 eight-entry tables blended; one lane at a time for other
+//! sizes and on the scalar set),
 //! and the rows' angles are read in lanes
 //! ([`Rope::trig_rows`](crate::Rope::trig_rows) lays them out so). Both
 //! vector sets give the same bits (the same fused multiply-adds in the

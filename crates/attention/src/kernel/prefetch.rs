@@ -1,8 +1,7 @@
 //! [`Prefetcher`]: the next tile's stored rows requested into L2 while the
 //! current tile is worked on: its keys while this tile's keys are scored,
-//! its values while this tile's values are summed ([`NextTile`]; the
-//! scalar set's float passes request nothing, and its value lines go at
-//! the start of its value pass).
+//! its values while this tile's values are summed ([`NextTile`]), on every
+//! instruction set (the float passes are one body).
 
 use std::ops::Range;
 

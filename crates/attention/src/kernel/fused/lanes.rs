@@ -65,9 +65,9 @@ pub(in crate::kernel) trait Lanes: Copy {
     unsafe fn levels(bytes: Self::Bytes) -> Self;
     /// `table[byte & 15]` per lane.
     unsafe fn lookup(bytes: Self::Bytes, table: &[f32; 16]) -> Self;
-    /// `table[codes[l]]` in lane `l` (every code below `table.len()`): a
-    /// register permutation for tables of 16 and 32 entries, else
-    /// [`gathered`].
+    /// `table[codes[l]]` in lane `l` (every code below `table.len()`): on
+    /// the vector widths a register permutation for tables of 16 and 32
+    /// entries, else (and for [`Portable`]) [`gathered`].
     unsafe fn lookup_codes(codes: &[u8; 16], table: &[f32]) -> Self;
     /// E5M2 codes' values: the code is the top byte of the IEEE half with
     /// the same value.

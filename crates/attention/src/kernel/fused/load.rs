@@ -129,8 +129,8 @@ pub(super) struct LevelLayout<'a> {
 }
 
 impl<'a> LevelLayout<'a> {
-    /// `None` for levels packed two per byte and groupings the loader does
-    /// not handle: groups of a multiple of 16 channels are read a group per
+    /// `None` for levels packed two per byte, group tables shorter than
+    /// the rows name, and groupings the loader does not handle: groups of a multiple of 16 channels are read a group per
     /// 16-channel load, which holds for heads of `d` channels only where
     /// `d` is a multiple of 16 or groups hold whole heads; a head starting
     /// inside a group would have its loads straddle two.
@@ -146,6 +146,14 @@ impl<'a> LevelLayout<'a> {
             }
             _ => return None,
         };
+        // Every group a row or channel can name is held: `KvSource` is a
+        // public trait, so its level rows are checked before the loads that
+        // skip bounds checks (a short table is widened by kv-quant, which
+        // checks its own reads).
+        let last = rows.group_index(rows.rows().checked_sub(1)?, rows.channels().checked_sub(1)?);
+        if rows.scale.len() <= last || rows.offset.len() <= last {
+            return None;
+        }
         let row_step = if rows.tokens_per_group() == 1 {
             Some(rows.channels() / cpg)
         } else {
@@ -283,27 +291,34 @@ impl<const MAP: u8, const SHARED: bool> Levels<'_, MAP, SHARED> {
             }
         }
     }
+}
 
-    /// Sixteen levels (bytes) as values under the map `MAP` with scales `a`
-    /// and offsets `b`: `b + level·a` (product, then sum), `(level −
-    /// mid)·a`, `table[level & 15]·a`, or FP8 through IEEE half precision
-    /// (E4M3 as `half·(2^8·a)`: scaling by 2^8 is exact, so the one
-    /// rounding is the product's).
-    ///
-    /// # Safety
-    /// Only called from code compiled with the features of `V`.
-    #[inline(always)]
-    pub(super) unsafe fn dequantize<V: Lanes>(self, bytes: V::Bytes, a: V, b: V) -> V {
-        // SAFETY: the caller has `V`'s features; registers only.
-        unsafe {
-            match MAP {
-                AFFINE => V::add(b, V::mul(V::levels(bytes), a)),
-                CENTERED => V::mul(V::sub(V::levels(bytes), V::splat(self.mid)), a),
-                TABLE => V::mul(V::lookup(bytes, self.table), a),
-                E5M2 => V::mul(V::e5m2(bytes), a),
-                E4M3 => V::mul(V::e4m3_scaled(bytes), V::mul(a, V::splat(256.0))),
-                _ => unreachable!("not a level map constant"),
-            }
+/// Sixteen levels (bytes) as values under the map `MAP` (a [`map_code`];
+/// `mid` is a centered map's middle level, `table` a table map's entries)
+/// with scales `a` and offsets `b`: `b + level·a` (product, then sum),
+/// `(level − mid)·a`, `table[level & 15]·a`, or FP8 through IEEE half
+/// precision (E4M3 as `half·(2^8·a)`: scaling by 2^8 is exact, so the one
+/// rounding is the product's).
+///
+/// # Safety
+/// Only called from code compiled with the features of `V`.
+#[inline(always)]
+pub(super) unsafe fn dequantize<V: Lanes, const MAP: u8>(
+    mid: f32,
+    table: &[f32; 16],
+    bytes: V::Bytes,
+    a: V,
+    b: V,
+) -> V {
+    // SAFETY: the caller has `V`'s features; registers only.
+    unsafe {
+        match MAP {
+            AFFINE => V::add(b, V::mul(V::levels(bytes), a)),
+            CENTERED => V::mul(V::sub(V::levels(bytes), V::splat(mid)), a),
+            TABLE => V::mul(V::lookup(bytes, table), a),
+            E5M2 => V::mul(V::e5m2(bytes), a),
+            E4M3 => V::mul(V::e4m3_scaled(bytes), V::mul(a, V::splat(256.0))),
+            _ => unreachable!("not a level map constant"),
         }
     }
 }
@@ -338,7 +353,7 @@ impl<const MAP: u8, const SHARED: bool> Load for Levels<'_, MAP, SHARED> {
         unsafe {
             let bytes = V::bytes(self.layout.rows.levels.as_ptr().add(i));
             let (a, b) = self.parameters::<V>(g, col, 16);
-            self.dequantize(bytes, a, b)
+            dequantize::<V, MAP>(self.mid, self.table, bytes, a, b)
         }
     }
 
@@ -354,7 +369,7 @@ impl<const MAP: u8, const SHARED: bool> Load for Levels<'_, MAP, SHARED> {
         unsafe {
             let bytes = V::bytes_partial(self.layout.rows.levels.as_ptr().add(i), n);
             let (a, b) = self.parameters::<V>(g, col, n);
-            self.dequantize(bytes, a, b)
+            dequantize::<V, MAP>(self.mid, self.table, bytes, a, b)
         }
     }
 }

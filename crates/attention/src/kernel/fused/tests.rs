@@ -5,12 +5,13 @@
 use kv_quant::{Fp8Format, LevelMap, LloydMax, NF4_LEVELS};
 
 use super::lanes::{Lanes, Portable};
-use super::load::{AFFINE, CENTERED, E5M2, GroupDivisor, TABLE, map_code};
+use super::load::{AFFINE, CENTERED, E4M3, E5M2, GroupDivisor, TABLE, dequantize, map_code};
 #[cfg(target_arch = "x86_64")]
 use super::x86::{Ymm2, Zmm};
 
-/// Sixteen bytes dequantized under `map` with scale `a` and offset `b`
-/// through [`Lanes`] `V` (its features enabled by the caller).
+/// Sixteen bytes dequantized under `map` with scale `a` and offset `b` by
+/// the loaders' [`dequantize`] on [`Lanes`] `V` (its features enabled by
+/// the caller).
 #[inline(always)]
 unsafe fn dequantized<V: Lanes>(map: LevelMap, bytes: [u8; 16], a: f32, b: f32) -> [f32; 16] {
     let (code, mid, table) = map_code(map);
@@ -20,11 +21,11 @@ unsafe fn dequantized<V: Lanes>(map: LevelMap, bytes: [u8; 16], a: f32, b: f32) 
         let bytes = V::bytes(bytes.as_ptr());
         let (a, b) = (V::splat(a), V::splat(b));
         let v = match code {
-            AFFINE => V::add(b, V::mul(V::levels(bytes), a)),
-            CENTERED => V::mul(V::sub(V::levels(bytes), V::splat(mid)), a),
-            TABLE => V::mul(V::lookup(bytes, table), a),
-            E5M2 => V::mul(V::e5m2(bytes), a),
-            _ => V::mul(V::e4m3_scaled(bytes), V::mul(a, V::splat(256.0))),
+            AFFINE => dequantize::<V, AFFINE>(mid, table, bytes, a, b),
+            CENTERED => dequantize::<V, CENTERED>(mid, table, bytes, a, b),
+            TABLE => dequantize::<V, TABLE>(mid, table, bytes, a, b),
+            E5M2 => dequantize::<V, E5M2>(mid, table, bytes, a, b),
+            _ => dequantize::<V, E4M3>(mid, table, bytes, a, b),
         };
         v.store(out.as_mut_ptr());
     }
