@@ -2,13 +2,15 @@
 //! once and carried by [`AttentionConfig`](crate::AttentionConfig), so that
 //! a caller or a test can pin it (as gf2-codes' `Backend` is pinned).
 //!
-//! Every choice among attention's kernels reads it: the float tile kernels (AVX-512 reads
-//! rows as stored; AVX2 does for heads of a multiple of 16 channels and
-//! widens them first otherwise; the scalar body widens them), and the
-//! integer dot products of int8 query codes and of value sums (AVX-512
-//! VNNI's `vpdpbusd`, AVX2's `vpmaddubsw`/`vpmaddwd`, or the portable loop;
-//! plain AVX-512 takes AVX2's). The integer paths give the same bits on
-//! every set; the float kernels agree to rounding (`tests/isa.rs`).
+//! Every choice among attention's kernels reads it: the width of the one
+//! float tile body (sixteen lanes in an AVX-512 register, two AVX2
+//! registers or an array; the scalar set has kv-quant widen FP16 and FP8
+//! tiles first), the pair-codebook lookups, and the integer dot products
+//! of int8 query codes and of value sums (AVX-512 VNNI's `vpdpbusd`,
+//! AVX2's `vpmaddubsw`/`vpmaddwd`, or the portable loop; plain AVX-512
+//! takes AVX2's). The integer paths give the same bits on every set; the
+//! float kernels give the same bits on both vector sets and agree to
+//! rounding on the scalar one (`tests/isa.rs`).
 //! kv-quant's exact conversions that attention calls (f16 widening,
 //! nibble unpacking) pick their instructions themselves: their results
 //! are the same bits on every CPU. A CPU with AVX2 and FMA but no F16C

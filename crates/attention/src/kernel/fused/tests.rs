@@ -1,5 +1,5 @@
 //! The lane operations against kv-quant's definitions, at every width this
-//! CPU has; the tile kernel's bits against the scalar body are in the
+//! CPU has; the tile kernel's bits at each width against the others are in the
 //! parent module's tests.
 
 use kv_quant::{Fp8Format, LevelMap, LloydMax, NF4_LEVELS};
