@@ -1,21 +1,28 @@
 //! [`LowRankPart`]: calibrated low-rank forms (`pca-r<R>`, `pca-e<E>`,
-//! keys after RoPE and values) as a [`StoredPart`], on per-head bases
-//! fitted offline (`kv-eval calibrate`), loaded once and shared by every
-//! block.
+//! keys after or before RoPE (`-pre`) and values) as a [`StoredPart`], on
+//! per-head bases fitted offline (`kv-eval calibrate`), loaded once and
+//! shared by every block.
 //!
 //! A block's rows are staged exact (f16 under the form's protection, like
-//! a per-channel block) until the step that fills it commits; sealing
-//! projects them on the bases into one kv-lowrank [`LowRankStore`] of the
-//! block (per-head coefficients, residual norms and row norms for the
-//! certificates) and drops the exact rows. Each sealed block is its own
-//! store, so a block is hashable and shareable like any other, and a page
-//! is read by reconstructing its rows from the coefficients. The block
-//! being written is exact, as KIVI keeps its residual.
+//! a per-channel block) until the step that fills it commits;
+//! sealing projects them on the bases into one kv-lowrank [`LowRankStore`]
+//! of the block (per-head coefficients, residual norms and row norms for
+//! the certificates) and drops the exact rows. Each sealed block is its
+//! own store, so a block is hashable and shareable like any other, and a
+//! page is read by reconstructing its rows from the coefficients. The
+//! block being written is exact, as KIVI keeps its residual.
 //!
-//! Not yet: keys projected before RoPE (`-pre`: their rows would need
-//! their positions), online bases (`fd-*`, fitted per sequence), exact
-//! segments on low-rank forms, and attention in coefficient space over
-//! pages (tiles are reconstructed rows).
+//! Keys projected before RoPE (`-pre`, on bases fitted on keys rotated
+//! back to position 0) are staged as written (after RoPE); sealing
+//! rotates each row back from its position (the block's first row's,
+//! [`seal`](StoredPart::seal), kept with the block) before projecting, and
+//! reading rotates each reconstructed row to its position again, in f64
+//! angles ([`Rope::apply_rows`]), as the re-encode protocol's
+//! [`PreRopeKeys`](crate::PreRopeKeys) does.
+//!
+//! Not yet: online bases (`fd-*`, fitted per sequence as rows arrive), and
+//! attention in coefficient space over pages (tiles are reconstructed
+//! rows).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -30,7 +37,17 @@ use kv_quant::{
 use super::staging::{BlockState, StagedBlocks};
 use super::{PartBlock, PartScratch, PoolBytes, SharedTable, StoredPart};
 use crate::error::{AttentionError, Result};
+use crate::rope::Rope;
 use crate::source::Tile;
+
+/// A sealed block of a [`LowRankPart`]: its rows projected on the bases
+/// (rotated back to position 0 first for keys of a `-pre` form), and the
+/// position of its first row in its sequences.
+#[derive(Clone, Debug)]
+struct LowRankBlock {
+    store: LowRankStore,
+    first: usize,
+}
 
 /// A calibrated low-rank form kept in blocks (see the module docs).
 #[derive(Debug)]
@@ -39,24 +56,30 @@ pub struct LowRankPart {
     /// The calibrated bases, shared by every block, as stored, protected
     /// bytes; sealed blocks read them as last decoded.
     bases: SharedTable<HeadBases>,
+    /// The model's RoPE, for keys projected before it (`-pre`).
+    rope: Option<Rope>,
     head_dim: usize,
     channels: usize,
     block_size: usize,
-    blocks: StagedBlocks<LowRankStore>,
+    blocks: StagedBlocks<LowRankBlock>,
     /// Bytes of one sealed block (the same for every block of a form).
     sealed_bytes: usize,
 }
 
 impl LowRankPart {
-    /// Zeroed blocks of the calibrated low-rank `form` on `bases`.
+    /// Zeroed blocks of the calibrated low-rank `form` on `bases`; `rope`
+    /// is the model's RoPE, which a form projecting keys before it (`-pre`)
+    /// needs and every other form ignores.
     pub fn new(
         form: CacheForm,
         block_size: usize,
         channels: usize,
         num_blocks: usize,
         bases: Arc<HeadBases>,
+        rope: Option<Rope>,
     ) -> Result<Self> {
         let head_dim = check_form(form, &bases, block_size, channels)?;
+        let rope = rope_of(form, rope, head_dim)?;
         let zeros = vec![0.0; block_size * channels];
         let sealed_bytes =
             LowRankStore::build(form, &zeros, block_size, channels, head_dim, Some(&bases))?
@@ -65,6 +88,7 @@ impl LowRankPart {
             blocks: StagedBlocks::new(form.exact_rows_form(), block_size, channels, num_blocks),
             bases: SharedTable::new(bases, &form),
             form,
+            rope,
             head_dim,
             channels,
             block_size,
@@ -100,8 +124,8 @@ impl LowRankPart {
     fn reread_bases(&mut self) -> Result<()> {
         let bases = self.bases.read().clone();
         for block in self.blocks.iter_mut() {
-            if let BlockState::Sealed(store) = block {
-                store.replace_bases(&bases)?;
+            if let BlockState::Sealed(sealed) = block {
+                sealed.store.replace_bases(&bases)?;
             }
         }
         Ok(())
@@ -119,10 +143,56 @@ impl LowRankPart {
         if let Some(stats) = self.blocks.read_unsealed(block, offset, out, scratch)? {
             return Ok(stats);
         }
-        let BlockState::Sealed(store) = self.blocks.get(block)? else {
+        let BlockState::Sealed(sealed) = self.blocks.get(block)? else {
             unreachable!("read_unsealed reads the others");
         };
-        Ok(store.decode_rows_into(offset, out.len() / self.channels, out, low_rank)?)
+        self.read_sealed(sealed, offset, out, low_rank)
+    }
+
+    /// Rows `offset..offset + out.len() / channels` of a sealed block,
+    /// reconstructed (and, for keys projected before RoPE, rotated to
+    /// their positions).
+    fn read_sealed(
+        &self,
+        sealed: &LowRankBlock,
+        offset: usize,
+        out: &mut [f32],
+        low_rank: &mut kv_lowrank::StoreScratch,
+    ) -> Result<KvDecodeStats> {
+        let stats =
+            sealed
+                .store
+                .decode_rows_into(offset, out.len() / self.channels, out, low_rank)?;
+        if let Some(rope) = &self.rope {
+            rope.apply_rows(out, self.channels, sealed.first + offset)?;
+        }
+        Ok(stats)
+    }
+}
+
+/// The RoPE a part of `form` keeps: `rope` for keys projected before it
+/// (which must be given, with heads of the bases' `head_dim`), none for
+/// every other form.
+fn rope_of(form: CacheForm, rope: Option<Rope>, head_dim: usize) -> Result<Option<Rope>> {
+    if !form.codes_before_rope() {
+        return Ok(None);
+    }
+    match rope {
+        Some(rope) if rope.head_dim() == head_dim => Ok(Some(rope)),
+        Some(rope) => Err(AttentionError::InvalidParameter {
+            name: "rope",
+            reason: format!(
+                "a RoPE of heads of {} channels, where the bases of {form} have {head_dim}",
+                rope.head_dim()
+            ),
+        }),
+        None => Err(AttentionError::InvalidParameter {
+            name: "form",
+            reason: format!(
+                "{form} projects keys before RoPE (-pre) and needs the model's RoPE: a key \
+                 form of a model with RoPE (Fitted::rope)"
+            ),
+        }),
     }
 }
 
@@ -198,11 +268,22 @@ impl StoredPart for LowRankPart {
     }
 
     fn put_row(&mut self, block: usize, offset: usize, row: &RowBuffers) -> Result<()> {
-        let bs = self.block_size;
         // A sequence cut back into a sealed block: staged again from the
-        // rows its coefficients give.
-        self.blocks.put_row(block, offset, row, |store, rows| {
-            store.decode_rows_into(0, bs, rows, &mut kv_lowrank::StoreScratch::default())?;
+        // rows its coefficients give (rotated to their positions).
+        let Self {
+            blocks,
+            rope,
+            channels,
+            ..
+        } = self;
+        blocks.put_row(block, offset, row, |sealed, rows| {
+            let mut scratch = kv_lowrank::StoreScratch::default();
+            sealed
+                .store
+                .decode_rows_into(0, rows.len() / *channels, rows, &mut scratch)?;
+            if let Some(rope) = rope {
+                rope.apply_rows(rows, *channels, sealed.first)?;
+            }
             Ok(())
         })
     }
@@ -212,11 +293,22 @@ impl StoredPart for LowRankPart {
         first..(after / self.block_size).max(first)
     }
 
-    fn seal(&mut self, block: usize, _first: usize) -> Result<bool> {
+    fn seal(&mut self, block: usize, first: usize) -> Result<bool> {
         let (form, bs, ch, hd) = (self.form, self.block_size, self.channels, self.head_dim);
-        let bases = self.bases.read();
+        let (bases, rope) = (self.bases.read(), self.rope.as_ref());
         self.blocks.seal(block, |rows| {
-            Ok(LowRankStore::build(form, rows, bs, ch, hd, Some(bases))?)
+            let unrotated;
+            let rows = match rope {
+                Some(rope) => {
+                    let mut r = rows.to_vec();
+                    rope.undo_rows(&mut r, ch, first)?;
+                    unrotated = r;
+                    &unrotated[..]
+                }
+                None => rows,
+            };
+            let store = LowRankStore::build(form, rows, bs, ch, hd, Some(bases))?;
+            Ok(LowRankBlock { store, first })
         })
     }
 
@@ -264,19 +356,25 @@ impl StoredPart for LowRankPart {
     }
 
     fn snapshot(&self, block: usize) -> Result<PartBlock> {
-        self.blocks
-            .snapshot(block, |store| PartBlock::of_low_rank(store.clone()))
+        self.blocks.snapshot(block, |sealed| {
+            PartBlock::of_low_rank(sealed.store.clone()).at_position(sealed.first)
+        })
     }
 
     fn accepts(&self, data: &PartBlock) -> bool {
         match data.low_rank() {
             Some(lr) => {
+                let bs = self.block_size;
                 data.stores().is_empty()
                     && data.bytes().is_empty()
                     && data.shard().is_none()
+                    && data.sparse().is_none()
                     && *lr.form() == self.form
-                    && lr.tokens() == self.block_size
+                    && lr.tokens() == bs
                     && lr.channels() == self.channels
+                    && data
+                        .first_position()
+                        .is_some_and(|first| first.is_multiple_of(bs))
             }
             None => self.blocks.accepts_unsealed(data),
         }
@@ -295,13 +393,12 @@ impl StoredPart for LowRankPart {
         self.blocks.restore(block, data, |data| {
             // Projected on the bases as fitted; read through this part's
             // bases as they are now.
-            data.low_rank()
-                .map(|lr| {
-                    let mut lr = lr.clone();
-                    lr.replace_bases(bases)?;
-                    Ok(lr)
-                })
-                .transpose()
+            let (Some(lr), Some(first)) = (data.low_rank(), data.first_position()) else {
+                return Ok(None);
+            };
+            let mut store = lr.clone();
+            store.replace_bases(bases)?;
+            Ok(Some(LowRankBlock { store, first }))
         })
     }
 
@@ -318,7 +415,8 @@ impl StoredPart for LowRankPart {
         seed: u64,
         target: FaultTarget,
     ) -> Result<Injection> {
-        self.blocks.inject(block, channel, seed, target, |store| {
+        self.blocks.inject(block, channel, seed, target, |sealed| {
+            let store = &mut sealed.store;
             // One injection per head's coefficient store, their flip
             // positions laid end to end in bits (each head's buffers after
             // the previous head's bytes).
@@ -349,8 +447,11 @@ impl StoredPart for LowRankPart {
     }
 
     fn block_bytes(&self, block: usize) -> usize {
-        self.blocks
-            .block_bytes(block, LowRankStore::stored_bytes, self.sealed_bytes)
+        self.blocks.block_bytes(
+            block,
+            |sealed| sealed.store.stored_bytes(),
+            self.sealed_bytes,
+        )
     }
 
     fn sealed_block_bytes(&self) -> usize {

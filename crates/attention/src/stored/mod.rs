@@ -614,7 +614,12 @@ pub fn open_part(
     if let Quantizer::LowRank(_) = form.quantizer() {
         let bases = bases_of(form, fitted)?;
         return Ok(Box::new(LowRankPart::new(
-            form, block_size, channels, num_blocks, bases,
+            form,
+            block_size,
+            channels,
+            num_blocks,
+            bases,
+            fitted.rope.clone(),
         )?));
     }
     if let Quantizer::Shard(_) = form.quantizer() {
@@ -766,13 +771,6 @@ pub fn check_part_form(form: CacheForm, block_size: usize) -> Result<()> {
                 "is an online low-rank form: its bases are fitted per sequence, which paged \
                  blocks do not carry yet (use --backend reencode)",
             ),
-            _ if spec.pre_rope => refuse(
-                "projects keys before RoPE, which paged blocks do not undo yet (use the form \
-                 without -pre, or --backend reencode)",
-            ),
-            _ if !form.segments().is_empty() => {
-                refuse("keeps exact segments, which paged low-rank blocks do not hold yet")
-            }
             _ if block_size < 2 => refuse("needs blocks of at least 2 tokens"),
             _ => Ok(()),
         };
