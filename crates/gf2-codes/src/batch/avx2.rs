@@ -23,7 +23,7 @@ use super::golay24::{self, Tables as GolayTables};
 use super::hamming74::Tables as HammingTables;
 use super::nibble::NibbleTables;
 use super::secded84::Tables as SecdedTables;
-use super::{BLOCK_CHUNKS, ChunkKernel, drive_chunks, drive_chunks_packed};
+use super::{BLOCK_CHUNKS, ChunkKernel, drive_chunks};
 use crate::stats::DecodeStats;
 
 #[inline(always)]
@@ -277,26 +277,6 @@ pub(crate) unsafe fn secded_decode_avx2(
     drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
-/// [`secded_decode_avx2`] writing the `values` values two per byte into
-/// `packed` (each block of chunks packed from a buffer in L1).
-///
-/// # Safety
-/// As [`secded_decode_avx2`].
-#[target_feature(enable = "avx2,popcnt")]
-pub(crate) unsafe fn secded_decode_packed_avx2(
-    t: &SecdedTables,
-    encoded: &[u8],
-    packed: &mut [u8],
-    values: usize,
-    erasures: &mut [u64],
-) -> DecodeStats {
-    let kernel = Avx2Kernel {
-        received: SecdedBytes,
-        tables: CheckTables::new(t),
-    };
-    drive_chunks_packed(&kernel, encoded, packed, values, erasures)
-}
-
 /// `secded84x8` batch decode with AVX2: each 64-byte chunk (eight blocks)
 /// transposed in registers, then decoded as plain SECDED.
 ///
@@ -375,32 +355,6 @@ pub(crate) unsafe fn hamming_decode_avx2(
     truth: Option<&[u8]>,
     erasures: &mut [u64],
 ) -> DecodeStats {
-    let kernel = hamming_kernel(t);
-    drive_chunks(&kernel, encoded, values, truth, erasures)
-}
-
-/// [`hamming_decode_avx2`] writing the `values` values two per byte into
-/// `packed` (each block of chunks packed from a buffer in L1).
-///
-/// # Safety
-/// As [`hamming_decode_avx2`].
-#[target_feature(enable = "avx2,popcnt")]
-pub(crate) unsafe fn hamming_decode_packed_avx2(
-    t: &HammingTables,
-    encoded: &[u8],
-    packed: &mut [u8],
-    values: usize,
-    erasures: &mut [u64],
-) -> DecodeStats {
-    let kernel = hamming_kernel(t);
-    drive_chunks_packed(&kernel, encoded, packed, values, erasures)
-}
-
-/// The AVX2 kernel of Hamming(7,4): each chunk's 56 bytes spread to one
-/// codeword per byte, then decoded as SECDED's.
-#[inline]
-#[target_feature(enable = "avx2,popcnt")]
-fn hamming_kernel(t: &HammingTables) -> Avx2Kernel<HammingBits> {
     const Z: i8 = -128; // vpshufb writes zero for indices with the top bit set
     #[rustfmt::skip]
     let gather_a = _mm256_setr_epi8(
@@ -413,14 +367,15 @@ fn hamming_kernel(t: &HammingTables) -> Avx2Kernel<HammingBits> {
         Z, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, Z,
     );
     let shift = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
-    Avx2Kernel {
+    let kernel = Avx2Kernel {
         received: HammingBits {
             gather_a,
             gather_b,
             shift,
         },
         tables: CheckTables::new(t),
-    }
+    };
+    drive_chunks(&kernel, encoded, values, truth, erasures)
 }
 
 /// Golay(24,12) batch decode with AVX2, 64 codewords per block, eight per

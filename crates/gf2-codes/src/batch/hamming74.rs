@@ -10,7 +10,7 @@
 
 use std::sync::OnceLock;
 
-use super::nibble::{NibbleDecoders, outcome_of, run_decode, run_decode_packed};
+use super::nibble::{NibbleDecoders, outcome_of, run_decode};
 use super::{Backend, ChunkKernel, Int4Codec, check_nibbles, split_entries};
 use crate::code::LinearCode;
 use crate::error::{Result, check_len};
@@ -73,21 +73,6 @@ impl ChunkKernel for ScalarKernel<'_> {
 }
 
 impl Hamming74 {
-    fn decoders(self) -> NibbleDecoders<'static, ScalarKernel<'static>> {
-        let t = tables();
-        NibbleDecoders {
-            tables: t,
-            scalar: ScalarKernel(t),
-            #[cfg(target_arch = "x86_64")]
-            simd: [
-                super::avx2::hamming_decode_avx2,
-                super::avx512::hamming_decode_avx512,
-            ],
-            #[cfg(target_arch = "x86_64")]
-            simd_packed: super::avx2::hamming_decode_packed_avx2,
-        }
-    }
-
     fn run(
         self,
         backend: Backend,
@@ -96,7 +81,16 @@ impl Hamming74 {
         values: &mut [u8],
         erasures: &mut [u64],
     ) -> Result<DecodeStats> {
-        let decoders = self.decoders();
+        let t = tables();
+        let decoders = NibbleDecoders {
+            tables: t,
+            scalar: ScalarKernel(t),
+            #[cfg(target_arch = "x86_64")]
+            simd: [
+                super::avx2::hamming_decode_avx2,
+                super::avx512::hamming_decode_avx512,
+            ],
+        };
         run_decode(&self, decoders, backend, encoded, truth, values, erasures)
     }
 }
@@ -150,18 +144,6 @@ impl Int4Codec for Hamming74 {
         erasures: &mut [u64],
     ) -> Result<DecodeStats> {
         self.run(backend, encoded, Some(truth), values, erasures)
-    }
-
-    fn decode_packed_into_with(
-        &self,
-        backend: Backend,
-        encoded: &[u8],
-        values: usize,
-        packed: &mut [u8],
-        erasures: &mut [u64],
-    ) -> Result<DecodeStats> {
-        let decoders = self.decoders();
-        run_decode_packed(self, decoders, backend, encoded, values, packed, erasures)
     }
 
     fn scrub(&self, encoded: &mut [u8], values: usize) -> Result<DecodeStats> {

@@ -204,29 +204,6 @@ pub trait Int4Codec {
     /// left as they are).
     fn scrub(&self, encoded: &mut [u8], values: usize) -> Result<DecodeStats>;
 
-    /// [`decode_into_with`](Self::decode_into_with) for `values` values,
-    /// written two per byte into `packed` (`values.div_ceil(2)` bytes: value
-    /// `2i` in the low nibble of byte `i`, `2i + 1` in its high nibble, a
-    /// last odd value's high nibble zero), with the same statistics and
-    /// erasures. SECDED(8,4) and Hamming(7,4) pack in the decoder, each
-    /// block of chunks from a buffer in L1, so the values are written once
-    /// at half the bytes (what an INT4 kernel reads); the default decodes
-    /// into a buffer of its own and packs it.
-    fn decode_packed_into_with(
-        &self,
-        backend: Backend,
-        encoded: &[u8],
-        values: usize,
-        packed: &mut [u8],
-        erasures: &mut [u64],
-    ) -> Result<DecodeStats> {
-        check_len("packed", values.div_ceil(2), packed.len())?;
-        let mut unpacked = vec![0u8; values];
-        let stats = self.decode_into_with(backend, encoded, &mut unpacked, erasures)?;
-        pack_pairs(&unpacked, packed);
-        Ok(stats)
-    }
-
     /// Decodes with the fastest backend of this CPU.
     fn decode_into(
         &self,
@@ -420,19 +397,6 @@ pub(crate) fn check_decode_shapes(
     Ok(())
 }
 
-/// Values (each at most 15) two per byte: `packed[i] = values[2i] |
-/// values[2i + 1] << 4`, a last odd value alone in its low nibble.
-#[inline(always)]
-pub(crate) fn pack_pairs(values: &[u8], packed: &mut [u8]) {
-    let (pairs, last) = values.as_chunks::<2>();
-    for (p, &[lo, hi]) in packed.iter_mut().zip(pairs) {
-        *p = lo | hi << 4;
-    }
-    if let [v] = last {
-        packed[pairs.len()] = *v;
-    }
-}
-
 /// Bit `i` set where `a[i] != b[i]` (slices of at most 64).
 #[inline]
 pub(crate) fn mismatch_mask(a: &[u8], b: &[u8]) -> u64 {
@@ -517,39 +481,22 @@ pub(crate) fn drive_chunks<K: ChunkKernel>(
     truth: Option<&[u8]>,
     erasures: &mut [u64],
 ) -> DecodeStats {
-    let n = values.len();
     match truth {
-        None => drive_chunks_with::<K, false>(kernel, encoded, values, n, None, erasures),
-        Some(t) => drive_chunks_with::<K, false>(kernel, encoded, values, n, Some(t), erasures),
+        None => drive_chunks_with(kernel, encoded, values, None, erasures),
+        Some(t) => drive_chunks_with(kernel, encoded, values, Some(t), erasures),
     }
 }
 
-/// [`drive_chunks`] for `n` values written two per byte into `packed`
-/// ([`Int4Codec::decode_packed_into_with`]): each block of chunks is
-/// decoded into a buffer on the stack (in L1) and packed from there.
+/// The body of [`drive_chunks`].
 #[inline(always)]
-pub(crate) fn drive_chunks_packed<K: ChunkKernel>(
-    kernel: &K,
-    encoded: &[u8],
-    packed: &mut [u8],
-    n: usize,
-    erasures: &mut [u64],
-) -> DecodeStats {
-    drive_chunks_with::<K, true>(kernel, encoded, packed, n, None, erasures)
-}
-
-/// The body of [`drive_chunks`] and, with `PACKED`, of
-/// [`drive_chunks_packed`] (`values` then holds `n` values two per byte).
-#[inline(always)]
-fn drive_chunks_with<K: ChunkKernel, const PACKED: bool>(
+fn drive_chunks_with<K: ChunkKernel>(
     kernel: &K,
     encoded: &[u8],
     values: &mut [u8],
-    n: usize,
     truth: Option<&[u8]>,
     erasures: &mut [u64],
 ) -> DecodeStats {
-    debug_assert!(!PACKED || truth.is_none());
+    let n = values.len();
     let mut stats = DecodeStats::default();
     // Chunks with 64 values whose kernel read stays inside `encoded`.
     let readable = (encoded.len() + K::CHUNK_BYTES).saturating_sub(CHUNK_READ) / K::CHUNK_BYTES;
@@ -559,11 +506,8 @@ fn drive_chunks_with<K: ChunkKernel, const PACKED: bool>(
         0
     };
     let (mut detected, mut corrected) = (0u64, 0u64);
-    let stored = if PACKED { n.div_ceil(2) } else { n };
-    assert!(fast <= erasures.len() && 64 * fast <= n && values.len() == stored);
+    assert!(fast <= erasures.len() && 64 * fast <= n);
     let (src, dst) = (encoded.as_ptr(), values.as_mut_ptr());
-    // Packed: each block's values go through this buffer.
-    let mut buffer = [0u8; 64 * BLOCK_CHUNKS];
     let blocked = fast - fast % BLOCK_CHUNKS;
     for (b, block) in erasures[..blocked]
         .chunks_exact_mut(BLOCK_CHUNKS)
@@ -572,20 +516,10 @@ fn drive_chunks_with<K: ChunkKernel, const PACKED: bool>(
         let c = b * BLOCK_CHUNKS;
         let mut masks = [(0u64, 0u64); BLOCK_CHUNKS];
         // SAFETY: chunks c..c + BLOCK_CHUNKS are all below `fast`, so each has
-        // 64 values and its kernel read ends inside `encoded` (as below); the
-        // values go to `buffer` (64 · BLOCK_CHUNKS bytes) or to `values`,
-        // which holds them (n ≥ 64 · fast, asserted).
+        // 64 values and its kernel read ends inside `encoded` (as below).
         let clean = unsafe {
-            let out = if PACKED {
-                buffer.as_mut_ptr()
-            } else {
-                dst.add(64 * c)
-            };
-            kernel.decode_block_raw(src.add(c * K::CHUNK_BYTES), out, &mut masks)
+            kernel.decode_block_raw(src.add(c * K::CHUNK_BYTES), dst.add(64 * c), &mut masks)
         };
-        if PACKED {
-            pack_pairs(&buffer, &mut values[32 * c..][..32 * BLOCK_CHUNKS]);
-        }
         if clean {
             block.fill(0);
         } else {
@@ -598,19 +532,9 @@ fn drive_chunks_with<K: ChunkKernel, const PACKED: bool>(
     }
     for (c, erasure) in erasures[..fast].iter_mut().enumerate().skip(blocked) {
         // SAFETY: for c < fast, chunk c has 64 values (64·fast <= n, asserted)
-        // and its kernel read ends inside `encoded` (definition of `readable`);
-        // its values go to `buffer` or to `values`, as above.
-        let (det, corr) = unsafe {
-            let out = if PACKED {
-                buffer.as_mut_ptr()
-            } else {
-                dst.add(64 * c)
-            };
-            kernel.decode_chunk_raw(src.add(c * K::CHUNK_BYTES), out)
-        };
-        if PACKED {
-            pack_pairs(&buffer[..64], &mut values[32 * c..][..32]);
-        }
+        // and its kernel read ends inside `encoded` (definition of `readable`).
+        let (det, corr) =
+            unsafe { kernel.decode_chunk_raw(src.add(c * K::CHUNK_BYTES), dst.add(64 * c)) };
         *erasure = det;
         detected += u64::from(det.count_ones());
         corrected += u64::from(corr.count_ones());
@@ -620,17 +544,15 @@ fn drive_chunks_with<K: ChunkKernel, const PACKED: bool>(
     stats.corrected = corrected;
     stats.clean = stats.words - detected - corrected;
     for c in fast..n.div_ceil(64) {
-        let len = (n - 64 * c).min(64);
-        let encoded = &encoded[c * K::CHUNK_BYTES..];
-        if PACKED {
-            let out = &mut buffer[..len];
-            stats += account_chunk(kernel, encoded, out, None, &mut erasures[c]);
-            pack_pairs(out, &mut values[32 * c..][..len.div_ceil(2)]);
-            continue;
-        }
-        let out = &mut values[64 * c..][..len];
-        let t = truth.map(|t| &t[64 * c..64 * c + len]);
-        stats += account_chunk(kernel, encoded, out, t, &mut erasures[c]);
+        let out = &mut values[64 * c..(64 * c + 64).min(n)];
+        let t = truth.map(|t| &t[64 * c..64 * c + out.len()]);
+        stats += account_chunk(
+            kernel,
+            &encoded[c * K::CHUNK_BYTES..],
+            out,
+            t,
+            &mut erasures[c],
+        );
     }
     stats
 }

@@ -3,22 +3,16 @@
 
 use super::{
     Backend, ChunkKernel, Int4Codec, affine_matrix, check_decode_shapes, drive_chunks,
-    drive_chunks_packed, syndrome_rows,
+    syndrome_rows,
 };
 use crate::code::LinearCode;
-use crate::error::{Result, check_len};
+use crate::error::Result;
 use crate::stats::{DecodeOutcome, DecodeStats};
 
 /// A SIMD decoder of a nibble code: `(tables, encoded, values, truth, erasures)`.
 #[cfg(target_arch = "x86_64")]
 pub(crate) type SimdDecode =
     unsafe fn(&NibbleTables, &[u8], &mut [u8], Option<&[u8]>, &mut [u64]) -> DecodeStats;
-
-/// A SIMD decoder of a nibble code writing its values two per byte:
-/// `(tables, encoded, packed, values, erasures)`.
-#[cfg(target_arch = "x86_64")]
-pub(crate) type SimdDecodePacked =
-    unsafe fn(&NibbleTables, &[u8], &mut [u8], usize, &mut [u64]) -> DecodeStats;
 
 /// The implementations of one nibble code, one per backend.
 pub(crate) struct NibbleDecoders<'a, K> {
@@ -29,10 +23,6 @@ pub(crate) struct NibbleDecoders<'a, K> {
     /// AVX2 and AVX-512 decoders.
     #[cfg(target_arch = "x86_64")]
     pub(crate) simd: [SimdDecode; 2],
-    /// The AVX2 decoder writing its values two per byte (the AVX-512
-    /// backend takes it too: every AVX-512 CPU has AVX2).
-    #[cfg(target_arch = "x86_64")]
-    pub(crate) simd_packed: SimdDecodePacked,
 }
 
 /// Checks shapes and the backend, then runs the chosen decoder.
@@ -60,35 +50,6 @@ pub(crate) fn run_decode<K: ChunkKernel>(
             let simd = decoders.simd[usize::from(backend == Backend::Avx512)];
             // SAFETY: `ensure_supported` checked this CPU's features for the backend.
             unsafe { simd(decoders.tables, encoded, values, truth, erasures) }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        Backend::Avx2 | Backend::Avx512 => {
-            unreachable!("ensure_supported rejects x86 backends elsewhere")
-        }
-    })
-}
-
-/// [`run_decode`] for `values` values written two per byte into `packed`
-/// ([`Int4Codec::decode_packed_into_with`]).
-pub(crate) fn run_decode_packed<K: ChunkKernel>(
-    codec: &dyn Int4Codec,
-    decoders: NibbleDecoders<'_, K>,
-    backend: Backend,
-    encoded: &[u8],
-    values: usize,
-    packed: &mut [u8],
-    erasures: &mut [u64],
-) -> Result<DecodeStats> {
-    check_decode_shapes(codec, encoded.len(), values, erasures.len(), None)?;
-    check_len("packed", values.div_ceil(2), packed.len())?;
-    backend.ensure_supported()?;
-    Ok(match backend {
-        Backend::Scalar => drive_chunks_packed(&decoders.scalar, encoded, packed, values, erasures),
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 | Backend::Avx512 => {
-            // SAFETY: `ensure_supported` checked this CPU's features for the
-            // backend, and both have AVX2 and POPCNT.
-            unsafe { (decoders.simd_packed)(decoders.tables, encoded, packed, values, erasures) }
         }
         #[cfg(not(target_arch = "x86_64"))]
         Backend::Avx2 | Backend::Avx512 => {

@@ -137,9 +137,7 @@ impl Section {
     /// unprotected float forms, which [`values_from_codes`](Self::values_from_codes) counts.
     /// With `keep_nibbles`, unprotected 4-bit codes in rows without padding
     /// ([`nibbles_in_place`](Self::nibbles_in_place)) are left packed in the
-    /// section's data and `scratch.levels` is not written, and 4-bit levels
-    /// under SECDED or Hamming ([`decodes_to_nibbles`](Self::decodes_to_nibbles))
-    /// are written into `scratch.levels` two per byte.
+    /// section's data and `scratch.levels` is not written.
     pub(crate) fn decode_codes(
         &self,
         start: usize,
@@ -159,8 +157,7 @@ impl Section {
             stats.values = if keep_nibbles && self.nibbles_in_place() {
                 all_clean((count * self.channels) as u64)
             } else {
-                let packed = keep_nibbles && self.decodes_to_nibbles();
-                crate::simd::with_avx2(|| self.load_codes(start, end, scratch, packed))?
+                crate::simd::with_avx2(|| self.load_codes(start, end, scratch))?
             };
         }
         scratch.meta_erasures_rows = 0;
@@ -439,39 +436,12 @@ impl Section {
         }
     }
 
-    /// Whether the rows are 4-bit levels under SECDED(8,4) or Hamming(7,4)
-    /// in whole 64-value chunks, one codeword stream per tile, whose
-    /// decoders write the levels two per byte
-    /// ([`LevelPacking::Nibbles`](super::LevelPacking), what `int4`'s
-    /// kernels read: half the bytes of one level per byte) from registers
-    /// and L1, without a pass of their own.
-    pub(crate) fn decodes_to_nibbles(&self) -> bool {
-        let packs = self.coding.form.protection().is_some_and(|p| {
-            matches!(
-                p.code,
-                gf2_codes::Int4Code::Secded84 | gf2_codes::Int4Code::Hamming74
-            )
-        });
-        packs
-            && self.coding.nibbles_are_levels()
-            && self.coding.kind.level_map().is_some()
-            && self.channels.is_multiple_of(64)
-            && self.coding.nibbles(self.channels) == self.channels
-            && self
-                .coding
-                .codec()
-                .is_some_and(|c| c.encoded_len(self.channels) == self.row_bytes)
-    }
-
-    /// Decodes (coded) or unpacks (plain) the codes of rows `start..end`;
-    /// with `packed` (only where [`decodes_to_nibbles`](Self::decodes_to_nibbles)),
-    /// decoded levels go two per byte.
+    /// Decodes (coded) or unpacks (plain) the codes of rows `start..end`.
     fn load_codes(
         &self,
         start: usize,
         end: usize,
         scratch: &mut DecodeScratch,
-        packed: bool,
     ) -> Result<DecodeStats> {
         let (ch, rb) = (self.channels, self.row_bytes);
         let count = end - start;
@@ -502,18 +472,8 @@ impl Section {
             codec.concatenates(padded) && codec.encoded_len(padded * count) == rb * count;
         if one_stream && self.coding.nibbles_are_levels() && padded == ch && ch % 64 == 0 {
             // Same layout as the tile: decode straight into it.
-            let erasures = &mut scratch.erasures[..count * ew];
-            if packed {
-                let levels = grow(&mut scratch.levels, count * ch / 2);
-                return Ok(codec.decode_packed_into_with(
-                    backend,
-                    rows,
-                    count * ch,
-                    levels,
-                    erasures,
-                )?);
-            }
             let levels = grow(&mut scratch.levels, count * ch);
+            let erasures = &mut scratch.erasures[..count * ew];
             return Ok(codec.decode_into_with(backend, rows, levels, erasures)?);
         }
         let stride = if one_stream { padded } else { n };

@@ -309,8 +309,7 @@ impl KvStore {
         };
         let section = &self.middle;
         let in_place = keep_nibbles && section.nibbles_in_place();
-        let packed = keep_nibbles && section.decodes_to_nibbles();
-        let mut stats = section.decode_codes(local.start, local.end, scratch, keep_nibbles)?;
+        let mut stats = section.decode_codes(local.start, local.end, scratch, in_place)?;
         section.ledger_truth(local.start, local.end, &mut stats, scratch)?;
         let rb = section.row_bytes;
         let stored = &section.data[local.start * rb..local.end * rb];
@@ -318,12 +317,6 @@ impl KvStore {
         // need `scratch.levels`, which they leave unwritten).
         debug_assert!(!in_place || stats.erased_values == 0);
         if stats.erased_values > 0 {
-            if packed {
-                // The levels one per byte, for the dequantisation below.
-                let bytes = grow(&mut scratch.nibbles, n);
-                crate::simd::unpack_nibbles(&scratch.levels[..n / 2], bytes);
-                std::mem::swap(&mut scratch.levels, &mut scratch.nibbles);
-            }
             let mut values = std::mem::take(&mut scratch.values);
             let out = grow(&mut values, n);
             let params = (scratch.scale.as_slice(), scratch.offset.as_slice());
@@ -340,14 +333,12 @@ impl KvStore {
             .len();
         let (levels, packing): (&[u8], _) = if in_place {
             (stored, LevelPacking::Nibbles)
-        } else if packed {
-            (&scratch.levels[..n / 2], LevelPacking::Nibbles)
         } else if section.coding.code_bits == 8 && section.coding.codec().is_none() {
             (stored, LevelPacking::Bytes)
         } else {
             (&scratch.levels[..n], LevelPacking::Bytes)
         };
-        debug_assert_eq!(levels.len(), if in_place || packed { n / 2 } else { n });
+        debug_assert_eq!(levels.len(), if in_place { n / 2 } else { n });
         debug_assert!(scratch.erasures.len() >= count * erasure_words(self.channels));
         let rows = LevelRows {
             section,
