@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::Arc;
 
-use attention::stored::{Fitted, PartScratch, StoredPart, check_part_form, open_part};
+use attention::stored::{Fitted, PartBlock, PartScratch, StoredPart, check_part_form, open_part};
 use attention::{Rope, RopeLayout, TileRows};
 use gf2_codes::channel::ExactFlips;
 use kv_lowrank::{HeadBases, LowRankStore};
@@ -190,6 +190,15 @@ fn keys_projected_before_rope_turn_back_from_and_to_their_positions() {
     }
     want.extend_from_slice(&staged[3 * BS * CH..]);
     assert_eq!(read_all(part.as_ref(), &pages, tokens), want);
+    // Tiles starting inside blocks rotate each row to its own position.
+    let mut scratch = PartScratch::default();
+    for (start, count) in [(3, 9), (BS + 5, BS), (2 * BS + 5, tokens - 2 * BS - 5)] {
+        let tile = part.read_tile(&pages, start, count, &mut scratch).unwrap();
+        let TileRows::F32(got) = tile.rows else {
+            panic!("reconstructed rows are f32")
+        };
+        assert_eq!(got, &want[start * CH..][..count * CH], "{start}+{count}");
+    }
     // Keys before RoPE read at the wrong position would miss: the rows are
     // not merely the projection of the rotated keys.
     let store = LowRankStore::build(
@@ -221,23 +230,31 @@ fn keys_projected_before_rope_turn_back_from_and_to_their_positions() {
     part.read_rows(2, 0, &mut block, &mut DecodeScratch::new())
         .unwrap();
     assert_eq!(block, want[BS * CH..2 * BS * CH]);
+    // Sealed blocks of keys coded before RoPE carry their position:
+    // without one, or at a position inside a block, they are refused.
+    let unplaced = PartBlock::of_low_rank(snap.low_rank().unwrap().clone());
+    assert!(!part.accepts(&unplaced));
+    assert!(!part.accepts(&unplaced.at_position(BS + 1)));
     // A rollback into a sealed block stages it again from its rows at
-    // their positions (f16): row 0 rewritten, the others as they read.
+    // their positions (f16): its first row rewritten, the others as they
+    // read.
     let mut encoder = part.row_encoder().unwrap();
     let mut buf = kv_quant::RowBuffers::new(encoder.buffer_sizes(1));
+    let row = 2 * BS;
     encoder
-        .encode_into(&x[..CH], buf.as_mut(), QuantizeOptions::default())
+        .encode_into(
+            &x[row * CH..][..CH],
+            buf.as_mut(),
+            QuantizeOptions::default(),
+        )
         .unwrap();
-    part.put_row(pages[0] as usize, 0, &buf).unwrap();
-    assert!(part.is_staged(pages[0] as usize));
+    part.put_row(pages[2] as usize, 0, &buf).unwrap();
+    assert!(part.is_staged(pages[2] as usize));
     let mut restaged = vec![0.0; BS * CH];
-    part.read_rows(
-        pages[0] as usize,
-        0,
-        &mut restaged,
-        &mut DecodeScratch::new(),
-    )
-    .unwrap();
-    assert_eq!(restaged[..CH], staged[..CH]);
-    assert_eq!(restaged[CH..], common::f16_rows(&want[CH..BS * CH], CH)[..]);
+    let mut scratch = DecodeScratch::new();
+    part.read_rows(pages[2] as usize, 0, &mut restaged, &mut scratch)
+        .unwrap();
+    assert_eq!(restaged[..CH], staged[row * CH..][..CH]);
+    let rest = &want[(row + 1) * CH..(row + BS) * CH];
+    assert_eq!(restaged[CH..], common::f16_rows(rest, CH)[..]);
 }

@@ -339,7 +339,8 @@ pub fn fitted_tables(model: &dyn CausalLm, mode: &CacheMode) -> Result<Vec<[Fitt
         }
         _ => None,
     };
-    // The model's RoPE for key forms coded before it (`+pre`, `cq-d2-pre`).
+    // The model's RoPE for key forms coded before it (`+pre`, `cq-d2-pre`,
+    // `pca-*-pre`).
     let pre_rope = |form: &kv_quant::CacheForm, part| match part {
         Part::Key if form.codes_before_rope() => model.rope().cloned(),
         _ => None,

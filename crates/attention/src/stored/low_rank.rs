@@ -356,8 +356,14 @@ impl StoredPart for LowRankPart {
     }
 
     fn snapshot(&self, block: usize) -> Result<PartBlock> {
+        // Keys coded before RoPE carry their block's position.
+        let positioned = self.rope.is_some();
         self.blocks.snapshot(block, |sealed| {
-            PartBlock::of_low_rank(sealed.store.clone()).at_position(sealed.first)
+            let data = PartBlock::of_low_rank(sealed.store.clone());
+            match positioned {
+                true => data.at_position(sealed.first),
+                false => data,
+            }
         })
     }
 
@@ -372,9 +378,11 @@ impl StoredPart for LowRankPart {
                     && *lr.form() == self.form
                     && lr.tokens() == bs
                     && lr.channels() == self.channels
-                    && data
-                        .first_position()
-                        .is_some_and(|first| first.is_multiple_of(bs))
+                    && match (self.rope.is_some(), data.first_position()) {
+                        (true, Some(first)) => first.is_multiple_of(bs),
+                        (false, None) => true,
+                        _ => false,
+                    }
             }
             None => self.blocks.accepts_unsealed(data),
         }
@@ -393,9 +401,11 @@ impl StoredPart for LowRankPart {
         self.blocks.restore(block, data, |data| {
             // Projected on the bases as fitted; read through this part's
             // bases as they are now.
-            let (Some(lr), Some(first)) = (data.low_rank(), data.first_position()) else {
+            let Some(lr) = data.low_rank() else {
                 return Ok(None);
             };
+            // Blocks coded after RoPE read the same at any position.
+            let first = data.first_position().unwrap_or(0);
             let mut store = lr.clone();
             store.replace_bases(bases)?;
             Ok(Some(LowRankBlock { store, first }))

@@ -596,7 +596,8 @@ pub struct Fitted {
     /// What a part fitting its tables on each sequence (`shard-k3`) needs
     /// to know of the model.
     pub sequence: Option<SequenceFit>,
-    /// The model's RoPE, for a key part coded before it (`+pre`).
+    /// The model's RoPE, for a key part coded before it (`+pre`,
+    /// `cq-d2-pre`, `pca-*-pre`).
     pub rope: Option<crate::Rope>,
 }
 
