@@ -51,7 +51,7 @@ const BLOCKS: usize = 24;
 const HOST: usize = 12;
 /// Channels per head of the low-rank and Shard forms' tables.
 const HEAD_DIM: usize = 4;
-const LAYER0_FORMS: [&str; 14] = [
+const LAYER0_FORMS: [&str; 15] = [
     "fp16",
     // Per-channel groups of 2 and 4 blocks, kept as channel slices.
     "int4-ch8+sink2",
@@ -65,6 +65,9 @@ const LAYER0_FORMS: [&str; 14] = [
     "int8-ch+win3",
     "int4-ch+secded84",
     "pca-r2",
+    // Projected before RoPE: each sealed block rotated back from its
+    // position, and to it when read.
+    "pca-r2-pre",
     "shard-k3-cal+sink2+win3",
     // Dense-and-sparse: outliers split off each sealed block.
     "int2-ch+sink2+out10+secded84",
@@ -172,11 +175,12 @@ fn fitted(form: CacheForm) -> [Fitted; 2] {
                 .collect();
             Fitted {
                 bases: Some(Arc::new(HeadBases { heads })),
+                rope: form.codes_before_rope().then(harness_rope),
                 ..Fitted::default()
             }
         }),
         Quantizer::Shard(_) => {
-            let rope = Rope::new(RopeLayout::Adjacent, HEAD_DIM, HEAD_DIM, 10_000.0).unwrap();
+            let rope = harness_rope();
             let mut keys = rows(0);
             for (t, row) in keys.chunks_exact_mut(CH).enumerate() {
                 rope.undo(row, t % 16).unwrap();
@@ -212,6 +216,11 @@ fn fitted(form: CacheForm) -> [Fitted; 2] {
         }
         _ => Default::default(),
     }
+}
+
+/// The RoPE of the harness's heads (Shard's keys, `-pre` forms).
+fn harness_rope() -> Rope {
+    Rope::new(RopeLayout::Adjacent, HEAD_DIM, HEAD_DIM, 10_000.0).unwrap()
 }
 
 /// Expected decoded rows of one position: `[layer][K, V]`.

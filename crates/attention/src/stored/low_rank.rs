@@ -159,15 +159,35 @@ impl LowRankPart {
         out: &mut [f32],
         low_rank: &mut kv_lowrank::StoreScratch,
     ) -> Result<KvDecodeStats> {
-        let stats =
-            sealed
-                .store
-                .decode_rows_into(offset, out.len() / self.channels, out, low_rank)?;
-        if let Some(rope) = &self.rope {
-            rope.apply_rows(out, self.channels, sealed.first + offset)?;
-        }
-        Ok(stats)
+        reconstruct(
+            sealed,
+            self.rope.as_ref(),
+            self.channels,
+            offset,
+            out,
+            low_rank,
+        )
     }
+}
+
+/// Rows `offset..offset + out.len() / channels` of a sealed block
+/// reconstructed from its coefficients, rotated to their positions by
+/// `rope` for keys projected before RoPE.
+fn reconstruct(
+    sealed: &LowRankBlock,
+    rope: Option<&Rope>,
+    channels: usize,
+    offset: usize,
+    out: &mut [f32],
+    scratch: &mut kv_lowrank::StoreScratch,
+) -> Result<KvDecodeStats> {
+    let stats = sealed
+        .store
+        .decode_rows_into(offset, out.len() / channels, out, scratch)?;
+    if let Some(rope) = rope {
+        rope.apply_rows(out, channels, sealed.first + offset)?;
+    }
+    Ok(stats)
 }
 
 /// The RoPE a part of `form` keeps: `rope` for keys projected before it
@@ -278,13 +298,7 @@ impl StoredPart for LowRankPart {
         } = self;
         blocks.put_row(block, offset, row, |sealed, rows| {
             let mut scratch = kv_lowrank::StoreScratch::default();
-            sealed
-                .store
-                .decode_rows_into(0, rows.len() / *channels, rows, &mut scratch)?;
-            if let Some(rope) = rope {
-                rope.apply_rows(rows, *channels, sealed.first)?;
-            }
-            Ok(())
+            reconstruct(sealed, rope.as_ref(), *channels, 0, rows, &mut scratch).map(|_| ())
         })
     }
 
