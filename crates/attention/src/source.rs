@@ -336,6 +336,43 @@ fn store_rows(store: &KvStore, start: usize, count: usize) -> Option<Range<usize
     Some(addresses(store.data().get(rows)?))
 }
 
+/// The addresses of the scale and offset words (and their check words,
+/// where the metadata is protected) of the groups holding rows
+/// `start..start + count`, one range per buffer, given to `each`.
+/// Per-channel groups of a few tokens keep a word pair per channel for
+/// every few rows (in `int4-ch16`, a third of the stored bytes), which a
+/// tile reads as surely as its levels.
+fn store_group_words(
+    store: &KvStore,
+    start: usize,
+    count: usize,
+    each: &mut dyn FnMut(Range<usize>),
+) {
+    let middle = store.segment_rows().middle;
+    let (first, end) = (start.max(middle.start), (start + count).min(middle.end));
+    let Some(layout) = store.layout().filter(|l| first < end && l.groups() > 0) else {
+        return;
+    };
+    let groups = layout.groups_of_rows(first - middle.start, end - middle.start);
+    let total = layout.groups();
+    // Check words: one per scale, then one per offset.
+    let offsets = usize::from(!store.offsets().is_empty());
+    let buffers = [
+        (store.scales(), 1),
+        (store.offsets(), 1),
+        (store.meta_checks(), 1 + offsets),
+    ];
+    for (words, parts) in buffers {
+        let per_group = words.len() / (total * parts);
+        for base in (0..parts).map(|p| p * total) {
+            let bytes = (base + groups.start) * per_group..(base + groups.end) * per_group;
+            if let Some(bytes) = words.get(bytes).filter(|b| !b.is_empty()) {
+                each(addresses(bytes));
+            }
+        }
+    }
+}
+
 /// Scratch of the stored-form sources: kv-quant's decode buffers (decoded
 /// tiles live there too).
 #[derive(Clone, Debug, Default)]
@@ -543,6 +580,13 @@ impl KvSource for KvStore {
         store_rows(self, start, count)
     }
 
+    fn row_address_ranges(&self, start: usize, count: usize, each: &mut dyn FnMut(Range<usize>)) {
+        if let Some(range) = store_rows(self, start, count) {
+            each(range);
+        }
+        store_group_words(self, start, count, each);
+    }
+
     fn rotation(&self) -> Option<&'static Hadamard> {
         KvStore::rotation(self).ok().flatten()
     }
@@ -573,5 +617,52 @@ mod tests {
             KvSource::row_addresses(&plain, 3, 2),
             Some(p + 3 * plain.row_bytes()..p + 5 * plain.row_bytes())
         );
+    }
+
+    /// The ranges to prefetch of a per-channel store in groups of 8 tokens
+    /// are its level rows, then the scale and offset words of the groups
+    /// holding them (16 channels each), and their check words where the
+    /// metadata is protected: one per scale, then one per offset.
+    #[test]
+    fn row_address_ranges_add_the_group_words() {
+        let (tokens, ch) = (32, 16);
+        let rows: Vec<f32> = (0..tokens * ch).map(|i| (i % 13) as f32 * 0.1).collect();
+        let ranges = |store: &KvStore, start, count| {
+            let mut got = Vec::new();
+            KvSource::row_address_ranges(store, start, count, &mut |r| got.push(r));
+            got
+        };
+        let span = |bytes: &[u8], r: Range<usize>| {
+            let p = bytes.as_ptr() as usize;
+            p + r.start..p + r.end
+        };
+        let store = KvStore::quantize("int4-ch8".parse().unwrap(), &rows, tokens, ch).unwrap();
+        let rb = store.row_bytes();
+        // Rows 9..14 lie in the second group of 8 tokens: channels 16..32.
+        assert_eq!(
+            ranges(&store, 9, 5),
+            [
+                span(store.data(), 9 * rb..14 * rb),
+                span(store.scales(), 32..64),
+                span(store.offsets(), 32..64),
+            ]
+        );
+        // Rows 6..17 touch three groups.
+        assert_eq!(ranges(&store, 6, 11)[1], span(store.scales(), 0..96));
+        let protected = "int4-ch8+secded84".parse().unwrap();
+        let store = KvStore::quantize(protected, &rows, tokens, ch).unwrap();
+        let got = ranges(&store, 9, 5);
+        let checks = store.meta_checks();
+        let cb = checks.len() / (2 * 64);
+        assert_eq!(got.len(), 5, "{got:?}");
+        assert_eq!(got[3], span(checks, 16 * cb..32 * cb), "the scales' checks");
+        assert_eq!(
+            got[4],
+            span(checks, 80 * cb..96 * cb),
+            "the offsets' checks"
+        );
+        // FP16 rows have no groups.
+        let halves = KvStore::quantize("fp16".parse().unwrap(), &rows, tokens, ch).unwrap();
+        assert_eq!(ranges(&halves, 0, 4).len(), 1);
     }
 }

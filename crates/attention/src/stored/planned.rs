@@ -425,10 +425,8 @@ impl StoredPart for PlannedPart {
         let mut t = start;
         while t < start + count {
             let n = (bs - t % bs).min(start + count - t);
-            if self.exact_at(pages, t).is_none()
-                && let Some(range) = self.sealed.row_addresses(self.row(pages, t), n)
-            {
-                each(range);
+            if self.exact_at(pages, t).is_none() {
+                self.sealed.row_address_ranges(self.row(pages, t), n, each);
             }
             t += n;
         }
